@@ -1,0 +1,7 @@
+"""flaxgpt: GPT-style transformers in JAX/Flax."""
+
+from flaxgpt.cache import KVCache
+from flaxgpt.gpt import GPT, GPTConfig, count_params, init_params
+from flaxgpt.tokenizers import CharTokenizer, get_tokenizer
+
+__all__ = ["GPT", "GPTConfig", "KVCache", "CharTokenizer", "count_params", "get_tokenizer", "init_params"]
