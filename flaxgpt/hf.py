@@ -1,0 +1,423 @@
+"""GPT-2 weights from and to Hugging Face: an explicit key table, a shape check per tensor.
+
+    config, params = load_pretrained("gpt2")            # hub or its cache (needs huggingface_hub)
+    config, params = load_pretrained("path/to/dir")     # config.json + model.safetensors
+    export_pretrained(config, params, "out/hf")         # then GPT2LMHeadModel.from_pretrained("out/hf")
+
+    python -m flaxgpt.hf export --out_dir out/run --to out/hf     # a training run -> HF directory
+    python -m flaxgpt.hf info gpt2                                 # the GPTConfig a checkpoint maps to
+
+GPT-2 stores its Linear layers as Conv1D, whose weight is [in, out]: the same layout as
+a flax Dense kernel, so blocks copy without transposes. Only an untied lm_head
+(torch Linear, [out, in]) is transposed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from flaxgpt.gpt import GPTConfig, abstract_params, unstack_layers
+
+CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+
+# flaxgpt activation <-> transformers ACT2FN name
+ACT_TO_HF = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
+HF_TO_ACT = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact", "relu": "relu"}
+
+# GPTConfig fields a GPT-2 checkpoint fixes; the others (dropout, dtype, remat, ...) are free
+ARCH_FIELDS = (
+    "vocab_size",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "pos_embedding",
+    "activation",
+    "tie_embeddings",
+    "bias",
+    "qkv_bias",
+    "layer_norm_epsilon",
+)
+
+# HF name inside block i (after "h.{i}.") -> flaxgpt path inside h_{i}; Conv1D weight == Dense kernel
+BLOCK_KEYS = {
+    "ln_1.weight": ("ln_1", "scale"),
+    "ln_1.bias": ("ln_1", "bias"),
+    "attn.c_attn.weight": ("attn", "c_attn", "kernel"),  # [D, 3D], columns q | k | v, heads inside each
+    "attn.c_attn.bias": ("attn", "c_attn", "bias"),
+    "attn.c_proj.weight": ("attn", "c_proj", "kernel"),  # [D, D]
+    "attn.c_proj.bias": ("attn", "c_proj", "bias"),
+    "ln_2.weight": ("ln_2", "scale"),
+    "ln_2.bias": ("ln_2", "bias"),
+    "mlp.c_fc.weight": ("mlp", "c_fc", "kernel"),  # [D, 4D]
+    "mlp.c_fc.bias": ("mlp", "c_fc", "bias"),
+    "mlp.c_proj.weight": ("mlp", "c_proj", "kernel"),  # [4D, D]
+    "mlp.c_proj.bias": ("mlp", "c_proj", "bias"),
+}
+TOP_KEYS = {
+    "wte.weight": ("wte", "embedding"),  # [V, D]; flaxgpt may pad rows to padded_vocab_size
+    "wpe.weight": ("wpe", "embedding"),  # [n_positions, D]; flaxgpt keeps the first block_size rows
+    "ln_f.weight": ("ln_f", "scale"),
+    "ln_f.bias": ("ln_f", "bias"),
+}
+# causal-mask buffers some GPT-2 files carry: not parameters
+BUFFER_RE = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+
+
+# ---------------------------------------------------------------- configs
+
+
+def config_from_hf(hf: dict, **fields) -> GPTConfig:
+    """A GPT-2 config.json (as a dict) -> GPTConfig; `fields` set the non-architecture fields."""
+    if hf.get("model_type") != "gpt2":
+        raise ValueError(f"not a GPT-2 config: model_type is {hf.get('model_type')!r}, expected 'gpt2'")
+    act = hf.get("activation_function", "gelu_new")
+    D = hf.get("n_embd", 768)
+    unsupported = {
+        "activation_function": act if act not in HF_TO_ACT else None,
+        "n_inner": hf.get("n_inner") if hf.get("n_inner") not in (None, 4 * D) else None,
+        "scale_attn_weights": False if hf.get("scale_attn_weights", True) is False else None,
+        "scale_attn_by_inverse_layer_idx": True if hf.get("scale_attn_by_inverse_layer_idx") else None,
+        "add_cross_attention": True if hf.get("add_cross_attention") else None,
+    }
+    for key, value in unsupported.items():
+        if value is not None:
+            raise ValueError(f"GPT-2 config with {key}={value!r} is not supported by flaxgpt's GPT")
+    for key in fields:
+        if key in ARCH_FIELDS:
+            raise ValueError(f"{key} is fixed by the pretrained checkpoint and cannot be overridden")
+    n_positions = hf.get("n_positions", 1024)
+    block_size = fields.pop("block_size", None) or n_positions
+    if block_size > n_positions:
+        raise ValueError(f"block_size {block_size} is longer than the checkpoint's n_positions {n_positions}")
+    drop = {"embd_dropout": "embd_pdrop", "attn_dropout": "attn_pdrop", "resid_dropout": "resid_pdrop"}
+    return GPTConfig(
+        vocab_size=hf.get("vocab_size", 50257),
+        block_size=block_size,
+        n_layer=hf.get("n_layer", 12),
+        n_head=hf.get("n_head", 12),
+        n_embd=D,
+        activation=HF_TO_ACT[act],
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+        layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        **{ours: 0.0 for ours in drop},  # inference default; fine-tuning sets its own dropout
+        **fields,
+    )
+
+
+def config_to_hf(config: GPTConfig) -> dict:
+    """GPTConfig -> GPT-2 config.json. Everything a GPTConfig describes maps (see export_pretrained)."""
+    eos = 50256 if config.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, only with its tokenizer
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None,
+        "activation_function": ACT_TO_HF[config.activation],
+        "layer_norm_epsilon": config.layer_norm_epsilon,
+        "tie_word_embeddings": config.tie_embeddings,
+        "embd_pdrop": config.embd_dropout,
+        "attn_pdrop": config.attn_dropout,
+        "resid_pdrop": config.resid_dropout,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "dtype": "float32",
+    }
+
+
+# ---------------------------------------------------------------- finding the files
+
+
+def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
+    """A local directory as is, else a hub repo id (gpt2, gpt2-xl, ...) fetched or found in the HF cache."""
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.isdir(path):
+        return path
+    if path.startswith((".", "/", "~")) or os.path.exists(path):
+        raise FileNotFoundError(
+            f"{name_or_path!r} is not a directory; pass a directory holding "
+            f"{CONFIG_FILE} and {WEIGHTS_FILE}, or a hub name such as gpt2"
+        )
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants
+    except ImportError as e:
+        raise ImportError(
+            f"loading {name_or_path!r} from the hub needs huggingface_hub: "
+            "pip install 'flaxgpt[hf]', or pass a local directory"
+        ) from e
+    env = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    offline = bool(constants.HF_HUB_OFFLINE) or env
+    # the hub redirects gpt2 -> openai-community/gpt2; a cache may hold either name
+    repos = [path] + ([f"openai-community/{path}"] if path in GPTConfig.PRESETS else [])
+    for repo in repos:
+        try:
+            cfg = huggingface_hub.hf_hub_download(
+                repo, CONFIG_FILE, cache_dir=cache_dir, local_files_only=offline
+            )
+            huggingface_hub.hf_hub_download(repo, WEIGHTS_FILE, cache_dir=cache_dir, local_files_only=offline)
+            return os.path.dirname(cfg)
+        except Exception as e:  # matched by name: the classes moved between huggingface_hub versions
+            kind = type(e).__name__
+            if kind in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
+                raise FileNotFoundError(f"hub repo {repo!r} has no {WEIGHTS_FILE} (safetensors)") from e
+            if kind in ("RepositoryNotFoundError", "GatedRepoError") and repo == repos[-1]:
+                raise FileNotFoundError(
+                    f"no public hub repo {repo!r} and no local directory of that name; "
+                    "GPT-2 sizes: " + ", ".join(GPTConfig.PRESETS)
+                ) from e
+            last = e  # not cached / offline / no network: the message below
+    why = "HF_HUB_OFFLINE is set" if offline else f"the hub could not be reached ({type(last).__name__})"
+    raise RuntimeError(
+        f"{name_or_path!r} is not a local directory nor in the Hugging Face cache, and {why}: "
+        "downloading it needs the network, or pass a local directory with "
+        f"{CONFIG_FILE} and {WEIGHTS_FILE}"
+    )
+
+
+@contextlib.contextmanager
+def _open_tensors(directory: str):
+    """{name without 'transformer.': (open safetensors file, name in file)} for one or sharded files."""
+    from safetensors import safe_open
+
+    single, index = os.path.join(directory, WEIGHTS_FILE), os.path.join(directory, INDEX_FILE)
+    if os.path.exists(single):
+        files = [single]
+    elif os.path.exists(index):
+        with open(index) as fh:
+            files = sorted({os.path.join(directory, f) for f in json.load(fh)["weight_map"].values()})
+    else:
+        found = ", ".join(sorted(os.listdir(directory))) or "nothing"
+        raise FileNotFoundError(
+            f"no {WEIGHTS_FILE} in {directory} (found: {found}); flaxgpt reads "
+            "safetensors only: re-save with save_pretrained(safe_serialization=True)"
+        )
+    with contextlib.ExitStack() as stack:
+        table = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(file, framework="flax"))
+            for key in handle.keys():
+                table[key.removeprefix("transformer.")] = (handle, key)
+        yield table
+
+
+# ---------------------------------------------------------------- import
+
+
+def _read(table, name: str, shape: tuple, dtype) -> jax.Array:
+    handle, key = table[name]
+    found = tuple(handle.get_slice(key).get_shape())
+    if found != tuple(shape):
+        raise ValueError(f"tensor {key} has shape {found}, expected {tuple(shape)} from the config")
+    return handle.get_tensor(key).astype(dtype)  # one tensor at a time: peak memory ~ model + 1 tensor
+
+
+def _set(tree: dict, path: tuple, value):
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value
+
+
+def load_pretrained(
+    name_or_path: str,
+    *,
+    scan_layers: bool = False,
+    pad_vocab_multiple: int = 1,
+    param_dtype: str = "float32",
+    cache_dir: str | None = None,
+    **overrides,
+):
+    """GPT-2 weights -> (GPTConfig, params) for `GPT(config).apply({"params": params}, tokens)`.
+
+    `name_or_path`: a directory with config.json + model.safetensors, or a hub name
+    (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the HF cache or downloaded.
+    `overrides`: GPTConfig fields that do not change the architecture (dtype, dropout,
+    block_size <= n_positions, attention_impl, remat).
+    """
+    directory = resolve(name_or_path, cache_dir)
+    cfg_file = os.path.join(directory, CONFIG_FILE)
+    if not os.path.exists(cfg_file):
+        raise FileNotFoundError(
+            f"no {CONFIG_FILE} in {directory}; a GPT-2 directory holds {CONFIG_FILE} and {WEIGHTS_FILE}"
+        )
+    with open(cfg_file) as fh:
+        hf = json.load(fh)
+    config = config_from_hf(
+        hf,
+        scan_layers=scan_layers,
+        pad_vocab_multiple=pad_vocab_multiple,
+        param_dtype=param_dtype,
+        **overrides,
+    )
+    n_positions = hf.get("n_positions", 1024)
+    flat = dataclasses.replace(config, scan_layers=False, pad_vocab_multiple=1, block_size=n_positions)
+    shapes = nn.unbox(abstract_params(flat))  # the HF shapes: unpadded vocab, all n_positions rows
+    dtype = jnp.dtype(param_dtype)
+    L = config.n_layer
+
+    with _open_tensors(directory) as table:
+        expected = set(TOP_KEYS) | {f"h.{i}.{k}" for i in range(L) for k in BLOCK_KEYS}
+        if not config.tie_embeddings:
+            expected.add("lm_head.weight")
+        missing = sorted(expected - set(table))
+        extra = set(table) - expected - {"lm_head.weight"}  # a tied file may still carry lm_head
+        unexpected = sorted(k for k in extra if not BUFFER_RE.match(k))
+        if missing or unexpected:
+            raise ValueError(
+                f"{directory} is not a GPT-2 checkpoint for its config: missing {missing[:5]} "
+                f"unexpected {unexpected[:5]}"
+            )
+        params: dict = {}
+        for name, path in TOP_KEYS.items():
+            _set(params, path, _read(table, name, _get(shapes, path).shape, dtype))
+        params["wpe"]["embedding"] = params["wpe"]["embedding"][: config.block_size]
+        pad = config.padded_vocab_size - config.vocab_size
+        # padded rows are never seen (logits are sliced); zeros keep them inert
+        params["wte"]["embedding"] = jnp.pad(params["wte"]["embedding"], ((0, pad), (0, 0)))
+        if not config.tie_embeddings:  # a tied file's lm_head is ignored, as transformers does
+            w_VD = _read(table, "lm_head.weight", (config.vocab_size, config.n_embd), dtype)
+            params["lm_head"] = {"kernel": jnp.pad(w_VD.T, ((0, 0), (0, pad)))}  # torch Linear is [out, in]
+        for key, path in BLOCK_KEYS.items():
+            shape = _get(shapes["h_0"], path).shape
+            if scan_layers:  # stack one leaf kind at a time, never the whole model twice
+                _set(
+                    params,
+                    ("h", "block") + path,
+                    jnp.stack([_read(table, f"h.{i}.{key}", shape, dtype) for i in range(L)]),
+                )
+            else:
+                for i in range(L):
+                    _set(params, (f"h_{i}",) + path, _read(table, f"h.{i}.{key}", shape, dtype))
+    return config, params
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+# ---------------------------------------------------------------- export
+
+
+def _as_config(config) -> GPTConfig:
+    if isinstance(config, GPTConfig):
+        return config
+    d = dict(config)
+    kind = d.pop("kind", "gpt")
+    if kind != "gpt":
+        raise ValueError(f"only GPT models export to GPT-2; this checkpoint is kind={kind!r}")
+    return GPTConfig.from_dict(d)
+
+
+def export_state(config, params) -> tuple[dict, dict]:
+    """(config.json dict, {HF name: float32 numpy array}) for a flaxgpt GPT.
+
+    Every GPTConfig maps onto GPT-2: no bias -> zero biases, sinusoidal positions -> a
+    wpe table holding the same encoding, activations -> their ACT2FN names, an untied
+    head -> tie_word_embeddings=False.
+    """
+    config = _as_config(config)
+    params = nn.unbox(params)
+    if config.scan_layers:
+        params = unstack_layers(params, config.n_layer)
+    V, D = config.vocab_size, config.n_embd
+    flat = dataclasses.replace(config, scan_layers=False, pad_vocab_multiple=1)
+    shapes = nn.unbox(abstract_params(flat))
+
+    def get(path, shape=None):
+        try:
+            x = _get(params, path)
+        except KeyError:
+            if shape is None:
+                raise ValueError(f"params have no {'/'.join(path)}; do they belong to this config?") from None
+            return np.zeros(shape, np.float32)  # bias=False / qkv_bias=False: GPT-2's bias is zero
+        return np.asarray(jax.device_get(x), dtype=np.float32)
+
+    tensors = {"transformer.wte.weight": get(("wte", "embedding"))[:V]}  # strip vocab padding
+    if config.pos_embedding == "learned":
+        tensors["transformer.wpe.weight"] = get(("wpe", "embedding"))
+    else:
+        from flaxgpt.layers import sinusoidal_positions
+
+        tensors["transformer.wpe.weight"] = np.asarray(sinusoidal_positions(jnp.arange(config.block_size), D))
+    for name, path in TOP_KEYS.items():
+        if name.startswith("ln_f"):
+            tensors[f"transformer.{name}"] = get(path, (D,))
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = np.ascontiguousarray(get(("lm_head", "kernel"))[:, :V].T)
+    for i in range(config.n_layer):
+        for key, path in BLOCK_KEYS.items():
+            shape = _get(shapes["h_0"], path).shape
+            x = get((f"h_{i}",) + path, shape)
+            if x.shape != tuple(shape):
+                raise ValueError(f"param h_{i}/{'/'.join(path)} has shape {x.shape}, expected {tuple(shape)}")
+            tensors[f"transformer.h.{i}.{key}"] = x
+    return config_to_hf(config), tensors
+
+
+def export_pretrained(config, params, out_dir: str) -> str:
+    """Write out_dir/config.json + model.safetensors for transformers.GPT2LMHeadModel.from_pretrained."""
+    from safetensors.numpy import save_file
+
+    hf, tensors = export_state(config, params)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as fh:
+        json.dump(hf, fh, indent=2)
+    return out_dir
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flaxgpt.hf", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="write a training run as a Hugging Face GPT-2 directory")
+    ex.add_argument("--out_dir", required=True, help="flaxgpt training run directory")
+    ex.add_argument("--to", required=True, help="directory to write config.json + model.safetensors into")
+    ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    info = sub.add_parser("info", help="print the GPTConfig a GPT-2 name or directory maps to")
+    info.add_argument("name_or_path")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "export":
+            from flaxgpt.checkpoint import load_for_inference
+
+            model_config, params, _ = load_for_inference(args.out_dir, step=args.step)
+            export_pretrained(model_config, params, args.to)
+            print(
+                f"wrote {os.path.join(args.to, WEIGHTS_FILE)} and {CONFIG_FILE}; load it with "
+                f"transformers.GPT2LMHeadModel.from_pretrained({args.to!r})"
+            )
+        else:
+            directory = resolve(args.name_or_path)
+            with open(os.path.join(directory, CONFIG_FILE)) as fh:
+                print(json.dumps(config_from_hf(json.load(fh)).to_dict(), indent=2))
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
