@@ -1,0 +1,119 @@
+"""Training curves from a run directory's metrics.jsonl.
+
+    python -m flaxgpt.plot out/shakespeare_char                # -> out/shakespeare_char/metrics.png
+    python -m flaxgpt.plot out/shakespeare_char --out curves.png
+
+Three panels against the step: train and val loss, learning rate, tokens/s.
+Lines of metrics.jsonl are JSON objects; keys the run did not log are skipped,
+so a file with only a loss still plots. In a training loop call
+`plot_metrics(out_dir, out_dir / "metrics.png")`; it never touches pyplot's
+global state. Needs matplotlib (pip install 'flaxgpt[plot]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+# the names each series may have been logged under, first match wins
+SERIES = {
+    "train_loss": ("train_loss", "loss", "train/loss"),
+    "val_loss": ("val_loss", "eval_loss", "val/loss", "eval/loss"),
+    "lr": ("lr", "learning_rate", "train/lr"),
+    "tokens_per_sec": ("tokens_per_sec", "tokens_per_s", "tok_per_sec", "tok/s", "train/tokens_per_sec"),
+}
+STEP_KEYS = ("step", "iter", "iteration")
+
+
+def read_metrics(path) -> dict[str, tuple[list[float], list[float]]]:
+    """{series: (steps, values)} from a metrics.jsonl (or the run directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics file at {path}; pass a run directory or its metrics.jsonl")
+    series = {name: ([], []) for name in SERIES}
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            # the last line of a run that is still writing may be cut short
+            print(f"flaxgpt.plot: skipping unreadable line {lineno} of {path}", file=sys.stderr)
+            continue
+        step = next((record[k] for k in STEP_KEYS if k in record), lineno)
+        is_eval = record.get("split") in ("val", "eval") or record.get("kind") in ("val", "eval")
+        for name, keys in SERIES.items():
+            if is_eval and name == "train_loss":  # an eval record's plain "loss" is the val loss
+                continue
+            keys = ("loss", *keys) if is_eval and name == "val_loss" else keys
+            value = next((record[k] for k in keys if k in record), None)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                series[name][0].append(float(step))
+                series[name][1].append(float(value))
+    return series
+
+
+def plot_metrics(out_dir_or_file, png_path=None) -> str:
+    """Draw loss, learning rate and tokens/s into a PNG (default: metrics.png beside the file)."""
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no global backend, safe inside train loops
+    except ImportError:
+        raise ImportError("plots need matplotlib: pip install 'flaxgpt[plot]'") from None
+    series = read_metrics(out_dir_or_file)
+    src = Path(out_dir_or_file)
+    if png_path is None:
+        png_path = (src if src.is_dir() else src.parent) / "metrics.png"
+    fig = Figure(figsize=(15, 4.2), layout="constrained")
+    ax_loss, ax_lr, ax_tps = fig.subplots(1, 3)
+    for name, label in (("train_loss", "train"), ("val_loss", "val")):
+        steps, values = series[name]
+        if values:
+            ax_loss.plot(steps, values, label=label, marker="o" if len(values) < 30 else None, markersize=3)
+    ax_loss.set_title("loss")
+    for name in ("val_loss", "train_loss"):  # the title quotes the newest val loss, else train
+        if series[name][1]:
+            ax_loss.legend()
+            ax_loss.set_title(f"loss (last {name.split('_')[0]} {series[name][1][-1]:.4f})")
+            break
+    for ax, name, title in ((ax_lr, "lr", "learning rate"), (ax_tps, "tokens_per_sec", "tokens / s")):
+        steps, values = series[name]
+        if values:
+            ax.plot(steps, values, color="tab:green" if name == "lr" else "tab:purple")
+        ax.set_title(title)
+    for ax in (ax_loss, ax_lr, ax_tps):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    fig.suptitle(os.fspath(src))
+    # write then rename, so a viewer never sees a half-written PNG mid-training
+    tmp = Path(png_path).with_name(Path(png_path).name + ".tmp")
+    fig.savefig(tmp, dpi=100, format="png")
+    os.replace(tmp, png_path)
+    return os.fspath(png_path)
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("run", help="a run directory (holding metrics.jsonl) or a metrics.jsonl file")
+    p.add_argument("--out", default=None, help="PNG path (default: metrics.png in the run directory)")
+    args = p.parse_args(argv)
+    try:
+        path = plot_metrics(args.run, args.out)
+    except (FileNotFoundError, ImportError) as e:
+        p.exit(2, f"flaxgpt.plot: error: {e}\n")
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
