@@ -17,8 +17,9 @@ class KVCache:
     v: jax.Array  # [L, B, S, H, K]
 
     @classmethod
-    def init(cls, n_layer: int, batch: int, max_len: int, n_head: int, head_dim: int,
-             dtype=jnp.float32) -> KVCache:
+    def init(
+        cls, n_layer: int, batch: int, max_len: int, n_head: int, head_dim: int, dtype=jnp.float32
+    ) -> KVCache:
         shape = (n_layer, batch, max_len, n_head, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

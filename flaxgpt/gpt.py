@@ -62,8 +62,12 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
-        choices = {"pos_embedding": ("learned", "sinusoidal"), "activation": ACTIVATIONS,
-                   "attention_impl": ATTENTION_IMPLS, "remat": REMAT_POLICIES}
+        choices = {
+            "pos_embedding": ("learned", "sinusoidal"),
+            "activation": ACTIVATIONS,
+            "attention_impl": ATTENTION_IMPLS,
+            "remat": REMAT_POLICIES,
+        }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
@@ -136,17 +140,30 @@ class Block(nn.Module):
         # variance does not grow with depth
         out_std = 0.02 / math.sqrt(2 * c.n_layer)
         h_BTD, cache = SelfAttention(
-            n_head=c.n_head, causal=True, use_bias=c.bias, qkv_bias=c.qkv_bias,
-            attn_dropout=c.attn_dropout, resid_dropout=c.resid_dropout, out_init_std=out_std,
-            dtype=dtype, param_dtype=pdtype, impl=c.attention_impl,
-            deterministic=self.deterministic, name="attn",
-        )(layer_norm(c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_1")(x_BTD),
-          positions_BT, cache, layer)
+            n_head=c.n_head,
+            causal=True,
+            use_bias=c.bias,
+            qkv_bias=c.qkv_bias,
+            attn_dropout=c.attn_dropout,
+            resid_dropout=c.resid_dropout,
+            out_init_std=out_std,
+            dtype=dtype,
+            param_dtype=pdtype,
+            impl=c.attention_impl,
+            deterministic=self.deterministic,
+            name="attn",
+        )(layer_norm(c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_1")(x_BTD), positions_BT, cache, layer)
         x_BTD = x_BTD + h_BTD
         x_BTD = x_BTD + MLP(
-            hidden=4 * c.n_embd, activation=c.activation, use_bias=c.bias,
-            dropout=c.resid_dropout, out_init_std=out_std, dtype=dtype, param_dtype=pdtype,
-            deterministic=self.deterministic, name="mlp",
+            hidden=4 * c.n_embd,
+            activation=c.activation,
+            use_bias=c.bias,
+            dropout=c.resid_dropout,
+            out_init_std=out_std,
+            dtype=dtype,
+            param_dtype=pdtype,
+            deterministic=self.deterministic,
+            name="mlp",
         )(layer_norm(c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_2")(x_BTD))
         return x_BTD, cache
 
@@ -160,8 +177,7 @@ class ScannedBlock(nn.Module):
     @nn.compact
     def __call__(self, carry, layer):
         x_BTD, positions_BT, cache = carry
-        x_BTD, cache = Block(self.config, self.deterministic, name="block")(
-            x_BTD, positions_BT, cache, layer)
+        x_BTD, cache = Block(self.config, self.deterministic, name="block")(x_BTD, positions_BT, cache, layer)
         return (x_BTD, positions_BT, cache), None
 
 
@@ -177,21 +193,31 @@ class GPT(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens_BT, positions=None, cache: KVCache | None = None,
-                 deterministic: bool = True):
+    def __call__(self, tokens_BT, positions=None, cache: KVCache | None = None, deterministic: bool = True):
         c = self.config
         B, T = tokens_BT.shape
         check_tokens(tokens_BT, c, cache)
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        wte = nn.Embed(c.padded_vocab_size, c.n_embd, dtype=dtype, param_dtype=pdtype,
-                       embedding_init=normal_init(0.02, ("vocab", "embed")), name="wte")
+        wte = nn.Embed(
+            c.padded_vocab_size,
+            c.n_embd,
+            dtype=dtype,
+            param_dtype=pdtype,
+            embedding_init=normal_init(0.02, ("vocab", "embed")),
+            name="wte",
+        )
         x_BTD = wte(tokens_BT)
         if c.pos_embedding == "learned":
-            x_BTD = x_BTD + nn.Embed(c.block_size, c.n_embd, dtype=dtype, param_dtype=pdtype,
-                                     embedding_init=normal_init(0.02, (None, "embed")),
-                                     name="wpe")(positions)
+            x_BTD = x_BTD + nn.Embed(
+                c.block_size,
+                c.n_embd,
+                dtype=dtype,
+                param_dtype=pdtype,
+                embedding_init=normal_init(0.02, (None, "embed")),
+                name="wpe",
+            )(positions)
         else:
             x_BTD = x_BTD + sinusoidal_positions(positions, c.n_embd).astype(dtype)
         x_BTD = nn.Dropout(c.embd_dropout)(x_BTD, deterministic=deterministic)
@@ -205,8 +231,10 @@ class GPT(nn.Module):
             if c.remat != "none":
                 scan_cls = nn.remat(ScannedBlock, policy=_remat_policy(c.remat), prevent_cse=False)
             (x_BTD, _, kv), _ = nn.scan(
-                scan_cls, variable_axes={"params": 0, "intermediates": 0},
-                split_rngs={"params": True, "dropout": True}, length=c.n_layer,
+                scan_cls,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=c.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(c, deterministic, name="h")((x_BTD, positions, kv), jnp.arange(c.n_layer))
         else:
@@ -217,10 +245,14 @@ class GPT(nn.Module):
         if c.tie_embeddings:
             logits_BTV = wte.attend(x_BTD)
         else:
-            logits_BTV = nn.Dense(c.padded_vocab_size, use_bias=False, dtype=dtype,
-                                  param_dtype=pdtype,
-                                  kernel_init=normal_init(0.02, ("embed", "vocab")),
-                                  name="lm_head")(x_BTD)
+            logits_BTV = nn.Dense(
+                c.padded_vocab_size,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=pdtype,
+                kernel_init=normal_init(0.02, ("embed", "vocab")),
+                name="lm_head",
+            )(x_BTD)
         # padded vocabulary rows exist for speed only: callers never see them
         logits_BTV = logits_BTV[..., : c.vocab_size]
         if cache is None:
@@ -235,13 +267,16 @@ def check_tokens(tokens_BT, config: GPTConfig, cache=None):
     T = tokens_BT.shape[1]
     limit = config.block_size if cache is None else cache.max_len
     if T > limit:
-        raise ValueError(f"sequence length {T} is longer than block_size {limit}; "
-                         "crop the input to the last block_size tokens")
+        raise ValueError(
+            f"sequence length {T} is longer than block_size {limit}; "
+            "crop the input to the last block_size tokens"
+        )
     if not isinstance(tokens_BT, jax.core.Tracer):
         arr = np.asarray(tokens_BT)
         if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
-            raise ValueError(f"token ids must be in [0, {config.vocab_size}), "
-                             f"got min {arr.min()} max {arr.max()}")
+            raise ValueError(
+                f"token ids must be in [0, {config.vocab_size}), got min {arr.min()} max {arr.max()}"
+            )
 
 
 def init_params(config: GPTConfig, rng: jax.Array):

@@ -101,12 +101,16 @@ def attend(
     use_fused = impl == "cudnn" and dropout_rate == 0.0 and sow is None
     if use_fused:
         return jax.nn.dot_product_attention(
-            q_BTHK, k_BSHK, v_BSHK, mask=None if is_causal else mask_BHTS,
-            is_causal=is_causal, implementation="cudnn")
+            q_BTHK,
+            k_BSHK,
+            v_BSHK,
+            mask=None if is_causal else mask_BHTS,
+            is_causal=is_causal,
+            implementation="cudnn",
+        )
     scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
     # fp32 logits and softmax: bf16 loses the tail of the distribution
-    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK,
-                             preferred_element_type=jnp.float32) * scale
+    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
     if mask_BHTS is not None:
         logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(jnp.float32).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
@@ -155,9 +159,14 @@ class SelfAttention(nn.Module):
         H = self.n_head
         K = D // H
         qkv_BTE = nn.Dense(
-            3 * D, use_bias=self.qkv_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+            3 * D,
+            use_bias=self.qkv_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
             kernel_init=normal_init(0.02, ("embed", "heads")),
-            bias_init=zeros_init(("heads",)), name="c_attn")(x_BTD)
+            bias_init=zeros_init(("heads",)),
+            name="c_attn",
+        )(x_BTD)
         q_BTHK, k_BTHK, v_BTHK = jnp.split(qkv_BTE.reshape(B, T, 3 * H, K), 3, axis=2)
 
         impl = resolve_attention_impl(self.impl, self.dtype)
@@ -182,13 +191,25 @@ class SelfAttention(nn.Module):
             sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
         dropout = 0.0 if self.deterministic else self.attn_dropout
         y_BTHK = attend(
-            q_BTHK, k_BSHK.astype(q_BTHK.dtype), v_BSHK.astype(q_BTHK.dtype), mask_BHTS,
-            impl=impl, is_causal=is_causal, dropout_rate=dropout,
-            dropout_rng=self.make_rng("dropout") if dropout > 0 else None, sow=sow)
+            q_BTHK,
+            k_BSHK.astype(q_BTHK.dtype),
+            v_BSHK.astype(q_BTHK.dtype),
+            mask_BHTS,
+            impl=impl,
+            is_causal=is_causal,
+            dropout_rate=dropout,
+            dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
+            sow=sow,
+        )
         y_BTD = nn.Dense(
-            D, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+            D,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
             kernel_init=normal_init(self.out_init_std, ("heads", "embed")),
-            bias_init=zeros_init(("embed",)), name="c_proj")(y_BTHK.reshape(B, T, D))
+            bias_init=zeros_init(("embed",)),
+            name="c_proj",
+        )(y_BTHK.reshape(B, T, D))
         y_BTD = nn.Dropout(self.resid_dropout)(y_BTD, deterministic=self.deterministic)
         return y_BTD, cache
 
@@ -214,13 +235,24 @@ class CrossAttention(nn.Module):
 
     def setup(self):
         dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
-        self.c_q = nn.Dense(self.d_model, kernel_init=normal_init(0.02, ("embed", "heads")),
-                            bias_init=zeros_init(("heads",)), **dense)
-        self.c_kv = nn.Dense(2 * self.d_model, kernel_init=normal_init(0.02, ("embed", "heads")),
-                             bias_init=zeros_init(("heads",)), **dense)
-        self.c_proj = nn.Dense(self.d_model,
-                               kernel_init=normal_init(self.out_init_std, ("heads", "embed")),
-                               bias_init=zeros_init(("embed",)), **dense)
+        self.c_q = nn.Dense(
+            self.d_model,
+            kernel_init=normal_init(0.02, ("embed", "heads")),
+            bias_init=zeros_init(("heads",)),
+            **dense,
+        )
+        self.c_kv = nn.Dense(
+            2 * self.d_model,
+            kernel_init=normal_init(0.02, ("embed", "heads")),
+            bias_init=zeros_init(("heads",)),
+            **dense,
+        )
+        self.c_proj = nn.Dense(
+            self.d_model,
+            kernel_init=normal_init(self.out_init_std, ("heads", "embed")),
+            bias_init=zeros_init(("embed",)),
+            **dense,
+        )
         self.drop = nn.Dropout(self.resid_dropout)
 
     def project_kv(self, memory_BSD):
@@ -239,9 +271,15 @@ class CrossAttention(nn.Module):
             sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
         dropout = 0.0 if self.deterministic else self.attn_dropout
         y_BTHK = attend(
-            q_BTHK, k_BSHK.astype(q_BTHK.dtype), v_BSHK.astype(q_BTHK.dtype), mask_BHTS,
-            impl=resolve_attention_impl(self.impl, self.dtype), dropout_rate=dropout,
-            dropout_rng=self.make_rng("dropout") if dropout > 0 else None, sow=sow)
+            q_BTHK,
+            k_BSHK.astype(q_BTHK.dtype),
+            v_BSHK.astype(q_BTHK.dtype),
+            mask_BHTS,
+            impl=resolve_attention_impl(self.impl, self.dtype),
+            dropout_rate=dropout,
+            dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
+            sow=sow,
+        )
         y_BTD = self.c_proj(y_BTHK.reshape(B, T, D))
         return self.drop(y_BTD, deterministic=self.deterministic)
 
@@ -261,18 +299,35 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BTD):
         D = x_BTD.shape[-1]
-        h_BTF = nn.Dense(self.hidden, use_bias=self.use_bias, dtype=self.dtype,
-                         param_dtype=self.param_dtype,
-                         kernel_init=normal_init(0.02, ("embed", "mlp")),
-                         bias_init=zeros_init(("mlp",)), name="c_fc")(x_BTD)
+        h_BTF = nn.Dense(
+            self.hidden,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=normal_init(0.02, ("embed", "mlp")),
+            bias_init=zeros_init(("mlp",)),
+            name="c_fc",
+        )(x_BTD)
         h_BTF = activation_fn(self.activation)(h_BTF)
-        y_BTD = nn.Dense(D, use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-                         kernel_init=normal_init(self.out_init_std, ("mlp", "embed")),
-                         bias_init=zeros_init(("embed",)), name="c_proj")(h_BTF)
+        y_BTD = nn.Dense(
+            D,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=normal_init(self.out_init_std, ("mlp", "embed")),
+            bias_init=zeros_init(("embed",)),
+            name="c_proj",
+        )(h_BTF)
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
 
 
 def layer_norm(use_bias: bool, eps: float, dtype: Dtype, param_dtype: Dtype, name: str):
-    return nn.LayerNorm(epsilon=eps, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                        scale_init=ones_init(("embed",)), bias_init=zeros_init(("embed",)),
-                        name=name)
+    return nn.LayerNorm(
+        epsilon=eps,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        scale_init=ones_init(("embed",)),
+        bias_init=zeros_init(("embed",)),
+        name=name,
+    )

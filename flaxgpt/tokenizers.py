@@ -50,8 +50,10 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         missing = sorted(set(text) - self.stoi.keys())
         if missing:
-            raise ValueError(f"characters not in the vocabulary: {''.join(missing)!r} "
-                             f"({len(missing)} missing; the vocabulary has {self.vocab_size})")
+            raise ValueError(
+                f"characters not in the vocabulary: {''.join(missing)!r} "
+                f"({len(missing)} missing; the vocabulary has {self.vocab_size})"
+            )
         return [self.stoi[ch] for ch in text]
 
     def decode(self, ids) -> str:
@@ -89,8 +91,10 @@ def load_gpt2_ranks() -> dict[bytes, int]:
     data = importlib.resources.files("flaxgpt").joinpath("assets/r50k_base.tiktoken").read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     if digest != R50K_SHA256:
-        raise ValueError(f"flaxgpt/assets/r50k_base.tiktoken is corrupt: sha256 {digest}, "
-                         f"expected {R50K_SHA256}; reinstall flaxgpt")
+        raise ValueError(
+            f"flaxgpt/assets/r50k_base.tiktoken is corrupt: sha256 {digest}, "
+            f"expected {R50K_SHA256}; reinstall flaxgpt"
+        )
     ranks = {}
     for line in data.splitlines():
         if line:
@@ -99,20 +103,27 @@ def load_gpt2_ranks() -> dict[bytes, int]:
     return ranks
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tiktoken_encoding(name: str):
     import tiktoken
 
     if name in ("gpt2", "r50k_base"):
-        return tiktoken.Encoding(name=name, pat_str=GPT2_PATTERN, mergeable_ranks=load_gpt2_ranks(),
-                                 special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+        return tiktoken.Encoding(
+            name=name,
+            pat_str=GPT2_PATTERN,
+            mergeable_ranks=load_gpt2_ranks(),
+            special_tokens={ENDOFTEXT: 50256},
+            explicit_n_vocab=50257,
+        )
     try:  # other encodings come from tiktoken itself, which downloads them once
         return tiktoken.get_encoding(name)
     except ValueError as e:
         raise ValueError(f"unknown tiktoken encoding {name!r}: {e}") from None
     except Exception as e:  # network errors surface as many exception types
-        raise RuntimeError(f"tiktoken encoding {name!r} needs the network to download "
-                           f"({type(e).__name__}); use 'gpt2', which works offline") from None
+        raise RuntimeError(
+            f"tiktoken encoding {name!r} needs the network to download "
+            f"({type(e).__name__}); use 'gpt2', which works offline"
+        ) from None
 
 
 def get_tokenizer(name: str) -> Tokenizer:
