@@ -19,14 +19,30 @@ import os
 import sys
 from pathlib import Path
 
-# the names each series may have been logged under, first match wins
+# the names each series may have been logged under (first match wins); flaxgpt's trainer writes
+# per-step rows {"loss", "lr", "tokens_per_sec", ...} and eval rows {"train_loss", "val_loss", ...}
 SERIES = {
-    "train_loss": ("train_loss", "loss", "train/loss"),
+    "train_loss": ("loss", "train/loss"),  # the loss of each logged training step
+    "train_eval_loss": ("train_loss",),  # the train split evaluated like val (in eval rows)
     "val_loss": ("val_loss", "eval_loss", "val/loss", "eval/loss"),
     "lr": ("lr", "learning_rate", "train/lr"),
     "tokens_per_sec": ("tokens_per_sec", "tokens_per_s", "tok_per_sec", "tok/s", "train/tokens_per_sec"),
 }
+LOSS_LABELS = {"train_loss": "train (step)", "train_eval_loss": "train (eval)", "val_loss": "val"}
 STEP_KEYS = ("step", "iter", "iteration")
+
+
+def _series_keys(name: str, record: dict) -> tuple[str, ...]:
+    is_eval = any(k in record for k in SERIES["val_loss"]) or record.get("split") in ("val", "eval")
+    if name == "train_loss" and not is_eval and "loss" not in record:
+        return ("train_loss",)  # a logger that calls the step loss train_loss
+    if name == "train_loss" and is_eval:
+        return ()  # an eval row's losses are averages over eval batches, not a step's loss
+    if name == "train_eval_loss" and not is_eval:
+        return ()
+    if name == "val_loss" and record.get("split") in ("val", "eval"):
+        return ("loss", *SERIES[name])
+    return SERIES[name]
 
 
 def read_metrics(path) -> dict[str, tuple[list[float], list[float]]]:
@@ -47,13 +63,9 @@ def read_metrics(path) -> dict[str, tuple[list[float], list[float]]]:
             print(f"flaxgpt.plot: skipping unreadable line {lineno} of {path}", file=sys.stderr)
             continue
         step = next((record[k] for k in STEP_KEYS if k in record), lineno)
-        is_eval = record.get("split") in ("val", "eval") or record.get("kind") in ("val", "eval")
-        for name, keys in SERIES.items():
-            if is_eval and name == "train_loss":  # an eval record's plain "loss" is the val loss
-                continue
-            keys = ("loss", *keys) if is_eval and name == "val_loss" else keys
-            value = next((record[k] for k in keys if k in record), None)
-            if isinstance(value, (int, float)) and math.isfinite(value):
+        for name in SERIES:
+            value = next((record[k] for k in _series_keys(name, record) if k in record), None)
+            if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 series[name][0].append(float(step))
                 series[name][1].append(float(value))
     return series
@@ -71,15 +83,24 @@ def plot_metrics(out_dir_or_file, png_path=None) -> str:
         png_path = (src if src.is_dir() else src.parent) / "metrics.png"
     fig = Figure(figsize=(15, 4.2), layout="constrained")
     ax_loss, ax_lr, ax_tps = fig.subplots(1, 3)
-    for name, label in (("train_loss", "train"), ("val_loss", "val")):
+    for name, label in LOSS_LABELS.items():
         steps, values = series[name]
         if values:
-            ax_loss.plot(steps, values, label=label, marker="o" if len(values) < 30 else None, markersize=3)
+            step_curve = name == "train_loss"  # noisy: thin; evals are few: mark each point
+            ax_loss.plot(
+                steps,
+                values,
+                label=label,
+                lw=1 if step_curve else 1.5,
+                alpha=0.7 if step_curve else 1,
+                marker=None if step_curve and len(values) > 30 else "o",
+                markersize=3,
+            )
     ax_loss.set_title("loss")
-    for name in ("val_loss", "train_loss"):  # the title quotes the newest val loss, else train
+    for name in ("val_loss", "train_loss", "train_eval_loss"):  # quote the newest val loss, else train
         if series[name][1]:
             ax_loss.legend()
-            ax_loss.set_title(f"loss (last {name.split('_')[0]} {series[name][1][-1]:.4f})")
+            ax_loss.set_title(f"loss (last {LOSS_LABELS[name]} {series[name][1][-1]:.4f})")
             break
     for ax, name, title in ((ax_lr, "lr", "learning rate"), (ax_tps, "tokens_per_sec", "tokens / s")):
         steps, values = series[name]
