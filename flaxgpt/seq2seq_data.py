@@ -1,0 +1,456 @@
+"""Parallel text for the encoder-decoder: prepare token files, then padded, length-grouped batches.
+
+    python -m flaxgpt.seq2seq_data --task reverse --out_dir data/reverse
+    python -m flaxgpt.seq2seq_data --task numbers --out_dir data/numbers
+    python -m flaxgpt.seq2seq_data --task tsv --input pairs.tsv --out_dir data/mine      # source<TAB>target
+    python -m flaxgpt.seq2seq_data --task files --input train.en --target train.de --out_dir data/mine
+    python -m flaxgpt.seq2seq_data --task hf --hf_name wmt14 --hf_config de-en --src_lang en --tgt_lang de \
+        --tokenizer gpt2 --out_dir data/wmt14_ende          # needs `datasets` and the network
+
+A prepared folder holds {train,val}.src.bin and .tgt.bin (the pairs' tokens end to end), {split}.idx.npy
+(offsets [n + 1, 2]) and meta.json. Ids 0, 1, 2 are PAD, BOS, EOS; the base tokenizer's ids follow,
+shared by source and target. A batch is a pure function of (seed, step): the epoch's order is a
+seeded shuffle, sorted by length within groups of batches so that little of each batch is padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from flaxgpt.prepare import PrepareError, token_dtype
+from flaxgpt.tokenizers import CharTokenizer, from_meta, get_tokenizer
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+N_SPECIAL = 3
+TASKS = ("reverse", "numbers", "tsv", "files", "hf")
+
+
+class Seq2SeqTokenizer:
+    """A base tokenizer (characters or tiktoken BPE) behind three special ids: id = base id + 3."""
+
+    pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
+
+    def __init__(self, base):
+        self.base = base
+        self.vocab_size = base.vocab_size + N_SPECIAL
+        self.eot_id = EOS_ID
+
+    def encode(self, text: str) -> list[int]:
+        return [i + N_SPECIAL for i in self.base.encode(text)]
+
+    def decode(self, ids) -> str:
+        """Text of the ids up to the first EOS; PAD and BOS are dropped."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i >= N_SPECIAL:
+                out.append(i - N_SPECIAL)
+        return self.base.decode(out)
+
+    def to_meta(self) -> dict:
+        return {
+            "kind": "seq2seq",
+            "base": self.base.to_meta(),
+            "vocab_size": self.vocab_size,
+            "pad_id": PAD_ID,
+            "bos_id": BOS_ID,
+            "eos_id": EOS_ID,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> Seq2SeqTokenizer:
+        if meta.get("kind") != "seq2seq":
+            raise ValueError(
+                f"tokenizer kind {meta.get('kind')!r} is not a seq2seq vocabulary; "
+                "prepare the data with python -m flaxgpt.seq2seq_data"
+            )
+        return cls(from_meta(meta["base"]))
+
+
+# ---- synthetic tasks (no download) ----
+
+ONES = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen"
+).split()
+TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+SCALES = ((10**9, "billion"), (10**6, "million"), (1000, "thousand"))
+
+
+def number_to_words(n: int) -> str:
+    """1234 -> 'one thousand two hundred thirty-four' (American English, no 'and')."""
+    if n < 0:
+        return "minus " + number_to_words(-n)
+    if n < 20:
+        return ONES[n]
+    if n < 100:
+        return TENS[n // 10] + ("-" + ONES[n % 10] if n % 10 else "")
+    if n < 1000:
+        return ONES[n // 100] + " hundred" + (" " + number_to_words(n % 100) if n % 100 else "")
+    for scale, name in SCALES:
+        if n >= scale:
+            rest = n % scale
+            return number_to_words(n // scale) + " " + name + (" " + number_to_words(rest) if rest else "")
+    raise AssertionError(n)
+
+
+def reverse_pairs(n: int, seed: int, min_len: int = 1, max_len: int = 12, alphabet: str = "abcdefghij"):
+    """n distinct random strings and their reversals."""
+    rng = random.Random(seed)
+    seen, pairs = set(), []
+    while len(pairs) < n:
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(min_len, max_len)))
+        if s not in seen:
+            seen.add(s)
+            pairs.append((s, s[::-1]))
+    return pairs
+
+
+def number_pairs(n: int, seed: int, max_value: int = 999_999):
+    """n distinct numbers in [0, max_value] (digits) and their English words."""
+    if n > max_value + 1:
+        raise PrepareError(f"asked for {n} distinct numbers but max_value is {max_value}")
+    values = np.random.default_rng(seed).choice(max_value + 1, size=n, replace=False)
+    return [(str(int(v)), number_to_words(int(v))) for v in values]
+
+
+def synthetic_split(task: str, n_train: int, n_val: int, seed: int, **kw):
+    """Disjoint train and held-out val pairs of a synthetic task, and its fixed alphabet."""
+    if task == "reverse":
+        pairs = reverse_pairs(n_train + n_val, seed, **kw)
+        alphabet = kw.get("alphabet", "abcdefghij")
+    elif task == "numbers":
+        pairs = number_pairs(n_train + n_val, seed, **kw)
+        alphabet = "0123456789 -" + "".join(ONES + TENS[2:] + [name for _, name in SCALES]) + "hundred"
+    else:
+        raise PrepareError(f"unknown synthetic task {task!r}; choose reverse or numbers")
+    return pairs[:n_train], pairs[n_train:], CharTokenizer(sorted(set(alphabet)))
+
+
+# ---- reading parallel text ----
+
+
+def read_tsv(path: str | Path) -> list[tuple[str, str, str]]:
+    """(source, target, "file:line") of `source<TAB>target` lines; blank lines are skipped."""
+    pairs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n").rstrip("\r")
+            if not line.strip():
+                continue
+            if "\t" not in line:
+                raise PrepareError(f"{path}:{lineno} has no tab; each line must be source<TAB>target")
+            src, tgt = line.split("\t", 1)
+            pairs.append((src, tgt, f"{path}:{lineno}"))
+    return pairs
+
+
+def read_aligned(src_path: str | Path, tgt_path: str | Path) -> list[tuple[str, str, str]]:
+    """Two files, line i of one translating line i of the other."""
+    src = Path(src_path).read_text(encoding="utf-8").splitlines()
+    tgt = Path(tgt_path).read_text(encoding="utf-8").splitlines()
+    if len(src) != len(tgt):
+        raise PrepareError(
+            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; the files must be line-aligned"
+        )
+    return [(s, t, f"{src_path}:{i}") for i, (s, t) in enumerate(zip(src, tgt), 1)]
+
+
+def encode_pairs(pairs, tokenizer: Seq2SeqTokenizer, max_len: int, truncate: bool):
+    """Token lists per side. Sources get EOS, targets BOS/EOS at batch time: each side must fit
+    max_len - 1 tokens; longer ones are an error, or cut with a warning when `truncate`."""
+    src_ids, tgt_ids, n_cut = [], [], 0
+    for i, pair in enumerate(pairs):
+        src, tgt = pair[0], pair[1]
+        where = pair[2] if len(pair) > 2 else f"pair {i}"
+        if not src.strip():
+            raise PrepareError(f"{where}: empty source; remove the line or give it a source")
+        s, t = tokenizer.encode(src), tokenizer.encode(tgt)
+        if max(len(s), len(t)) > max_len - 1:
+            if not truncate:
+                raise PrepareError(
+                    f"{where}: {max(len(s), len(t))} tokens, more than max_len - 1 = "
+                    f"{max_len - 1}; raise --max_len or pass --truncate"
+                )
+            s, t, n_cut = s[: max_len - 1], t[: max_len - 1], n_cut + 1
+        src_ids.append(s)
+        tgt_ids.append(t)
+    if n_cut:
+        warnings.warn(
+            f"truncated {n_cut} of {len(pairs)} pairs to max_len - 1 = {max_len - 1} tokens", stacklevel=2
+        )
+    return src_ids, tgt_ids
+
+
+def write_parallel(
+    out_dir, splits: dict, tokenizer: Seq2SeqTokenizer, source: str, overwrite: bool = False
+) -> dict:
+    """splits: {"train": (src_ids, tgt_ids), "val": ...} -> token files + meta.json, atomically."""
+    out_dir = Path(out_dir)
+    if (out_dir / "meta.json").exists() and not overwrite:
+        raise PrepareError(f"{out_dir} already holds a prepared dataset; pass --overwrite to replace it")
+    dtype = token_dtype(tokenizer.vocab_size)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    meta = {
+        "kind": "seq2seq",
+        "tokenizer": tokenizer.to_meta(),
+        "vocab_size": tokenizer.vocab_size,
+        "dtype": np.dtype(dtype).name,
+        "pad_id": PAD_ID,
+        "bos_id": BOS_ID,
+        "eos_id": EOS_ID,
+        "source": source,
+        "max_src_len": 0,
+        "max_tgt_len": 0,
+    }
+    names = []
+    try:
+        for split, (src_ids, tgt_ids) in splits.items():
+            if not src_ids:
+                raise PrepareError(f"the {split} split is empty; give more pairs")
+            offsets = np.zeros((len(src_ids) + 1, 2), np.int64)
+            offsets[1:, 0] = np.cumsum([len(s) for s in src_ids])
+            offsets[1:, 1] = np.cumsum([len(t) for t in tgt_ids])
+            for side, ids in (("src", src_ids), ("tgt", tgt_ids)):
+                np.fromiter((i for s in ids for i in s), np.int64).astype(dtype).tofile(
+                    tmp / f"{split}.{side}.bin"
+                )
+            np.save(tmp / f"{split}.idx.npy", offsets)
+            names += [f"{split}.src.bin", f"{split}.tgt.bin", f"{split}.idx.npy"]
+            meta[f"{split}_pairs"] = len(src_ids)
+            # +1: the source's EOS; the target's BOS (inputs) or EOS (targets)
+            meta["max_src_len"] = max(meta["max_src_len"], 1 + int(np.diff(offsets[:, 0]).max()))
+            meta["max_tgt_len"] = max(meta["max_tgt_len"], 1 + int(np.diff(offsets[:, 1]).max()))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        out_dir.mkdir(exist_ok=True)
+        for name in names + ["meta.json"]:  # meta.json last: it marks completeness
+            os.replace(tmp / name, out_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+# ---- loading and batching ----
+
+
+class ParallelData:
+    """One split of a prepared folder: pair i's tokens, memmapped."""
+
+    def __init__(self, data_dir: str | Path, split: str):
+        self.dir = Path(data_dir)
+        meta_path = self.dir / "meta.json"
+        if not meta_path.exists():
+            raise FileNotFoundError(
+                f"no prepared dataset in {self.dir} (meta.json missing); prepare it "
+                f"with: python -m flaxgpt.seq2seq_data --task reverse --out_dir {self.dir}"
+            )
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("kind") != "seq2seq":
+            raise ValueError(
+                f"{self.dir} holds a GPT dataset, not parallel text; prepare one with "
+                "python -m flaxgpt.seq2seq_data"
+            )
+        self.offsets = np.load(self.dir / f"{split}.idx.npy")
+        dtype = np.dtype(self.meta["dtype"])
+        self.src, self.tgt = (
+            np.memmap(self.dir / f"{split}.{side}.bin", dtype=dtype, mode="r")
+            if self.offsets[-1, k]
+            else np.zeros(0, dtype)
+            for k, side in enumerate(("src", "tgt"))
+        )
+        self.src_lengths = np.diff(self.offsets[:, 0])
+        self.tgt_lengths = np.diff(self.offsets[:, 1])
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        (s0, t0), (s1, t1) = self.offsets[i], self.offsets[i + 1]
+        return np.asarray(self.src[s0:s1]), np.asarray(self.tgt[t0:t1])
+
+
+def epoch_order(lengths_N: np.ndarray, batch_size: int, seed: int, epoch: int, group: int = 50):
+    """Rows of each batch of one epoch, [n_batches, batch_size]: a seeded shuffle, then sorted by
+    length within chunks of `group` batches, then the batches shuffled (the last partial one dropped)."""
+    n_batches = len(lengths_N) // batch_size
+    if n_batches == 0:
+        raise ValueError(f"{len(lengths_N)} pairs are fewer than one batch of {batch_size}")
+    rng = np.random.default_rng([seed, epoch])
+    perm = rng.permutation(len(lengths_N))[: n_batches * batch_size]
+    chunk = batch_size * group
+    for i in range(0, len(perm), chunk):
+        part = perm[i : i + chunk]
+        perm[i : i + chunk] = part[np.argsort(lengths_N[part], kind="stable")]
+    return perm.reshape(n_batches, batch_size)[rng.permutation(n_batches)]
+
+
+def make_batch(data: ParallelData, rows, src_len: int, tgt_len: int) -> dict[str, np.ndarray]:
+    """Pairs -> {src [B, S], src_lengths [B], inputs (BOS + target) [B, T], targets (target + EOS),
+    loss_mask} padded with PAD_ID to the given lengths."""
+    B = len(rows)
+    out = {
+        "src": np.full((B, src_len), PAD_ID, np.int32),
+        "src_lengths": np.zeros(B, np.int32),
+        "inputs": np.full((B, tgt_len), PAD_ID, np.int32),
+        "targets": np.full((B, tgt_len), PAD_ID, np.int32),
+        "loss_mask": np.zeros((B, tgt_len), np.float32),
+    }
+    for b, i in enumerate(rows):
+        s, t = data.pair(int(i))
+        s, t = s[: src_len - 1], t[: tgt_len - 1]
+        out["src"][b, : len(s) + 1] = np.append(s, EOS_ID)
+        out["src_lengths"][b] = len(s) + 1
+        out["inputs"][b, : len(t) + 1] = np.append(BOS_ID, t)
+        out["targets"][b, : len(t) + 1] = np.append(t, EOS_ID)
+        out["loss_mask"][b, : len(t) + 1] = 1.0
+    return out
+
+
+class Batcher:
+    """Batch `step` as a pure function of (seed, step): epoch = step // batches_per_epoch.
+
+    `src_len` / `tgt_len` fix the padded shapes (one compiled train step); with `bucket` > 0 each
+    batch is instead padded to its own longest pair rounded up to a multiple of `bucket`.
+    """
+
+    def __init__(
+        self, data: ParallelData, batch_size: int, seed: int, src_len: int, tgt_len: int, bucket: int = 0
+    ):
+        self.data, self.batch_size, self.seed, self.bucket = data, batch_size, seed, bucket
+        self.src_len, self.tgt_len = src_len, tgt_len
+        self.lengths = np.maximum(data.src_lengths, data.tgt_lengths)
+        self.n_per_epoch = len(data) // batch_size
+        self._epoch, self._order = None, None  # memo of the current epoch's order (pure: recomputable)
+
+    def rows(self, step: int) -> np.ndarray:
+        epoch, j = divmod(step, self.n_per_epoch)
+        if epoch != self._epoch:
+            self._order = epoch_order(self.lengths, self.batch_size, self.seed, epoch)
+            self._epoch = epoch
+        return self._order[j]
+
+    def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
+        rows = self.rows(step)
+        S, T = self.src_len, self.tgt_len
+        if self.bucket:  # from the whole global batch, so every process pads alike
+            S = min(S, up_to(int(self.data.src_lengths[rows].max()) + 1, self.bucket))
+            T = min(T, up_to(int(self.data.tgt_lengths[rows].max()) + 1, self.bucket))
+        n = len(rows) // process_count
+        return make_batch(self.data, rows[process_index * n : (process_index + 1) * n], S, T)
+
+
+def up_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def eval_rows(n_pairs: int, batch_size: int, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """Eval batch i in order, the last one filled with repeats: (rows, example mask)."""
+    rows = np.arange(i * batch_size, (i + 1) * batch_size)
+    return rows % n_pairs, (rows < n_pairs).astype(np.float32)
+
+
+# ---- command line ----
+
+
+def prepare(args) -> dict:
+    if args.task in ("reverse", "numbers"):
+        kw = {"max_value": args.max_value} if args.task == "numbers" else {"max_len": args.max_chars}
+        train, val, base = synthetic_split(args.task, args.n_train, args.n_val, args.seed, **kw)
+        source = f"synthetic:{args.task}"
+    else:
+        if args.task == "hf":
+            train, val = load_hf_pairs(args)
+        else:
+            if not args.input or (args.task == "files" and not args.target):
+                raise PrepareError(
+                    f"--task {args.task} needs --input" + (" and --target" if args.task == "files" else "")
+                )
+            pairs = read_tsv(args.input) if args.task == "tsv" else read_aligned(args.input, args.target)
+            n_val = max(1, int(len(pairs) * args.val_fraction))
+            if len(pairs) < 2:
+                raise PrepareError(f"{args.input} has {len(pairs)} pairs; need at least 2 (train and val)")
+            train, val = pairs[:-n_val], pairs[-n_val:]
+        source = args.input or f"hf:{args.hf_name}"
+        text = "".join(p[0] + p[1] for p in train + val) if args.tokenizer == "char" else None
+        base = CharTokenizer.from_text(text) if text is not None else get_tokenizer(args.tokenizer)
+    tok = Seq2SeqTokenizer(base)
+    splits = {
+        name: encode_pairs(pairs, tok, args.max_len, args.truncate)
+        for name, pairs in (("train", train), ("val", val))
+    }
+    return write_parallel(args.out_dir, splits, tok, source, args.overwrite)
+
+
+def load_hf_pairs(args):
+    """A Hugging Face translation dataset (wmt14 de-en: train, validation = newstest2013)."""
+    try:
+        import datasets
+    except ImportError:
+        raise PrepareError("--task hf needs the `datasets` package: pip install 'flaxgpt[data]'") from None
+    try:
+        ds = datasets.load_dataset(args.hf_name, args.hf_config)
+    except Exception as e:  # offline, unknown name: both mean "cannot get it"
+        raise PrepareError(
+            f"could not load Hugging Face dataset {args.hf_name!r}/{args.hf_config!r} "
+            f"({type(e).__name__}); it needs the network, or prepare local files with "
+            "--task tsv / --task files"
+        ) from None
+    out = []
+    for split in ("train", "validation"):
+        rows = ds[split]["translation"]
+        out.append([(r[args.src_lang], r[args.tgt_lang], f"{split}:{i}") for i, r in enumerate(rows)])
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m flaxgpt.seq2seq_data", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--task", required=True, choices=TASKS, help="reverse | numbers (synthetic), tsv, files, hf"
+    )
+    p.add_argument("--out_dir", required=True, help="where the token files and meta.json go")
+    p.add_argument("--input", help="tsv: the source<TAB>target file; files: the source-side file")
+    p.add_argument("--target", help="files: the target-side file, line-aligned with --input")
+    p.add_argument("--tokenizer", choices=["char", "gpt2"], default="char", help="shared vocabulary")
+    p.add_argument("--max_len", type=int, default=256, help="longest side in tokens, EOS/BOS included")
+    p.add_argument(
+        "--truncate", action="store_true", help="cut longer pairs (with a warning) instead of failing"
+    )
+    p.add_argument("--val_fraction", type=float, default=0.05, help="tsv/files: last share of pairs for val")
+    p.add_argument("--n_train", type=int, default=50_000, help="synthetic: training pairs")
+    p.add_argument("--n_val", type=int, default=1000, help="synthetic: held-out pairs (never in train)")
+    p.add_argument("--max_chars", type=int, default=12, help="reverse: longest string")
+    p.add_argument("--max_value", type=int, default=999_999, help="numbers: largest number")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf_name", default="wmt14")
+    p.add_argument("--hf_config", default="de-en")
+    p.add_argument("--src_lang", default="en")
+    p.add_argument("--tgt_lang", default="de")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
+    args = p.parse_args(argv)
+    meta = prepare(args)
+    print(
+        f"wrote {args.out_dir}: {meta['train_pairs']:,} train and {meta['val_pairs']:,} val pairs, "
+        f"vocab {meta['vocab_size']:,}, longest source {meta['max_src_len']} / target "
+        f"{meta['max_tgt_len']} tokens"
+    )
+    return meta
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except PrepareError as e:
+        sys.exit(f"error: {e}")
