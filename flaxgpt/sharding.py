@@ -1,0 +1,124 @@
+"""Device mesh, the logical-axis rules table, and shardings for parameters, state and batches.
+
+Parameters carry logical axis names (layers.py: vocab, embed, heads, mlp, layers). One table maps
+them onto the mesh axes ("data", "fsdp"): with fsdp > 1, every "embed" axis is split over the
+fsdp devices (ZeRO-3: parameters, gradients and optimizer state sharded, gathered per layer by
+XLA); everything else is replicated. Batches are split over all devices on their batch axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp")  # the batch is split over every device
+LOGICAL_RULES = (
+    ("batch", BATCH_AXES),
+    ("embed", "fsdp"),
+    ("vocab", None),
+    ("heads", None),
+    ("mlp", None),
+    ("layers", None),
+)
+
+
+def maybe_initialize_distributed(config) -> None:
+    """jax.distributed.initialize() on multi-host runs: TPU pods find each other themselves,
+    GPU clusters need distributed.coordinator_address, num_processes and process_id."""
+    d = config.distributed
+    if d.coordinator_address:
+        jax.distributed.initialize(
+            coordinator_address=d.coordinator_address,
+            num_processes=d.num_processes or None,
+            process_id=None if d.process_id < 0 else d.process_id,
+        )
+    elif _on_tpu_pod():
+        jax.distributed.initialize()
+
+
+def _on_tpu_pod() -> bool:
+    import os
+
+    # TPU VMs of a multi-host slice list their peers here; a single host does not need initialize()
+    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    return len([h for h in hosts.split(",") if h]) > 1 and not jax.distributed.is_initialized()
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
+    """A ("data", "fsdp") mesh over `devices` (default: all); -1 on one axis means the rest."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if data == -1 and fsdp == -1:
+        raise ValueError("only one of mesh.data and mesh.fsdp may be -1")
+    if fsdp == -1:
+        fsdp = n // data if data > 0 and n % data == 0 else -1
+    if data == -1:
+        data = n // fsdp if fsdp > 0 and n % fsdp == 0 else -1
+    if data < 1 or fsdp < 1 or data * fsdp != n:
+        raise ValueError(
+            f"mesh.data x mesh.fsdp must equal the {n} devices, got {data} x {fsdp}; "
+            "set one of them to -1 to use the rest"
+        )
+    return Mesh(np.asarray(devices).reshape(data, fsdp), MESH_AXES)
+
+
+def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
+    """Rows split over every device; `leading_axes` unsplit axes before them (micro-batches)."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def check_batch(batch_rows: int, mesh: Mesh, what: str = "batch_size") -> None:
+    n = mesh.devices.size
+    if batch_rows % n:
+        raise ValueError(
+            f"{what} {batch_rows} is not divisible by the {n} data-parallel devices "
+            f"(mesh {dict(mesh.shape)}); use a multiple of {n}"
+        )
+
+
+def param_shardings(abstract_boxed_params, mesh: Mesh, rules=LOGICAL_RULES):
+    """NamedShardings for the (unboxed) parameter tree, from the boxed abstract parameters."""
+    specs = nn.get_partition_spec(abstract_boxed_params)
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+    _check_divisible(nn.unbox(abstract_boxed_params), shardings, mesh)
+    return shardings
+
+
+def _check_divisible(abstract_params, shardings, mesh: Mesh) -> None:
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    for (path, leaf), sharding in zip(flat, jax.tree_util.tree_leaves(shardings)):
+        for dim, axes in zip(leaf.shape, sharding.spec):
+            axes = (axes,) if isinstance(axes, str) else (axes or ())
+            size = int(np.prod([mesh.shape[a] for a in axes]))
+            if dim % size:
+                name = jax.tree_util.keystr(path)
+                raise ValueError(
+                    f"parameter {name} dim {dim} is not divisible by the {size} devices of "
+                    f"mesh axes {axes}; choose mesh.fsdp dividing the model dims"
+                )
+
+
+def state_shardings(abstract_state, params_abstract, params_shardings, mesh: Mesh):
+    """Shardings for a whole train state: any subtree shaped like the parameters (the params
+    themselves, Adam's mu and nu) gets the parameter shardings; everything else is replicated."""
+    params_def = jax.tree_util.tree_structure(params_abstract)
+
+    def is_params_like(x):
+        try:
+            return jax.tree_util.tree_structure(x) == params_def
+        except Exception:
+            return False
+
+    rep = replicated(mesh)
+    return jax.tree_util.tree_map(
+        lambda x: params_shardings if is_params_like(x) else rep,
+        abstract_state,
+        is_leaf=lambda x: is_params_like(x),
+    )

@@ -1,0 +1,344 @@
+"""The training loop: TrainState, the loss, the sharded train step, evaluation and logging.
+
+    state, metrics = train_step(state, batch)   # pure, jitted once, state donated
+
+Model-specific parts live in a small task object (`GPTTask` here; the encoder-decoder registers
+its own with `register_task`), chosen by `config.model.kind`. A task provides:
+  model_config, abstract_params() (boxed, with logical axes), init_params(rng),
+  loss(params, batch, rng, train) -> (summed float32 loss, number of target tokens),
+  batch(split, step, n_rows, process_index) -> host-local numpy dict [n_rows, ...],
+  flops_per_token(), tokens_per_row, and run_files(out_dir).
+
+Checkpointing hooks in at two places: `Trainer.init_state` (restore onto `abstract_state` /
+`state_shardings` instead) and `Trainer.after_step` (save). The data position is the step.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from flaxgpt import data as data_lib
+from flaxgpt import gpt, sharding
+from flaxgpt.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
+from flaxgpt.optim import make_optimizer
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates done so far (also the data position)
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # base key; dropout at step s uses fold_in(rng, s)
+
+
+def cross_entropy(logits_BTV, targets_BT, mask_BT=None, label_smoothing: float = 0.0):
+    """(sum of per-token losses, number of counted tokens), both float32."""
+    logits_BTV = logits_BTV.astype(jnp.float32)  # fp32 log-softmax even when the model runs in bf16
+    logprobs_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
+    nll_BT = -jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    if label_smoothing > 0:
+        nll_BT = (1.0 - label_smoothing) * nll_BT - label_smoothing * logprobs_BTV.mean(axis=-1)
+    mask_BT = jnp.ones_like(nll_BT) if mask_BT is None else mask_BT.astype(jnp.float32)
+    return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def gpt_config_from(model_cfg, vocab_size: int) -> gpt.GPTConfig:
+    m = model_cfg
+    return gpt.GPTConfig(
+        vocab_size=vocab_size,
+        block_size=m.block_size,
+        n_layer=m.n_layer,
+        n_head=m.n_head,
+        n_embd=m.n_embd,
+        pos_embedding=m.pos_embedding,
+        activation=m.activation,
+        tie_embeddings=m.tie_embeddings,
+        bias=m.bias,
+        qkv_bias=m.bias,
+        embd_dropout=m.dropout,
+        attn_dropout=m.dropout,
+        resid_dropout=m.dropout,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        pad_vocab_multiple=m.pad_vocab_multiple,
+        attention_impl=m.attention_impl,
+        scan_layers=m.scan_layers,
+        remat=m.remat,
+    )
+
+
+class GPTTask:
+    """Next-token prediction on a prepared token dataset (flaxgpt.prepare)."""
+
+    kind = "gpt"
+    splits = ("train", "val")
+
+    def __init__(self, config):
+        self.data = data_lib.TokenData(config.data.dir)
+        self.model_config = gpt_config_from(config.model, config.model.vocab_size or self.data.vocab_size)
+        self.data.check(self.model_config.block_size, self.model_config.vocab_size)
+        self.model = gpt.GPT(self.model_config)
+        self.seed = config.seed
+        self.label_smoothing = config.optim.label_smoothing
+        self.tokens_per_row = self.model_config.block_size
+
+    def abstract_params(self):
+        return gpt.abstract_params(self.model_config)
+
+    def init_params(self, rng):
+        return gpt.init_params(self.model_config, rng)
+
+    def loss(self, params, batch, rng, train: bool):
+        logits_BTV = self.model.apply(
+            {"params": params},
+            batch["inputs"],
+            deterministic=not train,
+            rngs={"dropout": rng} if train else None,
+        )
+        return cross_entropy(logits_BTV, batch["targets"], batch.get("loss_mask"), self.label_smoothing)
+
+    def batch(self, split: str, step: int, n_rows: int, process_index: int):
+        """Train batches follow the step; eval batch i of a split is the same at every evaluation."""
+        tokens = self.data.splits["train" if split != "val" else "val"]
+        stream = {
+            "train": data_lib.TRAIN_STREAM,
+            "val": data_lib.VAL_STREAM,
+            "train_eval": data_lib.TRAIN_EVAL_STREAM,
+        }[split]
+        return data_lib.get_batch(
+            tokens, self.model_config.block_size, n_rows, self.seed, step, process_index, stream
+        )
+
+    def flops_per_token(self) -> float:
+        c = self.model_config
+        n = gpt.count_params(self.abstract_params(), exclude_embeddings=True)
+        return flops_per_token(n, c.n_layer, c.n_head, c.head_dim, c.block_size)
+
+    def model_dict(self) -> dict:
+        return {"kind": self.kind, **self.model_config.to_dict()}
+
+    def run_files(self, out_dir: Path) -> None:
+        shutil.copyfile(self.data.dir / "meta.json", out_dir / "meta.json")
+
+
+TASKS = {"gpt": GPTTask}
+
+
+def register_task(kind: str, cls) -> None:
+    TASKS[kind] = cls
+
+
+def make_task(config):
+    if config.model.kind not in TASKS:
+        raise ValueError(f"unknown model.kind {config.model.kind!r}; known: {', '.join(TASKS)}")
+    return TASKS[config.model.kind](config)
+
+
+def make_train_step(task, tx, schedule, grad_accum: int):
+    """train_step(state, batch) with batch leaves [grad_accum, micro_B, ...]."""
+    grad_fn = jax.value_and_grad(lambda p, b, r: task.loss(p, b, r, True), has_aux=True)
+
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(state.rng, state.step)
+
+        def micro(i, micro_batch):
+            (loss_sum, weight), grads = grad_fn(state.params, micro_batch, jax.random.fold_in(rng, i))
+            return grads, loss_sum, weight
+
+        if grad_accum == 1:
+            grads, loss_sum, weight = micro(0, jax.tree_util.tree_map(lambda x: x[0], batch))
+        else:  # sum gradients of summed losses, divide once: k micro-batches == one big batch
+
+            def body(carry, xs):
+                out = micro(*xs)
+                return jax.tree_util.tree_map(jnp.add, carry, out), None
+
+            zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params), jnp.float32(0), jnp.float32(0))
+            (grads, loss_sum, weight), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), batch))
+        grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+class Trainer:
+    """Everything set up and checked before anything is written; then `run`."""
+
+    def __init__(self, config, devices=None, print_fn=print):
+        self.config, self.print = config, print_fn
+        if config.batch_size % config.grad_accum:
+            raise ValueError(
+                f"batch_size {config.batch_size} is not divisible by grad_accum {config.grad_accum}"
+            )
+        self.micro_rows = config.batch_size // config.grad_accum
+        self.task = make_task(config)
+        self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
+        sharding.check_batch(self.micro_rows, self.mesh, "batch_size // grad_accum")
+        if self.micro_rows % jax.process_count():
+            raise ValueError(
+                f"batch_size // grad_accum = {self.micro_rows} is not divisible by the "
+                f"{jax.process_count()} processes"
+            )
+        self.tx, self.schedule = make_optimizer(config.optim, config.max_iters)
+        boxed = self.task.abstract_params()
+        self.param_shardings = sharding.param_shardings(boxed, self.mesh)
+        self.abstract_state = jax.eval_shape(self._init_state_fn, jax.random.key(0))
+        self.state_shardings = sharding.state_shardings(
+            self.abstract_state, self.abstract_state.params, self.param_shardings, self.mesh
+        )
+        self.train_batch_sharding = sharding.batch_sharding(self.mesh, leading_axes=1)
+        self.eval_batch_sharding = sharding.batch_sharding(self.mesh)
+        rep = sharding.replicated(self.mesh)
+        self.train_step = jax.jit(
+            make_train_step(self.task, self.tx, self.schedule, config.grad_accum),
+            in_shardings=(self.state_shardings, self.train_batch_sharding),
+            out_shardings=(self.state_shardings, rep),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(
+            lambda p, b: self.task.loss(p, b, None, False),
+            in_shardings=(self.param_shardings, self.eval_batch_sharding),
+            out_shardings=rep,
+        )
+        self.tokens_per_step = config.batch_size * self.task.tokens_per_row
+        self.is_main = jax.process_index() == 0
+
+    def _init_state_fn(self, rng):
+        params_rng, train_rng = jax.random.split(rng)
+        params = self.task.init_params(params_rng)
+        return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params), rng=train_rng)
+
+    def init_state(self) -> TrainState:
+        """A fresh state built directly in its shardings (never whole on one device).
+        Checkpoint restore goes here: restore onto self.abstract_state / self.state_shardings."""
+        init_from = self.config.init_from
+        if init_from not in ("resume", "scratch"):
+            raise ValueError(
+                f"init_from={init_from!r}: starting from pretrained weights needs "
+                "flaxgpt.hf (not available yet); use 'scratch'"
+            )
+        init = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
+        return init(jax.random.key(self.config.seed))
+
+    def global_batch(self, split: str, step: int, rows: int, micro: bool):
+        local = self.task.batch(split, step, rows // jax.process_count(), jax.process_index())
+        if micro:
+            local = data_lib.split_micro(local, self.config.grad_accum)
+            return data_lib.to_global(local, self.train_batch_sharding, batch_axis=1)
+        return data_lib.to_global(local, self.eval_batch_sharding)
+
+    def evaluate(self, params) -> dict:
+        """Mean loss over eval_iters fixed batches of each split (results fetched once at the end)."""
+        sums = {}
+        for split in self.task.splits:
+            name = "train_eval" if split == "train" else split
+            parts = [
+                self.eval_step(params, self.global_batch(name, i, self.micro_rows, micro=False))
+                for i in range(self.config.eval_iters)
+            ]
+            sums[split] = parts
+        fetched = jax.device_get(sums)
+        return {f"{s}_loss": float(sum(p[0] for p in v) / sum(p[1] for p in v)) for s, v in fetched.items()}
+
+    def write_run_files(self) -> Path:
+        out_dir = Path(self.config.out_dir)
+        if self.is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            cfg = self.config.to_dict()
+            cfg["model"] = self.task.model_dict()
+            (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            self.task.run_files(out_dir)
+        return out_dir
+
+    def after_step(self, step: int, state: TrainState) -> None:
+        """Hook after each dispatched step (`step` updates done): checkpoint saving goes here."""
+
+    def compile(self, state: TrainState, batch) -> float:
+        """Compile the train step ahead of time (once); returns the seconds it took."""
+        t0 = time.perf_counter()
+        self.train_step = self.train_step.lower(state, batch).compile()
+        return time.perf_counter() - t0
+
+    def run(self, state: TrainState) -> dict:
+        c = self.config
+        writer = MetricsWriter(c.out_dir, c.tensorboard, self.is_main, self.print)
+        start = int(jax.device_get(state.step))
+        peak = peak_flops_per_device(c.peak_flops)
+        flops_per_step = self.task.flops_per_token() * self.tokens_per_step
+        self.print(
+            f"{gpt.count_params(state.params):,} parameters | {self.tokens_per_step:,} tokens/step | "
+            f"mesh {dict(self.mesh.shape)} | "
+            + (
+                f"MFU vs {peak:.3g} FLOP/s per device"
+                if peak
+                else f"MFU n/a (no known peak on {jax.devices()[0].platform}; set --config.peak_flops)"
+            )
+        )
+        summary = {"best_val_loss": float("inf"), "compile_time": 0.0}
+        batch = self.global_batch("train", start, c.batch_size, micro=True)
+        if start < c.max_iters:
+            summary["compile_time"] = self.compile(state, batch)
+            self.print(f"compiled the train step in {summary['compile_time']:.1f} s")
+        pending, clock = None, (time.perf_counter(), start)
+
+        def log(step, metrics, clock):  # blocks only on this (already finished) step's metrics
+            m = jax.device_get(metrics)
+            now = time.perf_counter()
+            dt = (now - clock[0]) / max(1, step - clock[1])
+            m.update(
+                step_time=dt,
+                tokens_per_sec=self.tokens_per_step / dt,
+                mfu=flops_per_step / dt / (peak * jax.device_count()) if peak else None,
+            )
+            writer.write(step, m)
+            summary["loss"] = float(m["loss"])
+            if not np.isfinite(m["loss"]):
+                raise FloatingPointError(f"loss is {m['loss']} at step {step}; lower the learning rate")
+            return now, step
+
+        for step in range(start, c.max_iters + 1):
+            if step % c.eval_interval == 0 or step == c.max_iters or c.eval_only:
+                if pending:
+                    clock, pending = log(*pending, clock), None
+                evals = self.evaluate(state.params)
+                summary["best_val_loss"] = min(summary["best_val_loss"], evals.get("val_loss", np.inf))
+                summary.update(evals)
+                writer.write(step, {**evals, "best_val_loss": summary["best_val_loss"]})
+                clock = (time.perf_counter(), step)
+            if step == c.max_iters or c.eval_only:
+                break
+            if step > start:
+                batch = self.global_batch("train", step, c.batch_size, micro=True)
+            state, metrics = self.train_step(state, batch)  # dispatched; runs while we go on
+            if pending:  # the previous log step's metrics are ready by now
+                clock, pending = log(*pending, clock), None
+            if (step + 1) % c.log_interval == 0:
+                pending = (step + 1, metrics)
+            self.after_step(step + 1, state)
+        if pending:
+            log(*pending, clock)
+        writer.close()
+        summary["state"] = state
+        return summary
+
+
+def train(config, devices=None, print_fn=print) -> dict:
+    """Set up (all input checked), write the run files, train; returns the last metrics and state."""
+    sharding.maybe_initialize_distributed(config)
+    trainer = Trainer(config, devices, print_fn)
+    state = trainer.init_state()
+    trainer.write_run_files()
+    return trainer.run(state)

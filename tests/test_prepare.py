@@ -1,0 +1,127 @@
+"""flaxgpt.prepare on generated text: files, dtype, split, refusal to overwrite, offline error."""
+
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+from flaxgpt import prepare
+from flaxgpt.tokenizers import from_meta
+
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(200))
+
+
+def _write(tmp_path, text=TEXT, name="input.txt"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_char_dataset_roundtrip(tmp_path):
+    src = _write(tmp_path)
+    meta = prepare.main(
+        ["--dataset", "shakespeare_char", "--input", str(src), "--out_dir", str(tmp_path / "d")]
+    )
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == len(set(TEXT))
+    train = np.fromfile(tmp_path / "d/train.bin", dtype=np.uint16)
+    val = np.fromfile(tmp_path / "d/val.bin", dtype=np.uint16)
+    assert len(train) == int(len(TEXT) * 0.9) and len(train) + len(val) == len(TEXT)
+    saved = json.loads((tmp_path / "d/meta.json").read_text())
+    tok = from_meta(saved["tokenizer"])
+    assert tok.decode(np.concatenate([train, val])) == TEXT  # split is a cut, nothing lost or shuffled
+    assert saved["train_tokens"] == len(train) and saved["val_tokens"] == len(val)
+
+
+def test_gpt2_tokens_from_a_folder(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text(TEXT[:3000])
+    (folder / "b.md").write_text(TEXT[3000:6000])
+    (folder / "skip.bin").write_bytes(b"\x00\x01")
+    meta = prepare.main(
+        [
+            "--dataset",
+            "text",
+            "--input",
+            str(folder),
+            "--tokenizer",
+            "gpt2",
+            "--out_dir",
+            str(tmp_path / "d"),
+            "--val_fraction",
+            "0.2",
+        ]
+    )
+    assert meta["vocab_size"] == 50257 and meta["dtype"] == "uint16"
+    ids = np.concatenate([np.fromfile(tmp_path / f"d/{s}.bin", dtype=np.uint16) for s in ("train", "val")])
+    assert from_meta(meta["tokenizer"]).decode(ids) == TEXT[:3000] + "\n\n" + TEXT[3000:6000]
+
+
+def test_wide_vocab_uses_uint32():
+    assert prepare.token_dtype(65) == np.uint16 and prepare.token_dtype(70000) == np.uint32
+
+
+def test_refuses_to_overwrite_and_keeps_old_files(tmp_path):
+    src = _write(tmp_path)
+    out = tmp_path / "d"
+    prepare.main(["--dataset", "text", "--tokenizer", "char", "--input", str(src), "--out_dir", str(out)])
+    before = (out / "train.bin").read_bytes()
+    other = _write(tmp_path, "abc" * 500, "other.txt")
+    with pytest.raises(prepare.PrepareError, match="--overwrite"):
+        prepare.main(
+            ["--dataset", "text", "--tokenizer", "char", "--input", str(other), "--out_dir", str(out)]
+        )
+    assert (out / "train.bin").read_bytes() == before
+    # a failure half way (text too short) leaves the old dataset whole, even with --overwrite
+    tiny = _write(tmp_path, "ab", "tiny.txt")
+    with pytest.raises(prepare.PrepareError, match="too short"):
+        prepare.main(
+            [
+                "--dataset",
+                "text",
+                "--tokenizer",
+                "char",
+                "--input",
+                str(tiny),
+                "--out_dir",
+                str(out),
+                "--overwrite",
+            ]
+        )
+    assert (out / "train.bin").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temp left
+    prepare.main(
+        [
+            "--dataset",
+            "text",
+            "--tokenizer",
+            "char",
+            "--input",
+            str(other),
+            "--out_dir",
+            str(out),
+            "--overwrite",
+        ]
+    )
+    assert (out / "train.bin").read_bytes() != before
+
+
+def test_offline_download_says_use_input(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(prepare.PrepareError, match="--input FILE") as e:
+        prepare.main(["--dataset", "shakespeare_char", "--out_dir", str(tmp_path / "d")])
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "d").exists()
+
+
+def test_missing_input_and_hf_without_network(tmp_path):
+    with pytest.raises(prepare.PrepareError, match="does not exist"):
+        prepare.main(
+            ["--dataset", "text", "--input", str(tmp_path / "nope.txt"), "--out_dir", str(tmp_path / "d")]
+        )
+    with pytest.raises(prepare.PrepareError, match="datasets|could not load"):
+        prepare.prepare_hf("definitely/not-a-dataset-xyz", tmp_path / "h", "gpt2", 0.1, False, 1)
