@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
+import threading
 from pathlib import Path
 
 import jax
@@ -449,4 +451,38 @@ def resume_step(ckpt: Checkpointer, init_from: str = "auto") -> int | None:
     return None
 
 
-__all__ = ["CheckpointError", "Checkpointer", "all_finite", "load_for_inference", "resume_step"]
+class StopSignal:
+    """Remembers a SIGTERM (what TPU VMs and schedulers send before preempting) instead of dying.
+
+    The loop checks `stop.requested(step)` after each step: finish the step, save, exit 0. With several
+    processes they all agree (one small host all-gather every `every` steps), so all save the same step.
+    """
+
+    def __init__(self, signals=(signal.SIGTERM,), every: int = 1):
+        self.received: str | None = None
+        self.every = max(1, every)
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():  # Python only allows it there
+            self._previous = {s: signal.signal(s, self._handler) for s in signals}
+
+    def _handler(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def requested(self, step: int) -> bool:
+        if jax.process_count() == 1:
+            return self.received is not None
+        if step % self.every:
+            return False
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(self.received is not None))
+        return bool(np.any(flags))
+
+    def close(self):
+        """Puts the previous handlers back."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+
+__all__ = ["CheckpointError", "Checkpointer", "StopSignal", "all_finite", "load_for_inference", "resume_step"]

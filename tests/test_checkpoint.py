@@ -16,7 +16,14 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from flaxgpt.checkpoint import Checkpointer, CheckpointError, all_finite, load_for_inference, resume_step
+from flaxgpt.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    StopSignal,
+    all_finite,
+    load_for_inference,
+    resume_step,
+)
 from flaxgpt.gpt import GPT, GPTConfig, init_params
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -355,3 +362,32 @@ def test_load_for_inference_errors(tmp_path):
     _, params, meta = load_for_inference(tmp_path, params_path="weights")
     assert meta is None and np.asarray(params["w"]).tolist() == [1.0, 1.0]
     assert Path(tmp_path / "checkpoints" / "1").is_dir()
+
+
+def test_stop_signal_turns_sigterm_into_a_flag():
+    stop = StopSignal()
+    try:
+        assert not stop.requested(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # would end pytest without the handler
+        time.sleep(0.01)
+        assert stop.requested(2) and stop.received == "SIGTERM"
+    finally:
+        stop.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_flax_train_state_round_trip(tmp_path):
+    """The trainer's flax struct TrainState: stored by field names, restored as the same class."""
+    from flaxgpt.trainer import TrainState
+
+    raw = train_state()
+    state = TrainState(step=raw["step"], params=raw["params"], opt_state=raw["opt_state"], rng=raw["rng"])
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, state, extra={})
+    restored, _ = ckpt.restore(abstract_state=abstract(state, mesh_sharding(8)))
+    assert isinstance(restored, TrainState)
+    assert_identical(restored, state)
+    params = ckpt.restore_params(abstract_params=abstract(state.params, one_device))
+    assert_identical(params, state.params)
+    assert "params/h_1/mlp/c_fc/kernel" in ckpt.saved_shapes(1)
+    ckpt.close()
