@@ -52,9 +52,19 @@ class _BeamState:
     cache: object
 
 
-def beam_search(step_fn: Callable, cache, *, batch_size: int, beam_size: int, max_len: int,
-                bos_id: int, eos_id: int, pad_id: int = 0, alpha: float = 0.6,
-                reorder_cache: Callable | None = None):
+def beam_search(
+    step_fn: Callable,
+    cache,
+    *,
+    batch_size: int,
+    beam_size: int,
+    max_len: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int = 0,
+    alpha: float = 0.6,
+    reorder_cache: Callable | None = None,
+):
     """-> (seqs [B, W, max_len], scores [B, W]), best first, BOS dropped, EOS kept, pad after.
 
     `cache` holds R = batch_size * beam_size rows (each source repeated beam_size times,
@@ -71,9 +81,15 @@ def beam_search(step_fn: Callable, cache, *, batch_size: int, beam_size: int, ma
     seqs0 = jnp.full((B, W, N + 1), pad_id, jnp.int32).at[:, :, 0].set(bos_id)
     # only beam 0 starts alive: W identical beams would fill the first top-k with copies
     logp0 = jnp.tile(jnp.where(jnp.arange(W) == 0, 0.0, NEG_INF)[None], (B, 1))
-    state = _BeamState(step=jnp.array(0, jnp.int32), live_seqs=seqs0, live_logp=logp0,
-                       fin_seqs=seqs0, fin_scores=jnp.full((B, W), NEG_INF),
-                       fin_flags=jnp.zeros((B, W), bool), cache=cache)
+    state = _BeamState(
+        step=jnp.array(0, jnp.int32),
+        live_seqs=seqs0,
+        live_logp=logp0,
+        fin_seqs=seqs0,
+        fin_scores=jnp.full((B, W), NEG_INF),
+        fin_flags=jnp.zeros((B, W), bool),
+        cache=cache,
+    )
 
     def can_improve(s: _BeamState):
         # log-probs only fall as tokens are added and the penalty is largest at N, so
@@ -89,14 +105,16 @@ def beam_search(step_fn: Callable, cache, *, batch_size: int, beam_size: int, ma
         logp_BWV = jax.nn.log_softmax(logits_R1V[:, -1].astype(jnp.float32)).reshape(B, W, -1)
         V = logp_BWV.shape[-1]
         # 2W candidates: even if W of them end in EOS, W live ones remain
-        cand_logp_BC, cand_idx_BC = jax.lax.top_k((s.live_logp[..., None] + logp_BWV).reshape(B, -1),
-                                                  2 * W)
+        cand_logp_BC, cand_idx_BC = jax.lax.top_k((s.live_logp[..., None] + logp_BWV).reshape(B, -1), 2 * W)
         cand_beam_BC, cand_tok_BC = cand_idx_BC // V, cand_idx_BC % V
         cand_seqs = _gather_beams(s.live_seqs, cand_beam_BC).at[:, :, s.step + 1].set(cand_tok_BC)
         valid_BC = cand_logp_BC > NEG_INF / 2  # not descended from a dead initial beam
-        eos_BC = (cand_tok_BC == eos_id) & valid_BC
+        # an EOS finishes a sequence only from the top W (fairseq's rule): with W = 1 this is
+        # exactly greedy, and a lower-ranked EOS would not have survived a W-wide search anyway
+        top_w_C = jnp.arange(2 * W) < W
+        eos_BC = (cand_tok_BC == eos_id) & valid_BC & top_w_C[None]
 
-        live_logp, pick_BW = jax.lax.top_k(jnp.where(eos_BC, NEG_INF, cand_logp_BC), W)
+        live_logp, pick_BW = jax.lax.top_k(jnp.where(cand_tok_BC == eos_id, NEG_INF, cand_logp_BC), W)
         live_seqs = _gather_beams(cand_seqs, pick_BW)
         rows_R = (jnp.arange(B)[:, None] * W + _gather_beams(cand_beam_BC, pick_BW)).reshape(-1)
         cache = reorder(cache, rows_R)
@@ -106,8 +124,15 @@ def beam_search(step_fn: Callable, cache, *, batch_size: int, beam_size: int, ma
         fin_scores, keep_BW = jax.lax.top_k(scores, W)
         fin_seqs = _gather_beams(jnp.concatenate([s.fin_seqs, cand_seqs], axis=1), keep_BW)
         fin_flags = _gather_beams(jnp.concatenate([s.fin_flags, eos_BC], axis=1), keep_BW)
-        return _BeamState(step=s.step + 1, live_seqs=live_seqs, live_logp=live_logp,
-                          fin_seqs=fin_seqs, fin_scores=fin_scores, fin_flags=fin_flags, cache=cache)
+        return _BeamState(
+            step=s.step + 1,
+            live_seqs=live_seqs,
+            live_logp=live_logp,
+            fin_seqs=fin_seqs,
+            fin_scores=fin_scores,
+            fin_flags=fin_flags,
+            cache=cache,
+        )
 
     s = jax.lax.while_loop(can_improve, body, state)
     any_fin_B = s.fin_flags.any(axis=1)
@@ -116,8 +141,9 @@ def beam_search(step_fn: Callable, cache, *, batch_size: int, beam_size: int, ma
     return seqs[:, :, 1:], scores
 
 
-def greedy_search(step_fn: Callable, cache, *, batch_size: int, max_len: int, bos_id: int,
-                  eos_id: int, pad_id: int = 0):
+def greedy_search(
+    step_fn: Callable, cache, *, batch_size: int, max_len: int, bos_id: int, eos_id: int, pad_id: int = 0
+):
     """-> tokens [B, max_len]: the argmax at every step, EOS kept, pad after it."""
     B, N = batch_size, max_len
     tokens0 = jnp.full((B, N + 1), pad_id, jnp.int32).at[:, 0].set(bos_id)

@@ -17,13 +17,17 @@ L decoder layers, H heads, K head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from flax import struct
 
+from flaxgpt.beam_search import beam_search, gather_rows, greedy_search
 from flaxgpt.cache import KVCache
 from flaxgpt.layers import (
     ACTIVATIONS,
@@ -348,3 +352,113 @@ def init_params(config: TransformerConfig, rng: jax.Array):
 def abstract_params(config: TransformerConfig):
     """ShapeDtypeStructs of the parameters, still boxed with their logical axes."""
     return jax.eval_shape(lambda r: Transformer(config).init(r, *_dummy(config)), jax.random.key(0))["params"]
+
+
+# ---- decoding: the model seen by beam_search / greedy_search through a step function ----
+
+
+def _reorder_self_kv(cache: Seq2SeqCache, rows_R):
+    # every beam of a source shares that source's cross keys/values: only the self-attention moves
+    return cache.replace(self_kv=gather_rows(cache.self_kv, rows_R))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("config", "beam_size", "max_len", "alpha", "bos_id", "eos_id", "pad_id")
+)
+def generate(
+    params,
+    src_BS,
+    src_lengths_B,
+    *,
+    config: TransformerConfig,
+    beam_size: int = 4,
+    max_len: int = 64,
+    alpha: float = 0.6,
+    bos_id: int = 1,
+    eos_id: int = 2,
+    pad_id: int = 0,
+):
+    """Target tokens [B, max_len] (EOS kept, pad after) for each source: beam search, or greedy
+    when beam_size == 1. The source is encoded and projected for cross-attention once."""
+    B, W = src_BS.shape[0], beam_size
+    model = Transformer(config)
+    v = {"params": params}
+    memory_BSD = model.apply(v, src_BS, src_lengths_B, method=Transformer.encode)
+    # each source repeated W times: row b * W + w is beam w of source b
+    memory_RSD, lengths_R = jnp.repeat(memory_BSD, W, axis=0), jnp.repeat(src_lengths_B, W, axis=0)
+    cache = model.apply(v, memory_RSD, max_len, method=Transformer.init_cache)
+
+    def step(tokens_RT, positions_RT, cache):
+        return model.apply(
+            v, tokens_RT, None, lengths_R, cache=cache, positions=positions_RT, method=Transformer.decode
+        )
+
+    ids = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    if W == 1:
+        return greedy_search(step, cache, batch_size=B, max_len=max_len, **ids)
+    seqs_BWN, _ = beam_search(
+        step,
+        cache,
+        batch_size=B,
+        beam_size=W,
+        max_len=max_len,
+        alpha=alpha,
+        reorder_cache=_reorder_self_kv,
+        **ids,
+    )
+    return seqs_BWN[:, 0]
+
+
+def translate(
+    config: TransformerConfig,
+    params,
+    tokenizer,
+    lines,
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len: int | None = None,
+    batch_size: int = 32,
+    truncate: bool = False,
+) -> list[str]:
+    """Text in, text out: encode each line (+ EOS), decode in batches, detokenize up to EOS.
+
+    `tokenizer` is a seq2seq_data.Seq2SeqTokenizer (pad_id, bos_id, eos_id). A line longer than
+    the model's max_len - 1 tokens is an error, or cut with a warning when `truncate`.
+    """
+    max_len = max_len or config.max_len
+    ids = []
+    for i, line in enumerate(lines):
+        toks = tokenizer.encode(line)
+        if len(toks) > config.max_len - 1:
+            if not truncate:
+                raise ValueError(
+                    f"line {i + 1} has {len(toks)} tokens, more than max_len - 1 = "
+                    f"{config.max_len - 1}; shorten it or pass truncate=True"
+                )
+            warnings.warn(f"line {i + 1} cut to {config.max_len - 1} tokens", stacklevel=2)
+            toks = toks[: config.max_len - 1]
+        ids.append(toks + [tokenizer.eos_id])
+    out = []
+    for start in range(0, len(ids), batch_size):
+        chunk = ids[start : start + batch_size]
+        # fixed batch rows and source lengths in multiples of 16: few shapes, few compilations
+        S = min(config.max_len, -(-max(len(t) for t in chunk) // 16) * 16)
+        src = np.full((batch_size, S), tokenizer.pad_id, np.int32)
+        lengths = np.ones(batch_size, np.int32)
+        for b, t in enumerate(chunk):
+            src[b, : len(t)], lengths[b] = t, len(t)
+        tokens = generate(
+            params,
+            src,
+            lengths,
+            config=config,
+            beam_size=beam_size,
+            max_len=max_len,
+            alpha=alpha,
+            bos_id=tokenizer.bos_id,
+            eos_id=tokenizer.eos_id,
+            pad_id=tokenizer.pad_id,
+        )
+        out += [tokenizer.decode(row) for row in np.asarray(tokens)[: len(chunk)]]
+    return out
