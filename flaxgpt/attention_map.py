@@ -16,8 +16,11 @@ Shape letters: L layers, H heads, T tokens.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
@@ -27,19 +30,30 @@ from flaxgpt import gpt
 MAX_LABELLED_TOKENS = 64  # beyond this the tick labels are unreadable: show every k-th one
 
 
+@functools.lru_cache(maxsize=8)
+def _sown_weights_fn(config: gpt.GPTConfig):
+    """A compiled apply that returns the intermediates (one compile per config and length)."""
+
+    def run(params, tokens_BT):
+        _, state = gpt.GPT(config).apply(
+            {"params": params}, tokens_BT, deterministic=True, mutable=["intermediates"]
+        )
+        inter = state["intermediates"]
+        if config.scan_layers:
+            (w_LBHTT,) = inter["h"]["block"]["attn"]["attn_weights"]  # scan stacks layers first
+            return w_LBHTT
+        return jnp.stack([inter[f"h_{i}"]["attn"]["attn_weights"][0] for i in range(config.n_layer)])
+
+    return jax.jit(run)
+
+
 def attention_weights(config: gpt.GPTConfig, params, tokens) -> np.ndarray:
     """Attention weights [L, H, T, T] (float32, rows sum to 1) of one sequence of token ids."""
     tokens_BT = jnp.asarray(tokens, jnp.int32).reshape(1, -1)
+    gpt.check_tokens(tokens_BT, config)
     # the fused kernel never materialises the weights; the XLA path is the same maths
-    config = gpt.GPTConfig(**{**config.to_dict(), "attention_impl": "xla"})
-    _, state = gpt.GPT(config).apply(
-        {"params": nn.unbox(params)}, tokens_BT, deterministic=True, mutable=["intermediates"]
-    )
-    inter = state["intermediates"]
-    if config.scan_layers:
-        (w_LBHTT,) = inter["h"]["block"]["attn"]["attn_weights"]  # scan stacks layers first
-    else:
-        w_LBHTT = jnp.stack([inter[f"h_{i}"]["attn"]["attn_weights"][0] for i in range(config.n_layer)])
+    config = dataclasses.replace(config, attention_impl="xla")
+    w_LBHTT = _sown_weights_fn(config)(nn.unbox(params), tokens_BT)
     return np.asarray(w_LBHTT[:, 0], np.float32)
 
 
@@ -151,8 +165,6 @@ def write_attention_png(
 
 def _load(args, overrides: dict):
     """(GPTConfig, params, tokenizer) from a run directory, or a random init of a preset/config."""
-    import jax
-
     from flaxgpt.tokenizers import CharTokenizer, from_meta, get_tokenizer
 
     if args.init_from != "random":
@@ -182,7 +194,7 @@ def _load(args, overrides: dict):
                 f"the prompt has {tokenizer.vocab_size} distinct characters but the model's "
                 f"vocab_size is {config.vocab_size}; use a shorter prompt"
             )
-    params = gpt.init_params(config, jax.random.key(args.seed))
+    params = jax.jit(lambda key: gpt.init_params(config, key))(jax.random.key(args.seed))
     return config, params, tokenizer
 
 
