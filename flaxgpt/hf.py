@@ -28,6 +28,7 @@ import numpy as np
 from flax import linen as nn
 
 from flaxgpt.gpt import GPTConfig, abstract_params, unstack_layers
+from flaxgpt.layers import sinusoidal_positions
 
 CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
 
@@ -213,7 +214,9 @@ def _open_tensors(directory: str):
     with contextlib.ExitStack() as stack:
         table = {}
         for file in files:
-            handle = stack.enter_context(safe_open(file, framework="flax"))
+            handle = stack.enter_context(safe_open(file, framework="np"))
+            if any(handle.get_slice(k).get_dtype() == "BF16" for k in handle.keys()):
+                handle = stack.enter_context(safe_open(file, framework="flax"))  # numpy has no bfloat16
             for key in handle.keys():
                 table[key.removeprefix("transformer.")] = (handle, key)
         yield table
@@ -222,12 +225,13 @@ def _open_tensors(directory: str):
 # ---------------------------------------------------------------- import
 
 
-def _read(table, name: str, shape: tuple, dtype) -> jax.Array:
+def _read(table, name: str, shape: tuple, dtype) -> np.ndarray:
+    """One tensor as a host array, shape-checked: peak memory stays ~ model + one tensor."""
     handle, key = table[name]
     found = tuple(handle.get_slice(key).get_shape())
     if found != tuple(shape):
         raise ValueError(f"tensor {key} has shape {found}, expected {tuple(shape)} from the config")
-    return handle.get_tensor(key).astype(dtype)  # one tensor at a time: peak memory ~ model + 1 tensor
+    return np.asarray(handle.get_tensor(key)).astype(dtype, copy=False)
 
 
 def _set(tree: dict, path: tuple, value):
@@ -286,26 +290,26 @@ def load_pretrained(
                 f"unexpected {unexpected[:5]}"
             )
         params: dict = {}
+        # host numpy work, then one device transfer per leaf: no per-shape compiles while loading
         for name, path in TOP_KEYS.items():
             _set(params, path, _read(table, name, _get(shapes, path).shape, dtype))
         params["wpe"]["embedding"] = params["wpe"]["embedding"][: config.block_size]
         pad = config.padded_vocab_size - config.vocab_size
         # padded rows are never seen (logits are sliced); zeros keep them inert
-        params["wte"]["embedding"] = jnp.pad(params["wte"]["embedding"], ((0, pad), (0, 0)))
+        params["wte"]["embedding"] = np.pad(params["wte"]["embedding"], ((0, pad), (0, 0)))
         if not config.tie_embeddings:  # a tied file's lm_head is ignored, as transformers does
             w_VD = _read(table, "lm_head.weight", (config.vocab_size, config.n_embd), dtype)
-            params["lm_head"] = {"kernel": jnp.pad(w_VD.T, ((0, 0), (0, pad)))}  # torch Linear is [out, in]
+            params["lm_head"] = {"kernel": np.pad(w_VD.T, ((0, 0), (0, pad)))}  # torch Linear is [out, in]
+        params = jax.tree_util.tree_map(jnp.asarray, params)
         for key, path in BLOCK_KEYS.items():
             shape = _get(shapes["h_0"], path).shape
+            layers = [_read(table, f"h.{i}.{key}", shape, dtype) for i in range(L)]
             if scan_layers:  # stack one leaf kind at a time, never the whole model twice
-                _set(
-                    params,
-                    ("h", "block") + path,
-                    jnp.stack([_read(table, f"h.{i}.{key}", shape, dtype) for i in range(L)]),
-                )
+                _set(params, ("h", "block") + path, jnp.asarray(np.stack(layers)))
             else:
                 for i in range(L):
-                    _set(params, (f"h_{i}",) + path, _read(table, f"h.{i}.{key}", shape, dtype))
+                    _set(params, (f"h_{i}",) + path, jnp.asarray(layers[i]))
+            del layers
     return config, params
 
 
@@ -319,12 +323,16 @@ def _get(tree, path):
 
 
 def _as_config(config) -> GPTConfig:
+    """A GPTConfig, or a run's model dict (GPTConfig fields + "kind", maybe one "dropout")."""
     if isinstance(config, GPTConfig):
         return config
     d = dict(config)
     kind = d.pop("kind", "gpt")
     if kind != "gpt":
         raise ValueError(f"only GPT models export to GPT-2; this checkpoint is kind={kind!r}")
+    if "dropout" in d:  # the run config's single dropout knob
+        p = d.pop("dropout")
+        d.update(embd_dropout=p, attn_dropout=p, resid_dropout=p)
     return GPTConfig.from_dict(d)
 
 
@@ -339,38 +347,40 @@ def export_state(config, params) -> tuple[dict, dict]:
     params = nn.unbox(params)
     if config.scan_layers:
         params = unstack_layers(params, config.n_layer)
-    V, D = config.vocab_size, config.n_embd
-    flat = dataclasses.replace(config, scan_layers=False, pad_vocab_multiple=1)
-    shapes = nn.unbox(abstract_params(flat))
+    V, PV, D = config.vocab_size, config.padded_vocab_size, config.n_embd
+    # with every bias present: a bias-free model exports zeros in their place
+    flat = dataclasses.replace(config, scan_layers=False, pad_vocab_multiple=1, bias=True, qkv_bias=True)
+    block_shapes = nn.unbox(abstract_params(flat))["h_0"]
 
-    def get(path, shape=None):
+    def get(path, shape):
+        """params[path] as float32 numpy, shape-checked; an absent bias the config omits is zero."""
         try:
             x = _get(params, path)
         except KeyError:
-            if shape is None:
-                raise ValueError(f"params have no {'/'.join(path)}; do they belong to this config?") from None
-            return np.zeros(shape, np.float32)  # bias=False / qkv_bias=False: GPT-2's bias is zero
-        return np.asarray(jax.device_get(x), dtype=np.float32)
+            omitted = not config.bias or (path[-2] == "c_attn" and not config.qkv_bias)
+            if path[-1] == "bias" and omitted:
+                return np.zeros(shape, np.float32)
+            raise ValueError(f"params have no {'/'.join(path)}; do they belong to this config?") from None
+        x = np.asarray(jax.device_get(x), dtype=np.float32)
+        if x.shape != tuple(shape):
+            raise ValueError(
+                f"param {'/'.join(path)} has shape {x.shape}, expected {tuple(shape)} from the config"
+            )
+        return x
 
-    tensors = {"transformer.wte.weight": get(("wte", "embedding"))[:V]}  # strip vocab padding
+    tensors = {"transformer.wte.weight": get(("wte", "embedding"), (PV, D))[:V]}  # strip vocab padding
     if config.pos_embedding == "learned":
-        tensors["transformer.wpe.weight"] = get(("wpe", "embedding"))
+        tensors["transformer.wpe.weight"] = get(("wpe", "embedding"), (config.block_size, D))
     else:
-        from flaxgpt.layers import sinusoidal_positions
-
-        tensors["transformer.wpe.weight"] = np.asarray(sinusoidal_positions(jnp.arange(config.block_size), D))
-    for name, path in TOP_KEYS.items():
-        if name.startswith("ln_f"):
-            tensors[f"transformer.{name}"] = get(path, (D,))
-    if not config.tie_embeddings:
-        tensors["lm_head.weight"] = np.ascontiguousarray(get(("lm_head", "kernel"))[:, :V].T)
+        pos = sinusoidal_positions(jnp.arange(config.block_size), D)
+        tensors["transformer.wpe.weight"] = np.asarray(pos, np.float32)
+    tensors["transformer.ln_f.weight"] = get(("ln_f", "scale"), (D,))
+    tensors["transformer.ln_f.bias"] = get(("ln_f", "bias"), (D,))
+    if not config.tie_embeddings:  # torch Linear is [out, in]
+        tensors["lm_head.weight"] = np.ascontiguousarray(get(("lm_head", "kernel"), (D, PV))[:, :V].T)
     for i in range(config.n_layer):
         for key, path in BLOCK_KEYS.items():
-            shape = _get(shapes["h_0"], path).shape
-            x = get((f"h_{i}",) + path, shape)
-            if x.shape != tuple(shape):
-                raise ValueError(f"param h_{i}/{'/'.join(path)} has shape {x.shape}, expected {tuple(shape)}")
-            tensors[f"transformer.h.{i}.{key}"] = x
+            tensors[f"transformer.h.{i}.{key}"] = get((f"h_{i}",) + path, _get(block_shapes, path).shape)
     return config_to_hf(config), tensors
 
 
