@@ -2,6 +2,8 @@
 
     python -m flaxgpt.attention_map --init_from out/shakespeare_char --prompt "ROMEO:" \\
         --layers 0,5 --heads all --out attn.png
+    python -m flaxgpt.attention_map --init_from gpt2 --prompt "The cat sat on the mat because it" \\
+        --layers 5 --heads all --out gpt2_layer5.png      # GPT-2's weights (HF cache or a directory)
     python -m flaxgpt.attention_map --init_from random --preset gpt2 --n_layer=2 \\
         --prompt "The quick brown fox" --layers all --heads 0:4 --out attn.png
 
@@ -19,6 +21,7 @@ import argparse
 import dataclasses
 import functools
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -163,26 +166,25 @@ def write_attention_png(
 # ----------------------------------------------------------------------------- command line
 
 
-def _load(args, overrides: dict):
-    """(GPTConfig, params, tokenizer) from a run directory, or a random init of a preset/config."""
-    from flaxgpt.tokenizers import CharTokenizer, from_meta, get_tokenizer
+def _load_run(out_dir: str, overrides: dict):
+    from flaxgpt.checkpoint import load_for_inference  # lazy: orbax is slow to import
+    from flaxgpt.tokenizers import from_meta, get_tokenizer
 
-    if args.init_from != "random":
-        from flaxgpt.checkpoint import load_for_inference  # lazy: orbax is slow to import
+    model_dict, params, meta = load_for_inference(out_dir)
+    model_dict = dict(model_dict)
+    if model_dict.pop("kind", "gpt") != "gpt":
+        raise ValueError(f"{out_dir} holds an encoder-decoder; attention maps are drawn for GPT runs only")
+    config = gpt.GPTConfig.from_dict({**model_dict, **overrides})
+    tok_meta = (meta or {}).get("tokenizer", {})
+    return config, params, from_meta(tok_meta) if tok_meta else get_tokenizer("gpt2")
 
-        model_dict, params, meta = load_for_inference(args.init_from)
-        model_dict = {k: v for k, v in dict(model_dict).items() if k != "kind"}
-        config = gpt.GPTConfig.from_dict({**model_dict, **overrides})
-        meta = meta or {}
-        tok_meta = meta.get("tokenizer", meta) if isinstance(meta, dict) else {}
-        tokenizer = from_meta(tok_meta) if tok_meta.get("kind") else get_tokenizer("gpt2")
-        return config, params, tokenizer
+
+def _load_random(args, overrides: dict):
     from flaxgpt.summary import load_config_file, model_config_from
+    from flaxgpt.tokenizers import CharTokenizer, get_tokenizer
 
     if args.config:
-        cfg = load_config_file(args.config)
-        model = cfg.model.to_dict() if hasattr(cfg.model, "to_dict") else dict(cfg.model)
-        config = model_config_from(model, overrides)
+        config = model_config_from(load_config_file(args.config).model, overrides)
     else:
         config = gpt.GPTConfig.preset(args.preset or "gpt2", **overrides)
     if config.vocab_size >= 50257:
@@ -198,6 +200,25 @@ def _load(args, overrides: dict):
     return config, params, tokenizer
 
 
+def _load(args, overrides: dict):
+    """(GPTConfig, params, tokenizer): a run directory, imported GPT-2 weights, or a random init."""
+    source = Path(args.init_from)
+    if args.init_from == "random":
+        return _load_random(args, overrides)
+    if (source / "checkpoints").is_dir():
+        return _load_run(args.init_from, overrides)
+    if args.init_from in gpt.GPTConfig.PRESETS or (source / "config.json").is_file():
+        from flaxgpt.hf import load_pretrained  # GPT-2 safetensors: a hub name or a local directory
+        from flaxgpt.tokenizers import get_tokenizer
+
+        config, params = load_pretrained(args.init_from, **overrides)
+        return config, params, get_tokenizer("gpt2")
+    raise ValueError(
+        f"--init_from {args.init_from!r} is neither a training run (no checkpoints/ in it), a GPT-2 "
+        f"directory or name ({', '.join(gpt.GPTConfig.PRESETS)}), nor 'random'"
+    )
+
+
 def main(argv: list[str] | None = None) -> np.ndarray:
     from flaxgpt.summary import parse_overrides
 
@@ -207,7 +228,9 @@ def main(argv: list[str] | None = None) -> np.ndarray:
         epilog="GPTConfig fields may follow as overrides, e.g. --n_layer=2.",
     )
     p.add_argument(
-        "--init_from", default="random", help="a run directory, or random (with --preset/--config)"
+        "--init_from",
+        default="random",
+        help="a run directory, GPT-2 weights (gpt2, gpt2-xl, an HF directory), or random (--preset/--config)",
     )
     p.add_argument("--preset", default=None, help="GPTConfig preset for --init_from random (default gpt2)")
     p.add_argument("--config", default=None, help="configs/<recipe>.py for --init_from random")
@@ -220,7 +243,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     try:
         config, params, tokenizer = _load(args, parse_overrides(rest, gpt.GPTConfig))
         w = write_attention_png(config, params, tokenizer, args.prompt, args.layers, args.heads, args.out)
-    except (ValueError, ImportError, FileNotFoundError) as e:
+    except (ValueError, ImportError, OSError, RuntimeError) as e:
         p.exit(2, f"flaxgpt.attention_map: error: {e}\n")
     print(f"wrote {args.out}: layers {args.layers}, heads {args.heads}, {w.shape[-1]} tokens")
     return w

@@ -8,6 +8,7 @@ import jax
 import matplotlib.image
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from flaxgpt import attention_map, gpt
 from flaxgpt.gpt import GPTConfig
@@ -19,7 +20,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def params():
-    return jax.jit(lambda key: gpt.init_params(CFG, key))(jax.random.key(3))
+    """Weights of the model's shapes, drawn wider than GPT-2's init so the maps are far from uniform."""
+    rng = np.random.default_rng(3)
+    shapes = nn.unbox(gpt.abstract_params(CFG))  # no compile: the tests' time goes to the real paths
+    return jax.tree_util.tree_map(lambda s: rng.normal(0.0, 0.3, s.shape).astype(np.float32), shapes)
 
 
 def np_attention_maps(cfg: GPTConfig, params, ids) -> np.ndarray:
@@ -86,26 +90,9 @@ def test_parse_indices():
 
 def test_cli_random_init(tmp_path, capsys):
     out = tmp_path / "attn.png"
-    w = attention_map.main(
-        [
-            "--init_from",
-            "random",
-            "--preset",
-            "gpt2",
-            "--n_layer=2",
-            "--n_embd=32",
-            "--n_head=2",
-            "--prompt",
-            "The quick brown fox",
-            "--layers",
-            "1",
-            "--heads",
-            "0",
-            "--out",
-            str(out),
-        ]
-    )
-    assert w.shape == (2, 2, 4, 4)  # GPT-2 BPE: The, ·quick, ·brown, ·fox
+    argv = "--init_from random --preset gpt2 --n_layer=1 --n_embd=16 --n_head=2 --layers 0 --heads -1"
+    w = attention_map.main([*argv.split(), "--prompt", "The quick brown fox", "--out", str(out)])
+    assert w.shape == (1, 2, 4, 4)  # GPT-2 BPE: The, ·quick, ·brown, ·fox
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     assert f"wrote {out}" in capsys.readouterr().out
 
@@ -129,3 +116,14 @@ def test_cli_from_a_run_directory(params, tmp_path):
     assert out.read_bytes()[:8] == PNG_SIGNATURE
     height, width = matplotlib.image.imread(out).shape[:2]
     assert width > height > 400  # two layers by two heads of 13 labelled tokens, plus the colour bar
+
+
+def test_cli_from_imported_gpt2_weights(params, tmp_path):
+    from flaxgpt.hf import export_pretrained
+
+    export_pretrained(CFG, params, str(tmp_path / "hf"))  # a GPT-2 directory (config + safetensors)
+    out = tmp_path / "attn.png"
+    w = attention_map.main(["--init_from", str(tmp_path / "hf"), "--prompt", "A+B=C?", "--out", str(out)])
+    ids = [32, 10, 33, 28, 34, 30]  # GPT-2's BPE ids of A + B = C ?
+    np.testing.assert_allclose(w, attention_map.attention_weights(CFG, params, ids), atol=1e-6)
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
