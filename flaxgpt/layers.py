@@ -23,7 +23,7 @@ from flax import linen as nn
 
 Dtype = Any
 
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 ACTIVATIONS = ("gelu", "gelu_exact", "relu")
 
 
@@ -49,14 +49,28 @@ def activation_fn(name: str):
     raise ValueError(f"unknown activation {name!r}; choose one of {ACTIVATIONS}")
 
 
+def accelerator() -> str:
+    """ "nvidia" (a CUDA GPU, where cuDNN exists), "tpu", or the backend name ("cpu", "gpu" on ROCm ...)."""
+    backend = jax.default_backend()
+    if backend == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower():
+        return "nvidia"
+    return backend
+
+
 def resolve_attention_impl(impl: str, dtype: Dtype) -> str:
-    """`auto` picks cuDNN flash attention on NVIDIA GPUs in 16-bit, XLA elsewhere."""
+    """`auto` picks cuDNN flash attention on NVIDIA GPUs in 16-bit (cuDNN's fused kernel has no
+    float32 path), the Pallas splash kernel on TPU, XLA elsewhere. Explicit choices pass through."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention_impl {impl!r}; choose one of {ATTENTION_IMPLS}")
     if impl != "auto":
         return impl
+    where = accelerator()
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if jax.default_backend() == "gpu" and half else "xla"
+    if where == "nvidia" and half:
+        return "cudnn"
+    if where == "tpu":
+        return "pallas"
+    return "xla"
 
 
 def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
@@ -94,12 +108,20 @@ def attend(
 ) -> jax.Array:
     """Scaled dot-product attention -> [B, T, H, K].
 
-    `is_causal` is only a hint for the fused kernel and only valid when queries and
-    keys start at position 0 together (training, prefill into an empty cache);
-    everything else goes through an explicit boolean mask.
+    impl: "xla" (explicit logits and mask), "cudnn" (jax.nn.dot_product_attention's cuDNN
+    flash attention, NVIDIA GPUs, 16-bit) or "pallas" (the splash kernel, TPU; interpret mode
+    elsewhere). `is_causal` says the mask is exactly causal with queries and keys starting at
+    position 0 together (training, prefill into an empty cache). The fused kernels take only
+    that case (pallas) or causal / an explicit mask (cudnn), and neither does dropout or hands
+    back the weights; everything else goes through the XLA path.
     """
-    use_fused = impl == "cudnn" and dropout_rate == 0.0 and sow is None
-    if use_fused:
+    fused_ok = dropout_rate == 0.0 and sow is None
+    if impl == "pallas" and fused_ok and is_causal:
+        from flaxgpt import pallas_attention
+
+        if pallas_attention.fits(q_BTHK.shape[1], k_BSHK.shape[1]):
+            return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK)
+    if impl == "cudnn" and fused_ok:
         return jax.nn.dot_product_attention(
             q_BTHK,
             k_BSHK,
@@ -182,7 +204,7 @@ class SelfAttention(nn.Module):
         else:
             k_BSHK, v_BSHK = k_BTHK, v_BTHK
             if self.causal:
-                is_causal = True
+                is_causal = mask_BHTS is None  # an extra mask must reach the kernel explicitly
                 tril = jnp.tril(jnp.ones((T, T), dtype=bool))[None, None]
                 mask_BHTS = tril if mask_BHTS is None else mask_BHTS & tril
 

@@ -1,0 +1,62 @@
+"""Causal flash attention on TPU with JAX's Pallas splash-attention kernel.
+
+Used by `layers.attend` for impl="pallas" (what `auto` picks on TPU) on the causal training and
+prefill path only: queries and keys start together at position 0, no dropout, no attention maps.
+Cached decoding, cross-attention and padding masks keep the explicit-mask XLA path.
+
+The kernel is imported lazily (it pulls in Mosaic/TPU code) and built once per shape. Off TPU it
+runs in Pallas interpret mode: correct but slow, which is how the CPU tests check it.
+
+Under a mesh context (`with jax.set_mesh(mesh):` around the jit) the kernel runs inside
+`jax.shard_map` with the batch split over every mesh axis, so each device attends over its own
+rows; XLA cannot partition a Pallas custom call by itself.
+
+Shape letters: B batch, T query length, S key length, H heads, K head dim (see layers.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+BLOCK = 128  # the kernel's default block size: sequence lengths must be multiples of it
+
+
+def fits(q_len: int, kv_len: int) -> bool:
+    """Whether the kernel's blocks tile these lengths; otherwise the caller uses XLA."""
+    return q_len == kv_len and q_len % BLOCK == 0
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(seq_len: int, n_head: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(n_head)])
+    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _local_attention(q_BTHK, k_BSHK, v_BSHK):
+    _, T, H, K = q_BTHK.shape
+    kernel = _kernel(T, H, jax.default_backend() != "tpu")
+    # the kernel takes one row [H, T, K] and does not scale the logits itself
+    q_BHTK = jnp.swapaxes(q_BTHK * jnp.asarray(1.0 / math.sqrt(K), q_BTHK.dtype), 1, 2)
+    k_BHSK, v_BHSK = jnp.swapaxes(k_BSHK, 1, 2), jnp.swapaxes(v_BSHK, 1, 2)
+    y_BHTK = jax.vmap(kernel)(q_BHTK, k_BHSK, v_BHSK)
+    return jnp.swapaxes(y_BHTK, 1, 2).astype(q_BTHK.dtype)
+
+
+def causal_attention(q_BTHK: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(K) + causal mask) v -> [B, T, H, K]; needs `fits(T, S)`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    B = q_BTHK.shape[0]
+    if mesh.empty or mesh.size == 1 or B % mesh.size:
+        return _local_attention(q_BTHK, k_BSHK, v_BSHK)
+    rows = PartitionSpec(tuple(mesh.axis_names))  # batch over every device, as flaxgpt.sharding does
+    return jax.shard_map(
+        _local_attention, mesh=mesh, in_specs=(rows, rows, rows), out_specs=rows, check_vma=False
+    )(q_BTHK, k_BSHK, v_BSHK)
