@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import linen as nn
 from safetensors.numpy import load_file, save_file
 
 from flaxgpt import hf
-from flaxgpt.gpt import GPT, GPTConfig, init_params
+from flaxgpt.gpt import GPT, GPTConfig, abstract_params
 
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
 TOKENS = np.random.RandomState(0).randint(0, 1000, (3, 40))
@@ -44,6 +45,13 @@ def ref_logits(model, tokens=TOKENS):
 def flax_logits(config, params, tokens=TOKENS):
     forward = jax.jit(lambda p, t: GPT(config).apply({"params": p}, t))  # one compile, not one per op
     return np.asarray(forward(params, jnp.asarray(tokens)))
+
+
+def random_params(config, seed=0):
+    """Random values in flaxgpt's tree (from abstract_params: no init compile); LayerNorms too."""
+    rs = np.random.RandomState(seed)
+    shapes = nn.unbox(abstract_params(config))
+    return jax.tree_util.tree_map(lambda x: rs.normal(0, 0.2, x.shape).astype(np.float32), shapes)
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +141,7 @@ EXPORT_CASES = [
 @pytest.mark.parametrize("fields", EXPORT_CASES, ids=lambda f: ",".join(f) or "gpt2")
 def test_export_loads_in_transformers(fields, tmp_path):
     config = GPTConfig(vocab_size=500, block_size=64, n_layer=2, n_head=4, n_embd=64, **fields)
-    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(1))
-    rs = np.random.RandomState(2)  # perturbed: non-trivial LayerNorms and biases
-    params = jax.tree_util.tree_map(
-        lambda x: np.asarray(x) + rs.normal(0, 0.1, x.shape).astype(np.float32), params
-    )
+    params = random_params(config)
     tokens = TOKENS[:, :32] % 500
     hf.export_pretrained(config, params, str(tmp_path))
     model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path)).eval()
@@ -160,7 +164,7 @@ def test_export_loads_in_transformers(fields, tmp_path):
 
 def test_export_run_config_dict_and_refusals(tmp_path):
     config = GPTConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=32)
-    params = jax.jit(init_params, static_argnums=0)(config, jax.random.key(0))
+    params = random_params(config)
     run_model = {**config.to_dict(), "kind": "gpt"}
     hf.export_pretrained(run_model, params, str(tmp_path / "ok"))
     assert json.loads((tmp_path / "ok" / "config.json").read_text())["vocab_size"] == 300
