@@ -4,6 +4,7 @@
     python -m flaxgpt.summary --preset gpt2 --tie_embeddings=false --qkv_bias=false
     python -m flaxgpt.summary --config configs/default.py --n_layer=6 --seq_len 256
     python -m flaxgpt.summary --config configs/default.py --json
+    python -m flaxgpt.summary --preset base --vocab_size=37000      # the encoder-decoder Transformer
 
 Every number comes from `jax.eval_shape` of the real model (no weight is ever
 allocated), so a 1.5B-parameter model is summarised in a second on a laptop.
@@ -14,7 +15,9 @@ FLOPs per token follow nanoGPT / PaLM (Appendix B): a matmul with N weights cost
 sum, 4*L*H*Q*T forward (Q head dim, T sequence length, the full square counted,
 not just the causal half). Training = 6N + 12*L*H*Q*T, forward = 2N + 4*L*H*Q*T,
 with N the weights that take part in matmuls: all parameters but the position
-embeddings and, when the head is untied, the token-embedding lookup.
+embeddings and, when the head is untied, the token-embedding lookup. For the
+encoder-decoder the figures are per target token with a source of the same length,
+and L counts encoder layers plus twice the decoder layers (self- and cross-attention).
 """
 
 from __future__ import annotations
@@ -125,15 +128,18 @@ def summarize(model_config, seq_len: int | None = None) -> dict:
         "tied": tied,
         "memory_bytes": memory,
     }
-    if is_gpt:
-        T = seq_len or c.block_size
-        # a lookup is free: the token matrix costs FLOPs only where it is the (tied) head
-        n_matmul = total - pos - (0 if tied else parts["token embeddings"])
-        out["flops"] = {
-            "seq_len": T,
-            "n_matmul": n_matmul,
-            **flops_per_token(n_matmul, c.n_layer, c.n_head, c.head_dim, T),
-        }
+    T = seq_len or (c.block_size if is_gpt else c.max_len)
+    # a lookup is free: the token matrices cost FLOPs only where one is the (tied) head
+    n_matmul = total - pos - (0 if tied else parts["token embeddings"])
+    # encoder-decoder, per target token with a source as long: every encoder layer attends
+    # over S, every decoder layer over T (self) and over S (cross)
+    attn_layers = c.n_layer if is_gpt else c.n_enc_layer + 2 * c.n_dec_layer
+    out["flops"] = {
+        "seq_len": T,
+        "n_matmul": n_matmul,
+        "attention_layers": attn_layers,
+        **flops_per_token(n_matmul, attn_layers, c.n_head, c.head_dim, T),
+    }
     return out
 
 
@@ -181,9 +187,10 @@ def format_summary(s: dict) -> str:
     lines.append("  (activations and temporaries come on top and grow with batch x sequence)")
     if "flops" in s:
         f = s["flops"]
+        per = "token" if "n_embd" in c else "target token (source as long; L = enc + 2 x dec layers)"
         lines += [
             "",
-            f"FLOPs per token at sequence length {f['seq_len']} (N = {f['n_matmul']:,} matmul weights):",
+            f"FLOPs per {per} at sequence length {f['seq_len']} (N = {f['n_matmul']:,} matmul weights):",
             f"  training (6N + 12*L*H*Q*T)   {f['train']:>18,}  ({f['train'] / 1e9:.3f} GFLOP)",
             f"  forward  (2N + 4*L*H*Q*T)    {f['forward']:>18,}  ({f['forward'] / 1e9:.3f} GFLOP)",
         ]
@@ -284,6 +291,41 @@ def model_config_from(model, overrides: dict | None = None, data_vocab: int | No
     return dataclasses.replace(config, **(overrides or {}))
 
 
+def _config_class(kind: str):
+    if kind == "seq2seq":
+        from flaxgpt.seq2seq import TransformerConfig
+
+        return TransformerConfig
+    return gpt.GPTConfig
+
+
+def _seq2seq_presets() -> tuple[str, ...]:
+    try:
+        from flaxgpt.seq2seq import TransformerConfig
+    except ImportError:
+        return ()
+    return tuple(TransformerConfig.PRESETS)
+
+
+def config_from_args(args, rest: list[str]):
+    """The model config named by --config / --run / --preset, with the field overrides in `rest`."""
+    if args.config or args.run:
+        if args.config:
+            cfg = load_config_file(args.config)
+            model, data_vocab = cfg.model, _data_vocab_size(cfg)
+        else:
+            model, data_vocab = json.loads((Path(args.run) / "config.json").read_text())["model"], None
+        overrides = parse_overrides(rest, _config_class(dict(model).get("kind", "gpt")))
+        config = model_config_from(model, overrides, data_vocab)
+        if not dict(model).get("vocab_size") and "vocab_size" not in overrides:
+            where = "the dataset's meta.json" if data_vocab else "default (the dataset is not prepared)"
+            print(f"vocab_size {config.vocab_size:,} from {where}; --vocab_size=N to change it\n")
+        return config
+    cls = _config_class("seq2seq" if args.preset in _seq2seq_presets() else "gpt")
+    overrides = parse_overrides(rest, cls)
+    return cls.preset(args.preset, **overrides) if args.preset else cls(**overrides)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -293,32 +335,13 @@ def main(argv: list[str] | None = None) -> dict:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="configs/<recipe>.py with get_config(); its `model` section is used")
     src.add_argument("--run", help="a training run directory: its config.json's `model` entry is used")
-    src.add_argument("--preset", help=f"a GPTConfig preset: {', '.join(gpt.GPTConfig.PRESETS)}")
+    presets = ", ".join([*gpt.GPTConfig.PRESETS, *_seq2seq_presets()])
+    src.add_argument("--preset", help=f"a model preset: {presets}")
     p.add_argument("--seq_len", type=int, default=None, help="T for the attention FLOPs (default block_size)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     args, rest = p.parse_known_args(argv)
     try:
-        if args.config or args.run:
-            if args.config:
-                cfg = load_config_file(args.config)
-                model, data_vocab = cfg.model, _data_vocab_size(cfg)
-            else:
-                model, data_vocab = json.loads((Path(args.run) / "config.json").read_text())["model"], None
-            is_seq2seq = dict(model).get("kind", "gpt") == "seq2seq"
-            if is_seq2seq:
-                from flaxgpt.seq2seq import TransformerConfig as cls
-            else:
-                cls = gpt.GPTConfig
-            overrides = parse_overrides(rest, cls)
-            model_config = model_config_from(model, overrides, data_vocab)
-            if not dict(model).get("vocab_size") and "vocab_size" not in overrides:
-                where = "the dataset's meta.json" if data_vocab else "default (the dataset is not prepared)"
-                print(f"vocab_size {model_config.vocab_size:,} from {where}; --vocab_size=N to change it\n")
-        else:
-            overrides = parse_overrides(rest, gpt.GPTConfig)
-            model_config = (
-                gpt.GPTConfig.preset(args.preset, **overrides) if args.preset else gpt.GPTConfig(**overrides)
-            )
+        model_config = config_from_args(args, rest)
     except (ValueError, TypeError, OSError, KeyError) as e:
         p.exit(2, f"flaxgpt.summary: error: {e}\n")
     s = summarize(model_config, args.seq_len)

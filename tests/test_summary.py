@@ -87,6 +87,7 @@ def test_memory_and_flops_arithmetic():
     assert s["flops"] == {
         "seq_len": 8,
         "n_matmul": n_matmul,
+        "attention_layers": 2,
         "train": 6 * n_matmul + 12 * attn,
         "forward": 2 * n_matmul + 4 * attn,
     }
@@ -103,6 +104,9 @@ def test_seq2seq_counts_equal_the_model():
         assert s["parts"]["cross-attention"] > 0 and s["parts"]["other"] == 0
         assert s["parts"]["position embeddings"] == 0  # sinusoidal
         assert s["totals"]["tied_head"] + 2 * 50 * 64 == s["totals"]["untied_head"]
+        # per target token, source as long: 2 encoder layers + 2 x 2 decoder layers of attention
+        n = s["totals"]["total"] - (0 if share else 2 * 50 * 64)  # untied: both lookups are free
+        assert s["flops"]["train"] == 6 * n + 12 * (2 + 2 * 2) * 4 * 16 * 256
 
 
 def test_cli_preset_with_overrides(capsys):
@@ -112,6 +116,8 @@ def test_cli_preset_with_overrides(capsys):
     assert "163,009,536" in out and "621.83" in out and "6N + 12*L*H*Q*T" in out
     summary.main(["--preset", "gpt2", "--json", "--n_layer=2"])
     assert json.loads(capsys.readouterr().out)["config"]["n_layer"] == 2
+    s = summary.main(["--preset", "tiny", "--vocab_size=50", "--pre_ln=false"])  # the encoder-decoder
+    assert s["config"]["d_model"] == 64 and "cross-attention" in capsys.readouterr().out
 
 
 def test_cli_config_file_and_run_dir(tmp_path, capsys):
