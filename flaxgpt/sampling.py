@@ -34,6 +34,7 @@ C chunk, N new tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 
@@ -334,5 +335,12 @@ def _gpt_apply(config):
 
 
 def gpt_step_fn(config, params) -> jax.tree_util.Partial:
-    """The GPT as a step_fn. A Partial carries params as a jit argument, not baked-in constants."""
+    """The GPT as a step_fn; a Partial carries params as a jit argument, not baked-in constants.
+
+    A tied LM head is given its own copy of wte^T ([D, V], made once here): XLA on CPU otherwise
+    transposes the 154 MB GPT-2 embedding inside every decode step to multiply by it.
+    """
+    if config.tie_embeddings:
+        config = dataclasses.replace(config, tie_embeddings=False)
+        params = {**params, "lm_head": {"kernel": jnp.transpose(params["wte"]["embedding"])}}
     return jax.tree_util.Partial(_gpt_apply(config), params)
