@@ -101,7 +101,8 @@ def config_from_hf(hf: dict, **fields) -> GPTConfig:
     block_size = fields.pop("block_size", None) or n_positions
     if block_size > n_positions:
         raise ValueError(f"block_size {block_size} is longer than the checkpoint's n_positions {n_positions}")
-    drop = {"embd_dropout": "embd_pdrop", "attn_dropout": "attn_pdrop", "resid_dropout": "resid_pdrop"}
+    # dropout 0 unless asked: inference is the common use; fine-tuning passes its own
+    fields = {"embd_dropout": 0.0, "attn_dropout": 0.0, "resid_dropout": 0.0, **fields}
     return GPTConfig(
         vocab_size=hf.get("vocab_size", 50257),
         block_size=block_size,
@@ -111,7 +112,6 @@ def config_from_hf(hf: dict, **fields) -> GPTConfig:
         activation=HF_TO_ACT[act],
         tie_embeddings=hf.get("tie_word_embeddings", True),
         layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-        **{ours: 0.0 for ours in drop},  # inference default; fine-tuning sets its own dropout
         **fields,
     )
 
@@ -311,6 +311,25 @@ def load_pretrained(
                     _set(params, (f"h_{i}",) + path, jnp.asarray(layers[i]))
             del layers
     return config, params
+
+
+def load_for_run(init_from: str, model_cfg):
+    """train.py's init_from=<gpt2 name | directory>: the checkpoint fixes the architecture, the run's
+    `model` section (configs/default.py) the rest: dropout, dtypes, layout, block_size <= n_positions."""
+    m = model_cfg
+    return load_pretrained(
+        init_from,
+        scan_layers=m.scan_layers,
+        pad_vocab_multiple=m.pad_vocab_multiple,
+        param_dtype=m.param_dtype,
+        dtype=m.dtype,
+        embd_dropout=m.dropout,
+        attn_dropout=m.dropout,
+        resid_dropout=m.dropout,
+        attention_impl=m.attention_impl,
+        remat=m.remat,
+        block_size=m.block_size,
+    )
 
 
 def _get(tree, path):

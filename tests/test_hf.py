@@ -6,6 +6,7 @@ weights: nothing is downloaded.
 
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network, even by accident
 
@@ -225,3 +226,43 @@ def test_info_cli(small, capsys):
     assert json.loads(capsys.readouterr().out)["n_embd"] == 64
     assert hf.main(["info", "/no/such/dir"]) == 1
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_export_cli_from_training_run(tmp_path, capsys):
+    from flaxgpt.checkpoint import Checkpointer
+
+    config = GPTConfig(
+        vocab_size=300, block_size=32, n_layer=2, n_head=2, n_embd=32, scan_layers=True, pad_vocab_multiple=64
+    )
+    params = random_params(config, seed=3)
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run, async_save=False)
+    ckpt.save(5, {"params": params}, extra={})
+    ckpt.close()
+    (run / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **config.to_dict()}}))
+    assert hf.main(["export", "--out_dir", str(run), "--to", str(tmp_path / "hf")]) == 0
+    model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
+    tokens = TOKENS[:, :16] % 300
+    np.testing.assert_allclose(
+        ref_logits(model, tokens), flax_logits(config, params, tokens), atol=1e-4, rtol=0
+    )
+    assert hf.main(["export", "--out_dir", str(tmp_path / "nothing"), "--to", str(tmp_path / "x")]) == 1
+    assert "config.json is missing" in capsys.readouterr().err
+
+
+def test_load_for_run_takes_the_run_model_section(small):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "default_config", Path(__file__).parents[1] / "configs" / "default.py"
+    )
+    default = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(default)
+    model_cfg = default.get_config().model
+    model_cfg.dropout, model_cfg.block_size, model_cfg.scan_layers = 0.1, 64, True
+    config, params = hf.load_for_run(small[0], model_cfg)
+    assert (config.embd_dropout, config.resid_dropout, config.block_size) == (0.1, 0.1, 64)
+    assert config.padded_vocab_size == 1024 and params["h"]["block"]["ln_1"]["scale"].shape == (2, 64)
+    model_cfg.block_size = 1024
+    with pytest.raises(ValueError, match="block_size 1024 is longer than the checkpoint's n_positions 128"):
+        hf.load_for_run(small[0], model_cfg)
