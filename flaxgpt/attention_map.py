@@ -117,7 +117,7 @@ def save_attention_png(weights_LHTT, labels, layers, heads, path, title: str | N
     axes = fig.subplots(len(layers), len(heads), squeeze=False)
     step = max(1, -(-T // MAX_LABELLED_TOKENS))
     ticks = np.arange(0, T, step)
-    fontsize = float(np.clip(120.0 / T, 4, 9))
+    fontsize = float(np.clip(0.55 * 72 * cell * scale / T, 3, 10))  # points: about half a row each
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="white")
     future_TT = np.triu(np.ones((T, T), bool), 1)
     for r, layer in enumerate(layers):
