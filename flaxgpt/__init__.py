@@ -5,5 +5,14 @@ from flaxgpt.gpt import GPT, GPTConfig, count_params, init_params
 from flaxgpt.hf import export_pretrained, load_pretrained
 from flaxgpt.tokenizers import CharTokenizer, get_tokenizer
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "CharTokenizer", "count_params", "get_tokenizer", "init_params",
-           "load_pretrained", "export_pretrained"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "KVCache",
+    "CharTokenizer",
+    "count_params",
+    "get_tokenizer",
+    "init_params",
+    "load_pretrained",
+    "export_pretrained",
+]
