@@ -37,6 +37,16 @@ from orbax.checkpoint import checkpoint_managers as ocp_managers
 
 log = logging.getLogger(__name__)
 
+
+class _QuietMissingMetrics(logging.Filter):
+    """orbax warns on each save without metrics when tracking the best; steps without an eval are normal."""
+
+    def filter(self, record):
+        return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_QuietMissingMetrics())
+
 _PRNG_IMPLS = "_prng_impls"  # reserved key in extra: path -> PRNG impl name of each typed key
 
 
