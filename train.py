@@ -7,16 +7,39 @@
     python train.py --config configs/shakespeare_char_cpu.py --config.max_iters=500 --config.out_dir=out/x
 
 Every option is in configs/default.py; override any with --config.section.key=value.
+Bad input (an unknown key, a wrong type, missing data, ...) is a one-line error and exit code 1.
 """
 
+import os
 import sys
 
-from absl import app
+from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/shakespeare_char_cpu.py", "a recipe file from configs/", lock_config=True
+    "config",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs/shakespeare_char_cpu.py"),
+    "a recipe file from configs/",
+    lock_config=True,
 )
+
+
+def one_line(e: BaseException) -> str:
+    """ml_collections' messages carry quotes and newlines ("Did you mean ..."): flatten them."""
+    msg = str(e)
+    if len(msg) > 1 and msg[0] == msg[-1] and msg[0] in "'\"":  # repr-quoted by KeyError
+        msg = msg[1:-1]
+    msg = " ".join(msg.replace("\\n", "\n").replace("\\'", "'").split())
+    if isinstance(e, AttributeError | KeyError):
+        return f"unknown config key {msg} (every key is listed in configs/default.py)"
+    return msg
+
+
+def parse_flags(argv):
+    try:
+        return flags.FLAGS(argv)
+    except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:
+        sys.exit(f"error: {one_line(e)}")
 
 
 def main(argv):
@@ -24,11 +47,17 @@ def main(argv):
         sys.exit(f"error: unexpected arguments {argv[1:]}; options look like --config.key=value")
     from flaxgpt.trainer import train
 
+    config = _CONFIG.value
     try:
-        train(_CONFIG.value)
+        _ = config.seed  # a recipe that failed to load raises here (ml_collections reports lazily)
+    except OSError as e:
+        last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
+        sys.exit(f"error: could not load the --config file: {last}")
+    try:
+        train(config)
     except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {one_line(e)}")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

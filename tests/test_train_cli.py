@@ -1,0 +1,114 @@
+"""train.py end to end in a subprocess on generated text, and its one-line errors for bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "".join(f"{i % 9} ducks crossed the road, and {i % 4} geese followed them.\n" for i in range(400))
+TINY = [
+    "--config.model.n_layer=1",
+    "--config.model.n_head=2",
+    "--config.model.n_embd=32",
+    "--config.model.block_size=16",
+    "--config.batch_size=4",
+    "--config.max_iters=6",
+    "--config.eval_interval=3",
+    "--config.eval_iters=2",
+    "--config.log_interval=2",
+]
+
+
+def run(args, cwd):
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        JAX_NUM_CPU_DEVICES="2",
+    )
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    (tmp / "ducks.txt").write_text(TEXT)
+    r = run(
+        [
+            "-m",
+            "flaxgpt.prepare",
+            "--dataset",
+            "text",
+            "--tokenizer",
+            "char",
+            "--input",
+            "ducks.txt",
+            "--out_dir",
+            "data/ducks",
+        ],
+        tmp,
+    )
+    assert r.returncode == 0, r.stderr
+    return tmp / "data/ducks"
+
+
+def train(tmp_path, data_dir, *extra):
+    return run(
+        [
+            str(ROOT / "train.py"),
+            f"--config={ROOT}/configs/shakespeare_char_cpu.py",
+            f"--config.data.dir={data_dir}",
+            f"--config.out_dir={tmp_path}/out",
+            *TINY,
+            *extra,
+        ],
+        tmp_path,
+    )
+
+
+def test_train_end_to_end(tmp_path, data_dir):
+    r = train(tmp_path, data_dir)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = tmp_path / "out"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [x for x in rows if "loss" in x]
+    eval_rows = [x for x in rows if "val_loss" in x]
+    assert [x["step"] for x in train_rows] == [2, 4, 6] and [x["step"] for x in eval_rows] == [0, 3, 6]
+    for x in train_rows:
+        assert {"lr", "tokens_per_sec", "step_time", "mfu"} <= x.keys() and x["tokens_per_sec"] > 0
+    assert eval_rows[-1]["val_loss"] < eval_rows[0]["val_loss"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"]["kind"] == "gpt" and config["model"]["vocab_size"] == len(set(TEXT))
+    assert config["model"]["n_embd"] == 32 and config["max_iters"] == 6
+    assert json.loads((out / "meta.json").read_text()) == json.loads((data_dir / "meta.json").read_text())
+    assert "val loss" in r.stdout and "tok/s" in r.stdout
+
+
+BAD = {
+    "unknown key": (["--config.optim.lerning_rate=1"], "unknown config key 'lerning_rate'"),
+    "wrong type": (["--config.max_iters=lots"], "--config.max_iters=lots"),
+    "no data": (["--config.data.dir=nowhere"], "python -m flaxgpt.prepare"),
+    "short data": (["--config.model.block_size=8000"], "fewer than block_size + 1"),
+    "batch vs devices": (["--config.batch_size=3"], "not divisible by the 2 data-parallel devices"),
+    "vocab too big": (["--config.model.vocab_size=10"], "larger than the model's vocab_size (10)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, data_dir, case):
+    args, message = BAD[case]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").write_text("precious")
+    r = train(tmp_path, data_dir, *args)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert (out / "config.json").read_text() == "precious"
