@@ -50,7 +50,7 @@ def activation_fn(name: str):
 
 
 def accelerator() -> str:
-    """ "nvidia" (a CUDA GPU, where cuDNN exists), "tpu", or the backend name ("cpu", "gpu" on ROCm ...)."""
+    """The kind of device: "nvidia" (CUDA GPU, has cuDNN), "tpu", else the backend ("cpu", "gpu" on ROCm)."""
     backend = jax.default_backend()
     if backend == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower():
         return "nvidia"
