@@ -103,7 +103,7 @@ def _local_sharding():
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
-def _abstract_leaf(x, impl: str | None):
+def _abstract_leaf(x):
     """A ShapeDtypeStruct to restore into; typed PRNG keys become their uint32 key_data."""
     sharding = getattr(x, "sharding", None) or _local_sharding()
     if _is_prng_key(x):
@@ -268,15 +268,15 @@ class Checkpointer:
         return step
 
     def _corrupt(self, step: int, e: BaseException) -> CheckpointError:
+        """Damaged files (or another reason orbax cannot read a step): name it and the step before it."""
+        where = self.directory / str(step)
         older = [s for s in self.all_steps() if s < step]
         fix = (
-            f"move {self.directory / str(step)} away to resume from step {older[-1]}"
+            f"if its files are damaged, move {where} away to resume from step {older[-1]}"
             if older
-            else "start again with init_from=scratch in a new out_dir"
+            else "if its files are damaged, start again in a new out_dir"
         )
-        return CheckpointError(
-            f"checkpoint {self.directory / str(step)} is corrupt or incomplete ({_one_line(e)}); {fix}"
-        )
+        return CheckpointError(f"checkpoint {where} cannot be read ({_one_line(e)}); {fix}")
 
     def saved_shapes(self, step: int) -> dict[str, tuple[tuple, np.dtype]]:
         """{"params/wte/embedding": (shape, dtype), ...} of a saved state, from its metadata only."""
@@ -326,7 +326,7 @@ class Checkpointer:
                     f"checkpoint step {step} stores {full} as raw data, not a typed "
                     "PRNG key; pass a uint32 key in the abstract state"
                 )
-            flat[full] = _abstract_leaf(leaf, impls.get(full))
+            flat[full] = _abstract_leaf(leaf)
         saved = self.saved_shapes(step)
         if partial:
             saved = {k: v for k, v in saved.items() if k.startswith(prefix + "/")}
@@ -342,10 +342,10 @@ class Checkpointer:
             raise self._corrupt(step, e) from None
         restored_flat = dict(_named_leaves(restored))
         leaves = []
-        for name, _ in named:
+        for name, leaf in named:
             full = f"{prefix}/{name}" if prefix else name
             x = restored_flat[full]
-            leaves.append(jax.random.wrap_key_data(x, impl=impls[full]) if full in impls else x)
+            leaves.append(jax.random.wrap_key_data(x, impl=impls[full]) if _is_prng_key(leaf) else x)
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), leaves)
 
     def _raw_extra(self, step: int) -> dict:
