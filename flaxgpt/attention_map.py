@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import sys
 from pathlib import Path
 
@@ -200,12 +201,20 @@ def _load_random(args, overrides: dict):
     return config, params, tokenizer
 
 
+def _is_run_config(path: Path) -> bool:
+    """A flaxgpt run's config.json has a "model" entry; a GPT-2 (HF) one has "model_type"."""
+    try:
+        return "model" in json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def _load(args, overrides: dict):
     """(GPTConfig, params, tokenizer): a run directory, imported GPT-2 weights, or a random init."""
     source = Path(args.init_from)
     if args.init_from == "random":
         return _load_random(args, overrides)
-    if (source / "checkpoints").is_dir():
+    if (source / "checkpoints").is_dir() or _is_run_config(source / "config.json"):
         return _load_run(args.init_from, overrides)
     if args.init_from in gpt.GPTConfig.PRESETS or (source / "config.json").is_file():
         from flaxgpt.hf import load_pretrained  # GPT-2 safetensors: a hub name or a local directory
