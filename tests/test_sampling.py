@@ -72,8 +72,14 @@ def naive_greedy(next_fn, prompt, n, window, keep, eos=None):
 
 
 def gpt_next(params):
+    """Greedy next token from a full forward pass (no cache) over the context."""
     fwd = jax.jit(lambda t: GPT(CFG).apply({"params": params}, t))
-    return lambda ctx: int(jnp.argmax(fwd(jnp.array([ctx], jnp.int32))[0, -1]))
+
+    def next_token(ctx):  # right-padded to block_size (causal: padding never reaches ctx) -> one compile
+        logits_1TV = fwd(jnp.array([ctx + [0] * (CFG.block_size - len(ctx))], jnp.int32))
+        return int(jnp.argmax(logits_1TV[0, len(ctx) - 1]))
+
+    return next_token
 
 
 def test_cached_logits_equal_full_forward_every_step(params):
@@ -102,14 +108,28 @@ def test_greedy_matches_naive_loop_and_batch_matches_alone(params):
     prompt_BP, lengths = pad(prompts)
     N, W = 12, 32  # fits the window: no re-prefill
     step = gpt_step_fn(CFG, params)
-    toks, lens = generate(step, KVCache.for_config(CFG, 3, W), prompt_BP, lengths, max_new_tokens=N,
-                          rng=jax.random.key(0), temperature=0)
+    toks, lens = generate(
+        step,
+        KVCache.for_config(CFG, 3, W),
+        prompt_BP,
+        lengths,
+        max_new_tokens=N,
+        rng=jax.random.key(0),
+        temperature=0,
+    )
     assert lens.tolist() == [N] * 3
     nxt = gpt_next(params)
     for b, p in enumerate(prompts):
         assert toks[b].tolist() == naive_greedy(nxt, p, N, W, W)
-        alone, _ = generate(step, KVCache.for_config(CFG, 1, W), np.array([p], np.int32), [len(p)],
-                            max_new_tokens=N, rng=jax.random.key(0), temperature=0)
+        alone, _ = generate(
+            step,
+            KVCache.for_config(CFG, 1, W),
+            prompt_BP[b : b + 1],
+            lengths[b : b + 1],
+            max_new_tokens=N,
+            rng=jax.random.key(0),
+            temperature=0,
+        )
         assert alone[0].tolist() == toks[b].tolist()
 
 
@@ -117,8 +137,17 @@ def test_past_block_size_matches_crop_reference_gpt(params):
     prompts = [[1, 2, 3, 4, 5], [7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15]]
     prompt_BP, lengths = pad(prompts)
     W, keep, N = CFG.block_size, 10, 45  # every row re-prefills at least once, at different steps
-    toks, _ = generate(gpt_step_fn(CFG, params), KVCache.for_config(CFG, 3, W), prompt_BP, lengths,
-                       max_new_tokens=N, rng=jax.random.key(0), temperature=0, keep=keep, chunk=16)
+    toks, _ = generate(
+        gpt_step_fn(CFG, params),
+        KVCache.for_config(CFG, 3, W),
+        prompt_BP,
+        lengths,
+        max_new_tokens=N,
+        rng=jax.random.key(0),
+        temperature=0,
+        keep=keep,
+        chunk=16,
+    )
     nxt = gpt_next(params)
     for b, p in enumerate(prompts):
         assert toks[b].tolist() == naive_greedy(nxt, p, N, W, keep)
@@ -129,8 +158,17 @@ def test_past_window_fake_model(keep):
     prompts = [[4, 1], [2, 2, 2, 2, 2, 2, 2], [5]]
     prompt_BP, lengths = pad(prompts)
     W, N = 8, 30
-    toks, lens = generate(fake_step, fake_cache(3, W), prompt_BP, lengths, max_new_tokens=N,
-                          rng=jax.random.key(0), temperature=0, keep=keep, chunk=7)
+    toks, lens = generate(
+        fake_step,
+        fake_cache(3, W),
+        prompt_BP,
+        lengths,
+        max_new_tokens=N,
+        rng=jax.random.key(0),
+        temperature=0,
+        keep=keep,
+        chunk=7,
+    )
     assert lens.tolist() == [N] * 3
     for b, p in enumerate(prompts):
         assert toks[b].tolist() == naive_greedy(fake_next, p, N, W, keep)
@@ -141,12 +179,21 @@ def test_eos_stops_a_row():
     prompt_BP, lengths = pad(prompts)
     refs = [naive_greedy(fake_next, p, 20, 32, 16) for p in prompts]
     eos = refs[0][3]  # row 0 meets it at its 4th new token
-    toks, lens = generate(fake_step, fake_cache(3, 32), prompt_BP, lengths, max_new_tokens=20,
-                          rng=jax.random.key(0), temperature=0, eos_id=eos, chunk=4)
+    toks, lens = generate(
+        fake_step,
+        fake_cache(3, 32),
+        prompt_BP,
+        lengths,
+        max_new_tokens=20,
+        rng=jax.random.key(0),
+        temperature=0,
+        eos_id=eos,
+        chunk=4,
+    )
     for b, p in enumerate(prompts):
         ref = naive_greedy(fake_next, p, 20, 32, 16, eos=eos)
         assert lens[b] == len(ref) and toks[b, : lens[b]].tolist() == ref
-        assert not toks[b, lens[b]:].any()
+        assert not toks[b, lens[b] :].any()
     assert lens[0] == 4
 
 
@@ -155,8 +202,9 @@ def test_same_seed_same_output_any_chunking():
     kw = dict(max_new_tokens=25, temperature=1.0, top_k=10, top_p=0.9)
 
     def run(seed, chunk):
-        return generate(fake_step, fake_cache(2, 16), prompt_BP, lengths, rng=jax.random.key(seed),
-                        chunk=chunk, **kw)[0]
+        return generate(
+            fake_step, fake_cache(2, 16), prompt_BP, lengths, rng=jax.random.key(seed), chunk=chunk, **kw
+        )[0]
 
     a = run(0, 64)
     np.testing.assert_array_equal(a, run(0, 64))
@@ -167,8 +215,11 @@ def test_same_seed_same_output_any_chunking():
 def test_stream_yields_the_same_tokens():
     prompt_BP, lengths = pad([[1, 2, 3]])
     kw = dict(max_new_tokens=10, rng=jax.random.key(3), temperature=0.7)
-    got = [t for out, n in stream_generate(fake_step, fake_cache(1, 16), prompt_BP, lengths, chunk=4, **kw)
-           for t in out[0, : n[0]]]
+    got = [
+        t
+        for out, n in stream_generate(fake_step, fake_cache(1, 16), prompt_BP, lengths, chunk=4, **kw)
+        for t in out[0, : n[0]]
+    ]
     toks, _ = generate(fake_step, fake_cache(1, 16), prompt_BP, lengths, **kw)
     assert got == toks[0].tolist()
 
@@ -213,7 +264,8 @@ def test_sample_logits_support_and_greedy():
     assert (sample_logits(None, logits, temperature=0) == jnp.argmax(logits, -1)).all()
     allowed = np.isfinite(np_top_p(np_top_k(np.asarray(logits) / 0.8, 5), 0.7))
     draws = jax.vmap(lambda r: sample_logits(r, logits, temperature=0.8, top_k=5, top_p=0.7))(
-        jax.random.split(jax.random.key(0), 300))  # [300, 3]
+        jax.random.split(jax.random.key(0), 300)
+    )  # [300, 3]
     for b in range(3):
         seen = set(np.asarray(draws[:, b]).tolist())
         assert seen == set(np.flatnonzero(allowed[b]).tolist())  # every allowed token, nothing else
@@ -222,11 +274,25 @@ def test_sample_logits_support_and_greedy():
 def test_bad_arguments():
     prompt_BP, lengths = pad([[1, 2]])
     with pytest.raises(ValueError, match="top_p"):
-        generate(fake_step, fake_cache(1, 8), prompt_BP, lengths, max_new_tokens=2, rng=jax.random.key(0),
-                 top_p=1.5)
+        generate(
+            fake_step,
+            fake_cache(1, 8),
+            prompt_BP,
+            lengths,
+            max_new_tokens=2,
+            rng=jax.random.key(0),
+            top_p=1.5,
+        )
     with pytest.raises(ValueError, match="temperature"):
-        generate(fake_step, fake_cache(1, 8), prompt_BP, lengths, max_new_tokens=2, rng=jax.random.key(0),
-                 temperature=-1)
+        generate(
+            fake_step,
+            fake_cache(1, 8),
+            prompt_BP,
+            lengths,
+            max_new_tokens=2,
+            rng=jax.random.key(0),
+            temperature=-1,
+        )
     with pytest.raises(ValueError, match="lengths"):
         generate(fake_step, fake_cache(1, 8), prompt_BP, [0], max_new_tokens=2, rng=jax.random.key(0))
     assert cache_length(1024, 16, 256) == 320 and cache_length(1024, 16, 2000) == 1024
