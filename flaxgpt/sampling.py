@@ -340,6 +340,12 @@ def gpt_step_fn(config, params) -> jax.tree_util.Partial:
     A tied LM head is given its own copy of wte^T ([D, V], made once here): XLA on CPU otherwise
     transposes the 154 MB GPT-2 embedding inside every decode step to multiply by it.
     """
+    if config.scan_layers:  # decode unrolled: per-layer cache slices stay static
+        from flaxgpt.gpt import unstack_layers
+
+        params = unstack_layers(params, config.n_layer)
+        config = dataclasses.replace(config, scan_layers=False)
+    config = dataclasses.replace(config, remat="none")  # no gradients here
     if config.tie_embeddings:
         config = dataclasses.replace(config, tie_embeddings=False)
         params = {**params, "lm_head": {"kernel": jnp.transpose(params["wte"]["embedding"])}}
