@@ -226,12 +226,29 @@ def _open_tensors(directory: str):
 
 
 def _read(table, name: str, shape: tuple, dtype) -> np.ndarray:
-    """One tensor as a host array, shape-checked: peak memory stays ~ model + one tensor."""
+    """One tensor as an aligned host array, shape-checked: host memory stays ~ model + one tensor."""
     handle, key = table[name]
     found = tuple(handle.get_slice(key).get_shape())
     if found != tuple(shape):
         raise ValueError(f"tensor {key} has shape {found}, expected {tuple(shape)} from the config")
-    return np.asarray(handle.get_tensor(key)).astype(dtype, copy=False)
+    return _aligned_copy(np.asarray(handle.get_tensor(key)), dtype)
+
+
+def _aligned_copy(x: np.ndarray, dtype, shape=None) -> np.ndarray:
+    """x cast into a 64-byte-aligned buffer (of `shape`, zero-padded at the end of each axis)."""
+    out = _aligned_empty(shape or x.shape, dtype)
+    if out.shape != x.shape:
+        out[...] = 0
+    out[tuple(slice(0, n) for n in x.shape)] = x
+    return out
+
+
+def _aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """np.empty on a 64-byte boundary, which lets device_put on CPU adopt the buffer without a copy."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _set(tree: dict, path: tuple, value):
@@ -290,26 +307,30 @@ def load_pretrained(
                 f"unexpected {unexpected[:5]}"
             )
         params: dict = {}
-        # host numpy work, then one device transfer per leaf: no per-shape compiles while loading
+        # host numpy work in 64-byte-aligned buffers, then one device_put per leaf, which on CPU
+        # adopts such a buffer without a copy: no per-shape compiles, host memory ~ model size
         for name, path in TOP_KEYS.items():
             _set(params, path, _read(table, name, _get(shapes, path).shape, dtype))
         params["wpe"]["embedding"] = params["wpe"]["embedding"][: config.block_size]
-        pad = config.padded_vocab_size - config.vocab_size
+        D, PV = config.n_embd, config.padded_vocab_size
         # padded rows are never seen (logits are sliced); zeros keep them inert
-        params["wte"]["embedding"] = np.pad(params["wte"]["embedding"], ((0, pad), (0, 0)))
+        params["wte"]["embedding"] = _aligned_copy(params["wte"]["embedding"], dtype, (PV, D))
         if not config.tie_embeddings:  # a tied file's lm_head is ignored, as transformers does
-            w_VD = _read(table, "lm_head.weight", (config.vocab_size, config.n_embd), dtype)
-            params["lm_head"] = {"kernel": np.pad(w_VD.T, ((0, 0), (0, pad)))}  # torch Linear is [out, in]
-        params = jax.tree_util.tree_map(jnp.asarray, params)
+            w_VD = _read(table, "lm_head.weight", (config.vocab_size, D), dtype)  # torch Linear: [out, in]
+            params["lm_head"] = {"kernel": _aligned_copy(w_VD.T, dtype, (D, PV))}
+        params = jax.tree_util.tree_map(jax.device_put, params)
         for key, path in BLOCK_KEYS.items():
             shape = _get(shapes["h_0"], path).shape
-            layers = [_read(table, f"h.{i}.{key}", shape, dtype) for i in range(L)]
-            if scan_layers:  # stack one leaf kind at a time, never the whole model twice
-                _set(params, ("h", "block") + path, jnp.asarray(np.stack(layers)))
+            if scan_layers:  # one [L, ...] host buffer per leaf kind, filled layer by layer
+                stacked = _aligned_empty((L, *shape), dtype)
+                for i in range(L):
+                    stacked[i] = _read(table, f"h.{i}.{key}", shape, dtype)
+                _set(params, ("h", "block") + path, jax.device_put(stacked))
+                del stacked
             else:
                 for i in range(L):
-                    _set(params, (f"h_{i}",) + path, jnp.asarray(layers[i]))
-            del layers
+                    x = _read(table, f"h.{i}.{key}", shape, dtype)
+                    _set(params, (f"h_{i}",) + path, jax.device_put(x))
     return config, params
 
 
