@@ -20,7 +20,9 @@ from flax import linen as nn
 from safetensors.numpy import load_file, save_file
 
 from flaxgpt import hf
+from flaxgpt.cache import KVCache
 from flaxgpt.gpt import GPT, GPTConfig, abstract_params
+from flaxgpt.sampling import generate, gpt_step_fn
 
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
 TOKENS = np.random.RandomState(0).randint(0, 1000, (3, 40))
@@ -94,6 +96,18 @@ def test_greedy_continuation_matches_transformers(small):
     for t in range(8, 28):
         buf[:, t] = np.asarray(forward(params, jnp.asarray(buf)))[:, t - 1].argmax(-1)
     np.testing.assert_array_equal(buf[:, 8:], want)
+    # and through the KV-cache sampler that sample.py uses
+    cache = KVCache.for_config(config, batch=3, max_len=64)
+    got, lengths = generate(
+        gpt_step_fn(config, params),
+        cache,
+        prompt,
+        np.full(3, 8),
+        max_new_tokens=20,
+        rng=jax.random.key(0),
+        temperature=0.0,
+    )
+    np.testing.assert_array_equal(got, want)
 
 
 def test_scanned_layout_and_padded_vocab(small):
