@@ -280,3 +280,28 @@ def test_load_for_run_takes_the_run_model_section(small):
     model_cfg.block_size = 1024
     with pytest.raises(ValueError, match="block_size 1024 is longer than the checkpoint's n_positions 128"):
         hf.load_for_run(small[0], model_cfg)
+
+
+def test_hub_unreachable_and_missing_weights_messages(tmp_path, monkeypatch):
+    """The online branch, with huggingface_hub's download replaced: nothing touches the network."""
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def unreachable(repo, filename, **kw):
+        raise errors.LocalEntryNotFoundError("connection error and no cached file")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    with pytest.raises(RuntimeError, match=r"the hub could not be reached .*needs the network"):
+        hf.load_pretrained("gpt2", cache_dir=str(tmp_path))
+
+    def no_safetensors(repo, filename, **kw):
+        if filename == "model.safetensors":
+            raise errors.EntryNotFoundError("404")
+        return str(tmp_path / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_safetensors)
+    with pytest.raises(FileNotFoundError, match="hub repo 'someone/old-gpt2' has no model.safetensors"):
+        hf.load_pretrained("someone/old-gpt2", cache_dir=str(tmp_path))
