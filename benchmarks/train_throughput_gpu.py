@@ -111,6 +111,7 @@ def main():
     ap.add_argument("--fsdp", type=int, default=1)
     ap.add_argument("--peak_flops", type=float, default=0.0, help="per-device peak (0 = the mode's)")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("--compile_only", action="store_true", help="check the set-up: compile, print, exit")
     args = ap.parse_args()
     if args.mode == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -120,6 +121,9 @@ def main():
     t0 = time.perf_counter()
     step = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
+    if args.compile_only:
+        print(f"{config.n_layer} layers, {config.dtype}: compiled in {compile_s:.1f} s on {jax.devices()[0]}")
+        return
     for _ in range(2):  # warm up: first runs allocate and autotune
         state, out = step(state, batch)
     jax.block_until_ready(out)
