@@ -37,17 +37,9 @@ ACT_TO_HF = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
 HF_TO_ACT = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact", "relu": "relu"}
 
 # GPTConfig fields a GPT-2 checkpoint fixes; the others (dropout, dtype, remat, ...) are free
-ARCH_FIELDS = (
-    "vocab_size",
-    "n_layer",
-    "n_head",
-    "n_embd",
-    "pos_embedding",
-    "activation",
-    "tie_embeddings",
-    "bias",
-    "qkv_bias",
-    "layer_norm_epsilon",
+ARCH_FIELDS = tuple(
+    "vocab_size n_layer n_head n_embd pos_embedding activation tie_embeddings bias qkv_bias "
+    "layer_norm_epsilon".split()
 )
 
 # HF name inside block i (after "h.{i}.") -> flaxgpt path inside h_{i}; Conv1D weight == Dense kernel
@@ -170,16 +162,18 @@ def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
     # the hub redirects gpt2 -> openai-community/gpt2; a cache may hold either name
     repos = [path] + ([f"openai-community/{path}"] if path in GPTConfig.PRESETS else [])
     for repo in repos:
+        filename = CONFIG_FILE
         try:
             cfg = huggingface_hub.hf_hub_download(
-                repo, CONFIG_FILE, cache_dir=cache_dir, local_files_only=offline
+                repo, filename, cache_dir=cache_dir, local_files_only=offline
             )
-            huggingface_hub.hf_hub_download(repo, WEIGHTS_FILE, cache_dir=cache_dir, local_files_only=offline)
+            filename = WEIGHTS_FILE
+            huggingface_hub.hf_hub_download(repo, filename, cache_dir=cache_dir, local_files_only=offline)
             return os.path.dirname(cfg)
         except Exception as e:  # matched by name: the classes moved between huggingface_hub versions
             kind = type(e).__name__
             if kind in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
-                raise FileNotFoundError(f"hub repo {repo!r} has no {WEIGHTS_FILE} (safetensors)") from e
+                raise FileNotFoundError(f"hub repo {repo!r} has no {filename}") from e
             if kind in ("RepositoryNotFoundError", "GatedRepoError") and repo == repos[-1]:
                 raise FileNotFoundError(
                     f"no public hub repo {repo!r} and no local directory of that name; "

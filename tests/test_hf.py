@@ -305,3 +305,17 @@ def test_hub_unreachable_and_missing_weights_messages(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_safetensors)
     with pytest.raises(FileNotFoundError, match="hub repo 'someone/old-gpt2' has no model.safetensors"):
         hf.load_pretrained("someone/old-gpt2", cache_dir=str(tmp_path))
+
+
+def test_sharded_safetensors_with_index(small, tmp_path):
+    directory, _, ref = small
+    tensors = load_file(os.path.join(directory, "model.safetensors"))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(open(os.path.join(directory, "config.json")).read())
+    config, params = hf.load_pretrained(str(tmp_path))
+    np.testing.assert_allclose(flax_logits(config, params), ref, atol=1e-4, rtol=0)
