@@ -181,7 +181,7 @@ def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
                 ) from e
             last = e  # not cached / offline / no network: the message below
     why = "HF_HUB_OFFLINE is set" if offline else f"the hub could not be reached ({type(last).__name__})"
-    raise RuntimeError(
+    raise ConnectionError(  # an OSError: callers catching file errors catch this too
         f"{name_or_path!r} is not a local directory nor in the Hugging Face cache, and {why}: "
         "downloading it needs the network, or pass a local directory with "
         f"{CONFIG_FILE} and {WEIGHTS_FILE}"
@@ -457,7 +457,7 @@ def main(argv=None) -> int:
             directory = resolve(args.name_or_path)
             with open(os.path.join(directory, CONFIG_FILE)) as fh:
                 print(json.dumps(config_from_hf(json.load(fh)).to_dict(), indent=2))
-    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+    except (ValueError, OSError, ImportError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -219,7 +219,7 @@ def test_hub_names_offline(small, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     empty = str(tmp_path / "empty_cache")
     for name in ("gpt2-xl", "not-a-gpt2-size"):
-        with pytest.raises(RuntimeError, match="needs the network, or pass a local directory"):
+        with pytest.raises(ConnectionError, match="needs the network, or pass a local directory"):
             hf.load_pretrained(name, cache_dir=empty)
     # a hub cache laid out as huggingface_hub writes it is found without the network
     directory, _, ref = small
@@ -294,7 +294,7 @@ def test_hub_unreachable_and_missing_weights_messages(tmp_path, monkeypatch):
         raise errors.LocalEntryNotFoundError("connection error and no cached file")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
-    with pytest.raises(RuntimeError, match=r"the hub could not be reached .*needs the network"):
+    with pytest.raises(ConnectionError, match=r"the hub could not be reached .*needs the network"):
         hf.load_pretrained("gpt2", cache_dir=str(tmp_path))
 
     def no_safetensors(repo, filename, **kw):
