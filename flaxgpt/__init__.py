@@ -2,7 +2,6 @@
 
 from flaxgpt.cache import KVCache
 from flaxgpt.gpt import GPT, GPTConfig, count_params, init_params
-from flaxgpt.hf import export_pretrained, load_pretrained
 from flaxgpt.tokenizers import CharTokenizer, get_tokenizer
 
 __all__ = [
@@ -16,3 +15,12 @@ __all__ = [
     "load_pretrained",
     "export_pretrained",
 ]
+
+
+def __getattr__(name):
+    # flaxgpt.hf on first use: importing it here would make `python -m flaxgpt.hf` warn
+    if name in ("load_pretrained", "export_pretrained"):
+        from flaxgpt import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'flaxgpt' has no attribute {name!r}")

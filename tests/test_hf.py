@@ -234,7 +234,10 @@ def test_hub_names_offline(small, tmp_path, monkeypatch):
     np.testing.assert_allclose(flax_logits(config, params), ref, atol=1e-4, rtol=0)
 
 
-def test_info_cli(small, capsys):
+def test_info_cli_and_package_names(small, capsys):
+    import flaxgpt
+
+    assert flaxgpt.load_pretrained is hf.load_pretrained and flaxgpt.export_pretrained is hf.export_pretrained
     directory, _, _ = small
     assert hf.main(["info", directory]) == 0
     assert json.loads(capsys.readouterr().out)["n_embd"] == 64
