@@ -4,7 +4,7 @@ Used by `layers.attend` for impl="pallas" (what `auto` picks on TPU) on the caus
 prefill path only: queries and keys start together at position 0, no dropout, no attention maps.
 Cached decoding, cross-attention and padding masks keep the explicit-mask XLA path.
 
-The kernel is imported lazily (it pulls in Mosaic/TPU code) and built once per shape. Off TPU it
+The kernel is imported lazily (it pulls in Mosaic/TPU code) and built at trace time. Off TPU it
 runs in Pallas interpret mode: correct but slow, which is how the CPU tests check it.
 
 Under a mesh context (`with jax.set_mesh(mesh):` around the jit) the kernel runs inside
@@ -16,7 +16,6 @@ Shape letters: B batch, T query length, S key length, H heads, K head dim (see l
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -31,8 +30,9 @@ def fits(q_len: int, kv_len: int) -> bool:
     return q_len == kv_len and q_len % BLOCK == 0
 
 
-@functools.lru_cache(maxsize=32)
 def _kernel(seq_len: int, n_head: int, interpret: bool):
+    # built afresh in every trace: the kernel holds arrays (the mask's block tables), and a kernel
+    # cached across traces would leak one trace's values into another (inside nn.scan, say)
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 

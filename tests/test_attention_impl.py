@@ -100,9 +100,13 @@ def small_gpt(impl, T=128, **kw):
 
 @pytest.mark.parametrize("impl", ["cudnn", "pallas"])
 def test_gpt_forward_and_grads_equal_xla(fake_cudnn, impl):
-    dtype, T = ("bfloat16", 32) if impl == "cudnn" else ("float32", 128)
-    cfg = small_gpt(impl, T, dtype=dtype)
-    ref = small_gpt("xla", T, dtype=dtype)
+    # pallas: also inside nn.scan with remat (the TPU recipe's layout), where a kernel built in one
+    # trace and reused in another would leak tracers
+    dtype, T, kw = (
+        ("bfloat16", 32, {}) if impl == "cudnn" else ("float32", 128, dict(scan_layers=True, remat="dots"))
+    )
+    cfg = small_gpt(impl, T, dtype=dtype, **kw)
+    ref = small_gpt("xla", T, dtype=dtype, **kw)
     params = jax.jit(init_params, static_argnums=0)(ref, jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (1, T), 0, 61)
 
@@ -116,7 +120,7 @@ def test_gpt_forward_and_grads_equal_xla(fake_cudnn, impl):
     np.testing.assert_allclose(l_got, l_want, **tol)
     for a, b in zip(jax.tree_util.tree_leaves(g_got), jax.tree_util.tree_leaves(g_want)):
         np.testing.assert_allclose(a, b, atol=tol["atol"] * 0.1, rtol=tol["rtol"] * 10)
-    assert len(fake_cudnn) == (cfg.n_layer if impl == "cudnn" else 0)
+    assert len(fake_cudnn) == (1 if impl == "cudnn" else 0)  # one layer, traced once
 
 
 def test_pallas_matches_xla_bf16_and_only_on_its_path(monkeypatch):
