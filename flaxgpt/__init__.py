@@ -2,6 +2,7 @@
 
 from flaxgpt.cache import KVCache
 from flaxgpt.gpt import GPT, GPTConfig, count_params, init_params
+from flaxgpt.sampling import generate, gpt_step_fn
 from flaxgpt.tokenizers import CharTokenizer, get_tokenizer
 
 __all__ = [
@@ -14,6 +15,8 @@ __all__ = [
     "init_params",
     "load_pretrained",
     "export_pretrained",
+    "generate",
+    "gpt_step_fn",
 ]
 
 
