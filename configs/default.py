@@ -47,6 +47,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel devices; -1 = all devices left after fsdp
     c.mesh.fsdp = 1  # devices that shard parameters and optimizer state (ZeRO-3 style)
+    c.mesh.cpu_devices = 0  # CPU: split the host into this many devices; 0 = one per core (if batch divides)
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""  # host:port of process 0 for multi-host GPU; "" = auto/none

@@ -338,6 +338,8 @@ class Trainer:
 def train(config, devices=None, print_fn=print) -> dict:
     """Set up (all input checked), write the run files, train; returns the last metrics and state."""
     sharding.maybe_initialize_distributed(config)
+    if config.batch_size % config.grad_accum == 0:  # (else Trainer explains)
+        sharding.configure_cpu_devices(config.mesh.cpu_devices, config.batch_size // config.grad_accum)
     trainer = Trainer(config, devices, print_fn)
     state = trainer.init_state()
     trainer.write_run_files()
