@@ -61,8 +61,11 @@ def load_model(a):
             raise SystemExit(f"error: --init_from {a.init_from} needs flaxgpt.hf ({e})") from None
         config, params = load_pretrained(a.init_from)
         return config, params, tokenizers.get_tokenizer("gpt2")
+    from absl import logging as absl_logging
+
     from flaxgpt.checkpoint import load_for_inference
 
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes about read-only directories
     model, params, meta = load_for_inference(a.out_dir, a.step)
     kind = model.pop("kind", "gpt")
     if kind != "gpt":  # the encoder-decoder samples with beam search from its own entry point

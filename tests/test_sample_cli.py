@@ -87,6 +87,18 @@ def test_long_and_empty_prompts_warn(run_dir, capsys):
     assert code == 0 and "empty prompt: starting from '\\n'" in err
 
 
+def test_init_from_gpt2_directory_and_empty_prompt(tmp_path, capsys):
+    from flaxgpt.hf import export_pretrained
+
+    cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)  # GPT-2's vocabulary, tiny body
+    export_pretrained(cfg, init_params(cfg, jax.random.key(1)), str(tmp_path / "hf"))
+    args = ["--init_from", str(tmp_path / "hf"), "--max_new_tokens", "8", "--temperature", "0"]
+    code, out, err = sample_main(capsys, *args, "--start", "")
+    assert code == 0 and "<|endoftext|>" not in out and out.endswith("\n"), err
+    code, out2, err = sample_main(capsys, *args, "--start", "Hello", "--num_samples", "2")
+    assert code == 0 and out2.startswith("Hello") and out2.count(sample.SEPARATOR) == 2, err
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
