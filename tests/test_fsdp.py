@@ -27,7 +27,7 @@ def data_dir(tmp_path_factory):
 def config(data_dir, data=-1, fsdp=1, batch_size=16, **model):
     c = default.get_config()
     c.data.dir = str(data_dir)
-    c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 2, 2, 32, 16
+    c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 1, 2, 32, 16
     c.model.pad_vocab_multiple = 8
     c.model.update(model)
     c.mesh.data, c.mesh.fsdp = data, fsdp
@@ -87,7 +87,7 @@ def test_scanned_layers_with_remat_shard_and_match(data_dir):
     losses, state = train(config(data_dir, 1, 8, scan_layers=True, remat="full"))
     np.testing.assert_allclose(losses, want, atol=1e-5, rtol=1e-5)
     stacked = adam_moments(state.opt_state)[0]["h"]["block"]["mlp"]["c_fc"]["kernel"]  # [layers, embed, mlp]
-    assert stacked.sharding.shard_shape(stacked.shape) == (2, 4, 128)
+    assert stacked.sharding.shard_shape(stacked.shape) == (1, 4, 128)
 
 
 def test_bad_meshes_fail_in_one_line(data_dir):

@@ -24,7 +24,7 @@ def config(data_dir, out_dir):
 
     c = default.get_config()
     c.data.dir, c.out_dir = str(data_dir), str(out_dir)
-    c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 2, 2, 32, 16
+    c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 1, 2, 32, 16
     c.model.pad_vocab_multiple = 8
     c.mesh.data, c.mesh.fsdp = 2, 4  # data across the hosts, parameters split within each
     c.batch_size, c.max_iters, c.eval_interval, c.eval_iters, c.log_interval = 16, STEPS, 100, 1, 1
