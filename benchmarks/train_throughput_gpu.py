@@ -7,6 +7,7 @@ non-embedding parameters (flaxgpt.metrics, nanoGPT's and llm.c's formula). Token
     python benchmarks/train_throughput_gpu.py --mode gpu      # GPT-2 124M, T 1024, bf16, one H100
     python benchmarks/train_throughput_gpu.py --mode cpu      # 4-layer 128-wide model on the CPU
     python benchmarks/train_throughput_gpu.py --mode gpu --batch_size 32 --remat dots --json out.json
+    python benchmarks/train_throughput_gpu.py --mode gpu --check_attention   # cuDNN == XLA (bf16) first
 
 gpu mode states the H100 SXM dense bf16 peak, 989 TFLOP/s (--peak_flops for another device).
 """
@@ -93,6 +94,35 @@ def build(args):
     return config, step, state, batch, fpt, metrics.peak_flops_per_device(args.peak_flops or m["peak"])
 
 
+def check_attention(impl: str) -> None:
+    """The fused kernel against the XLA path on GPT-2 shapes in bf16 (forward and gradients)."""
+    import jax
+    import jax.numpy as jnp
+
+    from flaxgpt.layers import attend, resolve_attention_impl
+
+    impl = resolve_attention_impl(impl, jnp.bfloat16)
+    q, k, v = (jax.random.normal(jax.random.key(i), (4, 1024, 12, 64), jnp.bfloat16) for i in range(3))
+    mask = jnp.tril(jnp.ones((1024, 1024), bool))[None, None]
+
+    def loss(q, k, v, impl):
+        return jnp.sum(attend(q, k, v, mask, impl=impl, is_causal=True).astype(jnp.float32) ** 2)
+
+    grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    (l_fused, g_fused), (l_xla, g_xla) = grads(q, k, v, impl), grads(q, k, v, "xla")
+    loss_rel = abs(float(l_fused) / float(l_xla) - 1)
+    # bf16 tolerance: each gradient's largest difference relative to its largest entry
+    grad_rel = [
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.max(jnp.abs(b)))
+        for a, b in zip(g_fused, g_xla)
+    ]
+    print(
+        f"attention {impl} vs xla on {jax.devices()[0].device_kind}: loss rel. diff {loss_rel:.1e}, "
+        f"grad rel. diffs q {grad_rel[0]:.1e} k {grad_rel[1]:.1e} v {grad_rel[2]:.1e}"
+    )
+    assert loss_rel < 1e-2 and max(grad_rel) < 2e-2, (loss_rel, grad_rel)
+
+
 def peak_memory_bytes():
     import jax
 
@@ -112,11 +142,18 @@ def main():
     ap.add_argument("--peak_flops", type=float, default=0.0, help="per-device peak (0 = the mode's)")
     ap.add_argument("--json", default="", help="also write the results here")
     ap.add_argument("--compile_only", action="store_true", help="check the set-up: compile, print, exit")
+    ap.add_argument(
+        "--check_attention",
+        action="store_true",
+        help="first compare --attention_impl (auto: cuDNN on GPU) with XLA in bf16",
+    )
     args = ap.parse_args()
     if args.mode == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
+    if args.check_attention:
+        check_attention(args.attention_impl)
     config, step, state, batch, fpt, peak = build(args)
     t0 = time.perf_counter()
     step = step.lower(state, batch).compile()
