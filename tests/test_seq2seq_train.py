@@ -135,3 +135,20 @@ def test_bad_data_and_mismatched_vocabularies_are_one_line_errors(reverse_data, 
         seq2seq_task.Seq2SeqTask(reverse_config(reverse_data, tmp_path, **{"model.block_size": 12}))
     with pytest.raises(FileNotFoundError, match="seq2seq_data"):
         seq2seq_task.Seq2SeqTask(reverse_config(tmp_path / "nothing", tmp_path / "run"))
+
+
+def test_translate_run_loads_a_saved_run(trained):
+    """sample.py's hook: text in, text out, from nothing but the run directory."""
+    from flaxgpt.checkpoint import Checkpointer
+
+    c, summary, _ = trained
+    ckpt = Checkpointer(c.out_dir, async_save=False)
+    ckpt.save(c.max_iters, summary["state"], extra={})  # skipped if the trainer already saved it
+    ckpt.close()
+    out = seq2seq_task.translate_run(c.out_dir, ["abcdefgh", "jihgf"], beam_size=3)
+    assert out == ["hgfedcba", "fghij"]
+    with pytest.raises(ValueError, match="not an encoder-decoder"):
+        cfg = json.loads((Path(c.out_dir) / "config.json").read_text())
+        cfg["model"]["kind"] = "gpt"
+        (Path(c.out_dir) / "config.json").write_text(json.dumps(cfg))
+        seq2seq_task.translate_run(c.out_dir, ["abc"])
