@@ -13,6 +13,8 @@ from configs import default
 def seq2seq_default() -> ml_collections.ConfigDict:
     """configs/default.py with model.kind = "seq2seq", the encoder-decoder's own model fields and
     the `seq2seq` decoding section (shared by every seq2seq recipe)."""
+    import flaxgpt.seq2seq_task  # noqa: F401  registers model.kind "seq2seq" with the trainer
+
     c = default.get_config()
     with c.unlocked():
         c.model.kind = "seq2seq"
