@@ -230,8 +230,9 @@ class Trainer:
                 f"init_from={init_from!r}: starting from pretrained weights needs "
                 "flaxgpt.hf (not available yet); use 'scratch'"
             )
-        init = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
-        return init(jax.random.key(self.config.seed))
+        if not hasattr(self, "_init_jit"):
+            self._init_jit = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
+        return self._init_jit(jax.random.key(self.config.seed))
 
     def global_batch(self, split: str, step: int, rows: int, micro: bool):
         local = self.task.batch(split, step, rows // jax.process_count(), jax.process_index())
