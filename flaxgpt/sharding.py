@@ -63,14 +63,16 @@ def configure_cpu_devices(requested: int, batch_rows: int) -> int:
         return 0
     if "JAX_NUM_CPU_DEVICES" in os.environ or "device_count" in os.environ.get("XLA_FLAGS", ""):
         return 0
-    if requested > 1:
-        n = requested
-    else:  # the most cores that split the batch evenly
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        n = max(d for d in range(1, cores + 1) if batch_rows % d == 0)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    n = requested if requested > 1 else cpu_device_count(cores, batch_rows)
     if n > 1:
         jax.config.update("jax_num_cpu_devices", n)
     return n if n > 1 else 0
+
+
+def cpu_device_count(cores: int, batch_rows: int) -> int:
+    """The most devices, at most one per core, that split the batch evenly."""
+    return max(d for d in range(1, cores + 1) if batch_rows % d == 0)
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:

@@ -90,6 +90,28 @@ def test_train_end_to_end(tmp_path, data_dir):
     assert "val loss" in r.stdout and "tok/s" in r.stdout
 
 
+def test_recipes_are_locked_and_complete():
+    sys.path.insert(0, str(ROOT))
+    from configs import default, gpt2_124m, shakespeare_char, shakespeare_char_cpu
+
+    for recipe in (default, shakespeare_char, shakespeare_char_cpu, gpt2_124m):
+        c = recipe.get_config()
+        assert c.is_locked and c.model.kind == "gpt" and c.model.pad_vocab_multiple == 64
+        with pytest.raises(AttributeError):
+            c.optim.lerning_rate = 1.0
+    c = gpt2_124m.get_config()
+    assert c.batch_size * c.model.block_size == 524288 and c.model.dtype == "bfloat16"
+    assert (c.optim.learning_rate, c.optim.min_lr, c.optim.warmup_steps) == (6e-4, 6e-5, 2000)
+    c = shakespeare_char_cpu.get_config()
+    assert (c.model.n_layer, c.model.n_embd, c.model.block_size, c.batch_size, c.max_iters) == (
+        4,
+        128,
+        64,
+        12,
+        2000,
+    )
+
+
 BAD = {
     "unknown key": (["--config.optim.lerning_rate=1"], "unknown config key 'lerning_rate'"),
     "wrong type": (["--config.max_iters=lots"], "--config.max_iters=lots"),
