@@ -1,8 +1,10 @@
 """flaxgpt: GPT-style transformers in JAX/Flax."""
 
+from flaxgpt.beam_search import beam_search, greedy_search
 from flaxgpt.cache import KVCache
 from flaxgpt.gpt import GPT, GPTConfig, count_params, init_params
 from flaxgpt.sampling import generate, gpt_step_fn
+from flaxgpt.seq2seq import Transformer, TransformerConfig
 from flaxgpt.tokenizers import CharTokenizer, get_tokenizer
 
 __all__ = [
@@ -17,6 +19,10 @@ __all__ = [
     "export_pretrained",
     "generate",
     "gpt_step_fn",
+    "Transformer",
+    "TransformerConfig",
+    "beam_search",
+    "greedy_search",
 ]
 
 
