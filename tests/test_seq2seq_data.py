@@ -140,3 +140,20 @@ def test_eval_rows_cover_the_split_once():
     rows, keep = zip(*(sd.eval_rows(10, 4, i) for i in range(3)))
     rows, keep = np.concatenate(rows), np.concatenate(keep)
     assert sorted(rows[keep > 0].tolist()) == list(range(10)) and keep.sum() == 10
+
+
+def test_hf_translation_data_offline_is_a_clear_error(tmp_path, monkeypatch):
+    import types
+
+    fake = types.ModuleType("datasets")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach the Hugging Face Hub")
+
+    fake.load_dataset = offline
+    monkeypatch.setitem(__import__("sys").modules, "datasets", fake)
+    with pytest.raises(PrepareError, match="could not load Hugging Face dataset 'wmt14'/'de-en'.*network"):
+        sd.main(["--task", "hf", "--tokenizer", "gpt2", "--out_dir", str(tmp_path / "wmt")])
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # not installed
+    with pytest.raises(PrepareError, match="pip install"):
+        sd.main(["--task", "hf", "--tokenizer", "gpt2", "--out_dir", str(tmp_path / "wmt")])
