@@ -85,7 +85,14 @@ class GPTTask:
 
     def __init__(self, config):
         self.data = data_lib.TokenData(config.data.dir)
-        self.model_config = gpt_config_from(config.model, config.model.vocab_size or self.data.vocab_size)
+        self.pretrained = None  # parameters to start from (init_from a GPT-2 name or directory)
+        if config.init_from in ("resume", "scratch"):
+            vocab = config.model.vocab_size or self.data.vocab_size
+            self.model_config = gpt_config_from(config.model, vocab)
+        else:  # the checkpoint fixes the architecture; the run's model section the rest
+            from flaxgpt import hf
+
+            self.model_config, self.pretrained = hf.load_for_run(config.init_from, config.model)
         self.data.check(self.model_config.block_size, self.model_config.vocab_size)
         self.model = gpt.GPT(self.model_config)
         self.seed = config.seed
@@ -221,18 +228,23 @@ class Trainer:
         params = self.task.init_params(params_rng)
         return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params), rng=train_rng)
 
+    def _state_from_params(self, params, rng):
+        _, train_rng = jax.random.split(rng)
+        return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params), rng=train_rng)
+
     def init_state(self) -> TrainState:
-        """A fresh state built directly in its shardings (never whole on one device).
-        Checkpoint restore goes here: restore onto self.abstract_state / self.state_shardings."""
-        init_from = self.config.init_from
-        if init_from not in ("resume", "scratch"):
-            raise ValueError(
-                f"init_from={init_from!r}: starting from pretrained weights needs "
-                "flaxgpt.hf (not available yet); use 'scratch'"
-            )
+        """A fresh state built directly in its shardings (never whole on one device), or from the
+        task's pretrained parameters. Checkpoint restore goes here: restore onto
+        self.abstract_state / self.state_shardings."""
+        key = jax.random.key(self.config.seed)
+        pretrained = getattr(self.task, "pretrained", None)
+        if pretrained is not None:  # parameters as arguments, not constants baked into the program
+            params = jax.device_put(pretrained, self.param_shardings)
+            make = jax.jit(self._state_from_params, out_shardings=self.state_shardings)
+            return make(params, key)
         if not hasattr(self, "_init_jit"):
             self._init_jit = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
-        return self._init_jit(jax.random.key(self.config.seed))
+        return self._init_jit(key)
 
     def global_batch(self, split: str, step: int, rows: int, micro: bool):
         local = self.task.batch(split, step, rows // jax.process_count(), jax.process_index())

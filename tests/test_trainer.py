@@ -108,6 +108,22 @@ def test_tiny_model_overfits_a_short_text(data_dir):
     assert summary["train_loss"] < 0.5 and summary["val_loss"] < 0.5, summary
 
 
+def test_init_from_a_gpt2_directory(data_dir, tmp_path, one_device):
+    from flaxgpt import hf
+
+    _, state, t = one_device  # export the reference run's trained weights, then start from them
+    hf.export_pretrained(t.task.model_config, jax.device_get(state.params), str(tmp_path / "gpt2dir"))
+    cfg = tiny_config(data_dir, init_from=str(tmp_path / "gpt2dir"))
+    t2 = trainer.Trainer(cfg, devices=jax.devices()[:1], print_fn=lambda *a: None)
+    s2 = t2.init_state()
+    assert int(s2.step) == 0
+    V = t.task.model_config.vocab_size  # exported without the padding rows; they come back as zeros
+    trim = lambda p: {**p, "wte": {"embedding": p["wte"]["embedding"][:V]}}  # noqa: E731
+    leaves = jax.tree_util.tree_leaves
+    for a, b in zip(leaves(trim(state.params)), leaves(trim(s2.params))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
 def test_sharding_errors(data_dir):
     with pytest.raises(ValueError, match="not divisible by the 8 data-parallel devices"):
         trainer.Trainer(tiny_config(data_dir, batch_size=12))
