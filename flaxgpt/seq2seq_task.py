@@ -11,6 +11,7 @@ label-smoothed cross-entropy of teacher-forced targets; batches are padded pairs
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -146,10 +147,14 @@ class Seq2SeqTask:
         )
 
 
-@jax.jit
-def _token_hits(logits_BTV, targets_BT, mask_BT):
-    hits = (logits_BTV.argmax(-1) == targets_BT) * mask_BT
-    return hits.sum(), mask_BT.sum()
+@functools.partial(jax.jit, static_argnums=0)
+def _token_hits(config: TransformerConfig, params, batch, keep_B):
+    """Teacher-forced argmax hits and counted target tokens (padding and filler rows excluded)."""
+    logits_BTV = Transformer(config).apply(
+        {"params": params}, batch["src"], batch["src_lengths"], batch["inputs"]
+    )
+    mask_BT = batch["loss_mask"] * keep_B[:, None]
+    return ((logits_BTV.argmax(-1) == batch["targets"]) * mask_BT).sum(), mask_BT.sum()
 
 
 def evaluate(
@@ -169,15 +174,12 @@ def evaluate(
     import sacrebleu
 
     n_pairs = min(n_pairs, len(data))
-    forward = jax.jit(
-        lambda p, b: Transformer(config).apply({"params": p}, b["src"], b["src_lengths"], b["inputs"])
-    )
     hits = total = exact = 0.0
     hyps, refs = [], []
     for i in range(-(-n_pairs // batch_size)):
         rows, keep = sd.eval_rows(n_pairs, batch_size, i)
         b = sd.make_batch(data, rows, src_len, tgt_len)
-        h, t = _token_hits(forward(params, b), b["targets"], b["loss_mask"] * keep[:, None])
+        h, t = _token_hits(config, params, b, keep)
         hits, total = hits + float(h), total + float(t)
         out = np.asarray(
             generate(
