@@ -103,6 +103,8 @@ def format_line(row: dict) -> str:
             f"val loss {row['val_loss']:.4f}",
             f"best val {row.get('best_val_loss', row['val_loss']):.4f}",
         ]
+        known = {"step", "time", "train_loss", "val_loss", "best_val_loss"}
+        parts += [f"{k} {v:.4g}" for k, v in row.items() if k not in known and isinstance(v, int | float)]
         return "eval " + " | ".join(parts)
     parts.append(f"loss {row['loss']:.4f}")
     if "lr" in row:

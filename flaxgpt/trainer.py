@@ -264,7 +264,10 @@ class Trainer:
             ]
             sums[split] = parts
         fetched = jax.device_get(sums)
-        return {f"{s}_loss": float(sum(p[0] for p in v) / sum(p[1] for p in v)) for s, v in fetched.items()}
+        out = {f"{s}_loss": float(sum(p[0] for p in v) / sum(p[1] for p in v)) for s, v in fetched.items()}
+        if hasattr(self.task, "evaluate"):  # task-specific metrics (seq2seq: accuracy, BLEU)
+            out.update(self.task.evaluate(params))
+        return out
 
     def write_run_files(self) -> Path:
         out_dir = Path(self.config.out_dir)
@@ -305,7 +308,7 @@ class Trainer:
         if start < c.max_iters:
             summary["compile_time"] = self.compile(state, batch)
             self.print(f"compiled the train step in {summary['compile_time']:.1f} s")
-        pending, clock = None, (time.perf_counter(), start)
+        pending, previous, clock = None, None, (time.perf_counter(), start)
 
         def log(step, metrics, clock):  # blocks only on this (already finished) step's metrics
             m = jax.device_get(metrics)
@@ -336,6 +339,10 @@ class Trainer:
             if step > start:
                 batch = self.global_batch("train", step, c.batch_size, micro=True)
             state, metrics = self.train_step(state, batch)  # dispatched; runs while we go on
+            # wait for step N-1 while step N runs: at most two steps in flight (a deep queue of
+            # steps that all-reduce across CPU devices can starve the host's thread pool)
+            jax.block_until_ready(previous)
+            previous = metrics["loss"]
             if pending:  # the previous log step's metrics are ready by now
                 clock, pending = log(*pending, clock), None
             if (step + 1) % c.log_interval == 0:
