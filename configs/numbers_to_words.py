@@ -1,6 +1,7 @@
 """The encoder-decoder Transformer writing numbers in words ("1234" -> "one thousand two hundred
 thirty-four"), characters in and out, numbers up to 999,999; tested on 1,000 numbers it never saw.
-Measured on a shared 2-core CPU: 99.7% exact match (BLEU 99.9) after 1000 steps, 8.6 min of training.
+Measured with train.py on a busy 2-core CPU (load ~7): 99.7% exact match, BLEU 99.9 after 1000 steps,
+6.5 min wall in all (compile and both evaluations included).
 
 python -m flaxgpt.seq2seq_data --task numbers --out_dir data/numbers
 python train.py --config configs/numbers_to_words.py
@@ -21,7 +22,7 @@ def get_config():
     c.model.share_embeddings = False  # see configs/reverse.py
     c.batch_size = 64
     c.max_iters = 1000
-    c.eval_interval = 250
+    c.eval_interval = 1000  # evaluate (exact match, BLEU on 1000 unseen numbers) at the start and end
     c.eval_iters = 4
     c.log_interval = 100
     c.ckpt_interval = 0  # only at the end
