@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-from flaxgpt import beam_search as bs
+from flaxgpt.beam_search import beam_search, length_penalty
 from flaxgpt.gpt import count_params
 from flaxgpt.seq2seq import Transformer, TransformerConfig, abstract_params, generate
 
@@ -189,7 +189,7 @@ def test_generate_greedy_equals_uncached_greedy_and_beam_one():
 
     step = lambda t, pos, cache: decode_step(c, p, t, src_len, cache, pos)
     seqs, _ = jax.jit(
-        lambda cache: bs.beam_search(
+        lambda cache: beam_search(
             step, cache, batch_size=4, beam_size=1, max_len=N, bos_id=1, eos_id=2, alpha=0.0
         )
     )(start_decoding(c, p, src, src_len, N))
@@ -207,7 +207,7 @@ def test_beam_scores_are_the_model_log_probs():
     lengths = jnp.repeat(src_len, W)
     step = lambda t, pos, cache: decode_step(c, p, t, lengths, cache, pos)
     seqs, scores = jax.jit(
-        lambda cache: bs.beam_search(
+        lambda cache: beam_search(
             step, cache, batch_size=2, beam_size=W, max_len=N, bos_id=1, eos_id=2, alpha=alpha
         )
     )(start_decoding(c, p, src, src_len, N, beams=W))
@@ -217,7 +217,7 @@ def test_beam_scores_are_the_model_log_probs():
     for r, row in enumerate(seqs):
         n = list(row).index(2) + 1 if 2 in row else N
         total = logp[r, np.arange(n), row[:n]].sum()
-        want = total / float(bs.length_penalty(n, alpha))
+        want = total / float(length_penalty(n, alpha))
         np.testing.assert_allclose(float(np.asarray(scores).reshape(-1)[r]), want, rtol=1e-4)
 
 
