@@ -39,12 +39,32 @@ def maybe_initialize_distributed(config) -> None:
         jax.distributed.initialize()
 
 
-def _on_tpu_pod() -> bool:
-    import os
+TPU_WORKERS_URL = (
+    "http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints"
+)
 
-    # TPU VMs of a multi-host slice list their peers here; a single host does not need initialize()
-    hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-    return len([h for h in hosts.split(",") if h]) > 1 and not jax.distributed.is_initialized()
+
+def _on_tpu_pod() -> bool:
+    """A Cloud TPU VM of a multi-host slice, found without starting a JAX backend (initialize() must
+    come first). GKE lists the peers in TPU_WORKER_HOSTNAMES; a TPU VM made with `gcloud compute
+    tpus tpu-vm create` has no such variable: its metadata server lists them (where jax looks too)."""
+    import importlib.util
+    import os
+    import urllib.request
+
+    if jax.distributed.is_initialized():
+        return False
+    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+    if hosts:
+        return len(hosts) > 1
+    if importlib.util.find_spec("libtpu") is None:  # jax[tpu] is not installed: not a TPU VM
+        return False
+    request = urllib.request.Request(TPU_WORKERS_URL, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return len([w for w in response.read().decode().split(",") if w]) > 1
+    except OSError:  # no metadata server: not on Google Cloud
+        return False
 
 
 def configure_cpu_devices(requested: int, batch_rows: int) -> int:

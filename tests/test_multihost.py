@@ -129,5 +129,39 @@ def test_two_processes_train_like_one(tmp_path):
     assert abs(facts[0]["loss"] - logged[STEPS]) < 1e-6  # metrics.jsonl rounds to 6 decimals
 
 
+def test_tpu_pod_detection(monkeypatch):
+    """initialize() runs on TPU VMs of a multi-host slice: GKE's variable or the GCE metadata server."""
+    import importlib.util
+    import io
+    import urllib.request
+
+    from flaxgpt import sharding
+
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
+    assert not sharding._on_tpu_pod()  # no libtpu on this machine
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1k-w-0,t1k-w-1,t1k-w-2,t1k-w-3")
+    assert sharding._on_tpu_pod()
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1k-w-0")
+    assert not sharding._on_tpu_pod()
+
+    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: object() if name == "libtpu" else find_spec(name)
+    )
+    asked = []
+
+    def metadata(request, timeout):
+        asked.append((request.full_url, request.get_header("Metadata-flavor")))
+        return io.BytesIO(endpoints)
+
+    monkeypatch.setattr(urllib.request, "urlopen", metadata)
+    endpoints = b"10.130.0.2,10.130.0.3,10.130.0.4,10.130.0.5"
+    assert sharding._on_tpu_pod()
+    assert asked[0] == (sharding.TPU_WORKERS_URL, "Google")
+    endpoints = b"10.130.0.2"  # a single-host TPU VM
+    assert not sharding._on_tpu_pod()
+
+
 if __name__ == "__main__":
     worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
