@@ -8,12 +8,16 @@
 
 Every option is in configs/default.py; override any with --config.section.key=value.
 Bad input (an unknown key, a wrong type, missing data, ...) is a one-line error and exit code 1.
+Checkpoints go to out_dir/checkpoints; running the same command again resumes (init_from=auto).
+SIGTERM (a preemption) saves the finished step and exits 0; a NaN loss is an error naming the last
+good checkpoint.
 """
 
 import os
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -45,6 +49,8 @@ def parse_flags(argv):
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}; options look like --config.key=value")
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO through absl
+        absl_logging.set_verbosity(absl_logging.WARNING)
     from flaxgpt.trainer import train
 
     config = _CONFIG.value

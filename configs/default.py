@@ -17,6 +17,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.n_head = 12  # attention heads per block
     c.model.n_embd = 768  # model width D
     c.model.dropout = 0.0  # embedding, attention and residual dropout (training only)
+    c.model.embd_dropout = -1.0  # dropout on token + position embeddings; -1 = model.dropout
+    c.model.attn_dropout = -1.0  # dropout on the attention weights; -1 = model.dropout
+    c.model.resid_dropout = -1.0  # dropout on each residual branch's output; -1 = model.dropout
     c.model.bias = True  # biases in Linear layers and LayerNorms
     c.model.pos_embedding = "learned"  # learned | sinusoidal
     c.model.activation = "gelu"  # gelu (tanh approx.) | gelu_exact | relu
@@ -64,10 +67,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_only = False  # evaluate once and exit
     c.log_interval = 10  # print and record training metrics every this many steps
     c.ckpt_interval = 2000  # save a checkpoint every this many steps (0 = only at the end)
-    c.keep_checkpoints = 3  # checkpoints kept on disk (oldest deleted first)
-    c.init_from = "resume"  # resume (latest checkpoint in out_dir, else scratch) | scratch | gpt2* | a path
+    c.keep_checkpoints = 3  # latest checkpoints kept on disk (oldest deleted first), plus the best val loss
+    # resume: error if out_dir has no checkpoint; scratch: refuses an out_dir that has checkpoints;
+    # gpt2* or a HF GPT-2 directory: fine-tune from it (resuming that fine-tune's own checkpoints)
+    c.init_from = "auto"  # auto (resume if out_dir has a checkpoint, else fresh) | resume | scratch | gpt2*
     c.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0 = guess from the device kind
     c.tensorboard = True  # write TensorBoard events when tensorboardX is installed
+    c.plot = True  # metrics.png in out_dir at each eval (needs matplotlib)
 
     c.lock()
     return c

@@ -9,12 +9,14 @@ its own with `register_task`), chosen by `config.model.kind`. A task provides:
   batch(split, step, n_rows, process_index) -> host-local numpy dict [n_rows, ...],
   flops_per_token(), tokens_per_row, and run_files(out_dir).
 
-Checkpointing hooks in at two places: `Trainer.init_state` (restore onto `abstract_state` /
-`state_shardings` instead) and `Trainer.after_step` (save). The data position is the step.
+Checkpoints (flaxgpt.checkpoint) live in out_dir/checkpoints: `Trainer.init_state` restores the
+latest one (init_from auto | resume) onto `restore_target`, the loop saves every ckpt_interval steps,
+at the end and on SIGTERM. The data position is the step, so a restored state continues exactly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -27,9 +29,10 @@ import numpy as np
 import optax
 from flax import struct
 
+from flaxgpt import checkpoint as ckpt_lib
 from flaxgpt import data as data_lib
 from flaxgpt import gpt, sharding
-from flaxgpt.metrics import MetricsWriter, flops_per_token, peak_flops_per_device
+from flaxgpt.metrics import MetricsWriter, peak_flops_per_device
 from flaxgpt.optim import make_optimizer
 
 
@@ -52,6 +55,19 @@ def cross_entropy(logits_BTV, targets_BT, mask_BT=None, label_smoothing: float =
     return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
 
 
+FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the model from config.model
+
+
+def dropout_rates(model_cfg) -> dict:
+    """embd/attn/resid dropout; a rate < 0 (or absent, as in older run configs) means model.dropout."""
+    m = model_cfg
+    rates = {}
+    for name in ("embd_dropout", "attn_dropout", "resid_dropout"):
+        p = m[name] if name in m else -1.0
+        rates[name] = m.dropout if p < 0 else p
+    return rates
+
+
 def gpt_config_from(model_cfg, vocab_size: int) -> gpt.GPTConfig:
     m = model_cfg
     return gpt.GPTConfig(
@@ -65,9 +81,7 @@ def gpt_config_from(model_cfg, vocab_size: int) -> gpt.GPTConfig:
         tie_embeddings=m.tie_embeddings,
         bias=m.bias,
         qkv_bias=m.bias,
-        embd_dropout=m.dropout,
-        attn_dropout=m.dropout,
-        resid_dropout=m.dropout,
+        **dropout_rates(m),
         dtype=m.dtype,
         param_dtype=m.param_dtype,
         pad_vocab_multiple=m.pad_vocab_multiple,
@@ -86,13 +100,14 @@ class GPTTask:
     def __init__(self, config):
         self.data = data_lib.TokenData(config.data.dir)
         self.pretrained = None  # parameters to start from (init_from a GPT-2 name or directory)
-        if config.init_from in ("resume", "scratch"):
+        if config.init_from in FRESH_STARTS:
             vocab = config.model.vocab_size or self.data.vocab_size
             self.model_config = gpt_config_from(config.model, vocab)
         else:  # the checkpoint fixes the architecture; the run's model section the rest
             from flaxgpt import hf
 
-            self.model_config, self.pretrained = hf.load_for_run(config.init_from, config.model)
+            model_config, self.pretrained = hf.load_for_run(config.init_from, config.model)
+            self.model_config = dataclasses.replace(model_config, **dropout_rates(config.model))
         self.data.check(self.model_config.block_size, self.model_config.vocab_size)
         self.model = gpt.GPT(self.model_config)
         self.seed = config.seed
@@ -127,9 +142,10 @@ class GPTTask:
         )
 
     def flops_per_token(self) -> float:
-        c = self.model_config
-        n = gpt.count_params(self.abstract_params(), exclude_embeddings=True)
-        return flops_per_token(n, c.n_layer, c.n_head, c.head_dim, c.block_size)
+        """Training FLOPs per token, 6N + 12*L*H*Q*T (flaxgpt.summary: an untied head counted once)."""
+        from flaxgpt.summary import summarize
+
+        return float(summarize(self.model_config)["flops"]["train"])
 
     def model_dict(self) -> dict:
         return {"kind": self.kind, **self.model_config.to_dict()}
@@ -146,6 +162,12 @@ def register_task(kind: str, cls) -> None:
 
 
 def make_task(config):
+    if config.model.kind == "seq2seq" and "seq2seq" not in TASKS:
+        import flaxgpt.seq2seq_task  # noqa: F401  registers itself (any recipe + --config.model.kind=seq2seq)
+    if config.model.kind == "seq2seq" and config.model.get("attn_dropout", 0.0) < 0:
+        config = config.copy_and_resolve_references()  # the encoder-decoder has no "-1 = dropout" rule
+        with config.unlocked():
+            config.model.attn_dropout = config.model.dropout
     if config.model.kind not in TASKS:
         raise ValueError(f"unknown model.kind {config.model.kind!r}; known: {', '.join(TASKS)}")
     return TASKS[config.model.kind](config)
@@ -222,6 +244,15 @@ class Trainer:
         )
         self.tokens_per_step = config.batch_size * self.task.tokens_per_row
         self.is_main = jax.process_index() == 0
+        # restore onto the state's shardings: any mesh / device count, whatever the saving run had
+        self.restore_target = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.abstract_state,
+            self.state_shardings,
+        )
+        # last: only a checked config gets a checkpoints directory (every process writes its own shards)
+        self.ckpt = ckpt_lib.Checkpointer(config.out_dir, keep=config.keep_checkpoints, keep_best=True)
+        self.resumed_best = float("inf")  # best val loss of the restored run's checkpoints
 
     def _init_state_fn(self, rng):
         params_rng, train_rng = jax.random.split(rng)
@@ -233,9 +264,19 @@ class Trainer:
         return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params), rng=train_rng)
 
     def init_state(self) -> TrainState:
-        """A fresh state built directly in its shardings (never whole on one device), or from the
-        task's pretrained parameters. Checkpoint restore goes here: restore onto
-        self.abstract_state / self.state_shardings."""
+        """The latest checkpoint (init_from auto | resume, or a fine-tune's own checkpoints), else a
+        fresh state built directly in its shardings (never whole on one device), or the task's
+        pretrained parameters."""
+        step = self._resume_step()
+        if step is not None:
+            state, _ = self.ckpt.restore(step, abstract_state=self.restore_target)
+            best = self.ckpt.best_step()
+            if best is not None:
+                val = self.ckpt.restore_extra(best).get("val_loss")
+                self.resumed_best = float("inf") if val is None else float(val)
+            self.task.pretrained = None  # not needed: the checkpoint holds the fine-tuned weights
+            self._print(f"resumed from {self.ckpt.directory / str(step)}")
+            return state
         key = jax.random.key(self.config.seed)
         pretrained = getattr(self.task, "pretrained", None)
         if pretrained is not None:  # parameters as arguments, not constants baked into the program
@@ -245,6 +286,22 @@ class Trainer:
         if not hasattr(self, "_init_jit"):
             self._init_jit = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
         return self._init_jit(key)
+
+    def _resume_step(self) -> int | None:
+        init_from = self.config.init_from
+        if init_from in FRESH_STARTS:
+            return ckpt_lib.resume_step(self.ckpt, init_from)
+        # a GPT-2 name or path: a preempted fine-tune in this out_dir continues from its own checkpoints
+        latest = self.ckpt.latest_step()
+        if latest is not None:
+            saved = self.ckpt.restore_extra(latest).get("config", {}).get("init_from")
+            if saved == init_from:
+                return latest
+        return ckpt_lib.resume_step(self.ckpt, init_from)  # errors when out_dir has other checkpoints
+
+    def _print(self, msg: str) -> None:
+        if self.is_main:
+            self.print(msg)
 
     def global_batch(self, split: str, step: int, rows: int, micro: bool):
         local = self.task.batch(split, step, rows // jax.process_count(), jax.process_index())
@@ -279,14 +336,35 @@ class Trainer:
             self.task.run_files(out_dir)
         return out_dir
 
+    def save(self, step: int, state: TrainState, val_loss=None) -> None:
+        """Starts an async save; non-finite weights stop the run instead of replacing a good checkpoint."""
+        if not ckpt_lib.all_finite(state.params):
+            raise FloatingPointError(
+                f"non-finite weights at step {step} (not saved); the last good checkpoint is "
+                f"{self.last_good()}; lower the learning rate and resume"
+            )
+        cfg = self.config.to_dict()
+        cfg["model"] = self.task.model_dict()
+        self.ckpt.save(step, state, extra={"data_step": step, "config": cfg}, val_loss=val_loss)
+
+    def last_good(self) -> str:
+        latest = self.ckpt.latest_step()
+        return "none" if latest is None else str(self.ckpt.directory / str(latest))
+
     def after_step(self, step: int, state: TrainState) -> None:
-        """Hook after each dispatched step (`step` updates done): checkpoint saving goes here."""
+        """Hook after each dispatched step (`step` updates done), for tests and tools."""
 
     def compile(self, state: TrainState, batch) -> float:
-        """Compile the train step ahead of time (once); returns the seconds it took."""
+        """Compile the train step ahead of time (once per Trainer); returns the seconds it took."""
+        if isinstance(self.train_step, jax.stages.Compiled):
+            return 0.0
         t0 = time.perf_counter()
         self.train_step = self.train_step.lower(state, batch).compile()
         return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Waits for the save in flight and releases the checkpointer."""
+        self.ckpt.close()
 
     def run(self, state: TrainState) -> dict:
         c = self.config
@@ -294,7 +372,7 @@ class Trainer:
         start = int(jax.device_get(state.step))
         peak = peak_flops_per_device(c.peak_flops)
         flops_per_step = self.task.flops_per_token() * self.tokens_per_step
-        self.print(
+        self._print(
             f"{gpt.count_params(state.params):,} parameters | {self.tokens_per_step:,} tokens/step | "
             f"mesh {dict(self.mesh.shape)} | "
             + (
@@ -303,12 +381,7 @@ class Trainer:
                 else f"MFU n/a (no known peak on {jax.devices()[0].platform}; set --config.peak_flops)"
             )
         )
-        summary = {"best_val_loss": float("inf"), "compile_time": 0.0}
-        batch = self.global_batch("train", start, c.batch_size, micro=True)
-        if start < c.max_iters:
-            summary["compile_time"] = self.compile(state, batch)
-            self.print(f"compiled the train step in {summary['compile_time']:.1f} s")
-        pending, previous, clock = None, None, (time.perf_counter(), start)
+        summary = {"best_val_loss": self.resumed_best, "compile_time": 0.0}
 
         def log(step, metrics, clock):  # blocks only on this (already finished) step's metrics
             m = jax.device_get(metrics)
@@ -322,18 +395,62 @@ class Trainer:
             writer.write(step, m)
             summary["loss"] = float(m["loss"])
             if not np.isfinite(m["loss"]):
-                raise FloatingPointError(f"loss is {m['loss']} at step {step}; lower the learning rate")
+                raise FloatingPointError(
+                    f"loss is {m['loss']} at step {step}; the last good checkpoint is {self.last_good()}; "
+                    "lower the learning rate and resume"
+                )
             return now, step
 
-        for step in range(start, c.max_iters + 1):
+        stop = ckpt_lib.StopSignal()  # SIGTERM from here on: finish the step, save, return
+        try:
+            batch = self.global_batch("train", start, c.batch_size, micro=True)
+            if start < c.max_iters:
+                summary["compile_time"] = self.compile(state, batch)
+                self._print(f"compiled the train step in {summary['compile_time']:.1f} s")
+            state = self._loop(state, start, batch, writer, summary, log, stop)
+        finally:
+            stop.close()
+            writer.close()
+            self.ckpt.wait()  # the save in flight is complete: the last good checkpoint restores
+        summary["state"] = state
+        return summary
+
+    def _eval(self, step, state, writer, summary) -> dict:
+        evals = self.evaluate(state.params)
+        summary["best_val_loss"] = min(summary["best_val_loss"], evals.get("val_loss", np.inf))
+        summary.update(evals)
+        writer.write(step, {**evals, "best_val_loss": summary["best_val_loss"]})
+        if self.is_main and self.config.get("plot", False) and not getattr(self, "_no_plot", False):
+            try:
+                from flaxgpt.plot import plot_metrics
+
+                plot_metrics(self.config.out_dir)
+            except ImportError as e:  # matplotlib is optional: say so once, keep training
+                self._no_plot = True
+                self.print(f"no metrics.png: {e}")
+        return evals
+
+    def _loop(self, state, start, batch, writer, summary, log, stop):
+        c = self.config
+        pending, previous, clock = None, None, (time.perf_counter(), start)
+        for step in range(start, c.max_iters + 1):  # here `step` updates are done (maybe in flight)
+            evals = {}
             if step % c.eval_interval == 0 or step == c.max_iters or c.eval_only:
                 if pending:
                     clock, pending = log(*pending, clock), None
-                evals = self.evaluate(state.params)
-                summary["best_val_loss"] = min(summary["best_val_loss"], evals.get("val_loss", np.inf))
-                summary.update(evals)
-                writer.write(step, {**evals, "best_val_loss": summary["best_val_loss"]})
+                evals = self._eval(step, state, writer, summary)
                 clock = (time.perf_counter(), step)
+            if step > start and ((c.ckpt_interval and step % c.ckpt_interval == 0) or step == c.max_iters):
+                self.save(step, state, evals.get("val_loss"))
+            if step > start and stop.requested(step):  # preemption: save this finished step, exit 0
+                if pending:
+                    clock, pending = log(*pending, clock), None
+                self.save(step, state)
+                self._print(
+                    f"{stop.received or 'stop'}: saved step {step} to {self.ckpt.directory}; "
+                    "run the same command to resume"
+                )
+                break
             if step == c.max_iters or c.eval_only:
                 break
             if step > start:
@@ -350,9 +467,7 @@ class Trainer:
             self.after_step(step + 1, state)
         if pending:
             log(*pending, clock)
-        writer.close()
-        summary["state"] = state
-        return summary
+        return state
 
 
 def train(config, devices=None, print_fn=print) -> dict:
@@ -361,6 +476,9 @@ def train(config, devices=None, print_fn=print) -> dict:
     if config.batch_size % config.grad_accum == 0:  # (else Trainer explains)
         sharding.configure_cpu_devices(config.mesh.cpu_devices, config.batch_size // config.grad_accum)
     trainer = Trainer(config, devices, print_fn)
-    state = trainer.init_state()
-    trainer.write_run_files()
-    return trainer.run(state)
+    try:
+        state = trainer.init_state()
+        trainer.write_run_files()
+        return trainer.run(state)
+    finally:
+        trainer.close()

@@ -1,6 +1,7 @@
 """The train step: loss goes down, 1 vs 8 devices, micro-batching, overfitting, sharding errors."""
 
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -25,11 +26,12 @@ def data_dir(tmp_path_factory):
 def tiny_config(data_dir, **kw):
     c = default.get_config()
     c.data.dir = str(data_dir)
+    c.out_dir = tempfile.mkdtemp(prefix="flaxgpt_test_")  # the Trainer makes out_dir/checkpoints
     c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 1, 2, 32, 16
     c.model.pad_vocab_multiple = 8
     c.batch_size, c.max_iters, c.eval_iters, c.log_interval = 16, 5, 2, 1
     c.optim.warmup_steps, c.optim.learning_rate, c.optim.min_lr = 2, 3e-3, 3e-4
-    c.tensorboard = False
+    c.tensorboard, c.plot = False, False
     for k, v in kw.items():
         section, _, key = k.rpartition("__")
         (c[section] if section else c)[key] = v
@@ -98,11 +100,10 @@ def test_micro_batches_equal_one_big_batch(data_dir, one_device):
 
 def test_tiny_model_overfits_a_short_text(data_dir):
     cfg = tiny_config(
-        data_dir, max_iters=150, eval_interval=150, log_interval=50, batch_size=8, out_dir="unused"
+        data_dir, max_iters=150, eval_interval=150, log_interval=50, batch_size=8, ckpt_interval=0
     )
     cfg.optim.learning_rate, cfg.optim.warmup_steps = 1e-2, 10
     t = trainer.Trainer(cfg, devices=jax.devices()[:1], print_fn=lambda *a: None)
-    t.config.out_dir = str(data_dir.parent / "overfit")
     summary = t.run(t.init_state())
     # chars of a 27-symbol, highly repetitive text: uniform is ln 27 = 3.3
     assert summary["train_loss"] < 0.5 and summary["val_loss"] < 0.5, summary
