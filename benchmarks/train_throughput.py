@@ -82,6 +82,8 @@ def run_nanogpt(nanogpt_dir: Path, data_dir: Path, iters: int, work: Path, eval_
             },
             f,
         )
+    # nanoGPT's train.py reads configurator.py from the working directory
+    shutil.copyfile(nanogpt_dir / "configurator.py", nd / "configurator.py")
     recipe = nanogpt_dir / "config/train_shakespeare_char.py"
     cmd = [
         sys.executable,
