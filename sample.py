@@ -158,7 +158,8 @@ def translate(a) -> int:
     from flaxgpt.seq2seq_task import translate_run
 
     absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes about read-only directories
-    for name, default in (("temperature", 0.8), ("top_k", 200), ("top_p", 1.0), ("num_samples", 1)):
+    gpt_only = {"temperature": 0.8, "top_k": 200, "top_p": 1.0, "num_samples": 1, "dtype": "float32"}
+    for name, default in gpt_only.items():
         if getattr(a, name) != default:
             warn(f"--{name} applies to GPT models; {a.out_dir} is decoded with beam search (--beam_size)")
     if a.attention_png:
