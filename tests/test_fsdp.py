@@ -27,6 +27,7 @@ def data_dir(tmp_path_factory):
 def config(data_dir, data=-1, fsdp=1, batch_size=16, **model):
     c = default.get_config()
     c.data.dir = str(data_dir)
+    c.out_dir, c.init_from = str(data_dir.parent / "never_written"), "scratch"
     c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 1, 2, 32, 16
     c.model.pad_vocab_multiple = 8
     c.model.update(model)
