@@ -250,6 +250,9 @@ class Checkpointer:
 
     def close(self):
         self.wait()
+        # orbax's close() does not wait for its start-up cleanup of unfinished saves; a process
+        # that exits right after (a one-line error) would otherwise print its thread's traceback
+        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
         self._manager.close()
 
     # -- restoring

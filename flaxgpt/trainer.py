@@ -251,6 +251,11 @@ class Trainer:
             self.state_shardings,
         )
         # last: only a checked config gets a checkpoints directory (every process writes its own shards)
+        if config.init_from == "resume" and not (Path(config.out_dir) / "checkpoints").is_dir():
+            raise ckpt_lib.CheckpointError(
+                f"init_from=resume but {config.out_dir} has no checkpoint; "
+                "use init_from=scratch or point out_dir at a run with checkpoints"
+            )
         self.ckpt = ckpt_lib.Checkpointer(config.out_dir, keep=config.keep_checkpoints, keep_best=True)
         self.resumed_best = float("inf")  # best val loss of the restored run's checkpoints
 
@@ -404,6 +409,8 @@ class Trainer:
         stop = ckpt_lib.StopSignal()  # SIGTERM from here on: finish the step, save, return
         try:
             batch = self.global_batch("train", start, c.batch_size, micro=True)
+            if start >= c.max_iters and not c.eval_only:
+                self._print(f"{c.out_dir} is at step {start}: raise --config.max_iters to train further")
             if start < c.max_iters:
                 summary["compile_time"] = self.compile(state, batch)
                 self._print(f"compiled the train step in {summary['compile_time']:.1f} s")
@@ -435,7 +442,8 @@ class Trainer:
         pending, previous, clock = None, None, (time.perf_counter(), start)
         for step in range(start, c.max_iters + 1):  # here `step` updates are done (maybe in flight)
             evals = {}
-            if step % c.eval_interval == 0 or step == c.max_iters or c.eval_only:
+            resumed_here = step == start > 0 and not c.eval_only  # the run that saved it evaluated
+            if (step % c.eval_interval == 0 or step == c.max_iters or c.eval_only) and not resumed_here:
                 if pending:
                     clock, pending = log(*pending, clock), None
                 evals = self._eval(step, state, writer, summary)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,10 @@ def test_train_end_to_end(tmp_path, data_dir):
     assert config["model"]["n_embd"] == 32 and config["max_iters"] == 6
     assert json.loads((out / "meta.json").read_text()) == json.loads((data_dir / "meta.json").read_text())
     assert "val loss" in r.stdout and "tok/s" in r.stdout
+    # a checkpoint at the end (the recipe's ckpt_interval is 0), the plot, no absl INFO lines from orbax
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["6"]
+    assert (out / "metrics.png").stat().st_size > 0
+    assert not re.search(r"^I\d{4} ", r.stderr, re.M), r.stderr[-2000:]
 
 
 def test_recipes_are_locked_and_complete():
