@@ -123,6 +123,12 @@ def test_init_from_a_gpt2_directory(data_dir, tmp_path, one_device):
     leaves = jax.tree_util.tree_leaves
     for a, b in zip(leaves(trim(state.params)), leaves(trim(s2.params))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    # a preempted fine-tune continues from its own checkpoints, not from the GPT-2 weights again
+    t2.run(s2), t2.close()
+    printed = []
+    cfg.max_iters = 7
+    out = trainer.train(cfg, devices=jax.devices()[:1], print_fn=printed.append)
+    assert f"resumed from {cfg.out_dir}/checkpoints/5" in printed and int(out["state"].step) == 7
 
 
 def test_sharding_errors(data_dir):
@@ -146,3 +152,16 @@ def _abstract(**kw):
     from flaxgpt import gpt
 
     return gpt.abstract_params(gpt.GPTConfig(vocab_size=64, block_size=8, n_layer=1, **kw))
+
+
+def test_dropout_rates_and_training_flops(data_dir):
+    cfg = tiny_config(data_dir, model__dropout=0.2, model__attn_dropout=0.0, model__tie_embeddings=False)
+    task = trainer.make_task(cfg)
+    c = task.model_config
+    assert (c.embd_dropout, c.attn_dropout, c.resid_dropout) == (0.2, 0.0, 0.2)
+    # 6N + 12*L*H*Q*T with N the matmul weights: no position table, no (untied) embedding lookup
+    params = task.init_params(jax.random.key(0))
+    total = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    n = total - params["wpe"]["embedding"].size - params["wte"]["embedding"].size
+    want = 6 * n + 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
+    assert task.flops_per_token() == want
