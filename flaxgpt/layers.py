@@ -119,7 +119,7 @@ def attend(
     if impl == "pallas" and fused_ok and is_causal:
         from flaxgpt import pallas_attention
 
-        if pallas_attention.fits(q_BTHK.shape[1], k_BSHK.shape[1]):
+        if pallas_attention.fits(q_BTHK.shape[1], k_BSHK.shape[1], q_BTHK.shape[0]):
             return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK)
     if impl == "cudnn" and fused_ok:
         return jax.nn.dot_product_attention(

@@ -9,7 +9,8 @@ runs in Pallas interpret mode: correct but slow, which is how the CPU tests chec
 
 Under a mesh context (`with jax.set_mesh(mesh):` around the jit) the kernel runs inside
 `jax.shard_map` with the batch split over every mesh axis, so each device attends over its own
-rows; XLA cannot partition a Pallas custom call by itself.
+rows; XLA cannot partition a Pallas custom call by itself, so on several TPU chips without a mesh
+context (or with a batch the mesh does not divide) the XLA path runs instead.
 
 Shape letters: B batch, T query length, S key length, H heads, K head dim (see layers.py).
 """
@@ -25,9 +26,20 @@ from jax.sharding import PartitionSpec
 BLOCK = 128  # the kernel's default block size: sequence lengths must be multiples of it
 
 
-def fits(q_len: int, kv_len: int) -> bool:
-    """Whether the kernel's blocks tile these lengths; otherwise the caller uses XLA."""
-    return q_len == kv_len and q_len % BLOCK == 0
+def _on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
+def fits(q_len: int, kv_len: int, batch: int = 1) -> bool:
+    """Whether the kernel can run here; otherwise the caller uses XLA. Its blocks must tile the
+    lengths, and on several TPU chips a mesh context must say how to split it per device: XLA
+    cannot partition a Pallas (Mosaic) kernel by itself and refuses to compile one unsplit."""
+    if q_len != kv_len or q_len % BLOCK:
+        return False
+    if _on_tpu() and jax.device_count() > 1:
+        mesh = jax.sharding.get_abstract_mesh()
+        return not mesh.empty and batch % mesh.size == 0
+    return True
 
 
 def _kernel(seq_len: int, n_head: int, interpret: bool):
@@ -51,7 +63,7 @@ def _local_attention(q_BTHK, k_BSHK, v_BSHK):
 
 
 def causal_attention(q_BTHK: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(K) + causal mask) v -> [B, T, H, K]; needs `fits(T, S)`."""
+    """softmax(q k^T / sqrt(K) + causal mask) v -> [B, T, H, K]; needs `fits(T, S, B)`."""
     mesh = jax.sharding.get_abstract_mesh()
     B = q_BTHK.shape[0]
     if mesh.empty or mesh.size == 1 or B % mesh.size:
