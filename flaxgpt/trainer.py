@@ -487,6 +487,7 @@ def train(config, devices=None, print_fn=print) -> dict:
     try:
         state = trainer.init_state()
         trainer.write_run_files()
-        return trainer.run(state)
+        with jax.set_mesh(trainer.mesh):  # lets Pallas attention (TPU) split its kernel per device
+            return trainer.run(state)
     finally:
         trainer.close()
