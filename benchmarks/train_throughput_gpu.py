@@ -91,7 +91,7 @@ def build(args):
     batch = jax.device_put({"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}, batch_sharding)
     n = gpt.count_params(boxed, exclude_embeddings=True)
     fpt = metrics.flops_per_token(n, config.n_layer, config.n_head, config.head_dim, config.block_size)
-    return config, step, state, batch, fpt, metrics.peak_flops_per_device(args.peak_flops or m["peak"])
+    return config, mesh, step, state, batch, fpt, metrics.peak_flops_per_device(args.peak_flops or m["peak"])
 
 
 def check_attention(impl: str) -> None:
@@ -154,9 +154,10 @@ def main():
 
     if args.check_attention:
         check_attention(args.attention_impl)
-    config, step, state, batch, fpt, peak = build(args)
+    config, mesh, step, state, batch, fpt, peak = build(args)
     t0 = time.perf_counter()
-    step = step.lower(state, batch).compile()
+    with jax.set_mesh(mesh):  # as the trainer does: Pallas attention (TPU) splits per device
+        step = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     if args.compile_only:
         print(f"{config.n_layer} layers, {config.dtype}: compiled in {compile_s:.1f} s on {jax.devices()[0]}")
