@@ -443,12 +443,17 @@ def resume_step(ckpt: Checkpointer, init_from: str = "auto") -> int | None:
 
     auto (the default): the latest checkpoint if out_dir has one, else None.
     resume: the latest checkpoint; an error when there is none.
-    scratch or a pretrained name: an error when out_dir already has checkpoints, so a new run never
-    deletes or overwrites them.
+    scratch: an error when out_dir already has checkpoints, so a new run never deletes or overwrites them.
+    a pretrained name or path: the latest checkpoint if it was saved by a run with the same init_from
+    (a preempted fine-tune continues), else as scratch.
     """
     latest = ckpt.latest_step()
     if init_from == "auto":
         return latest
+    if init_from != "scratch" and latest is not None:
+        saved = ckpt.restore_extra(latest).get("config") or {}
+        if saved.get("init_from") == init_from:
+            return latest
     if init_from == "resume":
         if latest is None:
             raise CheckpointError(

@@ -272,7 +272,7 @@ class Trainer:
         """The latest checkpoint (init_from auto | resume, or a fine-tune's own checkpoints), else a
         fresh state built directly in its shardings (never whole on one device), or the task's
         pretrained parameters."""
-        step = self._resume_step()
+        step = ckpt_lib.resume_step(self.ckpt, self.config.init_from)  # a fine-tune: its own checkpoints
         if step is not None:
             state, _ = self.ckpt.restore(step, abstract_state=self.restore_target)
             best = self.ckpt.best_step()
@@ -291,18 +291,6 @@ class Trainer:
         if not hasattr(self, "_init_jit"):
             self._init_jit = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
         return self._init_jit(key)
-
-    def _resume_step(self) -> int | None:
-        init_from = self.config.init_from
-        if init_from in FRESH_STARTS:
-            return ckpt_lib.resume_step(self.ckpt, init_from)
-        # a GPT-2 name or path: a preempted fine-tune in this out_dir continues from its own checkpoints
-        latest = self.ckpt.latest_step()
-        if latest is not None:
-            saved = self.ckpt.restore_extra(latest).get("config", {}).get("init_from")
-            if saved == init_from:
-                return latest
-        return ckpt_lib.resume_step(self.ckpt, init_from)  # errors when out_dir has other checkpoints
 
     def _print(self, msg: str) -> None:
         if self.is_main:
@@ -406,7 +394,8 @@ class Trainer:
                 )
             return now, step
 
-        stop = ckpt_lib.StopSignal()  # SIGTERM from here on: finish the step, save, return
+        # SIGTERM from here on: finish the step, save, return (processes agree every log_interval steps)
+        stop = ckpt_lib.StopSignal(every=c.log_interval)
         try:
             batch = self.global_batch("train", start, c.batch_size, micro=True)
             if start >= c.max_iters and not c.eval_only:

@@ -224,6 +224,9 @@ def test_no_checkpoint_and_init_from(tmp_path):
         CheckpointError, match="init_from=scratch but .* already has checkpoints up to step 4"
     ):
         resume_step(ckpt, "scratch")
+    # a fine-tune resumes only checkpoints saved with the same init_from (test_trainer: the positive case)
+    with pytest.raises(CheckpointError, match="init_from=gpt2 but .* already has checkpoints up to step 4"):
+        resume_step(ckpt, "gpt2")
     with pytest.raises(CheckpointError, match=r"no checkpoint for step 7; it has steps \[4\]"):
         ckpt.restore(7, abstract_state=abstract(small_state(0), one_device))
     ckpt.close()
