@@ -9,6 +9,7 @@ On CPU there is no meaningful peak, so MFU is reported as n/a.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -78,7 +79,8 @@ class MetricsWriter:
         self.jsonl.write(json.dumps(row) + "\n")
         if self.tb is not None:
             for k, v in row.items():
-                if k not in ("step", "time") and isinstance(v, int | float):
+                # a diverged run: the trainer reports it; tensorboardX would only warn
+                if k not in ("step", "time") and isinstance(v, int | float) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
         self.print(format_line(row))
 
