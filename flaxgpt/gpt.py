@@ -55,7 +55,7 @@ class GPTConfig:
     dtype: str = "float32"  # compute dtype (bfloat16 for speed)
     param_dtype: str = "float32"
     pad_vocab_multiple: int = 1  # round the embedding rows up to this (64 is fast); 1 = exact
-    attention_impl: str = "xla"  # auto | xla | cudnn
+    attention_impl: str = "xla"  # auto | xla | cudnn | pallas (see layers.attend)
     scan_layers: bool = False  # nn.scan over the blocks: compile time independent of depth
     remat: str = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
 
@@ -198,7 +198,8 @@ class GPT(nn.Module):
         B, T = tokens_BT.shape
         check_tokens(tokens_BT, c, cache)
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-        if positions is None:
+        implicit_positions = positions is None
+        if implicit_positions:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
         wte = nn.Embed(
             c.padded_vocab_size,
@@ -210,14 +211,17 @@ class GPT(nn.Module):
         )
         x_BTD = wte(tokens_BT)
         if c.pos_embedding == "learned":
-            x_BTD = x_BTD + nn.Embed(
+            wpe = nn.Embed(
                 c.block_size,
                 c.n_embd,
                 dtype=dtype,
                 param_dtype=pdtype,
                 embedding_init=normal_init(0.02, (None, "embed")),
                 name="wpe",
-            )(positions)
+            )
+            # positions 0..T-1: a slice, not a gather over broadcast positions (which FSDP rematerialises)
+            pos_BTD = wpe.embedding[None, :T].astype(dtype) if implicit_positions else wpe(positions)
+            x_BTD = x_BTD + pos_BTD
         else:
             x_BTD = x_BTD + sinusoidal_positions(positions, c.n_embd).astype(dtype)
         x_BTD = nn.Dropout(c.embd_dropout)(x_BTD, deterministic=deterministic)
