@@ -405,9 +405,11 @@ class Trainer:
                 self._print(f"compiled the train step in {summary['compile_time']:.1f} s")
             state = self._loop(state, start, batch, writer, summary, log, stop)
         finally:
-            stop.close()
-            writer.close()
-            self.ckpt.wait()  # the save in flight is complete: the last good checkpoint restores
+            try:  # still under SIGTERM's handler: a preemption notice now does not cut the save short
+                self.ckpt.wait()  # the save in flight is complete: the last good checkpoint restores
+            finally:
+                stop.close()
+                writer.close()
         summary["state"] = state
         return summary
 
