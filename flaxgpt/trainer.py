@@ -106,7 +106,13 @@ class GPTTask:
         else:  # the checkpoint fixes the architecture; the run's model section the rest
             from flaxgpt import hf
 
-            model_config, self.pretrained = hf.load_for_run(config.init_from, config.model)
+            try:
+                model_config, self.pretrained = hf.load_for_run(config.init_from, config.model)
+            except ConnectionError as e:  # offline, or not a name at all (a mistyped "resume"?)
+                raise ValueError(
+                    f"init_from={config.init_from!r}: {e}; init_from is auto | resume | scratch | "
+                    "a GPT-2 name | a directory"
+                ) from None
             self.model_config = dataclasses.replace(model_config, **dropout_rates(config.model))
         self.data.check(self.model_config.block_size, self.model_config.vocab_size)
         self.model = gpt.GPT(self.model_config)
