@@ -131,8 +131,6 @@ def attend(
             implementation="cudnn",
         )
     scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
-    if q_BTHK.shape[1] == 1 and dropout_rate == 0.0 and sow is None:
-        return _attend_one_query(q_BTHK, k_BSHK, v_BSHK, mask_BHTS, scale)
     # fp32 logits and softmax: bf16 loses the tail of the distribution
     logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
     if mask_BHTS is not None:
@@ -144,20 +142,6 @@ def attend(
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BHTS.shape)
         probs_BHTS = jnp.where(keep, probs_BHTS / (1.0 - dropout_rate), 0.0)
     return jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK)
-
-
-def _attend_one_query(q_B1HK, k_BSHK, v_BSHK, mask_BHTS, scale):
-    """Decoding's single query per row, as multiply-and-reduce over the cache in its own
-    [B, S, H, K] layout: the einsum form makes XLA on CPU transpose each layer's whole cache
-    slice on every step, which dominated batched decoding."""
-    f32 = jnp.float32
-    logits_BSH = jnp.sum(q_B1HK.astype(f32) * k_BSHK.astype(f32), axis=-1) * scale
-    if mask_BHTS is not None:
-        mask_BSH = jnp.moveaxis(mask_BHTS[:, :, 0, :], 1, 2)  # [B or 1, S, H or 1]
-        logits_BSH = jnp.where(mask_BSH, logits_BSH, jnp.finfo(f32).min)
-    probs_BSH = jax.nn.softmax(logits_BSH, axis=1)
-    y_BHK = jnp.sum(probs_BSH[..., None] * v_BSHK.astype(f32), axis=1)
-    return y_BHK[:, None].astype(v_BSHK.dtype)
 
 
 def write_cache(buf_LBSHK: jax.Array, layer, new_BTHK: jax.Array, pos_BT: jax.Array):
