@@ -150,7 +150,8 @@ class Checkpointer:
         if keep < 1:
             raise CheckpointError(f"keep={keep} must be >= 1 (the latest checkpoint is what resume needs)")
         self.out_dir = Path(out_dir)
-        self.directory = self.out_dir / "checkpoints"
+        # orbax (tensorstore) takes absolute paths only; out_dir is usually relative (out/<run>)
+        self.directory = self.out_dir.absolute() / "checkpoints"
         if read_only:
             if not self.directory.is_dir():
                 raise CheckpointError(

@@ -113,6 +113,22 @@ def test_round_trip_is_exact(tmp_path):
     ckpt.close()
 
 
+def test_relative_out_dir(tmp_path, monkeypatch):
+    """Run directories are usually relative (out/<run>); orbax itself takes only absolute paths."""
+    monkeypatch.chdir(tmp_path)
+    state = train_state()
+    ckpt = Checkpointer("out/run", keep=2)
+    assert ckpt.save(3, state, extra={"data_step": 3})
+    ckpt.close()
+    again = Checkpointer(Path("out") / "run", keep=2)
+    restored, _ = again.restore(abstract_state=abstract(state, one_device))
+    assert_identical(restored, state)
+    again.close()
+    (tmp_path / "out/run/config.json").write_text(json.dumps({"model": {**CFG.to_dict(), "kind": "gpt"}}))
+    _, params, _ = load_for_inference("out/run")
+    assert_identical(params, state["params"])
+
+
 def test_restore_onto_other_device_counts(tmp_path):
     state8 = place(train_state(), mesh_sharding(8))
     assert len(state8["params"]["wte"]["embedding"].sharding.device_set) == 8  # really sharded over 8
