@@ -162,6 +162,19 @@ class _LayerBase(nn.Module):
         c = self.config
         return layer_norm(c.bias, c.layer_norm_epsilon, jnp.dtype(c.dtype), jnp.dtype(c.param_dtype), None)
 
+    def make_self_attention(self, causal: bool):
+        c = self.config
+        return SelfAttention(
+            n_head=c.n_head,
+            causal=causal,
+            use_bias=c.bias,
+            qkv_bias=c.bias,
+            attn_dropout=c.attn_dropout,
+            resid_dropout=c.dropout,
+            impl=c.attention_impl,
+            **self.kw(),
+        )
+
     def make_mlp(self):
         c = self.config
         return MLP(hidden=c.d_ff, activation=c.activation, use_bias=c.bias, dropout=c.dropout, **self.kw())
@@ -171,17 +184,7 @@ class EncoderLayer(_LayerBase):
     """Bidirectional self-attention over the unpadded source, then the MLP."""
 
     def setup(self):
-        c = self.config
-        self.attn = SelfAttention(
-            n_head=c.n_head,
-            causal=False,
-            use_bias=c.bias,
-            qkv_bias=c.bias,
-            attn_dropout=c.attn_dropout,
-            resid_dropout=c.dropout,
-            impl=c.attention_impl,
-            **self.kw(),
-        )
+        self.attn = self.make_self_attention(causal=False)
         self.ln_1, self.ln_2, self.mlp = self.ln(), self.ln(), self.make_mlp()
 
     def __call__(self, x_BSD, mask_B11S):
@@ -195,16 +198,7 @@ class DecoderLayer(_LayerBase):
 
     def setup(self):
         c = self.config
-        self.attn = SelfAttention(
-            n_head=c.n_head,
-            causal=True,
-            use_bias=c.bias,
-            qkv_bias=c.bias,
-            attn_dropout=c.attn_dropout,
-            resid_dropout=c.dropout,
-            impl=c.attention_impl,
-            **self.kw(),
-        )
+        self.attn = self.make_self_attention(causal=True)
         self.cross = CrossAttention(
             d_model=c.d_model,
             n_head=c.n_head,
