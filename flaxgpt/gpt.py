@@ -246,8 +246,10 @@ class GPT(nn.Module):
                 x_BTD, kv = block_cls(c, deterministic, name=f"h_{i}")(x_BTD, positions, kv, i)
 
         x_BTD = layer_norm(c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)  # 2-D operands: see layers.MLP
         if c.tie_embeddings:
-            logits_BTV = wte.attend(x_BTD)
+            logits_BTV = wte.attend(x_ND).reshape(B, T, -1)
         else:
             logits_BTV = nn.Dense(
                 c.padded_vocab_size,
@@ -256,7 +258,7 @@ class GPT(nn.Module):
                 param_dtype=pdtype,
                 kernel_init=normal_init(0.02, ("embed", "vocab")),
                 name="lm_head",
-            )(x_BTD)
+            )(x_ND).reshape(B, T, -1)
         # padded vocabulary rows exist for speed only: callers never see them
         logits_BTV = logits_BTV[..., : c.vocab_size]
         if cache is None:

@@ -188,7 +188,7 @@ class SelfAttention(nn.Module):
             kernel_init=normal_init(0.02, ("embed", "heads")),
             bias_init=zeros_init(("heads",)),
             name="c_attn",
-        )(x_BTD)
+        )(x_BTD.reshape(B * T, D))  # 2-D operands: see MLP
         q_BTHK, k_BTHK, v_BTHK = jnp.split(qkv_BTE.reshape(B, T, 3 * H, K), 3, axis=2)
 
         impl = resolve_attention_impl(self.impl, self.dtype)
@@ -231,7 +231,7 @@ class SelfAttention(nn.Module):
             kernel_init=normal_init(self.out_init_std, ("heads", "embed")),
             bias_init=zeros_init(("embed",)),
             name="c_proj",
-        )(y_BTHK.reshape(B, T, D))
+        )(y_BTHK.reshape(B * T, D)).reshape(B, T, D)
         y_BTD = nn.Dropout(self.resid_dropout)(y_BTD, deterministic=self.deterministic)
         return y_BTD, cache
 
@@ -321,7 +321,11 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x_BTD):
         D = x_BTD.shape[-1]
-        h_BTF = nn.Dense(
+        # Tokens flattened to one axis: with [B, T, D] operands the weight gradients contract
+        # two axes, and XLA on CPU then transposes the [B*T, F] activations (fused with the GELU
+        # derivative) before each weight-gradient matmul, a third of the step's time.
+        x_ND = x_BTD.reshape(-1, D)
+        h_NF = nn.Dense(
             self.hidden,
             use_bias=self.use_bias,
             dtype=self.dtype,
@@ -329,9 +333,9 @@ class MLP(nn.Module):
             kernel_init=normal_init(0.02, ("embed", "mlp")),
             bias_init=zeros_init(("mlp",)),
             name="c_fc",
-        )(x_BTD)
-        h_BTF = activation_fn(self.activation)(h_BTF)
-        y_BTD = nn.Dense(
+        )(x_ND)
+        h_NF = activation_fn(self.activation)(h_NF)
+        y_ND = nn.Dense(
             D,
             use_bias=self.use_bias,
             dtype=self.dtype,
@@ -339,7 +343,8 @@ class MLP(nn.Module):
             kernel_init=normal_init(self.out_init_std, ("mlp", "embed")),
             bias_init=zeros_init(("embed",)),
             name="c_proj",
-        )(h_BTF)
+        )(h_NF)
+        y_BTD = y_ND.reshape(x_BTD.shape)
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
 
 
