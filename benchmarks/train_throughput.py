@@ -6,10 +6,14 @@
     python benchmarks/train_throughput.py --nanogpt_dir ~/nanoGPT   # also nanoGPT's CPU recipe, same data
 
 Both runs log every iteration; ms/iter is the median over iterations (evaluation and the first
-compile excluded), tokens/s = batch x block / median, val loss is the evaluation at the last
-iteration (eval_iters=20 batches, as nanoGPT's recipe). nanoGPT is run from its own checkout
-(python train.py config/train_shakespeare_char.py --device=cpu --compile=False ...) on the same
-train.bin / val.bin, with a meta.pkl written for it; nothing of nanoGPT is part of flaxgpt.
+compile excluded), tokens/s = batch x block / median, "val @N" is the evaluation at the last
+iteration (eval_iters=20 random batches, as nanoGPT's recipe: noisy, about +-0.015), and
+"full val" is the final model's mean loss over every token of val.bin (non-overlapping windows
+of block_size, the same windows for both implementations). With --seeds S each implementation
+trains S times (flaxgpt: config.seed; nanoGPT: its torch seed offset) and the table shows the
+median ms/iter and the mean losses. nanoGPT is run from its own checkout (python train.py
+config/train_shakespeare_char.py --device=cpu --compile=False ...) on the same train.bin /
+val.bin, with a meta.pkl written for it; nothing of nanoGPT is part of flaxgpt.
 """
 
 from __future__ import annotations
@@ -31,8 +35,71 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128)  # shakespeare_char_cpu
 
 
-def run_flaxgpt(data_dir: Path, iters: int, work: Path, extra: list[str]) -> dict:
-    out = work / "flaxgpt"
+def val_windows(data_dir: Path):
+    """([n, T] inputs, [n, T] targets): every token of val.bin once, in non-overlapping windows."""
+    import numpy as np
+
+    T = RECIPE["block_size"]
+    val = np.fromfile(data_dir / "val.bin", dtype=np.uint16).astype(np.int64)
+    n = (len(val) - 1) // T
+    return val[: n * T].reshape(n, T), val[1 : n * T + 1].reshape(n, T)
+
+
+def flaxgpt_full_val(out: Path, data_dir: Path) -> float:
+    import jax
+    import numpy as np
+
+    from flaxgpt import checkpoint, gpt
+
+    model, params, _ = checkpoint.load_for_inference(out)
+    cfg = gpt.GPTConfig(**{k: v for k, v in model.items() if k in gpt.GPTConfig.__dataclass_fields__})
+
+    @jax.jit
+    def token_losses(p, x, y):
+        logp = jax.nn.log_softmax(gpt.GPT(cfg).apply({"params": p}, x), axis=-1)
+        return -np.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
+
+    x, y = val_windows(data_dir)
+    rows = x.shape[0] // 64 * 64  # full batches: one compile; the few tokens left over are skipped
+    losses = [token_losses(params, x[i : i + 64], y[i : i + 64]) for i in range(0, rows, 64)]
+    return float(np.mean(np.concatenate([np.asarray(v).ravel() for v in losses])))
+
+
+NANOGPT_FULL_VAL = """
+import sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from model import GPT, GPTConfig
+ck = torch.load(sys.argv[2], map_location="cpu")
+m = GPT(GPTConfig(**ck["model_args"]))
+m.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ck["model"].items()})
+m.eval()
+x, y = np.load(sys.argv[3]), np.load(sys.argv[4])
+rows = x.shape[0] // 64 * 64
+with torch.no_grad():
+    means = [m(torch.from_numpy(x[i:i+64]), torch.from_numpy(y[i:i+64]))[1].item()
+             for i in range(0, rows, 64)]
+print(f"FULL_VAL {np.mean(means):.6f} ITER {ck['iter_num']}")
+"""
+
+
+def nanogpt_full_val(nanogpt_dir: Path, ckpt: Path, data_dir: Path) -> float:
+    """nanoGPT's own model class on its own checkpoint, in a subprocess (torch and JAX apart)."""
+    import numpy as np
+
+    x, y = val_windows(data_dir)
+    np.save(ckpt.parent / "x.npy", x)
+    np.save(ckpt.parent / "y.npy", y)
+    cmd = [sys.executable, "-c", NANOGPT_FULL_VAL, str(nanogpt_dir), str(ckpt)]
+    r = subprocess.run(
+        cmd + [str(ckpt.parent / "x.npy"), str(ckpt.parent / "y.npy")], capture_output=True, text=True
+    )
+    if r.returncode:
+        sys.exit(f"nanoGPT evaluation failed:\n{r.stderr[-3000:]}")
+    return float(re.search(r"FULL_VAL ([\d.]+)", r.stdout).group(1))
+
+
+def run_flaxgpt(data_dir: Path, iters: int, work: Path, extra: list[str], seed: int = 0) -> dict:
+    out = work / f"flaxgpt-{seed}"
     shutil.rmtree(out, ignore_errors=True)
     cmd = [
         sys.executable,
@@ -43,6 +110,7 @@ def run_flaxgpt(data_dir: Path, iters: int, work: Path, extra: list[str]) -> dic
         f"--config.max_iters={iters}",
         "--config.log_interval=1",
         "--config.init_from=scratch",
+        f"--config.seed={seed}",
         *extra,
     ]
     t0 = time.perf_counter()
@@ -60,13 +128,27 @@ def run_flaxgpt(data_dir: Path, iters: int, work: Path, extra: list[str]) -> dic
         "ms": 1000 * statistics.median(times),
         "compile": compile_s,
         "val": evals.get(iters),
+        "full_val": flaxgpt_full_val(out, data_dir),
         "wall": wall,
     }
 
 
-def run_nanogpt(nanogpt_dir: Path, data_dir: Path, iters: int, work: Path, eval_interval: int) -> dict:
+# nanoGPT seeds torch with a constant (1337 + a DDP rank offset); another seed without editing it
+SEEDED_LAUNCH = """
+import os, runpy, sys, torch
+seed, set_seed = int(sys.argv[1]), torch.manual_seed
+torch.manual_seed = lambda s: set_seed(s + seed)
+sys.argv = sys.argv[2:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_nanogpt(
+    nanogpt_dir: Path, data_dir: Path, iters: int, work: Path, eval_interval: int, seed: int = 0
+) -> dict:
     """nanoGPT's README CPU command, on our token files (same split, same char vocabulary)."""
-    nd = work / "nanogpt"
+    nd = work / f"nanogpt-{seed}"
     shutil.rmtree(nd, ignore_errors=True)
     (nd / "data/shakespeare_char").mkdir(parents=True)
     for name in ("train.bin", "val.bin"):
@@ -87,6 +169,9 @@ def run_nanogpt(nanogpt_dir: Path, data_dir: Path, iters: int, work: Path, eval_
     recipe = nanogpt_dir / "config/train_shakespeare_char.py"
     cmd = [
         sys.executable,
+        "-c",
+        SEEDED_LAUNCH,
+        str(seed),
         str(nanogpt_dir / "train.py"),
         str(recipe),
         "--device=cpu",
@@ -98,6 +183,7 @@ def run_nanogpt(nanogpt_dir: Path, data_dir: Path, iters: int, work: Path, eval_
         f"--lr_decay_iters={iters}",
         "--dropout=0.0",
         f"--eval_interval={eval_interval}",
+        "--always_save_checkpoint=True",  # the final model, not the best one, for the full val loss
     ]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=nd)
@@ -116,7 +202,24 @@ def run_nanogpt(nanogpt_dir: Path, data_dir: Path, iters: int, work: Path, eval_
         "ms": statistics.median(times),
         "compile": 0.0,
         "val": evals.get(iters),
+        "full_val": nanogpt_full_val(nanogpt_dir, nd / "out-shakespeare-char/ckpt.pt", data_dir),
         "wall": wall,
+    }
+
+
+def combine(runs: list[dict]) -> dict:
+    """One row from several seeds: median time, mean losses (and the spread of the full val loss)."""
+    full = [r["full_val"] for r in runs]
+    vals = [r["val"] for r in runs if r["val"] is not None]
+    return {
+        "name": runs[0]["name"],
+        "ms": statistics.median(r["ms"] for r in runs),
+        "compile": statistics.median(r["compile"] for r in runs),
+        "val": statistics.mean(vals) if vals else None,
+        "full_val": statistics.mean(full),
+        "full_val_sd": statistics.stdev(full) if len(full) > 1 else 0.0,
+        "full_vals": full,
+        "wall": sum(r["wall"] for r in runs),
     }
 
 
@@ -128,6 +231,7 @@ def main():
     p.add_argument("--skip_flaxgpt", action="store_true")
     p.add_argument("--work_dir", help="where runs go (default: a temporary folder)")
     p.add_argument("--flaxgpt_args", nargs="*", default=[], help="extra --config.key=value for flaxgpt")
+    p.add_argument("--seeds", type=int, default=1, help="train each implementation this many times")
     args = p.parse_args()
     data_dir = Path(args.data_dir)
     if not (data_dir / "meta.json").exists():
@@ -137,28 +241,35 @@ def main():
         )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="flaxgpt-bench-"))
     eval_interval = 250 if args.iters >= 250 else args.iters
-    results = []
-    if not args.skip_flaxgpt:
-        extra = [f"--config.eval_interval={eval_interval}", *args.flaxgpt_args]
-        results.append(run_flaxgpt(data_dir, args.iters, work, extra))
-    if args.nanogpt_dir:
-        results.append(
-            run_nanogpt(Path(args.nanogpt_dir).expanduser(), data_dir, args.iters, work, eval_interval)
-        )
+    flax_runs, nano_runs = [], []
+    for seed in range(args.seeds):  # interleaved: a slow spell of the machine hits both alike
+        if not args.skip_flaxgpt:
+            extra = [f"--config.eval_interval={eval_interval}", *args.flaxgpt_args]
+            flax_runs.append(run_flaxgpt(data_dir, args.iters, work, extra, seed))
+        if args.nanogpt_dir:
+            nanogpt_dir = Path(args.nanogpt_dir).expanduser()
+            nano_runs.append(run_nanogpt(nanogpt_dir, data_dir, args.iters, work, eval_interval, seed))
+    results = [combine(runs) for runs in (flax_runs, nano_runs) if runs]
     tokens = RECIPE["batch_size"] * RECIPE["block_size"]
     print(
-        f"\nshakespeare_char_cpu recipe, {args.iters} iters, {os.cpu_count()} CPU cores, load "
-        f"{os.getloadavg()[0]:.1f}"
+        f"\nshakespeare_char_cpu recipe, {args.iters} iters, {args.seeds} seed(s) each, "
+        f"{os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f}"
     )
-    header = f"| {'implementation':34} | ms/iter (median) | tokens/s | compile s | val loss @{args.iters} |"
-    print(header + " wall s |")
-    print(f"|{'-' * 36}|-----------------:|---------:|----------:|-------------:|-------:|")
+    header = f"| {'implementation':34} | ms/iter (median) | tokens/s | compile s |"
+    print(header + f" val @{args.iters} (20 batches) | full val (mean +- sd) | wall s |")
+    print(
+        f"|{'-' * 36}|-----------------:|---------:|----------:|{'-' * (len(str(args.iters)) + 19)}:|"
+        f"----------------------:|-------:|"
+    )
     for r in results:
         val = "n/a" if r["val"] is None else f"{r['val']:.4f}"
+        full = f"{r['full_val']:.4f} +- {r['full_val_sd']:.4f}"
         print(
             f"| {r['name']:34} | {r['ms']:16.1f} | {tokens / r['ms'] * 1000:8,.0f} | {r['compile']:9.1f} | "
-            f"{val:>12} | {r['wall']:6.0f} |"
+            f"{val:>{len(str(args.iters)) + 19}} | {full:>21} | {r['wall']:6.0f} |"
         )
+    for r in results:
+        print(f"{r['name']}: full val loss per seed {', '.join(f'{v:.4f}' for v in r['full_vals'])}")
     if len(results) == 2:
         print(f"\nflaxgpt / nanoGPT throughput: {results[1]['ms'] / results[0]['ms']:.2f}x")
 
