@@ -105,6 +105,7 @@ def attend(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     sow=None,
+    heads_first: bool = False,
 ) -> jax.Array:
     """Scaled dot-product attention -> [B, T, H, K].
 
@@ -113,9 +114,10 @@ def attend(
     elsewhere). `is_causal` says the mask is exactly causal with queries and keys starting at
     position 0 together (training, prefill into an empty cache). The fused kernels take only
     that case (pallas) or causal / an explicit mask (cudnn), and neither does dropout or hands
-    back the weights; everything else goes through the XLA path.
+    back the weights; everything else goes through the XLA path. `heads_first`: keys and values
+    are [B, H, S, K] (the KV cache's layout; XLA path only).
     """
-    fused_ok = dropout_rate == 0.0 and sow is None
+    fused_ok = dropout_rate == 0.0 and sow is None and not heads_first
     if impl == "pallas" and fused_ok and is_causal:
         from flaxgpt import pallas_attention
 
@@ -132,7 +134,8 @@ def attend(
         )
     scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
     # fp32 logits and softmax: bf16 loses the tail of the distribution
-    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
+    kv = "bhsk" if heads_first else "bshk"
+    logits_BHTS = jnp.einsum(f"bthk,{kv}->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
     if mask_BHTS is not None:
         logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(jnp.float32).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
@@ -141,24 +144,25 @@ def attend(
     if dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BHTS.shape)
         probs_BHTS = jnp.where(keep, probs_BHTS / (1.0 - dropout_rate), 0.0)
-    return jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK)
+    return jnp.einsum(f"bhts,{kv}->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK)
 
 
-def write_cache(buf_LBSHK: jax.Array, layer, new_BTHK: jax.Array, pos_BT: jax.Array):
+def write_cache(buf_LBHSK: jax.Array, layer, new_BTHK: jax.Array, pos_BT: jax.Array):
     """Scatter new keys or values into the fixed-size buffer at per-row positions.
 
-    One scatter into the whole [L, B, S, H, K] buffer, so a donated buffer is
-    updated in place instead of copied once per layer per token.
+    One scatter into the whole [L, B, H, S, K] buffer, so a donated buffer is
+    updated in place instead of copied once per layer per token. (The index
+    arrays are split by the head slice, so the indexed block is [B, T, H, K].)
     """
     rows_B1 = jnp.arange(new_BTHK.shape[0])[:, None]
-    return buf_LBSHK.at[layer, rows_B1, pos_BT].set(new_BTHK.astype(buf_LBSHK.dtype))
+    return buf_LBHSK.at[layer, rows_B1, :, pos_BT].set(new_BTHK.astype(buf_LBHSK.dtype))
 
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused qkv projection (GPT-2's c_attn).
 
     Without a cache it attends over `x` itself (causal, or bidirectional with a
-    padding mask). With a cache (k, v buffers [L, B, S, H, K] and this block's
+    padding mask). With a cache (k, v buffers [L, B, H, S, K] and this block's
     `layer` index) it writes its new keys and values at `positions` and attends
     over the buffer, masked to positions <= each query's own.
     """
@@ -198,8 +202,8 @@ class SelfAttention(nn.Module):
             k_buf = write_cache(k_buf, layer, k_BTHK, positions_BT)
             v_buf = write_cache(v_buf, layer, v_BTHK, positions_BT)
             cache = (k_buf, v_buf)
-            k_BSHK, v_BSHK = k_buf[layer], v_buf[layer]
-            mask_BHTS = causal_mask(positions_BT, k_BSHK.shape[1])
+            k_BSHK, v_BSHK = k_buf[layer], v_buf[layer]  # [B, H, S, K] here (heads_first)
+            mask_BHTS = causal_mask(positions_BT, k_BSHK.shape[2])
             impl = "xla"  # per-row query positions need the explicit mask
         else:
             k_BSHK, v_BSHK = k_BTHK, v_BTHK
@@ -222,6 +226,7 @@ class SelfAttention(nn.Module):
             dropout_rate=dropout,
             dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
             sow=sow,
+            heads_first=cache is not None,
         )
         y_BTD = nn.Dense(
             D,

@@ -337,8 +337,8 @@ def _gpt_apply(config):
 def gpt_step_fn(config, params) -> jax.tree_util.Partial:
     """The GPT as a step_fn; a Partial carries params as a jit argument, not baked-in constants.
 
-    A tied LM head is given its own copy of wte^T ([D, V], made once here): XLA on CPU otherwise
-    transposes the 154 MB GPT-2 embedding inside every decode step to multiply by it.
+    (A tied LM head needs no transposed copy of wte: with few rows the model multiplies by the
+    [V, D] table as it lies; see GPT.__call__.)
     """
     if config.scan_layers:  # decode unrolled: per-layer cache slices stay static
         from flaxgpt.gpt import unstack_layers
@@ -346,7 +346,4 @@ def gpt_step_fn(config, params) -> jax.tree_util.Partial:
         params = unstack_layers(params, config.n_layer)
         config = dataclasses.replace(config, scan_layers=False)
     config = dataclasses.replace(config, remat="none")  # no gradients here
-    if config.tie_embeddings:
-        config = dataclasses.replace(config, tie_embeddings=False)
-        params = {**params, "lm_head": {"kernel": jnp.transpose(params["wte"]["embedding"])}}
     return jax.tree_util.Partial(_gpt_apply(config), params)

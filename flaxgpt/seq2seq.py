@@ -136,7 +136,7 @@ class Seq2SeqCache:
     """Decoding state: the decoder's self-attention KVCache and the cross-attention keys
     and values, projected once per source (every decoder layer's, stacked)."""
 
-    self_kv: KVCache  # k, v [L, B, T_max, H, K]
+    self_kv: KVCache  # k, v [L, B, H, T_max, K]
     cross_k: jax.Array  # [L, B, S, H, K]
     cross_v: jax.Array  # [L, B, S, H, K]
 
