@@ -3,12 +3,10 @@
 A plain pytree passed into the model and handed back, so `jit` sees arrays and
 the sampler can donate the buffers (updated in place rather than copied).
 
-One buffer per layer, [batch, heads, max_len, head_dim] each: heads before
-positions, so a decoding step reads a layer's keys as [B, H, S, K] batched matrices
-as they lie (with [B, S, H, K] XLA transposes every layer's keys and values on every
-step), and each layer's buffer is an array of its own, which the attention reads in
-place (a slice of one stacked [L, ...] buffer is copied out first on CPU: 24 copies
-of the whole cache per GPT-2 step).
+Layout [layers, batch, heads, max_len, head_dim]: heads before positions, so each
+decoding step's attention reads a layer's keys as [B, H, S, K] batched matrices as
+they lie. With [L, B, S, H, K] XLA copies every layer's [B, S, H, K] keys and values
+into that order on every step (on CPU at batch 8 that copy was most of the step).
 """
 
 from __future__ import annotations
@@ -20,16 +18,15 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # L x [B, H, S, K]
-    v: tuple[jax.Array, ...]  # L x [B, H, S, K]
+    k: jax.Array  # [L, B, H, S, K]
+    v: jax.Array  # [L, B, H, S, K]
 
     @classmethod
     def init(
         cls, n_layer: int, batch: int, max_len: int, n_head: int, head_dim: int, dtype=jnp.float32
     ) -> KVCache:
-        shape = (batch, n_head, max_len, head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(n_layer))  # noqa: E731
-        return cls(k=zeros(), v=zeros())
+        shape = (n_layer, batch, n_head, max_len, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @classmethod
     def for_config(cls, config, batch: int, max_len: int, dtype=None) -> KVCache:
@@ -39,12 +36,8 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
-
-    def take_rows(self, rows_R: jax.Array) -> KVCache:
-        """The cache of rows `rows_R` (in that order): beam search follows its beams with it."""
-        return jax.tree_util.tree_map(lambda x: jnp.take(x, rows_R, axis=0), self)
+        return self.k.shape[1]

@@ -147,27 +147,22 @@ def attend(
     return jnp.einsum(f"bhts,{kv}->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK)
 
 
-def write_cache(bufs, layer, new_BTHK: jax.Array, pos_BT: jax.Array):
-    """Scatter new keys or values into a layer's fixed-size buffer at per-row positions.
+def write_cache(buf_LBHSK: jax.Array, layer, new_BTHK: jax.Array, pos_BT: jax.Array):
+    """Scatter new keys or values into the fixed-size buffer at per-row positions.
 
-    `bufs` is the KVCache's tuple of per-layer [B, H, S, K] buffers (`layer` an int), or
-    one stacked [L, B, H, S, K] array (under nn.scan, where `layer` is traced). Either
-    way a donated buffer is updated in place. (The index arrays are split by the head
-    slice, so the indexed block is [B, T, H, K].)
+    One scatter into the whole [L, B, H, S, K] buffer, so a donated buffer is
+    updated in place instead of copied once per layer per token. (The index
+    arrays are split by the head slice, so the indexed block is [B, T, H, K].)
     """
     rows_B1 = jnp.arange(new_BTHK.shape[0])[:, None]
-    if isinstance(bufs, (tuple, list)):
-        out = list(bufs)
-        out[layer] = bufs[layer].at[rows_B1, :, pos_BT].set(new_BTHK.astype(bufs[layer].dtype))
-        return tuple(out)
-    return bufs.at[layer, rows_B1, :, pos_BT].set(new_BTHK.astype(bufs.dtype))
+    return buf_LBHSK.at[layer, rows_B1, :, pos_BT].set(new_BTHK.astype(buf_LBHSK.dtype))
 
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused qkv projection (GPT-2's c_attn).
 
     Without a cache it attends over `x` itself (causal, or bidirectional with a
-    padding mask). With a cache (k, v: per-layer [B, H, S, K] buffers, and this block's
+    padding mask). With a cache (k, v buffers [L, B, H, S, K] and this block's
     `layer` index) it writes its new keys and values at `positions` and attends
     over the buffer, masked to positions <= each query's own.
     """
