@@ -85,7 +85,7 @@ def cache_copies(step, cfg, batch, cache_len):
     compiled = sampling._decode_chunk.lower(
         step, state, jnp.int32(8), 64, W // 2, sampling.Sampling(0.0, 0, 1.0, None)
     ).compile()
-    shape = f"f32[{cfg.n_layer},{B},{cfg.n_head},{W},{cfg.head_dim}]"  # KVCache [L, B, H, S, K]
+    shape = f"f32[{B * cfg.n_head},{W},{cfg.head_dim}]"  # one layer's KVCache buffer
     n = sum(1 for line in compiled.as_text().splitlines() if f"= {shape}" in line and " copy(" in line)
     mem = compiled.memory_analysis()
     return n, getattr(mem, "alias_size_in_bytes", float("nan"))

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from flaxgpt.cache import KVCache
+
 NEG_INF = -1.0e9  # a finite "impossible" score: -inf would turn into NaN in sums and divisions
 
 
@@ -31,8 +33,13 @@ def length_penalty(length, alpha: float):
 
 
 def gather_rows(cache, rows_R: jax.Array):
-    """The default cache reordering: every leaf is [L, R, ...] (the KVCache layout)."""
-    return jax.tree_util.tree_map(lambda x: jnp.take(x, rows_R, axis=1), cache)
+    """The default cache reordering: a KVCache takes its rows (`KVCache.take_rows`), any other
+    leaf is [L, R, ...] (stacked per-layer arrays, e.g. cross-attention keys)."""
+
+    def take(x):
+        return x.take_rows(rows_R) if isinstance(x, KVCache) else jnp.take(x, rows_R, axis=1)
+
+    return jax.tree_util.tree_map(take, cache, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 def _gather_beams(x_BW_, idx_BK):
@@ -69,7 +76,7 @@ def beam_search(
 
     `cache` holds R = batch_size * beam_size rows (each source repeated beam_size times,
     row b * W + w) and room for max_len positions. `reorder_cache(cache, rows_R)` picks
-    rows (default: `gather_rows`, axis 1 of every leaf). A source with no finished
+    rows (default: `gather_rows`). A source with no finished
     sequence after max_len tokens returns its live prefixes, scored as if finished.
     """
     B, W, N = batch_size, beam_size, max_len

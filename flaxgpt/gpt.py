@@ -231,6 +231,9 @@ class GPT(nn.Module):
         if c.remat != "none":
             block_cls = nn.remat(Block, policy=_remat_policy(c.remat), prevent_cse=not c.scan_layers)
         if c.scan_layers:
+            # nn.scan's layer index is traced: the per-layer buffers go in stacked (a copy; decoding
+            # is fast unrolled, see sampling.gpt_step_fn) and come back as the tuple
+            kv = None if kv is None else tuple(jnp.stack(bufs) for bufs in kv)
             scan_cls = ScannedBlock
             if c.remat != "none":
                 scan_cls = nn.remat(ScannedBlock, policy=_remat_policy(c.remat), prevent_cse=False)
@@ -241,6 +244,7 @@ class GPT(nn.Module):
                 length=c.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(c, deterministic, name="h")((x_BTD, positions, kv), jnp.arange(c.n_layer))
+            kv = None if kv is None else tuple(tuple(stacked) for stacked in kv)
         else:
             for i in range(c.n_layer):
                 x_BTD, kv = block_cls(c, deterministic, name=f"h_{i}")(x_BTD, positions, kv, i)
@@ -268,7 +272,7 @@ class GPT(nn.Module):
         logits_BTV = logits_BTV[..., : c.vocab_size]
         if cache is None:
             return logits_BTV
-        return logits_BTV, KVCache(k=kv[0], v=kv[1])
+        return logits_BTV, cache.replace(k=kv[0], v=kv[1])
 
 
 def check_tokens(tokens_BT, config: GPTConfig, cache=None):

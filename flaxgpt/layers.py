@@ -105,7 +105,6 @@ def attend(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     sow=None,
-    heads_first: bool = False,
 ) -> jax.Array:
     """Scaled dot-product attention -> [B, T, H, K].
 
@@ -114,10 +113,9 @@ def attend(
     elsewhere). `is_causal` says the mask is exactly causal with queries and keys starting at
     position 0 together (training, prefill into an empty cache). The fused kernels take only
     that case (pallas) or causal / an explicit mask (cudnn), and neither does dropout or hands
-    back the weights; everything else goes through the XLA path. `heads_first`: keys and values
-    are [B, H, S, K] (the KV cache's layout; XLA path only).
+    back the weights; everything else goes through the XLA path.
     """
-    fused_ok = dropout_rate == 0.0 and sow is None and not heads_first
+    fused_ok = dropout_rate == 0.0 and sow is None
     if impl == "pallas" and fused_ok and is_causal:
         from flaxgpt import pallas_attention
 
@@ -134,8 +132,7 @@ def attend(
         )
     scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
     # fp32 logits and softmax: bf16 loses the tail of the distribution
-    kv = "bhsk" if heads_first else "bshk"
-    logits_BHTS = jnp.einsum(f"bthk,{kv}->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
+    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
     if mask_BHTS is not None:
         logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(jnp.float32).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
@@ -144,25 +141,49 @@ def attend(
     if dropout_rate > 0.0 and dropout_rng is not None:
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BHTS.shape)
         probs_BHTS = jnp.where(keep, probs_BHTS / (1.0 - dropout_rate), 0.0)
-    return jnp.einsum(f"bhts,{kv}->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK)
+    return jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK)
 
 
-def write_cache(buf_LBHSK: jax.Array, layer, new_BTHK: jax.Array, pos_BT: jax.Array):
-    """Scatter new keys or values into the fixed-size buffer at per-row positions.
+def write_cache(bufs, layer, new_BTHK: jax.Array, pos_BT: jax.Array):
+    """Scatter new keys or values into a layer's fixed-size buffer at per-row positions.
 
-    One scatter into the whole [L, B, H, S, K] buffer, so a donated buffer is
-    updated in place instead of copied once per layer per token. (The index
-    arrays are split by the head slice, so the indexed block is [B, T, H, K].)
+    `bufs` is the KVCache's tuple of per-layer [B*H, S, K] buffers (`layer` an int), or
+    one stacked [L, B*H, S, K] array (under nn.scan, where `layer` is traced). Either
+    way a donated buffer is updated in place.
     """
-    rows_B1 = jnp.arange(new_BTHK.shape[0])[:, None]
-    return buf_LBHSK.at[layer, rows_B1, :, pos_BT].set(new_BTHK.astype(buf_LBHSK.dtype))
+    B, T, H, K = new_BTHK.shape
+    rows_B1H = (jnp.arange(B)[:, None] * H + jnp.arange(H))[:, None, :]  # buffer row of (b, h)
+    pos_BT1 = pos_BT[:, :, None]
+    if isinstance(bufs, (tuple, list)):
+        out = list(bufs)
+        out[layer] = bufs[layer].at[rows_B1H, pos_BT1].set(new_BTHK.astype(bufs[layer].dtype))
+        return tuple(out)
+    return bufs.at[layer, rows_B1H, pos_BT1].set(new_BTHK.astype(bufs.dtype))
+
+
+def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None) -> jax.Array:
+    """Attention over a KVCache layer ([B*H, S, K] keys and values, as they lie) -> [B, T, H, K]."""
+    B, T, H, K = q_BTHK.shape
+    S = k_NSK.shape[1]
+    q_NTK = jnp.swapaxes(q_BTHK, 1, 2).reshape(B * H, T, K)
+    logits_NTS = jnp.einsum(
+        "ntk,nsk->nts", q_NTK, k_NSK.astype(q_NTK.dtype), preferred_element_type=jnp.float32
+    )
+    logits_BHTS = logits_NTS.reshape(B, H, T, S) / math.sqrt(K)
+    logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(jnp.float32).min)
+    probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
+    if sow is not None:
+        sow(probs_BHTS)
+    probs_NTS = probs_BHTS.reshape(B * H, T, S).astype(v_NSK.dtype)
+    y_NTK = jnp.einsum("nts,nsk->ntk", probs_NTS, v_NSK)
+    return jnp.swapaxes(y_NTK.reshape(B, H, T, K), 1, 2).astype(q_BTHK.dtype)
 
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused qkv projection (GPT-2's c_attn).
 
     Without a cache it attends over `x` itself (causal, or bidirectional with a
-    padding mask). With a cache (k, v buffers [L, B, H, S, K] and this block's
+    padding mask). With a cache (k, v: per-layer [B*H, S, K] buffers, and this block's
     `layer` index) it writes its new keys and values at `positions` and attends
     over the buffer, masked to positions <= each query's own.
     """
@@ -195,39 +216,34 @@ class SelfAttention(nn.Module):
         )(x_BTD.reshape(B * T, D))  # 2-D operands: see MLP
         q_BTHK, k_BTHK, v_BTHK = jnp.split(qkv_BTE.reshape(B, T, 3 * H, K), 3, axis=2)
 
-        impl = resolve_attention_impl(self.impl, self.dtype)
-        is_causal = False
-        if cache is not None:
-            k_buf, v_buf = cache
-            k_buf = write_cache(k_buf, layer, k_BTHK, positions_BT)
-            v_buf = write_cache(v_buf, layer, v_BTHK, positions_BT)
+        sow = None
+        if self.is_mutable_collection("intermediates"):
+            sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
+        if cache is not None:  # decoding: per-row query positions, the XLA path with an explicit mask
+            k_buf = write_cache(cache[0], layer, k_BTHK, positions_BT)
+            v_buf = write_cache(cache[1], layer, v_BTHK, positions_BT)
             cache = (k_buf, v_buf)
-            k_BSHK, v_BSHK = k_buf[layer], v_buf[layer]  # [B, H, S, K] here (heads_first)
-            mask_BHTS = causal_mask(positions_BT, k_BSHK.shape[2])
-            impl = "xla"  # per-row query positions need the explicit mask
+            k_NSK, v_NSK = k_buf[layer], v_buf[layer]
+            mask_BHTS = causal_mask(positions_BT, k_NSK.shape[1])
+            y_BTHK = attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow)
         else:
-            k_BSHK, v_BSHK = k_BTHK, v_BTHK
+            is_causal = False
             if self.causal:
                 is_causal = mask_BHTS is None  # an extra mask must reach the kernel explicitly
                 tril = jnp.tril(jnp.ones((T, T), dtype=bool))[None, None]
                 mask_BHTS = tril if mask_BHTS is None else mask_BHTS & tril
-
-        sow = None
-        if self.is_mutable_collection("intermediates"):
-            sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
-        dropout = 0.0 if self.deterministic else self.attn_dropout
-        y_BTHK = attend(
-            q_BTHK,
-            k_BSHK.astype(q_BTHK.dtype),
-            v_BSHK.astype(q_BTHK.dtype),
-            mask_BHTS,
-            impl=impl,
-            is_causal=is_causal,
-            dropout_rate=dropout,
-            dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
-            sow=sow,
-            heads_first=cache is not None,
-        )
+            dropout = 0.0 if self.deterministic else self.attn_dropout
+            y_BTHK = attend(
+                q_BTHK,
+                k_BTHK,
+                v_BTHK,
+                mask_BHTS,
+                impl=resolve_attention_impl(self.impl, self.dtype),
+                is_causal=is_causal,
+                dropout_rate=dropout,
+                dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
+                sow=sow,
+            )
         y_BTD = nn.Dense(
             D,
             use_bias=self.use_bias,

@@ -340,7 +340,7 @@ def gpt_step_fn(config, params) -> jax.tree_util.Partial:
     (A tied LM head needs no transposed copy of wte: with few rows the model multiplies by the
     [V, D] table as it lies; see GPT.__call__.)
     """
-    if config.scan_layers:  # decode unrolled: per-layer cache slices stay static
+    if config.scan_layers:  # decode unrolled: each layer reads its own cache buffer in place
         from flaxgpt.gpt import unstack_layers
 
         params = unstack_layers(params, config.n_layer)

@@ -27,7 +27,7 @@ import numpy as np
 from flax import linen as nn
 from flax import struct
 
-from flaxgpt.beam_search import beam_search, gather_rows, greedy_search
+from flaxgpt.beam_search import beam_search, greedy_search
 from flaxgpt.cache import KVCache
 from flaxgpt.layers import (
     ACTIVATIONS,
@@ -136,7 +136,7 @@ class Seq2SeqCache:
     """Decoding state: the decoder's self-attention KVCache and the cross-attention keys
     and values, projected once per source (every decoder layer's, stacked)."""
 
-    self_kv: KVCache  # k, v [L, B, H, T_max, K]
+    self_kv: KVCache  # k, v: L x [B, H, T_max, K]
     cross_k: jax.Array  # [L, B, S, H, K]
     cross_v: jax.Array  # [L, B, S, H, K]
 
@@ -318,7 +318,7 @@ class Transformer(nn.Module):
         logits_BTV = logits_BTV[..., : c.vocab_size].astype(jnp.float32)
         if cache is None:
             return logits_BTV
-        return logits_BTV, cache.replace(self_kv=KVCache(k=kv[0], v=kv[1]))
+        return logits_BTV, cache.replace(self_kv=cache.self_kv.replace(k=kv[0], v=kv[1]))
 
     def __call__(self, src_BS, src_lengths_B, tgt_in_BT):
         """Teacher forcing: logits [B, T, V] for the next target token at each position."""
@@ -353,7 +353,7 @@ def abstract_params(config: TransformerConfig):
 
 def _reorder_self_kv(cache: Seq2SeqCache, rows_R):
     # every beam of a source shares that source's cross keys/values: only the self-attention moves
-    return cache.replace(self_kv=gather_rows(cache.self_kv, rows_R))
+    return cache.replace(self_kv=cache.self_kv.take_rows(rows_R))
 
 
 @functools.partial(

@@ -22,8 +22,8 @@ def markov2(seed, eos_bias=0.0):
 
 
 def make_step(table):
-    """The cache holds the token before the current one ([1, R]: the KVCache's [L, B, ...]
-    layout), so beam search only gets the right answer if it reorders the cache with the beams."""
+    """The cache holds the token before the current one ([1, R]: a stacked [L, R, ...] leaf),
+    so beam search only gets the right answer if it reorders the cache with the beams."""
 
     def step(tokens_R1, positions_R1, cache):
         prev_R, cur_R = cache[0], tokens_R1[:, 0]

@@ -42,15 +42,15 @@ def fake_next(context):
 def fake_step(tokens_BT, positions_BT, cache):
     """A model with a KV cache whose greedy next token is fake_next(tokens at 0..pos)."""
     rows_B1 = jnp.arange(tokens_BT.shape[0])[:, None]
-    k = cache.k.at[0, rows_B1, 0, positions_BT, 0].set(tokens_BT.astype(cache.k.dtype))
-    S = k.shape[3]
+    k = cache.k[0].at[rows_B1, positions_BT, 0].set(tokens_BT.astype(cache.k[0].dtype))  # 1 head
+    S = k.shape[1]
     weights_S = jnp.arange(1, S + 1, dtype=k.dtype)
     seen_BTS = jnp.arange(S)[None, None, :] <= positions_BT[:, :, None]
-    total_BT = jnp.sum(jnp.where(seen_BTS, k[0, :, None, 0, :, 0] * weights_S, 0.0), axis=-1)
+    total_BT = jnp.sum(jnp.where(seen_BTS, k[:, None, :, 0] * weights_S, 0.0), axis=-1)
     nxt_BT = jnp.mod(total_BT, V_FAKE)
     # logits peaked at the rule's token, spread over the rest so sampling has something to do
     logits_BTV = -jnp.abs(jnp.arange(V_FAKE) - nxt_BT[..., None])
-    return logits_BTV, cache.replace(k=k)
+    return logits_BTV, cache.replace(k=(k,))
 
 
 def fake_cache(B, W):
