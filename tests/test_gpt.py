@@ -296,3 +296,14 @@ def test_bad_config_and_input():
         apply(TINY, params, jnp.array([[0, 61]]))
     with pytest.raises(ValueError, match="sequence length 17 is longer than block_size 16"):
         apply(TINY, params, jnp.zeros((1, 17), jnp.int32))
+
+
+def test_tied_head_same_for_few_and_many_rows():
+    """Few rows (decoding) multiply by the [V, D] table directly, many rows use wte.attend: same logits."""
+    cfg = dataclasses.replace(TINY, pad_vocab_multiple=64)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = np.random.RandomState(0).randint(0, cfg.vocab_size, (10, 8))  # 80 rows > 64
+    many = GPT(cfg).apply({"params": params}, tokens)
+    few = GPT(cfg).apply({"params": params}, tokens[:2])  # 16 rows
+    assert few.shape == (2, 8, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(few), np.asarray(many[:2]), atol=1e-5)

@@ -296,3 +296,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="lengths"):
         generate(fake_step, fake_cache(1, 8), prompt_BP, [0], max_new_tokens=2, rng=jax.random.key(0))
     assert cache_length(1024, 16, 256) == 320 and cache_length(1024, 16, 2000) == 1024
+
+
+def test_kvcache_layout_and_take_rows():
+    """One [B*H, S, K] buffer per layer (row b*H + h); take_rows moves whole sequences, all heads."""
+    cache = KVCache.init(2, 3, 8, 4, 5)
+    assert len(cache.k) == 2 and cache.k[0].shape == (12, 8, 5)
+    assert (cache.batch, cache.max_len) == (3, 8)
+    x = jnp.arange(12 * 8 * 5, dtype=jnp.float32).reshape(12, 8, 5)
+    taken = cache.replace(k=(x, x + 1)).take_rows(jnp.array([2, 0]))
+    assert taken.batch == 2
+    np.testing.assert_array_equal(
+        taken.k[1].reshape(2, 4, 8, 5), (x + 1).reshape(3, 4, 8, 5)[np.array([2, 0])]
+    )
