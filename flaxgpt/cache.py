@@ -23,7 +23,7 @@ from flax import struct
 class KVCache:
     k: tuple[jax.Array, ...]  # L x [B*H, S, K]
     v: tuple[jax.Array, ...]  # L x [B*H, S, K]
-    n_head: int = struct.field(pytree_node=False, default=1)
+    n_head: int = struct.field(pytree_node=False)  # to tell batch from heads in the B*H rows
 
     @classmethod
     def init(
