@@ -7,12 +7,14 @@
     python train.py --config configs/shakespeare_char_cpu.py --config.max_iters=500 --config.out_dir=out/x
 
 Every option is in configs/default.py; override any with --config.section.key=value.
-Bad input (an unknown key, a wrong type, missing data, ...) is a one-line error and exit code 1.
+Bad input (an unknown key, a wrong type, a nonsense value, a broken recipe file, missing data, a full
+disk, ...) is a one-line error and exit code 1; the whole config is checked before anything is written.
 Checkpoints go to out_dir/checkpoints; running the same command again resumes (init_from=auto).
-SIGTERM (a preemption) saves the finished step and exits 0; a NaN loss is an error naming the last
-good checkpoint.
+SIGTERM (a preemption) or Ctrl-C saves the finished step and exits 0; a NaN loss is an error naming
+the last good checkpoint.
 """
 
+import errno
 import os
 import sys
 
@@ -36,10 +38,32 @@ def one_line(e: BaseException) -> str:
     msg = " ".join(msg.replace("\\n", "\n").replace("\\'", "'").split())
     if isinstance(e, AttributeError | KeyError):
         return f"unknown config key {msg} (every key is listed in configs/default.py)"
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"no space left on device writing {e.filename or 'a file'}; free disk space and run again"
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
     return msg
 
 
+def recipe_path(argv) -> str | None:
+    """The --config file named on the command line (`--config=F` or `--config F`)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(("--config=", "-config=")):
+            return arg.split("=", 1)[1]
+        if arg in ("--config", "-config") and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
 def parse_flags(argv):
+    from flaxgpt.config_check import ConfigError, load_recipe
+
+    path = recipe_path(argv)
+    try:  # ml_collections reports a broken recipe as a traceback or an "unknown key": load it first
+        if path is not None:
+            load_recipe(path)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
     try:
         return flags.FLAGS(argv)
     except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:
@@ -61,8 +85,10 @@ def main(argv):
         sys.exit(f"error: could not load the --config file: {last}")
     try:
         train(config)
-    except (ValueError, FileNotFoundError, FileExistsError, FloatingPointError) as e:
+    except (ValueError, OSError, FloatingPointError) as e:  # OSError: a full disk, a missing file
         sys.exit(f"error: {one_line(e)}")
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops, like SIGTERM)
+        sys.exit("error: interrupted before the run could save; run the same command to resume")
 
 
 if __name__ == "__main__":

@@ -23,18 +23,19 @@ import jax.numpy as jnp  # noqa: E402
 
 from configs import default  # noqa: E402
 from flaxgpt import gpt, trainer  # noqa: E402
+from flaxgpt.losses import cross_entropy  # noqa: E402
 from flaxgpt.optim import make_optimizer  # noqa: E402
 
 
 class SyntheticTask:
-    """Just the loss of trainer.GPTTask: no dataset needed to compile."""
+    """Just the loss of lm_task.LMTask: no dataset needed to compile."""
 
     def __init__(self, config: gpt.GPTConfig):
         self.model = gpt.GPT(config)
 
     def loss(self, params, batch, rng, train: bool):
         logits_BTV = self.model.apply({"params": params}, batch["inputs"], deterministic=not train)
-        return trainer.cross_entropy(logits_BTV, batch["targets"])
+        return cross_entropy(logits_BTV, batch["targets"])
 
 
 def compile_seconds(config: gpt.GPTConfig, batch_size: int) -> tuple[float, float]:

@@ -1,153 +1,304 @@
-"""Decoding throughput: flaxgpt.sampling.generate vs transformers' GPT2LMHeadModel.generate.
+"""Decoding throughput and quality: flaxgpt (float32, bf16 and int8 weights, speculative) vs
+transformers' GPT2LMHeadModel.generate under the newest torch.
 
-    python benchmarks/sample_throughput.py                       # the full comparison (a quiet machine)
-    python benchmarks/sample_throughput.py --new_tokens 64 --lengths ""   # a short smoke run
-    python benchmarks/sample_throughput.py --skip_hf             # flaxgpt only (no torch needed)
+    python benchmarks/sample_throughput.py --torch_python /path/to/venv/bin/python   # the comparison
+    python benchmarks/sample_throughput.py --skip_hf --new_tokens 64 --repeats 1     # a smoke run
 
-GPT-2 124M config, random weights, float32, greedy, a 16-token prompt. Both sides include the prefill
-in their time and exclude compilation / warm-up (flaxgpt's compile time is printed on its own line).
-The length sweep uses one cache of block_size (1024) tokens for every length, so it compiles once:
-tokens/s should stay flat as the sequence grows (1024 new tokens after a 16-token prompt pass the
-window once, which costs one re-prefill of 511 tokens). `transformers` is optional (pip install .[hf]).
+GPT-2 124M config, random weights, greedy, a 16-token prompt, KV cache on both sides. Each side runs
+in its own process, flaxgpt first (PyTorch's idle OpenMP workers spin after each call and slow an
+XLA run that follows them); the transformers side runs with --torch_python (a venv with the
+torch / transformers to compare against; default this interpreter) and prints its versions.
+Times include the prefill and exclude compilation / warm-up; tok/s is the median of --repeats runs.
+
+Also printed:
+- quality of bf16 / int8 weights against float32 on the same random GPT-2: max logit deviation
+  (absolute, and relative to the largest |logit|) and greedy-token agreement over 4 x 64
+  teacher-forced positions, and how many tokens greedy generation follows float32 exactly;
+- memory-bandwidth utilisation at batch 1: weight bytes read per token (every matrix and the
+  embedding table; wpe, of which a step reads one row, left out) / time per token / this
+  machine's read bandwidth, measured here (np.max over 1 GiB on 1 and 2 threads, the best);
+- speculative decoding with an int8 copy of the model as its own draft: acceptance and speed-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
+import subprocess
+import sys
+import threading
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from flaxgpt import sampling
-from flaxgpt.cache import KVCache
-from flaxgpt.gpt import GPTConfig, init_params
+PROMPT_LEN = 16
 
 
-def flax_generate(step, cfg, prompt_BP, n_new, cache_len):
-    B = prompt_BP.shape[0]
-    cache = KVCache.for_config(cfg, B, cache_len)
-    t0 = time.perf_counter()
-    toks, lens = sampling.generate(
-        step,
-        cache,
-        prompt_BP,
-        np.full(B, prompt_BP.shape[1]),
-        max_new_tokens=n_new,
-        rng=jax.random.key(0),
-        temperature=0,
-    )
-    dt = time.perf_counter() - t0
-    assert (lens == n_new).all(), lens
-    return dt, toks
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s read from memory: np.max over 1 GiB (SIMD, memory-bound; NumPy releases the GIL) on
+    1 thread and on one per core, the best of `repeats`."""
+    x = np.ones(int(gib * 2**30) // 4, np.float32)
+    best = float("inf")
+    for n_threads in sorted({1, os.cpu_count() or 1}):
+        parts = np.array_split(x, n_threads)
+        for _ in range(repeats):
+            threads = [threading.Thread(target=np.max, args=(p,)) for p in parts]
+            t0 = time.perf_counter()
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
 
 
-def time_flax(step, cfg, prompt_BP, n_new, cache_len):
-    """-> (compile + first run seconds, timed seconds)."""
-    warm, _ = flax_generate(step, cfg, prompt_BP, 2, cache_len)  # compiles prefill + decode loop
-    dt, _ = flax_generate(step, cfg, prompt_BP, n_new, cache_len)
-    return warm, dt
+# ---------------------------------------------------------------- the transformers side
 
 
-def time_hf(prompt_BP, n_new):
+def hf_side(batches, n_new, repeats):
     import torch
+    import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config()).eval()
-    ids = torch.from_numpy(prompt_BP.astype(np.int64))
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=50256, use_cache=True)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+    rs = np.random.RandomState(0)
+    out = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    for B in batches:
+        ids = torch.from_numpy(rs.randint(0, 50257, (B, PROMPT_LEN)).astype(np.int64))
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=50256, use_cache=True)
+        times = []
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                gen = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
+                times.append(time.perf_counter() - t0)
+        assert gen.shape[1] == PROMPT_LEN + n_new
+        out[f"b{B}"] = B * n_new / float(np.median(times))
+    print("HF_RESULT " + json.dumps(out))
+
+
+# ---------------------------------------------------------------- the flaxgpt side
+
+
+def timed_generate(step, cfg, prompt_BP, n_new, repeats):
+    """-> (compile + 2 tokens seconds, median tok/s, tokens of the last run)."""
+    import jax
+
+    from flaxgpt import sampling
+    from flaxgpt.cache import KVCache
+
+    B = prompt_BP.shape[0]
+    W = sampling.cache_length(cfg.block_size, PROMPT_LEN, n_new)
+
+    def run(n):
+        cache = KVCache.for_config(cfg, B, W)
         t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
-        dt = time.perf_counter() - t0
-    assert out.shape[1] == prompt_BP.shape[1] + n_new
-    return dt
+        toks, lens = sampling.generate(
+            step,
+            cache,
+            prompt_BP,
+            np.full(B, PROMPT_LEN),
+            max_new_tokens=n,
+            rng=jax.random.key(0),
+            temperature=0,
+        )
+        assert (lens == n).all(), lens
+        return time.perf_counter() - t0, toks
+
+    warm, _ = run(2)
+    times = []
+    for _ in range(repeats):
+        dt, toks = run(n_new)
+        times.append(dt)
+    return warm, B * n_new / float(np.median(times)), toks
 
 
-def cache_copies(step, cfg, batch, cache_len):
-    """Cache-sized copies in the compiled decode loop (0 = updated in place) and donated bytes."""
-    B, W = batch, cache_len
-    z = jnp.zeros((B,), jnp.int32)
-    state = sampling.DecodeState(
-        cache=KVCache.for_config(cfg, B, W),
-        window_BW=jnp.zeros((B, W), jnp.int32),
-        fill_B=z + 16,
-        last_B=z,
-        count_B=z + 1,
-        done_B=z > 0,
-        step=jnp.int32(1),
-        rng=jax.random.key(0),
-    )
-    compiled = sampling._decode_chunk.lower(
-        step, state, jnp.int32(8), 64, W // 2, sampling.Sampling(0.0, 0, 1.0, None)
-    ).compile()
-    shape = f"f32[{B * cfg.n_head},{W},{cfg.head_dim}]"  # one layer's KVCache buffer
-    n = sum(1 for line in compiled.as_text().splitlines() if f"= {shape}" in line and " copy(" in line)
-    mem = compiled.memory_analysis()
-    return n, getattr(mem, "alias_size_in_bytes", float("nan"))
+def quality(cfg, params, modes, step_of):
+    """Logit deviation, teacher-forced greedy agreement and generated-prefix agreement vs float32."""
+    import jax
+    import jax.numpy as jnp
+
+    from flaxgpt.cache import KVCache
+
+    rs = np.random.RandomState(1)
+    tokens = jnp.asarray(rs.randint(0, cfg.vocab_size, (4, 64)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(64), (4, 64))
+    rows = {}
+    ref = None
+    for mode in ["fp32", *modes]:
+        c, step = step_of(mode)
+        logits, _ = jax.jit(step)(tokens, positions, KVCache.for_config(c, 4, 64))
+        logits = np.asarray(logits)
+        if ref is None:
+            ref = logits
+            continue
+        dev = np.abs(logits - ref).max()
+        rows[mode] = dict(
+            max_dev=float(dev),
+            rel_dev=float(dev / np.abs(ref).max()),
+            agree=float(np.mean(logits.argmax(-1) == ref.argmax(-1))),
+        )
+    return rows
 
 
-def row(name, *cells):
-    print(f"{name:<34}" + "".join(f"{c:>14}" for c in cells))
+def speculative_run(cfg, params, step_of, n_new, repeats, k=4):
+    import jax
+
+    from flaxgpt import sampling
+    from flaxgpt.cache import KVCache
+    from flaxgpt.speculative import speculative_generate
+
+    _, target = step_of("fp32")
+    dcfg, draft = step_of("int8")
+    prompt = np.random.RandomState(2).randint(0, cfg.vocab_size, (1, PROMPT_LEN)).astype(np.int32)
+    W = sampling.cache_length(cfg.block_size, PROMPT_LEN, n_new + k + 1)
+
+    def run(n):
+        t0 = time.perf_counter()
+        caches = KVCache.for_config(cfg, 1, W), KVCache.for_config(dcfg, 1, W)
+        toks, lens, stats = speculative_generate(
+            target, caches[0], draft, caches[1], prompt, [PROMPT_LEN],
+            max_new_tokens=n, rng=jax.random.key(0), draft_tokens=k, temperature=0,
+        )  # fmt: skip
+        return time.perf_counter() - t0, toks, stats
+
+    run(2)
+    runs = [run(n_new) for _ in range(repeats)]
+    dt = float(np.median([r[0] for r in runs]))
+    plain, _ = sampling.generate(
+        target, KVCache.for_config(cfg, 1, W), prompt, [PROMPT_LEN], max_new_tokens=n_new,
+        rng=jax.random.key(0), temperature=0,
+    )  # fmt: skip
+    return dict(tok_s=n_new / dt, stats=runs[-1][2], same=bool((runs[-1][1] == plain).all()), k=k)
+
+
+def row(*cells, widths=(26, 12, 12, 10, 12, 12)):
+    print("".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths))))
+
+
+def flax_side(a):
+    import jax
+
+    from flaxgpt import quantize
+    from flaxgpt.gpt import GPTConfig, init_params, quantize_params, step_fn
+
+    cfg = GPTConfig.gpt2()
+    params = init_params(cfg, jax.random.key(0))
+    steps = {"fp32": (cfg, step_fn(cfg, params))}
+
+    def step_of(mode):
+        if mode not in steps:
+            qc, qp = quantize_params(cfg, params, mode)
+            steps[mode] = (qc, step_fn(qc, qp), qp)
+        return steps[mode][:2]
+
+    modes = [m for m in a.modes.split(",") if m]
+    batches = [int(b) for b in a.batch_sizes.split(",")]
+    rs = np.random.RandomState(0)
+    prompts = {B: rs.randint(0, cfg.vocab_size, (B, PROMPT_LEN)).astype(np.int32) for B in batches}
+    results = {}
+    for mode in modes:
+        c, step = step_of(mode)
+        for B in batches:
+            results[mode, B] = timed_generate(step, c, prompts[B], a.new_tokens, a.repeats)
+    wpe = params["wpe"]["embedding"].nbytes
+    weight_bytes = {"fp32": quantize.weight_bytes(params) - wpe}
+    for mode in modes:
+        if mode != "fp32":
+            weight_bytes[mode] = quantize.weight_bytes(steps[mode][2]) - wpe
+    qual = quality(cfg, params, [m for m in modes if m != "fp32"], step_of) if "fp32" in modes else {}
+    spec = speculative_run(cfg, params, step_of, a.new_tokens, a.repeats) if a.speculative else None
+    return results, weight_bytes, qual, spec
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt_len", type=int, default=16)
-    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--batch_sizes", default="1,8")
-    p.add_argument("--lengths", default="64,256,1024", help="new-token counts for the flat-time sweep")
+    p.add_argument("--modes", default="fp32,bf16,int8", help="flaxgpt weight formats (fp32, bf16, int8)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--torch_python", default=sys.executable, help="the interpreter for the transformers side")
     p.add_argument("--skip_hf", action="store_true")
+    p.add_argument("--no_speculative", dest="speculative", action="store_false")
+    p.add_argument("--side", choices=["all", "hf"], default="all", help=argparse.SUPPRESS)
     a = p.parse_args()
-
-    cfg = GPTConfig.gpt2()
-    params = init_params(cfg, jax.random.key(0))
-    step = sampling.gpt_step_fn(cfg, params)
-    rs = np.random.RandomState(0)
-    print(
-        f"GPT-2 124M, random weights, float32, greedy, prompt {a.prompt_len}, jax {jax.__version__} "
-        f"on {jax.devices()[0].platform} ({os.cpu_count()} cpus)"
-    )
-
-    N = a.new_tokens
-    W = sampling.cache_length(cfg.block_size, a.prompt_len, N)
     batches = [int(b) for b in a.batch_sizes.split(",")]
-    prompts = {B: rs.randint(0, cfg.vocab_size, (B, a.prompt_len)).astype(np.int32) for B in batches}
-    flax = {B: time_flax(step, cfg, prompts[B], N, W) for B in batches}
+    if a.side == "hf":
+        return hf_side(batches, a.new_tokens, a.repeats)
 
-    lengths = [int(n) for n in a.lengths.split(",") if n]
-    sweep = []
-    if lengths:
-        prompt_BP = rs.randint(0, cfg.vocab_size, (1, a.prompt_len)).astype(np.int32)
-        sweep_warm, _ = flax_generate(step, cfg, prompt_BP, 2, cfg.block_size)
-        sweep = [(n, flax_generate(step, cfg, prompt_BP, n, cfg.block_size)[0]) for n in lengths]
+    import jax
 
-    # PyTorch after every flaxgpt run: its idle OpenMP workers spin for a while after each call,
-    # and XLA runs that came right after them lost cores (batch 8 ran ~40% slower).
-    hf = {B: float("nan") if a.skip_hf else B * N / time_hf(prompts[B], N) for B in batches}
+    load = os.getloadavg()
+    bandwidth = read_bandwidth()
+    results, weight_bytes, qual, spec = flax_side(a)
+    hf = {}
+    if not a.skip_hf:
+        cmd = [a.torch_python, __file__, "--side", "hf", "--batch_sizes", a.batch_sizes]
+        cmd += ["--new_tokens", str(a.new_tokens), "--repeats", str(a.repeats)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(f"transformers side failed:\n{r.stderr[-3000:]}")
+        hf = json.loads(r.stdout.split("HF_RESULT ", 1)[1])
 
-    print(f"\n{N} new tokens, cache {W}")
-    row("batch", "flaxgpt tok/s", "hf tok/s", "ratio", "compile s")
-    for B in batches:
-        warm, dt = flax[B]
-        fx = B * N / dt
-        row(str(B), f"{fx:.1f}", f"{hf[B]:.1f}", f"{fx / hf[B]:.2f}x", f"{warm:.1f}")
-    if sweep:
-        print(f"\nflaxgpt, batch 1, one cache of {cfg.block_size} for every length (compiled once)")
-        row("new tokens", "tok/s", "ms/token", "seconds")
-        print(f"  (compile + 2 tokens: {sweep_warm:.1f} s)")
-        for n, dt in sweep:
-            row(str(n), f"{n / dt:.1f}", f"{1000 * dt / n:.1f}", f"{dt:.1f}")
-
-    n_copies, aliased = cache_copies(step, cfg, 1, 320)
     print(
-        f"\ndecode loop (batch 1, cache 320): {n_copies} cache-sized copies; "
-        f"{aliased / 2**20:.0f} MiB of donated input reused for the output"
+        f"\nGPT-2 124M, random weights, greedy, prompt {PROMPT_LEN}, {a.new_tokens} new tokens, "
+        f"median of {a.repeats}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}"
     )
+    print(f"flaxgpt: jax {jax.__version__}; measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    if hf:
+        print(f"transformers {hf['transformers']}, torch {hf['torch']} ({hf['threads']} threads), float32")
+    print()
+    row("flaxgpt weights", "batch", "flax tok/s", "hf tok/s", "ratio", "compile s")
+    for (mode, B), (warm, tok_s, _) in results.items():
+        ref = hf.get(f"b{B}", float("nan"))
+        row(mode, str(B), f"{tok_s:.1f}", f"{ref:.1f}", f"{tok_s / ref:.2f}x", f"{warm:.1f}")
+    print("\nbatch 1: weight bytes read per token / time per token / measured read bandwidth")
+    row("flaxgpt weights", "MB/token", "ms/token", "GB/s", "of peak", widths=(26, 12, 12, 10, 12))
+    for mode, nbytes in weight_bytes.items():
+        if (mode, 1) in results:
+            tok_s = results[mode, 1][1]
+            gbs = nbytes * tok_s / 1e9
+            row(
+                mode,
+                f"{nbytes / 1e6:.0f}",
+                f"{1000 / tok_s:.1f}",
+                f"{gbs:.1f}",
+                f"{gbs * 1e9 / bandwidth:.0%}",
+            )
+    if qual:
+        print("\nquality vs float32 (4 x 64 teacher-forced positions of the same random GPT-2)")
+        row("flaxgpt weights", "max |dlogit|", "relative", "argmax =", widths=(26, 14, 12, 12))
+        for mode, q in qual.items():
+            row(
+                mode,
+                f"{q['max_dev']:.4f}",
+                f"{q['rel_dev']:.2%}",
+                f"{q['agree']:.1%}",
+                widths=(26, 14, 12, 12),
+            )
+        for mode in qual:
+            if ("fp32", 1) in results and (mode, 1) in results:
+                same = results["fp32", 1][2][0] == results[mode, 1][2][0]
+                n_same = int(np.argmin(np.append(same, False)))
+                print(
+                    f"{mode}: greedy generation equals float32's for the first {n_same} of {len(same)} tokens"
+                )
+    if spec:
+        st = spec["stats"]
+        base = results.get(("fp32", 1), (0, float("nan")))[1]
+        print(
+            f"\nspeculative, batch 1: float32 target, its int8 copy drafting {spec['k']} tokens: "
+            f"{spec['tok_s']:.1f} tok/s ({spec['tok_s'] / base:.2f}x float32 plain decoding), "
+            f"{st.acceptance:.1%} of drafted tokens accepted, {a.new_tokens / max(st.rounds, 1):.2f} tokens "
+            f"per target call; output identical to plain greedy: {spec['same']}"
+        )
 
 
 if __name__ == "__main__":

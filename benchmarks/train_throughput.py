@@ -33,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128)  # shakespeare_char_cpu
+TORCH_PYTHON = sys.executable  # --torch_python: the interpreter with the torch nanoGPT runs under
 
 
 def val_windows(data_dir: Path):
@@ -45,16 +46,19 @@ def val_windows(data_dir: Path):
     return val[: n * T].reshape(n, T), val[1 : n * T + 1].reshape(n, T)
 
 
-def flaxgpt_full_val(out: Path, data_dir: Path) -> float:
+def flaxgpt_full_val(out: Path, data_dir: Path, quantize: str | None = None) -> float:
+    """Mean loss over val.bin; `quantize` ("int8" | "bf16"): with the weights decoding would use."""
     import jax
     import numpy as np
 
-    from flaxgpt import checkpoint, gpt
+    from flaxgpt import gpt
+    from flaxgpt.quantize import intercepted
+    from flaxgpt.run_dir import load_run
 
-    model, params, _ = checkpoint.load_for_inference(out)
-    cfg = gpt.GPTConfig(**{k: v for k, v in model.items() if k in gpt.GPTConfig.__dataclass_fields__})
+    _, cfg, params, _ = load_run(out, quantize=quantize)
 
     @jax.jit
+    @intercepted  # quantized weights go through qmatmul; float32 ones as they are
     def token_losses(p, x, y):
         logp = jax.nn.log_softmax(gpt.GPT(cfg).apply({"params": p}, x), axis=-1)
         return -np.take_along_axis(logp, y[..., None], axis=-1)[..., 0]
@@ -89,7 +93,7 @@ def nanogpt_full_val(nanogpt_dir: Path, ckpt: Path, data_dir: Path) -> float:
     x, y = val_windows(data_dir)
     np.save(ckpt.parent / "x.npy", x)
     np.save(ckpt.parent / "y.npy", y)
-    cmd = [sys.executable, "-c", NANOGPT_FULL_VAL, str(nanogpt_dir), str(ckpt)]
+    cmd = [TORCH_PYTHON, "-c", NANOGPT_FULL_VAL, str(nanogpt_dir), str(ckpt)]
     r = subprocess.run(
         cmd + [str(ckpt.parent / "x.npy"), str(ckpt.parent / "y.npy")], capture_output=True, text=True
     )
@@ -168,7 +172,7 @@ def run_nanogpt(
     shutil.copyfile(nanogpt_dir / "configurator.py", nd / "configurator.py")
     recipe = nanogpt_dir / "config/train_shakespeare_char.py"
     cmd = [
-        sys.executable,
+        TORCH_PYTHON,
         "-c",
         SEEDED_LAUNCH,
         str(seed),
@@ -232,7 +236,11 @@ def main():
     p.add_argument("--work_dir", help="where runs go (default: a temporary folder)")
     p.add_argument("--flaxgpt_args", nargs="*", default=[], help="extra --config.key=value for flaxgpt")
     p.add_argument("--seeds", type=int, default=1, help="train each implementation this many times")
+    p.add_argument("--torch_python", default=sys.executable, help="interpreter for nanoGPT (its torch)")
+    p.add_argument("--quantized_ppl", action="store_true", help="val perplexity with int8 / bf16 weights")
     args = p.parse_args()
+    global TORCH_PYTHON
+    TORCH_PYTHON = args.torch_python
     data_dir = Path(args.data_dir)
     if not (data_dir / "meta.json").exists():
         sys.exit(
@@ -270,8 +278,24 @@ def main():
         )
     for r in results:
         print(f"{r['name']}: full val loss per seed {', '.join(f'{v:.4f}' for v in r['full_vals'])}")
+    if args.nanogpt_dir:
+        r = subprocess.run(
+            [TORCH_PYTHON, "-c", "import torch; print(torch.__version__)"], capture_output=True
+        )
+        print(f"nanoGPT ran under torch {r.stdout.decode().strip()} ({TORCH_PYTHON})")
     if len(results) == 2:
         print(f"\nflaxgpt / nanoGPT throughput: {results[1]['ms'] / results[0]['ms']:.2f}x")
+    if args.quantized_ppl and flax_runs:
+        import math
+
+        base = flax_runs[0]["full_val"]
+        print("\nweight-only quantization, flaxgpt seed 0's model: full val loss / perplexity")
+        print(f"  float32  {base:.4f} / {math.exp(base):.4f}")
+        for mode in ("bf16", "int8"):
+            loss = flaxgpt_full_val(work / "flaxgpt-0", data_dir, mode)
+            print(
+                f"  {mode:7}  {loss:.4f} / {math.exp(loss):.4f} ({math.exp(loss - base) - 1:+.3%} perplexity)"
+            )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def build(args):
     from compile_time import SyntheticTask
 
     from configs import default
-    from flaxgpt import gpt, metrics, sharding, trainer
+    from flaxgpt import gpt, metrics, sharding, summary, trainer
     from flaxgpt.optim import make_optimizer
 
     m = MODES[args.mode]
@@ -89,8 +89,7 @@ def build(args):
     sharding.check_batch(B, mesh)
     tokens = jax.random.randint(jax.random.key(1), (1, B, config.block_size + 1), 0, config.vocab_size)
     batch = jax.device_put({"inputs": tokens[..., :-1], "targets": tokens[..., 1:]}, batch_sharding)
-    n = gpt.count_params(boxed, exclude_embeddings=True)
-    fpt = metrics.flops_per_token(n, config.n_layer, config.n_head, config.head_dim, config.block_size)
+    fpt = summary.flops_per_token(config)["train"]  # as the trainer's MFU
     return config, mesh, step, state, batch, fpt, metrics.peak_flops_per_device(args.peak_flops or m["peak"])
 
 

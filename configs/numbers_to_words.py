@@ -3,7 +3,7 @@ thirty-four"), characters in and out, numbers up to 999,999; tested on 1,000 num
 Measured with train.py on a busy 2-core CPU (load ~7): 99.7% exact match, BLEU 99.9 after 1000 steps,
 6.5 min wall in all (compile and both evaluations included).
 
-python -m flaxgpt.seq2seq_data --task numbers --out_dir data/numbers
+python -m flaxgpt.prepare_seq2seq --task numbers --out_dir data/numbers
 python train.py --config configs/numbers_to_words.py
 python sample.py --out_dir out/numbers --start "907215"
 """
@@ -15,11 +15,11 @@ def get_config():
     c = reverse.seq2seq_default()
     c.out_dir = "out/numbers"
     c.data.dir = "data/numbers"
-    c.model.n_layer = c.model.n_enc_layer = c.model.n_dec_layer = 2
+    c.model.n_enc_layer = c.model.n_dec_layer = 2
     c.model.n_head, c.model.n_embd, c.model.d_ff = 4, 128, 512
     c.model.block_size = 72  # "777777" -> 65 characters + EOS
     c.model.dropout = 0.0
-    c.model.share_embeddings = False  # see configs/reverse.py
+    c.model.tie_embeddings = False  # see configs/reverse.py
     c.batch_size = 64
     c.max_iters = 1000
     c.eval_interval = 1000  # evaluate (exact match, BLEU on 1000 unseen numbers) at the start and end

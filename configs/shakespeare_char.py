@@ -14,7 +14,7 @@ def get_config():
     c.model.n_layer, c.model.n_head, c.model.n_embd = 6, 6, 384
     c.model.block_size = 256
     c.model.dropout = 0.2
-    c.model.bias = False  # nanoGPT trains this recipe without biases
+    c.model.bias = c.model.qkv_bias = False  # nanoGPT trains this recipe without biases
     c.model.activation = "gelu_exact"  # nanoGPT uses torch nn.GELU() (erf), not the tanh approximation
     c.batch_size = 64
     c.max_iters = 5000

@@ -2,8 +2,8 @@
 in "Attention Is All You Need"; base trained 100k steps on 8 P100s). For a GPU or TPU, not a CPU.
 
 pip install 'flaxgpt[data]'      # Hugging Face datasets; preparing needs the network (~4.5M pairs)
-python -m flaxgpt.seq2seq_data --task hf --hf_name wmt14 --hf_config de-en --src_lang en --tgt_lang de \
-    --tokenizer gpt2 --max_len 128 --truncate --out_dir data/wmt14_ende
+python -m flaxgpt.prepare_seq2seq --task hf --hf_name wmt14 --hf_config de-en --src_lang en \
+    --tgt_lang de --tokenizer gpt2 --max_len 128 --truncate --out_dir data/wmt14_ende
 python train.py --config configs/wmt14_ende_base.py
 python sample.py --out_dir out/wmt14_ende_base --start "The house is small."
 
@@ -19,12 +19,12 @@ def get_config():
     c = reverse.seq2seq_default()
     c.out_dir = "out/wmt14_ende_base"
     c.data.dir = "data/wmt14_ende"
-    # the paper's Transformer base: 6 + 6 layers, d_model 512, d_ff 2048, 8 heads, P_drop 0.1
-    c.model.n_layer = c.model.n_enc_layer = c.model.n_dec_layer = 6
+    # the paper's Transformer base: 6 + 6 layers, n_embd (d_model) 512, d_ff 2048, 8 heads, P_drop 0.1
+    c.model.n_enc_layer = c.model.n_dec_layer = 6
     c.model.n_head, c.model.n_embd, c.model.d_ff = 8, 512, 2048
     c.model.dropout = 0.1
     c.model.pre_ln = False  # the paper's post-LN (warmup makes it train)
-    c.model.share_embeddings = True  # a shared source/target vocabulary, one embedding matrix
+    c.model.tie_embeddings = True  # a shared source/target vocabulary, one embedding matrix
     c.model.block_size = 128  # sentences longer than 127 BPE tokens are truncated when preparing
     c.model.pad_vocab_multiple = 64
     c.model.dtype = "bfloat16"

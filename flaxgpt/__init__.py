@@ -1,9 +1,10 @@
 """flaxgpt: GPT-style transformers in JAX/Flax."""
 
-from flaxgpt.beam_search import beam_search, greedy_search
-from flaxgpt.cache import KVCache
+from flaxgpt.beam_search import beam_search
+from flaxgpt.cache import KVCache, Seq2SeqCache
 from flaxgpt.gpt import GPT, GPTConfig, count_params, init_params
-from flaxgpt.sampling import generate, gpt_step_fn
+from flaxgpt.gpt import step_fn as gpt_step_fn
+from flaxgpt.sampling import generate
 from flaxgpt.seq2seq import Transformer, TransformerConfig
 from flaxgpt.tokenizers import CharTokenizer, get_tokenizer
 
@@ -11,6 +12,7 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "KVCache",
+    "Seq2SeqCache",
     "CharTokenizer",
     "count_params",
     "get_tokenizer",
@@ -22,7 +24,6 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "beam_search",
-    "greedy_search",
 ]
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from flax import linen as nn
 
 from flaxgpt import gpt
+from flaxgpt.hf_files import GPT2_NAMES
 
 MAX_LABELLED_TOKENS = 64  # beyond this the tick labels are unreadable: show every k-th one
 
@@ -168,24 +169,21 @@ def write_attention_png(
 
 
 def _load_run(out_dir: str, overrides: dict):
-    from flaxgpt.checkpoint import load_for_inference  # lazy: orbax is slow to import
-    from flaxgpt.tokenizers import from_meta, get_tokenizer
+    from flaxgpt.run_dir import load_run  # lazy: orbax is slow to import
 
-    model_dict, params, meta = load_for_inference(out_dir)
-    model_dict = dict(model_dict)
-    if model_dict.pop("kind", "gpt") != "gpt":
+    run = load_run(out_dir)
+    if run.kind != "gpt":
         raise ValueError(f"{out_dir} holds an encoder-decoder; attention maps are drawn for GPT runs only")
-    config = gpt.GPTConfig.from_dict({**model_dict, **overrides})
-    tok_meta = (meta or {}).get("tokenizer", {})
-    return config, params, from_meta(tok_meta) if tok_meta else get_tokenizer("gpt2")
+    return dataclasses.replace(run.config, **overrides), run.params, run.tokenizer
 
 
 def _load_random(args, overrides: dict):
-    from flaxgpt.summary import load_config_file, model_config_from
+    from flaxgpt.config_check import load_recipe
+    from flaxgpt.models import config_from
     from flaxgpt.tokenizers import CharTokenizer, get_tokenizer
 
     if args.config:
-        config = model_config_from(load_config_file(args.config).model, overrides)
+        config = config_from({**load_recipe(args.config).model.to_dict(), **overrides})
     else:
         config = gpt.GPTConfig.preset(args.preset or "gpt2", **overrides)
     if config.vocab_size >= 50257:
@@ -210,21 +208,20 @@ def _is_run_config(path: Path) -> bool:
 
 
 def _load(args, overrides: dict):
-    """(GPTConfig, params, tokenizer): a run directory, imported GPT-2 weights, or a random init."""
+    """(GPTConfig, params, tokenizer): a run directory, imported HF weights, or a random init."""
     source = Path(args.init_from)
     if args.init_from == "random":
         return _load_random(args, overrides)
     if (source / "checkpoints").is_dir() or _is_run_config(source / "config.json"):
         return _load_run(args.init_from, overrides)
-    if args.init_from in gpt.GPTConfig.PRESETS or (source / "config.json").is_file():
-        from flaxgpt.hf import load_pretrained  # GPT-2 safetensors: a hub name or a local directory
-        from flaxgpt.tokenizers import get_tokenizer
+    if args.init_from in GPT2_NAMES or (source / "config.json").is_file():
+        from flaxgpt.hf import load_pretrained, load_tokenizer  # a hub name or a local HF directory
 
         config, params = load_pretrained(args.init_from, **overrides)
-        return config, params, get_tokenizer("gpt2")
+        return config, params, load_tokenizer(args.init_from)
     raise ValueError(
-        f"--init_from {args.init_from!r} is neither a training run (no checkpoints/ in it), a GPT-2 "
-        f"directory or name ({', '.join(gpt.GPTConfig.PRESETS)}), nor 'random'"
+        f"--init_from {args.init_from!r} is neither a training run (no checkpoints/ in it), a Hugging "
+        f"Face directory, a GPT-2 name ({', '.join(GPT2_NAMES)}), nor 'random'"
     )
 
 

@@ -1,14 +1,18 @@
-"""Beam search and greedy decoding that see a model only through a step function:
+"""Beam search (and greedy decoding, its one-beam case) that sees a model only through a step
+function and its cache's `take_rows`:
 
     step(tokens_BT, positions_BT, cache) -> (logits_BTV, cache)
+    cache.take_rows(rows_R) -> the cache of those rows, in that order
 
-Both run as one `lax.while_loop` (call them inside `jax.jit`): a fixed-size KV cache
-is filled one position per step, and the loop stops when every row is done.
+It runs as one `lax.while_loop` (call it inside `jax.jit`): a fixed-size cache is filled one
+position per step, and the loop stops when no live prefix can beat the finished ones. With
+beam_size 1 and alpha 0 it is greedy decoding (stop at the first EOS); the encoder-decoder's
+greedy decoding is exactly that (flaxgpt.translate.generate with beam_size=1).
 
 Beam search keeps the W best unfinished prefixes ("live") and the W best finished
 sequences per source, scored with GNMT's length penalty ((5 + len) / 6) ** alpha
 (alpha = 0.6 in "Attention Is All You Need"). Beam rows are flattened into the batch:
-row b * W + w is beam w of source b, and after each step the cache rows are gathered
+row b * W + w is beam w of source b, and after each step the cache takes its rows
 so that every row follows the prefix it now extends.
 
 Shape letters: B sources, W beam size, R = B * W rows, N max decoded tokens, V vocab.
@@ -22,24 +26,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from flaxgpt.cache import KVCache
-
 NEG_INF = -1.0e9  # a finite "impossible" score: -inf would turn into NaN in sums and divisions
 
 
 def length_penalty(length, alpha: float):
     """GNMT's length normalization, ((5 + length) / 6) ** alpha; length counts EOS."""
     return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
-
-
-def gather_rows(cache, rows_R: jax.Array):
-    """The default cache reordering: a KVCache takes its rows (`KVCache.take_rows`), any other
-    leaf is [L, R, ...] (stacked per-layer arrays, e.g. cross-attention keys)."""
-
-    def take(x):
-        return x.take_rows(rows_R) if isinstance(x, KVCache) else jnp.take(x, rows_R, axis=1)
-
-    return jax.tree_util.tree_map(take, cache, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 def _gather_beams(x_BW_, idx_BK):
@@ -70,21 +62,19 @@ def beam_search(
     eos_id: int,
     pad_id: int = 0,
     alpha: float = 0.6,
-    reorder_cache: Callable | None = None,
 ):
     """-> (seqs [B, W, max_len], scores [B, W]), best first, BOS dropped, EOS kept, pad after.
 
     `cache` holds R = batch_size * beam_size rows (each source repeated beam_size times,
-    row b * W + w) and room for max_len positions. `reorder_cache(cache, rows_R)` picks
-    rows (default: `gather_rows`). A source with no finished
-    sequence after max_len tokens returns its live prefixes, scored as if finished.
+    row b * W + w), room for max_len positions, and a `take_rows(rows_R)` method. A source with
+    no finished sequence after max_len tokens returns its live prefixes, scored as if finished.
+    beam_size 1 with alpha 0 is greedy decoding: the single beam stops at its first EOS.
     """
     B, W, N = batch_size, beam_size, max_len
     if W < 1 or N < 1:
         raise ValueError(f"beam_size {W} and max_len {N} must be >= 1")
     if alpha < 0:
         raise ValueError(f"length penalty alpha {alpha} must be >= 0 (the paper uses 0.6)")
-    reorder = reorder_cache or gather_rows
     seqs0 = jnp.full((B, W, N + 1), pad_id, jnp.int32).at[:, :, 0].set(bos_id)
     # only beam 0 starts alive: W identical beams would fill the first top-k with copies
     logp0 = jnp.tile(jnp.where(jnp.arange(W) == 0, 0.0, NEG_INF)[None], (B, 1))
@@ -123,8 +113,9 @@ def beam_search(
 
         live_logp, pick_BW = jax.lax.top_k(jnp.where(cand_tok_BC == eos_id, NEG_INF, cand_logp_BC), W)
         live_seqs = _gather_beams(cand_seqs, pick_BW)
-        rows_R = (jnp.arange(B)[:, None] * W + _gather_beams(cand_beam_BC, pick_BW)).reshape(-1)
-        cache = reorder(cache, rows_R)
+        if W > 1:  # one beam always extends itself: its rows need not move
+            rows_R = (jnp.arange(B)[:, None] * W + _gather_beams(cand_beam_BC, pick_BW)).reshape(-1)
+            cache = cache.take_rows(rows_R)
 
         new_scores = jnp.where(eos_BC, cand_logp_BC / length_penalty(s.step + 1, alpha), NEG_INF)
         scores = jnp.concatenate([s.fin_scores, new_scores], axis=1)
@@ -146,27 +137,3 @@ def beam_search(
     seqs = jnp.where(any_fin_B[:, None, None], s.fin_seqs, s.live_seqs)
     scores = jnp.where(any_fin_B[:, None], s.fin_scores, s.live_logp / length_penalty(N, alpha))
     return seqs[:, :, 1:], scores
-
-
-def greedy_search(
-    step_fn: Callable, cache, *, batch_size: int, max_len: int, bos_id: int, eos_id: int, pad_id: int = 0
-):
-    """-> tokens [B, max_len]: the argmax at every step, EOS kept, pad after it."""
-    B, N = batch_size, max_len
-    tokens0 = jnp.full((B, N + 1), pad_id, jnp.int32).at[:, 0].set(bos_id)
-
-    def cond(carry):
-        step, _, done_B, _ = carry
-        return (step < N) & ~jnp.all(done_B)
-
-    def body(carry):
-        step, tokens, done_B, cache = carry
-        tok_B1 = jax.lax.dynamic_slice_in_dim(tokens, step, 1, axis=1)
-        logits_B1V, cache = step_fn(tok_B1, jnp.full((B, 1), step, jnp.int32), cache)
-        nxt_B = jnp.where(done_B, pad_id, jnp.argmax(logits_B1V[:, -1], axis=-1).astype(jnp.int32))
-        tokens = tokens.at[:, step + 1].set(nxt_B)
-        return step + 1, tokens, done_B | (nxt_B == eos_id), cache
-
-    carry = (jnp.array(0, jnp.int32), tokens0, jnp.zeros((B,), bool), cache)
-    _, tokens, _, _ = jax.lax.while_loop(cond, body, carry)
-    return tokens[:, 1:]

@@ -1,11 +1,11 @@
 """Checkpoints: an orbax CheckpointManager in out_dir/checkpoints, restorable onto any mesh.
 
     ckpt = Checkpointer(out_dir, keep=3, keep_best=True)          # async saves
-    ckpt.save(step, state, extra={"data_step": step, "config": cfg_dict}, val_loss=vl)
+    ckpt.save(step, state, extra={"data_step": step, "config": cfg_dict}, val_loss=vl, good=True)
     state, extra = ckpt.restore(abstract_state=abstract)          # latest step, onto abstract's shardings
     params = ckpt.restore_params(abstract_params=abstract["params"])
     ckpt.wait(); ckpt.close()                                     # before the process exits
-    model_cfg, params, meta = load_for_inference(out_dir)         # params on one local device, e.g. a CPU
+    params = load_for_inference(out_dir)                          # on one local device, e.g. a CPU
 
 On disk: out_dir/checkpoints/<step>/{state, extra, metrics}. `state` is any pytree of arrays (a dict,
 a flax struct, optax NamedTuples...), stored as a nested dict named by its key paths (params/h_0/attn/...),
@@ -25,78 +25,61 @@ from __future__ import annotations
 import json
 import logging
 import math
-import signal
-import threading
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax import lax
 from orbax.checkpoint import checkpoint_managers as ocp_managers
+
+from flaxgpt import state_tree
 
 log = logging.getLogger(__name__)
 
 
-class _QuietMissingMetrics(logging.Filter):
-    """orbax warns on each save without metrics when tracking the best; steps without an eval are normal."""
+class _QuietOrbax(logging.Filter):
+    """orbax's log lines that carry nothing for the user: a warning on each save without metrics
+    (steps without an eval are normal), "read only" notes on every load for inference, and the
+    tracebacks its background threads (and asyncio, for its tasks) log when a save fails: the
+    failure reaches the caller as one CheckpointError."""
 
     def filter(self, record):
-        return "did not provide metrics" not in record.getMessage()
+        msg = record.getMessage()
+        if "did not provide metrics" in msg or "read only" in msg or "read_only=True" in msg:
+            return False
+        return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname + msg)
 
 
-logging.getLogger("absl").addFilter(_QuietMissingMetrics())
+logging.getLogger("absl").addFilter(_QuietOrbax())
+logging.getLogger("asyncio").addFilter(_QuietOrbax())
+
+
+def _quiet_closed_loop(hook=sys.unraisablehook):
+    """tensorstore's callbacks that finish after a failed read or save closed orbax's event loop
+    report `RuntimeError: Event loop is closed` as unraisable: drop those, pass on the rest."""
+
+    def unraisable(args):
+        e = args.exc_value
+        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+            hook(args)
+
+    return unraisable
+
+
+sys.unraisablehook = _quiet_closed_loop()
 
 _PRNG_IMPLS = "_prng_impls"  # reserved key in extra: path -> PRNG impl name of each typed key
+_CHECKSUMS = "_checksums"  # reserved key in extra: path -> checksum of the saved array's bits
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be written, found or restored; the message is one line."""
 
 
-# ----------------------------------------------------------------------------- pytree <-> nested dict
-
-
-def _key_name(k) -> str:
-    for attr in ("key", "name", "idx"):  # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _is_prng_key(x) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _named_leaves(tree) -> list[tuple[str, object]]:
-    """[("params/h_0/attn/c_attn/kernel", leaf), ...] in tree order."""
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-    out = [("/".join(_key_name(k) for k in path), leaf) for path, leaf in leaves]
-    names = [n for n, _ in out]
-    if "" in names or len(set(names)) != len(names):
-        raise CheckpointError("the state must be a dict-like pytree whose leaves have distinct key paths")
-    return out
-
-
-def _nest(flat: dict[str, object]) -> dict:
-    nested: dict = {}
-    for name, leaf in flat.items():
-        node = nested
-        *parents, last = name.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = leaf
-    return nested
-
-
-def _flatten_metadata(tree, prefix="") -> dict[str, object]:
-    """Nested dict of orbax ArrayMetadata -> {"a/b/c": metadata}."""
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    out = {}
-    for k, v in tree.items():
-        out.update(_flatten_metadata(v, f"{prefix}/{k}" if prefix else str(k)))
-    return out
+# ----------------------------------------------------------------------------- helpers
 
 
 def _local_sharding():
@@ -106,7 +89,7 @@ def _local_sharding():
 def _abstract_leaf(x):
     """A ShapeDtypeStruct to restore into; typed PRNG keys become their uint32 key_data."""
     sharding = getattr(x, "sharding", None) or _local_sharding()
-    if _is_prng_key(x):
+    if state_tree.is_prng_key(x):
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
         # a NamedSharding spec covers the leading (key) dims; the trailing key_data dim is replicated
         return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
@@ -128,9 +111,60 @@ def all_finite(tree) -> bool:
     return not leaves or bool(_all_finite_leaves(leaves))
 
 
+def _words(x):
+    """x's bits as uint32 words: 1- and 2-byte values (and bools) widened, 8-byte ones split in two."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    narrow = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize)
+    if narrow is not None:
+        return lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+    return lax.bitcast_convert_type(x, jnp.uint32)  # 8-byte values get a trailing [2]
+
+
+def _checksum(x):
+    """sum_i word_i * (2 i + 1) mod 2**32: the weights are odd, so flipping any one bit changes it;
+    exact integer arithmetic, so any sharding or device count gives the same number."""
+    w = _words(x)
+    index, stride = jnp.zeros(w.shape, jnp.uint32), 1
+    for d in reversed(range(w.ndim)):  # the flat index without a reshape (shards stay where they are)
+        index = index + lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
+        stride *= w.shape[d]
+    return jnp.sum(w * (2 * index + 1), dtype=jnp.uint32)
+
+
+@jax.jit
+def _inspect_leaves(leaves):
+    finite = [
+        jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True) for x in leaves
+    ]
+    return jnp.stack(finite), jnp.stack([_checksum(x) for x in leaves])
+
+
+def inspect(flat: dict) -> tuple[dict[str, bool], dict[str, str]]:
+    """({name: all finite}, {name: checksum as 8 hex digits}) of named arrays, in one jitted pass
+    on the devices that hold them (a save already reads every array once; this is as cheap)."""
+    names = [k for k, x in flat.items() if hasattr(x, "dtype")]
+    if not names:
+        return {}, {}
+    finite, sums = jax.device_get(_inspect_leaves([flat[k] for k in names]))
+    return (
+        {k: bool(f) for k, f in zip(names, finite)},
+        {k: f"{int(s):08x}" for k, s in zip(names, sums)},
+    )
+
+
 def _one_line(e: BaseException) -> str:
+    """The innermost cause's first line (orbax wraps tensorstore's precise error in vaguer ones),
+    without tensorstore's spec dump (`<bound method pybind11_...>`)."""
+    while e.__cause__ is not None:  # (not __context__: what was being handled when it failed)
+        e = e.__cause__
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+    first = text[0].split(" See full TensorStore details")[0] if text else ""
+    if "No space left on device" in first or getattr(e, "errno", None) == 28:
+        return "no space left on device"
+    if "File too large" in first or getattr(e, "errno", None) == 27:
+        return "file too large (a file-size limit: ulimit -f, or the file system's)"
+    return f"{type(e).__name__}: {first[:300]}"
 
 
 # ----------------------------------------------------------------------------- the checkpointer
@@ -142,6 +176,8 @@ class Checkpointer:
     Retention: orbax keeps a step if LatestN(keep) or BestN(n=1 by val_loss) wants it; steps saved
     without a val_loss only live while they are among the latest `keep`. So there are at most keep + 1
     checkpoints, and the best one survives later, worse evals and restarts (val_loss is stored per step).
+    With keep_best, the newest step saved with `good=True` is kept too (a diverging run's saves do not
+    push the last good checkpoint out): at most keep + 2.
     """
 
     def __init__(
@@ -166,6 +202,9 @@ class Checkpointer:
                 ocp_managers.BestN(
                     get_metric_fn=_val_loss, reverse=True, n=1, keep_checkpoints_without_metrics=False
                 )
+            )
+            policies.append(  # the highest step of those saved good=True
+                ocp_managers.BestN(get_metric_fn=_good_step, n=1, keep_checkpoints_without_metrics=False)
             )
         options = ocp.CheckpointManagerOptions(
             preservation_policy=ocp_managers.AnyPreservationPolicy(policies),
@@ -199,62 +238,92 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def best_step(self) -> int | None:
-        """The step with the lowest val_loss (the latest step when none has one)."""
+        """The step with the lowest val_loss (when none has one: None or a step without one)."""
         return self._manager.best_step()
 
     # -- saving
 
     def save(
-        self, step: int, state, *, extra: dict, val_loss: float | None = None, force: bool = False
+        self,
+        step: int,
+        state,
+        *,
+        extra: dict,
+        val_loss: float | None = None,
+        good: bool | None = None,
+        force: bool = False,
     ) -> bool:
         """Starts an async save of `state` + JSON `extra` at `step`; False if the step was not saved.
 
         Never overwrites: a step that already exists (or is older than the latest) is skipped.
-        Refuses non-finite floats, so NaN weights never replace a good checkpoint.
+        Refuses non-finite floats, so NaN weights never replace a good checkpoint. Records a checksum
+        of each array's bits in `extra`, which every restore verifies (a flipped bit is named).
+        `good`: the caller vouches for these weights (the trainer: finite, not exploding loss); the
+        newest good step is kept whatever comes after it.
         """
         step = int(step)
         latest = self.latest_step()
         if latest is not None and step <= latest:
             log.info("checkpoint: step %d not saved, the directory already holds step %d", step, latest)
             return False
-        if not all_finite(state):
+        flat, impls = {}, {}
+        for name, leaf in state_tree.named_leaves(state):
+            if state_tree.is_prng_key(leaf):
+                impls[name] = str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)
+            flat[name] = leaf
+        finite, checksums = inspect(flat)
+        if not all(finite.values()):
             raise CheckpointError(
                 f"refusing to save step {step}: the state has NaN or inf values; "
                 f"the last good checkpoint is step {latest}"
             )
-        flat, impls = {}, {}
-        for name, leaf in _named_leaves(state):
-            if _is_prng_key(leaf):
-                impls[name] = str(jax.random.key_impl(leaf))
-                leaf = jax.random.key_data(leaf)
-            flat[name] = leaf
-        extra = {**extra, "step": step, "val_loss": val_loss, _PRNG_IMPLS: impls}
+        extra = {**extra, "step": step, "val_loss": val_loss, _PRNG_IMPLS: impls, _CHECKSUMS: checksums}
         try:
             json.dumps(extra)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint extra must be JSON: {_one_line(e)}") from None
-        metrics = None
+        metrics = {}
         if val_loss is not None and math.isfinite(val_loss):
-            metrics = {"val_loss": float(val_loss)}
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(_nest(flat)), extra=ocp.args.JsonSave(extra))
+            metrics["val_loss"] = float(val_loss)
+        if good is not None:
+            metrics["good_step"] = step if good else -1
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeSave(state_tree.nest(flat)), extra=ocp.args.JsonSave(extra)
+        )
         try:
-            return self._manager.save(step, args=args, metrics=metrics, force=force)
-        except OSError as e:
-            raise CheckpointError(f"saving step {step} to {self.directory} failed: {_one_line(e)}") from None
+            return self._manager.save(step, args=args, metrics=metrics or None, force=force)
+        except (OSError, ValueError) as e:  # (the previous save's failure shows here, or in wait)
+            raise self._save_failed(e) from None
 
     def wait(self):
         """Blocks until the async save in flight (if any) is on disk."""
         try:
             self._manager.wait_until_finished()
-        except OSError as e:
-            raise CheckpointError(f"saving to {self.directory} failed: {_one_line(e)}") from None
+        except Exception as e:  # tensorstore reports a full disk as a ValueError
+            raise self._save_failed(e) from None
+
+    def _save_failed(self, e: BaseException) -> CheckpointError:
+        why = _one_line(e)
+        fix = "free disk space and run" if why == "no space left on device" else "run"
+        # the latest step on disk (orbax lists a failed save's step until it is cleaned up)
+        steps = sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
+        return CheckpointError(
+            f"saving to {self.directory} failed: {why}; {fix} the same command to resume "
+            f"from step {steps[-1] if steps else '0 (none saved)'}"
+        )
 
     def close(self):
-        self.wait()
-        # orbax's close() does not wait for its start-up cleanup of unfinished saves; a process
-        # that exits right after (a one-line error) would otherwise print its thread's traceback
-        getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            # orbax's close() does not wait for its start-up cleanup of unfinished saves; a process
+            # that exits right after (a one-line error) would otherwise print its thread's traceback
+            getattr(self._manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+            try:
+                self._manager.close()
+            except Exception:  # a failed save was reported by wait(); close only releases threads
+                pass
 
     # -- restoring
 
@@ -287,7 +356,7 @@ class Checkpointer:
         try:
             tree = self._manager.item_metadata(step)["state"]
             tree = getattr(tree, "tree", tree)
-            return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in _flatten_metadata(tree).items()}
+            return {k: (tuple(m.shape), np.dtype(m.dtype)) for k, m in state_tree.flatten_dict(tree).items()}
         except CheckpointError:
             raise
         except Exception as e:  # orbax raises many types for missing / damaged metadata
@@ -320,12 +389,37 @@ class Checkpointer:
                 f"(different model or optimizer config); {fix}"
             )
 
-    def _restore_tree(self, step, abstract, prefix: str, impls: dict, partial: bool):
-        named = _named_leaves(abstract)
+    def _damaged(self, step: int, what: str, inference: bool) -> CheckpointError:
+        """A checkpoint whose arrays restored but are wrong (a flipped bit, inf): what to use instead."""
+        where = self.directory / str(step)
+        older = [s for s in self.all_steps() if s < step]
+        if not older:
+            fix = "it has no earlier step; train again in a new out_dir"
+        elif inference:
+            fix = f"use an earlier step: --step {older[-1]}"
+        else:
+            fix = f"move {where} away to resume from step {older[-1]}"
+        return CheckpointError(f"checkpoint step {step} ({where}) is damaged: {what}; {fix}")
+
+    def _verify(self, step, restored: dict, saved: dict, checksums: dict, inference: bool):
+        """Restored arrays against the checksums recorded at save (older checkpoints have none);
+        for inference also finiteness, which covers those older checkpoints."""
+        finite, sums = inspect(restored)
+        for name, checksum in sums.items():  # a leaf restored in another dtype (cast) is not compared
+            if name in checksums and saved[name][1] == restored[name].dtype and checksums[name] != checksum:
+                what = f"{name} does not match the checksum recorded when it was saved"
+                raise self._damaged(step, what, inference)
+        bad = [k for k, ok in finite.items() if not ok]
+        if inference and bad:
+            raise self._damaged(step, f"{bad[0]} holds NaN or inf values", inference)
+
+    def _restore_tree(self, step, abstract, prefix: str, extra: dict, partial: bool):
+        impls = extra.get(_PRNG_IMPLS, {})
+        named = state_tree.named_leaves(abstract)
         flat = {}
         for name, leaf in named:
             full = f"{prefix}/{name}" if prefix else name
-            if _is_prng_key(leaf) and full not in impls:
+            if state_tree.is_prng_key(leaf) and full not in impls:
                 raise CheckpointError(
                     f"checkpoint step {step} stores {full} as raw data, not a typed "
                     "PRNG key; pass a uint32 key in the abstract state"
@@ -337,19 +431,22 @@ class Checkpointer:
         wanted = {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in flat.items()}
         # a full restore (resuming training) must match exactly; params for inference may be cast
         self._check_fits(step, saved, wanted, check_dtype=not partial)
-        item = _nest(flat)
+        item = state_tree.nest(flat)
         restore_args = ocp.checkpoint_utils.construct_restore_args(item)
         args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=partial)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(state=args))["state"]
         except Exception as e:
             raise self._corrupt(step, e) from None
-        restored_flat = dict(_named_leaves(restored))
+        restored_flat = dict(state_tree.named_leaves(restored))
+        self._verify(step, restored_flat, saved, extra.get(_CHECKSUMS, {}), inference=partial)
         leaves = []
         for name, leaf in named:
             full = f"{prefix}/{name}" if prefix else name
             x = restored_flat[full]
-            leaves.append(jax.random.wrap_key_data(x, impl=impls[full]) if _is_prng_key(leaf) else x)
+            leaves.append(
+                jax.random.wrap_key_data(x, impl=impls[full]) if state_tree.is_prng_key(leaf) else x
+            )
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), leaves)
 
     def _raw_extra(self, step: int) -> dict:
@@ -363,6 +460,7 @@ class Checkpointer:
         """The JSON `extra` of `step` (default: the latest), with "step" and "val_loss" added by save."""
         extra = self._raw_extra(self._resolve_step(step))
         extra.pop(_PRNG_IMPLS, None)
+        extra.pop(_CHECKSUMS, None)
         return extra
 
     def restore(self, step: int | None = None, *, abstract_state):
@@ -375,16 +473,17 @@ class Checkpointer:
         self.wait()
         step = self._resolve_step(step)
         extra = self._raw_extra(step)
-        impls = extra.pop(_PRNG_IMPLS, {})
-        state = self._restore_tree(step, abstract_state, "", impls, partial=False)
+        state = self._restore_tree(step, abstract_state, "", extra, partial=False)
+        extra.pop(_PRNG_IMPLS, None)
+        extra.pop(_CHECKSUMS, None)
         return state, extra
 
     def restore_params(self, step: int | None = None, *, abstract_params, path: str = "params"):
-        """Only the `path` subtree of the saved state (no optimizer state is read): for inference."""
+        """Only the `path` subtree of the saved state (no optimizer state is read): for inference.
+        Checked against the saved checksums and for NaN / inf (one-line errors naming the step)."""
         self.wait()
         step = self._resolve_step(step)
-        impls = self._raw_extra(step).get(_PRNG_IMPLS, {})
-        return self._restore_tree(step, abstract_params, path, impls, partial=True)
+        return self._restore_tree(step, abstract_params, path, self._raw_extra(step), partial=True)
 
     def abstract_params(self, step: int | None = None, path: str = "params", sharding=None):
         """ShapeDtypeStructs of the saved `path` subtree, placed on `sharding` (default: one local device)."""
@@ -401,42 +500,35 @@ class Checkpointer:
                 f"checkpoint step {step} has no '{path}' subtree; its top-level entries "
                 f"are {tops}; pass params_path=one of them"
             )
-        return _nest(flat)
+        return state_tree.nest(flat)
 
 
 def _val_loss(metrics) -> float:
-    return float(metrics["val_loss"])
+    return float(metrics.get("val_loss", math.inf))  # a step saved without an eval is never the best
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; {what}") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path} cannot be read ({_one_line(e)}); {what}") from None
+def _good_step(metrics) -> float:
+    return float(metrics.get("good_step", -1))
 
 
-def load_for_inference(out_dir, step: int | None = None, *, params_path: str = "params", sharding=None):
-    """(model_config_dict, params, meta) of a training run, params on one local device (CPU is fine).
+def load_for_inference(
+    out_dir, step: int | None = None, *, params_path: str = "params", sharding=None, with_extra=False
+):
+    """Only the params of a run's checkpoint (default: the latest), on one local device (CPU is fine);
+    with `with_extra`, (params, extra): extra["step"] is the step loaded, extra["config"] / ["meta"]
+    the run config and data meta it was trained with (flaxgpt.run_dir.load_run uses them).
 
-    Reads out_dir/config.json (its "model" entry, with "kind": "gpt" or "seq2seq"), out_dir/meta.json
-    (tokenizer meta; None when the run has none) and only the params of the checkpoint. The saved
-    shardings are ignored, so a checkpoint trained on a GPU / TPU mesh loads on a CPU-only machine.
+    The saved shardings are ignored, so a checkpoint trained on a GPU / TPU mesh loads on a CPU-only
+    machine. Damaged arrays (checksum, NaN / inf) are a one-line CheckpointError naming an earlier step.
     """
-    out_dir = Path(out_dir)
-    config = _read_json(out_dir / "config.json", "point out_dir at a flaxgpt training run")
-    if "model" not in config:
-        raise CheckpointError(f"{out_dir / 'config.json'} has no 'model' entry; is it a flaxgpt run config?")
-    meta_path = out_dir / "meta.json"
-    meta = _read_json(meta_path, "") if meta_path.exists() else None
     ckpt = Checkpointer(out_dir, read_only=True, async_save=False)
     try:
+        step = ckpt._resolve_step(step)
         abstract = ckpt.abstract_params(step, params_path, sharding)
         params = ckpt.restore_params(step, abstract_params=abstract, path=params_path)
+        return (params, ckpt.restore_extra(step)) if with_extra else params
     finally:
         ckpt.close()
-    return config["model"], params, meta
 
 
 def resume_step(ckpt: Checkpointer, init_from: str = "auto") -> int | None:
@@ -470,38 +562,4 @@ def resume_step(ckpt: Checkpointer, init_from: str = "auto") -> int | None:
     return None
 
 
-class StopSignal:
-    """Remembers a SIGTERM (what TPU VMs and schedulers send before preempting) instead of dying.
-
-    The loop checks `stop.requested(step)` after each step: finish the step, save, exit 0. With several
-    processes they all agree (one small host all-gather every `every` steps), so all save the same step.
-    """
-
-    def __init__(self, signals=(signal.SIGTERM,), every: int = 1):
-        self.received: str | None = None
-        self.every = max(1, every)
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():  # Python only allows it there
-            self._previous = {s: signal.signal(s, self._handler) for s in signals}
-
-    def _handler(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-    def requested(self, step: int) -> bool:
-        if jax.process_count() == 1:
-            return self.received is not None
-        if step % self.every:
-            return False
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.int32(self.received is not None))
-        return bool(np.any(flags))
-
-    def close(self):
-        """Puts the previous handlers back."""
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous = {}
-
-
-__all__ = ["CheckpointError", "Checkpointer", "StopSignal", "all_finite", "load_for_inference", "resume_step"]
+__all__ = ["CheckpointError", "Checkpointer", "all_finite", "inspect", "load_for_inference", "resume_step"]

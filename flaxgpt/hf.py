@@ -5,32 +5,41 @@
     export_pretrained(config, params, "out/hf")         # then GPT2LMHeadModel.from_pretrained("out/hf")
 
     python -m flaxgpt.hf export --out_dir out/run --to out/hf     # a training run -> HF directory
+    python -m flaxgpt.hf export --out_dir out/run --to out/hf --step 2000 --overwrite
     python -m flaxgpt.hf info gpt2                                 # the GPTConfig a checkpoint maps to
+    python -m flaxgpt.hf info path/to/Llama-3.2-1B                 # Llama, Mistral, Qwen2 too
 
 GPT-2 stores its Linear layers as Conv1D, whose weight is [in, out]: the same layout as
 a flax Dense kernel, so blocks copy without transposes. Only an untied lm_head
-(torch Linear, [out, in]) is transposed.
+(torch Linear, [out, in]) is transposed. Finding and opening the files: flaxgpt.hf_files.
+load_pretrained, export and info also take Llama, Mistral and Qwen2 (their key tables are in
+flaxgpt.hf_llama), choosing by config.json's model_type (export: by the GPTConfig).
+
+Export never writes into a training run's directory (one with config.json and checkpoints/ or
+meta.json, or anything inside one), and replaces an existing non-empty directory's files only with
+--overwrite (`overwrite=True`); each file is written to a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from flaxgpt.gpt import GPTConfig, abstract_params, unstack_layers
+from flaxgpt import hf_files
+from flaxgpt.gpt import GPTConfig, abstract_params, quantize_params, unstack_layers
+from flaxgpt.hf_files import CONFIG_FILE, WEIGHTS_FILE, open_tensors, resolve
 from flaxgpt.layers import sinusoidal_positions
-
-CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+from flaxgpt.quantize import check_mode
 
 # flaxgpt activation <-> transformers ACT2FN name
 ACT_TO_HF = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
@@ -93,8 +102,6 @@ def config_from_hf(hf: dict, **fields) -> GPTConfig:
     block_size = fields.pop("block_size", None) or n_positions
     if block_size > n_positions:
         raise ValueError(f"block_size {block_size} is longer than the checkpoint's n_positions {n_positions}")
-    # dropout 0 unless asked: inference is the common use; fine-tuning passes its own
-    fields = {"embd_dropout": 0.0, "attn_dropout": 0.0, "resid_dropout": 0.0, **fields}
     return GPTConfig(
         vocab_size=hf.get("vocab_size", 50257),
         block_size=block_size,
@@ -136,119 +143,27 @@ def config_to_hf(config: GPTConfig) -> dict:
     }
 
 
-# ---------------------------------------------------------------- finding the files
-
-
-def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
-    """A local directory as is, else a hub repo id (gpt2, gpt2-xl, ...) fetched or found in the HF cache."""
-    path = os.path.expanduser(str(name_or_path))
-    if os.path.isdir(path):
-        return path
-    if path.startswith((".", "/", "~")) or os.path.exists(path):
-        raise FileNotFoundError(
-            f"{name_or_path!r} is not a directory; pass a directory holding "
-            f"{CONFIG_FILE} and {WEIGHTS_FILE}, or a hub name such as gpt2"
-        )
-    try:
-        import huggingface_hub
-        from huggingface_hub import constants
-    except ImportError as e:
-        raise ImportError(
-            f"loading {name_or_path!r} from the hub needs huggingface_hub: "
-            "pip install 'flaxgpt[hf]', or pass a local directory"
-        ) from e
-    env = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    offline = bool(constants.HF_HUB_OFFLINE) or env
-    # the hub redirects gpt2 -> openai-community/gpt2; a cache may hold either name
-    repos = [path] + ([f"openai-community/{path}"] if path in GPTConfig.PRESETS else [])
-    for repo in repos:
-        filename = CONFIG_FILE
-        try:
-            cfg = huggingface_hub.hf_hub_download(
-                repo, filename, cache_dir=cache_dir, local_files_only=offline
-            )
-            filename = WEIGHTS_FILE
-            huggingface_hub.hf_hub_download(repo, filename, cache_dir=cache_dir, local_files_only=offline)
-            return os.path.dirname(cfg)
-        except Exception as e:  # matched by name: the classes moved between huggingface_hub versions
-            kind = type(e).__name__
-            if kind in ("EntryNotFoundError", "RemoteEntryNotFoundError"):
-                raise FileNotFoundError(f"hub repo {repo!r} has no {filename}") from e
-            if kind in ("RepositoryNotFoundError", "GatedRepoError") and repo == repos[-1]:
-                raise FileNotFoundError(
-                    f"no public hub repo {repo!r} and no local directory of that name; "
-                    "GPT-2 sizes: " + ", ".join(GPTConfig.PRESETS)
-                ) from e
-            last = e  # not cached / offline / no network: the message below
-    why = "HF_HUB_OFFLINE is set" if offline else f"the hub could not be reached ({type(last).__name__})"
-    raise ConnectionError(  # an OSError: callers catching file errors catch this too
-        f"{name_or_path!r} is not a local directory nor in the Hugging Face cache, and {why}: "
-        "downloading it needs the network, or pass a local directory with "
-        f"{CONFIG_FILE} and {WEIGHTS_FILE}"
-    )
-
-
-@contextlib.contextmanager
-def _open_tensors(directory: str):
-    """{name without 'transformer.': (open safetensors file, name in file)} for one or sharded files."""
-    from safetensors import safe_open
-
-    single, index = os.path.join(directory, WEIGHTS_FILE), os.path.join(directory, INDEX_FILE)
-    if os.path.exists(single):
-        files = [single]
-    elif os.path.exists(index):
-        with open(index) as fh:
-            files = sorted({os.path.join(directory, f) for f in json.load(fh)["weight_map"].values()})
-    else:
-        found = ", ".join(sorted(os.listdir(directory))) or "nothing"
-        raise FileNotFoundError(
-            f"no {WEIGHTS_FILE} in {directory} (found: {found}); flaxgpt reads "
-            "safetensors only: re-save with save_pretrained(safe_serialization=True)"
-        )
-    with contextlib.ExitStack() as stack:
-        table = {}
-        for file in files:
-            handle = stack.enter_context(safe_open(file, framework="np"))
-            if any(handle.get_slice(k).get_dtype() == "BF16" for k in handle.keys()):
-                handle = stack.enter_context(safe_open(file, framework="flax"))  # numpy has no bfloat16
-            for key in handle.keys():
-                table[key.removeprefix("transformer.")] = (handle, key)
-        yield table
-
-
 # ---------------------------------------------------------------- import
-
-
-def _read(table, name: str, shape: tuple, dtype) -> np.ndarray:
-    """One tensor as an aligned host array, shape-checked: host memory stays ~ model + one tensor."""
-    handle, key = table[name]
-    found = tuple(handle.get_slice(key).get_shape())
-    if found != tuple(shape):
-        raise ValueError(f"tensor {key} has shape {found}, expected {tuple(shape)} from the config")
-    return _aligned_copy(np.asarray(handle.get_tensor(key)), dtype)
-
-
-def _aligned_copy(x: np.ndarray, dtype, shape=None) -> np.ndarray:
-    """x cast into a 64-byte-aligned buffer (of `shape`, zero-padded at the end of each axis)."""
-    out = _aligned_empty(shape or x.shape, dtype)
-    if out.shape != x.shape:
-        out[...] = 0
-    out[tuple(slice(0, n) for n in x.shape)] = x
-    return out
-
-
-def _aligned_empty(shape: tuple, dtype) -> np.ndarray:
-    """np.empty on a 64-byte boundary, which lets device_put on CPU adopt the buffer without a copy."""
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.empty(nbytes + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def _set(tree: dict, path: tuple, value):
     for k in path[:-1]:
         tree = tree.setdefault(k, {})
     tree[path[-1]] = value
+
+
+def llama_family(hf: dict):
+    """flaxgpt.hf_llama when config.json is a Llama / Mistral / Qwen2 one, None for GPT-2; any
+    other model_type is a one-line error listing the supported ones."""
+    from flaxgpt import hf_llama
+
+    model_type = hf.get("model_type")
+    if model_type == "gpt2":
+        return None
+    if model_type not in hf_llama.FAMILIES:
+        supported = ", ".join(["gpt2", *hf_llama.FAMILIES])
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {supported}")
+    return hf_llama
 
 
 def load_pretrained(
@@ -258,15 +173,21 @@ def load_pretrained(
     pad_vocab_multiple: int = 1,
     param_dtype: str = "float32",
     cache_dir: str | None = None,
+    quantize: str | None = None,
     **overrides,
 ):
-    """GPT-2 weights -> (GPTConfig, params) for `GPT(config).apply({"params": params}, tokens)`.
+    """GPT-2 or Llama-family weights -> (GPTConfig, params) for `GPT(config).apply(...)`.
 
-    `name_or_path`: a directory with config.json + model.safetensors, or a hub name
-    (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the HF cache or downloaded.
+    `name_or_path`: a directory with config.json + model.safetensors (or the index and its
+    shards), or a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the HF cache or
+    downloaded. config.json's model_type picks the key table: gpt2 here, llama / mistral / qwen2
+    in hf_llama.py.
     `overrides`: GPTConfig fields that do not change the architecture (dtype, dropout,
     block_size <= n_positions, attention_impl, remat).
+    `quantize`: "int8" or "bf16" weights for decoding with `gpt.step_fn` (`gpt.quantize_params`).
     """
+    if quantize is not None:
+        check_mode(quantize)  # before reading any weights
     directory = resolve(name_or_path, cache_dir)
     cfg_file = os.path.join(directory, CONFIG_FILE)
     if not os.path.exists(cfg_file):
@@ -275,6 +196,9 @@ def load_pretrained(
         )
     with open(cfg_file) as fh:
         hf = json.load(fh)
+    if llama_family(hf):
+        kw = dict(scan_layers=scan_layers, pad_vocab_multiple=pad_vocab_multiple, param_dtype=param_dtype)
+        return llama_family(hf).load_llama(directory, hf, **kw, **overrides)
     config = config_from_hf(
         hf,
         scan_layers=scan_layers,
@@ -288,7 +212,7 @@ def load_pretrained(
     dtype = jnp.dtype(param_dtype)
     L = config.n_layer
 
-    with _open_tensors(directory) as table:
+    with open_tensors(directory) as table:
         expected = set(TOP_KEYS) | {f"h.{i}.{k}" for i in range(L) for k in BLOCK_KEYS}
         if not config.tie_embeddings:
             expected.add("lm_head.weight")
@@ -304,47 +228,47 @@ def load_pretrained(
         # host numpy work in 64-byte-aligned buffers, then one device_put per leaf, which on CPU
         # adopts such a buffer without a copy: no per-shape compiles, host memory ~ model size
         for name, path in TOP_KEYS.items():
-            _set(params, path, _read(table, name, _get(shapes, path).shape, dtype))
+            _set(params, path, hf_files.read(table, name, _get(shapes, path).shape, dtype))
         params["wpe"]["embedding"] = params["wpe"]["embedding"][: config.block_size]
         D, PV = config.n_embd, config.padded_vocab_size
         # padded rows are never seen (logits are sliced); zeros keep them inert
-        params["wte"]["embedding"] = _aligned_copy(params["wte"]["embedding"], dtype, (PV, D))
+        params["wte"]["embedding"] = hf_files.aligned_copy(params["wte"]["embedding"], dtype, (PV, D))
         if not config.tie_embeddings:  # a tied file's lm_head is ignored, as transformers does
-            w_VD = _read(table, "lm_head.weight", (config.vocab_size, D), dtype)  # torch Linear: [out, in]
-            params["lm_head"] = {"kernel": _aligned_copy(w_VD.T, dtype, (D, PV))}
+            # torch Linear: [out, in]
+            w_VD = hf_files.read(table, "lm_head.weight", (config.vocab_size, D), dtype)
+            params["lm_head"] = {"kernel": hf_files.aligned_copy(w_VD.T, dtype, (D, PV))}
         params = jax.tree_util.tree_map(jax.device_put, params)
         for key, path in BLOCK_KEYS.items():
             shape = _get(shapes["h_0"], path).shape
             if scan_layers:  # one [L, ...] host buffer per leaf kind, filled layer by layer
-                stacked = _aligned_empty((L, *shape), dtype)
+                stacked = hf_files.aligned_empty((L, *shape), dtype)
                 for i in range(L):
-                    stacked[i] = _read(table, f"h.{i}.{key}", shape, dtype)
+                    stacked[i] = hf_files.read(table, f"h.{i}.{key}", shape, dtype)
                 _set(params, ("h", "block") + path, jax.device_put(stacked))
                 del stacked
             else:
                 for i in range(L):
-                    x = _read(table, f"h.{i}.{key}", shape, dtype)
+                    x = hf_files.read(table, f"h.{i}.{key}", shape, dtype)
                     _set(params, (f"h_{i}",) + path, jax.device_put(x))
+    if quantize is not None:
+        return quantize_params(config, params, quantize)
     return config, params
 
 
-def load_for_run(init_from: str, model_cfg):
-    """train.py's init_from=<gpt2 name | directory>: the checkpoint fixes the architecture, the run's
-    `model` section (configs/default.py) the rest: dropout, dtypes, layout, block_size <= n_positions."""
-    m = model_cfg
-    return load_pretrained(
-        init_from,
-        scan_layers=m.scan_layers,
-        pad_vocab_multiple=m.pad_vocab_multiple,
-        param_dtype=m.param_dtype,
-        dtype=m.dtype,
-        embd_dropout=m.dropout,
-        attn_dropout=m.dropout,
-        resid_dropout=m.dropout,
-        attention_impl=m.attention_impl,
-        remat=m.remat,
-        block_size=m.block_size,
-    )
+def load_tokenizer(name_or_path: str, cache_dir: str | None = None):
+    """The tokenizer of a pretrained model: GPT-2's BPE (shipped with flaxgpt, offline) for GPT-2,
+    the directory's tokenizer.json for a Llama-family model (an error when it has none)."""
+    from flaxgpt import tokenizers
+    from flaxgpt.hf_tokenizer import TOKENIZER_FILE, HFTokenizer
+
+    directory = resolve(name_or_path, cache_dir)
+    with open(os.path.join(directory, CONFIG_FILE)) as fh:
+        model_type = json.load(fh).get("model_type")
+    if model_type == "gpt2":
+        return tokenizers.get_tokenizer("gpt2")
+    if not os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {directory}; a {model_type} model needs its own")
+    return HFTokenizer(directory)
 
 
 def _get(tree, path):
@@ -357,17 +281,26 @@ def _get(tree, path):
 
 
 def _as_config(config) -> GPTConfig:
-    """A GPTConfig, or a run's model dict (GPTConfig fields + "kind", maybe one "dropout")."""
-    if isinstance(config, GPTConfig):
-        return config
-    d = dict(config)
-    kind = d.pop("kind", "gpt")
+    """A GPTConfig, or a run's `model` section (config.json: GPTConfig fields + "kind")."""
+    from flaxgpt import models
+
+    kind = models.kind_of(config) if dataclasses.is_dataclass(config) else dict(config).get("kind", "gpt")
     if kind != "gpt":
         raise ValueError(f"only GPT models export to GPT-2; this checkpoint is kind={kind!r}")
-    if "dropout" in d:  # the run config's single dropout knob
-        p = d.pop("dropout")
-        d.update(embd_dropout=p, attn_dropout=p, resid_dropout=p)
-    return GPTConfig.from_dict(d)
+    return config if isinstance(config, GPTConfig) else models.config_from(config, saved=True)
+
+
+# fields of GPTConfig whose other values GPT-2 cannot hold: name -> the value(s) it can
+GPT2_EXPRESSIBLE = {
+    "pos_embedding": ("learned", "sinusoidal"),
+    "activation": ("gelu", "gelu_exact", "relu"),
+    "norm": "layernorm",
+    "qk_norm": False,
+    "logit_softcap": 0.0,
+    "glu": False,
+    "unet_skips": False,
+    "value_embeds": 0,
+}
 
 
 def export_state(config, params) -> tuple[dict, dict]:
@@ -378,6 +311,15 @@ def export_state(config, params) -> tuple[dict, dict]:
     head -> tie_word_embeddings=False.
     """
     config = _as_config(config)
+    beyond = [  # options GPT-2's format has no equivalent for (zero_init_proj is only an init)
+        f"{name}={getattr(config, name)!r}"
+        for name, plain in GPT2_EXPRESSIBLE.items()
+        if getattr(config, name, plain) not in (plain if isinstance(plain, tuple) else (plain,))
+    ]
+    if beyond:
+        raise ValueError(
+            f"a GPT-2 checkpoint cannot express {', '.join(beyond)}; export a model without them"
+        )
     params = nn.unbox(params)
     if config.scan_layers:
         params = unstack_layers(params, config.n_layer)
@@ -406,7 +348,7 @@ def export_state(config, params) -> tuple[dict, dict]:
     if config.pos_embedding == "learned":
         tensors["transformer.wpe.weight"] = get(("wpe", "embedding"), (config.block_size, D))
     else:
-        pos = sinusoidal_positions(jnp.arange(config.block_size), D)
+        pos = sinusoidal_positions(jnp.arange(config.block_size), D, config.sinusoid_layout)
         tensors["transformer.wpe.weight"] = np.asarray(pos, np.float32)
     tensors["transformer.ln_f.weight"] = get(("ln_f", "scale"), (D,))
     tensors["transformer.ln_f.bias"] = get(("ln_f", "bias"), (D,))
@@ -418,15 +360,54 @@ def export_state(config, params) -> tuple[dict, dict]:
     return config_to_hf(config), tensors
 
 
-def export_pretrained(config, params, out_dir: str) -> str:
-    """Write out_dir/config.json + model.safetensors for transformers.GPT2LMHeadModel.from_pretrained."""
+def _is_run(directory: Path) -> bool:
+    """A flaxgpt training run: config.json beside checkpoints/ or meta.json."""
+    return (directory / "config.json").is_file() and (
+        (directory / "checkpoints").is_dir() or (directory / "meta.json").is_file()
+    )
+
+
+def check_export_target(to, overwrite: bool = False, run=None) -> None:
+    """Refuses, in one line, to export into the training run `run`, into any training run's directory
+    (or below it), into a file, or into an existing non-empty directory unless `overwrite`."""
+    target = Path(to).resolve()
+    if run is not None and Path(run).resolve() in (target, *target.parents):
+        where = "is" if Path(run).resolve() == target else "is inside"
+        raise ValueError(f"--to {to} {where} the training run being exported; export to another directory")
+    for directory in (target, *target.parents):
+        if _is_run(directory):
+            where = "is" if directory == target else f"is inside {directory},"
+            raise ValueError(f"{to} {where} a flaxgpt training run; export to a directory outside it")
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"{to} is a file, not a directory; choose another --to")
+    if not overwrite and target.is_dir() and any(target.iterdir()):
+        raise FileExistsError(
+            f"{to} exists and is not empty; pass --overwrite to replace its {CONFIG_FILE} and "
+            f"{WEIGHTS_FILE}, or choose another --to"
+        )
+
+
+def export_pretrained(config, params, out_dir: str, overwrite: bool = False, tokenizer=None) -> str:
+    """Write out_dir/config.json + model.safetensors for transformers.GPT2LMHeadModel.from_pretrained,
+    or, for a model with rotary positions, the Llama-family model that expresses it (hf_llama.py,
+    with the tokenizer's files when `tokenizer` is the model's own tokenizer.json).
+    Refuses a training run's directory, and an existing non-empty out_dir unless `overwrite`."""
     from safetensors.numpy import save_file
 
+    check_export_target(out_dir, overwrite)
+    config = _as_config(config)
+    if config.pos_embedding == "rope":
+        from flaxgpt import hf_llama
+
+        return hf_llama.export_llama(config, params, out_dir, tokenizer=tokenizer)
     hf, tensors = export_state(config, params)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, CONFIG_FILE), "w") as fh:
+    weights, config_file = os.path.join(out_dir, WEIGHTS_FILE), os.path.join(out_dir, CONFIG_FILE)
+    save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
+    with open(config_file + ".tmp", "w") as fh:
         json.dump(hf, fh, indent=2)
+    os.replace(weights + ".tmp", weights)  # a failed export leaves no half-written file behind
+    os.replace(config_file + ".tmp", config_file)
     return out_dir
 
 
@@ -436,27 +417,35 @@ def export_pretrained(config, params, out_dir: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flaxgpt.hf", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    ex = sub.add_parser("export", help="write a training run as a Hugging Face GPT-2 directory")
+    ex = sub.add_parser("export", help="write a training run as a Hugging Face GPT-2 / Llama-family dir")
     ex.add_argument("--out_dir", required=True, help="flaxgpt training run directory")
     ex.add_argument("--to", required=True, help="directory to write config.json + model.safetensors into")
     ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    info = sub.add_parser("info", help="print the GPTConfig a GPT-2 name or directory maps to")
+    ex.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --to")
+    info = sub.add_parser("info", help="print the GPTConfig a GPT-2 name or a HF directory maps to")
     info.add_argument("name_or_path")
     args = parser.parse_args(argv)
     try:
         if args.cmd == "export":
-            from flaxgpt.checkpoint import load_for_inference
+            from flaxgpt.run_dir import load_run
 
-            model_config, params, _ = load_for_inference(args.out_dir, step=args.step)
-            export_pretrained(model_config, params, args.to)
+            check_export_target(args.to, args.overwrite, run=args.out_dir)  # before loading anything
+            run = load_run(args.out_dir, step=args.step)
+            tok = run.tokenizer if getattr(run.tokenizer, "file", None) else None  # a model's tokenizer.json
+            export_pretrained(run.config, run.params, args.to, overwrite=args.overwrite, tokenizer=tok)
+            with open(os.path.join(args.to, CONFIG_FILE)) as fh:
+                arch = json.load(fh)["architectures"][0]
             print(
-                f"wrote {os.path.join(args.to, WEIGHTS_FILE)} and {CONFIG_FILE}; load it with "
-                f"transformers.GPT2LMHeadModel.from_pretrained({args.to!r})"
+                f"wrote {args.to} ({arch}); load it with "
+                f"transformers.AutoModelForCausalLM.from_pretrained({args.to!r})"
             )
         else:
             directory = resolve(args.name_or_path)
             with open(os.path.join(directory, CONFIG_FILE)) as fh:
-                print(json.dumps(config_from_hf(json.load(fh)).to_dict(), indent=2))
+                hf = json.load(fh)
+            family = llama_family(hf)
+            config = family.config_from_hf(hf) if family else config_from_hf(hf)
+            print(json.dumps(config.to_dict(), indent=2))
     except (ValueError, OSError, ImportError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1

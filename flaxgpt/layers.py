@@ -5,7 +5,9 @@ optional fixed-size KV cache), the MLP, and position encodings.
 
 Shape letters used in names:
   B batch, T query length, S key length (the cache length when decoding),
-  L layers, H heads, K head dim, D model dim, F MLP hidden dim.
+  L layers, H heads (of queries), J key/value heads (J = H, or fewer: grouped-query
+  attention, J = 1 multi-query), G = H / J query heads per key/value head,
+  K head dim, D model dim, F MLP hidden dim.
 
 Parameters carry logical axis names ("embed", "heads", "mlp", "vocab",
 "layers"); `flaxgpt.sharding` maps them onto a device mesh.
@@ -21,10 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from flaxgpt.rope import RoPE
+
 Dtype = Any
 
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
-ACTIVATIONS = ("gelu", "gelu_exact", "relu")
+ACTIVATIONS = ("gelu", "gelu_exact", "relu", "silu", "relu2")
+NORMS = ("layernorm", "rmsnorm")
 
 
 def normal_init(std: float, axes: tuple[str | None, ...]):
@@ -46,6 +51,10 @@ def activation_fn(name: str):
         return lambda x: jax.nn.gelu(x, approximate=False)
     if name == "relu":
         return jax.nn.relu
+    if name == "relu2":  # relu(x)^2 (So et al. 2021, Primer), the speedrun's MLP activation
+        return lambda x: jnp.square(jax.nn.relu(x))
+    if name == "silu":  # x * sigmoid(x): Llama's activation (SwiGLU with a gated MLP)
+        return jax.nn.silu
     raise ValueError(f"unknown activation {name!r}; choose one of {ACTIVATIONS}")
 
 
@@ -73,20 +82,45 @@ def resolve_attention_impl(impl: str, dtype: Dtype) -> str:
     return "xla"
 
 
-def sinusoidal_positions(positions: jax.Array, dim: int) -> jax.Array:
-    """The original Transformer's encoding: [...] int positions -> [..., dim] float32."""
-    half = dim // 2
-    inv_freq = np.exp(-math.log(10000.0) * np.arange(half) / half).astype(np.float32)
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., dim/2]
-    enc = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
-    if dim % 2:
-        enc = jnp.pad(enc, [(0, 0)] * (enc.ndim - 1) + [(0, 1)])
-    return enc
+SINUSOID_LAYOUTS = ("interleaved", "halves")
 
 
-def causal_mask(q_pos_BT: jax.Array, kv_len: int) -> jax.Array:
-    """[B, 1, T, S] True where key s may be seen by the query at position q_pos."""
-    return (jnp.arange(kv_len)[None, None, :] <= q_pos_BT[:, :, None])[:, None]
+def sinusoidal_positions(
+    positions: jax.Array, dim: int, layout: str = "interleaved", dtype: Dtype = jnp.float32
+) -> jax.Array:
+    """The original Transformer's encoding: [...] int positions -> [..., dim] in `dtype` (at least float32).
+
+    "interleaved" is the paper's: column 2i is sin(pos / 10000^(2i/dim)), column 2i+1 the cosine.
+    "halves" (flaxgpt until this field existed) put all the sines first, then all the cosines; runs saved
+    then record no layout and keep it (models.config_from(..., saved=True)).
+    """
+    if layout not in SINUSOID_LAYOUTS:
+        raise ValueError(f"unknown sinusoid_layout {layout!r}; choose one of {SINUSOID_LAYOUTS}")
+    dtype = jnp.promote_types(dtype, jnp.float32)
+    if layout == "halves":
+        half = dim // 2
+        inv_freq = np.exp(-math.log(10000.0) * np.arange(half) / half).astype(np.float32)
+        angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., dim/2]
+        enc = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+        if dim % 2:
+            enc = jnp.pad(enc, [(0, 0)] * (enc.ndim - 1) + [(0, 1)])
+        return enc.astype(dtype)
+    two_i = np.arange(0, dim, 2)  # 2i for the sin columns; the cos columns share them
+    inv_freq = jnp.asarray(np.exp(-math.log(10000.0) * two_i / dim), dtype)  # [ceil(dim/2)]
+    angles = positions[..., None].astype(dtype) * inv_freq  # [..., ceil(dim/2)]
+    enc = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [..., ceil(dim/2), 2]
+    return enc.reshape(*angles.shape[:-1], -1)[..., :dim]  # sin, cos, sin, cos, ...
+
+
+def causal_mask(q_pos_BT: jax.Array, kv_len: int, window: int = 0) -> jax.Array:
+    """[B, 1, T, S] True where key s may be seen by the query at position q_pos:
+    s <= q_pos, and with a sliding `window` (Mistral) also s > q_pos - window."""
+    s_11S = jnp.arange(kv_len)[None, None, :]
+    q_BT1 = q_pos_BT[:, :, None]
+    visible_BTS = s_11S <= q_BT1
+    if window:
+        visible_BTS &= s_11S > q_BT1 - window
+    return visible_BTS[:, None]
 
 
 def padding_mask(kv_lengths_B: jax.Array, kv_len: int) -> jax.Array:
@@ -131,10 +165,11 @@ def attend(
             implementation="cudnn",
         )
     scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
-    # fp32 logits and softmax: bf16 loses the tail of the distribution
-    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=jnp.float32) * scale
+    # logits and softmax in at least fp32 (bf16 loses the tail of the distribution), fp64 for fp64
+    acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)
+    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=acc) * scale
     if mask_BHTS is not None:
-        logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(jnp.float32).min)
+        logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
     if sow is not None:
         sow(probs_BHTS)
@@ -144,51 +179,61 @@ def attend(
     return jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK)
 
 
-def write_cache(bufs, layer, new_BTHK: jax.Array, pos_BT: jax.Array):
-    """Scatter new keys or values into a layer's fixed-size buffer at per-row positions.
+def write_cache(buf_NSK: jax.Array, new_BTHK: jax.Array, pos_BT: jax.Array) -> jax.Array:
+    """Scatter new keys or values into one layer's [B*H, S, K] buffer at per-row positions.
 
-    `bufs` is the KVCache's tuple of per-layer [B*H, S, K] buffers (`layer` an int), or
-    one stacked [L, B*H, S, K] array (under nn.scan, where `layer` is traced). Either
-    way a donated buffer is updated in place.
+    One scatter: a donated buffer is updated in place.
     """
     B, T, H, K = new_BTHK.shape
     rows_B1H = (jnp.arange(B)[:, None] * H + jnp.arange(H))[:, None, :]  # buffer row of (b, h)
-    pos_BT1 = pos_BT[:, :, None]
-    if isinstance(bufs, (tuple, list)):
-        out = list(bufs)
-        out[layer] = bufs[layer].at[rows_B1H, pos_BT1].set(new_BTHK.astype(bufs[layer].dtype))
-        return tuple(out)
-    return bufs.at[layer, rows_B1H, pos_BT1].set(new_BTHK.astype(bufs.dtype))
+    return buf_NSK.at[rows_B1H, pos_BT[:, :, None]].set(new_BTHK.astype(buf_NSK.dtype))
 
 
 def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None) -> jax.Array:
-    """Attention over a KVCache layer ([B*H, S, K] keys and values, as they lie) -> [B, T, H, K]."""
+    """Attention over a KVCache layer ([B*J, S, K] keys and values, as they lie) -> [B, T, H, K].
+
+    With J < H key/value heads (grouped-query), the G = H / J query heads that share a key/value
+    head are stacked as rows of one matrix (query head h reads key/value head h // G, as
+    transformers' repeat_kv), so the cache is read once per key/value head and never repeated.
+    """
     B, T, H, K = q_BTHK.shape
-    S = k_NSK.shape[1]
-    q_NTK = jnp.swapaxes(q_BTHK, 1, 2).reshape(B * H, T, K)
-    logits_NTS = jnp.einsum(
-        "ntk,nsk->nts", q_NTK, k_NSK.astype(q_NTK.dtype), preferred_element_type=jnp.float32
-    )
-    logits_BHTS = logits_NTS.reshape(B, H, T, S) / math.sqrt(K)
-    logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(jnp.float32).min)
+    N, S, _ = k_NSK.shape
+    J = N // B
+    G = H // J
+    q_NMK = jnp.transpose(q_BTHK.reshape(B, T, J, G, K), (0, 2, 3, 1, 4)).reshape(N, G * T, K)  # M = G*T
+    acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)  # as in attend: fp32 at least, fp64 for fp64
+    logits_NMS = jnp.einsum("nmk,nsk->nms", q_NMK, k_NSK.astype(q_NMK.dtype), preferred_element_type=acc)
+    logits_BHTS = logits_NMS.reshape(B, H, T, S) / math.sqrt(K)
+    logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
     if sow is not None:
         sow(probs_BHTS)
-    probs_NTS = probs_BHTS.reshape(B * H, T, S).astype(v_NSK.dtype)
-    y_NTK = jnp.einsum("nts,nsk->ntk", probs_NTS, v_NSK)
-    return jnp.swapaxes(y_NTK.reshape(B, H, T, K), 1, 2).astype(q_BTHK.dtype)
+    probs_NMS = probs_BHTS.reshape(N, G * T, S).astype(v_NSK.dtype)
+    y_NMK = jnp.einsum("nms,nsk->nmk", probs_NMS, v_NSK)
+    y_BHTK = y_NMK.reshape(B, H, T, K)
+    return jnp.swapaxes(y_BHTK, 1, 2).astype(q_BTHK.dtype)
 
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused qkv projection (GPT-2's c_attn).
 
     Without a cache it attends over `x` itself (causal, or bidirectional with a
-    padding mask). With a cache (k, v: per-layer [B*H, S, K] buffers, and this block's
-    `layer` index) it writes its new keys and values at `positions` and attends
-    over the buffer, masked to positions <= each query's own.
+    padding mask). With `kv` (this layer's own (k, v) buffers, [B*J, S, K] each, see
+    cache.KVCache) it writes its new keys and values at `positions`, attends over the
+    buffers, masked to positions <= each query's own, and returns the updated pair.
+
+    Options of modern decoders: `n_kv_head` J < H key/value heads (grouped-query attention,
+    Ainslie et al. 2023; J = 1 is multi-query), which also shrinks the cache H / J times;
+    `qk_norm` normalises each head's queries and keys (Dehghani et al. 2023); `rope` rotates
+    them by their positions (RoPE); `window` limits each query to the last `window` keys.
     """
 
     n_head: int
+    n_kv_head: int = 0  # J; 0 = n_head
+    rope: RoPE | None = None
+    qk_norm: str | None = None  # None, or the norm ("layernorm" | "rmsnorm") over each head's K features
+    norm_eps: float = 1e-5
+    window: int = 0  # sliding-window attention (Mistral); 0 = every earlier key
     causal: bool = True
     use_bias: bool = True
     qkv_bias: bool = True
@@ -201,12 +246,13 @@ class SelfAttention(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT=None, cache=None, layer=0, mask_BHTS=None):
+    def __call__(self, x_BTD, positions_BT=None, kv=None, mask_BHTS=None, ve_BTD=None):
         B, T, D = x_BTD.shape
         H = self.n_head
+        J = self.n_kv_head or H
         K = D // H
         qkv_BTE = nn.Dense(
-            3 * D,
+            (H + 2 * J) * K,  # columns q | k | v, heads inside each (3D for GPT-2)
             use_bias=self.qkv_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
@@ -214,29 +260,42 @@ class SelfAttention(nn.Module):
             bias_init=zeros_init(("heads",)),
             name="c_attn",
         )(x_BTD.reshape(B * T, D))  # 2-D operands: see MLP
-        q_BTHK, k_BTHK, v_BTHK = jnp.split(qkv_BTE.reshape(B, T, 3 * H, K), 3, axis=2)
+        q_BTHK, k_BTJK, v_BTJK = jnp.split(qkv_BTE.reshape(B, T, H + 2 * J, K), [H, H + J], axis=2)
+        if ve_BTD is not None:  # value embeddings (the speedrun's): v = l0 * v + l1 * ve, l learned
+            lambdas = self.param("ve_lambdas", nn.initializers.constant(0.5), (2,), self.param_dtype)
+            lambdas = lambdas.astype(v_BTJK.dtype)
+            v_BTJK = lambdas[0] * v_BTJK + lambdas[1] * ve_BTD.reshape(B, T, J, K).astype(v_BTJK.dtype)
+        if self.qk_norm:
+            norm_args = (self.qk_norm, self.use_bias, self.norm_eps, self.dtype, self.param_dtype)
+            q_BTHK = norm(*norm_args, "q_norm", axes=(None,))(q_BTHK)
+            k_BTJK = norm(*norm_args, "k_norm", axes=(None,))(k_BTJK)
+        if self.rope is not None:  # keys enter the cache rotated
+            q_BTHK = self.rope.apply(q_BTHK, positions_BT)
+            k_BTJK = self.rope.apply(k_BTJK, positions_BT)
 
         sow = None
         if self.is_mutable_collection("intermediates"):
             sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
-        if cache is not None:  # decoding: per-row query positions, the XLA path with an explicit mask
-            k_buf = write_cache(cache[0], layer, k_BTHK, positions_BT)
-            v_buf = write_cache(cache[1], layer, v_BTHK, positions_BT)
-            cache = (k_buf, v_buf)
-            k_NSK, v_NSK = k_buf[layer], v_buf[layer]
-            mask_BHTS = causal_mask(positions_BT, k_NSK.shape[1])
+        if kv is not None:  # decoding: per-row query positions, the XLA path with an explicit mask
+            k_NSK = write_cache(kv[0], k_BTJK, positions_BT)
+            v_NSK = write_cache(kv[1], v_BTJK, positions_BT)
+            kv = (k_NSK, v_NSK)
+            mask_BHTS = causal_mask(positions_BT, k_NSK.shape[1], self.window)
             y_BTHK = attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow)
         else:
             is_causal = False
             if self.causal:
-                is_causal = mask_BHTS is None  # an extra mask must reach the kernel explicitly
-                tril = jnp.tril(jnp.ones((T, T), dtype=bool))[None, None]
+                # an extra mask or a window must reach the kernel explicitly
+                is_causal = mask_BHTS is None and not self.window
+                tril = causal_mask(jnp.arange(T)[None], T, self.window)
                 mask_BHTS = tril if mask_BHTS is None else mask_BHTS & tril
             dropout = 0.0 if self.deterministic else self.attn_dropout
+            if J < H:  # grouped-query: each key/value head serves G query heads (h reads h // G)
+                k_BTJK, v_BTJK = jnp.repeat(k_BTJK, H // J, axis=2), jnp.repeat(v_BTJK, H // J, axis=2)
             y_BTHK = attend(
                 q_BTHK,
-                k_BTHK,
-                v_BTHK,
+                k_BTJK,
+                v_BTJK,
                 mask_BHTS,
                 impl=resolve_attention_impl(self.impl, self.dtype),
                 is_causal=is_causal,
@@ -254,7 +313,7 @@ class SelfAttention(nn.Module):
             name="c_proj",
         )(y_BTHK.reshape(B * T, D)).reshape(B, T, D)
         y_BTD = nn.Dropout(self.resid_dropout)(y_BTD, deterministic=self.deterministic)
-        return y_BTD, cache
+        return y_BTD, kv
 
 
 class CrossAttention(nn.Module):
@@ -328,10 +387,15 @@ class CrossAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: D -> F -> D (GPT-2's c_fc, c_proj)."""
+    """Position-wise feed-forward: D -> F -> D (GPT-2's c_fc, c_proj).
+
+    `glu`: the gated form of Shazeer 2020, act(x W_gate) * (x W_up), then c_proj; with silu it
+    is Llama's SwiGLU. Gate and up share the fused c_fc kernel [D, 2F] (columns gate | up).
+    """
 
     hidden: int
     activation: str = "gelu"
+    glu: bool = False
     use_bias: bool = True
     dropout: float = 0.0
     out_init_std: float = 0.02
@@ -346,8 +410,8 @@ class MLP(nn.Module):
         # two axes, and XLA on CPU then transposes the [B*T, F] activations (fused with the GELU
         # derivative) before each weight-gradient matmul, a third of the step's time.
         x_ND = x_BTD.reshape(-1, D)
-        h_NF = nn.Dense(
-            self.hidden,
+        h_NE = nn.Dense(
+            2 * self.hidden if self.glu else self.hidden,
             use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
@@ -355,7 +419,11 @@ class MLP(nn.Module):
             bias_init=zeros_init(("mlp",)),
             name="c_fc",
         )(x_ND)
-        h_NF = activation_fn(self.activation)(h_NF)
+        if self.glu:
+            gate_NF, up_NF = jnp.split(h_NE, 2, axis=-1)
+            h_NF = activation_fn(self.activation)(gate_NF) * up_NF
+        else:
+            h_NF = activation_fn(self.activation)(h_NE)
         y_ND = nn.Dense(
             D,
             use_bias=self.use_bias,
@@ -369,13 +437,24 @@ class MLP(nn.Module):
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
 
 
-def layer_norm(use_bias: bool, eps: float, dtype: Dtype, param_dtype: Dtype, name: str):
+def norm(kind: str, use_bias: bool, eps: float, dtype: Dtype, param_dtype: Dtype, name, axes=("embed",)):
+    """LayerNorm (GPT-2) or RMSNorm (Zhang & Sennrich 2019; Llama: no mean, no bias), param `scale`."""
+    if kind == "rmsnorm":
+        return nn.RMSNorm(
+            epsilon=eps, dtype=dtype, param_dtype=param_dtype, scale_init=ones_init(axes), name=name
+        )
+    if kind != "layernorm":
+        raise ValueError(f"unknown norm {kind!r}; choose one of {NORMS}")
+    return layer_norm(use_bias, eps, dtype, param_dtype, name, axes)
+
+
+def layer_norm(use_bias: bool, eps: float, dtype: Dtype, param_dtype: Dtype, name: str, axes=("embed",)):
     return nn.LayerNorm(
         epsilon=eps,
         use_bias=use_bias,
         dtype=dtype,
         param_dtype=param_dtype,
-        scale_init=ones_init(("embed",)),
-        bias_init=zeros_init(("embed",)),
+        scale_init=ones_init(axes),
+        bias_init=zeros_init(axes),
         name=name,
     )

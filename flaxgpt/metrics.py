@@ -1,7 +1,7 @@
 """Training metrics: metrics.jsonl, TensorBoard events, console lines, tokens/s and MFU.
 
-MFU = achieved FLOP/s / peak FLOP/s, with nanoGPT's (PaLM appendix B) count of training FLOPs
-per token: 6 N + 12 L H Q T (N non-embedding parameters, L layers, H heads, Q head dim, T context).
+MFU = achieved FLOP/s / peak FLOP/s, with the training FLOPs per token of flaxgpt.summary.flops_per_token
+(nanoGPT's / PaLM appendix B's 6 N + 12 L H Q T; the trainer multiplies it by the tokens per step).
 The peak is per device (config.peak_flops, or a guess from the device kind) times the device count.
 On CPU there is no meaningful peak, so MFU is reported as n/a.
 """
@@ -31,10 +31,6 @@ PEAK_FLOPS = {
     "tpu v3": 123e12,
     "tpu v2": 46e12,
 }
-
-
-def flops_per_token(n_params_no_embed: int, n_layer: int, n_head: int, head_dim: int, T: int) -> float:
-    return 6.0 * n_params_no_embed + 12.0 * n_layer * n_head * head_dim * T
 
 
 def peak_flops_per_device(configured: float = 0.0) -> float | None:
@@ -85,10 +81,18 @@ class MetricsWriter:
         self.print(format_line(row))
 
     def close(self) -> None:
-        if self.jsonl is not None:
-            self.jsonl.close()
+        """Closes the files. A failure here (a full disk) is never the news: the save that failed
+        too is the one-line error, and TensorBoard's atexit hook must not retry (and print a traceback)."""
+        try:
+            if self.jsonl is not None:
+                self.jsonl.close()
+        except OSError:
+            pass
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except OSError:
+                self.tb.event_writer._closed = True
 
 
 def _plain(v):
@@ -100,13 +104,19 @@ def format_line(row: dict) -> str:
     """`step 250 | loss 1.8123 | lr 9.6e-04 | 17,512 tok/s | 43.9 ms | mfu n/a`, or an eval line."""
     parts = [f"step {row['step']:>6}"]
     if "val_loss" in row:
+        if "train_loss" in row:  # a task may evaluate val only (speedrun shards)
+            parts.append(f"train loss {row['train_loss']:.4f}")
         parts += [
-            f"train loss {row['train_loss']:.4f}",
             f"val loss {row['val_loss']:.4f}",
             f"best val {row.get('best_val_loss', row['val_loss']):.4f}",
         ]
         known = {"step", "time", "train_loss", "val_loss", "best_val_loss"}
         parts += [f"{k} {v:.4g}" for k, v in row.items() if k not in known and isinstance(v, int | float)]
+        return "eval " + " | ".join(parts)
+    if "loss" not in row:  # e.g. flaxgpt.eval's results: every number as it is
+        parts += [
+            f"{k} {v:.4g}" for k, v in row.items() if k not in ("step", "time") and isinstance(v, int | float)
+        ]
         return "eval " + " | ".join(parts)
     parts.append(f"loss {row['loss']:.4f}")
     if "lr" in row:

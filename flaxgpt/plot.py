@@ -3,7 +3,8 @@
     python -m flaxgpt.plot out/shakespeare_char                # -> out/shakespeare_char/metrics.png
     python -m flaxgpt.plot out/shakespeare_char --out curves.png
 
-Three panels against the step: train and val loss, learning rate, tokens/s.
+Three panels against the step: train and val loss, learning rate, tokens/s; a fourth with the
+benchmark tasks' accuracies (and perplexities, log scale) when the run logged config.eval_tasks.
 Lines of metrics.jsonl are JSON objects; keys the run did not log are skipped,
 so a file with only a loss still plots. In a training loop call
 `plot_metrics(out_dir, out_dir / "metrics.png")`; it never touches pyplot's
@@ -45,6 +46,14 @@ def _series_keys(name: str, record: dict) -> tuple[str, ...]:
     return SERIES[name]
 
 
+TASK_PREFIXES = ("hellaswag_", "lambada_", "perplexity_")  # config.eval_tasks' rows (flaxgpt.eval)
+TASK_SERIES = ("_acc", "_acc_norm", "_acc_nanogpt", "_acc_norm_nanogpt", "_ppl")  # what is drawn of them
+
+
+def _is_task_series(key: str) -> bool:
+    return key.startswith(TASK_PREFIXES) and key.endswith(TASK_SERIES) and "tokens" not in key
+
+
 def read_metrics(path) -> dict[str, tuple[list[float], list[float]]]:
     """{series: (steps, values)} from a metrics.jsonl (or the run directory holding one)."""
     path = Path(path)
@@ -63,8 +72,11 @@ def read_metrics(path) -> dict[str, tuple[list[float], list[float]]]:
             print(f"flaxgpt.plot: skipping unreadable line {lineno} of {path}", file=sys.stderr)
             continue
         step = next((record[k] for k in STEP_KEYS if k in record), lineno)
-        for name in SERIES:
-            value = next((record[k] for k in _series_keys(name, record) if k in record), None)
+        for key in filter(_is_task_series, record):
+            series.setdefault(key, ([], []))
+        for name in [*SERIES, *filter(_is_task_series, record)]:
+            keys = _series_keys(name, record) if name in SERIES else (name,)
+            value = next((record[k] for k in keys if k in record), None)
             if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 series[name][0].append(float(step))
                 series[name][1].append(float(value))
@@ -81,8 +93,11 @@ def plot_metrics(out_dir_or_file, png_path=None) -> str:
     src = Path(out_dir_or_file)
     if png_path is None:
         png_path = (src if src.is_dir() else src.parent) / "metrics.png"
-    fig = Figure(figsize=(15, 4.2), layout="constrained")
-    ax_loss, ax_lr, ax_tps = fig.subplots(1, 3)
+    tasks = sorted(k for k in series if k not in SERIES and series[k][1])
+    fig = Figure(figsize=(20 if tasks else 15, 4.2), layout="constrained")
+    ax_loss, ax_lr, ax_tps, *ax_tasks = fig.subplots(1, 4 if tasks else 3)
+    if tasks:
+        _plot_tasks(ax_tasks[0], series, tasks)
     for name, label in LOSS_LABELS.items():
         steps, values = series[name]
         if values:
@@ -119,6 +134,24 @@ def plot_metrics(out_dir_or_file, png_path=None) -> str:
     fig.savefig(tmp, dpi=100, format="png")
     os.replace(tmp, png_path)
     return os.fspath(png_path)
+
+
+def _plot_tasks(ax, series, names):
+    """Accuracies on the left axis, perplexities (log scale) on a right one."""
+    ppl = [n for n in names if n.endswith("_ppl")]
+    ax_ppl = ax.twinx() if ppl else None
+    for name in names:
+        target = ax_ppl if name in ppl else ax
+        target.plot(*series[name], marker="o", markersize=3, label=name, ls="--" if name in ppl else "-")
+    ax.set_title("eval tasks")
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy")
+    ax.grid(alpha=0.3)
+    if ax_ppl is not None:
+        ax_ppl.set_yscale("log")
+        ax_ppl.set_ylabel("perplexity")
+    handles = [h for a in (ax, ax_ppl) if a is not None for h in a.get_lines()]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize="small")
 
 
 def main(argv: list[str] | None = None) -> str:

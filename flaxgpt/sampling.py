@@ -1,6 +1,6 @@
 """Autoregressive sampling over a fixed-size KV cache.
 
-    step = gpt_step_fn(config, params)
+    step = gpt.step_fn(config, params)      # any model's adapter: gpt.py provides the GPT's
     cache = KVCache.for_config(config, batch=B, max_len=cache_length(config.block_size, P, N))
     tokens_BN, lengths_B = generate(step, cache, prompt_BP, prompt_lengths_B, max_new_tokens=N,
                                     rng=jax.random.key(0), temperature=0.8, top_k=200)
@@ -34,16 +34,14 @@ C chunk, N new tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import math
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-
-from flaxgpt.cache import KVCache
 
 # ---------------------------------------------------------------- selection (pure functions)
 
@@ -73,28 +71,89 @@ def top_p_mask(logits_BV: jax.Array, p: float, *, is_sorted: bool = False) -> ja
     return jnp.where(logits_BV >= threshold_B1, logits_BV, -jnp.inf)
 
 
-def sample_logits(rng, logits_BV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-    """One token per row: greedy when temperature == 0, else temperature, then top-k, then top-p.
+def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B):
+    """Lowest kept logit of each row from its K largest (sorted descending) -> (thr_B, fits_B).
 
-    With top_k the nucleus and the draw work on the k sorted candidates only, so the full
-    vocabulary is touched once (by lax.top_k) rather than sorted.
+    Top-k keeps logits >= the k-th largest (ties kept); top-p then keeps the smallest set of
+    largest kept logits whose probability, renormalised over the kept set, reaches p. fits_B:
+    the K candidates decided it (else the row needs all V sorted).
     """
+    B, K = sorted_BK.shape
+    V = scaled_BV.shape[-1]
+    topk_on_B = (top_k_B > 0) & (top_k_B < V)
+    kth_B = jnp.take_along_axis(sorted_BK, jnp.clip(top_k_B - 1, 0, K - 1)[:, None], -1)[:, 0]
+    kth_B = jnp.where(topk_on_B, kth_B, -jnp.inf)
+    kept_BV = scaled_BV >= kth_B[:, None]
+    lse_B = jax.nn.logsumexp(jnp.where(kept_BV, scaled_BV, -jnp.inf), axis=-1)
+    kept_BK = sorted_BK >= kth_B[:, None]
+    probs_BK = jnp.where(kept_BK, jnp.exp(sorted_BK - lse_B[:, None]), 0.0)
+    cum_BK = jnp.cumsum(probs_BK, axis=-1)
+    n_keep_B = jnp.sum(((cum_BK - probs_BK) < top_p_B[:, None]) & kept_BK, axis=-1)  # >= 1
+    nucleus_B = jnp.take_along_axis(sorted_BK, jnp.maximum(n_keep_B, 1)[:, None] - 1, -1)[:, 0]
+    thr_B = jnp.where(top_p_B < 1, nucleus_B, kth_B)
+    fits_B = (~topk_on_B | (top_k_B <= K)) & ((top_p_B >= 1) | (cum_BK[:, -1] >= top_p_B) | ~kept_BK[:, -1])
+    return thr_B, fits_B
+
+
+def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, max_k: int = 256):
+    """One token per row, each row with its own key and settings (arrays, so one program serves all).
+
+    temperature 0 is greedy; else logits / temperature, top-k (0 = off), top-p (1 = off), then a
+    draw with the row's key over all V. Filters look at the `max_k` largest logits (lax.top_k);
+    only when some row's top_k or nucleus reaches past them is the whole vocabulary sorted, and a
+    row's result never depends on whether that happened (each row uses one path, chosen by itself).
+    """
+    logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
+    B, V = logits_BV.shape
+    K = min(max_k, V)
+    greedy_B = temperature_B <= 0
+    scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
+    filter_B = ~greedy_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1))
+
+    def candidates(_):
+        return _threshold(jax.lax.top_k(scaled_BV, K)[0], scaled_BV, top_k_B, top_p_B)
+
+    def everything(_):
+        return _threshold(-jnp.sort(-scaled_BV, axis=-1), scaled_BV, top_k_B, top_p_B)[0]
+
+    none = (jnp.full((B,), -jnp.inf), jnp.ones((B,), bool))
+    thr_B, fits_B = jax.lax.cond(jnp.any(filter_B), candidates, lambda _: none, None)
+    full_B = filter_B & ~fits_B
+    thr_full_B = jax.lax.cond(jnp.any(full_B), everything, lambda _: none[0], None)
+    thr_B = jnp.where(full_B, thr_full_B, jnp.where(filter_B, thr_B, -jnp.inf))
+    masked_BV = jnp.where(scaled_BV >= thr_B[:, None], scaled_BV, -jnp.inf)
+
+    def draw(_):  # each row its own key: a row's token never depends on its neighbours
+        return jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys_B, masked_BV).astype(jnp.int32)
+
+    drawn_B = jax.lax.cond(jnp.any(~greedy_B), draw, lambda _: jnp.zeros((B,), jnp.int32), None)
+    return jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), drawn_B)
+
+
+def row_keys(rng, step, batch: int):
+    """Row b's key for selection step `step`: fold_in(fold_in(rng, b), step). A request served
+    alone, or as choice b of a serving request (flaxgpt/engine.py), draws with the same keys."""
+    return jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(rng, b), step))(jnp.arange(batch))
+
+
+def sample_logits(rng, logits_BV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """One token per row: greedy when temperature == 0, else temperature, then top-k, then top-p
+    (select_rows with these settings on every row; row b draws with fold_in(rng, b))."""
     logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
     if temperature == 0:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = logits_BV / temperature
-    if 0 < top_k < logits_BV.shape[-1]:
-        vals_BK, idx_BK = jax.lax.top_k(logits_BV, top_k)
-        vals_BK = top_p_mask(vals_BK, top_p, is_sorted=True)
-        choice_B = jax.random.categorical(rng, vals_BK, axis=-1)
-        return jnp.take_along_axis(idx_BK, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jax.random.categorical(rng, top_p_mask(logits_BV, top_p), axis=-1).astype(jnp.int32)
+    B = logits_BV.shape[0]
+    keys_B = jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(B))
+    full = lambda x, dtype: jnp.full((B,), x, dtype)  # noqa: E731
+    return select_rows(
+        keys_B, logits_BV, full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32)
+    )
 
 
 def check_sampling_args(temperature: float, top_k: int, top_p: float):
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
+    if not (math.isfinite(temperature) and temperature >= 0):  # nan and inf too: they sample garbage
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:  # (False for nan)
         raise ValueError(f"top_p must be in (0, 1], got {top_p}; 1 disables nucleus sampling")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = no top-k), got {top_k}")
@@ -105,7 +164,7 @@ def check_sampling_args(temperature: float, top_k: int, top_p: float):
 
 @struct.dataclass
 class DecodeState:
-    cache: KVCache
+    cache: object  # whatever the step_fn reads and writes (a KVCache for the GPT)
     window_BW: jax.Array  # tokens at each cache position (to re-prefill from)
     fill_B: jax.Array  # tokens written in the cache; the pending token goes at this position
     last_B: jax.Array  # the latest sampled token, not yet fed
@@ -126,8 +185,17 @@ class Sampling:
 
 
 def _select(s: Sampling, rng, step, logits_BV):
-    return sample_logits(
-        jax.random.fold_in(rng, step), logits_BV, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p
+    """Row b draws with fold_in(fold_in(rng, b), step): the serving engine's keys for choice b."""
+    if s.temperature == 0:
+        return jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    B = logits_BV.shape[0]
+    full = lambda x, dtype: jnp.full((B,), x, dtype)  # noqa: E731
+    return select_rows(
+        row_keys(rng, step, B),
+        logits_BV,
+        full(s.temperature, jnp.float32),
+        full(s.top_k, jnp.int32),
+        full(s.top_p, jnp.float32),
     )
 
 
@@ -218,7 +286,7 @@ def _decode_chunk(step_fn, state: DecodeState, max_new_tokens, chunk: int, keep:
 
 def stream_generate(
     step_fn,
-    cache: KVCache,
+    cache,
     prompt_BP,
     prompt_lengths_B,
     *,
@@ -233,7 +301,12 @@ def stream_generate(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield (tokens_BC, counts_B) as they are decoded: row b's next counts[b] tokens.
 
-    `cache` is donated (do not reuse it). Arguments as in `generate`.
+    prompt_BP: right-padded prompts, prompt_lengths_B: their lengths (1..P). cache: an empty
+    cache (a KVCache for the GPT: anything with `max_len` and `batch` that step_fn accepts)
+    whose length W (<= the model's block_size) is the context window; it is donated (do not
+    reuse it). temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. A row stops
+    after eos_id (included in its output) or max_new_tokens. keep: tokens kept when a row's
+    window fills (default W // 2; see the module docstring). chunk: decode steps per call.
     """
     check_sampling_args(temperature, top_k, top_p)
     prompt_BP = jnp.asarray(prompt_BP, jnp.int32)
@@ -271,45 +344,20 @@ def stream_generate(
 
 
 def generate(
-    step_fn,
-    cache: KVCache,
-    prompt_BP,
-    prompt_lengths_B,
-    *,
-    max_new_tokens: int,
-    rng,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_id: int | None = None,
-    keep: int | None = None,
-    chunk: int = 256,
+    step_fn, cache, prompt_BP, prompt_lengths_B, *, max_new_tokens: int, chunk: int = 256, **options
 ):
     """Sample up to max_new_tokens after each prompt -> (tokens_BN [int32], lengths_B).
 
-    prompt_BP: right-padded prompts, prompt_lengths_B: their lengths (1..P). cache: an empty
-    KVCache whose length W (<= the model's block_size) is the context window; it is donated.
-    temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. A row stops after
-    eos_id (included in its output) or max_new_tokens; entries past lengths[b] are 0.
-    keep: tokens kept when a row's window fills (default W // 2; see the module docstring).
+    The chunks of `stream_generate` (same arguments; rng, temperature, top_k, top_p, eos_id, keep
+    in `options`) collected: row b's tokens are tokens_BN[b, :lengths_B[b]], 0 after.
     """
     B = np.shape(prompt_lengths_B)[0]
     tokens_BN = np.zeros((B, max(max_new_tokens, 0)), np.int32)
     lengths_B = np.zeros(B, np.int32)
-    for out_BC, n_B in stream_generate(
-        step_fn,
-        cache,
-        prompt_BP,
-        prompt_lengths_B,
-        max_new_tokens=max_new_tokens,
-        rng=rng,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_id=eos_id,
-        keep=keep,
-        chunk=chunk,
-    ):
+    chunks = stream_generate(
+        step_fn, cache, prompt_BP, prompt_lengths_B, max_new_tokens=max_new_tokens, chunk=chunk, **options
+    )
+    for out_BC, n_B in chunks:
         for b in range(B):
             tokens_BN[b, lengths_B[b] : lengths_B[b] + n_B[b]] = out_BC[b, : n_B[b]]
         lengths_B += n_B
@@ -320,30 +368,3 @@ def cache_length(block_size: int, prompt_len: int, max_new_tokens: int, multiple
     """Cache length for a request: prompt + new tokens rounded up to `multiple`, at most block_size."""
     need = prompt_len + max_new_tokens
     return min(block_size, -(-need // multiple) * multiple)
-
-
-@functools.cache
-def _gpt_apply(config):
-    from flaxgpt.gpt import GPT  # here so generate itself never depends on the model
-
-    model = GPT(config)
-
-    def apply(params, tokens_BT, positions_BT, cache):
-        return model.apply({"params": params}, tokens_BT, positions=positions_BT, cache=cache)
-
-    return apply
-
-
-def gpt_step_fn(config, params) -> jax.tree_util.Partial:
-    """The GPT as a step_fn; a Partial carries params as a jit argument, not baked-in constants.
-
-    (A tied LM head needs no transposed copy of wte: with few rows the model multiplies by the
-    [V, D] table as it lies; see GPT.__call__.)
-    """
-    if config.scan_layers:  # decode unrolled: each layer reads its own cache buffer in place
-        from flaxgpt.gpt import unstack_layers
-
-        params = unstack_layers(params, config.n_layer)
-        config = dataclasses.replace(config, scan_layers=False)
-    config = dataclasses.replace(config, remat="none")  # no gradients here
-    return jax.tree_util.Partial(_gpt_apply(config), params)

@@ -9,8 +9,10 @@
 
 Training uses `Transformer(config, deterministic=False)` with rngs={"dropout": key}.
 The attention, MLP, position encoding and KV cache are the GPT's own (layers.py, cache.py).
+Decoding: `start_decoding` + `step_fn` are this model's adapter for flaxgpt.beam_search;
+flaxgpt.translate drives them (beam search, or greedy with one beam).
 
-Shape letters: B batch, S source length, T target length, D d_model, V vocab_size,
+Shape letters: B batch, S source length, T target length, D n_embd, V vocab_size,
 L decoder layers, H heads, K head dim.
 """
 
@@ -19,20 +21,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import linen as nn
-from flax import struct
 
-from flaxgpt.beam_search import beam_search, greedy_search
-from flaxgpt.cache import KVCache
+from flaxgpt.cache import KVCache, Seq2SeqCache
 from flaxgpt.layers import (
     ACTIVATIONS,
     ATTENTION_IMPLS,
     MLP,
+    SINUSOID_LAYOUTS,
     CrossAttention,
     SelfAttention,
     layer_norm,
@@ -45,16 +44,16 @@ from flaxgpt.layers import (
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     vocab_size: int = 37000  # shared source/target vocabulary, special tokens included
-    max_len: int = 256  # longest source and longest target, in tokens (EOS / BOS included)
+    block_size: int = 256  # longest source and longest target, in tokens (EOS / BOS included)
     n_enc_layer: int = 6
     n_dec_layer: int = 6
-    d_model: int = 512
+    n_embd: int = 512  # model width (the paper's d_model)
     d_ff: int = 2048
     n_head: int = 8
     dropout: float = 0.1  # the paper's P_drop: on embeddings + positions and each residual branch
     attn_dropout: float = 0.0  # on the attention weights
     pre_ln: bool = True  # LayerNorm before each sublayer (stable); False = the paper's post-LN
-    share_embeddings: bool = True  # one matrix for source, target and output (shared vocabulary)
+    tie_embeddings: bool = True  # one matrix for source, target and output (shared vocabulary)
     activation: str = "relu"  # relu (paper) | gelu | gelu_exact
     bias: bool = True  # biases in Linear layers and LayerNorms
     layer_norm_epsilon: float = 1e-6
@@ -62,20 +61,25 @@ class TransformerConfig:
     param_dtype: str = "float32"
     pad_vocab_multiple: int = 1  # round the embedding rows up to this (64 is fast); 1 = exact
     attention_impl: str = "xla"  # auto | xla | cudnn
+    sinusoid_layout: str = "interleaved"  # interleaved (the paper's sin, cos, ...) | halves (older runs)
 
     def __post_init__(self):
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model {self.d_model} is not divisible by n_head {self.n_head}")
-        choices = {"activation": ACTIVATIONS, "attention_impl": ATTENTION_IMPLS}
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        choices = {
+            "activation": ACTIVATIONS,
+            "attention_impl": ATTENTION_IMPLS,
+            "sinusoid_layout": SINUSOID_LAYOUTS,
+        }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
         for field in (
             "vocab_size",
-            "max_len",
+            "block_size",
             "n_enc_layer",
             "n_dec_layer",
-            "d_model",
+            "n_embd",
             "d_ff",
             "n_head",
             "pad_vocab_multiple",
@@ -89,7 +93,7 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.n_embd // self.n_head
 
     @property
     def padded_vocab_size(self) -> int:
@@ -98,10 +102,10 @@ class TransformerConfig:
 
     PRESETS = {
         # the paper's Table 3 sizes
-        "base": dict(n_enc_layer=6, n_dec_layer=6, d_model=512, d_ff=2048, n_head=8, dropout=0.1),
-        "big": dict(n_enc_layer=6, n_dec_layer=6, d_model=1024, d_ff=4096, n_head=16, dropout=0.3),
+        "base": dict(n_enc_layer=6, n_dec_layer=6, n_embd=512, d_ff=2048, n_head=8, dropout=0.1),
+        "big": dict(n_enc_layer=6, n_dec_layer=6, n_embd=1024, d_ff=4096, n_head=16, dropout=0.3),
         # small enough to train on a CPU in seconds (tests, synthetic tasks)
-        "tiny": dict(n_enc_layer=2, n_dec_layer=2, d_model=64, d_ff=256, n_head=4, dropout=0.0),
+        "tiny": dict(n_enc_layer=2, n_dec_layer=2, n_embd=64, d_ff=256, n_head=4, dropout=0.0),
     }
 
     @classmethod
@@ -129,16 +133,6 @@ class TransformerConfig:
         if unknown:
             raise ValueError(f"unknown TransformerConfig fields {sorted(unknown)}")
         return cls(**d)
-
-
-@struct.dataclass
-class Seq2SeqCache:
-    """Decoding state: the decoder's self-attention KVCache and the cross-attention keys
-    and values, projected once per source (every decoder layer's, stacked)."""
-
-    self_kv: KVCache  # k, v: L x [B, H, T_max, K]
-    cross_k: jax.Array  # [L, B, S, H, K]
-    cross_v: jax.Array  # [L, B, S, H, K]
 
 
 def _sublayer(x_BTD, branch, ln, pre_ln: bool):
@@ -200,7 +194,7 @@ class DecoderLayer(_LayerBase):
         c = self.config
         self.attn = self.make_self_attention(causal=True)
         self.cross = CrossAttention(
-            d_model=c.d_model,
+            d_model=c.n_embd,
             n_head=c.n_head,
             use_bias=c.bias,
             attn_dropout=c.attn_dropout,
@@ -214,13 +208,15 @@ class DecoderLayer(_LayerBase):
     def project_kv(self, memory_BSD):
         return self.cross.project_kv(memory_BSD)
 
-    def __call__(self, x_BTD, positions_BT, kv, layer, memory, src_lengths_B):
+    def __call__(self, x_BTD, positions_BT, kv, memory, src_lengths_B):
+        """kv: this layer's (k, v) self-attention cache buffers or None (returned updated);
+        memory: the encoder output [B, S, D], or this layer's projected (k, v) from the cache."""
         pre = self.config.pre_ln
         new_kv = kv
 
         def self_attn(h_BTD):
             nonlocal new_kv
-            y_BTD, new_kv = self.attn(h_BTD, positions_BT, kv, layer)
+            y_BTD, new_kv = self.attn(h_BTD, positions_BT, kv)
             return y_BTD
 
         x_BTD = _sublayer(x_BTD, self_attn, self.ln_1, pre)
@@ -239,12 +235,12 @@ class Transformer(nn.Module):
         # tied output layer starts with logits of unit scale
         embed = lambda: nn.Embed(
             c.padded_vocab_size,
-            c.d_model,
+            c.n_embd,
             dtype=jnp.dtype(c.dtype),
             param_dtype=pdtype,
-            embedding_init=normal_init(c.d_model**-0.5, ("vocab", "embed")),
+            embedding_init=normal_init(c.n_embd**-0.5, ("vocab", "embed")),
         )
-        if c.share_embeddings:
+        if c.tie_embeddings:
             self.embed = embed()
         else:
             self.src_embed, self.tgt_embed = embed(), embed()
@@ -253,7 +249,7 @@ class Transformer(nn.Module):
                 use_bias=False,
                 dtype=jnp.dtype(c.dtype),
                 param_dtype=pdtype,
-                kernel_init=normal_init(c.d_model**-0.5, ("embed", "vocab")),
+                kernel_init=normal_init(c.n_embd**-0.5, ("embed", "vocab")),
             )
         self.enc = [EncoderLayer(c, self.deterministic) for _ in range(c.n_enc_layer)]
         self.dec = [DecoderLayer(c, self.deterministic) for _ in range(c.n_dec_layer)]
@@ -264,16 +260,17 @@ class Transformer(nn.Module):
 
     def _embed(self, table, tokens_BT, positions_BT):
         c = self.config
-        x_BTD = table(tokens_BT) * math.sqrt(c.d_model)
-        x_BTD = x_BTD + sinusoidal_positions(positions_BT, c.d_model).astype(x_BTD.dtype)
+        x_BTD = table(tokens_BT) * math.sqrt(c.n_embd)
+        pe_BTD = sinusoidal_positions(positions_BT, c.n_embd, c.sinusoid_layout, x_BTD.dtype)
+        x_BTD = x_BTD + pe_BTD.astype(x_BTD.dtype)
         return self.drop(x_BTD, deterministic=self.deterministic)
 
     def encode(self, src_BS, src_lengths_B):
         """Source tokens [B, S] (valid on the first src_lengths[b]) -> memory [B, S, D]."""
         c = self.config
         B, S = src_BS.shape
-        _check_length("source", S, c.max_len)
-        table = self.embed if c.share_embeddings else self.src_embed
+        _check_length("source", S, c.block_size)
+        table = self.embed if c.tie_embeddings else self.src_embed
         x_BSD = self._embed(table, src_BS, jnp.broadcast_to(jnp.arange(S), (B, S)))
         mask_B11S = padding_mask(src_lengths_B, S)
         for layer in self.enc:
@@ -284,12 +281,15 @@ class Transformer(nn.Module):
         """A decoding cache: empty self-attention buffers of `max_len` target positions and
         every decoder layer's cross-attention keys and values of `memory`."""
         c = self.config
-        kv = [layer.project_kv(memory_BSD) for layer in self.dec]
+        cross = [layer.project_kv(memory_BSD) for layer in self.dec]
         self_kv = KVCache.init(
             c.n_dec_layer, memory_BSD.shape[0], max_len, c.n_head, c.head_dim, jnp.dtype(c.dtype)
         )
         return Seq2SeqCache(
-            self_kv=self_kv, cross_k=jnp.stack([k for k, _ in kv]), cross_v=jnp.stack([v for _, v in kv])
+            self_kv=self_kv,
+            cross_k=tuple(k for k, _ in cross),
+            cross_v=tuple(v for _, v in cross),
+            source_R=jnp.arange(memory_BSD.shape[0], dtype=jnp.int32),
         )
 
     def decode(self, tgt_BT, memory_BSD, src_lengths_B, cache: Seq2SeqCache | None = None, positions=None):
@@ -302,23 +302,25 @@ class Transformer(nn.Module):
         """
         c = self.config
         B, T = tgt_BT.shape
-        _check_length("target", T, c.max_len if cache is None else cache.self_kv.max_len)
+        _check_length("target", T, c.block_size if cache is None else cache.self_kv.max_len)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        table = self.embed if c.share_embeddings else self.tgt_embed
+        table = self.embed if c.tie_embeddings else self.tgt_embed
         x_BTD = self._embed(table, tgt_BT, positions)
-        kv = None if cache is None else (cache.self_kv.k, cache.self_kv.v)
+        kv_layers = []
         for i, layer in enumerate(self.dec):
+            kv = None if cache is None else cache.self_kv.layer(i)
             memory = memory_BSD if cache is None else (cache.cross_k[i], cache.cross_v[i])
-            x_BTD, kv = layer(x_BTD, positions, kv, i, memory, src_lengths_B)
+            x_BTD, kv = layer(x_BTD, positions, kv, memory, src_lengths_B)
+            kv_layers.append(kv)
         if c.pre_ln:
             x_BTD = self.dec_ln(x_BTD)
-        logits_BTV = table.attend(x_BTD) if c.share_embeddings else self.lm_head(x_BTD)
+        logits_BTV = table.attend(x_BTD) if c.tie_embeddings else self.lm_head(x_BTD)
         # padded vocabulary rows exist for speed only: callers never see them
         logits_BTV = logits_BTV[..., : c.vocab_size].astype(jnp.float32)
         if cache is None:
             return logits_BTV
-        return logits_BTV, cache.replace(self_kv=cache.self_kv.replace(k=kv[0], v=kv[1]))
+        return logits_BTV, cache.replace(self_kv=KVCache.from_layers(kv_layers, c.n_head))
 
     def __call__(self, src_BS, src_lengths_B, tgt_in_BT):
         """Teacher forcing: logits [B, T, V] for the next target token at each position."""
@@ -328,13 +330,13 @@ class Transformer(nn.Module):
 def _check_length(what: str, n: int, limit: int):
     if n > limit:
         raise ValueError(
-            f"{what} length {n} is longer than max_len {limit}; "
-            "raise max_len or truncate the data (prepare with --truncate)"
+            f"{what} length {n} is longer than the model's block_size {limit}; "
+            "raise block_size or truncate the data (prepare with --truncate)"
         )
 
 
 def _dummy(config: TransformerConfig):
-    n = min(8, config.max_len)
+    n = min(8, config.block_size)
     return jnp.zeros((1, n), jnp.int32), jnp.full((1,), n, jnp.int32), jnp.zeros((1, n), jnp.int32)
 
 
@@ -348,111 +350,33 @@ def abstract_params(config: TransformerConfig):
     return jax.eval_shape(lambda r: Transformer(config).init(r, *_dummy(config)), jax.random.key(0))["params"]
 
 
-# ---- decoding: the model seen by beam_search / greedy_search through a step function ----
+# ---- decoding: the model seen by beam_search through a step function ----
 
 
-def _reorder_self_kv(cache: Seq2SeqCache, rows_R):
-    # every beam of a source shares that source's cross keys/values: only the self-attention moves
-    return cache.replace(self_kv=cache.self_kv.take_rows(rows_R))
-
-
-@functools.partial(
-    jax.jit, static_argnames=("config", "beam_size", "max_len", "alpha", "bos_id", "eos_id", "pad_id")
-)
-def generate(
-    params,
-    src_BS,
-    src_lengths_B,
-    *,
-    config: TransformerConfig,
-    beam_size: int = 4,
-    max_len: int = 64,
-    alpha: float = 0.6,
-    bos_id: int = 1,
-    eos_id: int = 2,
-    pad_id: int = 0,
-):
-    """Target tokens [B, max_len] (EOS kept, pad after) for each source: beam search, or greedy
-    when beam_size == 1. The source is encoded and projected for cross-attention once."""
-    B, W = src_BS.shape[0], beam_size
-    model = Transformer(config)
-    v = {"params": params}
+def start_decoding(config: TransformerConfig, params, src_BS, src_lengths_B, *, beams: int, max_len: int):
+    """Encode the sources once -> (Seq2SeqCache of B * beams rows, src_lengths_R): row b * beams + w
+    is beam w of source b; the cache has room for max_len target positions."""
+    model, v = Transformer(config), {"params": params}
     memory_BSD = model.apply(v, src_BS, src_lengths_B, method=Transformer.encode)
-    # each source repeated W times: row b * W + w is beam w of source b
-    memory_RSD, lengths_R = jnp.repeat(memory_BSD, W, axis=0), jnp.repeat(src_lengths_B, W, axis=0)
-    cache = model.apply(v, memory_RSD, max_len, method=Transformer.init_cache)
+    cache = model.apply(v, memory_BSD, max_len, method=Transformer.init_cache)
+    rows_R = jnp.repeat(jnp.arange(src_BS.shape[0]), beams)  # project each source once, then copy
+    return cache.take_rows(rows_R), src_lengths_B[rows_R]
 
-    def step(tokens_RT, positions_RT, cache):
+
+@functools.cache
+def _decode_with_cache(config: TransformerConfig):
+    model = Transformer(config)
+
+    def apply(params, src_lengths_R, tokens_RT, positions_RT, cache):
+        v = {"params": params}
         return model.apply(
-            v, tokens_RT, None, lengths_R, cache=cache, positions=positions_RT, method=Transformer.decode
+            v, tokens_RT, None, src_lengths_R, cache=cache, positions=positions_RT, method=Transformer.decode
         )
 
-    ids = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
-    if W == 1:
-        return greedy_search(step, cache, batch_size=B, max_len=max_len, **ids)
-    seqs_BWN, _ = beam_search(
-        step,
-        cache,
-        batch_size=B,
-        beam_size=W,
-        max_len=max_len,
-        alpha=alpha,
-        reorder_cache=_reorder_self_kv,
-        **ids,
-    )
-    return seqs_BWN[:, 0]
+    return apply
 
 
-def translate(
-    config: TransformerConfig,
-    params,
-    tokenizer,
-    lines,
-    *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    max_len: int | None = None,
-    batch_size: int = 32,
-    truncate: bool = False,
-) -> list[str]:
-    """Text in, text out: encode each line (+ EOS), decode in batches, detokenize up to EOS.
-
-    `tokenizer` is a seq2seq_data.Seq2SeqTokenizer (pad_id, bos_id, eos_id). A line longer than
-    the model's max_len - 1 tokens is an error, or cut with a warning when `truncate`.
-    """
-    max_len = max_len or config.max_len
-    ids = []
-    for i, line in enumerate(lines):
-        toks = tokenizer.encode(line)
-        if len(toks) > config.max_len - 1:
-            if not truncate:
-                raise ValueError(
-                    f"line {i + 1} has {len(toks)} tokens, more than max_len - 1 = "
-                    f"{config.max_len - 1}; shorten it or pass truncate=True"
-                )
-            warnings.warn(f"line {i + 1} cut to {config.max_len - 1} tokens", stacklevel=2)
-            toks = toks[: config.max_len - 1]
-        ids.append(toks + [tokenizer.eos_id])
-    out = []
-    for start in range(0, len(ids), batch_size):
-        chunk = ids[start : start + batch_size]
-        # fixed batch rows and source lengths in multiples of 16: few shapes, few compilations
-        S = min(config.max_len, -(-max(len(t) for t in chunk) // 16) * 16)
-        src = np.full((batch_size, S), tokenizer.pad_id, np.int32)
-        lengths = np.ones(batch_size, np.int32)
-        for b, t in enumerate(chunk):
-            src[b, : len(t)], lengths[b] = t, len(t)
-        tokens = generate(
-            params,
-            src,
-            lengths,
-            config=config,
-            beam_size=beam_size,
-            max_len=max_len,
-            alpha=alpha,
-            bos_id=tokenizer.bos_id,
-            eos_id=tokenizer.eos_id,
-            pad_id=tokenizer.pad_id,
-        )
-        out += [tokenizer.decode(row) for row in np.asarray(tokens)[: len(chunk)]]
-    return out
+def step_fn(config: TransformerConfig, params, src_lengths_R) -> jax.tree_util.Partial:
+    """The decoder as a step_fn(tokens_RT, positions_RT, cache: Seq2SeqCache) -> (logits_RTV, cache)
+    for flaxgpt.beam_search, with the cache and source lengths from `start_decoding`."""
+    return jax.tree_util.Partial(_decode_with_cache(config), params, src_lengths_R)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import optax
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -155,18 +156,27 @@ def _check_divisible(abstract_params, shardings, mesh: Mesh) -> None:
 
 def state_shardings(abstract_state, params_abstract, params_shardings, mesh: Mesh):
     """Shardings for a whole train state: any subtree shaped like the parameters (the params
-    themselves, Adam's mu and nu) gets the parameter shardings; everything else is replicated."""
+    themselves, Adam's mu and nu) gets the parameter shardings; everything else is replicated.
+    A subtree shaped like the parameters with some leaves masked out (optax.partition's groups:
+    Muon's momentum covers only the hidden matrices) gets the shardings of the leaves it has."""
     params_def = jax.tree_util.tree_structure(params_abstract)
+    masked = optax.transforms.MaskedNode
+    is_masked = lambda x: isinstance(x, masked)  # noqa: E731
 
     def is_params_like(x):
         try:
-            return jax.tree_util.tree_structure(x) == params_def
+            return jax.tree_util.tree_structure(x, is_leaf=is_masked) == params_def
         except Exception:
             return False
 
+    def params_like_shardings(x):
+        return jax.tree_util.tree_map(
+            lambda leaf, s: leaf if is_masked(leaf) else s, x, params_shardings, is_leaf=is_masked
+        )
+
     rep = replicated(mesh)
     return jax.tree_util.tree_map(
-        lambda x: params_shardings if is_params_like(x) else rep,
+        lambda x: params_like_shardings(x) if is_params_like(x) else rep,
         abstract_state,
         is_leaf=lambda x: is_params_like(x),
     )

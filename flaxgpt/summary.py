@@ -8,7 +8,8 @@
 
 Every number comes from `jax.eval_shape` of the real model (no weight is ever
 allocated), so a 1.5B-parameter model is summarised in a second on a laptop.
-`summarize(model_config)` returns the same numbers as a dict.
+`summarize(model_config)` returns the same numbers as a dict; `flops_per_token(model_config)`
+is the one FLOPs count of the project (the trainer's MFU uses it too).
 
 FLOPs per token follow nanoGPT / PaLM (Appendix B): a matmul with N weights costs
 2N FLOPs per token forward and 4N backward, plus attention's scores and weighted
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -33,7 +33,8 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from flaxgpt import gpt
+from flaxgpt import models
+from flaxgpt.config_check import load_recipe
 
 MB = 2**20
 PARTS = (
@@ -75,15 +76,6 @@ def _leaves_with_names(params):
         yield tuple(str(getattr(k, "key", k)) for k in keypath), leaf
 
 
-def abstract_params_of(model_config):
-    """ShapeDtypeStructs of any flaxgpt model's parameters (GPT or the encoder-decoder)."""
-    if isinstance(model_config, gpt.GPTConfig):
-        return gpt.abstract_params(model_config)
-    from flaxgpt import seq2seq  # the encoder-decoder is optional here
-
-    return seq2seq.abstract_params(model_config)
-
-
 def parameter_counts(params) -> dict[str, int]:
     """Parameters per part (PARTS), from real or abstract (boxed or plain) parameters."""
     counts = dict.fromkeys(PARTS, 0)
@@ -92,29 +84,48 @@ def parameter_counts(params) -> dict[str, int]:
     return counts
 
 
-def flops_per_token(n_matmul: int, n_layer: int, n_head: int, head_dim: int, seq_len: int) -> dict:
-    attn_fwd = 4 * n_layer * n_head * head_dim * seq_len  # q.k scores + weighted sum of v
-    return {"forward": 2 * n_matmul + attn_fwd, "train": 6 * n_matmul + 3 * attn_fwd}
+def flops_per_token(model_config, seq_len: int | None = None) -> dict:
+    """Forward and training FLOPs per (target) token at sequence length seq_len (default block_size):
+    {"forward", "train", "seq_len", "n_matmul", "attention_layers"}."""
+    return _flops(model_config, parameter_counts(models.abstract_params(model_config)), seq_len)
+
+
+def _flops(c, parts: dict, seq_len: int | None) -> dict:
+    T = seq_len or c.block_size
+    # a lookup is free: the token matrices cost FLOPs only where one is the (tied) head
+    n_matmul = sum(parts.values()) - parts["position embeddings"]
+    n_matmul -= 0 if c.tie_embeddings else parts["token embeddings"]
+    # encoder-decoder, per target token with a source as long: every encoder layer attends
+    # over S, every decoder layer over T (self) and over S (cross)
+    is_gpt = models.kind_of(c) == "gpt"
+    attn_layers = c.n_layer if is_gpt else c.n_enc_layer + 2 * c.n_dec_layer
+    attn_fwd = 4 * attn_layers * c.n_head * c.head_dim * T  # q.k scores + weighted sum of v
+    return {
+        "seq_len": T,
+        "n_matmul": n_matmul,
+        "attention_layers": attn_layers,
+        "forward": 2 * n_matmul + attn_fwd,
+        "train": 6 * n_matmul + 3 * attn_fwd,
+    }
 
 
 def summarize(model_config, seq_len: int | None = None) -> dict:
     """All the numbers of the printed summary, for a GPTConfig (or a seq2seq TransformerConfig)."""
-    parts = parameter_counts(abstract_params_of(model_config))
+    parts = parameter_counts(models.abstract_params(model_config))
     total = sum(parts.values())
     c = model_config
-    is_gpt = isinstance(c, gpt.GPTConfig)
-    vocab_matrix = c.padded_vocab_size * (c.n_embd if is_gpt else c.d_model)
-    tied = c.tie_embeddings if is_gpt else c.share_embeddings
+    kind = models.kind_of(c)
+    vocab_matrix = c.padded_vocab_size * c.n_embd
     # untied, a GPT has wte and lm_head; an encoder-decoder src_embed, tgt_embed and lm_head
-    extra_when_untied = vocab_matrix * (1 if is_gpt else 2)
+    extra_when_untied = vocab_matrix * (1 if kind == "gpt" else 2)
     pos = parts["position embeddings"]
     totals = {
         "total": total,
         "without_position_embeddings": total - pos,  # nanoGPT's get_num_params()
         # Kaplan et al.'s N (~12*L*D^2): the blocks and final norm, no embedding or head matrix
         "without_embeddings": total - pos - parts["token embeddings"] - parts["head"],
-        "tied_head": total if tied else total - extra_when_untied,
-        "untied_head": total + extra_when_untied if tied else total,
+        "tied_head": total if c.tie_embeddings else total - extra_when_untied,
+        "untied_head": total + extra_when_untied if c.tie_embeddings else total,
     }
     memory = {}
     for dtype, nbytes in DTYPE_BYTES.items():
@@ -122,36 +133,40 @@ def summarize(model_config, seq_len: int | None = None) -> dict:
         m["total"] = sum(m.values())
         memory[dtype] = m
     out = {
+        "kind": kind,
         "config": dataclasses.asdict(c),
         "parts": parts,
         "totals": totals,
-        "tied": tied,
+        "tied": c.tie_embeddings,
         "memory_bytes": memory,
+        "flops": _flops(c, parts, seq_len),
     }
-    T = seq_len or (c.block_size if is_gpt else c.max_len)
-    # a lookup is free: the token matrices cost FLOPs only where one is the (tied) head
-    n_matmul = total - pos - (0 if tied else parts["token embeddings"])
-    # encoder-decoder, per target token with a source as long: every encoder layer attends
-    # over S, every decoder layer over T (self) and over S (cross)
-    attn_layers = c.n_layer if is_gpt else c.n_enc_layer + 2 * c.n_dec_layer
-    out["flops"] = {
-        "seq_len": T,
-        "n_matmul": n_matmul,
-        "attention_layers": attn_layers,
-        **flops_per_token(n_matmul, attn_layers, c.n_head, c.head_dim, T),
-    }
+    if kind == "gpt":
+        out["kv_cache"] = kv_cache_bytes(c)
     return out
+
+
+def kv_cache_bytes(c) -> dict:
+    """Bytes of KV cache per token of one sequence (keys and values of every layer), as the
+    GPT's cache stores them (kv_heads heads) and as multi-head attention would (n_head heads)."""
+    per_head = 2 * c.n_layer * c.head_dim  # keys + values, every layer
+    return {
+        "kv_heads": c.kv_heads,
+        "per_token": {dtype: per_head * c.kv_heads * n for dtype, n in DTYPE_BYTES.items()},
+        "per_token_multi_head": {dtype: per_head * c.n_head * n for dtype, n in DTYPE_BYTES.items()},
+    }
 
 
 def format_summary(s: dict) -> str:
     total = s["totals"]["total"]
-    c = s["config"]
-    if "n_embd" in c:
-        shape = f"GPT: {c['n_layer']} layers, {c['n_head']} heads, width {c['n_embd']}"
-        shape += f", context {c['block_size']}"
+    c, is_gpt = s["config"], s["kind"] == "gpt"
+    if is_gpt:
+        shape = f"GPT: {c['n_layer']} layers, {c['n_head']} heads"
+        if c["n_kv_head"] and c["n_kv_head"] != c["n_head"]:
+            shape += f" ({c['n_kv_head']} key/value heads)"
     else:
         shape = f"encoder-decoder: {c['n_enc_layer']}+{c['n_dec_layer']} layers, {c['n_head']} heads"
-        shape += f", width {c['d_model']}, max_len {c['max_len']}"
+    shape += f", width {c['n_embd']}, context {c['block_size']}"
     m = c["pad_vocab_multiple"]
     vocab = f"vocab {c['vocab_size']:,}"
     if m > 1:
@@ -161,7 +176,8 @@ def format_summary(s: dict) -> str:
     for part, n in s["parts"].items():
         note = "   (tied: reuses the token embeddings)" if part == "head" and s["tied"] else ""
         if part == "position embeddings" and not n:
-            note = "   (sinusoidal: computed, not learned)"
+            kind = "rotary" if c.get("pos_embedding") == "rope" else "sinusoidal"
+            note = f"   ({kind}: computed, not learned)"
         if n or note or part not in ("other", "cross-attention"):
             lines.append(f"{part:<22}{n:>16,}{100 * n / max(total, 1):>8.1f}%{note}")
     lines.append("-" * 47)
@@ -185,9 +201,16 @@ def format_summary(s: dict) -> str:
     ):
         lines.append(f"  {label:<22}{mem['float32'][row] / MB:>16,.2f}{mem['bfloat16'][row] / MB:>12,.2f}")
     lines.append("  (activations and temporaries come on top and grow with batch x sequence)")
+    if "kv_cache" in s:
+        kv, T = s["kv_cache"], c["block_size"]
+        per, mha = kv["per_token"]["bfloat16"], kv["per_token_multi_head"]["bfloat16"]
+        line = f"KV cache, bfloat16: {per / 2**10:,.1f} KiB per token, {per * T / MB:,.1f} MB at {T:,} tokens"
+        if kv["kv_heads"] != c["n_head"]:
+            line += f" ({kv['kv_heads']} key/value heads; {mha / per:.0f}x less than {c['n_head']})"
+        lines += ["", line]
     if "flops" in s:
         f = s["flops"]
-        per = "token" if "n_embd" in c else "target token (source as long; L = enc + 2 x dec layers)"
+        per = "token" if is_gpt else "target token (source as long; L = enc + 2 x dec layers)"
         lines += [
             "",
             f"FLOPs per {per} at sequence length {f['seq_len']} (N = {f['n_matmul']:,} matmul weights):",
@@ -237,22 +260,6 @@ def parse_overrides(args: list[str], config_cls) -> dict:
     return out
 
 
-def load_config_file(path: str):
-    """get_config() of a configs/<recipe>.py file (`file.py:arg` passes arg to get_config)."""
-    path, _, arg = path.partition(":")
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"config file {path!r} not found; pass e.g. configs/default.py")
-    # recipes import their base as `from configs import default`: the repository root must be importable
-    root = str(file.resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    spec = importlib.util.spec_from_file_location(f"_flaxgpt_config_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg) if arg else module.get_config()
-
-
 def _data_vocab_size(cfg) -> int | None:
     """The vocabulary of the prepared dataset a run config points at, when it is on disk."""
     try:
@@ -262,66 +269,23 @@ def _data_vocab_size(cfg) -> int | None:
         return None
 
 
-def model_config_from(model, overrides: dict | None = None, data_vocab: int | None = None):
-    """A GPTConfig (or seq2seq TransformerConfig) from a run config's `model` section.
-
-    Accepts both a saved run's config.json entry (GPTConfig field names plus "kind") and a
-    configs/*.py section (which the trainer maps onto GPTConfig, e.g. one `dropout`).
-    vocab_size 0 or None means "the dataset's": `data_vocab`, else GPT-2's 50257.
-    """
-    d = dict(model.to_dict() if hasattr(model, "to_dict") else model)
-    kind = d.pop("kind", "gpt")
-    if kind not in ("gpt", "seq2seq"):
-        raise ValueError(f"model.kind={kind!r} is not one of ('gpt', 'seq2seq')")
-    if kind == "seq2seq":
-        from flaxgpt.seq2seq import TransformerConfig as cls
-    else:
-        cls = gpt.GPTConfig
-    known = {f.name for f in dataclasses.fields(cls)}
-    if not d.get("vocab_size"):
-        d["vocab_size"] = data_vocab or cls().vocab_size
-    if kind == "gpt" and not set(d) <= known:  # a recipe's section: map it as training does
-        import ml_collections
-
-        from flaxgpt.trainer import gpt_config_from
-
-        config = gpt_config_from(ml_collections.ConfigDict(d), d["vocab_size"])
-    else:
-        config = cls(**{k: v for k, v in d.items() if k in known and v is not None})
-    return dataclasses.replace(config, **(overrides or {}))
-
-
-def _config_class(kind: str):
-    if kind == "seq2seq":
-        from flaxgpt.seq2seq import TransformerConfig
-
-        return TransformerConfig
-    return gpt.GPTConfig
-
-
-def _seq2seq_presets() -> tuple[str, ...]:
-    try:
-        from flaxgpt.seq2seq import TransformerConfig
-    except ImportError:
-        return ()
-    return tuple(TransformerConfig.PRESETS)
-
-
 def config_from_args(args, rest: list[str]):
     """The model config named by --config / --run / --preset, with the field overrides in `rest`."""
     if args.config or args.run:
         if args.config:
-            cfg = load_config_file(args.config)
+            cfg = load_recipe(args.config)
             model, data_vocab = cfg.model, _data_vocab_size(cfg)
         else:
             model, data_vocab = json.loads((Path(args.run) / "config.json").read_text())["model"], None
-        overrides = parse_overrides(rest, _config_class(dict(model).get("kind", "gpt")))
-        config = model_config_from(model, overrides, data_vocab)
-        if not dict(model).get("vocab_size") and "vocab_size" not in overrides:
+        model = dict(model.to_dict() if hasattr(model, "to_dict") else model)
+        overrides = parse_overrides(rest, models.CONFIGS.get(model.get("kind"), models.GPTConfig))
+        # overrides join the section before the mapping: "-1 = dropout" sees an overridden dropout
+        config = models.config_from({**model, **overrides}, data_vocab, saved=bool(args.run))
+        if not model.get("vocab_size") and "vocab_size" not in overrides:
             where = "the dataset's meta.json" if data_vocab else "default (the dataset is not prepared)"
             print(f"vocab_size {config.vocab_size:,} from {where}; --vocab_size=N to change it\n")
         return config
-    cls = _config_class("seq2seq" if args.preset in _seq2seq_presets() else "gpt")
+    cls = models.TransformerConfig if args.preset in models.TransformerConfig.PRESETS else models.GPTConfig
     overrides = parse_overrides(rest, cls)
     return cls.preset(args.preset, **overrides) if args.preset else cls(**overrides)
 
@@ -335,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--config", help="configs/<recipe>.py with get_config(); its `model` section is used")
     src.add_argument("--run", help="a training run directory: its config.json's `model` entry is used")
-    presets = ", ".join([*gpt.GPTConfig.PRESETS, *_seq2seq_presets()])
+    presets = ", ".join([*models.GPTConfig.PRESETS, *models.TransformerConfig.PRESETS])
     src.add_argument("--preset", help=f"a model preset: {presets}")
     p.add_argument("--seq_len", type=int, default=None, help="T for the attention FLOPs (default block_size)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")

@@ -2,7 +2,9 @@
 
     tok = get_tokenizer("gpt2")            # GPT-2's BPE, offline (ranks shipped in the package)
     tok = CharTokenizer.from_text(text)    # characters seen in the data
+    tok = Seq2SeqTokenizer(base)           # the encoder-decoder's: PAD, BOS, EOS, then base's ids
     ids = tok.encode("Hello"); text = tok.decode(ids)
+    ids = encode_prompt(tok, text, block_size)   # a GPT prompt: never empty, cropped to the context
 
 A tokenizer is described by a small JSON-able dict (`to_meta`) that `prepare`
 writes into meta.json and `from_meta` reads back, so a run directory knows
@@ -15,12 +17,15 @@ import base64
 import functools
 import hashlib
 import importlib.resources
+import warnings
 from typing import Protocol
 
 R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 # GPT-2's pre-tokenizer split pattern (tiktoken's r50k_base / gpt2)
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 ENDOFTEXT = "<|endoftext|>"
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the encoder-decoder's special ids, before the base vocabulary
+N_SPECIAL = 3
 
 
 class Tokenizer(Protocol):
@@ -138,4 +143,103 @@ def from_meta(meta: dict) -> Tokenizer:
         return CharTokenizer(meta["chars"])
     if kind == "tiktoken":
         return TiktokenTokenizer(meta["name"])
-    raise ValueError(f"unknown tokenizer kind {kind!r} in meta.json; expected 'char' or 'tiktoken'")
+    if kind == "seq2seq":
+        return Seq2SeqTokenizer.from_meta(meta)
+    if kind == "hf":  # a Hugging Face model's tokenizer.json (flaxgpt.prepare --tokenizer PATH)
+        from flaxgpt.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(meta["path"])
+    raise ValueError(f"unknown tokenizer kind {kind!r} in meta.json; expected char, tiktoken, seq2seq or hf")
+
+
+def encode_prompt(tokenizer, text: str, max_tokens: int) -> list[int]:
+    """A GPT prompt's ids, never empty and at most the last `max_tokens` (with a warning if cut).
+
+    A tokenizer whose model starts sequences with BOS (`add_bos`: Llama's tokenizer.json) gets it
+    first. An empty prompt starts from BOS, from end-of-text, or from a newline (else the first
+    character) for a character vocabulary, which has no end-of-text token; that too is a warning.
+    """
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []
+    ids = tokenizer.encode(text)
+    if not ids:
+        if bos:
+            return bos
+        if tokenizer.eot_id is not None:
+            return [tokenizer.eot_id]
+        start = "\n" if "\n" in tokenizer.stoi else tokenizer.chars[0]  # nanoGPT starts from "\n"
+        warnings.warn(
+            f"empty prompt: starting from {start!r} (this character vocabulary has no end-of-text token)",
+            stacklevel=2,
+        )
+        return tokenizer.encode(start)
+    if len(bos) + len(ids) > max_tokens:
+        warnings.warn(
+            f"prompt of {len(bos) + len(ids)} tokens is longer than the context ({max_tokens}); "
+            f"keeping its last {max_tokens} tokens",
+            stacklevel=2,
+        )
+        ids = ids[len(bos) + len(ids) - max_tokens :]  # BOS stays first
+    return bos + ids
+
+
+class TextStream:
+    """The new text of a growing list of ids, for printing as they are decoded.
+
+    `add(ids)` returns the text the new ids complete; a half-decoded UTF-8 character (a BPE token
+    can end inside one) is held back until the ids that finish it arrive.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.shown = tokenizer, [], 0
+
+    def add(self, ids) -> str:
+        self.ids.extend(int(i) for i in ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        new, self.shown = text[self.shown :], len(text)
+        return new
+
+
+class Seq2SeqTokenizer:
+    """A base tokenizer (characters or tiktoken BPE) behind three special ids: id = base id + 3."""
+
+    pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
+
+    def __init__(self, base):
+        self.base = base
+        self.vocab_size = base.vocab_size + N_SPECIAL
+        self.eot_id = EOS_ID
+
+    def encode(self, text: str) -> list[int]:
+        return [i + N_SPECIAL for i in self.base.encode(text)]
+
+    def decode(self, ids) -> str:
+        """Text of the ids up to the first EOS; PAD and BOS are dropped."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i >= N_SPECIAL:
+                out.append(i - N_SPECIAL)
+        return self.base.decode(out)
+
+    def to_meta(self) -> dict:
+        return {
+            "kind": "seq2seq",
+            "base": self.base.to_meta(),
+            "vocab_size": self.vocab_size,
+            "pad_id": PAD_ID,
+            "bos_id": BOS_ID,
+            "eos_id": EOS_ID,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict) -> Seq2SeqTokenizer:
+        if meta.get("kind") != "seq2seq":
+            raise ValueError(
+                f"tokenizer kind {meta.get('kind')!r} is not a seq2seq vocabulary; "
+                "prepare the data with python -m flaxgpt.prepare_seq2seq"
+            )
+        return cls(from_meta(meta["base"]))

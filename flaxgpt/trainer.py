@@ -2,23 +2,21 @@
 
     state, metrics = train_step(state, batch)   # pure, jitted once, state donated
 
-Model-specific parts live in a small task object (`GPTTask` here; the encoder-decoder registers
-its own with `register_task`), chosen by `config.model.kind`. A task provides:
-  model_config, abstract_params() (boxed, with logical axes), init_params(rng),
-  loss(params, batch, rng, train) -> (summed float32 loss, number of target tokens),
-  batch(split, step, n_rows, process_index) -> host-local numpy dict [n_rows, ...],
-  flops_per_token(), tokens_per_row, and run_files(out_dir).
+Model-specific parts live in a task object (flaxgpt.tasks: `LMTask` for the GPT, `Seq2SeqTask` for
+the encoder-decoder), chosen by `config.model.kind`: model config, parameters, loss, batches and
+extra eval metrics. MFU counts FLOPs with flaxgpt.summary.flops_per_token, as `summary` prints them.
 
 Checkpoints (flaxgpt.checkpoint) live in out_dir/checkpoints: `Trainer.init_state` restores the
 latest one (init_from auto | resume) onto `restore_target`, the loop saves every ckpt_interval steps,
 at the end and on SIGTERM. The data position is the step, so a restored state continues exactly.
+Each checkpoint records the run config and data meta it was trained with (a resume that changes the
+model or the tokenizer is refused: run_dir.check_resume) and the loss of its own weights on a fixed
+batch, so the checkpoint named after a NaN is one whose loss was finite and not exploding.
+`train` holds out_dir's lock (flaxgpt.run_lock) from before anything is written until it returns.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -31,9 +29,13 @@ from flax import struct
 
 from flaxgpt import checkpoint as ckpt_lib
 from flaxgpt import data as data_lib
-from flaxgpt import gpt, sharding
+from flaxgpt import gpt, models, run_dir, run_lock, sharding
+from flaxgpt.config_check import check as check_config
 from flaxgpt.metrics import MetricsWriter, peak_flops_per_device
 from flaxgpt.optim import make_optimizer
+from flaxgpt.preemption import StopSignal
+from flaxgpt.summary import flops_per_token
+from flaxgpt.tasks import make_task
 
 
 @struct.dataclass
@@ -42,141 +44,6 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # base key; dropout at step s uses fold_in(rng, s)
-
-
-def cross_entropy(logits_BTV, targets_BT, mask_BT=None, label_smoothing: float = 0.0):
-    """(sum of per-token losses, number of counted tokens), both float32."""
-    logits_BTV = logits_BTV.astype(jnp.float32)  # fp32 log-softmax even when the model runs in bf16
-    logprobs_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
-    nll_BT = -jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    if label_smoothing > 0:
-        nll_BT = (1.0 - label_smoothing) * nll_BT - label_smoothing * logprobs_BTV.mean(axis=-1)
-    mask_BT = jnp.ones_like(nll_BT) if mask_BT is None else mask_BT.astype(jnp.float32)
-    return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
-
-
-FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the model from config.model
-
-
-def dropout_rates(model_cfg) -> dict:
-    """embd/attn/resid dropout; a rate < 0 (or absent, as in older run configs) means model.dropout."""
-    m = model_cfg
-    rates = {}
-    for name in ("embd_dropout", "attn_dropout", "resid_dropout"):
-        p = m[name] if name in m else -1.0
-        rates[name] = m.dropout if p < 0 else p
-    return rates
-
-
-def gpt_config_from(model_cfg, vocab_size: int) -> gpt.GPTConfig:
-    m = model_cfg
-    return gpt.GPTConfig(
-        vocab_size=vocab_size,
-        block_size=m.block_size,
-        n_layer=m.n_layer,
-        n_head=m.n_head,
-        n_embd=m.n_embd,
-        pos_embedding=m.pos_embedding,
-        activation=m.activation,
-        tie_embeddings=m.tie_embeddings,
-        bias=m.bias,
-        qkv_bias=m.bias,
-        **dropout_rates(m),
-        dtype=m.dtype,
-        param_dtype=m.param_dtype,
-        pad_vocab_multiple=m.pad_vocab_multiple,
-        attention_impl=m.attention_impl,
-        scan_layers=m.scan_layers,
-        remat=m.remat,
-    )
-
-
-class GPTTask:
-    """Next-token prediction on a prepared token dataset (flaxgpt.prepare)."""
-
-    kind = "gpt"
-    splits = ("train", "val")
-
-    def __init__(self, config):
-        self.data = data_lib.TokenData(config.data.dir)
-        self.pretrained = None  # parameters to start from (init_from a GPT-2 name or directory)
-        if config.init_from in FRESH_STARTS:
-            vocab = config.model.vocab_size or self.data.vocab_size
-            self.model_config = gpt_config_from(config.model, vocab)
-        else:  # the checkpoint fixes the architecture; the run's model section the rest
-            from flaxgpt import hf
-
-            try:
-                model_config, self.pretrained = hf.load_for_run(config.init_from, config.model)
-            except ConnectionError as e:  # offline, or not a name at all (a mistyped "resume"?)
-                raise ValueError(
-                    f"init_from={config.init_from!r}: {e}; init_from is auto | resume | scratch | "
-                    "a GPT-2 name | a directory"
-                ) from None
-            self.model_config = dataclasses.replace(model_config, **dropout_rates(config.model))
-        self.data.check(self.model_config.block_size, self.model_config.vocab_size)
-        self.model = gpt.GPT(self.model_config)
-        self.seed = config.seed
-        self.label_smoothing = config.optim.label_smoothing
-        self.tokens_per_row = self.model_config.block_size
-
-    def abstract_params(self):
-        return gpt.abstract_params(self.model_config)
-
-    def init_params(self, rng):
-        return gpt.init_params(self.model_config, rng)
-
-    def loss(self, params, batch, rng, train: bool):
-        logits_BTV = self.model.apply(
-            {"params": params},
-            batch["inputs"],
-            deterministic=not train,
-            rngs={"dropout": rng} if train else None,
-        )
-        return cross_entropy(logits_BTV, batch["targets"], batch.get("loss_mask"), self.label_smoothing)
-
-    def batch(self, split: str, step: int, n_rows: int, process_index: int):
-        """Train batches follow the step; eval batch i of a split is the same at every evaluation."""
-        tokens = self.data.splits["train" if split != "val" else "val"]
-        stream = {
-            "train": data_lib.TRAIN_STREAM,
-            "val": data_lib.VAL_STREAM,
-            "train_eval": data_lib.TRAIN_EVAL_STREAM,
-        }[split]
-        return data_lib.get_batch(
-            tokens, self.model_config.block_size, n_rows, self.seed, step, process_index, stream
-        )
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token, 6N + 12*L*H*Q*T (flaxgpt.summary: an untied head counted once)."""
-        from flaxgpt.summary import summarize
-
-        return float(summarize(self.model_config)["flops"]["train"])
-
-    def model_dict(self) -> dict:
-        return {"kind": self.kind, **self.model_config.to_dict()}
-
-    def run_files(self, out_dir: Path) -> None:
-        shutil.copyfile(self.data.dir / "meta.json", out_dir / "meta.json")
-
-
-TASKS = {"gpt": GPTTask}
-
-
-def register_task(kind: str, cls) -> None:
-    TASKS[kind] = cls
-
-
-def make_task(config):
-    if config.model.kind == "seq2seq" and "seq2seq" not in TASKS:
-        import flaxgpt.seq2seq_task  # noqa: F401  registers itself (any recipe + --config.model.kind=seq2seq)
-    if config.model.kind == "seq2seq" and config.model.get("attn_dropout", 0.0) < 0:
-        config = config.copy_and_resolve_references()  # the encoder-decoder has no "-1 = dropout" rule
-        with config.unlocked():
-            config.model.attn_dropout = config.model.dropout
-    if config.model.kind not in TASKS:
-        raise ValueError(f"unknown model.kind {config.model.kind!r}; known: {', '.join(TASKS)}")
-    return TASKS[config.model.kind](config)
 
 
 def make_train_step(task, tx, schedule, grad_accum: int):
@@ -227,7 +94,7 @@ class Trainer:
                 f"batch_size // grad_accum = {self.micro_rows} is not divisible by the "
                 f"{jax.process_count()} processes"
             )
-        self.tx, self.schedule = make_optimizer(config.optim, config.max_iters)
+        self.tx, self.schedule = make_optimizer(config.optim, config.max_iters, self.mesh)
         boxed = self.task.abstract_params()
         self.param_shardings = sharding.param_shardings(boxed, self.mesh)
         self.abstract_state = jax.eval_shape(self._init_state_fn, jax.random.key(0))
@@ -249,6 +116,8 @@ class Trainer:
             out_shardings=rep,
         )
         self.tokens_per_step = config.batch_size * self.task.tokens_per_row
+        # training FLOPs per token, the figure `python -m flaxgpt.summary` prints (for MFU)
+        self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
         self.is_main = jax.process_index() == 0
         # restore onto the state's shardings: any mesh / device count, whatever the saving run had
         self.restore_target = jax.tree.map(
@@ -262,8 +131,30 @@ class Trainer:
                 f"init_from=resume but {config.out_dir} has no checkpoint; "
                 "use init_from=scratch or point out_dir at a run with checkpoints"
             )
+        self.data_meta = run_dir.check_data(config.out_dir, self.task.data_dir)  # another vocabulary: refused
+        self.task_eval = self._task_evaluator()  # its files are read (and checked) before anything is written
         self.ckpt = ckpt_lib.Checkpointer(config.out_dir, keep=config.keep_checkpoints, keep_best=True)
         self.resumed_best = float("inf")  # best val loss of the restored run's checkpoints
+        self.best_loss = float("inf")  # lowest loss seen (train, eval, checkpoints'): what "exploding" means
+
+    def _task_evaluator(self):
+        """config.eval_tasks (HellaSwag, LAMBADA, perplexity files) -> eval_tasks.TrainingEvaluator."""
+        c = self.config
+        if not c.get("eval_tasks"):
+            return None
+        if models.kind_of(self.task.model_config) != "gpt" or jax.process_count() > 1:
+            raise ValueError(
+                f"eval_tasks {c.eval_tasks!r} needs a GPT run on one process; this run is "
+                f"{models.kind_of(self.task.model_config)!r} on {jax.process_count()} processes"
+            )
+        from flaxgpt import eval_tasks, tokenizers
+
+        meta = run_dir.check_data(c.out_dir, self.task.data_dir)
+        tokenizer = tokenizers.from_meta(meta["tokenizer"])
+        devices = list(self.mesh.devices.flat)
+        return eval_tasks.TrainingEvaluator(
+            c.eval_tasks, self.task.model_config, tokenizer, limit=c.eval_tasks_limit, devices=devices
+        )
 
     def _init_state_fn(self, rng):
         params_rng, train_rng = jax.random.split(rng)
@@ -279,7 +170,19 @@ class Trainer:
         fresh state built directly in its shardings (never whole on one device), or the task's
         pretrained parameters."""
         step = ckpt_lib.resume_step(self.ckpt, self.config.init_from)  # a fine-tune: its own checkpoints
+        self.best_loss = float("inf")
         if step is not None:
+            extra = self.ckpt.restore_extra(step)
+            cfg = self.config.to_dict()
+            changed = run_dir.check_resume(extra, step, self.task.model_config, self.data_meta, cfg)
+            if changed:
+                self._print(
+                    f"resuming step {step} with changed settings (recorded with each new checkpoint): "
+                    + "; ".join(changed)
+                )
+            self.best_loss = min(
+                self.best_loss, _finite_or_inf(extra.get("best_loss")), _finite_or_inf(extra.get("loss"))
+            )
             state, _ = self.ckpt.restore(step, abstract_state=self.restore_target)
             best = self.ckpt.best_step()
             if best is not None:
@@ -325,30 +228,51 @@ class Trainer:
             out.update(self.task.evaluate(params))
         return out
 
-    def write_run_files(self) -> Path:
-        out_dir = Path(self.config.out_dir)
+    def write_run_files(self) -> Path | None:
         if self.is_main:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            cfg = self.config.to_dict()
-            cfg["model"] = self.task.model_dict()
-            (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-            self.task.run_files(out_dir)
-        return out_dir
+            cfg = {**self.config.to_dict(), "model": self.task.model_config}
+            return run_dir.write_run_files(self.config.out_dir, cfg, self.task.data_dir)
+        return None
 
     def save(self, step: int, state: TrainState, val_loss=None) -> None:
-        """Starts an async save; non-finite weights stop the run instead of replacing a good checkpoint."""
+        """Starts an async save; non-finite weights stop the run instead of replacing a good checkpoint.
+
+        Records the config and data meta trained with, and `loss`: the weights' own loss on a fixed
+        batch (one forward pass; a train step's loss is that of the weights before its update), with
+        `best_loss`, the lowest loss seen before it."""
         if not ckpt_lib.all_finite(state.params):
             raise FloatingPointError(
-                f"non-finite weights at step {step} (not saved); the last good checkpoint is "
-                f"{self.last_good()}; lower the learning rate and resume"
+                f"non-finite weights at step {step} (not saved); {self.last_good()}; "
+                "lower the learning rate and resume"
             )
+        loss_sum, weight = jax.device_get(
+            self.eval_step(state.params, self.global_batch("train_eval", 0, self.micro_rows, micro=False))
+        )
+        loss = float(loss_sum / weight)
         cfg = self.config.to_dict()
-        cfg["model"] = self.task.model_dict()
-        self.ckpt.save(step, state, extra={"data_step": step, "config": cfg}, val_loss=val_loss)
+        cfg["model"] = models.section_of(self.task.model_config)
+        extra = {
+            "data_step": step,
+            "config": cfg,
+            "meta": self.data_meta,
+            "loss": loss if np.isfinite(loss) else None,
+            "best_loss": self.best_loss if np.isfinite(self.best_loss) else None,
+        }
+        self.ckpt.save(step, state, extra=extra, val_loss=val_loss, good=_healthy(extra))
+        self.best_loss = min(self.best_loss, _finite_or_inf(loss))
 
     def last_good(self) -> str:
-        latest = self.ckpt.latest_step()
-        return "none" if latest is None else str(self.ckpt.directory / str(latest))
+        """Names the newest checkpoint whose recorded loss was finite and not exploding (at most
+        `EXPLODING` times the best loss seen before it), for the error that stops a diverged run."""
+        self.ckpt.wait()
+        for step in reversed(self.ckpt.all_steps()):
+            try:
+                extra = self.ckpt.restore_extra(step)
+            except ckpt_lib.CheckpointError:
+                continue
+            if _healthy(extra):
+                return f"the last good checkpoint is {self.ckpt.directory / str(step)}"
+        return "no checkpoint was saved before the loss blew up (start again in a new out_dir)"
 
     def after_step(self, step: int, state: TrainState) -> None:
         """Hook after each dispatched step (`step` updates done), for tests and tools."""
@@ -370,7 +294,7 @@ class Trainer:
         writer = MetricsWriter(c.out_dir, c.tensorboard, self.is_main, self.print)
         start = int(jax.device_get(state.step))
         peak = peak_flops_per_device(c.peak_flops)
-        flops_per_step = self.task.flops_per_token() * self.tokens_per_step
+        flops_per_step = self.flops_per_token * self.tokens_per_step
         self._print(
             f"{gpt.count_params(state.params):,} parameters | {self.tokens_per_step:,} tokens/step | "
             f"mesh {dict(self.mesh.shape)} | "
@@ -395,13 +319,14 @@ class Trainer:
             summary["loss"] = float(m["loss"])
             if not np.isfinite(m["loss"]):
                 raise FloatingPointError(
-                    f"loss is {m['loss']} at step {step}; the last good checkpoint is {self.last_good()}; "
+                    f"loss is {m['loss']} at step {step}; {self.last_good()}; "
                     "lower the learning rate and resume"
                 )
+            self.best_loss = min(self.best_loss, summary["loss"])
             return now, step
 
         # SIGTERM from here on: finish the step, save, return (processes agree every log_interval steps)
-        stop = ckpt_lib.StopSignal(every=c.log_interval)
+        stop = StopSignal(every=c.log_interval)
         try:
             batch = self.global_batch("train", start, c.batch_size, micro=True)
             if start >= c.max_iters and not c.eval_only:
@@ -421,7 +346,12 @@ class Trainer:
 
     def _eval(self, step, state, writer, summary) -> dict:
         evals = self.evaluate(state.params)
+        every = self.config.get("eval_tasks_every") or self.config.eval_interval
+        if self.task_eval is not None and (step % every == 0 or step == self.config.max_iters):
+            evals.update(self.task_eval(state.params))
         summary["best_val_loss"] = min(summary["best_val_loss"], evals.get("val_loss", np.inf))
+        losses = [v for k, v in evals.items() if k.endswith("_loss")]
+        self.best_loss = min([self.best_loss] + [_finite_or_inf(v) for v in losses])
         summary.update(evals)
         writer.write(step, {**evals, "best_val_loss": summary["best_val_loss"]})
         if self.is_main and self.config.get("plot", False) and not getattr(self, "_no_plot", False):
@@ -475,16 +405,35 @@ class Trainer:
         return state
 
 
+def _finite_or_inf(x) -> float:
+    return float(x) if x is not None and np.isfinite(x) else float("inf")
+
+
+EXPLODING = 2.0  # a checkpoint whose loss is above EXPLODING x the best loss before it is not "good"
+
+
+def _healthy(extra: dict) -> bool:
+    """A checkpoint's recorded loss was finite and at most EXPLODING x the best seen before it
+    (checkpoints saved before losses were recorded count as good: their weights were finite)."""
+    if "loss" not in extra:
+        return True
+    loss, best = extra["loss"], _finite_or_inf(extra.get("best_loss"))
+    return loss is not None and np.isfinite(loss) and loss <= EXPLODING * best
+
+
 def train(config, devices=None, print_fn=print) -> dict:
-    """Set up (all input checked), write the run files, train; returns the last metrics and state."""
+    """Set up (all input checked), write the run files, train; returns the last metrics and state.
+    Holds out_dir's lock throughout: a second run on it stops before deleting or writing anything."""
+    check_config(config)  # every value, once, before anything is written or compiled
     sharding.maybe_initialize_distributed(config)
     if config.batch_size % config.grad_accum == 0:  # (else Trainer explains)
         sharding.configure_cpu_devices(config.mesh.cpu_devices, config.batch_size // config.grad_accum)
-    trainer = Trainer(config, devices, print_fn)
-    try:
-        state = trainer.init_state()
-        trainer.write_run_files()
-        with jax.set_mesh(trainer.mesh):  # lets Pallas attention (TPU) split its kernel per device
-            return trainer.run(state)
-    finally:
-        trainer.close()
+    with run_lock.hold(config.out_dir):
+        trainer = Trainer(config, devices, print_fn)
+        try:
+            state = trainer.init_state()
+            trainer.write_run_files()
+            with jax.set_mesh(trainer.mesh):  # lets Pallas attention (TPU) split its kernel per device
+                return trainer.run(state)
+        finally:
+            trainer.close()

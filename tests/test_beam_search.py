@@ -1,4 +1,5 @@
-"""Beam search and greedy decoding against brute force, on fake models with known log-probs."""
+"""Beam search (and greedy decoding, its one-beam case) against brute force, on fake models with
+known log-probs and a fake cache type that has only `take_rows`."""
 
 import functools
 import itertools
@@ -7,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import struct
 
-from flaxgpt.beam_search import beam_search, greedy_search, length_penalty
+from flaxgpt.beam_search import beam_search, length_penalty
 
 PAD, BOS, EOS, V = 0, 1, 2, 5
 
@@ -21,20 +23,30 @@ def markov2(seed, eos_bias=0.0):
     return jnp.asarray(table, jnp.float32), np.asarray(jax.nn.log_softmax(table, axis=-1), np.float64)
 
 
+@struct.dataclass
+class PrevTokenCache:
+    """A cache type beam search has never heard of: only `take_rows`, as the contract says."""
+
+    prev_R: jax.Array  # [R] the token before the current one
+
+    def take_rows(self, rows_R):
+        return PrevTokenCache(self.prev_R[rows_R])
+
+
 def make_step(table):
-    """The cache holds the token before the current one ([1, R]: a stacked [L, R, ...] leaf),
-    so beam search only gets the right answer if it reorders the cache with the beams."""
+    """The cache holds the token before the current one, so beam search only gets the right
+    answer if it moves the cache's rows with the beams."""
 
     def step(tokens_R1, positions_R1, cache):
-        prev_R, cur_R = cache[0], tokens_R1[:, 0]
-        return table[prev_R, cur_R][:, None, :], cur_R[None]
+        prev_R, cur_R = cache.prev_R, tokens_R1[:, 0]
+        return table[prev_R, cur_R][:, None, :], PrevTokenCache(cur_R)
 
     return step
 
 
 @functools.partial(jax.jit, static_argnames=("beam", "max_len", "alpha"))
 def _beam(table, cache, beam, max_len, alpha):
-    B = cache.shape[1] // beam
+    B = cache.prev_R.shape[0] // beam
     return beam_search(
         make_step(table),
         cache,
@@ -48,27 +60,24 @@ def _beam(table, cache, beam, max_len, alpha):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("max_len",))
-def _greedy(table, cache, max_len):
-    return greedy_search(
-        make_step(table),
-        cache,
-        batch_size=cache.shape[1],
-        max_len=max_len,
-        bos_id=BOS,
-        eos_id=EOS,
-        pad_id=PAD,
-    )
-
-
 def run_beam(table, first_prev_B, beam, max_len, alpha):
-    cache = jnp.repeat(jnp.asarray(first_prev_B, jnp.int32), beam)[None]  # [1, B * W]
+    cache = PrevTokenCache(jnp.repeat(jnp.asarray(first_prev_B, jnp.int32), beam))  # [B * W]
     seqs, scores = _beam(table, cache, beam, max_len, alpha)
     return np.asarray(seqs), np.asarray(scores)
 
 
 def run_greedy(table, first_prev_B, max_len):
-    return np.asarray(_greedy(table, jnp.asarray(first_prev_B, jnp.int32)[None], max_len))
+    """Greedy decoding is beam search with one beam and no length penalty: [B, max_len]."""
+    return run_beam(table, first_prev_B, 1, max_len, 0.0)[0][:, 0]
+
+
+def numpy_greedy(logp, first_prev, max_len):
+    """The argmax at every step until EOS, in plain NumPy; pad after."""
+    out, prev, cur = [], first_prev, BOS
+    while len(out) < max_len and (not out or out[-1] != EOS):
+        prev, cur = cur, int(np.argmax(logp[prev, cur]))
+        out.append(cur)
+    return out + [PAD] * (max_len - len(out))
 
 
 def brute_force(logp, first_prev, max_len, alpha):
@@ -124,10 +133,11 @@ def test_small_beam_matches_brute_force_and_beats_greedy_somewhere():
 
 def test_beam_size_one_equals_greedy():
     for seed in range(5):
-        table, _ = markov2(seed)
+        table, logp = markov2(seed)
         first_prev = np.array([0, 1, 3, 4, 0, 3])
         seqs, _ = run_beam(table, first_prev, 1, 12, 0.0)
-        np.testing.assert_array_equal(seqs[:, 0], run_greedy(table, first_prev, 12))
+        want = [numpy_greedy(logp, prev, 12) for prev in first_prev]
+        np.testing.assert_array_equal(seqs[:, 0], want)
 
 
 def test_no_eos_within_max_len_returns_the_best_live_prefix():
@@ -145,7 +155,7 @@ def test_greedy_stops_rows_at_eos_and_pads_after():
 
 
 def test_bad_arguments_are_errors():
-    step, cache = make_step(markov2(0)[0]), jnp.zeros((1, 2), jnp.int32)
+    step, cache = make_step(markov2(0)[0]), PrevTokenCache(jnp.zeros((2,), jnp.int32))
     ids = dict(batch_size=1, max_len=3, bos_id=BOS, eos_id=EOS)
     with pytest.raises(ValueError, match="alpha"):
         beam_search(step, cache, beam_size=2, alpha=-1.0, **ids)

@@ -1,7 +1,6 @@
 """flaxgpt.checkpoint: exact round trips, any device count, retention, atomicity, one-line errors."""
 
 import functools
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from flaxgpt.checkpoint import (
     Checkpointer,
     CheckpointError,
-    StopSignal,
     all_finite,
     load_for_inference,
     resume_step,
@@ -124,8 +122,7 @@ def test_relative_out_dir(tmp_path, monkeypatch):
     restored, _ = again.restore(abstract_state=abstract(state, one_device))
     assert_identical(restored, state)
     again.close()
-    (tmp_path / "out/run/config.json").write_text(json.dumps({"model": {**CFG.to_dict(), "kind": "gpt"}}))
-    _, params, _ = load_for_inference("out/run")
+    params = load_for_inference("out/run")
     assert_identical(params, state["params"])
 
 
@@ -326,20 +323,20 @@ import sys, numpy as np, jax, jax.numpy as jnp
 from flaxgpt.checkpoint import load_for_inference
 from flaxgpt.gpt import GPT, GPTConfig
 assert jax.device_count() == 1, jax.devices()
-model_cfg, params, meta = load_for_inference(sys.argv[1])
-kind = model_cfg.pop("kind")
-cfg = GPTConfig.from_dict(model_cfg)
+params = load_for_inference(sys.argv[1])
+cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 logits = jax.jit(GPT(cfg).apply)({"params": params}, jnp.arange(8)[None] % cfg.vocab_size)
 np.save(sys.argv[2], np.asarray(logits))
-print(kind, meta["vocab_size"], jax.tree_util.tree_leaves(params)[0].sharding)
+print(cfg.vocab_size, jax.tree_util.tree_leaves(params)[0].sharding)
 """
 
 
 def test_load_for_inference_on_a_single_cpu(tmp_path):
     """Saved sharded over 8 devices; loaded by a process that has one CPU device."""
     state = place(train_state(), mesh_sharding(8))
-    (tmp_path / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **CFG.to_dict()}}))
-    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 64, "kind": "char"}))
+    assert INFER_SCRIPT.count("GPTConfig(") == 1 and CFG == GPTConfig(
+        vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32
+    )  # the script's config is this file's
     ckpt = Checkpointer(tmp_path)
     ckpt.save(7, state, extra={})
     ckpt.close()
@@ -351,24 +348,16 @@ def test_load_for_inference_on_a_single_cpu(tmp_path):
         env={**os.environ, "XLA_FLAGS": "", "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.startswith("gpt 64 SingleDeviceSharding")
+    assert out.stdout.startswith("64 SingleDeviceSharding")
     params = jax.device_get(state["params"])
     expected = jax.jit(GPT(CFG).apply)({"params": params}, jnp.arange(8)[None] % 64)
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy"), np.asarray(expected))
-    model_cfg, params1, meta = load_for_inference(tmp_path)  # in-process too: onto one of the 8 devices
-    assert model_cfg["kind"] == "gpt" and meta["kind"] == "char"
+    params1 = load_for_inference(tmp_path)  # in-process too: onto one of the 8 devices
     assert_identical(params1, state["params"])
 
 
 def test_load_for_inference_errors(tmp_path):
-    with pytest.raises(
-        CheckpointError, match="config.json is missing; point out_dir at a flaxgpt training run"
-    ):
-        load_for_inference(tmp_path)
-    (tmp_path / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="config.json cannot be read"):
-        load_for_inference(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model": {"kind": "gpt"}}))
+    """Only the checkpoint's errors: config.json and meta.json are flaxgpt.run_dir's (test_run_dir)."""
     with pytest.raises(CheckpointError, match="has no checkpoints directory"):
         load_for_inference(tmp_path)
     ckpt = Checkpointer(tmp_path)
@@ -378,21 +367,9 @@ def test_load_for_inference_errors(tmp_path):
         CheckpointError, match=r"no 'params' subtree; its top-level entries are \['weights'\]"
     ):
         load_for_inference(tmp_path)
-    _, params, meta = load_for_inference(tmp_path, params_path="weights")
-    assert meta is None and np.asarray(params["w"]).tolist() == [1.0, 1.0]
+    params = load_for_inference(tmp_path, params_path="weights")
+    assert np.asarray(params["w"]).tolist() == [1.0, 1.0]
     assert Path(tmp_path / "checkpoints" / "1").is_dir()
-
-
-def test_stop_signal_turns_sigterm_into_a_flag():
-    stop = StopSignal()
-    try:
-        assert not stop.requested(1)
-        os.kill(os.getpid(), signal.SIGTERM)  # would end pytest without the handler
-        time.sleep(0.01)
-        assert stop.requested(2) and stop.received == "SIGTERM"
-    finally:
-        stop.close()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
 def test_flax_train_state_round_trip(tmp_path):
@@ -410,3 +387,76 @@ def test_flax_train_state_round_trip(tmp_path):
     assert_identical(params, state.params)
     assert "params/h_1/mlp/c_fc/kernel" in ckpt.saved_shapes(1)
     ckpt.close()
+
+
+def test_checksums_catch_a_flipped_bit_and_inference_refuses_nan(tmp_path, monkeypatch):
+    from flaxgpt import checkpoint
+
+    w = jax.random.normal(jax.random.key(0), (4096,))  # incompressible: stored as it is
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    for step in (1, 2):
+        ckpt.save(step, {"params": {"w": w + step, "b": jnp.ones(3)}, "step": jnp.int32(step)}, extra={})
+    ckpt.close()
+    data = max((p for p in (tmp_path / "checkpoints/2/state").rglob("*") if p.is_file()), key=os.path.getsize)
+    flipped = bytearray(data.read_bytes())
+    flipped[len(flipped) // 2] ^= 0x10  # one bit, in the middle of params/w's bytes
+    data.write_bytes(bytes(flipped))
+    where = tmp_path / "checkpoints" / "2"
+    with pytest.raises(CheckpointError) as e:
+        load_for_inference(tmp_path)
+    assert str(e.value) == (
+        f"checkpoint step 2 ({where}) is damaged: params/w does not match the checksum recorded when it "
+        "was saved; use an earlier step: --step 1"
+    )
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(
+        CheckpointError, match=f"params/w does not match .*; move {where} away to resume from step 1"
+    ):
+        ckpt.restore(abstract_state={"params": {"w": w, "b": jnp.ones(3)}, "step": jnp.int32(0)})
+    ckpt.close()
+    assert np.asarray(load_for_inference(tmp_path, step=1)["w"]).tolist() == np.asarray(w + 1).tolist()
+
+    # inf saved with its checksum (a checkpoint from before the finiteness check on save)
+    monkeypatch.setattr(checkpoint, "inspect", lambda flat: (dict.fromkeys(flat, True), {}))
+    ckpt = Checkpointer(tmp_path / "inf", async_save=False)
+    ckpt.save(3, {"params": {"w": w.at[7].set(jnp.inf)}}, extra={})
+    ckpt.close()
+    monkeypatch.undo()
+    with pytest.raises(
+        CheckpointError, match=r"^checkpoint step 3 \(.*\) is damaged: params/w holds NaN or inf"
+    ):
+        load_for_inference(tmp_path / "inf")
+
+
+def test_checksums_do_not_depend_on_the_sharding():
+    from flaxgpt.checkpoint import inspect
+
+    x = jax.random.normal(jax.random.key(1), (16, 24))
+    flat = {
+        "f32": x,
+        "bf16": x.astype(jnp.bfloat16),
+        "i32": jnp.arange(16 * 3, dtype=jnp.int32).reshape(16, 3),
+        "u8": (jnp.arange(16) % 256).astype(jnp.uint8),
+        "mask": x[:, 0] > 0,
+        "step": jnp.int32(7),
+    }
+    finite, one = inspect({k: jax.device_put(v, one_device(v)) for k, v in flat.items()})
+    _, eight = inspect({k: jax.device_put(v, mesh_sharding(8)(v)) for k, v in flat.items()})
+    assert one == eight and len(set(one.values())) == len(flat) and all(finite.values())
+    _, swapped = inspect({"f32": x[::-1]})  # the same values in another order
+    assert swapped["f32"] != one["f32"]
+
+
+def test_the_newest_good_step_outlives_later_saves(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=1, keep_best=True)
+    for step, good in [(1, True), (2, True), (3, False), (4, False)]:  # a run diverging after step 2
+        ckpt.save(step, small_state(step), extra={}, good=good)
+    ckpt.wait()
+    assert ckpt.all_steps() == [2, 4]
+    ckpt.close()
+    again = Checkpointer(tmp_path, keep=1, keep_best=True)  # read back from disk after a restart
+    again.save(5, small_state(5), extra={}, good=False)
+    again.save(6, small_state(6), extra={}, val_loss=1.0)
+    again.wait()
+    assert again.all_steps() == [2, 6]
+    again.close()

@@ -65,7 +65,8 @@ def np_gpt(cfg: GPTConfig, params, x_BT):
     else:
         half = cfg.n_embd // 2
         ang = np.arange(T)[:, None] / 10000.0 ** (np.arange(half) / half)
-        h = h + np.concatenate([np.sin(ang), np.cos(ang)], -1)
+        # the paper's layout: PE(pos, 2i) = sin, PE(pos, 2i + 1) = cos
+        h = h + np.stack([np.sin(ang), np.cos(ang)], -1).reshape(T, -1)
     act = {
         "gelu": lambda v: np_gelu(v, True),
         "gelu_exact": lambda v: np_gelu(v, False),

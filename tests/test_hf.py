@@ -6,7 +6,6 @@ weights: nothing is downloaded.
 
 import json
 import os
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never touch the network, even by accident
 
@@ -19,10 +18,11 @@ import transformers
 from flax import linen as nn
 from safetensors.numpy import load_file, save_file
 
-from flaxgpt import hf
+from flaxgpt import hf, hf_files
 from flaxgpt.cache import KVCache
 from flaxgpt.gpt import GPT, GPTConfig, abstract_params
-from flaxgpt.sampling import generate, gpt_step_fn
+from flaxgpt.gpt import step_fn as gpt_step_fn
+from flaxgpt.sampling import generate
 
 SMALL = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=1000, n_positions=128)
 TOKENS = np.random.RandomState(0).randint(0, 1000, (3, 40))
@@ -196,8 +196,11 @@ def test_bad_directories(small, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no model.safetensors in .* \(found: config.json\)"):
         hf.load_pretrained(str(tmp_path))
 
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma", "hidden_size": 64}))
+    with pytest.raises(ValueError, match="model_type 'gemma' is not supported; supported: gpt2, llama"):
+        hf.load_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    with pytest.raises(ValueError, match="not a GPT-2 config: model_type is 'llama'"):
+    with pytest.raises(ValueError, match="llama config.json has no vocab_size, intermediate_size, num_"):
         hf.load_pretrained(str(tmp_path))
 
     tensors = load_file(os.path.join(directory, "model.safetensors"))
@@ -257,6 +260,7 @@ def test_export_cli_from_training_run(tmp_path, capsys):
     ckpt.save(5, {"params": params}, extra={})
     ckpt.close()
     (run / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **config.to_dict()}}))
+    (run / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "char", "chars": ["a"] * 300}}))
     assert hf.main(["export", "--out_dir", str(run), "--to", str(tmp_path / "hf")]) == 0
     model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     tokens = TOKENS[:, :16] % 300
@@ -264,25 +268,54 @@ def test_export_cli_from_training_run(tmp_path, capsys):
         ref_logits(model, tokens), flax_logits(config, params, tokens), atol=1e-4, rtol=0
     )
     assert hf.main(["export", "--out_dir", str(tmp_path / "nothing"), "--to", str(tmp_path / "x")]) == 1
-    assert "config.json is missing" in capsys.readouterr().err
+    assert "nothing is not a directory; point out_dir at a flaxgpt training run" in capsys.readouterr().err
 
 
-def test_load_for_run_takes_the_run_model_section(small):
-    import importlib.util
+def test_export_never_overwrites_a_run_or_asks_first(tmp_path, capsys):
+    from flaxgpt.checkpoint import Checkpointer
 
-    spec = importlib.util.spec_from_file_location(
-        "default_config", Path(__file__).parents[1] / "configs" / "default.py"
+    config = GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run, async_save=False)
+    ckpt.save(5, {"params": random_params(config)}, extra={})
+    ckpt.close()
+    run_config = json.dumps({"model": {"kind": "gpt", **config.to_dict()}})
+    (run / "config.json").write_text(run_config)
+    (run / "meta.json").write_text(
+        json.dumps({"tokenizer": {"kind": "char", "chars": list("abcdefghijklmnopqrst")}})
     )
-    default = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(default)
-    model_cfg = default.get_config().model
-    model_cfg.dropout, model_cfg.block_size, model_cfg.scan_layers = 0.1, 64, True
-    config, params = hf.load_for_run(small[0], model_cfg)
-    assert (config.embd_dropout, config.resid_dropout, config.block_size) == (0.1, 0.1, 64)
-    assert config.padded_vocab_size == 1024 and params["h"]["block"]["ln_1"]["scale"].shape == (2, 64)
-    model_cfg.block_size = 1024
-    with pytest.raises(ValueError, match="block_size 1024 is longer than the checkpoint's n_positions 128"):
-        hf.load_for_run(small[0], model_cfg)
+    other = tmp_path / "other_run"
+    other.mkdir()
+    (other / "config.json").write_text(run_config)
+    (other / "checkpoints").mkdir()
+
+    def export(to, *flags):
+        code = hf.main(["export", "--out_dir", str(run), "--to", str(to), *flags])
+        return code, capsys.readouterr().err.strip()
+
+    refusals = {
+        run: "is the training run being exported; export to another directory",
+        run / ".": "is the training run being exported",
+        run / "hf": "is inside the training run being exported",
+        other: "is a flaxgpt training run; export to a directory outside it",
+        other / "checkpoints": f"is inside {other}, a flaxgpt training run",
+        run / "meta.json": "is inside the training run being exported",
+    }
+    for to, message in refusals.items():
+        for flags in ((), ("--overwrite",)):  # --overwrite never reaches into a run
+            code, err = export(to, *flags)
+            assert code == 1 and err.startswith("error: ") and message in err and "\n" not in err, err
+    assert (run / "config.json").read_text() == run_config and not (run / "hf").exists()
+    assert sorted(p.name for p in other.iterdir()) == ["checkpoints", "config.json"]
+
+    assert export(tmp_path / "hf") == (0, "")
+    code, err = export(tmp_path / "hf")
+    assert code == 1 and err == (
+        f"error: {tmp_path / 'hf'} exists and is not empty; pass --overwrite to replace its config.json "
+        "and model.safetensors, or choose another --to"
+    )
+    assert export(tmp_path / "hf", "--overwrite")[0] == 0
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_hub_unreachable_and_missing_weights_messages(tmp_path, monkeypatch):
@@ -292,6 +325,7 @@ def test_hub_unreachable_and_missing_weights_messages(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_files, "hub_reachable", lambda *a, **k: True)  # past the quick offline check
 
     def unreachable(repo, filename, **kw):
         raise errors.LocalEntryNotFoundError("connection error and no cached file")

@@ -9,6 +9,7 @@ import numpy as np
 from flaxgpt.layers import (
     CrossAttention,
     attend,
+    attend_cached,
     causal_mask,
     padding_mask,
     resolve_attention_impl,
@@ -58,12 +59,52 @@ def test_cross_attention_ignores_padding_and_precomputed_kv():
     np.testing.assert_allclose(mod.apply(params, x, kv, lengths), y, atol=1e-6)
 
 
-def test_sinusoidal_positions_reference():
-    pos = jnp.arange(7)
-    got = np.asarray(sinusoidal_positions(pos, 10))
+def np_sinusoids(n_pos: int, d: int) -> np.ndarray:
+    """The paper's formula as written, in float64: PE(pos, 2i) = sin(pos / 10000^(2i/d)),
+    PE(pos, 2i+1) = cos(pos / 10000^(2i/d)) (the Annotated Transformer's loop)."""
+    pe = np.zeros((n_pos, d))
+    for pos in range(n_pos):
+        for i in range(0, d, 2):
+            pe[pos, i] = math.sin(pos / 10000 ** (i / d))
+            if i + 1 < d:
+                pe[pos, i + 1] = math.cos(pos / 10000 ** (i / d))
+    return pe
+
+
+def test_sinusoidal_positions_are_the_papers_interleaved_layout():
+    for d in (10, 7, 64):
+        got = np.asarray(sinusoidal_positions(jnp.arange(50), d))
+        assert got.dtype == np.float32
+        np.testing.assert_allclose(got, np_sinusoids(50, d), atol=2e-5)
+    with jax.enable_x64(True):  # computed in the model's dtype: exact in float64
+        got = np.asarray(sinusoidal_positions(jnp.arange(50), 64, dtype=jnp.float64))
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, np_sinusoids(50, 64), rtol=0, atol=1e-12)
+
+
+def test_sinusoidal_positions_old_halves_layout_is_kept():
+    """Runs saved before the layout field read it as "halves": all sines, then all cosines."""
+    got = np.asarray(sinusoidal_positions(jnp.arange(7), 10, layout="halves"))
     i = np.arange(5)
     ang = np.arange(7)[:, None] / 10000 ** (i / 5)
     np.testing.assert_allclose(got, np.concatenate([np.sin(ang), np.cos(ang)], -1), atol=1e-5)
+
+
+def test_float64_attention_is_exact():
+    """Logits in promote_types(dtype, float32): a float64 model is not cut to float32 inside."""
+    with jax.enable_x64(True):
+        kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+        B, T, S, H, K = 2, 5, 9, 3, 8
+        q = jax.random.normal(kq, (B, T, H, K), jnp.float64)
+        k = jax.random.normal(kk, (B, S, H, K), jnp.float64)
+        v = jax.random.normal(kv, (B, S, H, K), jnp.float64)
+        mask = causal_mask(jnp.array([[0, 1, 2, 3, 4], [4, 5, 6, 7, 8]]), S)
+        want = np_attention(q, k, v, np.asarray(mask))
+        got = attend(q, k, v, mask, impl="xla")
+        assert got.dtype == jnp.float64
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+        k_NSK, v_NSK = (jnp.swapaxes(x, 1, 2).reshape(B * H, S, K) for x in (k, v))  # cache layout
+        np.testing.assert_allclose(attend_cached(q, k_NSK, v_NSK, mask), want, rtol=0, atol=1e-12)
 
 
 def test_resolve_attention_impl_on_cpu():

@@ -125,3 +125,73 @@ def test_missing_input_and_hf_without_network(tmp_path):
         )
     with pytest.raises(prepare.PrepareError, match="datasets|could not load"):
         prepare.prepare_hf("definitely/not-a-dataset-xyz", tmp_path / "h", "gpt2", 0.1, False, 1)
+
+
+def test_non_utf8_input_names_the_file_and_byte(tmp_path):
+    src = tmp_path / "latin1.txt"
+    src.write_bytes("first line\ncaf\u00e9 au lait\n".encode("latin-1"))
+    with pytest.raises(prepare.PrepareError) as e:
+        prepare.main(["--dataset", "text", "--input", str(src), "--out_dir", str(tmp_path / "d")])
+    assert f"{src} is not UTF-8 text: byte 14 (line 2) is 0xe9" in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
+
+
+def test_val_fraction_zero_is_refused_up_front(tmp_path):
+    src = _write(tmp_path)
+    for bad in ("0", "1", "-0.1", "nan"):
+        with pytest.raises(prepare.PrepareError, match="--val_fraction must be in"):
+            prepare.main(
+                [
+                    "--dataset",
+                    "text",
+                    "--input",
+                    str(src),
+                    "--val_fraction",
+                    bad,
+                    "--out_dir",
+                    str(tmp_path / "d"),
+                ]
+            )
+    assert not (tmp_path / "d").exists()
+
+
+def run_with_file_limit(args, cwd, max_bytes):
+    """A subprocess whose writes past `max_bytes` per file fail (EFBIG), as on a disk that fills up
+    (set in the child by a small trampoline: no fork of this threaded process)."""
+    import os
+    import subprocess
+    import sys
+
+    limited = (
+        "import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), "
+        "resource.RLIM_INFINITY)); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, "-c", limited, str(max_bytes), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_failed_write_is_one_line_and_keeps_the_old_dataset(tmp_path):
+    out = tmp_path / "d"
+    prepare.main(
+        ["--dataset", "text", "--tokenizer", "char", "--input", str(_write(tmp_path)), "--out_dir", str(out)]
+    )
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    big = _write(tmp_path, TEXT * 4, "big.txt")
+    r = run_with_file_limit(
+        ["-m", "flaxgpt.prepare", "--dataset", "text", "--tokenizer", "char", "--input", str(big)]
+        + ["--out_dir", str(out), "--overwrite"],
+        tmp_path,
+        max_bytes=8192,
+    )
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith(f"error: writing {out} failed: ") and "nothing was changed there" in lines[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp folder left

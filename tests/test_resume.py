@@ -15,10 +15,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from test_trainer import data_dir, tiny_config  # noqa: E402,F401
+from test_trainer import TEXT, data_dir, tiny_config  # noqa: E402,F401
 
-from flaxgpt import trainer  # noqa: E402
+from flaxgpt import prepare, trainer  # noqa: E402
 from flaxgpt.checkpoint import Checkpointer, CheckpointError  # noqa: E402
+from flaxgpt.run_dir import RunError, load_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = dict(print_fn=lambda *a: None)
@@ -65,18 +66,35 @@ def test_stopped_then_resumed_is_bit_identical(data_dir):  # noqa: F811
     t.close()
 
 
-def test_divergence_stops_at_the_last_good_checkpoint_and_init_from_errors(data_dir):  # noqa: F811
-    one = jax.devices()[:1]
+@pytest.fixture(scope="module")
+def three_steps(data_dir):  # noqa: F811
+    """A run trained for 3 steps (checkpoint 3); tests work on copies of it."""
     cfg = tiny_config(data_dir, max_iters=3, eval_interval=100)
-    out = cfg.out_dir
-    trainer.train(cfg, devices=one, **QUIET)
+    trainer.train(cfg, devices=jax.devices()[:1], **QUIET)
+    return Path(cfg.out_dir)
+
+
+def copy_of(run: Path, tmp_path: Path) -> str:
+    shutil.copytree(run, tmp_path / "run")
+    return str(tmp_path / "run")
+
+
+def test_divergence_stops_at_the_last_good_checkpoint_and_init_from_errors(data_dir, three_steps, tmp_path):  # noqa: F811
+    one = jax.devices()[:1]
+    out = copy_of(three_steps, tmp_path)
+    cfg = tiny_config(data_dir, max_iters=3, eval_interval=100, out_dir=out)
     bad = tiny_config(data_dir, out_dir=out, max_iters=40, ckpt_interval=2, optim__learning_rate=1e6)
-    good = rf"at step \d+.*last good checkpoint is {out}/checkpoints/\d+;"
+    # step 4's weights are finite but diverged (its recorded loss ~1e13): "good" is step 3
+    good = rf"at step \d+.*last good checkpoint is {out}/checkpoints/3;"
     with pytest.raises(FloatingPointError, match=good):
         trainer.train(bad, devices=one, **QUIET)
     t = trainer.Trainer(cfg, devices=one, **QUIET)
     steps = t.ckpt.all_steps()
-    assert steps and steps[0] == 3
+    assert steps[:2] == [3, 4]
+    recorded = {s: t.ckpt.restore_extra(s) for s in steps}
+    assert recorded[3]["loss"] < 4 < 1e6 < recorded[4]["loss"] and recorded[4]["best_loss"] < 4
+    assert recorded[4]["config"]["optim"]["learning_rate"] == 1e6  # the settings each step trained with
+    assert recorded[3]["config"]["optim"]["learning_rate"] == cfg.optim.learning_rate
     for step in steps:  # whatever was saved is finite
         state, _ = t.ckpt.restore(step, abstract_state=t.restore_target)
         assert all(np.isfinite(x).all() for x in leaves(state))
@@ -84,8 +102,7 @@ def test_divergence_stops_at_the_last_good_checkpoint_and_init_from_errors(data_
     with pytest.raises(CheckpointError, match=f"init_from=scratch but {out} already has checkpoints up to"):
         trainer.train(tiny_config(data_dir, out_dir=out, init_from="scratch"), devices=one, **QUIET)
     wider = tiny_config(data_dir, out_dir=out, model__n_embd=48)
-    shapes = r"c_attn/bias has shape \(96,\) in the checkpoint but \(144,\)"
-    with pytest.raises(CheckpointError, match=shapes):
+    with pytest.raises(RunError, match=r"step \d+ was trained with another model .*model.n_embd \(32 in the"):
         trainer.train(wider, devices=one, **QUIET)
     assert t.ckpt.all_steps() == steps  # failed runs delete nothing
     with pytest.raises(CheckpointError, match="init_from=resume but .* has no checkpoint"):
@@ -138,6 +155,7 @@ def test_sigterm_saves_exits_0_and_the_next_start_resumes(data_dir, tmp_path):  
     assert proc.returncode == 0, text[-2000:]
     saved = Checkpointer(tmp_path).latest_step()
     assert 3 <= saved < 5000 and f"SIGTERM: saved step {saved} to {tmp_path}/checkpoints;" in text
+    assert not (tmp_path / "train.lock").exists()  # released on the way out
 
     from configs import shakespeare_char_cpu
 
@@ -149,3 +167,41 @@ def test_sigterm_saves_exits_0_and_the_next_start_resumes(data_dir, tmp_path):  
     out = trainer.train(cfg, devices=jax.devices()[:1], print_fn=printed.append)
     assert f"resumed from {tmp_path}/checkpoints/{saved}" in printed and int(out["state"].step) == saved + 2
     assert Checkpointer(tmp_path).latest_step() == saved + 2
+
+
+def test_resume_refuses_another_model_or_tokenizer_and_loads_each_step_as_trained(
+    data_dir,  # noqa: F811
+    three_steps,
+    tmp_path,
+):
+    one = jax.devices()[:1]
+    out = Path(copy_of(three_steps, tmp_path))
+
+    def files():
+        return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def refused(message, **change):
+        before = files()
+        with pytest.raises(RunError) as e:
+            trainer.train(
+                tiny_config(data_dir, out_dir=str(out), max_iters=6, **change), devices=one, **QUIET
+            )
+        assert str(e.value) == (
+            f"checkpoint step 3 was trained with another model or data: {message}; resume with the "
+            "config and data it was trained with, or use a new out_dir"
+        )
+        assert files() == before and Checkpointer(out).all_steps() == [3]  # nothing written
+
+    refused("model.activation ('gelu' in the checkpoint, 'relu' now)", model__activation="relu")
+    # another tokenizer with the same vocabulary size, in a run whose meta.json was relabeled already
+    other = tmp_path / "other"
+    prepare.prepare_text(TEXT.replace("p", "P"), other, "char", 0.1, "generated")
+    (out / "meta.json").write_text((other / "meta.json").read_text())
+    refused("the data's meta.json (tokenizer.chars differ)", data__dir=str(other))
+
+    # config.json / meta.json relabeled by hand: a step loads with the model and tokenizer it was trained with
+    saved = json.loads((out / "config.json").read_text())
+    saved["model"]["activation"] = "relu"
+    (out / "config.json").write_text(json.dumps(saved))
+    run = load_run(out, step=3)
+    assert run.config.activation == "gelu" and run.tokenizer.decode(run.tokenizer.encode("pigs")) == "pigs"

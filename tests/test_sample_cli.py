@@ -103,9 +103,11 @@ def test_init_from_gpt2_directory_and_empty_prompt(tmp_path, capsys):
     "args, message",
     [
         (["--start", "ROMEO: xyz"], "characters not in the vocabulary: 'xyz'"),
-        (["--top_p", "0"], "--top_p 0.0 is outside (0, 1]"),
-        (["--top_p", "1.5"], "--top_p 1.5 is outside (0, 1]"),
-        (["--temperature", "-1"], "--temperature -1.0 is negative"),
+        (["--top_p", "0"], "top_p must be in (0, 1], got 0.0"),  # flaxgpt.sampling's own words
+        (["--top_p", "1.5"], "top_p must be in (0, 1], got 1.5"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+        (["--top_k", "-2"], "top_k must be >= 0 (0 = no top-k), got -2"),
+        (["--num_samples", "0"], "--num_samples must be >= 1, got 0"),
         (["--step", "99"], "99"),
     ],
 )

@@ -7,12 +7,10 @@ from pathlib import Path
 import jax
 import pytest
 
-from flaxgpt import seq2seq
+from flaxgpt import run_dir, seq2seq, translate
 from flaxgpt.checkpoint import Checkpointer
 from flaxgpt.gpt import GPTConfig, init_params
-from flaxgpt.seq2seq_data import Seq2SeqTokenizer
-from flaxgpt.seq2seq_task import translate_run
-from flaxgpt.tokenizers import CharTokenizer
+from flaxgpt.tokenizers import CharTokenizer, Seq2SeqTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,10 +30,10 @@ def save_run(out: Path, model: dict, tokenizer_meta: dict, params):
 
 @pytest.fixture(scope="module")
 def seq2seq_run(tmp_path_factory):
-    """Random weights are enough: the CLI must hand each line to translate_run and print its answer."""
+    """Random weights are enough: the CLI must hand each line to the translator and print its answer."""
     tok = Seq2SeqTokenizer(CharTokenizer(list("abcdefghij")))
     cfg = seq2seq.TransformerConfig(
-        vocab_size=tok.vocab_size, max_len=10, n_enc_layer=1, n_dec_layer=1, d_model=16, d_ff=32, n_head=2
+        vocab_size=tok.vocab_size, block_size=10, n_enc_layer=1, n_dec_layer=1, n_embd=16, d_ff=32, n_head=2
     )
     params = seq2seq.init_params(cfg, jax.random.key(0))
     model = {"kind": "seq2seq", **cfg.to_dict()}
@@ -60,7 +58,8 @@ def run(capsys, *args):
 @pytest.mark.parametrize("beam_size", [1, 4])
 def test_seq2seq_prints_one_translation_per_line(seq2seq_run, tmp_path, capsys, beam_size):
     lines = ["abc", "jihgf", "aabbccdd"]
-    expected = translate_run(seq2seq_run, lines, beam_size=beam_size, alpha=0.6)
+    loaded = run_dir.load_run(seq2seq_run)
+    expected = translate.translate(*loaded[1:], lines, beam_size=beam_size, alpha=0.6)
     (tmp_path / "src.txt").write_text("abc\n\njihgf\naabbccdd\n")  # blank lines are skipped
     src = tmp_path / "src.txt"
     for source in (["--prompts_file", src], ["--start", f"FILE:{src}"]):
@@ -70,33 +69,39 @@ def test_seq2seq_prints_one_translation_per_line(seq2seq_run, tmp_path, capsys, 
     assert code == 0 and out == expected[0] + "\n", err
 
 
-def test_seq2seq_options_reach_translate_run(seq2seq_run, capsys, monkeypatch):
-    """A random model's output ignores its source, so a stand-in checks which lines and options
-    sample.py hands over, and that the answers come out in order."""
-    from flaxgpt import seq2seq_task
+def test_seq2seq_options_reach_the_translator(seq2seq_run, capsys, monkeypatch):
+    """A random model's output ignores its source, so stand-ins check which run, step, lines and
+    options sample.py hands over, and that the answers come out in order."""
+    loads, calls = [], []
+    load_run = run_dir.load_run
 
-    calls = []
+    def spy_load(out_dir, step=None, **kw):
+        loads.append((str(out_dir), step))
+        return load_run(out_dir, step, **kw)
 
-    def fake(out_dir, lines, **kw):
-        calls.append((str(out_dir), list(lines), kw))
+    def fake(config, params, tokenizer, lines, **kw):
+        assert isinstance(config, seq2seq.TransformerConfig) and isinstance(tokenizer, Seq2SeqTokenizer)
+        calls.append((list(lines), kw))
         return [line[::-1] for line in lines]
 
-    monkeypatch.setattr(seq2seq_task, "translate_run", fake)
+    monkeypatch.setattr(run_dir, "load_run", spy_load)
+    monkeypatch.setattr(translate, "translate", fake)
     args = ["--out_dir", seq2seq_run, "--start", "abc\n\nhij  \n"]
     args += ["--beam_size", 3, "--alpha", 0, "--step", 1]
     code, out, err = run(capsys, *args, "--truncate")
     assert code == 0 and out == "cba\n  jih\n", err
-    kw = dict(step=1, beam_size=3, alpha=0.0, truncate=True)
-    assert calls == [(str(seq2seq_run), ["abc", "hij  "], kw)]
+    assert loads == [(str(seq2seq_run), 1)]
+    assert calls == [(["abc", "hij  "], dict(beam_size=3, alpha=0.0, truncate=True))]
     code, out, err = run(capsys, *args[:-6], "--temperature", 0.5)
-    assert code == 0 and calls[-1][2] == dict(step=None, beam_size=4, alpha=0.6, truncate=False)
+    assert code == 0 and loads[-1] == (str(seq2seq_run), None)
+    assert calls[-1][1] == dict(beam_size=4, alpha=0.6, truncate=False)
     assert "warning: --temperature applies to GPT models" in err
 
 
 def test_seq2seq_long_source_errors_or_truncates(seq2seq_run, capsys):
     args = ["--out_dir", seq2seq_run, "--start", "abcdefghijabc", "--beam_size", 1]
     code, out, err = run(capsys, *args)
-    assert code == 1 and out == "" and err.startswith("error: line 1 has 13 tokens") and "--truncate" in err
+    assert code == 1 and out == "" and err.startswith("error: line 1 has 13 tokens") and "truncate" in err
     assert len(err.strip().splitlines()) == 1
     code, out, err = run(capsys, *args, "--truncate")
     assert code == 0 and len(out.splitlines()) == 1 and "warning: line 1 cut to 9 tokens" in err
@@ -109,8 +114,8 @@ def test_seq2seq_long_source_errors_or_truncates(seq2seq_run, capsys):
         ([], "is a seq2seq run: give the sources with --start or --prompts_file"),
         (["--start", "  \n"], "has no non-blank line to translate"),
         (["--start", "abc", "--attention_png", "a.png"], "--attention_png draws GPT self-attention"),
-        (["--start", "abc", "--beam_size", "0"], "--beam_size must be >= 1"),
-        (["--start", "abc", "--alpha", "-1"], "--alpha -1.0 is negative"),
+        (["--start", "abc", "--beam_size", "0"], "beam_size 0"),  # flaxgpt.beam_search's own words
+        (["--start", "abc", "--alpha", "-1"], "alpha -1.0 must be >= 0"),
     ],
 )
 def test_seq2seq_bad_input_is_one_line(seq2seq_run, capsys, args, message):

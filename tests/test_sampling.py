@@ -1,16 +1,20 @@
 """flaxgpt.sampling: cached decoding against full forward passes, a fake model, NumPy masks."""
 
+import dataclasses
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from flaxgpt.cache import KVCache
-from flaxgpt.gpt import GPT, GPTConfig, init_params
+from flaxgpt.gpt import GPT, GPTConfig, init_params, stack_layers
+from flaxgpt.gpt import step_fn as gpt_step_fn
 from flaxgpt.sampling import (
     cache_length,
+    check_sampling_args,
     generate,
-    gpt_step_fn,
     sample_logits,
     stream_generate,
     top_k_mask,
@@ -101,6 +105,29 @@ def test_cached_logits_equal_full_forward_every_step(params):
         logits_B1V, cache = step(tok_B1, jnp.asarray(pos_B[:, None]), cache)
         np.testing.assert_allclose(logits_B1V[:, 0], full_BTV[np.arange(B), pos_B], atol=1e-5)
         pos_B += 1
+
+
+def test_scan_layers_with_a_cache_equal_unrolled(params):
+    """Under scan_layers each layer's buffers are the scan's xs/ys: the same logits and cache as
+    the unrolled model (prefill, then a decode step), called directly and through step_fn."""
+    scan_cfg = dataclasses.replace(CFG, scan_layers=True)
+    stacked = stack_layers(params, CFG.n_layer)
+    prompt_BP = jnp.asarray(np.random.RandomState(1).randint(0, CFG.vocab_size, (2, 5)), jnp.int32)
+    pos_BP = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    tok_B1, pos_B1 = prompt_BP[:, :1], jnp.array([[5], [3]])
+
+    def run(cfg, p):
+        model, cache = GPT(cfg), KVCache.for_config(CFG, 2, 16)
+        a, cache = model.apply({"params": p}, prompt_BP, positions=pos_BP, cache=cache)
+        b, cache = model.apply({"params": p}, tok_B1, positions=pos_B1, cache=cache)
+        return a, b, cache
+
+    want = run(CFG, params)
+    chex.assert_trees_all_close(run(scan_cfg, stacked), want, atol=1e-5)
+    step = gpt_step_fn(scan_cfg, stacked)
+    a, cache = step(prompt_BP, pos_BP, KVCache.for_config(CFG, 2, 16))
+    b, cache = step(tok_B1, pos_B1, cache)
+    chex.assert_trees_all_close((a, b, cache), want, atol=1e-5)
 
 
 def test_greedy_matches_naive_loop_and_batch_matches_alone(params):
@@ -293,9 +320,29 @@ def test_bad_arguments():
             rng=jax.random.key(0),
             temperature=-1,
         )
+    for bad in (float("nan"), float("inf")):  # accepted silently before: garbage samples
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            check_sampling_args(bad, 0, 1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        check_sampling_args(1.0, 0, float("nan"))
     with pytest.raises(ValueError, match="lengths"):
         generate(fake_step, fake_cache(1, 8), prompt_BP, [0], max_new_tokens=2, rng=jax.random.key(0))
     assert cache_length(1024, 16, 256) == 320 and cache_length(1024, 16, 2000) == 1024
+
+
+def test_sampling_needs_no_model_and_no_cache_type():
+    """sampling.py and beam_search.py import no model module and no cache type (issue 13)."""
+    import ast
+    import pathlib
+
+    import flaxgpt
+
+    root = pathlib.Path(flaxgpt.__file__).parent
+    for name in ("sampling.py", "beam_search.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not {m for m in imported if m and m.startswith("flaxgpt")}, (name, imported)
 
 
 def test_kvcache_layout_and_take_rows():

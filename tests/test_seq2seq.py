@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from flaxgpt import seq2seq
 from flaxgpt.beam_search import beam_search, length_penalty
 from flaxgpt.gpt import count_params
-from flaxgpt.seq2seq import Transformer, TransformerConfig, abstract_params, generate
+from flaxgpt.seq2seq import Transformer, TransformerConfig, abstract_params
+from flaxgpt.translate import generate
 
-TINY = TransformerConfig.preset("tiny", vocab_size=23, max_len=16, n_head=4)
+TINY = TransformerConfig.preset("tiny", vocab_size=23, block_size=16, n_head=4)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -31,7 +33,7 @@ def decode_step(c, p, tgt, src_len, cache, pos):
 def ref_forward(p, c: TransformerConfig, src, src_len, tgt):
     """The paper's model written directly in float64 NumPy from the parameter dict."""
     p = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), p)
-    D, H = c.d_model, c.n_head
+    D, H = c.n_embd, c.n_head
 
     def ln(x, q):
         mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
@@ -62,11 +64,13 @@ def ref_forward(p, c: TransformerConfig, src, src_len, tgt):
         T = tokens.shape[1]
         i = np.arange(D // 2)
         angle = np.arange(T)[:, None] / 10000.0 ** (2 * i / D)[None]
-        return table[tokens] * np.sqrt(D) + np.concatenate([np.sin(angle), np.cos(angle)], -1)
+        pe = np.zeros((T, D))
+        pe[:, 0::2], pe[:, 1::2] = np.sin(angle), np.cos(angle)  # the paper's interleaved layout
+        return table[tokens] * np.sqrt(D) + pe
 
     S, T = src.shape[1], tgt.shape[1]
     src_ok = np.arange(S)[None, None, :] < src_len[:, None, None]  # [B, 1, S]
-    emb = p["embed"]["embedding"] if c.share_embeddings else None
+    emb = p["embed"]["embedding"] if c.tie_embeddings else None
     x = embed(src, emb if emb is not None else p["src_embed"]["embedding"])
     for i in range(c.n_enc_layer):
         q = p[f"enc_{i}"]
@@ -119,7 +123,7 @@ def params_for(c: TransformerConfig, seed: int = 0):
     return jax.tree_util.tree_map_with_path(draw, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
-@pytest.mark.parametrize("variant", [{}, {"pre_ln": False}, {"share_embeddings": False, "d_ff": 96}])
+@pytest.mark.parametrize("variant", [{}, {"pre_ln": False}, {"tie_embeddings": False, "d_ff": 96}])
 def test_matches_float64_reference(variant):
     c = dataclasses.replace(TINY, **variant)
     p = params_for(c)
@@ -154,7 +158,8 @@ def test_cached_decoding_equals_uncached():
     full = np.asarray(forward(TINY, p, src, src_len, tgt))
     for chunks in ([1] * 7, [3, 1, 1, 2]):  # one token at a time; a prefill, then steps
         cache = start_decoding(TINY, p, src, src_len, 10)
-        assert cache.cross_k.shape == (TINY.n_dec_layer, 3, 9, TINY.n_head, TINY.head_dim)
+        assert len(cache.cross_k) == TINY.n_dec_layer  # one array per layer, like the self-attention's
+        assert cache.cross_k[0].shape == (3, 9, TINY.n_head, TINY.head_dim)
         out, t = [], 0
         for n in chunks:
             pos = np.broadcast_to(np.arange(t, t + n), (3, n))
@@ -164,12 +169,36 @@ def test_cached_decoding_equals_uncached():
         np.testing.assert_allclose(np.concatenate(out, 1), full, atol=2e-5, rtol=1e-5)
 
 
+def test_cache_take_rows_moves_self_and_cross_attention_rows():
+    """Seq2SeqCache.take_rows is right for any rows, across sources too: after a prefill, the taken
+    rows decode exactly as those sources' own rows (the cross-attention keys move with them)."""
+    p = params_for(TINY)
+    src, src_len, tgt = batch(TINY)
+    full = np.asarray(forward(TINY, p, src, src_len, tgt))
+    cache = start_decoding(TINY, p, src, src_len, 10)
+    pos = np.broadcast_to(np.arange(4), (3, 4))
+    _, cache = decode_step(TINY, p, tgt[:, :4], src_len, cache, pos)
+    for rows in ([2, 0, 0, 1], [2, 0, 1], [0, 1, 2]):  # more rows; a permutation; the same rows
+        rows = np.array(rows)
+        taken = cache.take_rows(jnp.asarray(rows))
+        assert taken.batch == len(rows) and taken.cross_v[1].shape[0] == len(rows)
+        R = len(rows)
+        logits, _ = decode_step(TINY, p, tgt[rows, 4:5], src_len[rows], taken, np.full((R, 1), 4))
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[rows, 4], atol=2e-5, rtol=1e-5)
+    # rows that stay with their source (beams) keep the cross keys/values as they are
+    beams, _ = seq2seq.start_decoding(TINY, p, src, src_len, beams=2, max_len=10)
+    np.testing.assert_array_equal(beams.source_R, [0, 0, 1, 1, 2, 2])
+    swapped = beams.take_rows(jnp.array([1, 0, 3, 3, 4, 5]))
+    np.testing.assert_array_equal(swapped.source_R, beams.source_R)
+    np.testing.assert_array_equal(swapped.cross_k[0], beams.cross_k[0])
+
+
 def uncached_logprobs(c, p, src, src_len, tgt_in):
     return np.asarray(jax.nn.log_softmax(forward(c, p, src, src_len, tgt_in), -1))
 
 
 def test_generate_greedy_equals_uncached_greedy_and_beam_one():
-    c = dataclasses.replace(TINY, max_len=12)
+    c = dataclasses.replace(TINY, block_size=12)
     p = params_for(c, 3)  # random but far from uniform logits
     src, src_len, _ = batch(c, B=4, S=8)
     src_len = np.minimum(src_len, 8)
@@ -199,18 +228,19 @@ def test_generate_greedy_equals_uncached_greedy_and_beam_one():
 def test_beam_scores_are_the_model_log_probs():
     """Beam search through the real cache: each returned hypothesis's score equals its log-prob
     under a fresh uncached forward pass, length-normalized (a wrong cache reorder breaks this)."""
-    c = dataclasses.replace(TINY, max_len=12)
+    c = dataclasses.replace(TINY, block_size=12)
     p = params_for(c, 4)
     src, src_len, _ = batch(c, B=2, S=8, seed=5)
     src_len = np.minimum(src_len, 8)
     W, N, alpha = 3, 6, 0.6
-    lengths = jnp.repeat(src_len, W)
-    step = lambda t, pos, cache: decode_step(c, p, t, lengths, cache, pos)
-    seqs, scores = jax.jit(
-        lambda cache: beam_search(
-            step, cache, batch_size=2, beam_size=W, max_len=N, bos_id=1, eos_id=2, alpha=alpha
-        )
-    )(start_decoding(c, p, src, src_len, N, beams=W))
+
+    @jax.jit
+    def search(p, src, src_len):  # the model's own adapter: start_decoding + step_fn
+        cache, lengths_R = seq2seq.start_decoding(c, p, src, src_len, beams=W, max_len=N)
+        step = seq2seq.step_fn(c, p, lengths_R)
+        return beam_search(step, cache, batch_size=2, beam_size=W, max_len=N, bos_id=1, eos_id=2, alpha=alpha)
+
+    seqs, scores = search(p, src, src_len)
     seqs = np.asarray(seqs).reshape(2 * W, N)
     tgt_in = np.concatenate([np.ones((2 * W, 1), np.int32), seqs[:, :-1]], 1)
     logp = uncached_logprobs(c, p, np.repeat(src, W, 0), np.repeat(src_len, W), tgt_in)
@@ -230,8 +260,8 @@ def test_presets_have_the_paper_sizes():
 
     base = TransformerConfig.base(vocab_size=37000)
     big = TransformerConfig.big(vocab_size=37000)
-    assert (base.d_model, base.d_ff, base.n_head, base.dropout) == (512, 2048, 8, 0.1)
-    assert (big.d_model, big.d_ff, big.n_head, big.dropout) == (1024, 4096, 16, 0.3)
+    assert (base.n_embd, base.d_ff, base.n_head, base.dropout) == (512, 2048, 8, 0.1)
+    assert (big.n_embd, big.d_ff, big.n_head, big.dropout) == (1024, 4096, 16, 0.3)
     n_base, n_big = count_params(abstract_params(base)), count_params(abstract_params(big))
     assert n_base == expected(512, 2048, 37000)
     assert n_big == expected(1024, 4096, 37000)
@@ -240,7 +270,7 @@ def test_presets_have_the_paper_sizes():
 
 def test_bad_configs_and_inputs_are_one_line_errors():
     with pytest.raises(ValueError, match="not divisible by n_head"):
-        TransformerConfig(d_model=100, n_head=8)
+        TransformerConfig(n_embd=100, n_head=8)
     with pytest.raises(ValueError, match="unknown preset"):
         TransformerConfig.preset("huge")
     with pytest.raises(ValueError, match="unknown TransformerConfig fields"):
@@ -248,8 +278,8 @@ def test_bad_configs_and_inputs_are_one_line_errors():
     with pytest.raises(ValueError, match="activation"):
         TransformerConfig(activation="swish")
     p = params_for(TINY)
-    src = np.zeros((1, TINY.max_len + 1), np.int32)
-    with pytest.raises(ValueError, match="longer than max_len"):
+    src = np.zeros((1, TINY.block_size + 1), np.int32)
+    with pytest.raises(ValueError, match="longer than the model's block_size"):
         Transformer(TINY).apply({"params": p}, src, np.array([3]), src[:, :4])
     assert TransformerConfig.from_dict(TINY.to_dict()) == TINY
 

@@ -13,9 +13,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the configs/ package
 
 from configs import reverse  # noqa: E402
-from flaxgpt import seq2seq_data as sd  # noqa: E402
-from flaxgpt import seq2seq_task, trainer  # noqa: E402
-from flaxgpt.seq2seq import translate  # noqa: E402
+from flaxgpt import prepare_seq2seq, seq2seq_task, trainer  # noqa: E402
+from flaxgpt.gpt import GPTConfig  # noqa: E402
+from flaxgpt.translate import translate, translate_run  # noqa: E402
 
 
 def reverse_config(data_dir, out_dir, **overrides):
@@ -31,7 +31,7 @@ def reverse_config(data_dir, out_dir, **overrides):
 @pytest.fixture(scope="module")
 def reverse_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("data") / "reverse"
-    sd.main(
+    prepare_seq2seq.main(
         [
             "--task",
             "reverse",
@@ -89,7 +89,7 @@ def test_translate_and_beam_search_on_the_trained_model(trained):
     for beam in (1, 4):
         out = translate(task.model_config, params, task.tokenizer, lines, beam_size=beam, batch_size=4)
         assert sum(o == line[::-1] for o, line in zip(out, lines)) >= 3, out
-    with pytest.raises(ValueError, match="more than max_len - 1"):
+    with pytest.raises(ValueError, match="more than block_size - 1"):
         translate(task.model_config, params, task.tokenizer, ["abcdefghijabcdefghij"])
     with pytest.warns(UserWarning, match="cut to"):
         translate(
@@ -132,24 +132,32 @@ def test_bad_data_and_mismatched_vocabularies_are_one_line_errors(reverse_data, 
     with pytest.raises(ValueError, match="vocabulary .* is larger than the model's vocab_size"):
         seq2seq_task.Seq2SeqTask(reverse_config(reverse_data, tmp_path, **{"model.vocab_size": 5}))
     (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "char", "chars": ["x"]}}))
-    with pytest.raises(ValueError, match="differs from"):
-        seq2seq_task.Seq2SeqTask(reverse_config(reverse_data, tmp_path, **{"model.block_size": 12}))
-    with pytest.raises(FileNotFoundError, match="seq2seq_data"):
+    with pytest.raises(ValueError, match="differs from"):  # before anything is written
+        trainer.Trainer(reverse_config(reverse_data, tmp_path, **{"model.block_size": 12}))
+    with pytest.raises(FileNotFoundError, match="prepare_seq2seq"):
         seq2seq_task.Seq2SeqTask(reverse_config(tmp_path / "nothing", tmp_path / "run"))
 
 
-def test_translate_run_loads_a_saved_run(trained):
-    """sample.py's hook: text in, text out, from nothing but the run directory."""
+def test_translate_run_loads_a_saved_run(trained, tmp_path):
+    """Text in, text out, from nothing but the run directory."""
+    from flaxgpt import gpt
     from flaxgpt.checkpoint import Checkpointer
 
     c, summary, _ = trained
     ckpt = Checkpointer(c.out_dir, async_save=False)
     ckpt.save(c.max_iters, summary["state"], extra={})  # skipped if the trainer already saved it
     ckpt.close()
-    out = seq2seq_task.translate_run(c.out_dir, ["abcdefgh", "jihgf"], beam_size=3)
+    out = translate_run(c.out_dir, ["abcdefgh", "jihgf"], beam_size=3)
     assert out == ["hgfedcba", "fghij"]
+    # a GPT run with the same vocabulary (its checkpoint, not only its config.json, holds a GPT)
+    gpt_config = GPTConfig(vocab_size=13, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    gpt_run = tmp_path / "gpt_run"
+    ckpt = Checkpointer(gpt_run, async_save=False)
+    ckpt.save(1, {"params": gpt.init_params(gpt_config, jax.random.key(0))}, extra={})
+    ckpt.close()
+    cfg = json.loads((Path(c.out_dir) / "config.json").read_text())
+    cfg["model"] = {"kind": "gpt", **gpt_config.to_dict()}
+    (gpt_run / "config.json").write_text(json.dumps(cfg))
+    (gpt_run / "meta.json").write_text((Path(c.out_dir) / "meta.json").read_text())
     with pytest.raises(ValueError, match="not an encoder-decoder"):
-        cfg = json.loads((Path(c.out_dir) / "config.json").read_text())
-        cfg["model"]["kind"] = "gpt"
-        (Path(c.out_dir) / "config.json").write_text(json.dumps(cfg))
-        seq2seq_task.translate_run(c.out_dir, ["abc"])
+        translate_run(gpt_run, ["abc"])

@@ -98,7 +98,7 @@ def test_memory_and_flops_arithmetic():
 
 def test_seq2seq_counts_equal_the_model():
     for share in (True, False):
-        c = seq2seq.TransformerConfig.preset("tiny", vocab_size=50, share_embeddings=share)
+        c = seq2seq.TransformerConfig.preset("tiny", vocab_size=50, tie_embeddings=share)
         s = summary.summarize(c)
         assert s["totals"]["total"] == gpt.count_params(seq2seq.abstract_params(c))
         assert s["parts"]["cross-attention"] > 0 and s["parts"]["other"] == 0
@@ -117,7 +117,7 @@ def test_cli_preset_with_overrides(capsys):
     summary.main(["--preset", "gpt2", "--json", "--n_layer=2"])
     assert json.loads(capsys.readouterr().out)["config"]["n_layer"] == 2
     s = summary.main(["--preset", "tiny", "--vocab_size=50", "--pre_ln=false"])  # the encoder-decoder
-    assert s["config"]["d_model"] == 64 and "cross-attention" in capsys.readouterr().out
+    assert s["config"]["n_embd"] == 64 and "cross-attention" in capsys.readouterr().out
 
 
 def test_cli_config_file_and_run_dir(tmp_path, capsys):

@@ -1,16 +1,15 @@
-"""Parallel text for the encoder-decoder: prepare token files, then padded, length-grouped batches.
+"""Parallel text for the encoder-decoder -> token files (batches: flaxgpt.data.ParallelData / Batcher).
 
-    python -m flaxgpt.seq2seq_data --task reverse --out_dir data/reverse
-    python -m flaxgpt.seq2seq_data --task numbers --out_dir data/numbers
-    python -m flaxgpt.seq2seq_data --task tsv --input pairs.tsv --out_dir data/mine      # source<TAB>target
-    python -m flaxgpt.seq2seq_data --task files --input train.en --target train.de --out_dir data/mine
-    python -m flaxgpt.seq2seq_data --task hf --hf_name wmt14 --hf_config de-en --src_lang en --tgt_lang de \
-        --tokenizer gpt2 --out_dir data/wmt14_ende          # needs `datasets` and the network
+    python -m flaxgpt.prepare_seq2seq --task reverse --out_dir data/reverse
+    python -m flaxgpt.prepare_seq2seq --task numbers --out_dir data/numbers
+    python -m flaxgpt.prepare_seq2seq --task tsv --input pairs.tsv --out_dir data/mine   # source<TAB>target
+    python -m flaxgpt.prepare_seq2seq --task files --input train.en --target train.de --out_dir data/mine
+    python -m flaxgpt.prepare_seq2seq --task hf --hf_name wmt14 --hf_config de-en \
+        --src_lang en --tgt_lang de --tokenizer gpt2 --out_dir data/wmt14_ende   # needs `datasets`, network
 
 A prepared folder holds {train,val}.src.bin and .tgt.bin (the pairs' tokens end to end), {split}.idx.npy
 (offsets [n + 1, 2]) and meta.json. Ids 0, 1, 2 are PAD, BOS, EOS; the base tokenizer's ids follow,
-shared by source and target. A batch is a pure function of (seed, step): the epoch's order is a
-seeded shuffle, sorted by length within groups of batches so that little of each batch is padding.
+shared by source and target (flaxgpt.tokenizers.Seq2SeqTokenizer).
 """
 
 from __future__ import annotations
@@ -19,64 +18,16 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 
-from flaxgpt.prepare import PrepareError, token_dtype
-from flaxgpt.tokenizers import CharTokenizer, from_meta, get_tokenizer
+from flaxgpt.prepare import PrepareError, read_utf8, token_dtype, writing
+from flaxgpt.tokenizers import BOS_ID, EOS_ID, PAD_ID, CharTokenizer, Seq2SeqTokenizer, get_tokenizer
 
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-N_SPECIAL = 3
 TASKS = ("reverse", "numbers", "tsv", "files", "hf")
-
-
-class Seq2SeqTokenizer:
-    """A base tokenizer (characters or tiktoken BPE) behind three special ids: id = base id + 3."""
-
-    pad_id, bos_id, eos_id = PAD_ID, BOS_ID, EOS_ID
-
-    def __init__(self, base):
-        self.base = base
-        self.vocab_size = base.vocab_size + N_SPECIAL
-        self.eot_id = EOS_ID
-
-    def encode(self, text: str) -> list[int]:
-        return [i + N_SPECIAL for i in self.base.encode(text)]
-
-    def decode(self, ids) -> str:
-        """Text of the ids up to the first EOS; PAD and BOS are dropped."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i >= N_SPECIAL:
-                out.append(i - N_SPECIAL)
-        return self.base.decode(out)
-
-    def to_meta(self) -> dict:
-        return {
-            "kind": "seq2seq",
-            "base": self.base.to_meta(),
-            "vocab_size": self.vocab_size,
-            "pad_id": PAD_ID,
-            "bos_id": BOS_ID,
-            "eos_id": EOS_ID,
-        }
-
-    @classmethod
-    def from_meta(cls, meta: dict) -> Seq2SeqTokenizer:
-        if meta.get("kind") != "seq2seq":
-            raise ValueError(
-                f"tokenizer kind {meta.get('kind')!r} is not a seq2seq vocabulary; "
-                "prepare the data with python -m flaxgpt.seq2seq_data"
-            )
-        return cls(from_meta(meta["base"]))
 
 
 # ---- synthetic tasks (no download) ----
@@ -143,24 +94,28 @@ def synthetic_split(task: str, n_train: int, n_val: int, seed: int, **kw):
 
 
 def read_tsv(path: str | Path) -> list[tuple[str, str, str]]:
-    """(source, target, "file:line") of `source<TAB>target` lines; blank lines are skipped."""
+    """(source, target, "file:line") of `source<TAB>target` lines (exactly one tab); blank lines are
+    skipped."""
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n").rstrip("\r")
-            if not line.strip():
-                continue
-            if "\t" not in line:
-                raise PrepareError(f"{path}:{lineno} has no tab; each line must be source<TAB>target")
-            src, tgt = line.split("\t", 1)
-            pairs.append((src, tgt, f"{path}:{lineno}"))
+    for lineno, line in enumerate(read_utf8(path).split("\n"), 1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            continue
+        tabs = line.count("\t")
+        if tabs != 1:
+            raise PrepareError(
+                f"{path}:{lineno} has {tabs or 'no'} tab{'s' if tabs != 1 else ''}; each line must be "
+                "source<TAB>target with exactly one tab (a tab inside a sentence would be cut silently)"
+            )
+        src, tgt = line.split("\t")
+        pairs.append((src, tgt, f"{path}:{lineno}"))
     return pairs
 
 
 def read_aligned(src_path: str | Path, tgt_path: str | Path) -> list[tuple[str, str, str]]:
     """Two files, line i of one translating line i of the other."""
-    src = Path(src_path).read_text(encoding="utf-8").splitlines()
-    tgt = Path(tgt_path).read_text(encoding="utf-8").splitlines()
+    src = read_utf8(src_path).splitlines()
+    tgt = read_utf8(tgt_path).splitlines()
     if len(src) != len(tgt):
         raise PrepareError(
             f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; the files must be line-aligned"
@@ -202,8 +157,6 @@ def write_parallel(
     if (out_dir / "meta.json").exists() and not overwrite:
         raise PrepareError(f"{out_dir} already holds a prepared dataset; pass --overwrite to replace it")
     dtype = token_dtype(tokenizer.vocab_size)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     meta = {
         "kind": "seq2seq",
         "tokenizer": tokenizer.to_meta(),
@@ -217,7 +170,7 @@ def write_parallel(
         "max_tgt_len": 0,
     }
     names = []
-    try:
+    with writing(out_dir) as tmp:
         for split, (src_ids, tgt_ids) in splits.items():
             if not src_ids:
                 raise PrepareError(f"the {split} split is empty; give more pairs")
@@ -238,131 +191,20 @@ def write_parallel(
         out_dir.mkdir(exist_ok=True)
         for name in names + ["meta.json"]:  # meta.json last: it marks completeness
             os.replace(tmp / name, out_dir / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
 
-# ---- loading and batching ----
-
-
-class ParallelData:
-    """One split of a prepared folder: pair i's tokens, memmapped."""
-
-    def __init__(self, data_dir: str | Path, split: str):
-        self.dir = Path(data_dir)
-        meta_path = self.dir / "meta.json"
-        if not meta_path.exists():
-            raise FileNotFoundError(
-                f"no prepared dataset in {self.dir} (meta.json missing); prepare it "
-                f"with: python -m flaxgpt.seq2seq_data --task reverse --out_dir {self.dir}"
-            )
-        self.meta = json.loads(meta_path.read_text())
-        if self.meta.get("kind") != "seq2seq":
-            raise ValueError(
-                f"{self.dir} holds a GPT dataset, not parallel text; prepare one with "
-                "python -m flaxgpt.seq2seq_data"
-            )
-        self.offsets = np.load(self.dir / f"{split}.idx.npy")
-        dtype = np.dtype(self.meta["dtype"])
-        self.src, self.tgt = (
-            np.memmap(self.dir / f"{split}.{side}.bin", dtype=dtype, mode="r")
-            if self.offsets[-1, k]
-            else np.zeros(0, dtype)
-            for k, side in enumerate(("src", "tgt"))
-        )
-        self.src_lengths = np.diff(self.offsets[:, 0])
-        self.tgt_lengths = np.diff(self.offsets[:, 1])
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def pair(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        (s0, t0), (s1, t1) = self.offsets[i], self.offsets[i + 1]
-        return np.asarray(self.src[s0:s1]), np.asarray(self.tgt[t0:t1])
-
-
-def epoch_order(lengths_N: np.ndarray, batch_size: int, seed: int, epoch: int, group: int = 50):
-    """Rows of each batch of one epoch, [n_batches, batch_size]: a seeded shuffle, then sorted by
-    length within chunks of `group` batches, then the batches shuffled (the last partial one dropped)."""
-    n_batches = len(lengths_N) // batch_size
-    if n_batches == 0:
-        raise ValueError(f"{len(lengths_N)} pairs are fewer than one batch of {batch_size}")
-    rng = np.random.default_rng([seed, epoch])
-    perm = rng.permutation(len(lengths_N))[: n_batches * batch_size]
-    chunk = batch_size * group
-    for i in range(0, len(perm), chunk):
-        part = perm[i : i + chunk]
-        perm[i : i + chunk] = part[np.argsort(lengths_N[part], kind="stable")]
-    return perm.reshape(n_batches, batch_size)[rng.permutation(n_batches)]
-
-
-def make_batch(data: ParallelData, rows, src_len: int, tgt_len: int) -> dict[str, np.ndarray]:
-    """Pairs -> {src [B, S], src_lengths [B], inputs (BOS + target) [B, T], targets (target + EOS),
-    loss_mask} padded with PAD_ID to the given lengths."""
-    B = len(rows)
-    out = {
-        "src": np.full((B, src_len), PAD_ID, np.int32),
-        "src_lengths": np.zeros(B, np.int32),
-        "inputs": np.full((B, tgt_len), PAD_ID, np.int32),
-        "targets": np.full((B, tgt_len), PAD_ID, np.int32),
-        "loss_mask": np.zeros((B, tgt_len), np.float32),
-    }
-    for b, i in enumerate(rows):
-        s, t = data.pair(int(i))
-        s, t = s[: src_len - 1], t[: tgt_len - 1]
-        out["src"][b, : len(s) + 1] = np.append(s, EOS_ID)
-        out["src_lengths"][b] = len(s) + 1
-        out["inputs"][b, : len(t) + 1] = np.append(BOS_ID, t)
-        out["targets"][b, : len(t) + 1] = np.append(t, EOS_ID)
-        out["loss_mask"][b, : len(t) + 1] = 1.0
-    return out
-
-
-class Batcher:
-    """Batch `step` as a pure function of (seed, step): epoch = step // batches_per_epoch.
-
-    `src_len` / `tgt_len` fix the padded shapes (one compiled train step); with `bucket` > 0 each
-    batch is instead padded to its own longest pair rounded up to a multiple of `bucket`.
-    """
-
-    def __init__(
-        self, data: ParallelData, batch_size: int, seed: int, src_len: int, tgt_len: int, bucket: int = 0
-    ):
-        self.data, self.batch_size, self.seed, self.bucket = data, batch_size, seed, bucket
-        self.src_len, self.tgt_len = src_len, tgt_len
-        self.lengths = np.maximum(data.src_lengths, data.tgt_lengths)
-        self.n_per_epoch = len(data) // batch_size
-        self._epoch, self._order = None, None  # memo of the current epoch's order (pure: recomputable)
-
-    def rows(self, step: int) -> np.ndarray:
-        epoch, j = divmod(step, self.n_per_epoch)
-        if epoch != self._epoch:
-            self._order = epoch_order(self.lengths, self.batch_size, self.seed, epoch)
-            self._epoch = epoch
-        return self._order[j]
-
-    def batch(self, step: int, process_index: int = 0, process_count: int = 1) -> dict[str, np.ndarray]:
-        rows = self.rows(step)
-        S, T = self.src_len, self.tgt_len
-        if self.bucket:  # from the whole global batch, so every process pads alike
-            S = min(S, up_to(int(self.data.src_lengths[rows].max()) + 1, self.bucket))
-            T = min(T, up_to(int(self.data.tgt_lengths[rows].max()) + 1, self.bucket))
-        n = len(rows) // process_count
-        return make_batch(self.data, rows[process_index * n : (process_index + 1) * n], S, T)
-
-
-def up_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def eval_rows(n_pairs: int, batch_size: int, i: int) -> tuple[np.ndarray, np.ndarray]:
-    """Eval batch i in order, the last one filled with repeats: (rows, example mask)."""
-    rows = np.arange(i * batch_size, (i + 1) * batch_size)
-    return rows % n_pairs, (rows < n_pairs).astype(np.float32)
-
-
 # ---- command line ----
+
+
+def check_args(args) -> None:
+    """Nonsense numbers are refused before anything is read or written."""
+    lowest = {"n_train": 1, "n_val": 1, "max_len": 2, "max_chars": 1, "max_value": 0}
+    for name, low in lowest.items():
+        if getattr(args, name) < low:
+            raise PrepareError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if not 0.0 < args.val_fraction < 1.0:
+        raise PrepareError(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
 
 
 def prepare(args) -> dict:
@@ -416,7 +258,7 @@ def load_hf_pairs(args):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m flaxgpt.seq2seq_data", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m flaxgpt.prepare_seq2seq", description=__doc__.split("\n")[0])
     p.add_argument(
         "--task", required=True, choices=TASKS, help="reverse | numbers (synthetic), tsv, files, hf"
     )
@@ -440,6 +282,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tgt_lang", default="de")
     p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
     args = p.parse_args(argv)
+    check_args(args)
     meta = prepare(args)
     print(
         f"wrote {args.out_dir}: {meta['train_pairs']:,} train and {meta['val_pairs']:,} val pairs, "

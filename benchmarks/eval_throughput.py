@@ -1,0 +1,168 @@
+"""Evaluation throughput: flaxgpt.eval vs lm-evaluation-harness's Hugging Face backend, same model and data.
+
+    python benchmarks/eval_throughput.py                              # HellaSwag-shaped, GPT-2 124M, 200 docs
+    python benchmarks/eval_throughput.py --task lambada --n 400
+    python benchmarks/eval_throughput.py --n 16 --n_layer 2 --n_embd 64   # a smoke run
+
+A GPT-2 124M config with random weights (speed does not depend on the values) saved as a Hugging
+Face directory with GPT-2's tokenizer, and synthetic task files of the real tasks' shapes (HellaSwag:
+a context of ~40-90 words and 4 endings of ~8-30; LAMBADA: ~60-100 words). Each side runs in its
+own process, flaxgpt first: `python -m flaxgpt.eval` (lm-eval's conventions) and lm-eval's
+`simple_evaluate` on the HF backend (CPU, float32, --lm_eval_batch_size). Both count the same
+tokens: context + continuation of every request as lm-eval tokenizes them. Times exclude model
+loading; flaxgpt's include compilation. Needs `pip install -e '.[hf,eval]'`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but "
+    "have an they you were her she there been one all we their has would when if so no will can more "
+    "about out up them into could time only new some like then other now people over just after man "
+    "house water cut bowl mix place hand small pan stir oven bake table chair walk front ball player"
+).split()
+
+
+def sentence(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def write_data(task: str, n: int, path: Path, seed: int = 0):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            if task == "hellaswag":
+                a, b = sentence(rng, rng.randint(30, 70)), sentence(rng, rng.randint(4, 12))
+                endings = [sentence(rng, rng.randint(8, 30)) + "." for _ in range(4)]
+                doc = {"activity_label": "Baking", "ctx_a": a, "ctx_b": b, "ctx": a + " " + b.capitalize()}
+                doc.update(endings=endings, label=str(rng.randint(0, 3)), ind=i)
+            else:
+                doc = {"text": sentence(rng, rng.randint(60, 100))}
+            f.write(json.dumps(doc) + "\n")
+
+
+def make_model(directory: Path, n_layer: int, n_embd: int, n_head: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from flaxgpt.eval_reference import write_gpt2_tokenizer
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head)).save_pretrained(directory)
+    write_gpt2_tokenizer(directory)
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process, all threads: on a shared machine, less sensitive to the others' load."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def side_flaxgpt(a) -> dict:
+    from flaxgpt import eval as fe
+    from flaxgpt import eval_tasks
+
+    argv = ["--init_from", a.model_dir, "--task", a.task, "--data", a.data, "--convention", "lm_eval"]
+    cpu = [0.0]
+    score_task = eval_tasks.score_task
+
+    def timed(*args, **kw):  # the CPU time of the region evaluate() reports the wall time of
+        start = cpu_seconds()
+        out = score_task(*args, **kw)
+        cpu[0] = cpu_seconds() - start
+        return out
+
+    eval_tasks.score_task = timed
+    r = fe.main(argv + ["--batch_tokens", str(a.batch_tokens), "--no_progress"])
+    return {"seconds": r["seconds"], "tokens": r["tokens_scored"], "cpu_seconds": cpu[0]}
+
+
+def side_lm_eval(a) -> dict:
+    import torch
+
+    from flaxgpt.eval_reference import write_tasks
+
+    os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    tasks_dir = tempfile.mkdtemp()
+    names = write_tasks({a.task: a.data}, tasks_dir)
+    lm = HFLM(pretrained=a.model_dir, device="cpu", batch_size=a.lm_eval_batch_size, dtype="float32")
+    tokens = 0
+    original = lm._loglikelihood_tokens
+
+    def counting(requests, **kw):  # the tokens lm-eval scores: context + continuation per request
+        nonlocal tokens
+        tokens += sum(len(ctx) + len(cont) for _, ctx, cont in requests)
+        return original(requests, **kw)
+
+    lm._loglikelihood_tokens = counting
+    start, cpu = time.perf_counter(), cpu_seconds()
+    lm_eval.simple_evaluate(
+        model=lm, tasks=names, task_manager=TaskManager(include_path=tasks_dir), bootstrap_iters=0
+    )
+    seconds, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "cpu_seconds": cpu,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="hellaswag", choices=["hellaswag", "lambada"])
+    p.add_argument("--n", type=int, default=200, help="documents")
+    p.add_argument("--n_layer", type=int, default=12)
+    p.add_argument("--n_embd", type=int, default=768)
+    p.add_argument("--n_head", type=int, default=12)
+    p.add_argument("--batch_tokens", type=int, default=8192, help="flaxgpt's padded tokens per batch")
+    p.add_argument("--lm_eval_batch_size", type=int, default=16)
+    p.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: run one side
+    p.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.side:
+        print(json.dumps((side_flaxgpt if a.side == "flaxgpt" else side_lm_eval)(a)))
+        return
+    work = Path(tempfile.mkdtemp(prefix="eval_bench_"))
+    make_model(work / "model", a.n_layer, a.n_embd, a.n_head)
+    write_data(a.task, a.n, work / "data.jsonl")
+    rows = {}
+    for side in ("flaxgpt", "lm_eval"):
+        cmd = [sys.executable, __file__, "--side", side, "--model_dir", str(work / "model")]
+        cmd += ["--data", str(work / "data.jsonl"), "--task", a.task, "--n", str(a.n)]
+        cmd += ["--batch_tokens", str(a.batch_tokens), "--lm_eval_batch_size", str(a.lm_eval_batch_size)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        rows[side] = json.loads(out.strip().splitlines()[-1])
+        r = rows[side]
+        rate, cpu_rate = r["tokens"] / r["seconds"], r["tokens"] / r["cpu_seconds"]
+        print(
+            f"{side:8s} {r['tokens']:8d} tokens {r['seconds']:8.1f} s {rate:9.1f} tokens/s "
+            f"{r['cpu_seconds']:8.1f} CPU s {cpu_rate:9.1f} tokens/CPU s"
+        )
+    f, ref = rows["flaxgpt"], rows["lm_eval"]
+    wall = (f["tokens"] / f["seconds"]) / (ref["tokens"] / ref["seconds"])
+    cpu = (f["tokens"] / f["cpu_seconds"]) / (ref["tokens"] / ref["cpu_seconds"])
+    print(f"speed-up: {wall:.2f}x in tokens/s, {cpu:.2f}x in tokens per CPU second")
+    assert f["tokens"] == ref["tokens"], (f["tokens"], ref["tokens"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""x @ w^T * scale with int8 or bfloat16 weights: a CPU kernel for decoding, XLA elsewhere.
+
+    y_MN = qmatmul(x_MK, w_NK, scale_N)      # w int8 or bfloat16, rows = output channels
+
+On CPU, few rows (decoding: M <= MAX_KERNEL_ROWS) go to a small C++ kernel registered with
+`jax.ffi` (csrc/qmatmul.cc): XLA on CPU converts an int8 or bf16 weight matrix to float32
+before a matrix-vector product, so without the kernel compact weights decode slower than
+float32 ones. The kernel is compiled once with the system's C++ compiler into
+$FLAXGPT_CACHE (default ~/.cache/flaxgpt) on first use. Without a compiler, on other
+backends, for many rows (prefill, where the step is compute-bound) or with
+FLAXGPT_QMATMUL=xla, the same product is the XLA dequantize-then-dot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+MAX_KERNEL_ROWS = 64  # above this the product is compute-bound: XLA's dot is faster
+_SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
+_TARGETS = {"int8": "FlaxgptInt8Matmul", "bfloat16": "FlaxgptBf16Matmul"}
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for (a cached library must not move to another CPU)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next(line for line in lines if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def _compile() -> Path:
+    cxx = os.environ.get("CXX", "g++")
+    include = Path(jax.ffi.include_dir())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    key = "\n".join([_SOURCE.read_text(), version, " ".join(_FLAGS), jax.__version__, _cpu_signature()])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("FLAXGPT_CACHE", Path.home() / ".cache" / "flaxgpt"))
+    lib = cache / f"qmatmul-{digest}.so"
+    if lib.exists():
+        return lib
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:  # compile aside, then rename: atomic
+        out = Path(tmp) / lib.name
+        cmd = [cxx, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip().splitlines()[-1:]}")
+        os.replace(out, lib)
+    return lib
+
+
+@functools.cache
+def kernel_available() -> bool:
+    """Compile (once) and register the CPU kernel; False, with one warning, where it cannot be."""
+    if os.environ.get("FLAXGPT_QMATMUL", "") == "xla" or jax.default_backend() != "cpu":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(_compile()))
+        for name, symbol in _TARGETS.items():
+            capsule = jax.ffi.pycapsule(getattr(lib, symbol))
+            jax.ffi.register_ffi_target(f"flaxgpt_{name}_matmul", capsule, platform="cpu")
+    except (OSError, RuntimeError, subprocess.CalledProcessError, AttributeError) as e:
+        print(f"warning: quantized CPU kernel unavailable, using XLA's slower path ({e})", file=sys.stderr)
+        return False
+    return True
+
+
+def dequantize(w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
+    return w_NK.astype(jnp.float32) * scale_N[:, None]
+
+
+def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
+    """(x @ w^T) * scale in float32 -> [M, N]; w_NK is int8 or bfloat16."""
+    x_MK = x_MK.astype(jnp.float32)
+    M, N = x_MK.shape[0], w_NK.shape[0]
+    name = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.bfloat16): "bfloat16"}.get(jnp.dtype(w_NK.dtype))
+    if name is None:
+        raise ValueError(f"qmatmul weights must be int8 or bfloat16, got {w_NK.dtype}")
+    if M <= MAX_KERNEL_ROWS and kernel_available():
+        out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+        return jax.ffi.ffi_call(f"flaxgpt_{name}_matmul", out)(x_MK, w_NK, scale_N.astype(jnp.float32))
+    return jax.lax.dot_general(x_MK, w_NK.astype(jnp.float32), (((1,), (1,)), ((), ()))) * scale_N

@@ -1,0 +1,78 @@
+"""Serve a GPT over HTTP with OpenAI's completions API and continuous batching.
+
+    python serve.py --out_dir out/shakespeare_char_cpu                 # a training run
+    python serve.py --init_from gpt2 --slots 8 --port 8000             # GPT-2 weights (HF cache or download)
+    python serve.py --init_from gpt2 --random_init                     # GPT-2's shape, random weights
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "ROMEO:", "max_tokens": 50, "temperature": 0.8, "top_k": 200}'
+
+Every slot is a row of one KV cache of --max_len positions (default the model's block_size); a
+request needs prompt + max_tokens <= max_len. All programs are compiled before /health says ok.
+SIGTERM drains: running requests finish, new ones get 503, then the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out_dir", default=None, help="a training run's directory")
+    p.add_argument("--init_from", default=None, help="GPT-2 weights: gpt2, gpt2-medium, ... or a directory")
+    p.add_argument("--random_init", action="store_true", help="with --init_from PRESET: random weights")
+    p.add_argument(
+        "--step", type=int, default=None, help="checkpoint step of --out_dir (default: the latest)"
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--slots", type=int, default=8, help="requests decoded together (rows of the KV cache)")
+    p.add_argument(
+        "--max_len", type=int, default=None, help="context window per request (default block_size)"
+    )
+    p.add_argument("--chunk", type=int, default=4, help="decode steps between admitting new requests")
+    p.add_argument("--max_queue", type=int, default=64, help="waiting requests beyond the slots; then 429")
+    p.add_argument("--model_name", default=None, help="the model id clients send (default: the run's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    a = p.parse_args(argv)
+    if (a.out_dir is None) == (a.init_from is None):
+        p.error("give exactly one of --out_dir RUN and --init_from NAME")
+    if a.random_init and not a.init_from:
+        p.error("--random_init needs --init_from PRESET (e.g. gpt2)")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)
+    from flaxgpt import server
+
+    run, name = server.load(a.out_dir, a.init_from, step=a.step, dtype=a.dtype, random_init=a.random_init)
+    config, tok = run.config, run.tokenizer
+    sched = server.scheduler_for(
+        config, run.params, tok, slots=a.slots, max_len=a.max_len, chunk=a.chunk, max_queue=a.max_queue
+    )
+    W = sched.engine.max_len
+    logging.getLogger("flaxgpt.serve").info(
+        "%s: %d slots x %d positions, %d compiled programs (prompt buckets %s); compiling",
+        name,
+        a.slots,
+        W,
+        sched.engine.n_programs,
+        sched.engine.buckets,
+    )
+    sched.start()
+    app = server.create_app(sched, tok, model=a.model_name or name, max_len=W, vocab_size=config.vocab_size)
+    print(
+        f"serving {a.model_name or name} on http://{a.host}:{a.port} (GET /health is ok once compiled)",
+        flush=True,
+    )
+    server.serve(app, sched, host=a.host, port=a.port)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
