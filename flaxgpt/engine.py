@@ -7,7 +7,8 @@
 
 The interface is JetStream's (prefill, insert into a slot, generate for all slots); the scheduler
 (flaxgpt/scheduler.py) decides who goes where and when. Like `sampling.generate`, the engine sees
-the model only as `step_fn(tokens_BT, positions_BT, cache) -> (logits_BTV, cache)`.
+the model only as `step_fn(tokens_BT, positions_BT, cache) -> (logits_BTV, cache)`, with the
+prefill asking for the logits of the prompt's last position only (`logits_at`).
 
 A request is prefilled alone into a fresh one-row cache (its prompt right-padded to the smallest
 prompt bucket that holds it), then its row is copied into the slots cache; between `generate`
@@ -96,8 +97,8 @@ def _next_tokens(rows: RowSampling, count_B, logits_BV, max_k: int):
 def _prefill(step_fn, cache, prompt_1P, length, rows: RowSampling, max_k: int) -> Prefix:
     P = prompt_1P.shape[1]
     positions_1P = jnp.arange(P, dtype=jnp.int32)[None]
-    logits_1PV, cache = step_fn(prompt_1P, positions_1P, cache)
-    logits_1V = jax.lax.dynamic_index_in_dim(logits_1PV[0], length - 1, keepdims=True)
+    logits_11V, cache = step_fn(prompt_1P, positions_1P, cache, logits_at=jnp.reshape(length - 1, (1,)))
+    logits_1V = logits_11V[:, 0]
     rows = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], rows)
     first = _next_tokens(rows, jnp.zeros((1,), jnp.int32), logits_1V, max_k)[0]
     done = (first == rows.eos[0]) | (rows.max_new[0] <= 1)

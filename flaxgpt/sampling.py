@@ -7,8 +7,9 @@
 
 `generate` knows nothing about the model beyond `step_fn(tokens_BT, positions_BT, cache) ->
 (logits_BTV, cache)`, which must write the keys/values of `tokens` at `positions` into the cache
-and attend to cache positions <= each query's own. Prompts are right-padded and delimited by
-their lengths (never by a token id: GPT-2's token 0 is "!").
+and attend to cache positions <= each query's own; the prefill calls it with `logits_at=idx_B`
+(one time index per row) and reads logits [B, 1, V], so a model can skip its head elsewhere.
+Prompts are right-padded and delimited by their lengths (never by a token id: GPT-2's token 0 is "!").
 
 How it runs: one jitted prefill writes all prompts at once and samples each row's first token;
 then a jitted `lax.while_loop` decodes one token per row per step at per-row positions, `chunk`
@@ -208,8 +209,8 @@ def _prefill(step_fn, cache, prompt_BP, lengths_B, rng, max_new_tokens, sampling
     B, P = prompt_BP.shape
     W = cache.max_len
     positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits_BPV, cache = step_fn(prompt_BP, positions_BP, cache)
-    logits_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    logits_B1V, cache = step_fn(prompt_BP, positions_BP, cache, logits_at=lengths_B - 1)
+    logits_BV = logits_B1V[:, 0]
     first_B = _select(sampling, rng, 0, logits_BV)
     window_BW = jnp.zeros((B, W), jnp.int32).at[:, :P].set(prompt_BP)
     count_B = jnp.ones((B,), jnp.int32)

@@ -367,11 +367,14 @@ def start_decoding(config: TransformerConfig, params, src_BS, src_lengths_B, *, 
 def _decode_with_cache(config: TransformerConfig):
     model = Transformer(config)
 
-    def apply(params, src_lengths_R, tokens_RT, positions_RT, cache):
+    def apply(params, src_lengths_R, tokens_RT, positions_RT, cache, logits_at=None):
         v = {"params": params}
-        return model.apply(
+        logits_RTV, cache = model.apply(
             v, tokens_RT, None, src_lengths_R, cache=cache, positions=positions_RT, method=Transformer.decode
         )
+        if logits_at is not None:  # the step_fn protocol's one-position form (see gpt.step_fn)
+            logits_RTV = jnp.take_along_axis(logits_RTV, jnp.asarray(logits_at)[:, None, None], axis=1)
+        return logits_RTV, cache
 
     return apply
 

@@ -308,3 +308,23 @@ def test_tied_head_same_for_few_and_many_rows():
     few = GPT(cfg).apply({"params": params}, tokens[:2])  # 16 rows
     assert few.shape == (2, 8, cfg.vocab_size)
     np.testing.assert_allclose(np.asarray(few), np.asarray(many[:2]), atol=1e-5)
+
+
+@pytest.mark.parametrize("head", ["tied", "untied", "softcap"])
+def test_logits_at_one_position_per_row(head):
+    """logits_at (what prefills ask for) == the full logits at those time indices, cache written alike."""
+    from flaxgpt.cache import KVCache
+
+    cfg = {
+        "tied": TINY,
+        "untied": dataclasses.replace(TINY, tie_embeddings=False),
+        "softcap": dataclasses.replace(TINY, logit_softcap=3.0),
+    }[head]
+    params = init_params(cfg, jax.random.key(1))
+    x = tokens(shape=(3, 10))
+    at = jnp.array([9, 0, 4])
+    full, cache_full = apply(cfg, params, x, cache=KVCache.for_config(cfg, 3, 16))
+    one, cache_one = apply(cfg, params, x, cache=KVCache.for_config(cfg, 3, 16), logits_at=at)
+    assert one.shape == (3, 1, cfg.vocab_size)
+    np.testing.assert_allclose(np.asarray(one[:, 0]), np.asarray(full[jnp.arange(3), at]), atol=1e-5)
+    chex.assert_trees_all_equal(cache_one, cache_full)

@@ -43,7 +43,7 @@ def fake_next(context):
     return int(sum((i + 1) * t for i, t in enumerate(context)) % V_FAKE)
 
 
-def fake_step(tokens_BT, positions_BT, cache):
+def fake_step(tokens_BT, positions_BT, cache, logits_at=None):
     """A model with a KV cache whose greedy next token is fake_next(tokens at 0..pos)."""
     rows_B1 = jnp.arange(tokens_BT.shape[0])[:, None]
     k = cache.k[0].at[rows_B1, positions_BT, 0].set(tokens_BT.astype(cache.k[0].dtype))  # 1 head
@@ -54,6 +54,8 @@ def fake_step(tokens_BT, positions_BT, cache):
     nxt_BT = jnp.mod(total_BT, V_FAKE)
     # logits peaked at the rule's token, spread over the rest so sampling has something to do
     logits_BTV = -jnp.abs(jnp.arange(V_FAKE) - nxt_BT[..., None])
+    if logits_at is not None:
+        logits_BTV = jnp.take_along_axis(logits_BTV, logits_at[:, None, None], axis=1)
     return logits_BTV, cache.replace(k=(k,))
 
 
