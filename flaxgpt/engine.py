@@ -155,10 +155,13 @@ def _generate(step_fn, state: SlotState, stop_B, chunk: int, max_k: int):
 
 
 def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to max_len, and max_len itself."""
+    """Powers of two from `smallest` and the midpoints between them (16, 24, 32, 48, 64, 96, ...)
+    up to max_len, and max_len itself."""
+    # prefill is compute-bound: with midpoints a prompt is padded by under a third (powers of two
+    # alone: up to half), for two compiled programs per doubling
     out, b = [], smallest
     while b < max_len:
-        out.append(b)
+        out += [b] + ([b * 3 // 2] if b * 3 // 2 < max_len else [])
         b *= 2
     return (*out, max_len)
 

@@ -91,7 +91,8 @@ def test_eos_release_and_bad_requests(step):
         engine.prefill([1] * 60, RowSampling.of(max_new_tokens=5))
     with pytest.raises(ValueError, match="empty"):
         engine.prefill([], RowSampling.of(max_new_tokens=5))
-    assert prompt_buckets(64) == (16, 32, 64) and engine.n_programs == 5
+    assert prompt_buckets(64) == (16, 24, 32, 48, 64) and engine.n_programs == 7
+    assert prompt_buckets(100) == (16, 24, 32, 48, 64, 96, 100)
 
 
 def test_select_rows_filters_and_rows_are_independent():
