@@ -90,17 +90,15 @@ def side_flaxgpt(a) -> dict:
 
 
 def side_lm_eval(a) -> dict:
-    import torch
-
-    from flaxgpt.eval_reference import write_tasks
+    import torch  # no flaxgpt import here: this side may run under another venv (--torch_python)
 
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"
     import lm_eval
+    import transformers
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    tasks_dir = tempfile.mkdtemp()
-    names = write_tasks({a.task: a.data}, tasks_dir)
+    tasks_dir, names = a.tasks_dir, [a.task_name]
     lm = HFLM(pretrained=a.model_dir, device="cpu", batch_size=a.lm_eval_batch_size, dtype="float32")
     tokens = 0
     original = lm._loglikelihood_tokens
@@ -121,6 +119,8 @@ def side_lm_eval(a) -> dict:
         "tokens": tokens,
         "cpu_seconds": cpu,
         "torch_threads": torch.get_num_threads(),
+        "versions": f"lm-eval {lm_eval.__version__}, transformers {transformers.__version__}, "
+        f"torch {torch.__version__}",
     }
 
 
@@ -133,7 +133,14 @@ def main():
     p.add_argument("--n_head", type=int, default=12)
     p.add_argument("--batch_tokens", type=int, default=8192, help="flaxgpt's padded tokens per batch")
     p.add_argument("--lm_eval_batch_size", type=int, default=16)
+    p.add_argument(
+        "--torch_python",
+        default=sys.executable,
+        help="interpreter for the lm-eval side",
+    )
     p.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: run one side
+    p.add_argument("--tasks_dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--task_name", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -143,10 +150,15 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="eval_bench_"))
     make_model(work / "model", a.n_layer, a.n_embd, a.n_head)
     write_data(a.task, a.n, work / "data.jsonl")
+    from flaxgpt.eval_reference import write_tasks
+
+    (name,) = write_tasks({a.task: str(work / "data.jsonl")}, work / "tasks")
     rows = {}
     for side in ("flaxgpt", "lm_eval"):
-        cmd = [sys.executable, __file__, "--side", side, "--model_dir", str(work / "model")]
+        python = sys.executable if side == "flaxgpt" else a.torch_python
+        cmd = [python, __file__, "--side", side, "--model_dir", str(work / "model")]
         cmd += ["--data", str(work / "data.jsonl"), "--task", a.task, "--n", str(a.n)]
+        cmd += ["--tasks_dir", str(work / "tasks"), "--task_name", name]
         cmd += ["--batch_tokens", str(a.batch_tokens), "--lm_eval_batch_size", str(a.lm_eval_batch_size)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
@@ -158,6 +170,7 @@ def main():
             f"{r['cpu_seconds']:8.1f} CPU s {cpu_rate:9.1f} tokens/CPU s"
         )
     f, ref = rows["flaxgpt"], rows["lm_eval"]
+    print(f"lm-eval side: {ref['versions']} ({ref['torch_threads']} threads), {a.torch_python}")
     wall = (f["tokens"] / f["seconds"]) / (ref["tokens"] / ref["seconds"])
     cpu = (f["tokens"] / f["cpu_seconds"]) / (ref["tokens"] / ref["cpu_seconds"])
     print(f"speed-up: {wall:.2f}x in tokens/s, {cpu:.2f}x in tokens per CPU second")

@@ -216,7 +216,8 @@ def run_hf_side(a, reqs):
         return start, clock.times[1:]  # the first put() is the prompt
 
     one({"prompt": reqs[0]["prompt"], "max_tokens": 4, "seed": 0})  # warm up
-    return _sequential(f"transformers {transformers.__version__} generate one at a time", reqs, one)
+    name = f"transformers {transformers.__version__} (torch {torch.__version__}) generate one at a time"
+    return _sequential(name, reqs, one)
 
 
 def _sequential(name, reqs, one):
@@ -235,7 +236,7 @@ def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--clients", type=int, default=16)
-    p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--slots", type=int, default=16)
     p.add_argument("--chunk", type=int, default=4, help="serve.py --chunk (and generate's chunk)")
     p.add_argument("--max_len", type=int, default=512, help="the window: prompt + output tokens fit")
     p.add_argument("--min_prompt", type=int, default=16)
@@ -244,6 +245,7 @@ def parse(argv):
     p.add_argument("--max_new", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip_hf", action="store_true")
+    p.add_argument("--torch_python", default=sys.executable, help="interpreter for the transformers side")
     p.add_argument("--side", default=None, choices=["serve", "flaxgpt", "hf"], help="(internal) run one side")
     return p.parse_args(argv)
 
@@ -256,16 +258,15 @@ def main(argv=None):
         print("RESULT " + json.dumps(result))
         return
     import jax
-    import torch
-    import transformers
 
-    versions = f"jax {jax.__version__}, torch {torch.__version__}, transformers {transformers.__version__}"
+    versions = f"jax {jax.__version__}"
     load = f"{a.requests} requests, {a.clients} clients, slots {a.slots}"
     lengths = f"prompts {a.min_prompt}-{a.max_prompt}, outputs {a.min_new}-{a.max_new} tokens"
     print(f"{versions}, python {platform.python_version()}, {os.cpu_count()} cores; {load}; {lengths}")
     results = []
     for side in ["flaxgpt", "serve"] + ([] if a.skip_hf else ["hf"]):  # flaxgpt's processes first
-        args = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--side", side]
+        python = a.torch_python if side == "hf" else sys.executable
+        args = [python, __file__, *(argv if argv is not None else sys.argv[1:]), "--side", side]
         out = subprocess.run(
             args, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True
         )
