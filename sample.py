@@ -86,8 +86,7 @@ def load_source(source: str, step=None, is_run: bool | None = None):
 
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes about read-only directories
         return run_dir.load_run(source, step)
-    config, params = hf.load_pretrained(source)
-    return run_dir.Run("gpt", config, params, hf.load_tokenizer(source))  # tokenizer.json or GPT-2's
+    return hf.load_pretrained_run(source)  # with tokenizer.json, or GPT-2's BPE
 
 
 def read_texts(a, kind: str) -> list[str]:

@@ -3,6 +3,7 @@
     python serve.py --out_dir out/shakespeare_char_cpu                 # a training run
     python serve.py --init_from gpt2 --slots 8 --port 8000             # GPT-2 weights (HF cache or download)
     python serve.py --init_from gpt2 --random_init                     # GPT-2's shape, random weights
+    python serve.py --init_from gpt2 --quantize int8                   # int8 weights: faster decoding
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "ROMEO:", "max_tokens": 50, "temperature": 0.8, "top_k": 200}'
 
@@ -27,6 +28,12 @@ def parse_args(argv):
         "--step", type=int, default=None, help="checkpoint step of --out_dir (default: the latest)"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=["int8", "bf16"],
+        help="weight-only quantized weights",
+    )
     p.add_argument("--slots", type=int, default=8, help="requests decoded together (rows of the KV cache)")
     p.add_argument(
         "--max_len", type=int, default=None, help="context window per request (default block_size)"
@@ -50,7 +57,9 @@ def main(argv=None):
     logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)
     from flaxgpt import server
 
-    run, name = server.load(a.out_dir, a.init_from, step=a.step, dtype=a.dtype, random_init=a.random_init)
+    run, name = server.load(
+        a.out_dir, a.init_from, step=a.step, dtype=a.dtype, random_init=a.random_init, quantize=a.quantize
+    )
     config, tok = run.config, run.tokenizer
     sched = server.scheduler_for(
         config, run.params, tok, slots=a.slots, max_len=a.max_len, chunk=a.chunk, max_queue=a.max_queue

@@ -55,6 +55,19 @@ def recipe_path(argv) -> str | None:
     return None
 
 
+def fail(message: str):
+    """The run stopped with `message` (one line): print it last and exit 1.
+
+    The trainer has closed its files, checkpointer and lock on the way out; what is left are orbax's
+    background threads and finalizers, which can report the failure the line already names again
+    while Python shuts down (after a full disk: `ImportError: sys.meta_path is None`). Ending the
+    process here keeps the one line the last thing on screen.
+    """
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def parse_flags(argv):
     from flaxgpt.config_check import ConfigError, load_recipe
 
@@ -86,7 +99,7 @@ def main(argv):
     try:
         train(config)
     except (ValueError, OSError, FloatingPointError) as e:  # OSError: a full disk, a missing file
-        sys.exit(f"error: {one_line(e)}")
+        fail(f"error: {one_line(e)}")
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops, like SIGTERM)
         sys.exit("error: interrupted before the run could save; run the same command to resume")
 

@@ -92,16 +92,10 @@ def config_from_hf(hf: dict, **fields) -> GPTConfig:
         "scale_attn_by_inverse_layer_idx": True if hf.get("scale_attn_by_inverse_layer_idx") else None,
         "add_cross_attention": True if hf.get("add_cross_attention") else None,
     }
-    for key, value in unsupported.items():
-        if value is not None:
-            raise ValueError(f"GPT-2 config with {key}={value!r} is not supported by flaxgpt's GPT")
-    for key in fields:
-        if key in ARCH_FIELDS:
-            raise ValueError(f"{key} is fixed by the pretrained checkpoint and cannot be overridden")
     n_positions = hf.get("n_positions", 1024)
-    block_size = fields.pop("block_size", None) or n_positions
-    if block_size > n_positions:
-        raise ValueError(f"block_size {block_size} is longer than the checkpoint's n_positions {n_positions}")
+    block_size = hf_files.checked_block_size(
+        "GPT-2", unsupported, fields, ARCH_FIELDS, n_positions, "n_positions"
+    )
     return GPTConfig(
         vocab_size=hf.get("vocab_size", 50257),
         block_size=block_size,
@@ -253,6 +247,14 @@ def load_pretrained(
     if quantize is not None:
         return quantize_params(config, params, quantize)
     return config, params
+
+
+def load_pretrained_run(name_or_path: str, *, quantize: str | None = None):
+    """Pretrained weights and their tokenizer as a run_dir.Run: what sample.py and serve.py load."""
+    from flaxgpt.run_dir import Run
+
+    config, params = load_pretrained(name_or_path, quantize=quantize)
+    return Run("gpt", config, params, load_tokenizer(name_or_path))
 
 
 def load_tokenizer(name_or_path: str, cache_dir: str | None = None):

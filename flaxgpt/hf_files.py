@@ -229,3 +229,24 @@ def write_json(data: dict, path: str, rename: bool = True) -> None:
         json.dump(data, fh, indent=2)
     if rename:
         os.replace(path + ".tmp", path)
+
+
+def checked_block_size(
+    family: str, unsupported: dict, fields: dict, arch_fields, max_len: int, max_len_key: str
+) -> int:
+    """The checks every imported config gets -> the block_size to use (fields["block_size"] popped).
+
+    `unsupported`: {hf key: its value where flaxgpt cannot run it, else None}; `fields`: the caller's
+    GPTConfig overrides, which may not touch what the checkpoint fixes (`arch_fields`); the window may
+    shrink below the checkpoint's `max_len` (its config key `max_len_key`) but not grow past it.
+    """
+    for key, value in unsupported.items():
+        if value is not None:
+            raise ValueError(f"{family} config with {key}={value!r} is not supported by flaxgpt's GPT")
+    for key in fields:
+        if key in arch_fields:
+            raise ValueError(f"{key} is fixed by the pretrained checkpoint and cannot be overridden")
+    block_size = fields.pop("block_size", None) or max_len
+    if block_size > max_len:
+        raise ValueError(f"block_size {block_size} is longer than the checkpoint's {max_len_key} {max_len}")
+    return block_size

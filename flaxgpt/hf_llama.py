@@ -117,18 +117,10 @@ def config_from_hf(hf: dict, **fields) -> GPTConfig:
         "mlp_bias": True if hf.get("mlp_bias") else None,
         "use_sliding_window": True if model_type == "qwen2" and hf.get("use_sliding_window") else None,
     }
-    for key, value in unsupported.items():
-        if value is not None:
-            raise ValueError(f"{model_type} config with {key}={value!r} is not supported by flaxgpt's GPT")
-    for key in fields:
-        if key in ARCH_FIELDS:
-            raise ValueError(f"{key} is fixed by the pretrained checkpoint and cannot be overridden")
     max_len = hf.get("max_position_embeddings", 2048)
-    block_size = fields.pop("block_size", None) or max_len
-    if block_size > max_len:
-        raise ValueError(
-            f"block_size {block_size} is longer than the checkpoint's max_position_embeddings {max_len}"
-        )
+    block_size = hf_files.checked_block_size(
+        model_type, unsupported, fields, ARCH_FIELDS, max_len, "max_position_embeddings"
+    )
     window = hf.get("sliding_window") if model_type == "mistral" else None
     return GPTConfig(
         vocab_size=hf["vocab_size"],

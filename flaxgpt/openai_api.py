@@ -83,8 +83,10 @@ def _prompts(body, tokenizer, vocab_size: int) -> list[list[int]]:
     out = []
     for x in texts_or_ids:
         if isinstance(x, str):
+            # a tokenizer that starts sequences with BOS (Llama's tokenizer.json) gets it, as in transformers
+            bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []
             try:
-                ids = tokenizer.encode(x)
+                ids = bos + tokenizer.encode(x)
             except ValueError as e:
                 raise BadRequest(f"prompt cannot be tokenized: {e}", "prompt") from None
             eot = getattr(tokenizer, "eot_id", None)

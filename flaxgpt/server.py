@@ -210,8 +210,9 @@ def serve(app, sched: Scheduler, *, host: str = "127.0.0.1", port: int = 8000, d
     sched.close()
 
 
-def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_init=False):
-    """-> (run_dir.Run, model name) from a run directory, GPT-2 weights, or a preset's random weights."""
+def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_init=False, quantize=None):
+    """-> (run_dir.Run, model name) from a run directory, GPT-2 weights, or a preset's random weights;
+    `quantize` ("int8" | "bf16"): weight-only quantized weights, as sample.py --quantize."""
     from pathlib import Path
 
     import jax
@@ -221,9 +222,8 @@ def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_ini
     if random_init:  # random weights of a preset's shape: load tests without a download
         config = gpt.GPTConfig.preset(init_from)
         run, name = run_dir.Run("gpt", config, gpt.init_params(config, jax.random.key(0)), None), init_from
-    elif init_from:
-        config, params = hf.load_pretrained(init_from)
-        run, name = run_dir.Run("gpt", config, params, None), Path(init_from).name
+    elif init_from:  # GPT-2 or a Llama-family directory, with its own tokenizer
+        run, name = hf.load_pretrained_run(init_from), Path(init_from).name
     else:
         from absl import logging as absl_logging
 
@@ -233,7 +233,11 @@ def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_ini
             raise SystemExit(f"error: {out_dir} holds a {run.kind!r} model; the server serves GPT models")
     if run.tokenizer is None:
         run = run._replace(tokenizer=tokenizers.get_tokenizer("gpt2"))
-    return (run_dir.with_dtype(run, dtype) if dtype != "float32" else run), name
+    run = run_dir.with_dtype(run, dtype) if dtype != "float32" else run
+    if quantize:  # after the dtype, as sample.py: the engine decodes through the quantized matmuls
+        config, params = gpt.quantize_params(run.config, run.params, quantize)
+        run = run._replace(config=config, params=params)
+    return run, name
 
 
 def scheduler_for(config, params, tokenizer, *, slots=8, max_len=None, chunk=4, max_queue=64) -> Scheduler:

@@ -114,3 +114,34 @@ def test_select_rows_filters_and_rows_are_independent():
         keys_R, x_RV, np.ones(R, np.float32), np.zeros(R, np.int32), np.full(R, 0.7, np.float32), max_k=8
     )
     assert set(np.asarray(draws).tolist()) == {0, 1}  # p(0) = 0.64 < 0.7, p(0) + p(1) = 0.87
+
+
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+def test_quantized_weights_serve_what_generate_gives(mode, tmp_path):
+    """serve.py --quantize: server.load quantizes, and the engine decodes what generate does with them."""
+    import json
+
+    from flaxgpt import quantize, server
+    from flaxgpt.checkpoint import Checkpointer
+    from flaxgpt.gpt import quantize_params
+    from flaxgpt.tokenizers import CharTokenizer
+
+    params = init_params(CFG, jax.random.key(0))
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **CFG.to_dict()}}))
+    chars = [chr(ord("a") + i) if i < 26 else chr(ord("A") + i - 26) for i in range(CFG.vocab_size)]
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": CharTokenizer(chars).to_meta()}))
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, {"params": params}, extra={})
+    ckpt.close()
+    loaded, _ = server.load(str(tmp_path), quantize=mode)
+    assert quantize.is_quantized(loaded.params)
+    qconfig, qparams = quantize_params(CFG, params, mode)
+    step = gpt_step_fn(loaded.config, loaded.params)
+    engine = Engine(step, lambda b: KVCache.for_config(loaded.config, b, W), slots=2, chunk=3, max_k=8)
+    prompt = [3, 1, 4, 1, 5]
+    got = run(engine, [(prompt, RowSampling.of(max_new_tokens=12, temperature=0))])[0]
+    want, _ = generate(
+        gpt_step_fn(qconfig, qparams), KVCache.for_config(qconfig, 1, W), np.array([prompt]), [5],
+        max_new_tokens=12, rng=jax.random.key(0), temperature=0,
+    )  # fmt: skip
+    assert got == np.asarray(want)[0].tolist()

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 from test_llama import make_hf_model, torch_greedy  # noqa: E402
+from test_serve import serving_in_thread  # noqa: E402
 
 import sample  # noqa: E402
 
@@ -141,3 +142,30 @@ def test_finetune_with_fsdp_then_export_back(llama_dir, tmp_path):
         ref = model(torch.tensor(tokens)).logits.numpy()
     ours = flax_logits(run.config, jax.device_get(run.params), tokens)
     np.testing.assert_allclose(ref, ours, atol=1e-4, rtol=0)
+
+
+def test_serve_a_llama_directory_over_http(llama_dir):
+    """serve.py's loader on a Llama directory: its tokenizer.json (BOS first), greedy == transformers."""
+    import httpx
+
+    from flaxgpt import server
+
+    directory, model = llama_dir
+    run, name = server.load(init_from=str(directory))
+    tok = run.tokenizer
+    assert isinstance(tok, HFTokenizer) and name == Path(directory).name
+    sched = server.scheduler_for(run.config, run.params, tok, slots=2, max_len=64)
+    sched.start()
+    app = server.create_app(sched, tok, model=name, max_len=64, vocab_size=run.config.vocab_size)
+    prompt = "the quick"
+    with serving_in_thread(app) as url:
+        assert sched.ready.wait(timeout=300)
+        body = {"model": name, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    sched.close()
+    ids = [tok.bos_id] + tok.encode(prompt)
+    new = torch_greedy(model, ids, 8)
+    new = new[: new.index(tok.eos_id)] if tok.eos_id in new else new  # the server stops at EOS
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode(new)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)

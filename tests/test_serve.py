@@ -4,6 +4,7 @@ One process serves every test in order (compiling takes most of the time); the l
 it SIGTERM. Loops that wait for the server are bounded.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -222,17 +223,11 @@ def test_more_sequences_than_slots_and_queue_is_400(server):
     assert r.status_code == 400 and "at most 3" in r.json()["error"]["message"], r.text
 
 
-def test_full_queue_is_429_with_retry_after(tmp_path):
-    """In-process: a real uvicorn on 127.0.0.1 over a scheduler whose engine thread never starts,
-    so the submitted sequences stay queued and the server stays full for as long as the test needs."""
+@contextlib.contextmanager
+def serving_in_thread(app):
+    """A real uvicorn on 127.0.0.1 in a thread of this process -> its url; stopped on exit."""
     import uvicorn
 
-    from flaxgpt.server import create_app, scheduler_for
-
-    cfg = GPTConfig(vocab_size=len(CHARS), block_size=32, n_layer=1, n_head=2, n_embd=16)
-    tok = CharTokenizer(CHARS)
-    sched = scheduler_for(cfg, init_params(cfg, jax.random.key(0)), tok, slots=2, max_queue=1)
-    app = create_app(sched, tok, model="tiny", max_len=32, vocab_size=len(CHARS))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -241,8 +236,23 @@ def test_full_queue_is_429_with_retry_after(tmp_path):
         if server.started:
             break
         time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
     try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_full_queue_is_429_with_retry_after(tmp_path):
+    """In-process, over a scheduler whose engine thread never starts: the submitted sequences stay
+    queued, so the server stays full for as long as the test needs."""
+    from flaxgpt.server import create_app, scheduler_for
+
+    cfg = GPTConfig(vocab_size=len(CHARS), block_size=32, n_layer=1, n_head=2, n_embd=16)
+    tok = CharTokenizer(CHARS)
+    sched = scheduler_for(cfg, init_params(cfg, jax.random.key(0)), tok, slots=2, max_queue=1)
+    app = create_app(sched, tok, model="tiny", max_len=32, vocab_size=len(CHARS))
+    with serving_in_thread(app) as url:
         with httpx.Client(timeout=30) as c:
             three = {"prompt": "ab", "max_tokens": 5, "n": 3, "stream": True}  # 2 slots + the queue place
             with c.stream("POST", f"{url}/v1/completions", json=three) as stream:
@@ -250,9 +260,6 @@ def test_full_queue_is_429_with_retry_after(tmp_path):
                 r = c.post(f"{url}/v1/completions", json={"prompt": "ab", "max_tokens": 5})
                 assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1, r.text
                 assert r.json()["error"]["type"] == "rate_limit_error"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
     assert sched.stats["rejected"] == 1
 
 
