@@ -91,8 +91,10 @@ class MetricsWriter:
         if self.tb is not None:
             try:
                 self.tb.close()
-            except OSError:
-                self.tb.event_writer._closed = True
+            except OSError:  # mark its event files closed, so no later flush retries the full disk
+                for file_writer in (self.tb.all_writers or {}).values():
+                    file_writer.event_writer._closed = True
+                self.tb.file_writer = self.tb.all_writers = None
 
 
 def _plain(v):

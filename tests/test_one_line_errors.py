@@ -100,7 +100,8 @@ def test_full_disk_while_training_is_the_last_line(tmp_path):
     r, tmpfs = on_a_small_disk(args, mnt)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and lines, r.stderr[-3000:]
-    assert lines[-1].startswith("error: saving") and "run the same command to resume" in lines[-1]
+    assert lines[-1].startswith("error: saving"), r.stderr[-3000:]
+    assert "run the same command to resume" in lines[-1]
     if tmpfs:
         assert "no space left on device; free disk space" in lines[-1]
     assert not any(n in r.stderr for n in NOISE), r.stderr[-3000:]
