@@ -37,7 +37,7 @@ from flax import linen as nn
 
 from flaxgpt import hf_files
 from flaxgpt.gpt import GPTConfig, abstract_params, quantize_params, unstack_layers
-from flaxgpt.hf_files import CONFIG_FILE, WEIGHTS_FILE, open_tensors, resolve
+from flaxgpt.hf_files import CONFIG_FILE, WEIGHTS_FILE, get_path, open_tensors, resolve, set_path
 from flaxgpt.layers import sinusoidal_positions
 from flaxgpt.quantize import check_mode
 
@@ -140,12 +140,6 @@ def config_to_hf(config: GPTConfig) -> dict:
 # ---------------------------------------------------------------- import
 
 
-def _set(tree: dict, path: tuple, value):
-    for k in path[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[path[-1]] = value
-
-
 def llama_family(hf: dict):
     """flaxgpt.hf_llama when config.json is a Llama / Mistral / Qwen2 one, None for GPT-2; any
     other model_type is a one-line error listing the supported ones."""
@@ -210,19 +204,14 @@ def load_pretrained(
         expected = set(TOP_KEYS) | {f"h.{i}.{k}" for i in range(L) for k in BLOCK_KEYS}
         if not config.tie_embeddings:
             expected.add("lm_head.weight")
-        missing = sorted(expected - set(table))
-        extra = set(table) - expected - {"lm_head.weight"}  # a tied file may still carry lm_head
-        unexpected = sorted(k for k in extra if not BUFFER_RE.match(k))
-        if missing or unexpected:
-            raise ValueError(
-                f"{directory} is not a GPT-2 checkpoint for its config: missing {missing[:5]} "
-                f"unexpected {unexpected[:5]}"
-            )
+        what = f"{directory} is not a GPT-2 checkpoint for its config"
+        # a tied file may still carry lm_head; the attention-mask buffers are not weights
+        hf_files.check_names(table, expected, what, optional={"lm_head.weight"}, ignore=BUFFER_RE)
         params: dict = {}
         # host numpy work in 64-byte-aligned buffers, then one device_put per leaf, which on CPU
         # adopts such a buffer without a copy: no per-shape compiles, host memory ~ model size
         for name, path in TOP_KEYS.items():
-            _set(params, path, hf_files.read(table, name, _get(shapes, path).shape, dtype))
+            set_path(params, path, hf_files.read(table, name, get_path(shapes, path).shape, dtype))
         params["wpe"]["embedding"] = params["wpe"]["embedding"][: config.block_size]
         D, PV = config.n_embd, config.padded_vocab_size
         # padded rows are never seen (logits are sliced); zeros keep them inert
@@ -233,17 +222,17 @@ def load_pretrained(
             params["lm_head"] = {"kernel": hf_files.aligned_copy(w_VD.T, dtype, (D, PV))}
         params = jax.tree_util.tree_map(jax.device_put, params)
         for key, path in BLOCK_KEYS.items():
-            shape = _get(shapes["h_0"], path).shape
+            shape = get_path(shapes["h_0"], path).shape
             if scan_layers:  # one [L, ...] host buffer per leaf kind, filled layer by layer
                 stacked = hf_files.aligned_empty((L, *shape), dtype)
                 for i in range(L):
                     stacked[i] = hf_files.read(table, f"h.{i}.{key}", shape, dtype)
-                _set(params, ("h", "block") + path, jax.device_put(stacked))
+                set_path(params, ("h", "block") + path, jax.device_put(stacked))
                 del stacked
             else:
                 for i in range(L):
                     x = hf_files.read(table, f"h.{i}.{key}", shape, dtype)
-                    _set(params, (f"h_{i}",) + path, jax.device_put(x))
+                    set_path(params, (f"h_{i}",) + path, jax.device_put(x))
     if quantize is not None:
         return quantize_params(config, params, quantize)
     return config, params
@@ -271,12 +260,6 @@ def load_tokenizer(name_or_path: str, cache_dir: str | None = None):
     if not os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {directory}; a {model_type} model needs its own")
     return HFTokenizer(directory)
-
-
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
 
 
 # ---------------------------------------------------------------- export
@@ -333,7 +316,7 @@ def export_state(config, params) -> tuple[dict, dict]:
     def get(path, shape):
         """params[path] as float32 numpy, shape-checked; an absent bias the config omits is zero."""
         try:
-            x = _get(params, path)
+            x = get_path(params, path)
         except KeyError:
             omitted = not config.bias or (path[-2] == "c_attn" and not config.qkv_bias)
             if path[-1] == "bias" and omitted:
@@ -358,7 +341,7 @@ def export_state(config, params) -> tuple[dict, dict]:
         tensors["lm_head.weight"] = np.ascontiguousarray(get(("lm_head", "kernel"), (D, PV))[:, :V].T)
     for i in range(config.n_layer):
         for key, path in BLOCK_KEYS.items():
-            tensors[f"transformer.h.{i}.{key}"] = get((f"h_{i}",) + path, _get(block_shapes, path).shape)
+            tensors[f"transformer.h.{i}.{key}"] = get((f"h_{i}",) + path, get_path(block_shapes, path).shape)
     return config_to_hf(config), tensors
 
 

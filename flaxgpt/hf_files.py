@@ -250,3 +250,25 @@ def checked_block_size(
     if block_size > max_len:
         raise ValueError(f"block_size {block_size} is longer than the checkpoint's {max_len_key} {max_len}")
     return block_size
+
+
+def check_names(table, expected: set, what: str, optional=(), ignore=None) -> None:
+    """A checkpoint's tensor names are `expected`, plus any of `optional` and names `ignore` matches
+    (buffers): otherwise a one-line error "{what}: missing [...] unexpected [...]"."""
+    missing = sorted(expected - set(table))
+    extra = set(table) - expected - set(optional)
+    unexpected = sorted(k for k in extra if not (ignore and ignore.match(k)))
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing {missing[:5]} unexpected {unexpected[:5]}")
+
+
+def get_path(tree, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def set_path(tree: dict, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value

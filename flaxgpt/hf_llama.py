@@ -26,6 +26,7 @@ from flax import linen as nn
 
 from flaxgpt import hf_files
 from flaxgpt.gpt import GPTConfig, abstract_params, unstack_layers
+from flaxgpt.hf_files import get_path, set_path
 
 # HF name inside layer i (after "model.layers.{i}.") -> (flaxgpt path inside h_{i}, the part of a
 # fused flaxgpt tensor it fills: q / k / v columns of c_attn, gate / up columns of c_fc, or None)
@@ -234,18 +235,6 @@ def _by_path(layer_keys: dict) -> dict:
     return out
 
 
-def _get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
-def _set(tree: dict, path: tuple, value):
-    for k in path[:-1]:
-        tree = tree.setdefault(k, {})
-    tree[path[-1]] = value
-
-
 # ---------------------------------------------------------------- import
 
 
@@ -262,16 +251,11 @@ def load_llama(directory, hf, *, scan_layers=False, pad_vocab_multiple=1, param_
         expected = set(TOP_KEYS) | {f"model.layers.{i}.{k}" for i in range(L) for k in family.layer_keys}
         if not config.tie_embeddings:
             expected.add(HEAD_KEY)
-        missing = sorted(expected - set(table))
-        unexpected = sorted(set(table) - expected - {HEAD_KEY})  # a tied file may still carry lm_head
-        if missing or unexpected:
-            raise ValueError(
-                f"{directory} is not a {hf['model_type']} checkpoint for its config: "
-                f"missing {missing[:5]} unexpected {unexpected[:5]}"
-            )
+        what = f"{directory} is not a {hf['model_type']} checkpoint for its config"
+        hf_files.check_names(table, expected, what, optional={HEAD_KEY})  # a tied file may carry lm_head
         params: dict = {}
         for name, path in TOP_KEYS.items():
-            _set(params, path, hf_files.read(table, name, _get(shapes, path).shape, dtype))
+            set_path(params, path, hf_files.read(table, name, get_path(shapes, path).shape, dtype))
         # padded vocabulary rows are never seen (logits are sliced); zeros keep them inert
         params["wte"]["embedding"] = hf_files.aligned_copy(params["wte"]["embedding"], dtype, (PV, D))
         if not config.tie_embeddings:
@@ -279,7 +263,7 @@ def load_llama(directory, hf, *, scan_layers=False, pad_vocab_multiple=1, param_
             params["lm_head"] = {"kernel": hf_files.aligned_copy(w_VD.T, dtype, (D, PV))}
         params = jax.tree_util.tree_map(jax.device_put, params)
         for path, sources in _by_path(family.layer_keys).items():
-            shape = _get(shapes["h_0"], path).shape
+            shape = get_path(shapes["h_0"], path).shape
             # one host buffer per leaf (stacked [L, ...] for scan_layers), filled one tensor at a time
             stacked = hf_files.aligned_empty((L, *shape), dtype) if scan_layers else None
             for i in range(L):
@@ -289,9 +273,9 @@ def load_llama(directory, hf, *, scan_layers=False, pad_vocab_multiple=1, param_
                     hf_shape = cols.shape[::-1]  # torch Linear [out, in]; a 1-D tensor as is
                     cols[...] = hf_files.read(table, f"model.layers.{i}.{name}", hf_shape, dtype).T
                 if not scan_layers:
-                    _set(params, (f"h_{i}",) + path, jax.device_put(leaf))
+                    set_path(params, (f"h_{i}",) + path, jax.device_put(leaf))
             if scan_layers:
-                _set(params, ("h", "block") + path, jax.device_put(stacked))
+                set_path(params, ("h", "block") + path, jax.device_put(stacked))
     return config, params
 
 
@@ -309,7 +293,7 @@ def export_state(config: GPTConfig, params, model_type: str = "llama", special_i
 
     def get(path, shape):
         try:
-            x = np.asarray(jax.device_get(_get(params, path)), dtype=np.float32)
+            x = np.asarray(jax.device_get(get_path(params, path)), dtype=np.float32)
         except KeyError:
             raise ValueError(f"params have no {'/'.join(path)}; do they belong to this config?") from None
         if x.shape != tuple(shape):
@@ -325,7 +309,7 @@ def export_state(config: GPTConfig, params, model_type: str = "llama", special_i
         tensors[HEAD_KEY] = np.ascontiguousarray(get(("lm_head", "kernel"), (D, PV))[:, :V].T)
     for i in range(config.n_layer):
         for name, (path, part) in FAMILIES[model_type].layer_keys.items():
-            x = get((f"h_{i}",) + path, _get(shapes["h_0"], path).shape)[..., _columns(config, part)]
+            x = get((f"h_{i}",) + path, get_path(shapes["h_0"], path).shape)[..., _columns(config, part)]
             tensors[f"model.layers.{i}.{name}"] = np.ascontiguousarray(x.T)
     return hf, tensors
 
