@@ -31,8 +31,8 @@ exactly one translation per source line, in order, and nothing else. Beam search
 is cut with a warning under --truncate. The sampling options (--temperature, --top_k, --top_p,
 --num_samples, --seed, --dtype) apply to GPT models only.
 
-This script only parses: loading is flaxgpt.run_dir.load_run (or flaxgpt.hf.load_pretrained),
-sampling flaxgpt.sampling, translation flaxgpt.translate.translate; their errors are printed as they are.
+This script only parses: loading is flaxgpt.runs.run_dir.load_run (or flaxgpt.hf.gpt2.load_pretrained),
+sampling flaxgpt.decode.sampling, translation flaxgpt.decode.translate; their errors are printed as they are.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def load(a):
 
 def load_source(source: str, step=None, is_run: bool | None = None):
     """A run's directory, or pretrained weights; `is_run` None: a directory with meta.json is a run."""
-    from flaxgpt import hf, run_dir
+    from flaxgpt.hf import gpt2 as hf
+    from flaxgpt.runs import run_dir
 
     if is_run or (is_run is None and (Path(source) / "meta.json").is_file()):
         from absl import logging as absl_logging
@@ -113,7 +114,7 @@ def read_texts(a, kind: str) -> list[str]:
 
 def translate(a, parser, run):
     """Encoder-decoder runs: one translation per source line on stdout."""
-    from flaxgpt.translate import translate
+    from flaxgpt.decode.translate import translate
 
     for name in GPT_ONLY:
         if getattr(a, name) != parser.get_default(name):
@@ -132,9 +133,12 @@ def sample(a, run):
     import jax
     import numpy as np
 
-    from flaxgpt import gpt, gpt_step_fn, quantize, run_dir, sampling
-    from flaxgpt.cache import KVCache
-    from flaxgpt.tokenizers import TextStream, encode_prompt
+    from flaxgpt import gpt_step_fn
+    from flaxgpt.data.tokenizers import TextStream, encode_prompt
+    from flaxgpt.decode import sampling
+    from flaxgpt.models import gpt, quantize
+    from flaxgpt.models.cache import KVCache
+    from flaxgpt.runs import run_dir
 
     sampling.check_sampling_args(a.temperature, a.top_k, a.top_p)
     if a.quantize is not None:
@@ -147,7 +151,7 @@ def sample(a, run):
     texts = read_texts(a, "gpt")
     rows = [encode_prompt(tok, text, run.config.block_size) for text in texts for _ in range(a.num_samples)]
     if a.attention_png:  # float32 weights, before any --dtype cast
-        from flaxgpt.attention_map import write_attention_png
+        from flaxgpt.tools.attention_map import write_attention_png
 
         write_attention_png(*run[1:], texts[0], a.layers, a.heads, a.attention_png)
         print(
@@ -193,8 +197,11 @@ def sample(a, run):
 
 def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
     """Speculative decoding with the --draft model; the acceptance rate goes to stderr."""
-    from flaxgpt import count_params, gpt, run_dir, sampling, speculative
-    from flaxgpt.cache import KVCache
+    from flaxgpt import count_params
+    from flaxgpt.decode import sampling, speculative
+    from flaxgpt.models import gpt
+    from flaxgpt.models.cache import KVCache
+    from flaxgpt.runs import run_dir
 
     draft = load_source(a.draft)
     if draft.kind != "gpt":

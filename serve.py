@@ -55,13 +55,13 @@ def main(argv=None):
     a = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)
-    from flaxgpt import server
+    from flaxgpt.serve import launch, server
 
-    run, name = server.load(
+    run, name = launch.load(
         a.out_dir, a.init_from, step=a.step, dtype=a.dtype, random_init=a.random_init, quantize=a.quantize
     )
     config, tok = run.config, run.tokenizer
-    sched = server.scheduler_for(
+    sched = launch.scheduler_for(
         config, run.params, tok, slots=a.slots, max_len=a.max_len, chunk=a.chunk, max_queue=a.max_queue
     )
     W = sched.engine.max_len

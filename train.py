@@ -1,6 +1,6 @@
 """Train a GPT.
 
-    python -m flaxgpt.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
+    python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
     python train.py --config configs/shakespeare_char_cpu.py          # a few minutes on a laptop CPU
     python train.py --config configs/shakespeare_char.py              # one GPU / TPU
     python train.py --config configs/gpt2_124m.py                     # TPU VM or GPU node
@@ -69,7 +69,7 @@ def fail(message: str):
 
 
 def parse_flags(argv):
-    from flaxgpt.config_check import ConfigError, load_recipe
+    from flaxgpt.train.config_check import ConfigError, load_recipe
 
     path = recipe_path(argv)
     try:  # ml_collections reports a broken recipe as a traceback or an "unknown key": load it first
@@ -88,7 +88,7 @@ def main(argv):
         sys.exit(f"error: unexpected arguments {argv[1:]}; options look like --config.key=value")
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO through absl
         absl_logging.set_verbosity(absl_logging.WARNING)
-    from flaxgpt.trainer import train
+    from flaxgpt.train.trainer import train
 
     config = _CONFIG.value
     try:

@@ -22,9 +22,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from configs import default  # noqa: E402
-from flaxgpt import gpt, trainer  # noqa: E402
-from flaxgpt.losses import cross_entropy  # noqa: E402
-from flaxgpt.optim import make_optimizer  # noqa: E402
+from flaxgpt.models import gpt  # noqa: E402
+from flaxgpt.train import trainer  # noqa: E402
+from flaxgpt.train.losses import cross_entropy  # noqa: E402
+from flaxgpt.train.optim import make_optimizer  # noqa: E402
 
 
 class SyntheticTask:

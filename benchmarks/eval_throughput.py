@@ -7,7 +7,7 @@
 A GPT-2 124M config with random weights (speed does not depend on the values) saved as a Hugging
 Face directory with GPT-2's tokenizer, and synthetic task files of the real tasks' shapes (HellaSwag:
 a context of ~40-90 words and 4 endings of ~8-30; LAMBADA: ~60-100 words). Each side runs in its
-own process, flaxgpt first: `python -m flaxgpt.eval` (lm-eval's conventions) and lm-eval's
+own process, flaxgpt first: `python -m flaxgpt.eval.evaluate` (lm-eval's conventions) and lm-eval's
 `simple_evaluate` on the HF backend (CPU, float32, --lm_eval_batch_size). Both count the same
 tokens: context + continuation of every request as lm-eval tokenizes them. Times exclude model
 loading; flaxgpt's include compilation. Needs `pip install -e '.[hf,eval]'`.
@@ -57,7 +57,7 @@ def make_model(directory: Path, n_layer: int, n_embd: int, n_head: int):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from flaxgpt.eval_reference import write_gpt2_tokenizer
+    from flaxgpt.eval.reference import write_gpt2_tokenizer
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head)).save_pretrained(directory)
@@ -71,8 +71,8 @@ def cpu_seconds() -> float:
 
 
 def side_flaxgpt(a) -> dict:
-    from flaxgpt import eval as fe
-    from flaxgpt import eval_tasks
+    from flaxgpt.eval import evaluate as fe
+    from flaxgpt.eval import tasks as eval_tasks
 
     argv = ["--init_from", a.model_dir, "--task", a.task, "--data", a.data, "--convention", "lm_eval"]
     cpu = [0.0]
@@ -150,7 +150,7 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="eval_bench_"))
     make_model(work / "model", a.n_layer, a.n_embd, a.n_head)
     write_data(a.task, a.n, work / "data.jsonl")
-    from flaxgpt.eval_reference import write_tasks
+    from flaxgpt.eval.reference import write_tasks
 
     (name,) = write_tasks({a.task: str(work / "data.jsonl")}, work / "tasks")
     rows = {}

@@ -20,7 +20,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import linen as nn  # noqa: E402
 
-from flaxgpt import gpt, sharding  # noqa: E402
+from flaxgpt import sharding  # noqa: E402
+from flaxgpt.models import gpt  # noqa: E402
 
 
 def per_device_bytes(abstract_tree, shardings) -> int:

@@ -39,7 +39,7 @@ def models(n_kv_heads: str):
 
 
 def llama_config(n_kv_head: int):
-    from flaxgpt.gpt import LLAMA_STYLE, GPTConfig
+    from flaxgpt.models.gpt import LLAMA_STYLE, GPTConfig
 
     return GPTConfig(**LLAMA_STYLE, n_layer=12, n_head=12, n_kv_head=n_kv_head, n_embd=768, mlp_hidden=2048)
 
@@ -48,9 +48,9 @@ def flax_side(a, batches):
     import jax
     from sample_throughput import timed_generate
 
-    from flaxgpt import gpt
-    from flaxgpt.cache import KVCache
-    from flaxgpt.gpt import GPTConfig, count_params, init_params
+    from flaxgpt.models import gpt
+    from flaxgpt.models.cache import KVCache
+    from flaxgpt.models.gpt import GPTConfig, count_params, init_params
 
     out = {}
     for name, j in models(a.n_kv_heads):

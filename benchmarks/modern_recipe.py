@@ -1,6 +1,6 @@
 """Loss per second: the modern recipe (Muon + the speedrun's architecture) against the GPT-2 recipe.
 
-    python -m flaxgpt.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
+    python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
     python benchmarks/modern_recipe.py --data_dir data/shakespeare_char --seeds 3 \
         --png docs/modern_recipe.png --json modern_recipe.json
     python benchmarks/modern_recipe.py --recipes shakespeare_char_cpu_modern --seeds 1 \
@@ -49,7 +49,7 @@ def full_val_batches(t, data_dir: str, rows: int = 64):
     """Every token of val.bin once: [rows, T] windows, whole batches only (one compile)."""
     import numpy as np
 
-    from flaxgpt import data as data_lib
+    from flaxgpt.data import batches as data_lib
 
     T = t.task.model_config.block_size
     val = np.asarray(data_lib.TokenData(data_dir).splits["val"], dtype=np.int32)
@@ -66,7 +66,7 @@ def run(cfg, eval_every: int, target: float, verbose: bool = False, stop: bool =
 
     import jax
 
-    from flaxgpt import trainer
+    from flaxgpt.train import trainer
 
     shutil.rmtree(cfg.out_dir, ignore_errors=True)
     t = trainer.Trainer(cfg, print_fn=lambda *a: None)

@@ -6,7 +6,7 @@ weight matrices with compact weights, timed on XLA:CPU.
 For each GPT-2 124M shape (c_fc [768, 3072], mlp c_proj [3072, 768], the LM head [768, 50304])
 and 1 or 8 rows of activations: float32 x @ w; bf16 weights in an XLA dot (activations cast to
 bf16); int8 weights converted to float32, then an XLA dot; qwix's weight-only int8 (qwix.quantize
-with per-channel scales, qwix.dot_general); and flaxgpt.qmatmul (the jax.ffi kernel). Enough
+with per-channel scales, qwix.dot_general); and flaxgpt.kernels.qmatmul (the jax.ffi kernel). Enough
 distinct copies of each matrix are cycled that they do not fit in cache (~200 MB), as in decoding,
 where every step reads every weight once. Milliseconds per call, the fastest of 6 passes.
 """
@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxgpt.qmatmul import qmatmul
-from flaxgpt.quantize import quantize_rows
+from flaxgpt.kernels.qmatmul import qmatmul
+from flaxgpt.models.quantize import quantize_rows
 
 SHAPES = [(768, 3072), (3072, 768), (768, 50304)]
 DIMS = (((1,), (0,)), ((), ()))

@@ -90,8 +90,8 @@ def timed_generate(step, cfg, prompt_BP, n_new, repeats):
     """-> (compile + 2 tokens seconds, median tok/s, tokens of the last run)."""
     import jax
 
-    from flaxgpt import sampling
-    from flaxgpt.cache import KVCache
+    from flaxgpt.decode import sampling
+    from flaxgpt.models.cache import KVCache
 
     B = prompt_BP.shape[0]
     W = sampling.cache_length(cfg.block_size, PROMPT_LEN, n_new)
@@ -124,7 +124,7 @@ def quality(cfg, params, modes, step_of):
     import jax
     import jax.numpy as jnp
 
-    from flaxgpt.cache import KVCache
+    from flaxgpt.models.cache import KVCache
 
     rs = np.random.RandomState(1)
     tokens = jnp.asarray(rs.randint(0, cfg.vocab_size, (4, 64)), jnp.int32)
@@ -150,9 +150,9 @@ def quality(cfg, params, modes, step_of):
 def speculative_run(cfg, params, step_of, n_new, repeats, k=4):
     import jax
 
-    from flaxgpt import sampling
-    from flaxgpt.cache import KVCache
-    from flaxgpt.speculative import speculative_generate
+    from flaxgpt.decode import sampling
+    from flaxgpt.decode.speculative import speculative_generate
+    from flaxgpt.models.cache import KVCache
 
     _, target = step_of("fp32")
     dcfg, draft = step_of("int8")
@@ -185,8 +185,8 @@ def row(*cells, widths=(26, 12, 12, 10, 12, 12)):
 def flax_side(a):
     import jax
 
-    from flaxgpt import quantize
-    from flaxgpt.gpt import GPTConfig, init_params, quantize_params, step_fn
+    from flaxgpt.models import quantize
+    from flaxgpt.models.gpt import GPTConfig, init_params, quantize_params, step_fn
 
     cfg = GPTConfig.gpt2()
     params = init_params(cfg, jax.random.key(0))

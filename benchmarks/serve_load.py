@@ -8,7 +8,7 @@ random lengths in [--min_prompt, --max_prompt], outputs in [--min_new, --max_new
 to the end: ignore_eos), temperature 1, top_k 50, one seed each. Three sides, each in its own
 process, flaxgpt first:
   serve      serve.py --slots S; --clients concurrent streaming clients (httpx) share the requests
-  flaxgpt    the same requests one after another with flaxgpt.sampling.generate (batch 1)
+  flaxgpt    the same requests one after another with flaxgpt.decode.sampling.generate (batch 1)
   hf         the same with transformers' GPT2LMHeadModel.generate (batch 1, torch CPU)
 Figures: generated tokens / wall time; time to first token (serve: from sending the request,
 queueing included; one at a time: from the start of its own generation); inter-token latency per
@@ -157,11 +157,11 @@ def run_server_side(a, reqs):
 def run_flaxgpt_side(a, reqs):
     import jax
 
-    from flaxgpt.cache import KVCache
-    from flaxgpt.engine import prompt_buckets
-    from flaxgpt.gpt import GPTConfig, init_params
-    from flaxgpt.gpt import step_fn as gpt_step_fn
-    from flaxgpt.sampling import stream_generate
+    from flaxgpt.decode.sampling import stream_generate
+    from flaxgpt.models.cache import KVCache
+    from flaxgpt.models.gpt import GPTConfig, init_params
+    from flaxgpt.models.gpt import step_fn as gpt_step_fn
+    from flaxgpt.serve.engine import prompt_buckets
 
     config = GPTConfig.preset("gpt2")
     step = gpt_step_fn(config, init_params(config, jax.random.key(0)))

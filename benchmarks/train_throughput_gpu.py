@@ -1,8 +1,8 @@
 """Training throughput: tokens/s, MFU, compile time and peak device memory of the real train step.
 
 MFU = (6 N + 12 L H Q T) FLOPs per token x tokens/s / (peak FLOP/s per device x devices), with N the
-non-embedding parameters (flaxgpt.metrics, nanoGPT's and llm.c's formula). Tokens are random
-(throughput does not depend on them). The step is flaxgpt.trainer's, sharded as the trainer does.
+non-embedding parameters (flaxgpt.runs.metrics, nanoGPT's and llm.c's formula). Tokens are random
+(throughput does not depend on them). The step is flaxgpt.train.trainer's, sharded as the trainer does.
 
     python benchmarks/train_throughput_gpu.py --mode gpu      # GPT-2 124M, T 1024, bf16, one H100
     python benchmarks/train_throughput_gpu.py --mode cpu      # 4-layer 128-wide model on the CPU
@@ -47,8 +47,12 @@ def build(args):
     from compile_time import SyntheticTask
 
     from configs import default
-    from flaxgpt import gpt, metrics, sharding, summary, trainer
-    from flaxgpt.optim import make_optimizer
+    from flaxgpt import sharding
+    from flaxgpt.models import gpt
+    from flaxgpt.runs import metrics
+    from flaxgpt.tools import summary
+    from flaxgpt.train import trainer
+    from flaxgpt.train.optim import make_optimizer
 
     m = MODES[args.mode]
     common = dict(
@@ -98,7 +102,7 @@ def check_attention(impl: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from flaxgpt.layers import attend, resolve_attention_impl
+    from flaxgpt.models.layers import attend, resolve_attention_impl
 
     impl = resolve_attention_impl(impl, jnp.bfloat16)
     q, k, v = (jax.random.normal(jax.random.key(i), (4, 1024, 12, 64), jnp.bfloat16) for i in range(3))

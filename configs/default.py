@@ -11,7 +11,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.model = ml_collections.ConfigDict()
     c.model.kind = "gpt"  # gpt (decoder-only) | seq2seq (encoder-decoder Transformer, configs/reverse.py)
-    # the other model fields are flaxgpt.gpt.GPTConfig's own, same names
+    # the other model fields are flaxgpt.models.gpt.GPTConfig's own, same names
     c.model.vocab_size = 0  # 0 = take it from the dataset's meta.json
     c.model.block_size = 1024  # context length T of every training window
     c.model.n_layer = 12  # transformer blocks
@@ -31,7 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.dtype = "float32"  # compute dtype; bfloat16 on TPU/GPU (params stay param_dtype)
     c.model.param_dtype = "float32"  # parameter and optimizer-state dtype
     c.model.pad_vocab_multiple = 64  # round embedding rows up to a multiple of this (faster matmuls)
-    c.model.attention_impl = "auto"  # auto | xla | cudnn | pallas (see flaxgpt.layers.attend)
+    c.model.attention_impl = "auto"  # auto | xla | cudnn | pallas (see flaxgpt.models.layers.attend)
     c.model.scan_layers = False  # nn.scan over blocks: compile time independent of depth
     c.model.remat = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
     # modern decoders (Llama, Mistral, Qwen2: see README); the values here are GPT-2's
@@ -54,13 +54,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.value_embeds = 0  # N token tables mixed into the values of the first and last N blocks
 
     c.data = ml_collections.ConfigDict()
-    c.data.dir = "data/shakespeare_char"  # folder with train.bin, val.bin, meta.json (flaxgpt.prepare)
+    c.data.dir = "data/shakespeare_char"  # folder with train.bin, val.bin, meta.json (flaxgpt.data.prepare)
     c.data.format = "tokens"  # tokens (train.bin/val.bin, random windows) | shards (speedrun *.bin, in order)
     c.data.align_to_bos = False  # shards: every training window starts at a document's first token
     c.data.val_tokens = 10_485_760  # shards: the fixed val set, the first this many val tokens
 
     c.optim = ml_collections.ConfigDict()
-    c.optim.name = "adamw"  # adamw | muon (Muon on hidden matrices, AdamW on the rest: flaxgpt/optim.py)
+    c.optim.name = (
+        "adamw"  # adamw | muon (Muon on hidden matrices, AdamW on the rest: flaxgpt/train/optim.py)
+    )
     c.optim.learning_rate = 6e-4  # peak learning rate (with muon: of norms, biases and scalars)
     c.optim.min_lr = 6e-5  # learning rate at the end of the cosine decay
     c.optim.schedule = "cosine"  # cosine (warmup then cosine to min_lr) | constant | rsqrt | wsd
@@ -101,7 +103,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval_interval = 2000  # evaluate every this many steps (and at the end)
     c.eval_iters = 200  # batches per split in each evaluation
     c.eval_only = False  # evaluate once and exit
-    # GPT runs: benchmark tasks scored at evaluations (as python -m flaxgpt.eval), logged as <task>_<metric>;
+    # GPT runs: benchmark tasks scored at evaluations (as `flaxgpt eval`), logged as <task>_<metric>;
     # comma-separated TASK:FILE, TASK hellaswag | lambada | perplexity: "hellaswag:hellaswag_val.jsonl"
     c.eval_tasks = ""
     c.eval_tasks_every = 0  # steps between task evaluations (0 = at every evaluation; and at the end)

@@ -1,6 +1,6 @@
 """The encoder-decoder Transformer reversing strings: a tiny model, about a minute on a CPU.
 
-python -m flaxgpt.prepare_seq2seq --task reverse --out_dir data/reverse
+python -m flaxgpt.data.prepare_seq2seq --task reverse --out_dir data/reverse
 python train.py --config configs/reverse.py
 python sample.py --out_dir out/reverse --start "abcdefg"        # -> gfedcba
 """
@@ -11,11 +11,11 @@ from configs import default
 
 
 def seq2seq_default() -> ml_collections.ConfigDict:
-    """configs/default.py with the encoder-decoder's `model` section (flaxgpt.seq2seq.TransformerConfig's
-    fields, the paper's base sizes) and the `seq2seq` decoding section; every seq2seq recipe starts here."""
+    """configs/default.py with the encoder-decoder's `model` section (TransformerConfig's fields,
+    the paper's base sizes) and the `seq2seq` decoding section; every seq2seq recipe starts here."""
     c = default.get_config()
     m = ml_collections.ConfigDict()
-    m.kind = "seq2seq"  # the encoder-decoder Transformer (flaxgpt.seq2seq_task)
+    m.kind = "seq2seq"  # the encoder-decoder Transformer (flaxgpt.train.seq2seq_task)
     m.vocab_size = 0  # 0 = take it from the dataset's meta.json (one vocabulary for source and target)
     m.block_size = 256  # longest source and longest target in tokens (EOS / BOS included)
     m.n_enc_layer = 6  # encoder layers

@@ -1,12 +1,12 @@
 """flaxgpt: GPT-style transformers in JAX/Flax."""
 
-from flaxgpt.beam_search import beam_search
-from flaxgpt.cache import KVCache, Seq2SeqCache
-from flaxgpt.gpt import GPT, GPTConfig, count_params, init_params
-from flaxgpt.gpt import step_fn as gpt_step_fn
-from flaxgpt.sampling import generate
-from flaxgpt.seq2seq import Transformer, TransformerConfig
-from flaxgpt.tokenizers import CharTokenizer, get_tokenizer
+from flaxgpt.data.tokenizers import CharTokenizer, get_tokenizer
+from flaxgpt.decode.beam_search import beam_search
+from flaxgpt.decode.sampling import generate
+from flaxgpt.models.cache import KVCache, Seq2SeqCache
+from flaxgpt.models.gpt import GPT, GPTConfig, count_params, init_params
+from flaxgpt.models.gpt import step_fn as gpt_step_fn
+from flaxgpt.models.seq2seq import Transformer, TransformerConfig
 
 __all__ = [
     "GPT",
@@ -28,9 +28,9 @@ __all__ = [
 
 
 def __getattr__(name):
-    # flaxgpt.hf on first use: importing it here would make `python -m flaxgpt.hf` warn
+    # flaxgpt.hf.gpt2 on first use: importing it here would make `python -m flaxgpt.hf.gpt2` warn
     if name in ("load_pretrained", "export_pretrained"):
-        from flaxgpt import hf
+        from flaxgpt.hf import gpt2 as hf
 
         return getattr(hf, name)
     raise AttributeError(f"module 'flaxgpt' has no attribute {name!r}")

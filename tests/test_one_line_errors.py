@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxgpt import checkpoint, hf_files, prepare
+from flaxgpt.data import prepare
+from flaxgpt.hf import files as hf_files
+from flaxgpt.runs import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 NOISE = ("Traceback", "Event loop is closed", "<bound method", "pybind11")
@@ -112,7 +114,7 @@ def test_hub_names_fail_at_once_offline(tmp_path, monkeypatch, capsys):
     pytest.importorskip("huggingface_hub")
     from huggingface_hub import constants
 
-    from flaxgpt import hf
+    from flaxgpt.hf import gpt2 as hf
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # whatever another test in this process set

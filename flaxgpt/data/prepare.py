@@ -1,0 +1,353 @@
+"""Text -> token files: train.bin, val.bin (uint16 when the vocabulary fits, else uint32) and meta.json.
+
+    python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
+    python -m flaxgpt.data.prepare --dataset shakespeare --tokenizer gpt2 --out_dir data/shakespeare
+    python -m flaxgpt.data.prepare --dataset text --input my_corpus/ --tokenizer gpt2 --out_dir data/mine
+    python -m flaxgpt.data.prepare --dataset hf --hf_name openwebtext --out_dir data/owt  # needs datasets
+    python -m flaxgpt.data.prepare --dataset fineweb --out_dir data/fineweb10B --num_proc 8  # speedrun shards
+
+The split is deterministic: the first (1 - val_fraction) of the tokens train, the rest validate
+(for Hugging Face datasets, whole documents are assigned to val by a seeded shuffle).
+Files are written to a temporary folder and renamed into place, so a failed run never damages
+an existing dataset, and an existing dataset is only replaced with --overwrite.
+
+`--dataset fineweb` streams a Hugging Face dataset (default FineWeb's sample-10BT) into the
+speedrun's token shards instead (flaxgpt.data.fineweb): 100M tokens each, val first, resumable by
+running the same command again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import os
+import shutil
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from flaxgpt.data.tokenizers import CharTokenizer, get_tokenizer
+
+SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+HF_DATASETS = {  # short name -> (load_dataset path, config name)
+    "openwebtext": ("openwebtext", None),
+    "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
+}
+TEXT_SUFFIXES = (".txt", ".md", ".text")
+
+
+class PrepareError(Exception):
+    """Bad input: the message says what is wrong and how to fix it."""
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size <= 2**16 else np.uint32
+
+
+def read_utf8(path: str | Path) -> str:
+    """A file's text; bytes that are not UTF-8 are an error naming the file, byte offset and line."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise PrepareError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise PrepareError(
+            f"{path} is not UTF-8 text: byte {e.start} (line {line}) is 0x{data[e.start]:02x} ({e.reason}); "
+            "convert it, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
+def read_text(path: str | Path) -> str:
+    """A text file, or every text file under a folder (sorted, joined by blank lines)."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise PrepareError(f"no {'/'.join(TEXT_SUFFIXES)} files under {path}")
+        return "\n\n".join(read_utf8(p) for p in files)
+    if not path.is_file():
+        raise PrepareError(f"--input {path} does not exist")
+    return read_utf8(path)
+
+
+@contextlib.contextmanager
+def writing(out_dir: Path):
+    """A temporary folder beside out_dir for the files (renamed into place by the caller, meta.json
+    last); removed whatever happens. A write that fails (a full disk) is a one-line PrepareError and
+    leaves any existing dataset in out_dir as it was."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as e:
+        raise PrepareError(f"cannot write to {out_dir.parent}: {e.strerror or e}") from None
+    try:
+        yield tmp
+    except OSError as e:
+        why = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        if e.errno is None:  # numpy's tofile: "N requested and M written"
+            why = f"a short write ({e}): is the disk full?"
+        raise PrepareError(
+            f"writing {out_dir} failed: {why}; nothing was changed there (free space and run again)"
+        ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def download_shakespeare(timeout: float = 20.0) -> str:
+    try:
+        with urllib.request.urlopen(SHAKESPEARE_URL, timeout=timeout) as response:
+            return response.read().decode("utf-8")
+    except OSError as e:  # URLError, timeouts and DNS failures are all OSErrors
+        raise PrepareError(
+            f"could not download Tiny Shakespeare ({e}); offline? pass --input FILE "
+            "with a local copy of tinyshakespeare/input.txt"
+        ) from None
+
+
+def encode_split(text: str, tokenizer, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []  # a Llama-family model's BOS
+    ids = np.asarray(bos + tokenizer.encode(text), dtype=np.int64)
+    n_train = int(len(ids) * (1.0 - val_fraction))  # nanoGPT's split point
+    n_val = len(ids) - n_train
+    if n_train < 2 or (val_fraction > 0 and n_val < 2):
+        raise PrepareError(
+            f"the text has only {len(ids)} tokens: too short to split with "
+            f"val_fraction={val_fraction}; give more text"
+        )
+    return ids[:n_train], ids[n_train:]
+
+
+def write_dataset(out_dir: str | Path, train_ids, val_ids, tokenizer, source: str, overwrite: bool) -> dict:
+    """Write train.bin, val.bin and meta.json atomically (temp folder, then rename)."""
+    out_dir = Path(out_dir)
+    if (out_dir / "meta.json").exists() and not overwrite:
+        raise PrepareError(f"{out_dir} already holds a prepared dataset; pass --overwrite to replace it")
+    dtype = token_dtype(tokenizer.vocab_size)
+    with writing(out_dir) as tmp:
+        for name, ids in (("train", train_ids), ("val", val_ids)):
+            write_tokens(tmp / f"{name}.bin", ids, dtype)
+        meta = {
+            "tokenizer": tokenizer.to_meta(),
+            "vocab_size": tokenizer.vocab_size,
+            "dtype": np.dtype(dtype).name,
+            "train_tokens": int(len(train_ids)),
+            "val_tokens": int(len(val_ids)),
+            "source": source,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        out_dir.mkdir(exist_ok=True)
+        for name in ("train.bin", "val.bin", "meta.json"):  # meta.json last: it marks completeness
+            os.replace(tmp / name, out_dir / name)
+    return meta
+
+
+def write_tokens(path: Path, ids, dtype) -> None:
+    ids = np.asarray(ids)
+    if ids.size and ids.max() >= np.iinfo(dtype).max + 1:
+        raise PrepareError(f"token id {ids.max()} does not fit {np.dtype(dtype).name}")
+    ids.astype(dtype).tofile(path)
+
+
+def make_tokenizer(name: str, text: str | None = None):
+    if name == "char":
+        if text is None:
+            raise PrepareError("--tokenizer char needs the whole text; use --tokenizer gpt2 for --dataset hf")
+        return CharTokenizer.from_text(text)
+    if name == "gpt2":
+        return get_tokenizer(name)
+    from flaxgpt.hf.tokenizer import HFTokenizer  # a model directory or its tokenizer.json
+
+    try:
+        return HFTokenizer(name)
+    except (OSError, ImportError) as e:
+        raise PrepareError(f"--tokenizer {name}: {e}; use char, gpt2 or a path to a tokenizer.json") from None
+
+
+def prepare_text(
+    text: str, out_dir, tokenizer_name: str, val_fraction: float, source: str, overwrite: bool = False
+) -> dict:
+    tokenizer = make_tokenizer(tokenizer_name, text)
+    train_ids, val_ids = encode_split(text, tokenizer, val_fraction)
+    return write_dataset(out_dir, train_ids, val_ids, tokenizer, source, overwrite)
+
+
+def prepare_hf(
+    name: str,
+    out_dir,
+    tokenizer_name: str,
+    val_fraction: float,
+    overwrite: bool,
+    num_proc: int,
+    seed: int = 2357,
+) -> dict:
+    """A Hugging Face text dataset, tokenized in parallel (datasets.map shows a progress bar)."""
+    out_dir = Path(out_dir)
+    if (out_dir / "meta.json").exists() and not overwrite:
+        raise PrepareError(f"{out_dir} already holds a prepared dataset; pass --overwrite to replace it")
+    try:
+        import datasets
+    except ImportError:
+        raise PrepareError("--dataset hf needs the `datasets` package: pip install 'flaxgpt[data]'") from None
+    path, config = HF_DATASETS.get(name, (name, None))
+    tokenizer = make_tokenizer(tokenizer_name)
+    try:
+        ds = datasets.load_dataset(path, config, split="train", num_proc=num_proc)
+    except Exception as e:  # offline, unknown name, gated dataset: all mean "cannot get it"
+        raise PrepareError(
+            f"could not load Hugging Face dataset {path!r} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); check the name and the network, "
+            "or prepare local files with --dataset text --input PATH"
+        ) from None
+    split = ds.train_test_split(test_size=val_fraction, seed=seed, shuffle=True)
+    eot = tokenizer.eot_id
+    bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []  # a Llama-family model's BOS
+
+    def tokenize(batch):  # each document ends with <|endoftext|> (EOS), as GPT-2 was trained
+        ids = [bos + x for x in tokenizer.encode_batch(batch["text"], num_threads=1)]
+        return {"ids": [x + [eot] for x in ids], "len": [len(x) + 1 for x in ids]}
+
+    splits = {}
+    for key, part in (("train", split["train"]), ("val", split["test"])):
+        tok = part.map(
+            tokenize,
+            batched=True,
+            remove_columns=part.column_names,
+            num_proc=num_proc,
+            desc=f"tokenizing {key}",
+        )
+        splits[key] = tok
+    return _write_hf(out_dir, splits, tokenizer, f"hf:{path}", overwrite)
+
+
+def _write_hf(out_dir: Path, splits, tokenizer, source: str, overwrite: bool) -> dict:
+    """Stream tokenized shards into the .bin files (they may be far larger than memory)."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    counts = {}
+    with writing(out_dir) as tmp:
+        for key, tok in splits.items():
+            total = int(np.sum(tok["len"], dtype=np.int64))
+            arr = np.memmap(tmp / f"{key}.bin", dtype=dtype, mode="w+", shape=(total,))
+            n_shards, pos = max(1, min(1024, len(tok) // 1000)), 0
+            for i in range(n_shards):
+                shard = tok.shard(num_shards=n_shards, index=i, contiguous=True).with_format("numpy")
+                ids = np.concatenate(shard["ids"]) if len(shard) else np.zeros(0, dtype)
+                arr[pos : pos + len(ids)] = ids
+                pos += len(ids)
+            arr.flush()
+            counts[key] = total
+        meta = {
+            "tokenizer": tokenizer.to_meta(),
+            "vocab_size": tokenizer.vocab_size,
+            "dtype": np.dtype(dtype).name,
+            "train_tokens": counts["train"],
+            "val_tokens": counts["val"],
+            "source": source,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        out_dir.mkdir(exist_ok=True)
+        for name in ("train.bin", "val.bin", "meta.json"):
+            os.replace(tmp / name, out_dir / name)
+    return meta
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m flaxgpt.data.prepare", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--dataset",
+        required=True,
+        choices=["shakespeare_char", "shakespeare", "text", "hf", "fineweb"],
+        help="shakespeare_char (char tokens), shakespeare (default gpt2 BPE), text, hf, "
+        "fineweb (speedrun token shards)",
+    )
+    p.add_argument("--input", help="a text file or a folder of text files (shakespeare*: a local copy)")
+    p.add_argument("--out_dir", required=True, help="where train.bin, val.bin and meta.json go")
+    p.add_argument(
+        "--tokenizer",
+        help="char | gpt2 | PATH (a model directory or tokenizer.json: the model's own tokenizer); "
+        "default: char for shakespeare_char, else gpt2",
+    )
+    p.add_argument("--val_fraction", type=float, default=0.1, help="share of tokens for validation")
+    p.add_argument(
+        "--hf_name",
+        default=None,
+        help=f"--dataset hf: {', '.join(HF_DATASETS)} (default openwebtext) or any Hugging Face dataset "
+        "with a 'text' column; --dataset fineweb: default HuggingFaceFW/fineweb, also a local "
+        "save_to_disk folder or 'json' with --hf_data_files",
+    )
+    p.add_argument("--hf_config", default=None, help="--dataset fineweb: the dataset's config (sample-10BT)")
+    p.add_argument("--hf_data_files", default=None, help="--dataset fineweb: data files (e.g. with json)")
+    p.add_argument(
+        "--shard_tokens", type=int, default=100_000_000, help="--dataset fineweb: tokens per shard"
+    )
+    p.add_argument(
+        "--max_shards", type=int, default=0, help="--dataset fineweb: stop after N shards (0 = all)"
+    )
+    p.add_argument(
+        "--num_proc",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="tokenizer processes for --dataset hf",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
+    args = p.parse_args(argv)
+    if not 0.0 < args.val_fraction < 1.0:  # (0 too: training evaluates on val.bin)
+        raise PrepareError(
+            f"--val_fraction must be in (0, 1), got {args.val_fraction}; training needs a val split "
+            "(the default 0.1 holds out the last 10% of the tokens)"
+        )
+    if args.num_proc < 1:
+        raise PrepareError(f"--num_proc must be >= 1, got {args.num_proc}")
+    tok = args.tokenizer or ("char" if args.dataset == "shakespeare_char" else "gpt2")
+    if args.dataset == "fineweb":
+        from flaxgpt.data import fineweb
+
+        name, config = (args.hf_name, args.hf_config) if args.hf_name else fineweb.FINEWEB
+        try:
+            done = fineweb.prepare_fineweb(
+                args.out_dir,
+                name,
+                config,
+                data_files=args.hf_data_files,
+                shard_tokens=args.shard_tokens,
+                num_proc=args.num_proc,
+                max_shards=args.max_shards,
+            )
+        except fineweb.ShardError as e:
+            raise PrepareError(str(e)) from None
+        print(f"{args.out_dir}: {done['shards']} shards, {done['tokens']:,} tokens")
+        return done
+    if args.dataset == "hf":
+        name = args.hf_name or "openwebtext"
+        meta = prepare_hf(name, args.out_dir, tok, args.val_fraction, args.overwrite, args.num_proc)
+    else:
+        if args.dataset == "text" and not args.input:
+            raise PrepareError("--dataset text needs --input FILE_OR_FOLDER")
+        if (Path(args.out_dir) / "meta.json").exists() and not args.overwrite:  # before any download
+            raise PrepareError(
+                f"{args.out_dir} already holds a prepared dataset; pass --overwrite to replace it"
+            )
+        if args.input:
+            text, source = read_text(args.input), str(args.input)
+        else:
+            text, source = download_shakespeare(), SHAKESPEARE_URL
+        meta = prepare_text(text, args.out_dir, tok, args.val_fraction, source, args.overwrite)
+    print(
+        f"wrote {args.out_dir}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, "
+        f"vocab {meta['vocab_size']:,} ({meta['dtype']})"
+    )
+    return meta
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except PrepareError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,371 @@
+"""Autoregressive sampling over a fixed-size KV cache.
+
+    step = gpt.step_fn(config, params)      # any model's adapter: gpt.py provides the GPT's
+    cache = KVCache.for_config(config, batch=B, max_len=cache_length(config.block_size, P, N))
+    tokens_BN, lengths_B = generate(step, cache, prompt_BP, prompt_lengths_B, max_new_tokens=N,
+                                    rng=jax.random.key(0), temperature=0.8, top_k=200)
+
+`generate` knows nothing about the model beyond `step_fn(tokens_BT, positions_BT, cache) ->
+(logits_BTV, cache)`, which must write the keys/values of `tokens` at `positions` into the cache
+and attend to cache positions <= each query's own; the prefill calls it with `logits_at=idx_B`
+(one time index per row) and reads logits [B, 1, V], so a model can skip its head elsewhere.
+Prompts are right-padded and delimited by their lengths (never by a token id: GPT-2's token 0 is "!").
+
+How it runs: one jitted prefill writes all prompts at once and samples each row's first token;
+then a jitted `lax.while_loop` decodes one token per row per step at per-row positions, `chunk`
+steps per call, with the whole state (cache included) donated so the buffers are updated in
+place. Shapes depend only on (batch, prompt buffer, cache length, chunk), never on
+`max_new_tokens`, so any length runs without recompiling; `stream_generate` yields each chunk
+as it arrives.
+
+Beyond the window (W = cache length, at most block_size): learned positions cannot slide, so
+when a row has W tokens in its cache and must feed one more, its window is rebuilt from its
+most recent `keep` tokens (default W // 2): the last keep-1 fed tokens are re-prefilled at
+positions 0..keep-2 and the pending token is fed at keep-1. Equivalently, with n the row's
+length so far and o the start of its context (o = 0 at first): whenever n - o > W, o = n - keep;
+the next token is predicted from tokens[o:n] at positions 0..n-o-1. Half a window amortises one
+re-prefill over W/2 tokens while keeping at least W/2 tokens of context; keep = W re-prefills
+every step and equals nanoGPT's crop-to-the-last-W-tokens loop. Other rows in the batch feed
+their own unchanged window prefix in that pass (rewriting equal keys/values), so a row's
+tokens do not depend on its neighbours.
+
+Shape letters: B batch, P prompt buffer, T step length, W cache (window) length, V vocab,
+C chunk, N new tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# ---------------------------------------------------------------- selection (pure functions)
+
+
+def top_k_mask(logits_BV: jax.Array, k: int) -> jax.Array:
+    """-inf everywhere but the k largest logits of each row (ties with the k-th are kept)."""
+    if k <= 0 or k >= logits_BV.shape[-1]:
+        return logits_BV
+    kth_B1 = jax.lax.top_k(logits_BV, k)[0][..., -1:]
+    return jnp.where(logits_BV >= kth_B1, logits_BV, -jnp.inf)
+
+
+def top_p_mask(logits_BV: jax.Array, p: float, *, is_sorted: bool = False) -> jax.Array:
+    """Nucleus: keep the smallest set of largest logits whose probability reaches p.
+
+    A token is kept when the probability of the tokens strictly above it is < p, so the most
+    likely token always survives; ties with the last kept logit are kept too.
+    """
+    if p >= 1.0:
+        return logits_BV
+    logits_BV = logits_BV.astype(jnp.float32)
+    sorted_BV = logits_BV if is_sorted else -jnp.sort(-logits_BV, axis=-1)  # descending
+    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+    above_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+    n_keep_B1 = jnp.sum(above_BV < p, axis=-1, keepdims=True)  # >= 1
+    threshold_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
+    return jnp.where(logits_BV >= threshold_B1, logits_BV, -jnp.inf)
+
+
+def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B):
+    """Lowest kept logit of each row from its K largest (sorted descending) -> (thr_B, fits_B).
+
+    Top-k keeps logits >= the k-th largest (ties kept); top-p then keeps the smallest set of
+    largest kept logits whose probability, renormalised over the kept set, reaches p. fits_B:
+    the K candidates decided it (else the row needs all V sorted).
+    """
+    B, K = sorted_BK.shape
+    V = scaled_BV.shape[-1]
+    topk_on_B = (top_k_B > 0) & (top_k_B < V)
+    kth_B = jnp.take_along_axis(sorted_BK, jnp.clip(top_k_B - 1, 0, K - 1)[:, None], -1)[:, 0]
+    kth_B = jnp.where(topk_on_B, kth_B, -jnp.inf)
+    kept_BV = scaled_BV >= kth_B[:, None]
+    lse_B = jax.nn.logsumexp(jnp.where(kept_BV, scaled_BV, -jnp.inf), axis=-1)
+    kept_BK = sorted_BK >= kth_B[:, None]
+    probs_BK = jnp.where(kept_BK, jnp.exp(sorted_BK - lse_B[:, None]), 0.0)
+    cum_BK = jnp.cumsum(probs_BK, axis=-1)
+    n_keep_B = jnp.sum(((cum_BK - probs_BK) < top_p_B[:, None]) & kept_BK, axis=-1)  # >= 1
+    nucleus_B = jnp.take_along_axis(sorted_BK, jnp.maximum(n_keep_B, 1)[:, None] - 1, -1)[:, 0]
+    thr_B = jnp.where(top_p_B < 1, nucleus_B, kth_B)
+    fits_B = (~topk_on_B | (top_k_B <= K)) & ((top_p_B >= 1) | (cum_BK[:, -1] >= top_p_B) | ~kept_BK[:, -1])
+    return thr_B, fits_B
+
+
+def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, max_k: int = 256):
+    """One token per row, each row with its own key and settings (arrays, so one program serves all).
+
+    temperature 0 is greedy; else logits / temperature, top-k (0 = off), top-p (1 = off), then a
+    draw with the row's key over all V. Filters look at the `max_k` largest logits (lax.top_k);
+    only when some row's top_k or nucleus reaches past them is the whole vocabulary sorted, and a
+    row's result never depends on whether that happened (each row uses one path, chosen by itself).
+    """
+    logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
+    B, V = logits_BV.shape
+    K = min(max_k, V)
+    greedy_B = temperature_B <= 0
+    scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
+    filter_B = ~greedy_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1))
+
+    def candidates(_):
+        return _threshold(jax.lax.top_k(scaled_BV, K)[0], scaled_BV, top_k_B, top_p_B)
+
+    def everything(_):
+        return _threshold(-jnp.sort(-scaled_BV, axis=-1), scaled_BV, top_k_B, top_p_B)[0]
+
+    none = (jnp.full((B,), -jnp.inf), jnp.ones((B,), bool))
+    thr_B, fits_B = jax.lax.cond(jnp.any(filter_B), candidates, lambda _: none, None)
+    full_B = filter_B & ~fits_B
+    thr_full_B = jax.lax.cond(jnp.any(full_B), everything, lambda _: none[0], None)
+    thr_B = jnp.where(full_B, thr_full_B, jnp.where(filter_B, thr_B, -jnp.inf))
+    masked_BV = jnp.where(scaled_BV >= thr_B[:, None], scaled_BV, -jnp.inf)
+
+    def draw(_):  # each row its own key: a row's token never depends on its neighbours
+        return jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys_B, masked_BV).astype(jnp.int32)
+
+    drawn_B = jax.lax.cond(jnp.any(~greedy_B), draw, lambda _: jnp.zeros((B,), jnp.int32), None)
+    return jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), drawn_B)
+
+
+def row_keys(rng, step, batch: int):
+    """Row b's key for selection step `step`: fold_in(fold_in(rng, b), step). A request served
+    alone, or as choice b of a serving request (flaxgpt/serve/engine.py), draws with the same keys."""
+    return jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(rng, b), step))(jnp.arange(batch))
+
+
+def sample_logits(rng, logits_BV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    """One token per row: greedy when temperature == 0, else temperature, then top-k, then top-p
+    (select_rows with these settings on every row; row b draws with fold_in(rng, b))."""
+    logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
+    if temperature == 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    B = logits_BV.shape[0]
+    keys_B = jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(B))
+    full = lambda x, dtype: jnp.full((B,), x, dtype)  # noqa: E731
+    return select_rows(
+        keys_B, logits_BV, full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32)
+    )
+
+
+def check_sampling_args(temperature: float, top_k: int, top_p: float):
+    if not (math.isfinite(temperature) and temperature >= 0):  # nan and inf too: they sample garbage
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:  # (False for nan)
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}; 1 disables nucleus sampling")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = no top-k), got {top_k}")
+
+
+# ---------------------------------------------------------------- the decode state and loop
+
+
+@struct.dataclass
+class DecodeState:
+    cache: object  # whatever the step_fn reads and writes (a KVCache for the GPT)
+    window_BW: jax.Array  # tokens at each cache position (to re-prefill from)
+    fill_B: jax.Array  # tokens written in the cache; the pending token goes at this position
+    last_B: jax.Array  # the latest sampled token, not yet fed
+    count_B: jax.Array  # new tokens produced so far
+    done_B: jax.Array  # hit EOS or max_new_tokens
+    step: jax.Array  # scalar: selection steps taken (folds into the rng)
+    rng: jax.Array
+
+
+@struct.dataclass
+class Sampling:
+    """Static selection settings (hashable: part of the compiled function's key)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_id: int | None = None
+
+
+def _select(s: Sampling, rng, step, logits_BV):
+    """Row b draws with fold_in(fold_in(rng, b), step): the serving engine's keys for choice b."""
+    if s.temperature == 0:
+        return jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    B = logits_BV.shape[0]
+    full = lambda x, dtype: jnp.full((B,), x, dtype)  # noqa: E731
+    return select_rows(
+        row_keys(rng, step, B),
+        logits_BV,
+        full(s.temperature, jnp.float32),
+        full(s.top_k, jnp.int32),
+        full(s.top_p, jnp.float32),
+    )
+
+
+def _is_eos(s: Sampling, tok_B):
+    return jnp.zeros(tok_B.shape, bool) if s.eos_id is None else tok_B == s.eos_id
+
+
+@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
+def _prefill(step_fn, cache, prompt_BP, lengths_B, rng, max_new_tokens, sampling: Sampling):
+    B, P = prompt_BP.shape
+    W = cache.max_len
+    positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    logits_B1V, cache = step_fn(prompt_BP, positions_BP, cache, logits_at=lengths_B - 1)
+    logits_BV = logits_B1V[:, 0]
+    first_B = _select(sampling, rng, 0, logits_BV)
+    window_BW = jnp.zeros((B, W), jnp.int32).at[:, :P].set(prompt_BP)
+    count_B = jnp.ones((B,), jnp.int32)
+    done_B = _is_eos(sampling, first_B) | (count_B >= max_new_tokens)
+    state = DecodeState(
+        cache=cache,
+        window_BW=window_BW,
+        fill_B=lengths_B,
+        last_B=first_B,
+        count_B=count_B,
+        done_B=done_B,
+        step=jnp.int32(1),
+        rng=rng,
+    )
+    return state, first_B
+
+
+def _slide(step_fn, keep: int, state: DecodeState, overflow_B):
+    """Rows with a full window restart it from their last `keep` tokens (see module docstring)."""
+    W = state.window_BW.shape[1]
+    recent_BW = jnp.concatenate([state.window_BW[:, W - keep + 1 :], state.window_BW[:, keep - 1 :]], 1)
+    window_BW = jnp.where(overflow_B[:, None], recent_BW, state.window_BW)
+    cache = state.cache
+    if keep > 1:
+        B = window_BW.shape[0]
+        # every row re-writes positions 0..keep-2 from its own window: unchanged rows get back
+        # the keys/values they had; positions past a row's fill are garbage it overwrites later
+        positions_BT = jnp.broadcast_to(jnp.arange(keep - 1, dtype=jnp.int32), (B, keep - 1))
+        _, cache = step_fn(window_BW[:, : keep - 1], positions_BT, cache)
+    fill_B = jnp.where(overflow_B, keep - 1, state.fill_B)
+    return state.replace(cache=cache, window_BW=window_BW, fill_B=fill_B)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "keep", "sampling"), donate_argnames=("state",))
+def _decode_chunk(step_fn, state: DecodeState, max_new_tokens, chunk: int, keep: int, sampling: Sampling):
+    """Up to `chunk` steps of one token per unfinished row -> (state, tokens_BC)."""
+    B, W = state.window_BW.shape
+    rows_B = jnp.arange(B)
+
+    def cond(carry):
+        state, _, j = carry
+        return (j < chunk) & ~jnp.all(state.done_B)
+
+    def body(carry):
+        state, out_BC, j = carry
+        active_B = ~state.done_B
+        overflow_B = active_B & (state.fill_B >= W)
+        state = jax.lax.cond(
+            jnp.any(overflow_B), functools.partial(_slide, step_fn, keep), lambda s, _: s, state, overflow_B
+        )
+        pos_B = jnp.minimum(state.fill_B, W - 1)  # finished rows idle at a valid position
+        logits_B1V, cache = step_fn(state.last_B[:, None], pos_B[:, None], state.cache)
+        tok_B = _select(sampling, state.rng, state.step, logits_B1V[:, -1])
+        count_B = state.count_B + active_B
+        state = state.replace(
+            cache=cache,
+            window_BW=state.window_BW.at[rows_B, pos_B].set(state.last_B),
+            fill_B=state.fill_B + active_B,
+            last_B=jnp.where(active_B, tok_B, state.last_B),
+            count_B=count_B,
+            done_B=state.done_B | _is_eos(sampling, tok_B) | (count_B >= max_new_tokens),
+            step=state.step + 1,
+        )
+        out_BC = out_BC.at[:, j].set(jnp.where(active_B, tok_B, 0))
+        return state, out_BC, j + 1
+
+    out_BC = jnp.zeros((B, chunk), jnp.int32)
+    state, out_BC, _ = jax.lax.while_loop(cond, body, (state, out_BC, jnp.int32(0)))
+    return state, out_BC
+
+
+# ---------------------------------------------------------------- public entry points
+
+
+def stream_generate(
+    step_fn,
+    cache,
+    prompt_BP,
+    prompt_lengths_B,
+    *,
+    max_new_tokens: int,
+    rng,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    keep: int | None = None,
+    chunk: int = 64,
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield (tokens_BC, counts_B) as they are decoded: row b's next counts[b] tokens.
+
+    prompt_BP: right-padded prompts, prompt_lengths_B: their lengths (1..P). cache: an empty
+    cache (a KVCache for the GPT: anything with `max_len` and `batch` that step_fn accepts)
+    whose length W (<= the model's block_size) is the context window; it is donated (do not
+    reuse it). temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. A row stops
+    after eos_id (included in its output) or max_new_tokens. keep: tokens kept when a row's
+    window fills (default W // 2; see the module docstring). chunk: decode steps per call.
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    prompt_BP = jnp.asarray(prompt_BP, jnp.int32)
+    lengths = np.asarray(prompt_lengths_B, np.int32)
+    B, P = prompt_BP.shape
+    W = cache.max_len
+    keep = W // 2 if keep is None else keep
+    if cache.batch != B or lengths.shape != (B,):
+        raise ValueError(f"batch mismatch: prompts {B}, lengths {lengths.shape}, cache {cache.batch}")
+    if P > W:
+        raise ValueError(
+            f"prompt buffer {P} is longer than the cache {W}; crop prompts to the last "
+            f"{W} tokens or allocate a longer cache (at most block_size)"
+        )
+    if lengths.min() < 1 or lengths.max() > P:
+        raise ValueError(
+            f"prompt lengths must be in [1, {P}], got {lengths.tolist()}; "
+            "start an empty prompt from an end-of-text token"
+        )
+    if not 1 <= keep <= W:
+        raise ValueError(f"keep must be in [1, {W}] (the cache length), got {keep}")
+    if max_new_tokens < 1:
+        return
+    sampling = Sampling(float(temperature), int(top_k), float(top_p), eos_id)
+    step_fn = step_fn if isinstance(step_fn, jax.tree_util.Partial) else jax.tree_util.Partial(step_fn)
+    max_new = jnp.int32(max_new_tokens)
+    state, first_B = _prefill(step_fn, cache, prompt_BP, jnp.asarray(lengths), rng, max_new, sampling)
+    yield np.asarray(first_B)[:, None], np.ones(B, np.int32)
+    count = np.ones(B, np.int32)
+    while not bool(np.all(state.done_B)):
+        state, out_BC = _decode_chunk(step_fn, state, max_new, chunk, keep, sampling)
+        new_count = np.asarray(state.count_B)
+        yield np.asarray(out_BC), new_count - count
+        count = new_count
+
+
+def generate(
+    step_fn, cache, prompt_BP, prompt_lengths_B, *, max_new_tokens: int, chunk: int = 256, **options
+):
+    """Sample up to max_new_tokens after each prompt -> (tokens_BN [int32], lengths_B).
+
+    The chunks of `stream_generate` (same arguments; rng, temperature, top_k, top_p, eos_id, keep
+    in `options`) collected: row b's tokens are tokens_BN[b, :lengths_B[b]], 0 after.
+    """
+    B = np.shape(prompt_lengths_B)[0]
+    tokens_BN = np.zeros((B, max(max_new_tokens, 0)), np.int32)
+    lengths_B = np.zeros(B, np.int32)
+    chunks = stream_generate(
+        step_fn, cache, prompt_BP, prompt_lengths_B, max_new_tokens=max_new_tokens, chunk=chunk, **options
+    )
+    for out_BC, n_B in chunks:
+        for b in range(B):
+            tokens_BN[b, lengths_B[b] : lengths_B[b] + n_B[b]] = out_BC[b, : n_B[b]]
+        lengths_B += n_B
+    return tokens_BN, lengths_B
+
+
+def cache_length(block_size: int, prompt_len: int, max_new_tokens: int, multiple: int = 64) -> int:
+    """Cache length for a request: prompt + new tokens rounded up to `multiple`, at most block_size."""
+    need = prompt_len + max_new_tokens
+    return min(block_size, -(-need // multiple) * multiple)

@@ -1,0 +1,180 @@
+"""Evaluate a run or GPT-2 weights on perplexity, HellaSwag, LAMBADA, or (encoder-decoders) translation.
+
+    python -m flaxgpt.eval.evaluate --init_from gpt2 --task hellaswag --data hellaswag_val.jsonl
+    python -m flaxgpt.eval.evaluate --init_from gpt2 --task lambada --data lambada_test.jsonl
+    python -m flaxgpt.eval.evaluate --init_from gpt2 --task perplexity --data wiki.test.raw --stride 512
+    python -m flaxgpt.eval.evaluate --out_dir out/finetune_shakespeare --task perplexity --data texts/
+    python -m flaxgpt.eval.evaluate --out_dir out/numbers --task translation --data pairs.tsv --beam_size 4
+
+Prints the results as JSON (--output FILE also writes them, with the per-example log-likelihoods);
+on a training run (--out_dir) appends them to its metrics.jsonl at the checkpoint's step as
+`<task>_<metric>`. A progress bar on stderr counts scored tokens. Bad input is a one-line error.
+See the README's Evaluation section for the data files and the numbers GPT-2 gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+TASKS = ("perplexity", "hellaswag", "lambada", "translation")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--out_dir", help="a flaxgpt training run")
+    src.add_argument("--init_from", help="GPT-2 weights: gpt2 .. gpt2-xl, or a Hugging Face GPT-2 directory")
+    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--data", required=True, help="the task's file (perplexity: a text file or folder)")
+    p.add_argument(
+        "--step", type=int, default=None, help="checkpoint step of --out_dir (default: the latest)"
+    )
+    p.add_argument("--limit", type=int, default=0, help="only the first N examples (0 = all)")
+    p.add_argument("--window", type=int, default=0, help="perplexity: tokens a window sees (0 = block_size)")
+    p.add_argument("--stride", type=int, default=0, help="perplexity: window step (0 = no sliding)")
+    p.add_argument(
+        "--convention",
+        default="both",
+        choices=["both", "lm_eval", "nanogpt"],
+        help="hellaswag: lm-evaluation-harness's, build-nanogpt's, or both",
+    )
+    p.add_argument("--batch_tokens", type=int, default=8192, help="padded tokens per batch (memory)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--cpu_devices", type=int, default=0, help="CPU only: devices to split it into (0 = cores)"
+    )
+    p.add_argument("--beam_size", type=int, default=4, help="translation: beam width (1 = greedy)")
+    p.add_argument("--alpha", type=float, default=0.6, help="translation: length penalty exponent")
+    p.add_argument("--truncate", action="store_true", help="translation: cut long sources (else an error)")
+    p.add_argument("--output", default=None, help="also write the results (with per-example scores) here")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    for name in ("limit", "window", "stride", "cpu_devices"):
+        if getattr(a, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(a, name)}")
+    if a.batch_tokens < 1 or a.beam_size < 1:
+        raise ValueError(f"--batch_tokens and --beam_size must be >= 1, got {a.batch_tokens}, {a.beam_size}")
+    return a
+
+
+def check_tokenizer(tokenizer, vocab_size: int, source: str, hf_dir: str | None = None) -> None:
+    """One-line errors when the tokenizer cannot be the model's."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(
+            f"tokenizer mismatch: {source}'s tokenizer has {tokenizer.vocab_size} tokens but the "
+            f"model's vocabulary has {vocab_size}"
+        )
+    path = os.path.join(hf_dir or "", "tokenizer.json")
+    if hf_dir and os.path.isfile(path) and not hasattr(tokenizer, "file"):  # GPT-2 weights: GPT-2's BPE
+        from tokenizers import Tokenizer
+
+        probe = "Hello world! It's 2024: naïve café, 12345 tokens.\n  end"
+        theirs, ours = Tokenizer.from_file(path).encode(probe).ids, tokenizer.encode(probe)
+        if theirs != ours:
+            raise ValueError(
+                f"tokenizer mismatch: {path} encodes text differently from GPT-2's BPE, which flaxgpt "
+                f"uses for Hugging Face weights ({theirs[:6]} vs {ours[:6]})"
+            )
+
+
+def load(a):
+    """(kind, config, params, tokenizer, step) from --init_from or --out_dir."""
+    import dataclasses
+
+    if a.init_from:
+        from flaxgpt.hf import gpt2 as hf
+
+        config, params = hf.load_pretrained(a.init_from, dtype=a.dtype)
+        tokenizer = hf.load_tokenizer(a.init_from)  # GPT-2's BPE, or a Llama-family model's tokenizer.json
+        check_tokenizer(tokenizer, config.vocab_size, a.init_from, hf.resolve(a.init_from))
+        return "gpt", config, params, tokenizer, None
+    from absl import logging as absl_logging
+
+    from flaxgpt.runs import run_dir
+    from flaxgpt.runs.checkpoint import Checkpointer
+
+    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes about read-only directories
+    run = run_dir.load_run(a.out_dir, a.step)
+    kind, config, params, tokenizer = run
+    if kind == "gpt":  # the compute dtype; weights stay as saved (scores in float32 either way)
+        config = dataclasses.replace(config, dtype=a.dtype)
+    ckpt = Checkpointer(a.out_dir, read_only=True, async_save=False)
+    step = a.step if a.step is not None else ckpt.latest_step()
+    ckpt.close()
+    check_tokenizer(tokenizer, config.vocab_size, a.out_dir)
+    return kind, config, params, tokenizer, step
+
+
+def evaluate(a, kind, config, params, tokenizer) -> dict:
+    """The task's metrics (and `tokens_per_second` for the GPT tasks)."""
+    from flaxgpt.eval import tasks as et
+
+    if (kind == "seq2seq") != (a.task == "translation"):
+        want = "translation" if kind == "seq2seq" else "perplexity, hellaswag or lambada"
+        raise ValueError(f"--task {a.task} does not apply to a {kind!r} model; use {want}")
+    if a.task == "translation":
+        pairs = et.read_pairs(a.data)[: a.limit or None]
+        return et.translation(
+            config, params, tokenizer, pairs, beam_size=a.beam_size, alpha=a.alpha, truncate=a.truncate
+        )
+    from flaxgpt.eval.scoring import Scorer
+
+    window = a.window or config.block_size
+    if window > config.block_size:
+        raise ValueError(f"--window {window} is longer than the model's block_size {config.block_size}")
+    data = et.load_data(a.task, a.data, a.limit)
+    scorer = Scorer(config, params, batch_tokens=a.batch_tokens, progress=not a.no_progress)
+    start = time.perf_counter()
+    conventions = ("lm_eval", "nanogpt") if a.convention == "both" else (a.convention,)
+    metrics = et.score_task(
+        a.task, scorer, tokenizer, data, window=window, stride=a.stride or None, conventions=conventions
+    )
+    seconds = time.perf_counter() - start
+    metrics.update(
+        seconds=seconds, tokens_scored=scorer.tokens_seen, tokens_per_second=scorer.tokens_seen / seconds
+    )
+    return metrics
+
+
+def main(argv=None) -> dict:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    from flaxgpt import sharding
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    sharding.configure_cpu_devices(a.cpu_devices or cores, 1)
+    kind, config, params, tokenizer, step = load(a)
+    metrics = evaluate(a, kind, config, params, tokenizer)
+    results = {"task": a.task, "data": a.data, "model": a.init_from or a.out_dir, "step": step, **metrics}
+    summary = {k: v for k, v in results.items() if not isinstance(v, list)}
+    print(json.dumps(summary, indent=2))
+    if a.output:
+        with open(a.output, "w") as f:
+            json.dump(results, f)
+    if a.out_dir:
+        from flaxgpt.runs.metrics import MetricsWriter
+
+        writer = MetricsWriter(a.out_dir, tensorboard=False, print_fn=lambda line: None)
+        skip = ("n", "seconds", "tokens_scored", "tokens_per_second", "task", "data", "model", "step")
+        writer.write(step or 0, {f"{a.task}_{k}": v for k, v in summary.items() if k not in skip})
+        writer.close()
+    return results
+
+
+def cli(argv=None) -> int:
+    from flaxgpt.data.prepare import PrepareError
+    from flaxgpt.runs.checkpoint import CheckpointError
+
+    try:
+        main(argv)
+    except (ValueError, OSError, PrepareError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

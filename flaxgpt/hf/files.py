@@ -1,0 +1,274 @@
+"""The files of a Hugging Face model: where they are, reading them one tensor at a time, writing them.
+
+    directory = resolve("gpt2")                  # or resolve("path/to/dir"): a hub name or a directory
+    with open_tensors(directory) as table:       # {"h.0.attn.c_attn.weight": (handle, key in file), ...}
+        w = read(table, "ln_f.weight", (768,), np.float32)   # shape-checked, 64-byte aligned
+    write_safetensors(tensors, out_dir, max_shard_bytes=2**30)   # sharded + index when it is big
+
+One model.safetensors or a sharded set with model.safetensors.index.json (every shard it names must
+be there); names lose "transformer." (GPT-2's prefix). Reading keeps host memory near the model's
+size: each tensor is cast into a 64-byte-aligned buffer, which `jax.device_put` on CPU adopts without
+a copy. flaxgpt.hf.gpt2 (GPT-2) and flaxgpt.hf.llama (Llama, Mistral, Qwen2) map the tensors onto params.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import urllib.parse
+
+import numpy as np
+
+CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE = "config.json", "model.safetensors", "model.safetensors.index.json"
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")  # hub names under openai-community/
+OPTIONAL_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+MISSING_ENTRY = ("EntryNotFoundError", "RemoteEntryNotFoundError")  # huggingface_hub's, by name
+
+
+def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
+    """A local directory as is, else a hub repo id (gpt2, HuggingFaceTB/SmolLM2-135M, ...) fetched or
+    found in the HF cache: config.json, the safetensors (one file, or the index and its shards) and,
+    when the repo has them, its tokenizer files."""
+    path = os.path.expanduser(str(name_or_path))
+    if os.path.isdir(path):
+        return path
+    if path.startswith((".", "/", "~")) or os.path.exists(path):
+        raise FileNotFoundError(
+            f"{name_or_path!r} is not a directory; pass a directory holding "
+            f"{CONFIG_FILE} and {WEIGHTS_FILE}, or a hub name such as gpt2"
+        )
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants
+    except ImportError as e:
+        raise ImportError(
+            f"loading {name_or_path!r} from the hub needs huggingface_hub: "
+            "pip install 'flaxgpt[hf]', or pass a local directory"
+        ) from e
+    env = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    offline = bool(constants.HF_HUB_OFFLINE) or env
+    unreachable = not offline and not hub_reachable(constants.ENDPOINT)
+    offline = offline or unreachable  # then only the cache: huggingface_hub would retry for ~25 s
+    # the hub redirects gpt2 -> openai-community/gpt2; a cache may hold either name
+    repos = [path] + ([f"openai-community/{path}"] if path in GPT2_NAMES else [])
+    for repo in repos:
+        filename = CONFIG_FILE
+        try:
+            cfg = huggingface_hub.hf_hub_download(
+                repo, filename, cache_dir=cache_dir, local_files_only=offline
+            )
+            filename = WEIGHTS_FILE
+            kw = dict(cache_dir=cache_dir, local_files_only=offline)
+            _hub_weights(huggingface_hub.hf_hub_download, repo, **kw)
+            for optional in OPTIONAL_FILES:  # a Llama-family model's tokenizer
+                with contextlib.suppress(Exception):
+                    huggingface_hub.hf_hub_download(repo, optional, **kw)
+            return os.path.dirname(cfg)
+        except Exception as e:  # matched by name: the classes moved between huggingface_hub versions
+            kind = type(e).__name__
+            if isinstance(e, MissingWeightsError):
+                raise
+            if kind in MISSING_ENTRY:
+                raise FileNotFoundError(f"hub repo {repo!r} has no {filename}") from e
+            if kind in ("RepositoryNotFoundError", "GatedRepoError") and repo == repos[-1]:
+                raise FileNotFoundError(
+                    f"no public hub repo {repo!r} and no local directory of that name; "
+                    "GPT-2 sizes: " + ", ".join(GPT2_NAMES)
+                ) from e
+            last = e  # not cached / offline / no network: the message below
+    if unreachable:
+        why = f"{constants.ENDPOINT} cannot be reached (offline?)"
+    elif offline:
+        why = "HF_HUB_OFFLINE is set"
+    else:
+        why = f"the hub could not be reached ({type(last).__name__})"
+    raise ConnectionError(  # an OSError: callers catching file errors catch this too
+        f"{name_or_path!r} is not a local directory nor in the Hugging Face cache, and {why}: "
+        "downloading it needs the network, or pass a local directory with "
+        f"{CONFIG_FILE} and {WEIGHTS_FILE}"
+    )
+
+
+def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
+    """A TCP connection to the hub's host opens within `timeout` (always True behind a proxy, which
+    huggingface_hub then uses)."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urllib.parse.urlparse(endpoint)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:  # no DNS, no route, refused, timed out
+        return False
+
+
+class MissingWeightsError(FileNotFoundError):
+    """A hub repo with neither model.safetensors nor the index of its shards."""
+
+
+def _hub_weights(download, repo: str, **kw) -> None:
+    """model.safetensors, else the index and every shard it names, into the HF cache."""
+    try:
+        download(repo, WEIGHTS_FILE, **kw)
+        return
+    except Exception as e:
+        if type(e).__name__ not in MISSING_ENTRY:
+            raise
+    try:
+        with open(download(repo, INDEX_FILE, **kw)) as fh:
+            shards = sorted(set(json.load(fh)["weight_map"].values()))
+    except Exception as e:
+        if type(e).__name__ not in MISSING_ENTRY + ("FileNotFoundError",):
+            raise
+        raise MissingWeightsError(f"hub repo {repo!r} has no {WEIGHTS_FILE} nor {INDEX_FILE}") from e
+    for shard in shards:
+        download(repo, shard, **kw)
+
+
+def shard_files(directory: str) -> list[str]:
+    """The safetensors files of a directory: model.safetensors, or every shard its index names."""
+    single, index = os.path.join(directory, WEIGHTS_FILE), os.path.join(directory, INDEX_FILE)
+    if os.path.exists(single):
+        return [single]
+    if not os.path.exists(index):
+        found = ", ".join(sorted(os.listdir(directory))) or "nothing"
+        raise FileNotFoundError(
+            f"no {WEIGHTS_FILE} in {directory} (found: {found}); flaxgpt reads safetensors only "
+            f"(one file, or {INDEX_FILE} and its shards): save_pretrained(safe_serialization=True)"
+        )
+    with open(index) as fh:
+        names = sorted(set(json.load(fh)["weight_map"].values()))
+    missing = [n for n in names if not os.path.exists(os.path.join(directory, n))]
+    if missing:
+        raise FileNotFoundError(
+            f"{INDEX_FILE} in {directory} names {len(names)} shard files but {len(missing)} are missing: "
+            + ", ".join(missing)
+        )
+    return [os.path.join(directory, n) for n in names]
+
+
+@contextlib.contextmanager
+def open_tensors(directory: str):
+    """{name without 'transformer.': (open safetensors file, name in the file)} over every shard."""
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        table = {}
+        for file in shard_files(directory):
+            handle = stack.enter_context(safe_open(file, framework="np"))
+            if any(handle.get_slice(k).get_dtype() == "BF16" for k in handle.keys()):
+                handle = stack.enter_context(safe_open(file, framework="flax"))  # numpy has no bfloat16
+            for key in handle.keys():
+                table[key.removeprefix("transformer.")] = (handle, key)
+        yield table
+
+
+def read(table, name: str, shape: tuple, dtype) -> np.ndarray:
+    """One tensor as an aligned host array of `dtype`, shape-checked: the error names both shapes."""
+    handle, key = table[name]
+    found = tuple(handle.get_slice(key).get_shape())
+    if found != tuple(shape):
+        raise ValueError(f"tensor {key} has shape {found}, expected {tuple(shape)} from the config")
+    return aligned_copy(np.asarray(handle.get_tensor(key)), dtype)
+
+
+def aligned_copy(x: np.ndarray, dtype, shape=None) -> np.ndarray:
+    """x cast into a 64-byte-aligned buffer (of `shape`, zero-padded at the end of each axis)."""
+    out = aligned_empty(shape or x.shape, dtype)
+    if out.shape != x.shape:
+        out[...] = 0
+    out[tuple(slice(0, n) for n in x.shape)] = x
+    return out
+
+
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """np.empty on a 64-byte boundary, which lets device_put on CPU adopt the buffer without a copy."""
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def write_safetensors(tensors: dict, out_dir: str, max_shard_bytes: int | None = None) -> list[str]:
+    """tensors -> out_dir/model.safetensors, or shards model-0000i-of-0000n.safetensors + the index
+    (transformers' layout) when they exceed `max_shard_bytes`. Each file is written under a temporary
+    name and renamed when complete (a failed export leaves no half-written file). Returns the names."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    shards, size = [{}], 0
+    for name, x in tensors.items():
+        if max_shard_bytes and shards[-1] and size + x.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+    n = len(shards)
+    names = [WEIGHTS_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    written = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, name + ".tmp"), metadata={"format": "pt"})
+        written[name] = shard
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(x.nbytes for x in tensors.values())},
+            "weight_map": {k: name for name, shard in written.items() for k in shard},
+        }
+        write_json(index, os.path.join(out_dir, INDEX_FILE), rename=False)
+        names.append(INDEX_FILE)
+    for name in names:
+        os.replace(os.path.join(out_dir, name + ".tmp"), os.path.join(out_dir, name))
+    return names
+
+
+def write_json(data: dict, path: str, rename: bool = True) -> None:
+    """path + ".tmp", renamed to path when complete (unless rename=False: the caller renames)."""
+    with open(path + ".tmp", "w") as fh:
+        json.dump(data, fh, indent=2)
+    if rename:
+        os.replace(path + ".tmp", path)
+
+
+def checked_block_size(
+    family: str, unsupported: dict, fields: dict, arch_fields, max_len: int, max_len_key: str
+) -> int:
+    """The checks every imported config gets -> the block_size to use (fields["block_size"] popped).
+
+    `unsupported`: {hf key: its value where flaxgpt cannot run it, else None}; `fields`: the caller's
+    GPTConfig overrides, which may not touch what the checkpoint fixes (`arch_fields`); the window may
+    shrink below the checkpoint's `max_len` (its config key `max_len_key`) but not grow past it.
+    """
+    for key, value in unsupported.items():
+        if value is not None:
+            raise ValueError(f"{family} config with {key}={value!r} is not supported by flaxgpt's GPT")
+    for key in fields:
+        if key in arch_fields:
+            raise ValueError(f"{key} is fixed by the pretrained checkpoint and cannot be overridden")
+    block_size = fields.pop("block_size", None) or max_len
+    if block_size > max_len:
+        raise ValueError(f"block_size {block_size} is longer than the checkpoint's {max_len_key} {max_len}")
+    return block_size
+
+
+def check_names(table, expected: set, what: str, optional=(), ignore=None) -> None:
+    """A checkpoint's tensor names are `expected`, plus any of `optional` and names `ignore` matches
+    (buffers): otherwise a one-line error "{what}: missing [...] unexpected [...]"."""
+    missing = sorted(expected - set(table))
+    extra = set(table) - expected - set(optional)
+    unexpected = sorted(k for k in extra if not (ignore and ignore.match(k)))
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing {missing[:5]} unexpected {unexpected[:5]}")
+
+
+def get_path(tree, path: tuple):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def set_path(tree: dict, path: tuple, value) -> None:
+    for k in path[:-1]:
+        tree = tree.setdefault(k, {})
+    tree[path[-1]] = value

@@ -1,0 +1,77 @@
+"""A Hugging Face model's own tokenizer: its tokenizer.json through the `tokenizers` library.
+
+    tok = HFTokenizer("path/to/llama_dir")      # or the tokenizer.json itself
+    ids = tok.encode("Hello")                   # the text's ids, no special token (as tiktoken's)
+    text = tok.decode(ids)                      # special tokens (BOS, EOS) left out
+    tok.add_bos, tok.bos_id, tok.eos_id         # True, 128000, 128001 for Llama 3
+
+`add_bos` says whether the model's own post-processor starts a sequence with BOS (Llama's
+does, Qwen2's does not); prompts (tokenizers.encode_prompt) and prepared documents
+(flaxgpt.data.prepare) then start with it. `encode` itself adds nothing, so a context and its
+continuation encode apart as lm-evaluation-harness does. BOS and EOS ids come from the model's
+files, first found wins: generation_config.json, config.json, then tokenizer_config.json's token
+strings. EOS is what sampling stops at and what `prepare` appends to each document.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TOKENIZER_FILE = "tokenizer.json"
+ID_FILES = ("generation_config.json", "config.json")
+
+
+class HFTokenizer:
+    def __init__(self, path: str | Path):
+        path = Path(path).expanduser()
+        file = path / TOKENIZER_FILE if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no {TOKENIZER_FILE} at {path}; pass a model directory that holds one")
+        try:
+            import tokenizers
+        except ImportError as e:
+            raise ImportError(f"{file} needs the tokenizers library: pip install tokenizers") from e
+        self.file = file.resolve()
+        self.tok = tokenizers.Tokenizer.from_file(str(self.file))
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id, self.eos_id = special_ids(self.file.parent, self.tok)
+        self.eot_id = self.eos_id  # the Tokenizer protocol's end of text
+        with_special = self.tok.encode("a").ids
+        self.add_bos = self.bos_id is not None and with_special[:1] == [self.bos_id] != self.encode("a")[:1]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def to_meta(self) -> dict:
+        return {"kind": "hf", "path": str(self.file), "vocab_size": self.vocab_size}
+
+
+def special_ids(directory: Path, tok) -> tuple[int | None, int | None]:
+    """(bos_id, eos_id) from the model's files; a list of EOS ids (Llama 3 chat) gives the first."""
+    found: dict = {}
+    for name in ID_FILES:
+        file = directory / name
+        if file.is_file():
+            data = json.loads(file.read_text())
+            for key in ("bos_token_id", "eos_token_id"):
+                value = data.get(key)
+                if isinstance(value, list):
+                    value = value[0] if value else None
+                if key not in found and value is not None:
+                    found[key] = int(value)
+    config = directory / "tokenizer_config.json"
+    if config.is_file():
+        data = json.loads(config.read_text())
+        for key in ("bos_token", "eos_token"):
+            token = data.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            if f"{key}_id" not in found and token is not None and tok.token_to_id(token) is not None:
+                found[f"{key}_id"] = tok.token_to_id(token)
+    return found.get("bos_token_id"), found.get("eos_token_id")

@@ -1,0 +1,375 @@
+"""The decoder-only GPT (GPT-2 family), read bottom-up like nanoGPT's model.py.
+
+    logits_BTV = GPT(config).apply({"params": params}, tokens_BT)
+    logits_BTV, cache = GPT(config).apply({"params": params}, tokens_BT,
+                                          positions=pos_BT, cache=cache)
+    step = step_fn(config, params)    # the same, as flaxgpt.decode.sampling's step_fn
+
+Parameter names are GPT-2's (wte, wpe, h_0 ... h_{L-1}, ln_1, attn/c_attn, attn/c_proj,
+ln_2, mlp/c_fc, mlp/c_proj, ln_f, lm_head), so importing OpenAI's weights is a
+name-for-name copy. The same module is a Llama / Mistral / Qwen2 decoder with the options of
+the second block of GPTConfig (RoPE, RMSNorm, SwiGLU, grouped-query attention, ...; presets
+"smollm2-135m", "llama-3.2-1b", ...); their weights map onto these names in hf_llama.py.
+With `scan_layers` the blocks live stacked under `h` with a leading [L] axis;
+`stack_layers` / `unstack_layers` convert between the layouts.
+
+Shape letters: B batch, T time, D n_embd, V vocab_size, L n_layer (see layers.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from flaxgpt.models import quantize
+from flaxgpt.models.cache import KVCache
+from flaxgpt.models.gpt_config import LLAMA_STYLE, REMAT_POLICIES, GPTConfig  # noqa: F401  (flaxgpt.models.gpt.GPTConfig)
+from flaxgpt.models.layers import MLP, SelfAttention, norm, normal_init, ones_init, sinusoidal_positions
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+
+    `kv` is this layer's own (k, v) cache buffers (or None); the block returns them updated.
+    """
+
+    config: GPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None):
+        c = self.config
+        dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        # GPT-2: residual projections start smaller so the residual stream's variance does not
+        # grow with depth; the speedrun starts them at zero (each block starts as the identity)
+        out_std = 0.0 if c.zero_init_proj else 0.02 / math.sqrt(2 * c.n_layer)
+        ln = lambda name: norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, name)  # noqa: E731
+        h_BTD, kv = SelfAttention(
+            n_head=c.n_head,
+            n_kv_head=c.kv_heads,
+            rope=c.rope,
+            qk_norm=c.norm if c.qk_norm else None,
+            norm_eps=c.layer_norm_epsilon,
+            window=c.sliding_window,
+            causal=True,
+            use_bias=c.bias,
+            qkv_bias=c.qkv_bias,
+            attn_dropout=c.attn_dropout,
+            resid_dropout=c.resid_dropout,
+            out_init_std=out_std,
+            dtype=dtype,
+            param_dtype=pdtype,
+            impl=c.attention_impl,
+            deterministic=self.deterministic,
+            name="attn",
+        )(ln("ln_1")(x_BTD), positions_BT, kv, ve_BTD=ve_BTD)
+        x_BTD = x_BTD + h_BTD
+        x_BTD = x_BTD + MLP(
+            hidden=c.mlp_hidden or 4 * c.n_embd,
+            activation=c.activation,
+            glu=c.glu,
+            use_bias=c.bias,
+            dropout=c.resid_dropout,
+            out_init_std=out_std,
+            dtype=dtype,
+            param_dtype=pdtype,
+            deterministic=self.deterministic,
+            name="mlp",
+        )(ln("ln_2")(x_BTD))
+        return x_BTD, kv
+
+
+class ScannedBlock(nn.Module):
+    """Block in nn.scan's (carry, xs) -> (carry, ys) form: xs and ys are the layer's (k, v)."""
+
+    config: GPTConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, carry, kv):
+        x_BTD, positions_BT = carry
+        x_BTD, kv = Block(self.config, self.deterministic, name="block")(x_BTD, positions_BT, kv)
+        return (x_BTD, positions_BT), kv
+
+
+def _remat_policy(name: str):
+    return {
+        "full": None,
+        "dots": jax.checkpoint_policies.checkpoint_dots,
+        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    }[name]
+
+
+def wpe_prefix(wpe_SD: jax.Array, T: int) -> jax.Array:
+    """Learned embeddings of positions 0..T-1 -> [1, T, D]."""
+    # a slice, not a gather over broadcast positions (which FSDP rematerialises)
+    return wpe_SD[None, :T]
+
+
+def tied_head_few_rows(wte_VD: jax.Array, x_ND: jax.Array) -> jax.Array:
+    """x @ wte^T -> [N, V] for the few rows of a decoding step."""
+    # the [V, D] table as the left operand, rows as they lie in memory: XLA on CPU streams it
+    # ~2x faster than x @ wte^T, which packs it first
+    return jnp.dot(wte_VD, x_ND.T).T
+
+
+class GPT(nn.Module):
+    config: GPTConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens_BT,
+        positions=None,
+        cache: KVCache | None = None,
+        deterministic: bool = True,
+        logits_at=None,
+    ):
+        """tokens [B, T] -> logits [B, T, V]; with a cache (and positions [B, T], default
+        0..T-1) the keys/values are written at `positions` and (logits, cache) comes back.
+        With `logits_at` [B] (time indices), the logits are those of one position per row: [B, 1, V]."""
+        c = self.config
+        check_tokens(tokens_BT, c, cache)
+        dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        B, T = tokens_BT.shape
+        implicit_positions = positions is None
+        if implicit_positions:
+            positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+
+        wte = nn.Embed(
+            c.padded_vocab_size,
+            c.n_embd,
+            dtype=dtype,
+            param_dtype=pdtype,
+            embedding_init=normal_init(0.02, ("vocab", "embed")),
+            name="wte",
+        )
+        x_BTD = wte(tokens_BT)
+        if c.pos_embedding != "rope":  # rope: positions rotate queries and keys inside each attention
+            x_BTD = x_BTD + self._position_embeddings(positions, implicit_positions)
+        x_BTD = nn.Dropout(c.embd_dropout)(x_BTD, deterministic=deterministic)
+        kv_layers = None if cache is None else [cache.layer(i) for i in range(c.n_layer)]
+        x_BTD, kv_layers = self._blocks(x_BTD, positions, kv_layers, deterministic, tokens_BT)
+        if (
+            logits_at is not None
+        ):  # a prefill draws from one position: skip the head (1/3 of GPT-2's FLOPs) elsewhere
+            x_BTD = jnp.take_along_axis(x_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)
+        x_BTD = norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)
+        logits_BTV = self._head(wte, x_BTD)
+        # padded vocabulary rows exist for speed only: callers never see them
+        logits_BTV = logits_BTV[..., : c.vocab_size]
+        if c.logit_softcap:  # bounded logits (Gemma 2), in float32
+            logits_BTV = c.logit_softcap * jnp.tanh(logits_BTV.astype(jnp.float32) / c.logit_softcap)
+        if cache is None:
+            return logits_BTV
+        return logits_BTV, KVCache.from_layers(kv_layers, cache.n_head)
+
+    def _position_embeddings(self, positions_BT, implicit: bool):
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        if c.pos_embedding == "sinusoidal":
+            return sinusoidal_positions(positions_BT, c.n_embd, c.sinusoid_layout, dtype).astype(dtype)
+        wpe = nn.Embed(
+            c.block_size,
+            c.n_embd,
+            dtype=dtype,
+            param_dtype=jnp.dtype(c.param_dtype),
+            embedding_init=normal_init(0.02, (None, "embed")),
+            name="wpe",
+        )
+        if implicit:
+            return wpe_prefix(wpe.embedding, positions_BT.shape[1]).astype(dtype)
+        return wpe(positions_BT)
+
+    def _blocks(self, x_BTD, positions_BT, kv_layers, deterministic: bool, tokens_BT=None):
+        """The n_layer blocks; kv_layers (or None) holds each layer's (k, v), handed to its block."""
+        c = self.config
+        if c.scan_layers:
+            # the layers' buffers are the scan's xs and ys, stacked [L, ...] (a copy each way;
+            # decoding unrolls the layers instead, see step_fn)
+            stacked = (
+                None if kv_layers is None else jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *kv_layers)
+            )
+            scan_cls = ScannedBlock
+            if c.remat != "none":
+                scan_cls = nn.remat(ScannedBlock, policy=_remat_policy(c.remat), prevent_cse=False)
+            (x_BTD, _), stacked = nn.scan(
+                scan_cls,
+                variable_axes={"params": 0, "intermediates": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=c.n_layer,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(c, deterministic, name="h")((x_BTD, positions_BT), stacked)
+            if stacked is not None:
+                kv_layers = [(stacked[0][i], stacked[1][i]) for i in range(c.n_layer)]
+            return x_BTD, kv_layers
+        block_cls = Block
+        if c.remat != "none":
+            block_cls = nn.remat(Block, policy=_remat_policy(c.remat))
+        L, n_enc = c.n_layer, c.n_layer // 2 if c.unet_skips else 0
+        if c.unet_skips:  # decoder block n_enc + j adds skip_weights[j] x the output of block n_enc-1-j
+            pdtype = jnp.dtype(c.param_dtype)
+            skip_weights = self.param("skip_weights", ones_init((None,)), (L - n_enc,), pdtype)
+        ve_layers = self._value_embeddings(tokens_BT)
+        skips, out = [], []
+        for i in range(L):
+            if i >= n_enc and skips:
+                x_BTD = x_BTD + skip_weights[i - n_enc].astype(x_BTD.dtype) * skips.pop()
+            kv = None if kv_layers is None else kv_layers[i]
+            x_BTD, kv = block_cls(c, deterministic, name=f"h_{i}")(x_BTD, positions_BT, kv, ve_layers[i])
+            if i < n_enc:
+                skips.append(x_BTD)
+            out.append(kv)
+        return x_BTD, None if kv_layers is None else out
+
+    def _value_embeddings(self, tokens_BT) -> list:
+        """Per block: table j of `value_embeds` N for block j and block L-N+j (a U-net pattern), else None."""
+        c, N = self.config, self.config.value_embeds
+        tables = [
+            nn.Embed(
+                c.padded_vocab_size,
+                c.kv_heads * c.head_dim,  # the width of the values
+                dtype=jnp.dtype(c.dtype),
+                param_dtype=jnp.dtype(c.param_dtype),
+                embedding_init=normal_init(0.02, ("vocab", "embed")),
+                name=f"value_embed_{j}",
+            )(tokens_BT)
+            for j in range(N)
+        ]
+        return tables + [None] * (c.n_layer - 2 * N) + tables
+
+    def _head(self, wte, x_BTD):
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)  # 2-D operands: see layers.MLP
+        if not c.tie_embeddings:
+            lm_head = nn.Dense(
+                c.padded_vocab_size,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=jnp.dtype(c.param_dtype),
+                kernel_init=normal_init(0.0 if c.zero_init_proj else 0.02, ("embed", "vocab")),
+                name="lm_head",
+            )
+            return lm_head(x_ND).reshape(B, T, -1)
+        if B * T <= 64:
+            return tied_head_few_rows(wte.embedding.astype(dtype), x_ND.astype(dtype)).reshape(B, T, -1)
+        return wte.attend(x_ND).reshape(B, T, -1)
+
+
+def check_tokens(tokens_BT, config: GPTConfig, cache=None):
+    """Errors for the bad input that can be seen before tracing: length and id range."""
+    if tokens_BT.ndim != 2:
+        raise ValueError(f"tokens must be [batch, time], got shape {tokens_BT.shape}")
+    T = tokens_BT.shape[1]
+    limit = config.block_size if cache is None else cache.max_len
+    if T > limit:
+        raise ValueError(
+            f"sequence length {T} is longer than block_size {limit}; "
+            "crop the input to the last block_size tokens"
+        )
+    if not isinstance(tokens_BT, jax.core.Tracer):
+        arr = np.asarray(tokens_BT)
+        if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
+            raise ValueError(
+                f"token ids must be in [0, {config.vocab_size}), got min {arr.min()} max {arr.max()}"
+            )
+
+
+def init_params(config: GPTConfig, rng: jax.Array):
+    """Plain (unboxed) float parameters: {'wte': ..., 'h_0': ..., ...}."""
+    dummy = jnp.zeros((1, min(8, config.block_size)), jnp.int32)
+    variables = GPT(config).init(rng, dummy)
+    return nn.unbox(variables["params"])
+
+
+def abstract_params(config: GPTConfig):
+    """ShapeDtypeStructs of the parameters, still boxed with their logical axes."""
+    dummy = jnp.zeros((1, min(8, config.block_size)), jnp.int32)
+    return jax.eval_shape(lambda r: GPT(config).init(r, dummy), jax.random.key(0))["params"]
+
+
+def count_params(params, exclude_embeddings: bool = False) -> int:
+    """Number of parameters; `exclude_embeddings` drops wpe (nanoGPT's convention)."""
+    params = nn.unbox(params)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    if exclude_embeddings and "wpe" in params:
+        n -= int(np.prod(params["wpe"]["embedding"].shape))
+    return n
+
+
+def stack_layers(params, n_layer: int):
+    """h_0 ... h_{L-1} -> h/block with a leading [L] axis (the scan_layers layout)."""
+    params = dict(params)
+    layers = [params.pop(f"h_{i}") for i in range(n_layer)]
+    params["h"] = {"block": jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)}
+    return params
+
+
+def unstack_layers(params, n_layer: int):
+    """h/block [L, ...] -> h_0 ... h_{L-1} (the GPT-2 layout)."""
+    params = dict(params)
+    stacked = params.pop("h")["block"]
+    for i in range(n_layer):
+        params[f"h_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], stacked)
+    return params
+
+
+@functools.cache
+def _apply_with_cache(config: GPTConfig):
+    model = GPT(config)
+
+    def apply(params, tokens_BT, positions_BT, cache, logits_at=None):
+        return model.apply(
+            {"params": params}, tokens_BT, positions=positions_BT, cache=cache, logits_at=logits_at
+        )
+
+    return apply
+
+
+def step_fn(config: GPTConfig, params) -> jax.tree_util.Partial:
+    """The GPT as a decoder's step_fn(tokens_BT, positions_BT, cache: KVCache) -> (logits_BTV, cache);
+    step_fn(..., logits_at=idx_B) gives the logits at one time index per row, [B, 1, V] (prefills).
+
+    A Partial carries params as a jit argument, not baked-in constants:
+
+        cache = KVCache.for_config(config, batch=B, max_len=W)
+        tokens_BN, lengths_B = sampling.generate(step_fn(config, params), cache, prompt_BP, ...)
+
+    Params from `quantize_params` decode through the quantized matmuls.
+    """
+    if config.scan_layers:  # decode unrolled: each layer reads its own cache buffer in place
+        params = unstack_layers(params, config.n_layer)
+        config = dataclasses.replace(config, scan_layers=False)
+    config = dataclasses.replace(config, remat="none")  # no gradients here
+    apply = _apply_with_cache(config)
+    if quantize.is_quantized(params):
+        apply = quantize.intercepted(apply)
+    return jax.tree_util.Partial(apply, params)
+
+
+def quantize_params(config: GPTConfig, params, mode: str):
+    """Weight-only int8 (per-output-channel scales) or bf16 weights for decoding -> (config, params).
+
+    Dense kernels and the token embedding are quantized (see flaxgpt/models/quantize.py); wpe, LayerNorms
+    and biases stay float32. A tied head becomes an untied lm_head sharing the quantized table (its
+    rows are the head's output channels), so the decode-time head is one quantized matmul.
+    """
+    quantize.check_mode(mode)
+    if config.scan_layers:
+        params = unstack_layers(params, config.n_layer)
+    params = dict(params)
+    table = quantize.quantize_rows(params.pop("wte")["embedding"], mode)
+    qparams = quantize.quantize_tree(params, mode)
+    qparams["wte"] = {"embedding": table}
+    if config.tie_embeddings:
+        qparams["lm_head"] = {"kernel": table}  # the same arrays: one copy in memory
+    config = dataclasses.replace(config, tie_embeddings=False, scan_layers=False, remat="none")
+    return config, qparams

@@ -1,0 +1,198 @@
+"""GPTConfig: every shape and option of flaxgpt's decoder-only model, and the named presets.
+
+    config = GPTConfig.preset("gpt2")                  # or GPTConfig(n_layer=4, n_embd=128, ...)
+    config = GPTConfig.preset("llama-3.2-1b")          # a Llama-family shape
+    config = GPTConfig.from_dict(saved)                # as a run's config.json holds it
+
+The first block of fields is GPT-2's; the second turns the same module into a Llama / Mistral /
+Qwen2 decoder; the third holds the modded-nanogpt speedrun's options. Defaults are GPT-2's, so a
+saved config without a newer field loads as the model it was. A bad value is a ValueError at
+construction naming the field and its choices. A recipe's `model` section maps onto these fields
+one for one (flaxgpt/models/registry.py); the model itself is flaxgpt/models/gpt.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flaxgpt.models.layers import ACTIVATIONS, ATTENTION_IMPLS, NORMS, SINUSOID_LAYOUTS
+from flaxgpt.models.rope import ROPE_SCALINGS, RoPE
+
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# what Llama, Mistral and Qwen2 share (the presets below add their shapes)
+LLAMA_STYLE = dict(pos_embedding="rope", norm="rmsnorm", activation="silu", glu=True, bias=False)
+LLAMA_STYLE.update(qkv_bias=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50257  # tokens the tokenizer can produce; logits have this many columns
+    block_size: int = 1024  # longest sequence (context window)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    pos_embedding: str = "learned"  # learned | sinusoidal | rope (rotary, in the attention)
+    sinusoid_layout: str = "interleaved"  # interleaved (the paper's sin, cos, ...) | halves (older runs)
+    activation: str = "gelu"  # gelu (tanh approx., GPT-2) | gelu_exact | relu | silu | relu2
+    tie_embeddings: bool = True  # the LM head reuses wte
+    bias: bool = True  # biases in Linear layers and LayerNorms
+    qkv_bias: bool = True  # bias of the fused qkv projection (c_attn)
+    dropout: float = 0.0  # the default rate of the three below (training only)
+    embd_dropout: float = -1.0  # on token + position embeddings; -1 = dropout
+    attn_dropout: float = -1.0  # on the attention weights; -1 = dropout
+    resid_dropout: float = -1.0  # on each residual branch's output; -1 = dropout
+    layer_norm_epsilon: float = 1e-5
+    dtype: str = "float32"  # compute dtype (bfloat16 for speed)
+    param_dtype: str = "float32"
+    pad_vocab_multiple: int = 1  # round the embedding rows up to this (64 is fast); 1 = exact
+    attention_impl: str = "xla"  # auto | xla | cudnn | pallas (see layers.attend)
+    scan_layers: bool = False  # nn.scan over the blocks: compile time independent of depth
+    remat: str = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
+    # modern decoders (Llama, Mistral, Qwen2); the defaults are GPT-2's
+    norm: str = "layernorm"  # layernorm | rmsnorm (Llama); eps is layer_norm_epsilon
+    glu: bool = False  # gated MLP act(x W_gate) * (x W_up): with activation=silu, SwiGLU
+    mlp_hidden: int = 0  # the MLP's hidden size F; 0 = 4 * n_embd
+    n_kv_head: int = 0  # key/value heads: 0 = n_head, 1 = multi-query, else grouped-query
+    qk_norm: bool = False  # normalise each head's queries and keys (with `norm`) before attention
+    rope_theta: float = 10000.0  # pos_embedding=rope: base of the rotary frequencies
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's long-context frequency scaling)
+    rope_factor: float = 1.0  # llama3: context extension factor
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_len: int = 8192  # llama3: the pretraining context
+    sliding_window: int = 0  # each query sees the last sliding_window keys (Mistral); 0 = all
+    logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) (Gemma 2); 0 = off
+    # the modded-nanogpt speedrun's architecture (activation="relu2" is its MLP)
+    zero_init_proj: bool = False  # attention and MLP output projections (and an untied head) start at 0
+    unet_skips: bool = False  # U-net: block L-1-i also gets block i's output, times a learned weight
+    value_embeds: int = 0  # N extra token tables mixed into the values of the first N and last N blocks
+
+    def __post_init__(self):
+        # resolved here, so the stored rates are the real ones (what config.json records)
+        for name in ("embd_dropout", "attn_dropout", "resid_dropout"):
+            if getattr(self, name) < 0:
+                object.__setattr__(self, name, self.dropout)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if (self.unet_skips or self.value_embeds) and self.scan_layers:
+            raise ValueError(
+                "unet_skips and value_embeds need scan_layers=False (each block takes its own inputs)"
+            )
+        if not 0 <= self.value_embeds <= self.n_layer // 2:
+            raise ValueError(
+                f"value_embeds {self.value_embeds} must be in [0, n_layer // 2 = {self.n_layer // 2}]"
+            )
+        if self.n_kv_head < 0 or self.n_head % (self.n_kv_head or self.n_head):
+            raise ValueError(f"n_head {self.n_head} is not divisible by n_kv_head {self.n_kv_head}")
+        choices = {
+            "pos_embedding": ("learned", "sinusoidal", "rope"),
+            "sinusoid_layout": SINUSOID_LAYOUTS,
+            "activation": ACTIVATIONS,
+            "attention_impl": ATTENTION_IMPLS,
+            "remat": REMAT_POLICIES,
+            "norm": NORMS,
+            "rope_scaling": ROPE_SCALINGS,
+        }
+        for field, allowed in choices.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
+        for field in ("vocab_size", "block_size", "n_layer", "n_head", "pad_vocab_multiple"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
+
+        for field in ("mlp_hidden", "sliding_window"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0 (0 = the default), got {getattr(self, field)}")
+        if self.logit_softcap < 0:
+            raise ValueError(f"logit_softcap must be >= 0 (0 = off), got {self.logit_softcap}")
+        if self.pos_embedding == "rope":
+            self.rope  # noqa: B018 -- RoPE checks its own arguments
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """J, the key/value heads the attention projects and the KV cache stores."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def rope(self) -> RoPE | None:
+        if self.pos_embedding != "rope":
+            return None
+        return RoPE(
+            self.head_dim,
+            self.rope_theta,
+            self.rope_scaling,
+            self.rope_factor,
+            self.rope_low_freq_factor,
+            self.rope_high_freq_factor,
+            self.rope_original_max_len,
+        )
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    # fmt: off
+    PRESETS = {
+        "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+        "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+        "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+        "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+        # the published config.json shapes of Llama-family models (summaries, from-scratch runs)
+        "smollm2-135m": dict(
+            LLAMA_STYLE, vocab_size=49152, block_size=8192, n_layer=30, n_head=9, n_kv_head=3, n_embd=576,
+            mlp_hidden=1536, rope_theta=100000.0,
+        ),
+        "llama-3.2-1b": dict(
+            LLAMA_STYLE, vocab_size=128256, block_size=131072, n_layer=16, n_head=32, n_kv_head=8,
+            n_embd=2048, mlp_hidden=8192, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
+            rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
+        ),
+        "qwen2.5-0.5b": dict(
+            LLAMA_STYLE, qkv_bias=True, vocab_size=151936, block_size=32768, n_layer=24, n_head=14,
+            n_kv_head=2, n_embd=896, mlp_hidden=4864, rope_theta=1000000.0, layer_norm_epsilon=1e-6,
+        ),
+        "mistral-7b-v0.1": dict(
+            LLAMA_STYLE, vocab_size=32000, block_size=32768, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+            mlp_hidden=14336, sliding_window=4096, tie_embeddings=False,
+        ),
+    }
+    # fmt: on
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> GPTConfig:
+        """GPT-2 (or a Llama-family model's) shape by name; overrides replace any field (dtype=...)."""
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(cls.PRESETS)}")
+        return cls(**{**cls.PRESETS[name], **overrides})
+
+    @classmethod
+    def gpt2(cls, **kw):
+        return cls.preset("gpt2", **kw)
+
+    @classmethod
+    def gpt2_medium(cls, **kw):
+        return cls.preset("gpt2-medium", **kw)
+
+    @classmethod
+    def gpt2_large(cls, **kw):
+        return cls.preset("gpt2-large", **kw)
+
+    @classmethod
+    def gpt2_xl(cls, **kw):
+        return cls.preset("gpt2-xl", **kw)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GPTConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields {sorted(unknown)}")
+        return cls(**d)

@@ -1,0 +1,134 @@
+"""Weight-only quantization for decoding: int8 with per-output-channel scales, or bfloat16.
+
+    qconfig, qparams = gpt.quantize_params(config, params, "int8")   # or "bf16"
+    step = gpt.step_fn(qconfig, qparams)      # decodes through qmatmul (sampling.generate etc.)
+    loss = quantize.intercepted(loss_fn)(qparams, ...)   # any other use of the linen model
+
+Every Dense kernel [K, N] becomes a `QuantizedWeight` holding w [N, K] (rows are output
+channels) and scale [N]: int8 w = round(kernel / scale) with scale = max|kernel[:, n]| / 127,
+so each output channel keeps its own range; bf16 w is the kernel rounded to bfloat16 (scale 1).
+The token embedding table [V, D] is quantized by rows, which are both its lookup rows and the
+LM head's output channels: a tied head becomes an untied `lm_head` that shares the quantized
+table (no copy). Position embeddings, LayerNorms and biases stay float32 (under 1% of GPT-2's
+bytes, and each step reads one row of wpe); activations, attention, the KV cache, softmax and
+the logits stay float32.
+
+The model code is unchanged: `intercepted(fn)` runs fn under `nn.intercept_methods`, which
+routes every `nn.Dense` and `nn.Embed` whose parameter is a `QuantizedWeight` through `qmatmul`
+(a CPU kernel that reads the compact weights directly); `gpt.step_fn` does this for quantized
+params. Nothing here knows the GPT: `gpt.quantize_params` picks what to quantize.
+Decoding then reads 1 (int8) or 2 (bf16) bytes per weight instead of 4.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from flax import struct
+
+from flaxgpt.kernels.qmatmul import qmatmul
+
+MODES = ("int8", "bf16")
+_DTYPES = {"int8": jnp.int8, "bf16": jnp.bfloat16}
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; choose one of {', '.join(MODES)}")
+    return mode
+
+
+@struct.dataclass
+class QuantizedWeight:
+    w: jax.Array  # [N, K] int8 or bfloat16: one row per output channel (first leaf: see _embed)
+    scale: jax.Array  # [N] float32 (ones for bf16)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes + self.scale.nbytes
+
+
+def quantize_rows(w_NK, mode: str) -> QuantizedWeight:
+    """One scale per row (output channel): symmetric int8, or bfloat16 with scale 1."""
+    w_NK = np.asarray(w_NK, np.float32)
+    if check_mode(mode) == "bf16":
+        return QuantizedWeight(jnp.asarray(w_NK, jnp.bfloat16), jnp.ones(w_NK.shape[0], jnp.float32))
+    absmax_N = np.abs(w_NK).max(axis=1)
+    scale_N = np.where(absmax_N > 0, absmax_N / 127.0, 1.0).astype(np.float32)  # all-zero rows: any scale
+    q_NK = np.clip(np.rint(w_NK / scale_N[:, None]), -127, 127).astype(np.int8)
+    return QuantizedWeight(jnp.asarray(q_NK), jnp.asarray(scale_N))
+
+
+def quantize_tree(params, mode: str):
+    """Every 2-D Dense `kernel` [K, N] -> QuantizedWeight of its transpose; the rest unchanged."""
+    check_mode(mode)
+
+    def visit(tree):
+        out = {}
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                out[name] = visit(value)
+            elif name == "kernel" and np.ndim(value) == 2:
+                out[name] = quantize_rows(np.asarray(value).T, mode)
+            else:
+                out[name] = value
+        return out
+
+    return visit(dict(params))
+
+
+def weight_bytes(params) -> int:
+    """Bytes of distinct parameter arrays (a table shared by embedding and head counts once)."""
+    seen = {id(x): x.nbytes for x in jax.tree_util.tree_leaves(params)}
+    return sum(seen.values())
+
+
+def _dense(module: nn.Dense, x, kernel: QuantizedWeight):
+    K = x.shape[-1]
+    y_MN = qmatmul(x.reshape(-1, K), kernel.w, kernel.scale)
+    if module.use_bias:
+        y_MN = y_MN + module.get_variable("params", "bias")
+    return y_MN.reshape(*x.shape[:-1], -1).astype(module.dtype or x.dtype)
+
+
+def _embed(module: nn.Embed, tokens, table: QuantizedWeight):
+    # rows only: a [V, D] table's first leaf keeps its [V, D] shape, which Embed.setup checks
+    rows = jnp.take(table.w, tokens, axis=0).astype(jnp.float32) * table.scale[tokens][..., None]
+    return rows.astype(module.dtype or jnp.float32)
+
+
+def _interceptor(next_fun, args, kwargs, context):
+    module = context.module
+    if context.method_name == "__call__" and isinstance(module, nn.Dense):
+        kernel = module.get_variable("params", "kernel")
+        if isinstance(kernel, QuantizedWeight):
+            return _dense(module, *args, kernel)
+    if isinstance(module, nn.Embed) and context.method_name in ("__call__", "attend"):
+        table = module.get_variable("params", "embedding")
+        if isinstance(table, QuantizedWeight):
+            if context.method_name == "attend":
+                (x,) = args
+                return qmatmul(x.reshape(-1, x.shape[-1]), table.w, table.scale).reshape(*x.shape[:-1], -1)
+            return _embed(module, *args, table)
+    return next_fun(*args, **kwargs)
+
+
+def is_quantized(params) -> bool:
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return any(isinstance(x, QuantizedWeight) for x in leaves)
+
+
+@functools.cache
+def intercepted(apply):
+    """`apply` with every Dense / Embed holding a QuantizedWeight routed through qmatmul."""
+
+    @functools.wraps(apply)
+    def run(*args, **kwargs):
+        with nn.intercept_methods(_interceptor):
+            return apply(*args, **kwargs)
+
+    return run

@@ -1,0 +1,132 @@
+"""Training metrics: metrics.jsonl, TensorBoard events, console lines, tokens/s and MFU.
+
+MFU = achieved FLOP/s / peak FLOP/s, with the training FLOPs per token of tools.summary.flops_per_token
+(nanoGPT's / PaLM appendix B's 6 N + 12 L H Q T; the trainer multiplies it by the tokens per step).
+The peak is per device (config.peak_flops, or a guess from the device kind) times the device count.
+On CPU there is no meaningful peak, so MFU is reported as n/a.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+
+# bf16 dense peak FLOP/s per device (per chip for TPU), matched against jax's device_kind
+PEAK_FLOPS = {
+    "h200": 989e12,
+    "h100": 989e12,
+    "a100": 312e12,
+    "l4": 121e12,
+    "a10": 125e12,
+    "tpu v6": 918e12,
+    "tpu v5p": 459e12,
+    "tpu v5 lite": 197e12,
+    "tpu v5e": 197e12,
+    "tpu v5": 459e12,
+    "tpu v4": 275e12,
+    "tpu v3": 123e12,
+    "tpu v2": 46e12,
+}
+
+
+def peak_flops_per_device(configured: float = 0.0) -> float | None:
+    """The configured peak, else a guess from the device kind; None when unknown (e.g. CPU)."""
+    if configured > 0:
+        return configured
+    kind = jax.devices()[0].device_kind.lower()
+    for key, peak in PEAK_FLOPS.items():
+        if key in kind:
+            return peak
+    return None
+
+
+class MetricsWriter:
+    """Writes on process 0 only: one JSON object per line, TensorBoard scalars, a console line."""
+
+    def __init__(
+        self, out_dir: str | Path, tensorboard: bool = True, enabled: bool | None = None, print_fn=print
+    ):
+        self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self.print = print_fn
+        self.jsonl = None
+        self.tb = None
+        if not self.enabled:
+            return
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError:
+                self.tb = None
+
+    def write(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": int(step), "time": round(time.time(), 3)}
+        row.update({k: _plain(v) for k, v in metrics.items()})
+        self.jsonl.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                # a diverged run: the trainer reports it; tensorboardX would only warn
+                if k not in ("step", "time") and isinstance(v, int | float) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+        self.print(format_line(row))
+
+    def close(self) -> None:
+        """Closes the files. A failure here (a full disk) is never the news: the save that failed
+        too is the one-line error, and TensorBoard's atexit hook must not retry (and print a traceback)."""
+        try:
+            if self.jsonl is not None:
+                self.jsonl.close()
+        except OSError:
+            pass
+        if self.tb is not None:
+            try:
+                self.tb.close()
+            except OSError:  # mark its event files closed, so no later flush retries the full disk
+                for file_writer in (self.tb.all_writers or {}).values():
+                    file_writer.event_writer._closed = True
+                self.tb.file_writer = self.tb.all_writers = None
+
+
+def _plain(v):
+    v = v.item() if hasattr(v, "item") else v
+    return round(v, 6) if isinstance(v, float) else v
+
+
+def format_line(row: dict) -> str:
+    """`step 250 | loss 1.8123 | lr 9.6e-04 | 17,512 tok/s | 43.9 ms | mfu n/a`, or an eval line."""
+    parts = [f"step {row['step']:>6}"]
+    if "val_loss" in row:
+        if "train_loss" in row:  # a task may evaluate val only (speedrun shards)
+            parts.append(f"train loss {row['train_loss']:.4f}")
+        parts += [
+            f"val loss {row['val_loss']:.4f}",
+            f"best val {row.get('best_val_loss', row['val_loss']):.4f}",
+        ]
+        known = {"step", "time", "train_loss", "val_loss", "best_val_loss"}
+        parts += [f"{k} {v:.4g}" for k, v in row.items() if k not in known and isinstance(v, int | float)]
+        return "eval " + " | ".join(parts)
+    if "loss" not in row:  # e.g. flaxgpt.eval.evaluate's results: every number as it is
+        parts += [
+            f"{k} {v:.4g}" for k, v in row.items() if k not in ("step", "time") and isinstance(v, int | float)
+        ]
+        return "eval " + " | ".join(parts)
+    parts.append(f"loss {row['loss']:.4f}")
+    if "lr" in row:
+        parts.append(f"lr {row['lr']:.2e}")
+    if "tokens_per_sec" in row:
+        parts.append(f"{row['tokens_per_sec']:,.0f} tok/s")
+    if "step_time" in row:
+        parts.append(f"{1000 * row['step_time']:.1f} ms")
+    if "mfu" in row:
+        parts.append("mfu n/a" if row["mfu"] is None else f"mfu {100 * row['mfu']:.1f}%")
+    return " | ".join(parts)

@@ -1,0 +1,216 @@
+"""The run directory: what a training run writes next to its checkpoints, and loading it back.
+
+    write_run_files(out_dir, config_dict, data_dir)     # the trainer, on process 0, before step 0
+    changed = check_resume(extra, step, model_config, meta)   # before a resume writes anything
+    run = load_run("out/shakespeare_char")              # Run(kind, config, params, tokenizer)
+    run = load_run("out/reverse", step=2000, dtype="bfloat16")
+
+out_dir/ holds config.json (the resolved run config; its "model" entry is `models.section_of` of the
+model config: "kind" plus every field), meta.json (copied from the data directory: the tokenizer),
+checkpoints/ (flaxgpt.runs.checkpoint), metrics.jsonl, plots and, while a run trains, train.lock
+(flaxgpt.runs.run_lock). `load_run` needs nothing else: sample.py, attention maps,
+`python -m flaxgpt.hf.gpt2 export` and translation all load a run through it.
+
+Each checkpoint also carries the run config and data meta.json it was trained with (its extra's
+"config" and "meta"). A resume may change training settings (learning rate, batch size, max_iters,
+evaluation, dropout, compute dtype...) but not the model's weights-defining fields or the tokenizer:
+`check_resume` refuses those, naming the keys. So config.json's model section and meta.json's tokenizer
+hold for every checkpoint of the run; config.json's training settings are the latest session's
+(`train` prints what changed), and each checkpoint's own are in its extra. `load_run` builds the model
+and tokenizer from the loaded checkpoint's own record when it has one (older checkpoints: the files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from flaxgpt.data import tokenizers
+from flaxgpt.models import registry as models
+from flaxgpt.models.gpt import quantize_params
+from flaxgpt.models.quantize import check_mode
+from flaxgpt.runs import checkpoint
+
+HINT = "point out_dir at a flaxgpt training run (config.json, meta.json, checkpoints/)"
+
+
+# model fields that change how the same weights are run, not what they compute: a resume may change them
+RUNTIME_FIELDS = (
+    "dropout",
+    "embd_dropout",
+    "attn_dropout",
+    "resid_dropout",
+    "dtype",
+    "attention_impl",
+    "remat",
+)
+
+
+class RunError(ValueError):
+    """A run directory that cannot be written or loaded; the message is one line."""
+
+
+class Run(NamedTuple):
+    kind: str  # "gpt" | "seq2seq"
+    config: Any  # GPTConfig | TransformerConfig
+    params: Any
+    tokenizer: Any  # a tokenizers.Tokenizer; Seq2SeqTokenizer for "seq2seq"
+
+
+def _write_atomic(path: Path, text: str):
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def check_data(out_dir, data_dir) -> dict:
+    """The data directory's meta.json, refused when the run already holds another vocabulary
+    (its checkpoints decode with the old one). Called before anything is written."""
+    out_dir, data_meta = Path(out_dir), Path(data_dir) / "meta.json"
+    try:
+        meta = json.loads(data_meta.read_text())
+    except (OSError, ValueError) as e:
+        raise RunError(
+            f"{data_meta} cannot be read ({type(e).__name__}); prepare the dataset first"
+        ) from None
+    run_meta = out_dir / "meta.json"
+    if run_meta.exists() and _read(run_meta).get("tokenizer") != meta.get("tokenizer"):
+        raise RunError(
+            f"{run_meta} (the run's vocabulary) differs from {data_meta}; resume with the data "
+            "the run was trained on, or use a new out_dir"
+        )
+    return meta
+
+
+def _flat(d, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    fa, fb = _flat(a), _flat(b)
+    return sorted(k for k in set(fa) | set(fb) if fa.get(k, "<missing>") != fb.get(k, "<missing>"))
+
+
+def check_resume(
+    extra: dict, step: int, model_config, meta: dict, config_dict: dict | None = None
+) -> list[str]:
+    """Refuses (a one-line RunError naming the keys) to resume checkpoint `step` (its `extra`) with a
+    model config or a data tokenizer other than those it was trained with; `RUNTIME_FIELDS` may change.
+    Returns the training settings that change ("optim.learning_rate: 0.0006 -> 0.0001"), comparing the
+    checkpoint's run config with `config_dict`. Checkpoints saved without a record pass (shapes are
+    still checked on restore)."""
+    saved = extra.get("config") or {}
+    diffs = []
+    if isinstance(saved.get("model"), dict):
+        # fields added since take their saved-config defaults (e.g. the old sinusoid layout)
+        before = models.section_of(models.config_from(saved["model"], saved=True))
+        now = models.section_of(model_config)
+        for k in sorted(set(before) | set(now)):
+            if k not in RUNTIME_FIELDS and before.get(k) != now.get(k):
+                diffs.append(f"model.{k} ({before.get(k)!r} in the checkpoint, {now.get(k)!r} now)")
+    saved_tok = (extra.get("meta") or {}).get("tokenizer")
+    if saved_tok is not None and saved_tok != meta.get("tokenizer"):
+        keys = ", ".join(f"tokenizer.{k}" for k in _differing(saved_tok, meta.get("tokenizer") or {}))
+        diffs.append(f"the data's meta.json ({keys} differ)")
+    if diffs:
+        raise RunError(
+            f"checkpoint step {step} was trained with another model or data: {'; '.join(diffs)}; resume "
+            "with the config and data it was trained with, or use a new out_dir"
+        )
+    if config_dict is None or not saved:
+        return []
+    now = {**config_dict, "model": models.section_of(model_config)}
+    fixed = {f"model.{k}" for k in now["model"] if k not in RUNTIME_FIELDS}  # equal, checked above
+    before, now = _flat(saved), _flat(now)
+    return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in _differing(before, now) if k not in fixed]
+
+
+def write_run_files(out_dir, config_dict: dict, data_dir) -> Path:
+    """Writes out_dir/config.json and copies data_dir/meta.json to out_dir/meta.json.
+
+    `config_dict` is the resolved run config; its "model" entry is the model config (GPTConfig /
+    TransformerConfig), stored as `models.section_of` it, or that section already as a dict.
+    A run resumed with data of another vocabulary is refused: its checkpoints decode with the old one.
+    """
+    out_dir = Path(out_dir)
+    model = config_dict.get("model")
+    if dataclasses.is_dataclass(model):
+        config_dict = {**config_dict, "model": models.section_of(model)}
+    meta = check_data(out_dir, data_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomic(out_dir / "config.json", json.dumps(config_dict, indent=2) + "\n")
+    _write_atomic(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
+    return out_dir
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RunError(f"{path} is missing; {HINT}") from None
+    except (OSError, ValueError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RunError(f"{path} cannot be read ({why}); {HINT}") from None
+
+
+def load_run(
+    out_dir, step: int | None = None, *, dtype: str | None = None, quantize: str | None = None
+) -> Run:
+    """The run in `out_dir` at checkpoint `step` (default: the latest), params on one local device.
+
+    `dtype` (e.g. "bfloat16") casts the weights and sets the model's compute dtype (`with_dtype`).
+    `quantize` ("int8" | "bf16", GPT runs) gives weights for decoding (`gpt.quantize_params`).
+    """
+    if quantize is not None:
+        check_mode(quantize)
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise RunError(f"{out_dir} is not a directory; {HINT}")
+    section = _read(out_dir / "config.json").get("model")
+    if not isinstance(section, dict):
+        raise RunError(f"{out_dir / 'config.json'} has no 'model' entry; is it a flaxgpt run config?")
+    tok_meta = _read(out_dir / "meta.json").get("tokenizer")
+    if not tok_meta:
+        raise RunError(
+            f"{out_dir / 'meta.json'} has no 'tokenizer' entry; copy the data directory's meta.json "
+            "into the run directory"
+        )
+    models.config_from(section, saved=True)  # a config.json that does not map is named before loading weights
+    params, extra = checkpoint.load_for_inference(out_dir, step, with_extra=True)
+    # the model and tokenizer this checkpoint was trained with (older checkpoints: config.json, meta.json)
+    section = (extra.get("config") or {}).get("model") or section
+    tok_meta = (extra.get("meta") or {}).get("tokenizer") or tok_meta
+    config = models.config_from(section, saved=True)
+    kind = models.kind_of(config)
+    tok = (
+        tokenizers.Seq2SeqTokenizer.from_meta(tok_meta)
+        if kind == "seq2seq"
+        else tokenizers.from_meta(tok_meta)
+    )
+    if quantize is not None and kind != "gpt":
+        raise RunError(f"{out_dir} is a {kind} run; quantize applies to GPT runs")
+    run = Run(kind, config, params, tok)
+    run = with_dtype(run, dtype) if dtype else run
+    if quantize is not None:
+        config, params = quantize_params(run.config, run.params, quantize)
+        run = run._replace(config=config, params=params)
+    return run
+
+
+def with_dtype(run: Run, dtype: str) -> Run:
+    """The run with weights cast to `dtype` and computing in it: decoding is bound by reading weights."""
+    config = dataclasses.replace(run.config, dtype=dtype, param_dtype=dtype)
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), run.params)
+    return run._replace(config=config, params=params)

@@ -1,0 +1,237 @@
+"""The serving engine: continuous batching over one fixed-size KV cache of `slots` rows.
+
+    engine = Engine(gpt_step_fn(config, params), lambda b: KVCache.for_config(config, b, W), slots=8)
+    prefix = engine.prefill(prompt_ids, RowSampling.of(max_new_tokens=64, temperature=0.8, seed=7))
+    engine.insert(prefix, slot=3)              # the request now owns row 3 of the cache
+    tokens_BC, new_B, done_B = engine.generate()   # up to `chunk` tokens for every busy slot
+
+The interface is JetStream's (prefill, insert into a slot, generate for all slots); the scheduler
+(flaxgpt/serve/scheduler.py) decides who goes where and when. Like `sampling.generate`, the engine sees
+the model only as `step_fn(tokens_BT, positions_BT, cache) -> (logits_BTV, cache)`, with the
+prefill asking for the logits of the prompt's last position only (`logits_at`).
+
+A request is prefilled alone into a fresh one-row cache (its prompt right-padded to the smallest
+prompt bucket that holds it), then its row is copied into the slots cache; between `generate`
+calls the other slots keep their rows. Every slot decodes at its own position with its own
+sampling settings and key, all as arrays of the one jitted step, so requests come and go without
+recompiling. Free and finished slots idle (they feed their last token at their last position and
+their outputs are dropped). A request must fit its window: prompt + max_new_tokens <= W.
+
+Exactness: a row's computation depends only on that row (per-row positions, keys, settings; no
+cross-row reductions), so a request decodes the tokens `generate` gives it alone with the same
+cache length, key and settings.
+
+Compiled programs: one prefill per prompt bucket, one insert, one generate: len(buckets) + 2.
+
+Shape letters: B slots, P prompt bucket, W cache length, V vocab, C chunk, K sampling candidates.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from flaxgpt.decode.sampling import select_rows
+
+
+class RowSampling(NamedTuple):
+    """One request's decoding settings as arrays (the same program serves any values)."""
+
+    seed: np.ndarray  # u32; token i is drawn with fold_in(fold_in(key(seed), stream), i)
+    stream: np.ndarray  # i32: the row of `generate`'s batch this request matches (choice index)
+    temperature: np.ndarray  # f32, 0 = greedy
+    top_k: np.ndarray  # i32, 0 = off
+    top_p: np.ndarray  # f32 in (0, 1], 1 = off
+    max_new: np.ndarray  # i32 >= 1
+    eos: np.ndarray  # i32, -1 = none
+
+    @classmethod
+    def of(cls, *, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=0, stream=0, eos_id=None):
+        return cls(
+            seed=np.uint32(seed),
+            stream=np.int32(stream),
+            temperature=np.float32(temperature),
+            top_k=np.int32(top_k),
+            top_p=np.float32(top_p),
+            max_new=np.int32(max_new_tokens),
+            eos=np.int32(-1 if eos_id is None else eos_id),
+        )
+
+
+@struct.dataclass
+class SlotState:
+    """The decode state of every slot (row b of each array belongs to slot b)."""
+
+    cache: object  # the slots cache, batch B
+    last_B: jax.Array  # the latest sampled token, fed at position fill_B next
+    fill_B: jax.Array  # tokens in the row's cache
+    count_B: jax.Array  # tokens produced so far (also the key's fold-in index)
+    done_B: jax.Array  # finished or free: idles
+    rows: RowSampling  # each field [B]
+
+
+class Prefix(NamedTuple):
+    """A prefilled request, ready to insert: its one-row cache, first token and settings."""
+
+    cache: object  # batch 1
+    first: jax.Array  # [] the first new token
+    length: jax.Array  # [] prompt length
+    done: jax.Array  # [] the first token already finished it (EOS, or max_new 1)
+    rows: RowSampling  # each field [1]
+
+
+def _next_tokens(rows: RowSampling, count_B, logits_BV, max_k: int):
+    def key(seed, stream, i):  # sampling.row_keys of generate(rng=key(seed)) for row `stream`
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), i)
+
+    keys_B = jax.vmap(key)(rows.seed, rows.stream, count_B)
+    return select_rows(keys_B, logits_BV, rows.temperature, rows.top_k, rows.top_p, max_k=max_k)
+
+
+@functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("cache",))
+def _prefill(step_fn, cache, prompt_1P, length, rows: RowSampling, max_k: int) -> Prefix:
+    P = prompt_1P.shape[1]
+    positions_1P = jnp.arange(P, dtype=jnp.int32)[None]
+    logits_11V, cache = step_fn(prompt_1P, positions_1P, cache, logits_at=jnp.reshape(length - 1, (1,)))
+    logits_1V = logits_11V[:, 0]
+    rows = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], rows)
+    first = _next_tokens(rows, jnp.zeros((1,), jnp.int32), logits_1V, max_k)[0]
+    done = (first == rows.eos[0]) | (rows.max_new[0] <= 1)
+    return Prefix(cache, first, length, done, rows)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _insert(state: SlotState, prefix: Prefix, slot) -> SlotState:
+    def put_row(buf, row):  # cache leaves are [batch * rows_per_seq, ...]: seq b is a block of rows
+        return jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), slot * row.shape[0], axis=0)
+
+    def put(x_B, v):
+        return x_B.at[slot].set(jnp.reshape(v, ()))
+
+    return SlotState(
+        cache=jax.tree_util.tree_map(put_row, state.cache, prefix.cache),
+        last_B=put(state.last_B, prefix.first),
+        fill_B=put(state.fill_B, prefix.length),
+        count_B=put(state.count_B, 1),
+        done_B=put(state.done_B, prefix.done),
+        rows=jax.tree_util.tree_map(put, state.rows, prefix.rows),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "max_k"), donate_argnames=("state",))
+def _generate(step_fn, state: SlotState, stop_B, chunk: int, max_k: int):
+    """Up to `chunk` steps of one token per busy slot -> (state, tokens_BC)."""
+    B = state.last_B.shape[0]
+    state = state.replace(done_B=state.done_B | stop_B)
+
+    def cond(carry):
+        state, _, j = carry
+        return (j < chunk) & ~jnp.all(state.done_B)
+
+    def body(carry):
+        s, out_BC, j = carry
+        active_B = ~s.done_B
+        logits_B1V, cache = step_fn(s.last_B[:, None], s.fill_B[:, None], s.cache)
+        tok_B = _next_tokens(s.rows, s.count_B, logits_B1V[:, -1], max_k)
+        count_B = s.count_B + active_B
+        finished_B = (tok_B == s.rows.eos) | (count_B >= s.rows.max_new)
+        s = s.replace(
+            cache=cache,
+            last_B=jnp.where(active_B, tok_B, s.last_B),
+            fill_B=s.fill_B + active_B,
+            count_B=count_B,
+            done_B=s.done_B | (active_B & finished_B),
+        )
+        return s, out_BC.at[:, j].set(jnp.where(active_B, tok_B, -1)), j + 1
+
+    out_BC = jnp.full((B, chunk), -1, jnp.int32)
+    state, out_BC, _ = jax.lax.while_loop(cond, body, (state, out_BC, jnp.int32(0)))
+    return state, out_BC
+
+
+def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest` and the midpoints between them (16, 24, 32, 48, 64, 96, ...)
+    up to max_len, and max_len itself."""
+    # prefill is compute-bound: with midpoints a prompt is padded by under a third (powers of two
+    # alone: up to half), for two compiled programs per doubling
+    out, b = [], smallest
+    while b < max_len:
+        out += [b] + ([b * 3 // 2] if b * 3 // 2 < max_len else [])
+        b *= 2
+    return (*out, max_len)
+
+
+class Engine:
+    """prefill / insert / generate over one slots cache; see the module docstring."""
+
+    def __init__(self, step_fn, make_cache, *, slots: int, chunk: int = 4, max_k: int = 256, buckets=None):
+        """make_cache(batch) -> an empty cache (all with the same length W, the request window)."""
+        if slots < 1 or chunk < 1:
+            raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
+        Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)
+        self.step_fn = step_fn if isinstance(step_fn, Partial) else Partial(step_fn)
+        self.make_cache, self.slots, self.chunk, self.max_k = make_cache, slots, chunk, max_k
+        cache = make_cache(slots)
+        self.max_len = cache.max_len
+        self.buckets = tuple(buckets or prompt_buckets(self.max_len))
+        if max(self.buckets) != self.max_len:
+            raise ValueError(f"the largest prompt bucket must be {self.max_len}: {self.buckets}")
+        rows = RowSampling.of(max_new_tokens=1)
+        zeros = lambda dtype: jnp.zeros((slots,), dtype)  # noqa: E731
+        self.state = SlotState(
+            cache=cache,
+            last_B=zeros(jnp.int32),
+            fill_B=zeros(jnp.int32),
+            count_B=zeros(jnp.int32),
+            done_B=jnp.ones((slots,), bool),  # every slot starts free
+            rows=jax.tree_util.tree_map(lambda x: jnp.stack([jnp.asarray(x)] * slots), rows),
+        )
+        self._count = np.zeros(slots, np.int32)
+        self._stop = np.zeros(slots, bool)
+
+    @property
+    def n_programs(self) -> int:
+        return len(self.buckets) + 2
+
+    def bucket(self, n: int) -> int:
+        for b in self.buckets:
+            if n <= b:
+                return b
+        raise ValueError(f"prompt of {n} tokens is longer than the context window of {self.max_len} tokens")
+
+    def prefill(self, prompt_ids, rows: RowSampling) -> Prefix:
+        """Run the prompt through the model alone; the first new token is in `prefix.first`."""
+        n = len(prompt_ids)
+        if n < 1:
+            raise ValueError("the prompt is empty; start it with an end-of-text token")
+        if n + int(rows.max_new) > self.max_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_new_tokens ({int(rows.max_new)}) exceeds the context "
+                f"window of {self.max_len} tokens"
+            )
+        prompt_1P = np.zeros((1, self.bucket(n)), np.int32)
+        prompt_1P[0, :n] = prompt_ids
+        return _prefill(self.step_fn, self.make_cache(1), prompt_1P, np.int32(n), rows, max_k=self.max_k)
+
+    def insert(self, prefix: Prefix, slot: int):
+        """The prefilled request takes slot `slot` (its previous occupant is gone)."""
+        self.state = _insert(self.state, prefix, np.int32(slot))
+        self._count[slot] = 1
+        self._stop[slot] = False
+
+    def release(self, slot: int):
+        """Stop decoding `slot` before its end (cancelled, or a stop string): from the next generate."""
+        self._stop[slot] = True
+
+    def generate(self):
+        """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]]."""
+        stop_B = self._stop.copy()
+        self.state, out_BC = _generate(self.step_fn, self.state, stop_B, chunk=self.chunk, max_k=self.max_k)
+        count = np.array(self.state.count_B)  # a writable copy
+        new_B, self._count = count - self._count, count
+        return np.asarray(out_BC), new_B, np.asarray(self.state.done_B)

@@ -1,0 +1,243 @@
+"""The engine's own thread: a bounded queue of sequences, slot bookkeeping, stop strings, streaming.
+
+    sched = Scheduler(engine, tokenizer, max_queue=64)
+    sched.start()                                   # compiles every program, then serves
+    seq = sched.submit(Sequence(prompt_ids, rows, stop=["\\n\\n"], emit=callback))   # or QueueFull
+    seq.cancel()                                    # any thread: its slot is freed before the next chunk
+    sched.drain(); sched.close()                    # in-flight sequences finish, new ones are refused
+
+Between generate chunks the thread prefills waiting sequences into every free slot (each one's
+first token is emitted at once), then runs one `engine.generate()` for all slots and hands each
+sequence its new tokens. Text is decoded on this thread: a sequence's text is streamed as it
+grows, holding back an incomplete UTF-8 character and any tail that could begin a stop string.
+
+`emit(event)` is called on this thread with `Delta(text)` and then one `Finish(reason,
+completion_tokens)` or `Failed(message)`; callers in an event loop hand it over with
+loop.call_soon_threadsafe. Nothing a sequence does can stop the thread: errors fail the
+sequences involved and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from flaxgpt.serve.engine import Engine, RowSampling
+
+log = logging.getLogger("flaxgpt.serve")
+
+
+class Delta(NamedTuple):
+    text: str
+
+
+class Finish(NamedTuple):
+    reason: str  # "stop" (EOS or a stop string) | "length" (max_new_tokens)
+    completion_tokens: int
+
+
+class Failed(NamedTuple):
+    message: str
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"every slot is busy and the queue is full; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Draining(Exception):
+    pass
+
+
+class TooManySequences(ValueError):
+    """A request that could never be queued, however idle the server: more sequences than slots + queue."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    rows: RowSampling
+    stop: list[str] = field(default_factory=list)
+    emit: object = print
+    ids: list[int] = field(default_factory=list)  # generated so far
+    sent: int = 0  # characters of text already emitted
+    cancelled: bool = False
+    finished: bool = False
+
+    def cancel(self):
+        self.cancelled = True  # read by the engine thread (a plain bool is atomic enough)
+
+
+def _held_back(text: str, stop: list[str]) -> int:
+    """Characters at the end of `text` not to emit yet: a partial UTF-8 character or stop string."""
+    n = len(text) - len(text.rstrip("\ufffd"))
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                n = max(n, k)
+                break
+    return n
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, tokenizer, *, eos_id: int | None = None, max_queue: int = 64):
+        self.engine, self.tokenizer, self.eos_id, self.max_queue = engine, tokenizer, eos_id, max_queue
+        self.pending: collections.deque[Sequence] = collections.deque()
+        self.active: dict[int, Sequence] = {}  # slot -> sequence
+        self.lock = threading.Condition()
+        self.ready = threading.Event()
+        self.accepting = True
+        self.stats = collections.Counter()  # finished, cancelled, failed, rejected sequences
+        self._closed = False
+        self.thread = threading.Thread(target=self._main, name="flaxgpt-engine", daemon=True)
+
+    # ------------------------------------------------------------ any thread
+
+    def start(self):
+        self.thread.start()
+
+    def submit(self, *seqs: Sequence) -> None:
+        """Queue sequences (all or none): Draining while shutting down, QueueFull past the bound."""
+        with self.lock:
+            if not self.accepting:
+                raise Draining("the server is shutting down")
+            if len(seqs) > self.engine.slots + self.max_queue:
+                raise TooManySequences(
+                    f"this request asks for {len(seqs)} sequences (prompts x n); the server takes at most "
+                    f"{self.engine.slots + self.max_queue} at once (its slots + max_queue): send fewer"
+                )
+            free = self.engine.slots - len(self.active)
+            if len(self.pending) + len(seqs) > self.max_queue + free:
+                self.stats["rejected"] += len(seqs)
+                raise QueueFull(retry_after=1 + len(self.pending) // self.engine.slots)
+            self.pending.extend(seqs)
+            self.lock.notify()
+
+    @property
+    def busy(self) -> int:
+        with self.lock:
+            return len(self.pending) + len(self.active)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Refuse new sequences and wait until the queued and running ones finish."""
+        with self.lock:
+            self.accepting = False
+            return self.lock.wait_for(lambda: not self.pending and not self.active, timeout)
+
+    def close(self):
+        with self.lock:
+            self._closed = True
+            self.lock.notify_all()
+        self.thread.join(timeout=10)
+
+    # ------------------------------------------------------------ the engine thread
+
+    def _main(self):
+        try:
+            self._warm_up()
+        except Exception:
+            log.error("engine warm-up failed:\n%s", traceback.format_exc())
+            raise
+        self.ready.set()
+        while True:
+            with self.lock:
+                self.lock.wait_for(lambda: self._closed or self.pending or self.active)
+                if self._closed:
+                    return
+            self._admit()
+            if self.active:
+                self._step()
+            with self.lock:
+                self.lock.notify_all()  # drain() waits on the same condition
+
+    def _warm_up(self):
+        """Compile every program now, so no request waits for XLA: a prefill per bucket, insert, generate."""
+        rows = RowSampling.of(max_new_tokens=2, temperature=1.0, top_k=1)
+        for b in self.engine.buckets:
+            prefix = self.engine.prefill([0] * min(b, self.engine.max_len - 2), rows)
+        self.engine.insert(prefix, 0)
+        self.engine.release(0)
+        self.engine.generate()
+
+    def _admit(self):
+        while True:
+            with self.lock:
+                free = [s for s in range(self.engine.slots) if s not in self.active]
+                if not free or not self.pending:
+                    return
+                seq = self.pending.popleft()
+                if seq.cancelled:
+                    self.stats["cancelled"] += 1
+                    continue
+                self.active[free[0]] = seq  # reserved before the prefill: submit counts it busy
+            try:
+                prefix = self.engine.prefill(seq.prompt_ids, seq.rows)
+                first, done = int(prefix.first), bool(prefix.done)
+                if not done:
+                    self.engine.insert(prefix, free[0])
+            except Exception as e:
+                self._fail(free[0], seq, e)
+                continue
+            self._advance(free[0], seq, [first], done)
+
+    def _step(self):
+        with self.lock:
+            active = dict(self.active)
+        for slot, seq in active.items():
+            if seq.cancelled:
+                self._free(slot, release=True)
+                self.stats["cancelled"] += 1
+        try:
+            tokens_BC, new_B, done_B = self.engine.generate()
+        except Exception as e:  # not expected: fail the running sequences, keep serving
+            for slot, seq in active.items():
+                self._fail(slot, seq, e)
+            return
+        for slot, seq in active.items():
+            if not seq.finished and not seq.cancelled:
+                self._advance(slot, seq, tokens_BC[slot, : new_B[slot]].tolist(), bool(done_B[slot]))
+
+    def _advance(self, slot: int, seq: Sequence, new_ids: list[int], device_done: bool):
+        """Hand `seq` its new tokens: text, stop strings, and the end of the sequence."""
+        try:
+            seq.ids.extend(new_ids)
+            eos = device_done and int(seq.rows.eos) >= 0 and seq.ids[-1] == int(seq.rows.eos)
+            text = self.tokenizer.decode(seq.ids[:-1] if eos else seq.ids)
+            hits = [i for i in (text.find(s, max(0, seq.sent - len(s))) for s in seq.stop) if i >= 0]
+            if hits:
+                text, reason = text[: min(hits)], "stop"
+            elif device_done:
+                reason = "stop" if eos else "length"
+            else:
+                reason, text = None, text[: len(text) - _held_back(text, seq.stop)]
+            if new_ids or len(text) > seq.sent:  # an empty delta too: clients see tokens arrive
+                seq.emit(Delta(text[seq.sent :]))
+                seq.sent = max(seq.sent, len(text))
+            if reason:
+                seq.finished = True
+                self.stats["finished"] += 1
+                self._free(slot, release=not device_done)
+                seq.emit(Finish(reason, len(seq.ids)))
+        except Exception as e:
+            self._fail(slot, seq, e)
+
+    def _fail(self, slot: int, seq: Sequence, e: BaseException):
+        log.error("sequence failed: %s", "".join(traceback.format_exception_only(e)).strip())
+        seq.finished = True
+        self.stats["failed"] += 1
+        self._free(slot, release=True)
+        try:
+            seq.emit(Failed(str(e)))
+        except Exception:
+            pass
+
+    def _free(self, slot: int, release: bool):
+        if release:
+            self.engine.release(slot)
+        with self.lock:
+            self.active.pop(slot, None)

@@ -1,0 +1,210 @@
+"""The HTTP layer: OpenAI-compatible routes over the engine thread (Starlette + uvicorn).
+
+    app = create_app(scheduler, tokenizer, model="gpt2", max_len=1024, vocab_size=50257)
+    serve(app, scheduler, host="127.0.0.1", port=8000)     # SIGTERM drains, then exits 0
+
+Routes: POST /v1/completions (text or token-id prompts; stream as server-sent events ending with
+`data: [DONE]`), GET /v1/models, GET /health (503 while compiling or draining). The handlers
+only translate: parse and validate (flaxgpt/serve/openai_api.py), submit sequences to the Scheduler,
+and turn its events into JSON. The event loop never runs XLA; the engine thread never touches
+HTTP. Bad input is a 400 with OpenAI's error JSON; a full queue a 429 with Retry-After; a
+client that disconnects cancels its sequences, freeing their slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from flaxgpt.serve import openai_api as api
+from flaxgpt.serve.engine import RowSampling
+from flaxgpt.serve.scheduler import (
+    Delta,
+    Draining,
+    Failed,
+    Finish,
+    QueueFull,
+    Scheduler,
+    Sequence,
+    TooManySequences,
+)
+
+log = logging.getLogger("flaxgpt.serve")
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, headers=None):
+    return JSONResponse(api.error_json(message, kind, param), status_code=status, headers=headers)
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_size: int) -> Starlette:
+    eos_id = getattr(tokenizer, "eot_id", None)
+    created = int(time.time())
+    inflight: set[str] = set()  # ids of responses not fully sent
+
+    async def health(request: Request):
+        if not sched.ready.is_set():
+            return JSONResponse({"status": "loading"}, status_code=503)
+        if not sched.accepting:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok", "slots": sched.engine.slots, "busy": sched.busy, **sched.stats})
+
+    async def models(request: Request):
+        card = {"id": model, "object": "model", "created": created, "owned_by": "flaxgpt"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(request: Request):
+        if not sched.accepting:
+            return _error(503, "the server is shutting down", "service_unavailable")
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(400, f"the body is not valid JSON: {e}")
+        try:
+            req = api.parse_completion(
+                body, model=model, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len
+            )
+        except api.BadRequest as e:
+            return _error(400, str(e), param=e.param)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        seqs = []
+        for i, ids in enumerate(req.prompts):
+            for j in range(req.n):
+                rows = RowSampling.of(
+                    max_new_tokens=req.max_tokens,
+                    temperature=req.temperature,
+                    top_k=req.top_k,
+                    top_p=req.top_p,
+                    seed=req.seed,
+                    stream=j,
+                    eos_id=None if req.ignore_eos else eos_id,
+                )
+                index = i * req.n + j
+                emit = lambda ev, index=index: loop.call_soon_threadsafe(events.put_nowait, (index, ev))  # noqa: E731
+                seqs.append(Sequence(ids, rows, stop=req.stop, emit=emit))
+        try:
+            sched.submit(*seqs)
+        except TooManySequences as e:
+            return _error(400, str(e), param="n")
+        except QueueFull as e:
+            return _error(429, str(e), "rate_limit_error", headers={"Retry-After": str(e.retry_after)})
+        except Draining as e:
+            return _error(503, str(e), "service_unavailable")
+        prompt_tokens = sum(len(ids) for ids in req.prompts) * req.n
+        cid = api.new_id()
+        inflight.add(cid)  # a drain waits until every response is sent, not only generated
+        if req.stream:
+            stream = _stream(events, seqs, cid, model, prompt_tokens, req.include_usage, inflight)
+            return StreamingResponse(
+                stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        try:
+            return await _collect(request, events, seqs, cid, model, prompt_tokens)
+        finally:
+            inflight.discard(cid)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+
+    async def not_found(request, exc):
+        return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app.state.inflight = inflight
+    return app
+
+
+async def _stream(events, seqs, cid, model, prompt_tokens, include_usage, inflight):
+    completion_tokens, left = 0, len(seqs)
+    try:
+        while left:
+            index, ev = await events.get()
+            if isinstance(ev, Delta):
+                yield _sse(api.completion_json(cid, model, [(index, ev.text, None)]))
+            elif isinstance(ev, Finish):
+                left -= 1
+                completion_tokens += ev.completion_tokens
+                yield _sse(api.completion_json(cid, model, [(index, "", ev.reason)]))
+            elif isinstance(ev, Failed):
+                left -= 1
+                yield _sse(api.error_json(f"choice {index} failed: {ev.message}", "server_error"))
+        if include_usage:
+            usage = api.usage_json(prompt_tokens, completion_tokens)
+            yield _sse(api.completion_json(cid, model, [], usage=usage))
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away (Starlette cancels us): free the slots
+        inflight.discard(cid)
+        for s in seqs:
+            s.cancel()
+
+
+async def _collect(request, events, seqs, cid, model, prompt_tokens):
+    texts, reasons, completion_tokens, failed = [""] * len(seqs), [None] * len(seqs), 0, []
+    left = len(seqs)
+    try:
+        while left:
+            try:
+                index, ev = await asyncio.wait_for(events.get(), timeout=1.0)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return _error(499, "client disconnected")
+                continue
+            if isinstance(ev, Delta):
+                texts[index] += ev.text
+            elif isinstance(ev, Finish):
+                left -= 1
+                reasons[index] = ev.reason
+                completion_tokens += ev.completion_tokens
+            elif isinstance(ev, Failed):
+                left -= 1
+                failed.append(f"choice {index}: {ev.message}")
+    finally:
+        for s in seqs:
+            s.cancel()
+    if failed:
+        return _error(500, "; ".join(failed), "server_error")
+    usage = api.usage_json(prompt_tokens, completion_tokens)
+    choices = [(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+    return JSONResponse(api.completion_json(cid, model, choices, usage=usage))
+
+
+def serve(app, sched: Scheduler, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 600):
+    """Run uvicorn until SIGINT or SIGTERM. SIGTERM drains: new requests get 503 while the
+    in-flight ones finish (at most drain_timeout s), then the server exits; a second signal quits."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            if sig != signal.SIGTERM or not sched.accepting:
+                return super().handle_exit(sig, frame)
+            log.warning("SIGTERM: draining %d sequences; new requests get 503", sched.busy)
+            sched.accepting = False
+
+            def wait():
+                deadline = time.monotonic() + drain_timeout
+                sched.drain(timeout=drain_timeout)
+                while app.state.inflight and time.monotonic() < deadline:
+                    time.sleep(0.05)  # the last bytes of streams being sent
+                self.should_exit = True
+
+            threading.Thread(target=wait, daemon=True).start()
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
+    Server(config).run()
+    sched.close()

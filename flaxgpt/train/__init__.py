@@ -1,0 +1,5 @@
+"""Training: the trainer loop and its jitted step, the tasks (GPT and encoder-decoder), losses,
+optimizers, preemption and the config check.
+
+May import: flaxgpt.models, flaxgpt.data, flaxgpt.runs, flaxgpt.eval, flaxgpt.decode, flaxgpt.sharding.
+"""

@@ -1,0 +1,165 @@
+"""A run config checked once, up front: every nonsense value is a one-line error before any file is
+written or anything is compiled.
+
+    config = config_check.load_recipe("configs/reverse.py")   # get_config() of a recipe file
+    config_check.check(config)                                 # trainer.train's first line
+
+Each message names the flag to change (`--config.batch_size=0 ...`), what the value must be and why.
+The model section is also mapped through models.config_from, so the model configs' own checks
+(n_embd divisible by n_head, known activations ...) run here too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import ml_collections
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """A run config or recipe file that cannot be used; the message is one line."""
+
+
+# key: (lowest allowed value, what it is). Integers.
+INTS = {
+    "batch_size": (1, "sequences per optimizer step"),
+    "grad_accum": (1, "micro-batches per step"),
+    "max_iters": (0, "optimizer steps"),
+    "eval_interval": (1, "steps between evaluations"),
+    "eval_iters": (1, "batches per split in each evaluation"),
+    "log_interval": (1, "steps between log lines"),
+    "ckpt_interval": (0, "steps between checkpoints; 0 = only at the end"),
+    "keep_checkpoints": (1, "checkpoints kept on disk"),
+    "optim.warmup_steps": (0, "warmup steps"),
+    "optim.decay_steps": (0, "steps of the cosine decay; 0 = max_iters"),
+    "mesh.fsdp": (1, "devices that shard the parameters"),
+    "mesh.cpu_devices": (0, "CPU devices; 0 = one per core"),
+    "seq2seq.eval_pairs": (0, "val pairs decoded at each evaluation"),
+    "seq2seq.eval_batch": (1, "sources decoded at once"),
+    "seq2seq.eval_beam_size": (1, "beam width during evaluation"),
+    "seq2seq.beam_size": (1, "beam width for translating"),
+}
+# key: (low, high, low included, high included, what it is). Finite floats.
+FLOATS = {
+    "optim.learning_rate": (0.0, math.inf, False, False, "the peak learning rate"),
+    "optim.min_lr": (0.0, math.inf, True, False, "the final learning rate"),
+    "optim.weight_decay": (0.0, math.inf, True, False, "AdamW's weight decay"),
+    "optim.beta1": (0.0, 1.0, True, False, "AdamW's first-moment decay"),
+    "optim.beta2": (0.0, 1.0, True, False, "AdamW's second-moment decay"),
+    "optim.eps": (0.0, math.inf, False, False, "AdamW's epsilon"),
+    "optim.grad_clip": (0.0, math.inf, True, False, "the gradient-norm clip; 0 = off"),
+    "optim.label_smoothing": (0.0, 1.0, True, False, "label smoothing"),
+    "peak_flops": (0.0, math.inf, True, False, "per-device peak FLOP/s; 0 = guess"),
+    "seq2seq.alpha": (0.0, math.inf, True, False, "the length penalty"),
+    "model.dropout": (0.0, 1.0, True, False, "a dropout rate"),
+    "model.layer_norm_epsilon": (0.0, math.inf, False, False, "LayerNorm's epsilon"),
+}
+# dropout rates where -1 means "model.dropout"
+DEFAULTED_RATES = ("model.embd_dropout", "model.attn_dropout", "model.resid_dropout")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _get(config, key: str):
+    node = config
+    for part in key.split("."):
+        if not hasattr(node, "keys") or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _range(low, high, low_in, high_in) -> str:
+    left = f">= {low:g}" if low_in else f"> {low:g}"
+    if math.isinf(high):
+        return left
+    return f"in [{low:g}, {high:g}{']' if high_in else ')'}" if low_in else f"in ({low:g}, {high:g})"
+
+
+def check(config) -> None:
+    """Raises ConfigError naming the first value that cannot train (nothing is read or written)."""
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(
+            f"the run config is of type {type(config).__name__}, not an ml_collections.ConfigDict; "
+            "get_config() must return one (start from configs/default.py)"
+        )
+    for key, (low, what) in INTS.items():
+        value = _get(config, key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise ConfigError(f"--config.{key}={value!r} must be an integer ({what})")
+        if value < low:
+            raise ConfigError(f"--config.{key}={value} must be >= {low} ({what})")
+    rates = {key: (0.0, 1.0, True, False, "a dropout rate; -1 = model.dropout") for key in DEFAULTED_RATES}
+    for key, (low, high, low_in, high_in, what) in {**FLOATS, **rates}.items():
+        value = _get(config, key)
+        if value is None or (key in DEFAULTED_RATES and value == -1):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+            raise ConfigError(f"--config.{key}={value!r} must be a number ({what})")
+        ok = math.isfinite(value) and (value >= low if low_in else value > low)
+        ok = ok and (math.isinf(high) or (value <= high if high_in else value < high))
+        if not ok:
+            raise ConfigError(f"--config.{key}={value} must be {_range(low, high, low_in, high_in)} ({what})")
+    if config.get("batch_size") and config.get("grad_accum") and config.batch_size % config.grad_accum:
+        raise ConfigError(
+            f"batch_size {config.batch_size} is not divisible by grad_accum {config.grad_accum}"
+        )
+    mesh_data = _get(config, "mesh.data")
+    if mesh_data is not None and mesh_data != -1 and mesh_data < 1:
+        raise ConfigError(f"--config.mesh.data={mesh_data} must be >= 1, or -1 for all devices left")
+    if "model" not in config:
+        raise ConfigError("the run config has no `model` section (start from configs/default.py)")
+    for key in ("dtype", "param_dtype"):
+        value = config.model.get(key)
+        if value is not None and value not in DTYPES:
+            raise ConfigError(f"--config.model.{key}={value!r} is not one of {DTYPES}")
+    from flaxgpt.models import (
+        registry as models,  # (here: load_recipe stays light for train.py's flag parsing)
+    )
+
+    try:
+        models.config_from(config.model)  # the model config's own checks (choices, divisibility)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_recipe(path: str):
+    """get_config() of a configs/<recipe>.py file (`file.py:arg` passes arg to get_config), with
+    one-line errors for a missing file, a syntax error, no get_config, or a result that is no config."""
+    path, _, arg = str(path).partition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path!r} not found; pass e.g. configs/default.py")
+    # recipes import their base as `from configs import default`: the repository root must be importable
+    root = str(file.resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    spec = importlib.util.spec_from_file_location(f"_flaxgpt_config_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {e.filename}:{e.lineno}: {e.msg}") from None
+    except Exception as e:  # an import or name error while the recipe runs
+        raise ConfigError(f"config file {path} failed to load ({type(e).__name__}: {e})") from None
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(
+            f"config file {path} has no get_config(); a recipe defines get_config() returning "
+            "an ml_collections.ConfigDict (see configs/default.py)"
+        )
+    try:
+        config = module.get_config(arg) if arg else module.get_config()
+    except Exception as e:
+        raise ConfigError(f"{path}: get_config() failed ({type(e).__name__}: {e})") from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(
+            f"{path}: get_config() returned a value of type {type(config).__name__}, not an "
+            "ml_collections.ConfigDict "
+            "(start from configs/default.py)"
+        )
+    return config

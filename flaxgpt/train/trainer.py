@@ -1,0 +1,443 @@
+"""The training loop: TrainState, the loss, the sharded train step, evaluation and logging.
+
+    state, metrics = train_step(state, batch)   # pure, jitted once, state donated
+
+Model-specific parts live in a task object (flaxgpt.train.tasks: `LMTask` for the GPT, `Seq2SeqTask` for
+the encoder-decoder), chosen by `config.model.kind`: model config, parameters, loss, batches and
+extra eval metrics. MFU counts FLOPs with flaxgpt.tools.summary.flops_per_token, as `summary` prints them.
+
+Checkpoints (flaxgpt.runs.checkpoint) live in out_dir/checkpoints: `Trainer.init_state` restores the
+latest one (init_from auto | resume) onto `restore_target`, the loop saves every ckpt_interval steps,
+at the end and on SIGTERM. The data position is the step, so a restored state continues exactly.
+Each checkpoint records the run config and data meta it was trained with (a resume that changes the
+model or the tokenizer is refused: run_dir.check_resume) and the loss of its own weights on a fixed
+batch, so the checkpoint named after a NaN is one whose loss was finite and not exploding.
+`train` holds out_dir's lock (flaxgpt.runs.run_lock) from before anything is written until it returns.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from flaxgpt import sharding
+from flaxgpt.data import batches as data_lib
+from flaxgpt.models import gpt
+from flaxgpt.models import registry as models
+from flaxgpt.runs import checkpoint as ckpt_lib
+from flaxgpt.runs import run_dir, run_lock
+from flaxgpt.runs.metrics import MetricsWriter, peak_flops_per_device
+from flaxgpt.tools.summary import flops_per_token
+from flaxgpt.train.config_check import check as check_config
+from flaxgpt.train.optim import make_optimizer
+from flaxgpt.train.preemption import StopSignal
+from flaxgpt.train.tasks import make_task
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates done so far (also the data position)
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # base key; dropout at step s uses fold_in(rng, s)
+
+
+def make_train_step(task, tx, schedule, grad_accum: int):
+    """train_step(state, batch) with batch leaves [grad_accum, micro_B, ...]."""
+    grad_fn = jax.value_and_grad(lambda p, b, r: task.loss(p, b, r, True), has_aux=True)
+
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(state.rng, state.step)
+
+        def micro(i, micro_batch):
+            (loss_sum, weight), grads = grad_fn(state.params, micro_batch, jax.random.fold_in(rng, i))
+            return grads, loss_sum, weight
+
+        if grad_accum == 1:
+            grads, loss_sum, weight = micro(0, jax.tree_util.tree_map(lambda x: x[0], batch))
+        else:  # sum gradients of summed losses, divide once: k micro-batches == one big batch
+
+            def body(carry, xs):
+                out = micro(*xs)
+                return jax.tree_util.tree_map(jnp.add, carry, out), None
+
+            zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params), jnp.float32(0), jnp.float32(0))
+            (grads, loss_sum, weight), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), batch))
+        grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+class Trainer:
+    """Everything set up and checked before anything is written; then `run`."""
+
+    def __init__(self, config, devices=None, print_fn=print):
+        self.config, self.print = config, print_fn
+        if config.batch_size % config.grad_accum:
+            raise ValueError(
+                f"batch_size {config.batch_size} is not divisible by grad_accum {config.grad_accum}"
+            )
+        self.micro_rows = config.batch_size // config.grad_accum
+        self.task = make_task(config)
+        self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
+        sharding.check_batch(self.micro_rows, self.mesh, "batch_size // grad_accum")
+        if self.micro_rows % jax.process_count():
+            raise ValueError(
+                f"batch_size // grad_accum = {self.micro_rows} is not divisible by the "
+                f"{jax.process_count()} processes"
+            )
+        self.tx, self.schedule = make_optimizer(config.optim, config.max_iters, self.mesh)
+        boxed = self.task.abstract_params()
+        self.param_shardings = sharding.param_shardings(boxed, self.mesh)
+        self.abstract_state = jax.eval_shape(self._init_state_fn, jax.random.key(0))
+        self.state_shardings = sharding.state_shardings(
+            self.abstract_state, self.abstract_state.params, self.param_shardings, self.mesh
+        )
+        self.train_batch_sharding = sharding.batch_sharding(self.mesh, leading_axes=1)
+        self.eval_batch_sharding = sharding.batch_sharding(self.mesh)
+        rep = sharding.replicated(self.mesh)
+        self.train_step = jax.jit(
+            make_train_step(self.task, self.tx, self.schedule, config.grad_accum),
+            in_shardings=(self.state_shardings, self.train_batch_sharding),
+            out_shardings=(self.state_shardings, rep),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(
+            lambda p, b: self.task.loss(p, b, None, False),
+            in_shardings=(self.param_shardings, self.eval_batch_sharding),
+            out_shardings=rep,
+        )
+        self.tokens_per_step = config.batch_size * self.task.tokens_per_row
+        # training FLOPs per token, the figure `python -m flaxgpt.tools.summary` prints (for MFU)
+        self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
+        self.is_main = jax.process_index() == 0
+        # restore onto the state's shardings: any mesh / device count, whatever the saving run had
+        self.restore_target = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.abstract_state,
+            self.state_shardings,
+        )
+        # last: only a checked config gets a checkpoints directory (every process writes its own shards)
+        if config.init_from == "resume" and not (Path(config.out_dir) / "checkpoints").is_dir():
+            raise ckpt_lib.CheckpointError(
+                f"init_from=resume but {config.out_dir} has no checkpoint; "
+                "use init_from=scratch or point out_dir at a run with checkpoints"
+            )
+        self.data_meta = run_dir.check_data(config.out_dir, self.task.data_dir)  # another vocabulary: refused
+        self.task_eval = self._task_evaluator()  # its files are read (and checked) before anything is written
+        self.ckpt = ckpt_lib.Checkpointer(config.out_dir, keep=config.keep_checkpoints, keep_best=True)
+        self.resumed_best = float("inf")  # best val loss of the restored run's checkpoints
+        self.best_loss = float("inf")  # lowest loss seen (train, eval, checkpoints'): what "exploding" means
+
+    def _task_evaluator(self):
+        """config.eval_tasks (HellaSwag, LAMBADA, perplexity files) -> eval_tasks.TrainingEvaluator."""
+        c = self.config
+        if not c.get("eval_tasks"):
+            return None
+        if models.kind_of(self.task.model_config) != "gpt" or jax.process_count() > 1:
+            raise ValueError(
+                f"eval_tasks {c.eval_tasks!r} needs a GPT run on one process; this run is "
+                f"{models.kind_of(self.task.model_config)!r} on {jax.process_count()} processes"
+            )
+        from flaxgpt.data import tokenizers
+        from flaxgpt.eval import tasks as eval_tasks
+
+        meta = run_dir.check_data(c.out_dir, self.task.data_dir)
+        tokenizer = tokenizers.from_meta(meta["tokenizer"])
+        devices = list(self.mesh.devices.flat)
+        return eval_tasks.TrainingEvaluator(
+            c.eval_tasks, self.task.model_config, tokenizer, limit=c.eval_tasks_limit, devices=devices
+        )
+
+    def _init_state_fn(self, rng):
+        params_rng, train_rng = jax.random.split(rng)
+        params = self.task.init_params(params_rng)
+        return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params), rng=train_rng)
+
+    def _state_from_params(self, params, rng):
+        _, train_rng = jax.random.split(rng)
+        return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params), rng=train_rng)
+
+    def init_state(self) -> TrainState:
+        """The latest checkpoint (init_from auto | resume, or a fine-tune's own checkpoints), else a
+        fresh state built directly in its shardings (never whole on one device), or the task's
+        pretrained parameters."""
+        step = ckpt_lib.resume_step(self.ckpt, self.config.init_from)  # a fine-tune: its own checkpoints
+        self.best_loss = float("inf")
+        if step is not None:
+            extra = self.ckpt.restore_extra(step)
+            cfg = self.config.to_dict()
+            changed = run_dir.check_resume(extra, step, self.task.model_config, self.data_meta, cfg)
+            if changed:
+                self._print(
+                    f"resuming step {step} with changed settings (recorded with each new checkpoint): "
+                    + "; ".join(changed)
+                )
+            self.best_loss = min(
+                self.best_loss, _finite_or_inf(extra.get("best_loss")), _finite_or_inf(extra.get("loss"))
+            )
+            state, _ = self.ckpt.restore(step, abstract_state=self.restore_target)
+            best = self.ckpt.best_step()
+            if best is not None:
+                val = self.ckpt.restore_extra(best).get("val_loss")
+                self.resumed_best = float("inf") if val is None else float(val)
+            self.task.pretrained = None  # not needed: the checkpoint holds the fine-tuned weights
+            self._print(f"resumed from {self.ckpt.directory / str(step)}")
+            return state
+        key = jax.random.key(self.config.seed)
+        pretrained = getattr(self.task, "pretrained", None)
+        if pretrained is not None:  # parameters as arguments, not constants baked into the program
+            params = jax.device_put(pretrained, self.param_shardings)
+            make = jax.jit(self._state_from_params, out_shardings=self.state_shardings)
+            return make(params, key)
+        if not hasattr(self, "_init_jit"):
+            self._init_jit = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
+        return self._init_jit(key)
+
+    def _print(self, msg: str) -> None:
+        if self.is_main:
+            self.print(msg)
+
+    def global_batch(self, split: str, step: int, rows: int, micro: bool):
+        local = self.task.batch(split, step, rows // jax.process_count(), jax.process_index())
+        if micro:
+            local = data_lib.split_micro(local, self.config.grad_accum)
+            return data_lib.to_global(local, self.train_batch_sharding, batch_axis=1)
+        return data_lib.to_global(local, self.eval_batch_sharding)
+
+    def evaluate(self, params) -> dict:
+        """Mean loss over eval_iters fixed batches of each split (results fetched once at the end)."""
+        sums = {}
+        for split in self.task.splits:
+            name = "train_eval" if split == "train" else split
+            parts = [
+                self.eval_step(params, self.global_batch(name, i, self.micro_rows, micro=False))
+                for i in range(self.config.eval_iters)
+            ]
+            sums[split] = parts
+        fetched = jax.device_get(sums)
+        out = {f"{s}_loss": float(sum(p[0] for p in v) / sum(p[1] for p in v)) for s, v in fetched.items()}
+        if hasattr(self.task, "evaluate"):  # task-specific metrics (seq2seq: accuracy, BLEU)
+            out.update(self.task.evaluate(params))
+        return out
+
+    def write_run_files(self) -> Path | None:
+        if self.is_main:
+            cfg = {**self.config.to_dict(), "model": self.task.model_config}
+            return run_dir.write_run_files(self.config.out_dir, cfg, self.task.data_dir)
+        return None
+
+    def save(self, step: int, state: TrainState, val_loss=None) -> None:
+        """Starts an async save; non-finite weights stop the run instead of replacing a good checkpoint.
+
+        Records the config and data meta trained with, and `loss`: the weights' own loss on a fixed
+        batch (one forward pass; a train step's loss is that of the weights before its update), with
+        `best_loss`, the lowest loss seen before it."""
+        if not ckpt_lib.all_finite(state.params):
+            raise FloatingPointError(
+                f"non-finite weights at step {step} (not saved); {self.last_good()}; "
+                "lower the learning rate and resume"
+            )
+        loss_sum, weight = jax.device_get(
+            self.eval_step(state.params, self.global_batch("train_eval", 0, self.micro_rows, micro=False))
+        )
+        loss = float(loss_sum / weight)
+        cfg = self.config.to_dict()
+        cfg["model"] = models.section_of(self.task.model_config)
+        extra = {
+            "data_step": step,
+            "config": cfg,
+            "meta": self.data_meta,
+            "loss": loss if np.isfinite(loss) else None,
+            "best_loss": self.best_loss if np.isfinite(self.best_loss) else None,
+        }
+        self.ckpt.save(step, state, extra=extra, val_loss=val_loss, good=_healthy(extra))
+        self.best_loss = min(self.best_loss, _finite_or_inf(loss))
+
+    def last_good(self) -> str:
+        """Names the newest checkpoint whose recorded loss was finite and not exploding (at most
+        `EXPLODING` times the best loss seen before it), for the error that stops a diverged run."""
+        self.ckpt.wait()
+        for step in reversed(self.ckpt.all_steps()):
+            try:
+                extra = self.ckpt.restore_extra(step)
+            except ckpt_lib.CheckpointError:
+                continue
+            if _healthy(extra):
+                return f"the last good checkpoint is {self.ckpt.directory / str(step)}"
+        return "no checkpoint was saved before the loss blew up (start again in a new out_dir)"
+
+    def after_step(self, step: int, state: TrainState) -> None:
+        """Hook after each dispatched step (`step` updates done), for tests and tools."""
+
+    def compile(self, state: TrainState, batch) -> float:
+        """Compile the train step ahead of time (once per Trainer); returns the seconds it took."""
+        if isinstance(self.train_step, jax.stages.Compiled):
+            return 0.0
+        t0 = time.perf_counter()
+        self.train_step = self.train_step.lower(state, batch).compile()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Waits for the save in flight and releases the checkpointer."""
+        self.ckpt.close()
+
+    def run(self, state: TrainState) -> dict:
+        c = self.config
+        writer = MetricsWriter(c.out_dir, c.tensorboard, self.is_main, self.print)
+        start = int(jax.device_get(state.step))
+        peak = peak_flops_per_device(c.peak_flops)
+        flops_per_step = self.flops_per_token * self.tokens_per_step
+        self._print(
+            f"{gpt.count_params(state.params):,} parameters | {self.tokens_per_step:,} tokens/step | "
+            f"mesh {dict(self.mesh.shape)} | "
+            + (
+                f"MFU vs {peak:.3g} FLOP/s per device"
+                if peak
+                else f"MFU n/a (no known peak on {jax.devices()[0].platform}; set --config.peak_flops)"
+            )
+        )
+        summary = {"best_val_loss": self.resumed_best, "compile_time": 0.0}
+
+        def log(step, metrics, clock):  # blocks only on this (already finished) step's metrics
+            m = jax.device_get(metrics)
+            now = time.perf_counter()
+            dt = (now - clock[0]) / max(1, step - clock[1])
+            m.update(
+                step_time=dt,
+                tokens_per_sec=self.tokens_per_step / dt,
+                mfu=flops_per_step / dt / (peak * jax.device_count()) if peak else None,
+            )
+            writer.write(step, m)
+            summary["loss"] = float(m["loss"])
+            if not np.isfinite(m["loss"]):
+                raise FloatingPointError(
+                    f"loss is {m['loss']} at step {step}; {self.last_good()}; "
+                    "lower the learning rate and resume"
+                )
+            self.best_loss = min(self.best_loss, summary["loss"])
+            return now, step
+
+        # SIGTERM from here on: finish the step, save, return (processes agree every log_interval steps)
+        stop = StopSignal(every=c.log_interval)
+        try:
+            batch = self.global_batch("train", start, c.batch_size, micro=True)
+            if start >= c.max_iters and not c.eval_only:
+                self._print(f"{c.out_dir} is at step {start}: raise --config.max_iters to train further")
+            if start < c.max_iters:
+                summary["compile_time"] = self.compile(state, batch)
+                self._print(f"compiled the train step in {summary['compile_time']:.1f} s")
+            state = self._loop(state, start, batch, writer, summary, log, stop)
+        finally:
+            try:  # still under SIGTERM's handler: a preemption notice now does not cut the save short
+                self.ckpt.wait()  # the save in flight is complete: the last good checkpoint restores
+            finally:
+                stop.close()
+                writer.close()
+        summary["state"] = state
+        return summary
+
+    def _eval(self, step, state, writer, summary) -> dict:
+        evals = self.evaluate(state.params)
+        every = self.config.get("eval_tasks_every") or self.config.eval_interval
+        if self.task_eval is not None and (step % every == 0 or step == self.config.max_iters):
+            evals.update(self.task_eval(state.params))
+        summary["best_val_loss"] = min(summary["best_val_loss"], evals.get("val_loss", np.inf))
+        losses = [v for k, v in evals.items() if k.endswith("_loss")]
+        self.best_loss = min([self.best_loss] + [_finite_or_inf(v) for v in losses])
+        summary.update(evals)
+        writer.write(step, {**evals, "best_val_loss": summary["best_val_loss"]})
+        if self.is_main and self.config.get("plot", False) and not getattr(self, "_no_plot", False):
+            try:
+                from flaxgpt.tools.plot import plot_metrics
+
+                plot_metrics(self.config.out_dir)
+            except ImportError as e:  # matplotlib is optional: say so once, keep training
+                self._no_plot = True
+                self.print(f"no metrics.png: {e}")
+        return evals
+
+    def _loop(self, state, start, batch, writer, summary, log, stop):
+        c = self.config
+        pending, previous, clock = None, None, (time.perf_counter(), start)
+        for step in range(start, c.max_iters + 1):  # here `step` updates are done (maybe in flight)
+            evals = {}
+            resumed_here = step == start > 0 and not c.eval_only  # the run that saved it evaluated
+            if (step % c.eval_interval == 0 or step == c.max_iters or c.eval_only) and not resumed_here:
+                if pending:
+                    clock, pending = log(*pending, clock), None
+                evals = self._eval(step, state, writer, summary)
+                clock = (time.perf_counter(), step)
+            if step > start and ((c.ckpt_interval and step % c.ckpt_interval == 0) or step == c.max_iters):
+                self.save(step, state, evals.get("val_loss"))
+            if step > start and stop.requested(step):  # preemption: save this finished step, exit 0
+                if pending:
+                    clock, pending = log(*pending, clock), None
+                self.save(step, state)
+                self._print(
+                    f"{stop.received or 'stop'}: saved step {step} to {self.ckpt.directory}; "
+                    "run the same command to resume"
+                )
+                break
+            if step == c.max_iters or c.eval_only:
+                break
+            if step > start:
+                batch = self.global_batch("train", step, c.batch_size, micro=True)
+            state, metrics = self.train_step(state, batch)  # dispatched; runs while we go on
+            # wait for step N-1 while step N runs: at most two steps in flight (a deep queue of
+            # steps that all-reduce across CPU devices can starve the host's thread pool)
+            jax.block_until_ready(previous)
+            previous = metrics["loss"]
+            if pending:  # the previous log step's metrics are ready by now
+                clock, pending = log(*pending, clock), None
+            if (step + 1) % c.log_interval == 0:
+                pending = (step + 1, metrics)
+            self.after_step(step + 1, state)
+        if pending:
+            log(*pending, clock)
+        return state
+
+
+def _finite_or_inf(x) -> float:
+    return float(x) if x is not None and np.isfinite(x) else float("inf")
+
+
+EXPLODING = 2.0  # a checkpoint whose loss is above EXPLODING x the best loss before it is not "good"
+
+
+def _healthy(extra: dict) -> bool:
+    """A checkpoint's recorded loss was finite and at most EXPLODING x the best seen before it
+    (checkpoints saved before losses were recorded count as good: their weights were finite)."""
+    if "loss" not in extra:
+        return True
+    loss, best = extra["loss"], _finite_or_inf(extra.get("best_loss"))
+    return loss is not None and np.isfinite(loss) and loss <= EXPLODING * best
+
+
+def train(config, devices=None, print_fn=print) -> dict:
+    """Set up (all input checked), write the run files, train; returns the last metrics and state.
+    Holds out_dir's lock throughout: a second run on it stops before deleting or writing anything."""
+    check_config(config)  # every value, once, before anything is written or compiled
+    sharding.maybe_initialize_distributed(config)
+    if config.batch_size % config.grad_accum == 0:  # (else Trainer explains)
+        sharding.configure_cpu_devices(config.mesh.cpu_devices, config.batch_size // config.grad_accum)
+    with run_lock.hold(config.out_dir):
+        trainer = Trainer(config, devices, print_fn)
+        try:
+            state = trainer.init_state()
+            trainer.write_run_files()
+            with jax.set_mesh(trainer.mesh):  # lets Pallas attention (TPU) split its kernel per device
+                return trainer.run(state)
+        finally:
+            trainer.close()

@@ -1,0 +1,93 @@
+"""sample.py --quantize and --draft on tiny run directories: output and one-line errors."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from flaxgpt.data.tokenizers import CharTokenizer
+from flaxgpt.models.gpt import GPTConfig, init_params
+from flaxgpt.runs.checkpoint import Checkpointer
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+import sample  # noqa: E402
+
+CHARS = sorted(set("abcdefghij ROMEO:\n"))
+
+
+def write_run(out, chars, n_layer, n_embd, seed):
+    cfg = GPTConfig(vocab_size=len(chars), block_size=64, n_layer=n_layer, n_head=2, n_embd=n_embd)
+    (out / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **cfg.to_dict()}}))
+    (out / "meta.json").write_text(json.dumps({"tokenizer": CharTokenizer(chars).to_meta()}))
+    # larger than the 0.02 init: peaked predictions, so greedy text is not a run of ties
+    params = jax.tree_util.tree_map(lambda x: 6 * x, init_params(cfg, jax.random.key(seed)))
+    ckpt = Checkpointer(out, async_save=False)
+    ckpt.save(1, {"params": params}, extra={})
+    ckpt.close()
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    mk = lambda name: tmp_path_factory.mktemp(name)  # noqa: E731
+    return {
+        "target": write_run(mk("target"), CHARS, 2, 32, 0),
+        "draft": write_run(mk("draft"), CHARS, 1, 16, 1),
+        "other_vocab": write_run(mk("other"), CHARS[:-1], 1, 16, 2),
+        "big": write_run(mk("big"), CHARS, 3, 32, 3),
+        "other_chars": write_run(mk("chars"), sorted(set(CHARS[:-1] + ["z"])), 1, 16, 4),
+    }
+
+
+def run_sample(capsys, *args):
+    code = sample.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+GREEDY = ["--start", "ROMEO:", "--max_new_tokens", "30", "--temperature", "0"]
+
+
+def test_quantized_and_speculative_greedy(runs, capsys):
+    code, plain, _ = run_sample(capsys, "--out_dir", runs["target"], *GREEDY)
+    assert code == 0 and plain.startswith("ROMEO:")
+    code, spec, err = run_sample(capsys, "--out_dir", runs["target"], *GREEDY, "--draft", runs["draft"])
+    assert code == 0 and spec == plain  # speculative greedy is greedy
+    assert "speculative:" in err and "accepted" in err
+    # int8 weights for both models; greedy quantized text need not equal float32's
+    args = ["--out_dir", runs["target"], *GREEDY, "--draft", runs["draft"], "--quantize", "int8"]
+    code, out, _ = run_sample(capsys, *args)
+    assert code == 0 and out.startswith("ROMEO:") and len(out) == len(plain)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--quantize", "int4"], "unknown quantization mode 'int4'; choose one of int8, bf16"),
+        (
+            ["--draft", "other_vocab"],
+            f"the draft's vocabulary has {len(CHARS) - 1} tokens, the target's {len(CHARS)}",
+        ),
+        (["--draft", "other_chars"], "the draft's tokenizer (char) differs from the target's (char)"),
+        (["--draft", "big"], "not fewer than the target's"),
+    ],
+)
+def test_bad_input_is_one_line(runs, capsys, args, message):
+    args = [runs.get(x, x) for x in args]
+    code, out, err = run_sample(capsys, "--out_dir", runs["target"], *GREEDY, *args)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_load_run_quantized(runs):
+    from flaxgpt.models import quantize
+    from flaxgpt.runs import run_dir
+
+    run = run_dir.load_run(runs["target"], quantize="int8")
+    assert quantize.is_quantized(run.params) and not run.config.tie_embeddings
+    assert run.params["lm_head"]["kernel"] is run.params["wte"]["embedding"]  # one table, shared
+    with pytest.raises(ValueError, match="unknown quantization mode 'fp8'"):
+        run_dir.load_run(runs["target"], quantize="fp8")

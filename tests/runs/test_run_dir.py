@@ -1,0 +1,148 @@
+"""flaxgpt.runs.run_dir: write a run's files, load a GPT and a seq2seq run back, one-line errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxgpt.data.tokenizers import CharTokenizer, Seq2SeqTokenizer, TiktokenTokenizer
+from flaxgpt.decode import translate
+from flaxgpt.models import gpt, seq2seq
+from flaxgpt.models import registry as models
+from flaxgpt.runs.checkpoint import Checkpointer, CheckpointError
+from flaxgpt.runs.run_dir import Run, RunError, load_run, with_dtype, write_run_files
+
+CHARS = list("abcdefghij")
+
+
+def data_dir(tmp_path, tokenizer) -> str:
+    d = tmp_path / "data"
+    d.mkdir(exist_ok=True)
+    (d / "meta.json").write_text(json.dumps({"tokenizer": tokenizer.to_meta(), "vocab_size": 10}))
+    return d
+
+
+def save(out, params, step):
+    ckpt = Checkpointer(out, async_save=False)
+    ckpt.save(step, {"params": params, "step": np.int32(step)}, extra={})
+    ckpt.close()
+
+
+def assert_same(a, b):
+    jax.tree_util.tree_map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gpt")
+    cfg = gpt.GPTConfig(vocab_size=len(CHARS), block_size=8, n_layer=1, n_head=2, n_embd=16)
+    config_dict = {"model": cfg, "seed": 3, "out_dir": str(tmp / "run")}
+    write_run_files(tmp / "run", config_dict, data_dir(tmp, CharTokenizer(CHARS)))
+    params = {s: gpt.init_params(cfg, jax.random.key(s)) for s in (1, 2)}
+    for step, p in params.items():
+        save(tmp / "run", p, step)
+    return tmp / "run", cfg, params
+
+
+def test_write_run_files(gpt_run):
+    out, cfg, _ = gpt_run
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model"] == models.section_of(cfg) == {"kind": "gpt", **cfg.to_dict()}
+    assert saved["seed"] == 3
+    assert json.loads((out / "meta.json").read_text())["tokenizer"] == CharTokenizer(CHARS).to_meta()
+    assert not list(out.glob(".*.tmp"))  # written through a temporary file, then renamed
+
+
+def test_load_a_gpt_run(gpt_run):
+    out, cfg, params = gpt_run
+    run = load_run(out)
+    assert isinstance(run, Run) and run.kind == "gpt" and run.config == cfg
+    assert_same(run.params, params[2])  # the latest step
+    assert run.tokenizer.decode(run.tokenizer.encode("jihg")) == "jihg"
+    assert_same(load_run(str(out), step=1).params, params[1])
+    logits = gpt.GPT(run.config).apply({"params": run.params}, jnp.arange(4)[None])
+    assert logits.shape == (1, 4, len(CHARS))
+
+
+def test_dtype_casts_weights_and_compute(gpt_run):
+    out, cfg, _ = gpt_run
+    run = load_run(out, dtype="bfloat16")
+    assert (run.config.dtype, run.config.param_dtype) == ("bfloat16", "bfloat16")
+    assert {x.dtype for x in jax.tree_util.tree_leaves(run.params)} == {jnp.dtype("bfloat16")}
+    assert with_dtype(load_run(out), "bfloat16").config == run.config
+
+
+def test_load_a_seq2seq_run(tmp_path):
+    tok = Seq2SeqTokenizer(CharTokenizer(CHARS))
+    cfg = seq2seq.TransformerConfig(
+        vocab_size=tok.vocab_size, block_size=8, n_enc_layer=1, n_dec_layer=1, n_embd=16, d_ff=32, n_head=2
+    )
+    write_run_files(tmp_path / "run", {"model": models.section_of(cfg)}, data_dir(tmp_path, tok))
+    params = seq2seq.init_params(cfg, jax.random.key(0))
+    save(tmp_path / "run", params, 5)
+    run = load_run(tmp_path / "run")
+    assert run.kind == "seq2seq" and run.config == cfg and isinstance(run.tokenizer, Seq2SeqTokenizer)
+    assert run.tokenizer.to_meta() == tok.to_meta()
+    assert_same(run.params, params)
+    out = translate.translate(run.config, run.params, run.tokenizer, ["abc", "ji"], beam_size=1)
+    assert len(out) == 2 and all(isinstance(s, str) for s in out)
+
+
+def test_a_gpt2_vocabulary_run(tmp_path):
+    cfg = gpt.GPTConfig(vocab_size=50257, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    write_run_files(tmp_path / "run", {"model": cfg}, data_dir(tmp_path, TiktokenTokenizer("gpt2")))
+    save(tmp_path / "run", gpt.init_params(cfg, jax.random.key(0)), 1)
+    run = load_run(tmp_path / "run")
+    assert run.tokenizer.eot_id == 50256 and run.config.vocab_size == 50257
+
+
+def one_line(excinfo) -> str:
+    text = str(excinfo.value)
+    assert len(text.splitlines()) == 1, text
+    return text
+
+
+def test_missing_or_broken_files_are_one_line_errors(gpt_run, tmp_path):
+    src, cfg, _ = gpt_run
+    with pytest.raises(RunError, match="is not a directory; point out_dir at a flaxgpt training run") as e:
+        load_run(tmp_path / "nothing")
+    assert str(tmp_path / "nothing") in one_line(e)
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(RunError, match=r"config.json is missing; point out_dir") as e:
+        load_run(run)
+    one_line(e)
+    (run / "config.json").write_text("{not json")
+    with pytest.raises(RunError, match="config.json cannot be read") as e:
+        load_run(run)
+    one_line(e)
+    (run / "config.json").write_text(json.dumps({"seed": 1}))
+    with pytest.raises(RunError, match="has no 'model' entry"):
+        load_run(run)
+    (run / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(RunError, match=r"meta.json is missing") as e:
+        load_run(run)
+    one_line(e)
+    (run / "meta.json").write_text(json.dumps({"vocab_size": 10}))
+    with pytest.raises(RunError, match="has no 'tokenizer' entry; copy the data directory's meta.json"):
+        load_run(run)
+    (run / "meta.json").write_text((src / "meta.json").read_text())
+    with pytest.raises(CheckpointError, match="has no checkpoints directory") as e:
+        load_run(run)
+    one_line(e)
+    with pytest.raises(CheckpointError, match="has no checkpoint for step 7; it has steps \\[1, 2\\]"):
+        load_run(src, step=7)
+    (run / "config.json").write_text(json.dumps({"model": {"kind": "rnn"}}))
+    with pytest.raises(ValueError, match="model.kind='rnn' is not one of"):
+        load_run(run)
+
+
+def test_write_run_files_refuses_another_vocabulary(gpt_run, tmp_path):
+    out, cfg, _ = gpt_run
+    other = data_dir(tmp_path, CharTokenizer(list("xyz")))
+    with pytest.raises(RunError, match="differs from .*meta.json; resume with the data the run was"):
+        write_run_files(out, {"model": cfg}, other)
+    with pytest.raises(RunError, match="cannot be read .*prepare the dataset first"):
+        write_run_files(tmp_path / "new", {"model": cfg}, tmp_path / "no_data")

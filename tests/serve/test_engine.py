@@ -1,0 +1,148 @@
+"""The serving engine: staggered requests decode exactly what each gives alone; fixed programs."""
+
+import jax
+import numpy as np
+import pytest
+
+from flaxgpt.decode.sampling import generate
+from flaxgpt.models.cache import KVCache
+from flaxgpt.models.gpt import GPTConfig, init_params
+from flaxgpt.models.gpt import step_fn as gpt_step_fn
+from flaxgpt.serve.engine import Engine, RowSampling, prompt_buckets, select_rows
+
+W = 64
+CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=W, vocab_size=40)
+# (temperature, top_k, top_p): greedy, plain, top-k, nucleus, both, and a top_k past max_k (sorts all V)
+SETTINGS = [(0, 0, 1), (0.8, 0, 1), (1.0, 5, 1), (1.0, 0, 0.9), (0.7, 20, 0.8), (1.2, 3, 0.5), (0, 0, 1)]
+
+
+@pytest.fixture(scope="module")
+def step():
+    return gpt_step_fn(CFG, init_params(CFG, jax.random.key(0)))
+
+
+def new_engine(step, slots):  # slots 3 or 1, chunk 3: the tests share four compiled programs
+    return Engine(step, lambda b: KVCache.for_config(CFG, b, W), slots=slots, chunk=3, max_k=8)
+
+
+def run(engine, requests, arrive_every=1):
+    """Feed requests into free slots, one new request every `arrive_every` generate calls."""
+    out = {i: [] for i in range(len(requests))}
+    waiting, owner, calls = list(range(len(requests))), {}, 0
+    while waiting or owner:
+        free = [s for s in range(engine.slots) if s not in owner]
+        if waiting and free and calls % arrive_every == 0:
+            i = waiting.pop(0)
+            prompt, rows = requests[i]
+            prefix = engine.prefill(prompt, rows)
+            out[i].append(int(prefix.first))
+            if not bool(prefix.done):
+                engine.insert(prefix, free[0])
+                owner[free[0]] = i
+        if owner:
+            tokens_BC, new_B, done_B = engine.generate()
+            for s, i in list(owner.items()):
+                out[i] += tokens_BC[s, : new_B[s]].tolist()
+                if done_B[s]:
+                    del owner[s]
+        calls += 1
+    return [out[i] for i in range(len(requests))]
+
+
+def requests(seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (t, k, p) in enumerate(SETTINGS):
+        prompt = rng.integers(0, CFG.vocab_size, size=int(rng.integers(1, 20))).tolist()
+        n = int(rng.integers(1, 30))
+        out.append((prompt, RowSampling.of(max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=i)))
+    return out
+
+
+def test_staggered_requests_equal_each_alone_and_generate(step):
+    reqs = requests()
+    together = run(new_engine(step, slots=3), reqs, arrive_every=2)
+    alone = run(new_engine(step, slots=1), reqs)
+    assert together == alone
+    for (prompt, rows), got in zip(reqs, together, strict=True):
+        assert len(got) == int(rows.max_new)
+        # generate alone, with the request's seed as its rng: the same tokens, sampled ones included
+        toks, n = generate(
+            step, KVCache.for_config(CFG, 1, W), np.array([prompt]), [len(prompt)],
+            max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
+            temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
+        )  # fmt: skip
+        assert got == toks[0, : n[0]].tolist()
+
+
+def test_eos_release_and_bad_requests(step):
+    engine = new_engine(step, slots=3)
+    greedy = run(new_engine(step, slots=1), [([1, 2, 3], RowSampling.of(max_new_tokens=20, temperature=0))])[
+        0
+    ]
+    eos = greedy[5]
+    got = run(engine, [([1, 2, 3], RowSampling.of(max_new_tokens=20, temperature=0, eos_id=eos))])[0]
+    assert got == greedy[: greedy.index(eos) + 1]
+    # a released slot stops at once and its row is reusable
+    engine.insert(engine.prefill([4, 5], RowSampling.of(max_new_tokens=30, temperature=0)), 1)
+    engine.release(1)
+    assert engine.generate()[1][1] == 0
+    with pytest.raises(ValueError, match="context window of 64"):
+        engine.prefill([1] * 60, RowSampling.of(max_new_tokens=5))
+    with pytest.raises(ValueError, match="empty"):
+        engine.prefill([], RowSampling.of(max_new_tokens=5))
+    assert prompt_buckets(64) == (16, 24, 32, 48, 64) and engine.n_programs == 7
+    assert prompt_buckets(100) == (16, 24, 32, 48, 64, 96, 100)
+
+
+def test_select_rows_filters_and_rows_are_independent():
+    select = jax.jit(select_rows, static_argnames="max_k")
+    logits_BV = jax.random.normal(jax.random.key(1), (4, 50)) * 3
+    keys_B = jax.vmap(jax.random.key)(np.arange(4, dtype=np.uint32))
+    temp_B, k_B, p_B = np.float32([0, 1, 1, 0.5]), np.int32([0, 3, 0, 30]), np.float32([1, 1, 0.6, 0.9])
+    tok_B = select(keys_B, logits_BV, temp_B, k_B, p_B, max_k=8)
+    assert int(tok_B[0]) == int(np.argmax(logits_BV[0]))
+    assert int(tok_B[1]) in np.argsort(-np.asarray(logits_BV[1]))[:3]
+    for b in range(4):  # each row alone gives the same token, whatever path the batch took
+        one = [x[b : b + 1] for x in (keys_B, logits_BV, temp_B, k_B, p_B)]
+        assert int(select(*one, max_k=8)[0]) == int(tok_B[b])
+    # nucleus support: draws only from the smallest set reaching p
+    R = 64
+    x_RV = np.tile(np.float32([[3.0, 2.0, 1.0, 0.0, -1.0]]), (R, 1))
+    keys_R = jax.vmap(jax.random.key)(np.arange(R, dtype=np.uint32))
+    draws = select(
+        keys_R, x_RV, np.ones(R, np.float32), np.zeros(R, np.int32), np.full(R, 0.7, np.float32), max_k=8
+    )
+    assert set(np.asarray(draws).tolist()) == {0, 1}  # p(0) = 0.64 < 0.7, p(0) + p(1) = 0.87
+
+
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+def test_quantized_weights_serve_what_generate_gives(mode, tmp_path):
+    """serve.py --quantize: server.load quantizes, and the engine decodes what generate does with them."""
+    import json
+
+    from flaxgpt.data.tokenizers import CharTokenizer
+    from flaxgpt.models import quantize
+    from flaxgpt.models.gpt import quantize_params
+    from flaxgpt.runs.checkpoint import Checkpointer
+    from flaxgpt.serve import launch
+
+    params = init_params(CFG, jax.random.key(0))
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **CFG.to_dict()}}))
+    chars = [chr(ord("a") + i) if i < 26 else chr(ord("A") + i - 26) for i in range(CFG.vocab_size)]
+    (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": CharTokenizer(chars).to_meta()}))
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, {"params": params}, extra={})
+    ckpt.close()
+    loaded, _ = launch.load(str(tmp_path), quantize=mode)
+    assert quantize.is_quantized(loaded.params)
+    qconfig, qparams = quantize_params(CFG, params, mode)
+    step = gpt_step_fn(loaded.config, loaded.params)
+    engine = Engine(step, lambda b: KVCache.for_config(loaded.config, b, W), slots=2, chunk=3, max_k=8)
+    prompt = [3, 1, 4, 1, 5]
+    got = run(engine, [(prompt, RowSampling.of(max_new_tokens=12, temperature=0))])[0]
+    want, _ = generate(
+        gpt_step_fn(qconfig, qparams), KVCache.for_config(qconfig, 1, W), np.array([prompt]), [5],
+        max_new_tokens=12, rng=jax.random.key(0), temperature=0,
+    )  # fmt: skip
+    assert got == np.asarray(want)[0].tolist()

@@ -1,0 +1,124 @@
+"""flaxgpt.train.config_check: every nonsense value of a run config, and every broken recipe file, is a
+one-line error before anything is written or compiled."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flaxgpt.train import config_check
+from flaxgpt.train.config_check import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p for p in (ROOT / "configs").glob("*.py") if p.name != "__init__.py")
+
+BAD = {  # override -> what the message says
+    "batch_size=0": ("batch_size", 0, "--config.batch_size=0 must be >= 1"),
+    "grad_accum=0": ("grad_accum", 0, "--config.grad_accum=0 must be >= 1"),
+    "eval_interval=0": ("eval_interval", 0, "--config.eval_interval=0 must be >= 1"),
+    "log_interval=0": ("log_interval", 0, "--config.log_interval=0 must be >= 1"),
+    "eval_iters=0": ("eval_iters", 0, "--config.eval_iters=0 must be >= 1"),
+    "ckpt_interval=-1": ("ckpt_interval", -1, "--config.ckpt_interval=-1 must be >= 0"),
+    "keep_checkpoints=0": ("keep_checkpoints", 0, "--config.keep_checkpoints=0 must be >= 1"),
+    "max_iters=-3": ("max_iters", -3, "--config.max_iters=-3 must be >= 0"),
+    "negative lr": ("optim.learning_rate", -1e-3, "--config.optim.learning_rate=-0.001 must be > 0"),
+    "nan lr": ("optim.learning_rate", float("nan"), "--config.optim.learning_rate=nan must be > 0"),
+    "beta2=1": ("optim.beta2", 1.0, "--config.optim.beta2=1.0 must be in [0, 1)"),
+    "dropout 2.0": ("model.dropout", 2.0, "--config.model.dropout=2.0 must be in [0, 1)"),
+    "attn_dropout 1.5": ("model.attn_dropout", 1.5, "--config.model.attn_dropout=1.5 must be in [0, 1)"),
+    "dtype float99": ("model.dtype", "float99", "--config.model.dtype='float99' is not one of"),
+    "param_dtype int8": ("model.param_dtype", "int8", "--config.model.param_dtype='int8' is not one of"),
+    "activation": ("model.activation", "swish", "activation='swish' is not one of"),
+    "heads": ("model.n_head", 5, "n_embd 768 is not divisible by n_head 5"),
+    "batch vs accum": ("grad_accum", 3, "batch_size 512 is not divisible by grad_accum 3"),
+    "layout": ("model.sinusoid_layout", "cosines", "sinusoid_layout='cosines' is not one of"),
+}
+
+
+def recipe(name="default"):
+    return config_check.load_recipe(str(ROOT / "configs" / f"{name}.py"))
+
+
+def test_every_recipe_passes():
+    for path in RECIPES:
+        config_check.check(config_check.load_recipe(str(path)))
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_nonsense_values_are_one_line_errors(case):
+    key, value, message = BAD[case]
+    c = recipe()
+    *parents, leaf = key.split(".")
+    node = c
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    with pytest.raises(ConfigError) as e:
+        config_check.check(c)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_defaulted_dropout_rates_and_seq2seq_section():
+    c = recipe("reverse")
+    config_check.check(c)
+    c.seq2seq.beam_size = 0
+    with pytest.raises(ConfigError, match="seq2seq.beam_size=0 must be >= 1"):
+        config_check.check(c)
+    c = recipe()
+    c.model.attn_dropout = -1.0  # -1 = model.dropout
+    config_check.check(c)
+    with pytest.raises(ConfigError, match="not an ml_collections.ConfigDict"):
+        config_check.check({"batch_size": 1})
+
+
+BROKEN = {
+    "syntax": ("def get_config(:\n", "syntax.py:1: invalid syntax"),
+    "non-config": ("def get_config():\n    return 5\n", "returned a value of type int, not an"),
+    "dict": ("def get_config():\n    return {'seed': 1}\n", "returned a value of type dict"),
+    "no get_config": ("x = 1\n", "has no get_config()"),
+    "raises": ("def get_config():\n    return 1 / 0\n", "get_config() failed (ZeroDivisionError"),
+    "import": ("import no_such_module_xyz\n", "failed to load (ModuleNotFoundError"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_recipe_files(tmp_path, case):
+    text, message = BROKEN[case]
+    path = tmp_path / ("syntax.py" if case == "syntax" else "recipe.py")
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        config_check.load_recipe(str(path))
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert "unknown config key" not in str(e.value)
+    with pytest.raises(ConfigError, match="not found"):
+        config_check.load_recipe(str(tmp_path / "missing.py"))
+
+
+def test_train_checks_before_writing_anything(tmp_path):
+    from flaxgpt.train.trainer import train
+
+    c = recipe()
+    c.out_dir = str(tmp_path / "out")
+    c.data.dir = str(tmp_path / "no_data")
+    c.eval_interval = 0
+    with pytest.raises(ConfigError, match="eval_interval=0"):
+        train(c)
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_cli_broken_recipe_is_one_line(tmp_path):
+    (tmp_path / "bad.py").write_text("def get_config():\n    return None\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), f"--config={tmp_path}/bad.py", "--config.seed=3"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "NoneType" in lines[0], r.stderr[-2000:]
