@@ -19,15 +19,9 @@ import os
 import sys
 
 from absl import app, flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs/shakespeare_char_cpu.py"),
-    "a recipe file from configs/",
-    lock_config=True,
-)
+DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs/shakespeare_char_cpu.py")
 
 
 def one_line(e: BaseException) -> str:
@@ -45,14 +39,20 @@ def one_line(e: BaseException) -> str:
     return msg
 
 
-def recipe_path(argv) -> str | None:
-    """The --config file named on the command line (`--config=F` or `--config F`)."""
-    for i, arg in enumerate(argv):
+def split_recipe(argv) -> tuple[str, list[str]]:
+    """The --config file named on the command line (`--config=F` or `--config F`; default
+    DEFAULT_RECIPE) and the other arguments (`--config.key=value` overrides among them)."""
+    path, rest, i = DEFAULT_RECIPE, [], 0
+    while i < len(argv):
+        arg = argv[i]
         if arg.startswith(("--config=", "-config=")):
-            return arg.split("=", 1)[1]
-        if arg in ("--config", "-config") and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
+            path = arg.split("=", 1)[1]
+        elif arg in ("--config", "-config") and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 1
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
 
 
 def fail(message: str):
@@ -69,16 +69,18 @@ def fail(message: str):
 
 
 def parse_flags(argv):
+    """Runs the recipe file once (one-line errors for a broken one), then applies the overrides to
+    its config, locked: a misspelt --config.lerning_rate is an error."""
     from flaxgpt.train.config_check import ConfigError, load_recipe
 
-    path = recipe_path(argv)
-    try:  # ml_collections reports a broken recipe as a traceback or an "unknown key": load it first
-        if path is not None:
-            load_recipe(path)
+    path, rest = split_recipe(argv)
+    try:
+        recipe = load_recipe(path)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    config_flags.DEFINE_config_dict("config", recipe, "the recipe's config (--config FILE)", lock_config=True)
     try:
-        return flags.FLAGS(argv)
+        return flags.FLAGS(rest)
     except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:
         sys.exit(f"error: {one_line(e)}")
 
@@ -86,16 +88,13 @@ def parse_flags(argv):
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}; options look like --config.key=value")
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO through absl
-        absl_logging.set_verbosity(absl_logging.WARNING)
+    from flaxgpt import runtime
+
+    # orbax logs every save at INFO through absl; --verbosity keeps its say
+    runtime.setup(verbosity=None if flags.FLAGS["verbosity"].present else "warning")
     from flaxgpt.train.trainer import train
 
-    config = _CONFIG.value
-    try:
-        _ = config.seed  # a recipe that failed to load raises here (ml_collections reports lazily)
-    except OSError as e:
-        last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
-        sys.exit(f"error: could not load the --config file: {last}")
+    config = flags.FLAGS.config
     try:
         train(config)
     except (ValueError, OSError, FloatingPointError) as e:  # OSError: a full disk, a missing file

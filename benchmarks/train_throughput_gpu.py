@@ -102,7 +102,7 @@ def check_attention(impl: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from flaxgpt.models.layers import attend, resolve_attention_impl
+    from flaxgpt.models.attention import attend, resolve_attention_impl
 
     impl = resolve_attention_impl(impl, jnp.bfloat16)
     q, k, v = (jax.random.normal(jax.random.key(i), (4, 1024, 12, 64), jnp.bfloat16) for i in range(3))

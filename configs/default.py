@@ -5,53 +5,17 @@ python train.py --config configs/default.py --config.data.dir=data/shakespeare_c
 
 import ml_collections
 
+from flaxgpt.models import registry as models
+
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
-    c.model = ml_collections.ConfigDict()
-    c.model.kind = "gpt"  # gpt (decoder-only) | seq2seq (encoder-decoder Transformer, configs/reverse.py)
-    # the other model fields are flaxgpt.models.gpt.GPTConfig's own, same names
-    c.model.vocab_size = 0  # 0 = take it from the dataset's meta.json
-    c.model.block_size = 1024  # context length T of every training window
-    c.model.n_layer = 12  # transformer blocks
-    c.model.n_head = 12  # attention heads per block
-    c.model.n_embd = 768  # model width D
-    c.model.pos_embedding = "learned"  # learned | sinusoidal | rope (rotary, Llama)
-    c.model.sinusoid_layout = "interleaved"  # interleaved (the paper's sin, cos, ...) | halves (older runs)
-    c.model.activation = "gelu"  # gelu (tanh approx.) | gelu_exact | relu | silu | relu2 (relu(x)^2)
-    c.model.tie_embeddings = True  # the LM head reuses the token embedding
-    c.model.bias = True  # biases in Linear layers and LayerNorms
-    c.model.qkv_bias = True  # bias of the fused qkv projection c_attn (bias=False leaves it on)
-    c.model.dropout = 0.0  # the rate of the three dropouts below that are -1 (training only)
-    c.model.embd_dropout = -1.0  # dropout on token + position embeddings; -1 = model.dropout
-    c.model.attn_dropout = -1.0  # dropout on the attention weights; -1 = model.dropout
-    c.model.resid_dropout = -1.0  # dropout on each residual branch's output; -1 = model.dropout
-    c.model.layer_norm_epsilon = 1e-5  # LayerNorm's epsilon (GPT-2's)
-    c.model.dtype = "float32"  # compute dtype; bfloat16 on TPU/GPU (params stay param_dtype)
-    c.model.param_dtype = "float32"  # parameter and optimizer-state dtype
-    c.model.pad_vocab_multiple = 64  # round embedding rows up to a multiple of this (faster matmuls)
-    c.model.attention_impl = "auto"  # auto | xla | cudnn | pallas (see flaxgpt.models.layers.attend)
-    c.model.scan_layers = False  # nn.scan over blocks: compile time independent of depth
-    c.model.remat = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
-    # modern decoders (Llama, Mistral, Qwen2: see README); the values here are GPT-2's
-    c.model.norm = "layernorm"  # layernorm | rmsnorm (layer_norm_epsilon is its epsilon)
-    c.model.glu = False  # gated MLP act(x W_gate) * (x W_up); with activation=silu: SwiGLU
-    c.model.mlp_hidden = 0  # the MLP's hidden size; 0 = 4 * n_embd
-    c.model.n_kv_head = 0  # key/value heads: 0 = n_head, 1 = multi-query, else grouped-query
-    c.model.qk_norm = False  # normalise each head's queries and keys before attention
-    c.model.rope_theta = 10000.0  # pos_embedding=rope: base of the rotary frequencies
-    c.model.rope_scaling = "none"  # none | llama3 (Llama 3.1's long-context frequency scaling)
-    c.model.rope_factor = 1.0  # llama3: context extension factor
-    c.model.rope_low_freq_factor = 1.0  # llama3: wavelengths above original_max_len / this are scaled
-    c.model.rope_high_freq_factor = 4.0  # llama3: wavelengths below original_max_len / this are kept
-    c.model.rope_original_max_len = 8192  # llama3: the pretraining context
-    c.model.sliding_window = 0  # each query sees the last sliding_window keys (Mistral); 0 = all
-    c.model.logit_softcap = 0.0  # logits = cap * tanh(logits / cap) (Gemma 2); 0 = off
-    # the modded-nanogpt speedrun's (README "The modern recipe")
-    c.model.zero_init_proj = False  # attention/MLP output projections and an untied lm_head start at 0
-    c.model.unet_skips = False  # U-net skips: block L-1-i also gets block i's output (learned weight)
-    c.model.value_embeds = 0  # N token tables mixed into the values of the first and last N blocks
+    # kind: gpt (decoder-only) | seq2seq (the encoder-decoder, configs/seq2seq_default.py); the other
+    # fields are GPTConfig's own, with its defaults and comments (flaxgpt/models/gpt_config.py), except:
+    # vocab_size 0 = take it from the dataset's meta.json; embedding rows padded to a multiple of 64
+    # (faster matmuls; the dataclass's 1 keeps imported weights exact)
+    c.model = ml_collections.ConfigDict(models.recipe_section("gpt", vocab_size=0, pad_vocab_multiple=64))
 
     c.data = ml_collections.ConfigDict()
     c.data.dir = "data/shakespeare_char"  # folder with train.bin, val.bin, meta.json (flaxgpt.data.prepare)

@@ -8,11 +8,11 @@ python train.py --config configs/numbers_to_words.py
 python sample.py --out_dir out/numbers --start "907215"
 """
 
-from configs import reverse
+from configs import seq2seq_default
 
 
 def get_config():
-    c = reverse.seq2seq_default()
+    c = seq2seq_default.get_config()
     c.out_dir = "out/numbers"
     c.data.dir = "data/numbers"
     c.model.n_enc_layer = c.model.n_dec_layer = 2

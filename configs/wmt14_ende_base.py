@@ -12,11 +12,11 @@ number of sentences (padded to block_size) instead of ~25k source + 25k target t
 newstest2013 (the paper's dev set; it reports newstest2014).
 """
 
-from configs import reverse
+from configs import seq2seq_default
 
 
 def get_config():
-    c = reverse.seq2seq_default()
+    c = seq2seq_default.get_config()
     c.out_dir = "out/wmt14_ende_base"
     c.data.dir = "data/wmt14_ende"
     # the paper's Transformer base: 6 + 6 layers, n_embd (d_model) 512, d_ff 2048, 8 heads, P_drop 0.1

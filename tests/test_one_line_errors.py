@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxgpt import runtime
 from flaxgpt.data import prepare
 from flaxgpt.hf import files as hf_files
 from flaxgpt.runs import checkpoint
@@ -35,6 +36,7 @@ def saved_run(tmp_path):
 
 
 def test_truncated_checkpoint_is_one_line_naming_the_damage(tmp_path, caplog):
+    runtime.setup(verbosity=None)  # what every entry point does first
     directory = saved_run(tmp_path)
     with caplog.at_level(logging.INFO):
         params = checkpoint.load_for_inference(tmp_path)
@@ -55,7 +57,7 @@ def test_truncated_checkpoint_is_one_line_naming_the_damage(tmp_path, caplog):
 def test_closed_event_loop_stragglers_are_dropped():
     """tensorstore callbacks that outlive a failed read report the closed loop as unraisable."""
     seen = []
-    hook = checkpoint._quiet_closed_loop(hook=seen.append)
+    hook = runtime.quiet_closed_loop(seen.append)
     straggler = types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"))
     other = types.SimpleNamespace(exc_value=RuntimeError("something else"))
     hook(straggler)

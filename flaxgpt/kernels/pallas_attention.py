@@ -1,6 +1,6 @@
 """Causal flash attention on TPU with JAX's Pallas splash-attention kernel.
 
-Used by `layers.attend` for impl="pallas" (what `auto` picks on TPU) on the causal training and
+Used by `attention.attend` for impl="pallas" (what `auto` picks on TPU) on the causal training and
 prefill path only: queries and keys start together at position 0, no dropout, no attention maps.
 Cached decoding, cross-attention and padding masks keep the explicit-mask XLA path.
 

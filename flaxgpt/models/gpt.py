@@ -28,9 +28,10 @@ import numpy as np
 from flax import linen as nn
 
 from flaxgpt.models import quantize
+from flaxgpt.models.attention import SelfAttention
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt_config import LLAMA_STYLE, REMAT_POLICIES, GPTConfig  # noqa: F401  (flaxgpt.models.gpt.GPTConfig)
-from flaxgpt.models.layers import MLP, SelfAttention, norm, normal_init, ones_init, sinusoidal_positions
+from flaxgpt.models.layers import MLP, norm, normal_init, ones_init, sinusoidal_positions
 
 
 class Block(nn.Module):

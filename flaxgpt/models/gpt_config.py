@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from flaxgpt.models.layers import ACTIVATIONS, ATTENTION_IMPLS, NORMS, SINUSOID_LAYOUTS
+from flaxgpt.models.attention import ATTENTION_IMPLS
+from flaxgpt.models.layers import ACTIVATIONS, NORMS, SINUSOID_LAYOUTS
 from flaxgpt.models.rope import ROPE_SCALINGS, RoPE
 
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
@@ -27,25 +28,25 @@ LLAMA_STYLE.update(qkv_bias=False)
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 50257  # tokens the tokenizer can produce; logits have this many columns
-    block_size: int = 1024  # longest sequence (context window)
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
+    block_size: int = 1024  # context length T: the longest sequence, and every training window
+    n_layer: int = 12  # transformer blocks
+    n_head: int = 12  # attention heads per block
+    n_embd: int = 768  # model width D
     pos_embedding: str = "learned"  # learned | sinusoidal | rope (rotary, in the attention)
     sinusoid_layout: str = "interleaved"  # interleaved (the paper's sin, cos, ...) | halves (older runs)
     activation: str = "gelu"  # gelu (tanh approx., GPT-2) | gelu_exact | relu | silu | relu2
     tie_embeddings: bool = True  # the LM head reuses wte
     bias: bool = True  # biases in Linear layers and LayerNorms
     qkv_bias: bool = True  # bias of the fused qkv projection (c_attn)
-    dropout: float = 0.0  # the default rate of the three below (training only)
+    dropout: float = 0.0  # the rate of the three dropouts below that are -1 (training only)
     embd_dropout: float = -1.0  # on token + position embeddings; -1 = dropout
     attn_dropout: float = -1.0  # on the attention weights; -1 = dropout
     resid_dropout: float = -1.0  # on each residual branch's output; -1 = dropout
-    layer_norm_epsilon: float = 1e-5
-    dtype: str = "float32"  # compute dtype (bfloat16 for speed)
-    param_dtype: str = "float32"
+    layer_norm_epsilon: float = 1e-5  # the norms' epsilon (GPT-2's)
+    dtype: str = "float32"  # compute dtype; bfloat16 on TPU/GPU (params stay param_dtype)
+    param_dtype: str = "float32"  # parameter and optimizer-state dtype
     pad_vocab_multiple: int = 1  # round the embedding rows up to this (64 is fast); 1 = exact
-    attention_impl: str = "xla"  # auto | xla | cudnn | pallas (see layers.attend)
+    attention_impl: str = "auto"  # auto | xla | cudnn | pallas (see attention.attend)
     scan_layers: bool = False  # nn.scan over the blocks: compile time independent of depth
     remat: str = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
     # modern decoders (Llama, Mistral, Qwen2); the defaults are GPT-2's
@@ -57,8 +58,8 @@ class GPTConfig:
     rope_theta: float = 10000.0  # pos_embedding=rope: base of the rotary frequencies
     rope_scaling: str = "none"  # none | llama3 (Llama 3.1's long-context frequency scaling)
     rope_factor: float = 1.0  # llama3: context extension factor
-    rope_low_freq_factor: float = 1.0  # llama3
-    rope_high_freq_factor: float = 4.0  # llama3
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
     rope_original_max_len: int = 8192  # llama3: the pretraining context
     sliding_window: int = 0  # each query sees the last sliding_window keys (Mistral); 0 = all
     logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) (Gemma 2); 0 = off

@@ -2,6 +2,7 @@
 
     model_config = models.config_from(config.model, vocab_size=data_vocab)  # GPTConfig | TransformerConfig
     section = models.section_of(model_config)  # {"kind": ..., **fields}: config.json's `model` entry
+    c.model = ConfigDict(models.recipe_section("gpt", vocab_size=0))  # a recipe's defaults
     boxed = models.abstract_params(model_config)  # shapes only, no weights
 
 A recipe's `model` fields are the dataclass's own fields plus `kind`, so the mapping is
@@ -75,6 +76,17 @@ def kind_of(model_config) -> str:
         if isinstance(model_config, cls):
             return kind
     raise TypeError(f"{type(model_config).__name__} is not a model config; known: {list(CONFIGS.values())}")
+
+
+def recipe_section(kind: str, **changes) -> dict:
+    """A recipe's `model` section: `kind` and every field of its dataclass with the dataclass's own
+    default (unresolved: a dropout of -1 still follows `dropout`), `changes` applied."""
+    cls = CONFIGS[kind]
+    section = {"kind": kind, **{f.name: f.default for f in dataclasses.fields(cls)}}
+    unknown = sorted(set(changes) - set(section))
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {unknown}")
+    return {**section, **changes}
 
 
 def section_of(model_config) -> dict:

@@ -26,17 +26,14 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from flaxgpt.models.attention import ATTENTION_IMPLS, CrossAttention, SelfAttention, padding_mask
 from flaxgpt.models.cache import KVCache, Seq2SeqCache
 from flaxgpt.models.layers import (
     ACTIVATIONS,
-    ATTENTION_IMPLS,
     MLP,
     SINUSOID_LAYOUTS,
-    CrossAttention,
-    SelfAttention,
     layer_norm,
     normal_init,
-    padding_mask,
     sinusoidal_positions,
 )
 
@@ -45,22 +42,22 @@ from flaxgpt.models.layers import (
 class TransformerConfig:
     vocab_size: int = 37000  # shared source/target vocabulary, special tokens included
     block_size: int = 256  # longest source and longest target, in tokens (EOS / BOS included)
-    n_enc_layer: int = 6
-    n_dec_layer: int = 6
+    n_enc_layer: int = 6  # encoder layers
+    n_dec_layer: int = 6  # decoder layers
     n_embd: int = 512  # model width (the paper's d_model)
-    d_ff: int = 2048
-    n_head: int = 8
+    d_ff: int = 2048  # MLP hidden width
+    n_head: int = 8  # attention heads per layer
     dropout: float = 0.1  # the paper's P_drop: on embeddings + positions and each residual branch
     attn_dropout: float = 0.0  # on the attention weights
     pre_ln: bool = True  # LayerNorm before each sublayer (stable); False = the paper's post-LN
     tie_embeddings: bool = True  # one matrix for source, target and output (shared vocabulary)
     activation: str = "relu"  # relu (paper) | gelu | gelu_exact
     bias: bool = True  # biases in Linear layers and LayerNorms
-    layer_norm_epsilon: float = 1e-6
-    dtype: str = "float32"  # compute dtype (bfloat16 for speed)
-    param_dtype: str = "float32"
+    layer_norm_epsilon: float = 1e-6  # LayerNorm's epsilon
+    dtype: str = "float32"  # compute dtype; bfloat16 on TPU/GPU (params stay param_dtype)
+    param_dtype: str = "float32"  # parameter and optimizer-state dtype
     pad_vocab_multiple: int = 1  # round the embedding rows up to this (64 is fast); 1 = exact
-    attention_impl: str = "xla"  # auto | xla | cudnn
+    attention_impl: str = "auto"  # auto (cuDNN on NVIDIA GPUs in 16-bit, else XLA) | xla | cudnn
     sinusoid_layout: str = "interleaved"  # interleaved (the paper's sin, cos, ...) | halves (older runs)
 
     def __post_init__(self):

@@ -25,51 +25,18 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from jax import lax
 from orbax.checkpoint import checkpoint_managers as ocp_managers
 
 from flaxgpt.runs import state_tree
+from flaxgpt.runs.checksum import inspect
 
 log = logging.getLogger(__name__)
 
-
-class _QuietOrbax(logging.Filter):
-    """orbax's log lines that carry nothing for the user: a warning on each save without metrics
-    (steps without an eval are normal), "read only" notes on every load for inference, and the
-    tracebacks its background threads (and asyncio, for its tasks) log when a save fails: the
-    failure reaches the caller as one CheckpointError."""
-
-    def filter(self, record):
-        msg = record.getMessage()
-        if "did not provide metrics" in msg or "read only" in msg or "read_only=True" in msg:
-            return False
-        return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname + msg)
-
-
-logging.getLogger("absl").addFilter(_QuietOrbax())
-logging.getLogger("asyncio").addFilter(_QuietOrbax())
-
-
-def _quiet_closed_loop(hook=sys.unraisablehook):
-    """tensorstore's callbacks that finish after a failed read or save closed orbax's event loop
-    report `RuntimeError: Event loop is closed` as unraisable: drop those, pass on the rest."""
-
-    def unraisable(args):
-        e = args.exc_value
-        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
-            hook(args)
-
-    return unraisable
-
-
-sys.unraisablehook = _quiet_closed_loop()
 
 _PRNG_IMPLS = "_prng_impls"  # reserved key in extra: path -> PRNG impl name of each typed key
 _CHECKSUMS = "_checksums"  # reserved key in extra: path -> checksum of the saved array's bits
@@ -94,63 +61,6 @@ def _abstract_leaf(x):
         # a NamedSharding spec covers the leading (key) dims; the trailing key_data dim is replicated
         return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-
-@jax.jit
-def _all_finite_leaves(leaves):
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
-def all_finite(tree) -> bool:
-    """True when every float leaf of `tree` is finite (no NaN / inf); one jitted reduction."""
-    leaves = [
-        x
-        for x in jax.tree_util.tree_leaves(tree)
-        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-    ]
-    return not leaves or bool(_all_finite_leaves(leaves))
-
-
-def _words(x):
-    """x's bits as uint32 words: 1- and 2-byte values (and bools) widened, 8-byte ones split in two."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    narrow = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize)
-    if narrow is not None:
-        return lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
-    return lax.bitcast_convert_type(x, jnp.uint32)  # 8-byte values get a trailing [2]
-
-
-def _checksum(x):
-    """sum_i word_i * (2 i + 1) mod 2**32: the weights are odd, so flipping any one bit changes it;
-    exact integer arithmetic, so any sharding or device count gives the same number."""
-    w = _words(x)
-    index, stride = jnp.zeros(w.shape, jnp.uint32), 1
-    for d in reversed(range(w.ndim)):  # the flat index without a reshape (shards stay where they are)
-        index = index + lax.broadcasted_iota(jnp.uint32, w.shape, d) * jnp.uint32(stride % 2**32)
-        stride *= w.shape[d]
-    return jnp.sum(w * (2 * index + 1), dtype=jnp.uint32)
-
-
-@jax.jit
-def _inspect_leaves(leaves):
-    finite = [
-        jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True) for x in leaves
-    ]
-    return jnp.stack(finite), jnp.stack([_checksum(x) for x in leaves])
-
-
-def inspect(flat: dict) -> tuple[dict[str, bool], dict[str, str]]:
-    """({name: all finite}, {name: checksum as 8 hex digits}) of named arrays, in one jitted pass
-    on the devices that hold them (a save already reads every array once; this is as cheap)."""
-    names = [k for k, x in flat.items() if hasattr(x, "dtype")]
-    if not names:
-        return {}, {}
-    finite, sums = jax.device_get(_inspect_leaves([flat[k] for k in names]))
-    return (
-        {k: bool(f) for k, f in zip(names, finite)},
-        {k: f"{int(s):08x}" for k, s in zip(names, sums)},
-    )
 
 
 def _one_line(e: BaseException) -> str:
@@ -531,35 +441,4 @@ def load_for_inference(
         ckpt.close()
 
 
-def resume_step(ckpt: Checkpointer, init_from: str = "auto") -> int | None:
-    """The step to restore for `init_from`; None means start fresh (from scratch or pretrained weights).
-
-    auto (the default): the latest checkpoint if out_dir has one, else None.
-    resume: the latest checkpoint; an error when there is none.
-    scratch: an error when out_dir already has checkpoints, so a new run never deletes or overwrites them.
-    a pretrained name or path: the latest checkpoint if it was saved by a run with the same init_from
-    (a preempted fine-tune continues), else as scratch.
-    """
-    latest = ckpt.latest_step()
-    if init_from == "auto":
-        return latest
-    if init_from != "scratch" and latest is not None:
-        saved = ckpt.restore_extra(latest).get("config") or {}
-        if saved.get("init_from") == init_from:
-            return latest
-    if init_from == "resume":
-        if latest is None:
-            raise CheckpointError(
-                f"init_from=resume but {ckpt.out_dir} has no checkpoint; "
-                "use init_from=scratch or point out_dir at a run with checkpoints"
-            )
-        return latest
-    if latest is not None:
-        raise CheckpointError(
-            f"init_from={init_from} but {ckpt.out_dir} already has checkpoints up to step "
-            f"{latest}; use init_from=resume or a new out_dir"
-        )
-    return None
-
-
-__all__ = ["CheckpointError", "Checkpointer", "all_finite", "inspect", "load_for_inference", "resume_step"]
+__all__ = ["CheckpointError", "Checkpointer", "load_for_inference"]

@@ -214,3 +214,34 @@ def with_dtype(run: Run, dtype: str) -> Run:
     config = dataclasses.replace(run.config, dtype=dtype, param_dtype=dtype)
     params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), run.params)
     return run._replace(config=config, params=params)
+
+
+def resume_step(ckpt: checkpoint.Checkpointer, init_from: str = "auto") -> int | None:
+    """The step to restore for `init_from`; None means start fresh (from scratch or pretrained weights).
+
+    auto (the default): the latest checkpoint if out_dir has one, else None.
+    resume: the latest checkpoint; an error when there is none.
+    scratch: an error when out_dir already has checkpoints, so a new run never deletes or overwrites them.
+    a pretrained name or path: the latest checkpoint if it was saved by a run with the same init_from
+    (a preempted fine-tune continues), else as scratch.
+    """
+    latest = ckpt.latest_step()
+    if init_from == "auto":
+        return latest
+    if init_from != "scratch" and latest is not None:
+        saved = ckpt.restore_extra(latest).get("config") or {}
+        if saved.get("init_from") == init_from:
+            return latest
+    if init_from == "resume":
+        if latest is None:
+            raise checkpoint.CheckpointError(
+                f"init_from=resume but {ckpt.out_dir} has no checkpoint; "
+                "use init_from=scratch or point out_dir at a run with checkpoints"
+            )
+        return latest
+    if latest is not None:
+        raise checkpoint.CheckpointError(
+            f"init_from={init_from} but {ckpt.out_dir} already has checkpoints up to step "
+            f"{latest}; use init_from=resume or a new out_dir"
+        )
+    return None

@@ -135,10 +135,10 @@ def load_recipe(path: str):
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {path!r} not found; pass e.g. configs/default.py")
-    # recipes import their base as `from configs import default`: the repository root must be importable
+    # recipes import their base as `from configs import default`: the repository root is importable
+    # while the recipe runs (and only then: loading a recipe leaves sys.path as it was)
     root = str(file.resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
+    sys.path.insert(0, root)
     spec = importlib.util.spec_from_file_location(f"_flaxgpt_config_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -147,6 +147,8 @@ def load_recipe(path: str):
         raise ConfigError(f"config file {e.filename}:{e.lineno}: {e.msg}") from None
     except Exception as e:  # an import or name error while the recipe runs
         raise ConfigError(f"config file {path} failed to load ({type(e).__name__}: {e})") from None
+    finally:
+        sys.path.remove(root)
     if not callable(getattr(module, "get_config", None)):
         raise ConfigError(
             f"config file {path} has no get_config(); a recipe defines get_config() returning "

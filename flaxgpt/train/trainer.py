@@ -32,7 +32,7 @@ from flaxgpt.data import batches as data_lib
 from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
 from flaxgpt.runs import checkpoint as ckpt_lib
-from flaxgpt.runs import run_dir, run_lock
+from flaxgpt.runs import checksum, run_dir, run_lock
 from flaxgpt.runs.metrics import MetricsWriter, peak_flops_per_device
 from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import check as check_config
@@ -173,7 +173,7 @@ class Trainer:
         """The latest checkpoint (init_from auto | resume, or a fine-tune's own checkpoints), else a
         fresh state built directly in its shardings (never whole on one device), or the task's
         pretrained parameters."""
-        step = ckpt_lib.resume_step(self.ckpt, self.config.init_from)  # a fine-tune: its own checkpoints
+        step = run_dir.resume_step(self.ckpt, self.config.init_from)  # a fine-tune: its own checkpoints
         self.best_loss = float("inf")
         if step is not None:
             extra = self.ckpt.restore_extra(step)
@@ -244,7 +244,7 @@ class Trainer:
         Records the config and data meta trained with, and `loss`: the weights' own loss on a fixed
         batch (one forward pass; a train step's loss is that of the weights before its update), with
         `best_loss`, the lowest loss seen before it."""
-        if not ckpt_lib.all_finite(state.params):
+        if not checksum.all_finite(state.params):
             raise FloatingPointError(
                 f"non-finite weights at step {step} (not saved); {self.last_good()}; "
                 "lower the learning rate and resume"

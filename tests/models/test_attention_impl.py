@@ -12,10 +12,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxgpt.kernels import pallas_attention
-from flaxgpt.models import layers
+from flaxgpt.models import attention
+from flaxgpt.models.attention import attend, resolve_attention_impl
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import GPT, GPTConfig, init_params
-from flaxgpt.models.layers import attend, resolve_attention_impl
 
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 
@@ -42,14 +42,14 @@ def tril(T):
     ],
 )
 def test_auto_resolution(monkeypatch, where, dtype, want):
-    monkeypatch.setattr(layers, "accelerator", lambda: where)
+    monkeypatch.setattr(attention, "accelerator", lambda: where)
     assert resolve_attention_impl("auto", dtype) == want
     for explicit in ("xla", "cudnn", "pallas"):
         assert resolve_attention_impl(explicit, dtype) == explicit
 
 
 def test_accelerator_here_and_bad_name():
-    assert layers.accelerator() == "cpu"
+    assert attention.accelerator() == "cpu"
     assert resolve_attention_impl("auto", jnp.bfloat16) == "xla"
     with pytest.raises(ValueError, match="unknown attention_impl 'flash'"):
         resolve_attention_impl("flash", jnp.float32)

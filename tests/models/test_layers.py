@@ -6,13 +6,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxgpt.models.layers import (
+from flaxgpt.models.attention import (
     CrossAttention,
     attend,
     attend_cached,
     causal_mask,
     padding_mask,
     resolve_attention_impl,
+)
+from flaxgpt.models.layers import (
     sinusoidal_positions,
 )
 

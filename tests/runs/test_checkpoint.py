@@ -19,10 +19,10 @@ from flaxgpt.models.gpt import GPT, GPTConfig, init_params
 from flaxgpt.runs.checkpoint import (
     Checkpointer,
     CheckpointError,
-    all_finite,
     load_for_inference,
-    resume_step,
 )
+from flaxgpt.runs.checksum import all_finite
+from flaxgpt.runs.run_dir import resume_step
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -429,7 +429,7 @@ def test_checksums_catch_a_flipped_bit_and_inference_refuses_nan(tmp_path, monke
 
 
 def test_checksums_do_not_depend_on_the_sharding():
-    from flaxgpt.runs.checkpoint import inspect
+    from flaxgpt.runs.checksum import inspect
 
     x = jax.random.normal(jax.random.key(1), (16, 24))
     flat = {

@@ -1,0 +1,322 @@
+"""Attention: masks, the one `attend` (XLA, cuDNN or Pallas), the cached form decoding uses, and the
+self- and cross-attention layers the GPT and the encoder-decoder build on.
+
+Shape letters used in names:
+  B batch, T query length, S key length (the cache length when decoding),
+  H heads (of queries), J key/value heads (J = H, or fewer: grouped-query attention, J = 1
+  multi-query), G = H / J query heads per key/value head, K head dim, D model dim, N = B * J.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from flaxgpt.models.layers import norm, normal_init, zeros_init
+from flaxgpt.models.rope import RoPE
+
+Dtype = Any
+
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
+
+
+def accelerator() -> str:
+    """The kind of device: "nvidia" (CUDA GPU, has cuDNN), "tpu", else the backend ("cpu", "gpu" on ROCm)."""
+    backend = jax.default_backend()
+    if backend == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower():
+        return "nvidia"
+    return backend
+
+
+def resolve_attention_impl(impl: str, dtype: Dtype) -> str:
+    """`auto` picks cuDNN flash attention on NVIDIA GPUs in 16-bit (cuDNN's fused kernel has no
+    float32 path), the Pallas splash kernel on TPU, XLA elsewhere. Explicit choices pass through."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention_impl {impl!r}; choose one of {ATTENTION_IMPLS}")
+    if impl != "auto":
+        return impl
+    where = accelerator()
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if where == "nvidia" and half:
+        return "cudnn"
+    if where == "tpu":
+        return "pallas"
+    return "xla"
+
+
+def causal_mask(q_pos_BT: jax.Array, kv_len: int, window: int = 0) -> jax.Array:
+    """[B, 1, T, S] True where key s may be seen by the query at position q_pos:
+    s <= q_pos, and with a sliding `window` (Mistral) also s > q_pos - window."""
+    s_11S = jnp.arange(kv_len)[None, None, :]
+    q_BT1 = q_pos_BT[:, :, None]
+    visible_BTS = s_11S <= q_BT1
+    if window:
+        visible_BTS &= s_11S > q_BT1 - window
+    return visible_BTS[:, None]
+
+
+def padding_mask(kv_lengths_B: jax.Array, kv_len: int) -> jax.Array:
+    """[B, 1, 1, S] True on the first kv_lengths[b] keys of each row."""
+    return (jnp.arange(kv_len)[None, :] < kv_lengths_B[:, None])[:, None, None, :]
+
+
+def attend(
+    q_BTHK: jax.Array,
+    k_BSHK: jax.Array,
+    v_BSHK: jax.Array,
+    mask_BHTS: jax.Array | None,
+    *,
+    impl: str,
+    is_causal: bool = False,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    sow=None,
+) -> jax.Array:
+    """Scaled dot-product attention -> [B, T, H, K].
+
+    impl: "xla" (explicit logits and mask), "cudnn" (jax.nn.dot_product_attention's cuDNN
+    flash attention, NVIDIA GPUs, 16-bit) or "pallas" (the splash kernel, TPU; interpret mode
+    elsewhere). `is_causal` says the mask is exactly causal with queries and keys starting at
+    position 0 together (training, prefill into an empty cache). The fused kernels take only
+    that case (pallas) or causal / an explicit mask (cudnn), and neither does dropout or hands
+    back the weights; everything else goes through the XLA path.
+    """
+    fused_ok = dropout_rate == 0.0 and sow is None
+    if impl == "pallas" and fused_ok and is_causal:
+        from flaxgpt.kernels import pallas_attention
+
+        if pallas_attention.fits(q_BTHK.shape[1], k_BSHK.shape[1], q_BTHK.shape[0]):
+            return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK)
+    if impl == "cudnn" and fused_ok:
+        return jax.nn.dot_product_attention(
+            q_BTHK,
+            k_BSHK,
+            v_BSHK,
+            mask=None if is_causal else mask_BHTS,
+            is_causal=is_causal,
+            implementation="cudnn",
+        )
+    scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
+    # logits and softmax in at least fp32 (bf16 loses the tail of the distribution), fp64 for fp64
+    acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)
+    logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=acc) * scale
+    if mask_BHTS is not None:
+        logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
+    probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
+    if sow is not None:
+        sow(probs_BHTS)
+    if dropout_rate > 0.0 and dropout_rng is not None:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs_BHTS.shape)
+        probs_BHTS = jnp.where(keep, probs_BHTS / (1.0 - dropout_rate), 0.0)
+    return jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK)
+
+
+def write_cache(buf_NSK: jax.Array, new_BTHK: jax.Array, pos_BT: jax.Array) -> jax.Array:
+    """Scatter new keys or values into one layer's [B*H, S, K] buffer at per-row positions.
+
+    One scatter: a donated buffer is updated in place.
+    """
+    B, T, H, K = new_BTHK.shape
+    rows_B1H = (jnp.arange(B)[:, None] * H + jnp.arange(H))[:, None, :]  # buffer row of (b, h)
+    return buf_NSK.at[rows_B1H, pos_BT[:, :, None]].set(new_BTHK.astype(buf_NSK.dtype))
+
+
+def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None) -> jax.Array:
+    """Attention over a KVCache layer ([B*J, S, K] keys and values, as they lie) -> [B, T, H, K].
+
+    With J < H key/value heads (grouped-query), the G = H / J query heads that share a key/value
+    head are stacked as rows of one matrix (query head h reads key/value head h // G, as
+    transformers' repeat_kv), so the cache is read once per key/value head and never repeated.
+    """
+    B, T, H, K = q_BTHK.shape
+    N, S, _ = k_NSK.shape
+    J = N // B
+    G = H // J
+    q_NMK = jnp.transpose(q_BTHK.reshape(B, T, J, G, K), (0, 2, 3, 1, 4)).reshape(N, G * T, K)  # M = G*T
+    acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)  # as in attend: fp32 at least, fp64 for fp64
+    logits_NMS = jnp.einsum("nmk,nsk->nms", q_NMK, k_NSK.astype(q_NMK.dtype), preferred_element_type=acc)
+    logits_BHTS = logits_NMS.reshape(B, H, T, S) / math.sqrt(K)
+    logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
+    probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
+    if sow is not None:
+        sow(probs_BHTS)
+    probs_NMS = probs_BHTS.reshape(N, G * T, S).astype(v_NSK.dtype)
+    y_NMK = jnp.einsum("nms,nsk->nmk", probs_NMS, v_NSK)
+    y_BHTK = y_NMK.reshape(B, H, T, K)
+    return jnp.swapaxes(y_BHTK, 1, 2).astype(q_BTHK.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with one fused qkv projection (GPT-2's c_attn).
+
+    Without a cache it attends over `x` itself (causal, or bidirectional with a
+    padding mask). With `kv` (this layer's own (k, v) buffers, [B*J, S, K] each, see
+    cache.KVCache) it writes its new keys and values at `positions`, attends over the
+    buffers, masked to positions <= each query's own, and returns the updated pair.
+
+    Options of modern decoders: `n_kv_head` J < H key/value heads (grouped-query attention,
+    Ainslie et al. 2023; J = 1 is multi-query), which also shrinks the cache H / J times;
+    `qk_norm` normalises each head's queries and keys (Dehghani et al. 2023); `rope` rotates
+    them by their positions (RoPE); `window` limits each query to the last `window` keys.
+    """
+
+    n_head: int
+    n_kv_head: int = 0  # J; 0 = n_head
+    rope: RoPE | None = None
+    qk_norm: str | None = None  # None, or the norm ("layernorm" | "rmsnorm") over each head's K features
+    norm_eps: float = 1e-5
+    window: int = 0  # sliding-window attention (Mistral); 0 = every earlier key
+    causal: bool = True
+    use_bias: bool = True
+    qkv_bias: bool = True
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    out_init_std: float = 0.02
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    impl: str = "xla"
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT=None, kv=None, mask_BHTS=None, ve_BTD=None):
+        B, T, D = x_BTD.shape
+        H = self.n_head
+        J = self.n_kv_head or H
+        K = D // H
+        qkv_BTE = nn.Dense(
+            (H + 2 * J) * K,  # columns q | k | v, heads inside each (3D for GPT-2)
+            use_bias=self.qkv_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=normal_init(0.02, ("embed", "heads")),
+            bias_init=zeros_init(("heads",)),
+            name="c_attn",
+        )(x_BTD.reshape(B * T, D))  # 2-D operands: see MLP
+        q_BTHK, k_BTJK, v_BTJK = jnp.split(qkv_BTE.reshape(B, T, H + 2 * J, K), [H, H + J], axis=2)
+        if ve_BTD is not None:  # value embeddings (the speedrun's): v = l0 * v + l1 * ve, l learned
+            lambdas = self.param("ve_lambdas", nn.initializers.constant(0.5), (2,), self.param_dtype)
+            lambdas = lambdas.astype(v_BTJK.dtype)
+            v_BTJK = lambdas[0] * v_BTJK + lambdas[1] * ve_BTD.reshape(B, T, J, K).astype(v_BTJK.dtype)
+        if self.qk_norm:
+            norm_args = (self.qk_norm, self.use_bias, self.norm_eps, self.dtype, self.param_dtype)
+            q_BTHK = norm(*norm_args, "q_norm", axes=(None,))(q_BTHK)
+            k_BTJK = norm(*norm_args, "k_norm", axes=(None,))(k_BTJK)
+        if self.rope is not None:  # keys enter the cache rotated
+            q_BTHK = self.rope.apply(q_BTHK, positions_BT)
+            k_BTJK = self.rope.apply(k_BTJK, positions_BT)
+
+        sow = None
+        if self.is_mutable_collection("intermediates"):
+            sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
+        if kv is not None:  # decoding: per-row query positions, the XLA path with an explicit mask
+            k_NSK = write_cache(kv[0], k_BTJK, positions_BT)
+            v_NSK = write_cache(kv[1], v_BTJK, positions_BT)
+            kv = (k_NSK, v_NSK)
+            mask_BHTS = causal_mask(positions_BT, k_NSK.shape[1], self.window)
+            y_BTHK = attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow)
+        else:
+            is_causal = False
+            if self.causal:
+                # an extra mask or a window must reach the kernel explicitly
+                is_causal = mask_BHTS is None and not self.window
+                tril = causal_mask(jnp.arange(T)[None], T, self.window)
+                mask_BHTS = tril if mask_BHTS is None else mask_BHTS & tril
+            dropout = 0.0 if self.deterministic else self.attn_dropout
+            if J < H:  # grouped-query: each key/value head serves G query heads (h reads h // G)
+                k_BTJK, v_BTJK = jnp.repeat(k_BTJK, H // J, axis=2), jnp.repeat(v_BTJK, H // J, axis=2)
+            y_BTHK = attend(
+                q_BTHK,
+                k_BTJK,
+                v_BTJK,
+                mask_BHTS,
+                impl=resolve_attention_impl(self.impl, self.dtype),
+                is_causal=is_causal,
+                dropout_rate=dropout,
+                dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
+                sow=sow,
+            )
+        y_BTD = nn.Dense(
+            D,
+            use_bias=self.use_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=normal_init(self.out_init_std, ("heads", "embed")),
+            bias_init=zeros_init(("embed",)),
+            name="c_proj",
+        )(y_BTHK.reshape(B * T, D)).reshape(B, T, D)
+        y_BTD = nn.Dropout(self.resid_dropout)(y_BTD, deterministic=self.deterministic)
+        return y_BTD, kv
+
+
+class CrossAttention(nn.Module):
+    """Queries from the decoder, keys and values from the encoder output.
+
+    `memory` is either the encoder output [B, S, D], projected here, or the
+    pair (k, v) [B, S, H, K] from `project_kv`, so decoding projects a source once.
+    Keys past `kv_lengths[b]` (source padding) are never attended to.
+    """
+
+    d_model: int
+    n_head: int
+    use_bias: bool = True
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+    out_init_std: float = 0.02
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    impl: str = "xla"
+    deterministic: bool = True
+
+    def setup(self):
+        dense = dict(use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype)
+        self.c_q = nn.Dense(
+            self.d_model,
+            kernel_init=normal_init(0.02, ("embed", "heads")),
+            bias_init=zeros_init(("heads",)),
+            **dense,
+        )
+        self.c_kv = nn.Dense(
+            2 * self.d_model,
+            kernel_init=normal_init(0.02, ("embed", "heads")),
+            bias_init=zeros_init(("heads",)),
+            **dense,
+        )
+        self.c_proj = nn.Dense(
+            self.d_model,
+            kernel_init=normal_init(self.out_init_std, ("heads", "embed")),
+            bias_init=zeros_init(("embed",)),
+            **dense,
+        )
+        self.drop = nn.Dropout(self.resid_dropout)
+
+    def project_kv(self, memory_BSD):
+        B, S, D = memory_BSD.shape
+        kv_BSE = self.c_kv(memory_BSD)
+        k_BSHK, v_BSHK = jnp.split(kv_BSE.reshape(B, S, 2 * self.n_head, D // self.n_head), 2, axis=2)
+        return k_BSHK, v_BSHK
+
+    def __call__(self, x_BTD, memory, kv_lengths_B):
+        B, T, D = x_BTD.shape
+        k_BSHK, v_BSHK = memory if isinstance(memory, tuple) else self.project_kv(memory)
+        q_BTHK = self.c_q(x_BTD).reshape(B, T, self.n_head, D // self.n_head)
+        mask_BHTS = padding_mask(kv_lengths_B, k_BSHK.shape[1])
+        sow = None
+        if self.is_mutable_collection("intermediates"):
+            sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
+        dropout = 0.0 if self.deterministic else self.attn_dropout
+        y_BTHK = attend(
+            q_BTHK,
+            k_BSHK.astype(q_BTHK.dtype),
+            v_BSHK.astype(q_BTHK.dtype),
+            mask_BHTS,
+            impl=resolve_attention_impl(self.impl, self.dtype),
+            dropout_rate=dropout,
+            dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
+            sow=sow,
+        )
+        y_BTD = self.c_proj(y_BTHK.reshape(B, T, D))
+        return self.drop(y_BTD, deterministic=self.deterministic)
