@@ -78,8 +78,10 @@ def parse_flags(argv):
         recipe = load_recipe(path)
     except ConfigError as e:
         sys.exit(f"error: {e}")
-    config_flags.DEFINE_config_dict("config", recipe, "the recipe's config (--config FILE)", lock_config=True)
-    try:
+    try:  # the override flags are defined from `rest` here: a misspelt key fails already
+        config_flags.DEFINE_config_dict(
+            "config", recipe, "the recipe's config (--config FILE)", lock_config=True, sys_argv=rest
+        )
         return flags.FLAGS(rest)
     except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:
         sys.exit(f"error: {one_line(e)}")

@@ -51,11 +51,11 @@ def flaxgpt_full_val(out: Path, data_dir: Path, quantize: str | None = None) -> 
     import jax
     import numpy as np
 
+    from flaxgpt.loader import load
     from flaxgpt.models import gpt
     from flaxgpt.models.quantize import intercepted
-    from flaxgpt.runs.run_dir import load_run
 
-    _, cfg, params, _ = load_run(out, quantize=quantize)
+    _, cfg, params, _ = load(out, quantize=quantize)
 
     @jax.jit
     @intercepted  # quantized weights go through qmatmul; float32 ones as they are

@@ -1,36 +1,51 @@
-"""flaxgpt: GPT-style transformers in JAX/Flax."""
+"""flaxgpt: GPT-style transformers in JAX/Flax.
 
-from flaxgpt.data.tokenizers import CharTokenizer, get_tokenizer
-from flaxgpt.decode.beam_search import beam_search
-from flaxgpt.decode.sampling import generate
-from flaxgpt.models.cache import KVCache, Seq2SeqCache
-from flaxgpt.models.gpt import GPT, GPTConfig, count_params, init_params
-from flaxgpt.models.gpt import step_fn as gpt_step_fn
-from flaxgpt.models.seq2seq import Transformer, TransformerConfig
+    import flaxgpt
+    run = flaxgpt.load("out/shakespeare_char")      # or "gpt2", or a Hugging Face directory
+    model = flaxgpt.GPT(run.config)
 
-__all__ = [
-    "GPT",
-    "GPTConfig",
-    "KVCache",
-    "Seq2SeqCache",
-    "CharTokenizer",
-    "count_params",
-    "get_tokenizer",
-    "init_params",
-    "load_pretrained",
-    "export_pretrained",
-    "generate",
-    "gpt_step_fn",
-    "Transformer",
-    "TransformerConfig",
-    "beam_search",
-]
+Every public name is imported on first use (PEP 562), so `import flaxgpt` (and the `flaxgpt`
+command's --help) imports no jax.
+"""
+
+import importlib
+
+# public name -> the module that owns it
+_OWNERS = {
+    "GPT": "flaxgpt.models.gpt",
+    "GPTConfig": "flaxgpt.models.gpt",
+    "count_params": "flaxgpt.models.gpt",
+    "init_params": "flaxgpt.models.gpt",
+    "KVCache": "flaxgpt.models.cache",
+    "Seq2SeqCache": "flaxgpt.models.cache",
+    "Transformer": "flaxgpt.models.seq2seq",
+    "TransformerConfig": "flaxgpt.models.seq2seq",
+    "CharTokenizer": "flaxgpt.data.tokenizers",
+    "get_tokenizer": "flaxgpt.data.tokenizers",
+    "generate": "flaxgpt.decode.sampling",
+    "beam_search": "flaxgpt.decode.beam_search",
+    "load": "flaxgpt.loader",
+    "Run": "flaxgpt.loader",
+    "load_pretrained": "flaxgpt.hf.gpt2",
+    "export_pretrained": "flaxgpt.hf.gpt2",
+    "setup": "flaxgpt.runtime",
+}
+_RENAMED = {"gpt_step_fn": ("flaxgpt.models.gpt", "step_fn")}
+
+__all__ = [*_OWNERS, *_RENAMED]
 
 
 def __getattr__(name):
-    # flaxgpt.hf.gpt2 on first use: importing it here would make `python -m flaxgpt.hf.gpt2` warn
-    if name in ("load_pretrained", "export_pretrained"):
-        from flaxgpt.hf import gpt2 as hf
+    if name in _OWNERS:
+        module, attr = _OWNERS[name], name
+    elif name in _RENAMED:
+        module, attr = _RENAMED[name]
+    else:
+        raise AttributeError(f"module 'flaxgpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), attr)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
 
-        return getattr(hf, name)
-    raise AttributeError(f"module 'flaxgpt' has no attribute {name!r}")
+
+def __dir__():
+    return sorted([*globals(), *__all__])

@@ -96,6 +96,23 @@ def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B):
     return thr_B, fits_B
 
 
+@struct.dataclass
+class Sampling:
+    """How a token is chosen from logits: temperature (0 = greedy), top_k (0 = off), top_p (1 = off),
+    eos_id (None = none). Static and hashable: part of a compiled decoder's key (generate, speculative);
+    the serving engine carries the same settings as per-row arrays (serve.engine.RowSampling)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    eos_id: int | None = None
+
+
+def greedy(logits_XV):
+    """The highest-scoring token along the last axis, compared in fp32 (bf16 ties break differently)."""
+    return jnp.argmax(logits_XV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+
+
 def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, max_k: int = 256):
     """One token per row, each row with its own key and settings (arrays, so one program serves all).
 
@@ -128,7 +145,7 @@ def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, max_k: in
         return jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys_B, masked_BV).astype(jnp.int32)
 
     drawn_B = jax.lax.cond(jnp.any(~greedy_B), draw, lambda _: jnp.zeros((B,), jnp.int32), None)
-    return jnp.where(greedy_B, jnp.argmax(logits_BV, axis=-1).astype(jnp.int32), drawn_B)
+    return jnp.where(greedy_B, greedy(logits_BV), drawn_B)
 
 
 def row_keys(rng, step, batch: int):
@@ -140,9 +157,9 @@ def row_keys(rng, step, batch: int):
 def sample_logits(rng, logits_BV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """One token per row: greedy when temperature == 0, else temperature, then top-k, then top-p
     (select_rows with these settings on every row; row b draws with fold_in(rng, b))."""
-    logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
     if temperature == 0:
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return greedy(logits_BV)
+    logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
     B = logits_BV.shape[0]
     keys_B = jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(B))
     full = lambda x, dtype: jnp.full((B,), x, dtype)  # noqa: E731
@@ -175,20 +192,10 @@ class DecodeState:
     rng: jax.Array
 
 
-@struct.dataclass
-class Sampling:
-    """Static selection settings (hashable: part of the compiled function's key)."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    eos_id: int | None = None
-
-
 def _select(s: Sampling, rng, step, logits_BV):
     """Row b draws with fold_in(fold_in(rng, b), step): the serving engine's keys for choice b."""
     if s.temperature == 0:
-        return jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+        return greedy(logits_BV)
     B = logits_BV.shape[0]
     full = lambda x, dtype: jnp.full((B,), x, dtype)  # noqa: E731
     return select_rows(

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from flaxgpt.decode.sampling import check_sampling_args, top_k_mask, top_p_mask
+from flaxgpt.decode.sampling import Sampling, check_sampling_args, greedy, top_k_mask, top_p_mask
 
 
 class SpecStats(NamedTuple):
@@ -63,17 +63,7 @@ class SpecState:
     rng: jax.Array
 
 
-@struct.dataclass
-class _Select:
-    """Static selection settings (hashable: part of the compiled function's key)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    eos_id: int | None
-
-
-def _filtered(s: _Select, logits_BXV):
+def _filtered(s: Sampling, logits_BXV):
     """Logits after temperature, top-k and top-p (the distribution tokens are drawn from)."""
     logits_BXV = logits_BXV.astype(jnp.float32) / s.temperature
     shape = logits_BXV.shape
@@ -81,9 +71,9 @@ def _filtered(s: _Select, logits_BXV):
     return top_p_mask(top_k_mask(flat, s.top_k), s.top_p).reshape(shape)
 
 
-def _draw(s: _Select, rng, logits_BV):
+def _draw(s: Sampling, rng, logits_BV):
     if s.temperature == 0:
-        return jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+        return greedy(logits_BV)
     return jax.random.categorical(rng, _filtered(s, logits_BV), axis=-1).astype(jnp.int32)
 
 
@@ -112,7 +102,7 @@ def _prefill(target_step, target, draft_step, draft, prompt_BP, lengths_B, rng, 
     )
 
 
-def _propose(draft_step, sel: _Select, k: int, state: SpecState, rng):
+def _propose(draft_step, sel: Sampling, k: int, state: SpecState, rng):
     """k draft tokens per row -> (tokens_Bk, draft logits_BkV, cache)."""
     B = state.fill_B.shape[0]
     # the first call also rewrites position fill - 1, which a fully accepted round left unwritten
@@ -132,11 +122,11 @@ def _propose(draft_step, sel: _Select, k: int, state: SpecState, rng):
     return jnp.stack(drafted, 1), jnp.stack(logits, 1), cache
 
 
-def _verify(sel: _Select, rng, drafted_Bk, q_logits_BkV, p_logits_BKV):
+def _verify(sel: Sampling, rng, drafted_Bk, q_logits_BkV, p_logits_BKV):
     """-> (n_B accepted drafted tokens, next_B the target's token after them)."""
     B, k = drafted_Bk.shape
     if sel.temperature == 0:
-        best_BK = jnp.argmax(p_logits_BKV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+        best_BK = greedy(p_logits_BKV)
         agree_Bk = drafted_Bk == best_BK[:, :k]
         n_B = jnp.sum(jnp.cumprod(agree_Bk, axis=1), axis=1)
         return n_B, jnp.take_along_axis(best_BK, n_B[:, None], axis=1)[:, 0]
@@ -159,7 +149,7 @@ def _verify(sel: _Select, rng, drafted_Bk, q_logits_BkV, p_logits_BKV):
 
 
 @functools.partial(jax.jit, static_argnames=("sel", "k"), donate_argnames=("state",))
-def _decode(target_step, draft_step, state: SpecState, max_new, sel: _Select, k: int):
+def _decode(target_step, draft_step, state: SpecState, max_new, sel: Sampling, k: int):
     B = state.fill_B.shape[0]
     rows_B = jnp.arange(B)
 
@@ -250,7 +240,7 @@ def speculative_generate(
             )
     if max_new_tokens < 1:
         return np.zeros((B, 0), np.int32), np.zeros(B, np.int32), SpecStats(0, 0, 0)
-    sel = _Select(float(temperature), int(top_k), float(top_p), eos_id)
+    sel = Sampling(float(temperature), int(top_k), float(top_p), eos_id)
     as_partial = lambda f: f if isinstance(f, jax.tree_util.Partial) else jax.tree_util.Partial(f)
     target_step, draft_step = as_partial(target_step), as_partial(draft_step)
     max_new = jnp.int32(max_new_tokens)

@@ -20,6 +20,18 @@ from flaxgpt.models.seq2seq import TransformerConfig
 CONFIGS = {"gpt": GPTConfig, "seq2seq": TransformerConfig}
 MODULES = {"gpt": gpt, "seq2seq": seq2seq}  # each provides abstract_params(config), init_params(config, rng)
 
+# model fields that change how the same weights are run, not what they compute: a resume may change
+# them, and a fine-tune takes them from its recipe rather than from the pretrained checkpoint
+RUNTIME_FIELDS = (
+    "dropout",
+    "embd_dropout",
+    "attn_dropout",
+    "resid_dropout",
+    "dtype",
+    "attention_impl",
+    "remat",
+)
+
 # fields added after runs were saved -> the behaviour those runs had: a saved section (config.json,
 # a checkpoint's config) without the field is read with this value (kind -> {field: value})
 SAVED_DEFAULTS = {

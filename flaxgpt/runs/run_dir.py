@@ -3,13 +3,13 @@
     write_run_files(out_dir, config_dict, data_dir)     # the trainer, on process 0, before step 0
     changed = check_resume(extra, step, model_config, meta)   # before a resume writes anything
     run = load_run("out/shakespeare_char")              # Run(kind, config, params, tokenizer)
-    run = load_run("out/reverse", step=2000, dtype="bfloat16")
+    run = load_run("out/reverse", step=2000)            # (flaxgpt.load: also a dtype, quantized weights)
 
 out_dir/ holds config.json (the resolved run config; its "model" entry is `models.section_of` of the
 model config: "kind" plus every field), meta.json (copied from the data directory: the tokenizer),
 checkpoints/ (flaxgpt.runs.checkpoint), metrics.jsonl, plots and, while a run trains, train.lock
-(flaxgpt.runs.run_lock). `load_run` needs nothing else: sample.py, attention maps,
-`python -m flaxgpt.hf.gpt2 export` and translation all load a run through it.
+(flaxgpt.runs.run_lock). `load_run` needs nothing else: flaxgpt.load (sample.py, serve.py,
+`flaxgpt eval`, `flaxgpt hf export`), attention maps and translation load a run through it.
 
 Each checkpoint also carries the run config and data meta.json it was trained with (its extra's
 "config" and "meta"). A resume may change training settings (learning rate, batch size, max_iters,
@@ -28,28 +28,11 @@ import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
-
 from flaxgpt.data import tokenizers
 from flaxgpt.models import registry as models
-from flaxgpt.models.gpt import quantize_params
-from flaxgpt.models.quantize import check_mode
 from flaxgpt.runs import checkpoint
 
 HINT = "point out_dir at a flaxgpt training run (config.json, meta.json, checkpoints/)"
-
-
-# model fields that change how the same weights are run, not what they compute: a resume may change them
-RUNTIME_FIELDS = (
-    "dropout",
-    "embd_dropout",
-    "attn_dropout",
-    "resid_dropout",
-    "dtype",
-    "attention_impl",
-    "remat",
-)
 
 
 class RunError(ValueError):
@@ -107,7 +90,7 @@ def check_resume(
     extra: dict, step: int, model_config, meta: dict, config_dict: dict | None = None
 ) -> list[str]:
     """Refuses (a one-line RunError naming the keys) to resume checkpoint `step` (its `extra`) with a
-    model config or a data tokenizer other than those it was trained with; `RUNTIME_FIELDS` may change.
+    model config or a data tokenizer other than those it was trained with; `models.RUNTIME_FIELDS` may change.
     Returns the training settings that change ("optim.learning_rate: 0.0006 -> 0.0001"), comparing the
     checkpoint's run config with `config_dict`. Checkpoints saved without a record pass (shapes are
     still checked on restore)."""
@@ -118,7 +101,7 @@ def check_resume(
         before = models.section_of(models.config_from(saved["model"], saved=True))
         now = models.section_of(model_config)
         for k in sorted(set(before) | set(now)):
-            if k not in RUNTIME_FIELDS and before.get(k) != now.get(k):
+            if k not in models.RUNTIME_FIELDS and before.get(k) != now.get(k):
                 diffs.append(f"model.{k} ({before.get(k)!r} in the checkpoint, {now.get(k)!r} now)")
     saved_tok = (extra.get("meta") or {}).get("tokenizer")
     if saved_tok is not None and saved_tok != meta.get("tokenizer"):
@@ -132,23 +115,24 @@ def check_resume(
     if config_dict is None or not saved:
         return []
     now = {**config_dict, "model": models.section_of(model_config)}
-    fixed = {f"model.{k}" for k in now["model"] if k not in RUNTIME_FIELDS}  # equal, checked above
+    fixed = {f"model.{k}" for k in now["model"] if k not in models.RUNTIME_FIELDS}  # equal, checked above
     before, now = _flat(saved), _flat(now)
     return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in _differing(before, now) if k not in fixed]
 
 
-def write_run_files(out_dir, config_dict: dict, data_dir) -> Path:
+def write_run_files(out_dir, config_dict: dict, data_dir, meta: dict | None = None) -> Path:
     """Writes out_dir/config.json and copies data_dir/meta.json to out_dir/meta.json.
 
     `config_dict` is the resolved run config; its "model" entry is the model config (GPTConfig /
     TransformerConfig), stored as `models.section_of` it, or that section already as a dict.
     A run resumed with data of another vocabulary is refused: its checkpoints decode with the old one.
+    `meta`: data_dir's meta.json as `check_data` returned it, when the caller checked it already.
     """
     out_dir = Path(out_dir)
     model = config_dict.get("model")
     if dataclasses.is_dataclass(model):
         config_dict = {**config_dict, "model": models.section_of(model)}
-    meta = check_data(out_dir, data_dir)
+    meta = meta if meta is not None else check_data(out_dir, data_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(out_dir / "config.json", json.dumps(config_dict, indent=2) + "\n")
     _write_atomic(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
@@ -165,16 +149,9 @@ def _read(path: Path) -> dict:
         raise RunError(f"{path} cannot be read ({why}); {HINT}") from None
 
 
-def load_run(
-    out_dir, step: int | None = None, *, dtype: str | None = None, quantize: str | None = None
-) -> Run:
-    """The run in `out_dir` at checkpoint `step` (default: the latest), params on one local device.
-
-    `dtype` (e.g. "bfloat16") casts the weights and sets the model's compute dtype (`with_dtype`).
-    `quantize` ("int8" | "bf16", GPT runs) gives weights for decoding (`gpt.quantize_params`).
-    """
-    if quantize is not None:
-        check_mode(quantize)
+def load_run(out_dir, step: int | None = None) -> Run:
+    """The run in `out_dir` at checkpoint `step` (default: the latest), params on one local device,
+    as saved (flaxgpt.load casts and quantizes)."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise RunError(f"{out_dir} is not a directory; {HINT}")
@@ -199,21 +176,7 @@ def load_run(
         if kind == "seq2seq"
         else tokenizers.from_meta(tok_meta)
     )
-    if quantize is not None and kind != "gpt":
-        raise RunError(f"{out_dir} is a {kind} run; quantize applies to GPT runs")
-    run = Run(kind, config, params, tok)
-    run = with_dtype(run, dtype) if dtype else run
-    if quantize is not None:
-        config, params = quantize_params(run.config, run.params, quantize)
-        run = run._replace(config=config, params=params)
-    return run
-
-
-def with_dtype(run: Run, dtype: str) -> Run:
-    """The run with weights cast to `dtype` and computing in it: decoding is bound by reading weights."""
-    config = dataclasses.replace(run.config, dtype=dtype, param_dtype=dtype)
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), run.params)
-    return run._replace(config=config, params=params)
+    return Run(kind, config, params, tok)
 
 
 def resume_step(ckpt: checkpoint.Checkpointer, init_from: str = "auto") -> int | None:

@@ -1,7 +1,7 @@
 """The serving engine: continuous batching over one fixed-size KV cache of `slots` rows.
 
     engine = Engine(gpt_step_fn(config, params), lambda b: KVCache.for_config(config, b, W), slots=8)
-    prefix = engine.prefill(prompt_ids, RowSampling.of(max_new_tokens=64, temperature=0.8, seed=7))
+    prefix = engine.prefill(prompt_ids, RowSampling.of(Sampling(temperature=0.8), max_new_tokens=64, seed=7))
     engine.insert(prefix, slot=3)              # the request now owns row 3 of the cache
     tokens_BC, new_B, done_B = engine.generate()   # up to `chunk` tokens for every busy slot
 
@@ -36,11 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from flaxgpt.decode.sampling import select_rows
+from flaxgpt.decode.sampling import Sampling, select_rows
 
 
 class RowSampling(NamedTuple):
-    """One request's decoding settings as arrays (the same program serves any values)."""
+    """One request's decoding settings (a decode.sampling.Sampling, its length, its key) as arrays:
+    the same compiled program serves any values."""
 
     seed: np.ndarray  # u32; token i is drawn with fold_in(fold_in(key(seed), stream), i)
     stream: np.ndarray  # i32: the row of `generate`'s batch this request matches (choice index)
@@ -51,15 +52,16 @@ class RowSampling(NamedTuple):
     eos: np.ndarray  # i32, -1 = none
 
     @classmethod
-    def of(cls, *, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=0, stream=0, eos_id=None):
+    def of(cls, sampling: Sampling | None = None, *, max_new_tokens, seed=0, stream=0):
+        s = sampling or Sampling()
         return cls(
             seed=np.uint32(seed),
             stream=np.int32(stream),
-            temperature=np.float32(temperature),
-            top_k=np.int32(top_k),
-            top_p=np.float32(top_p),
+            temperature=np.float32(s.temperature),
+            top_k=np.int32(s.top_k),
+            top_p=np.float32(s.top_p),
             max_new=np.int32(max_new_tokens),
-            eos=np.int32(-1 if eos_id is None else eos_id),
+            eos=np.int32(-1 if s.eos_id is None else s.eos_id),
         )
 
 

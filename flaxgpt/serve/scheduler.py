@@ -26,6 +26,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from flaxgpt.decode.sampling import Sampling
 from flaxgpt.serve.engine import Engine, RowSampling
 
 log = logging.getLogger("flaxgpt.serve")
@@ -157,7 +158,7 @@ class Scheduler:
 
     def _warm_up(self):
         """Compile every program now, so no request waits for XLA: a prefill per bucket, insert, generate."""
-        rows = RowSampling.of(max_new_tokens=2, temperature=1.0, top_k=1)
+        rows = RowSampling.of(Sampling(temperature=1.0, top_k=1), max_new_tokens=2)
         for b in self.engine.buckets:
             prefix = self.engine.prefill([0] * min(b, self.engine.max_len - 2), rows)
         self.engine.insert(prefix, 0)

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from flaxgpt.decode.sampling import Sampling
 from flaxgpt.serve import openai_api as api
 from flaxgpt.serve.engine import RowSampling
 from flaxgpt.serve.scheduler import (
@@ -83,15 +84,9 @@ def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_s
         seqs = []
         for i, ids in enumerate(req.prompts):
             for j in range(req.n):
-                rows = RowSampling.of(
-                    max_new_tokens=req.max_tokens,
-                    temperature=req.temperature,
-                    top_k=req.top_k,
-                    top_p=req.top_p,
-                    seed=req.seed,
-                    stream=j,
-                    eos_id=None if req.ignore_eos else eos_id,
-                )
+                eos = None if req.ignore_eos else eos_id
+                sampling = Sampling(req.temperature, req.top_k, req.top_p, eos)
+                rows = RowSampling.of(sampling, max_new_tokens=req.max_tokens, seed=req.seed, stream=j)
                 index = i * req.n + j
                 emit = lambda ev, index=index: loop.call_soon_threadsafe(events.put_nowait, (index, ev))  # noqa: E731
                 seqs.append(Sequence(ids, rows, stop=req.stop, emit=emit))

@@ -105,10 +105,8 @@ def check(config) -> None:
         ok = ok and (math.isinf(high) or (value <= high if high_in else value < high))
         if not ok:
             raise ConfigError(f"--config.{key}={value} must be {_range(low, high, low_in, high_in)} ({what})")
-    if config.get("batch_size") and config.get("grad_accum") and config.batch_size % config.grad_accum:
-        raise ConfigError(
-            f"batch_size {config.batch_size} is not divisible by grad_accum {config.grad_accum}"
-        )
+    if config.get("batch_size") and config.get("grad_accum"):
+        micro_batch(config)
     mesh_data = _get(config, "mesh.data")
     if mesh_data is not None and mesh_data != -1 and mesh_data < 1:
         raise ConfigError(f"--config.mesh.data={mesh_data} must be >= 1, or -1 for all devices left")
@@ -126,6 +124,15 @@ def check(config) -> None:
         models.config_from(config.model)  # the model config's own checks (choices, divisibility)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
+
+
+def micro_batch(config) -> int:
+    """batch_size // grad_accum: the sequences of one micro-batch (all devices); an error unless exact."""
+    if config.batch_size % config.grad_accum:
+        raise ConfigError(
+            f"batch_size {config.batch_size} is not divisible by grad_accum {config.grad_accum}"
+        )
+    return config.batch_size // config.grad_accum
 
 
 def load_recipe(path: str):

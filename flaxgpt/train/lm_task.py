@@ -7,7 +7,7 @@ flaxgpt.data.fineweb: windows in order, evaluated on the fixed val set only).
 
 init_from = auto | resume | scratch builds the model from the recipe's `model` section
 (models.config_from); a GPT-2 name or directory takes the architecture and weights from that
-checkpoint and only the recipe's run-time fields (RUN_FIELDS) from the recipe; so does a Llama,
+checkpoint and only the recipe's run-time fields (models.RUNTIME_FIELDS) from the recipe; so does a Llama,
 Mistral or Qwen2 directory (hf.load_pretrained dispatches on its config.json's model_type).
 """
 
@@ -27,8 +27,7 @@ from flaxgpt.train.losses import cross_entropy
 FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the model from config.model
 # what a pretrained checkpoint leaves to the recipe: the layout of the loaded arrays ...
 LAYOUT_FIELDS = ("block_size", "scan_layers", "pad_vocab_multiple", "param_dtype")
-# ... and how the model runs
-RUN_FIELDS = ("dropout", "embd_dropout", "attn_dropout", "resid_dropout", "dtype", "remat", "attention_impl")
+# ... and how the model runs: models.RUNTIME_FIELDS
 
 
 def load_pretrained(init_from: str, recipe: gpt.GPTConfig) -> tuple[gpt.GPTConfig, dict]:
@@ -39,7 +38,7 @@ def load_pretrained(init_from: str, recipe: gpt.GPTConfig) -> tuple[gpt.GPTConfi
         raise ValueError(
             f"init_from={init_from!r}: {e}; init_from is auto | resume | scratch | a GPT-2 name | a directory"
         ) from None
-    return dataclasses.replace(pretrained, **{f: getattr(recipe, f) for f in RUN_FIELDS}), params
+    return dataclasses.replace(pretrained, **{f: getattr(recipe, f) for f in models.RUNTIME_FIELDS}), params
 
 
 class LMTask:
@@ -99,3 +98,6 @@ class LMTask:
         return data_lib.get_batch(
             tokens, self.model_config.block_size, n_rows, self.seed, step, process_index, stream
         )
+
+    def evaluate(self, params) -> dict:
+        return {}  # the loss is all: benchmark tasks are config.eval_tasks (eval.tasks.TrainingEvaluator)

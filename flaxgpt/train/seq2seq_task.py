@@ -36,6 +36,7 @@ EVAL_DEFAULTS = {
 class Seq2SeqTask:
     kind = "seq2seq"
     splits = ("train", "val")
+    pretrained = None  # always trained from scratch
 
     def __init__(self, config):
         self.data = {s: data_lib.ParallelData(config.data.dir, s) for s in ("train", "val")}

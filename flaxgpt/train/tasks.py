@@ -2,22 +2,42 @@
 
     task = make_task(config)   # LMTask (decoder-only GPT) or Seq2SeqTask (encoder-decoder)
 
-A task provides: model_config, abstract_params() (boxed, with logical axes), init_params(rng),
-loss(params, batch, rng, train) -> (summed float32 loss, number of target tokens),
-batch(split, step, n_rows, process_index) -> host-local numpy dict [n_rows, ...],
-tokens_per_row, splits, data_dir (whose meta.json the run directory keeps), optionally
-evaluate(params) -> extra metrics and `pretrained` (parameters to start from). Tasks never import the trainer.
+A task is what `Task` lists; tasks never import the trainer.
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from flaxgpt.train.lm_task import LMTask
 from flaxgpt.train.seq2seq_task import Seq2SeqTask
 
-TASKS = {"gpt": LMTask, "seq2seq": Seq2SeqTask}
+
+class Task(Protocol):
+    """What the trainer asks of a task."""
+
+    kind: str  # models.kind_of(model_config): "gpt" | "seq2seq"
+    model_config: Any  # GPTConfig | TransformerConfig
+    splits: tuple[str, ...]  # the splits evaluations average the loss over ("train", "val")
+    data_dir: Any  # the data directory, whose meta.json (the tokenizer) the run directory keeps
+    tokens_per_row: int  # target tokens a batch row holds (tokens per second, MFU)
+    pretrained: Any  # parameters to start from (init_from a pretrained model), else None
+
+    def abstract_params(self) -> Any: ...  # boxed ShapeDtypeStructs, with logical axes
+
+    def init_params(self, rng) -> Any: ...
+
+    def loss(self, params, batch, rng, train: bool) -> tuple[Any, Any]: ...  # (summed loss, n targets)
+
+    def batch(self, split: str, step: int, n_rows: int, process_index: int) -> dict: ...  # host [n_rows, ...]
+
+    def evaluate(self, params) -> dict: ...  # the task's own metrics at an evaluation ({}: none)
 
 
-def make_task(config):
+TASKS: dict[str, type[Task]] = {"gpt": LMTask, "seq2seq": Seq2SeqTask}
+
+
+def make_task(config) -> Task:
     kind = config.model.get("kind", "gpt")
     if kind not in TASKS:
         raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(TASKS)}")

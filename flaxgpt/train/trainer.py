@@ -36,6 +36,7 @@ from flaxgpt.runs import checksum, run_dir, run_lock
 from flaxgpt.runs.metrics import MetricsWriter, peak_flops_per_device
 from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import check as check_config
+from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.optim import make_optimizer
 from flaxgpt.train.preemption import StopSignal
 from flaxgpt.train.tasks import make_task
@@ -84,11 +85,7 @@ class Trainer:
 
     def __init__(self, config, devices=None, print_fn=print):
         self.config, self.print = config, print_fn
-        if config.batch_size % config.grad_accum:
-            raise ValueError(
-                f"batch_size {config.batch_size} is not divisible by grad_accum {config.grad_accum}"
-            )
-        self.micro_rows = config.batch_size // config.grad_accum
+        self.micro_rows = micro_batch(config)
         self.task = make_task(config)
         self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
         sharding.check_batch(self.micro_rows, self.mesh, "batch_size // grad_accum")
@@ -153,8 +150,7 @@ class Trainer:
         from flaxgpt.data import tokenizers
         from flaxgpt.eval import tasks as eval_tasks
 
-        meta = run_dir.check_data(c.out_dir, self.task.data_dir)
-        tokenizer = tokenizers.from_meta(meta["tokenizer"])
+        tokenizer = tokenizers.from_meta(self.data_meta["tokenizer"])
         devices = list(self.mesh.devices.flat)
         return eval_tasks.TrainingEvaluator(
             c.eval_tasks, self.task.model_config, tokenizer, limit=c.eval_tasks_limit, devices=devices
@@ -196,7 +192,7 @@ class Trainer:
             self._print(f"resumed from {self.ckpt.directory / str(step)}")
             return state
         key = jax.random.key(self.config.seed)
-        pretrained = getattr(self.task, "pretrained", None)
+        pretrained = self.task.pretrained
         if pretrained is not None:  # parameters as arguments, not constants baked into the program
             params = jax.device_put(pretrained, self.param_shardings)
             make = jax.jit(self._state_from_params, out_shardings=self.state_shardings)
@@ -228,14 +224,13 @@ class Trainer:
             sums[split] = parts
         fetched = jax.device_get(sums)
         out = {f"{s}_loss": float(sum(p[0] for p in v) / sum(p[1] for p in v)) for s, v in fetched.items()}
-        if hasattr(self.task, "evaluate"):  # task-specific metrics (seq2seq: accuracy, BLEU)
-            out.update(self.task.evaluate(params))
+        out.update(self.task.evaluate(params))  # the task's own metrics (seq2seq: accuracy, BLEU)
         return out
 
     def write_run_files(self) -> Path | None:
         if self.is_main:
             cfg = {**self.config.to_dict(), "model": self.task.model_config}
-            return run_dir.write_run_files(self.config.out_dir, cfg, self.task.data_dir)
+            return run_dir.write_run_files(self.config.out_dir, cfg, self.task.data_dir, self.data_meta)
         return None
 
     def save(self, step: int, state: TrainState, val_loss=None) -> None:
@@ -430,8 +425,7 @@ def train(config, devices=None, print_fn=print) -> dict:
     Holds out_dir's lock throughout: a second run on it stops before deleting or writing anything."""
     check_config(config)  # every value, once, before anything is written or compiled
     sharding.maybe_initialize_distributed(config)
-    if config.batch_size % config.grad_accum == 0:  # (else Trainer explains)
-        sharding.configure_cpu_devices(config.mesh.cpu_devices, config.batch_size // config.grad_accum)
+    sharding.configure_cpu_devices(config.mesh.cpu_devices, micro_batch(config))
     with run_lock.hold(config.out_dir):
         trainer = Trainer(config, devices, print_fn)
         try:

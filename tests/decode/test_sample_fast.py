@@ -83,11 +83,11 @@ def test_bad_input_is_one_line(runs, capsys, args, message):
 
 
 def test_load_run_quantized(runs):
+    from flaxgpt import loader
     from flaxgpt.models import quantize
-    from flaxgpt.runs import run_dir
 
-    run = run_dir.load_run(runs["target"], quantize="int8")
+    run = loader.load(runs["target"], quantize="int8")
     assert quantize.is_quantized(run.params) and not run.config.tie_embeddings
     assert run.params["lm_head"]["kernel"] is run.params["wte"]["embedding"]  # one table, shared
     with pytest.raises(ValueError, match="unknown quantization mode 'fp8'"):
-        run_dir.load_run(runs["target"], quantize="fp8")
+        loader.load(runs["target"], quantize="fp8")

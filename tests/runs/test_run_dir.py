@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flaxgpt import loader
 from flaxgpt.data.tokenizers import CharTokenizer, Seq2SeqTokenizer, TiktokenTokenizer
 from flaxgpt.decode import translate
 from flaxgpt.models import gpt, seq2seq
 from flaxgpt.models import registry as models
 from flaxgpt.runs.checkpoint import Checkpointer, CheckpointError
-from flaxgpt.runs.run_dir import Run, RunError, load_run, with_dtype, write_run_files
+from flaxgpt.runs.run_dir import Run, RunError, load_run, write_run_files
 
 CHARS = list("abcdefghij")
 
@@ -68,10 +69,10 @@ def test_load_a_gpt_run(gpt_run):
 
 def test_dtype_casts_weights_and_compute(gpt_run):
     out, cfg, _ = gpt_run
-    run = load_run(out, dtype="bfloat16")
+    run = loader.load(out, dtype="bfloat16")
     assert (run.config.dtype, run.config.param_dtype) == ("bfloat16", "bfloat16")
     assert {x.dtype for x in jax.tree_util.tree_leaves(run.params)} == {jnp.dtype("bfloat16")}
-    assert with_dtype(load_run(out), "bfloat16").config == run.config
+    assert loader.with_dtype(load_run(out), "bfloat16").config == run.config
 
 
 def test_load_a_seq2seq_run(tmp_path):

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from flaxgpt.decode.sampling import generate
+from flaxgpt.decode.sampling import Sampling, generate
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
@@ -55,7 +55,8 @@ def requests(seed=0):
     for i, (t, k, p) in enumerate(SETTINGS):
         prompt = rng.integers(0, CFG.vocab_size, size=int(rng.integers(1, 20))).tolist()
         n = int(rng.integers(1, 30))
-        out.append((prompt, RowSampling.of(max_new_tokens=n, temperature=t, top_k=k, top_p=p, seed=i)))
+        rows = RowSampling.of(Sampling(temperature=t, top_k=k, top_p=p), max_new_tokens=n, seed=i)
+        out.append((prompt, rows))
     return out
 
 
@@ -77,14 +78,14 @@ def test_staggered_requests_equal_each_alone_and_generate(step):
 
 def test_eos_release_and_bad_requests(step):
     engine = new_engine(step, slots=3)
-    greedy = run(new_engine(step, slots=1), [([1, 2, 3], RowSampling.of(max_new_tokens=20, temperature=0))])[
-        0
-    ]
+    GREEDY = Sampling(temperature=0)
+    greedy = run(new_engine(step, slots=1), [([1, 2, 3], RowSampling.of(GREEDY, max_new_tokens=20))])[0]
     eos = greedy[5]
-    got = run(engine, [([1, 2, 3], RowSampling.of(max_new_tokens=20, temperature=0, eos_id=eos))])[0]
+    rows = RowSampling.of(Sampling(temperature=0, eos_id=eos), max_new_tokens=20)
+    got = run(engine, [([1, 2, 3], rows)])[0]
     assert got == greedy[: greedy.index(eos) + 1]
     # a released slot stops at once and its row is reusable
-    engine.insert(engine.prefill([4, 5], RowSampling.of(max_new_tokens=30, temperature=0)), 1)
+    engine.insert(engine.prefill([4, 5], RowSampling.of(Sampling(temperature=0), max_new_tokens=30)), 1)
     engine.release(1)
     assert engine.generate()[1][1] == 0
     with pytest.raises(ValueError, match="context window of 64"):
@@ -140,7 +141,7 @@ def test_quantized_weights_serve_what_generate_gives(mode, tmp_path):
     step = gpt_step_fn(loaded.config, loaded.params)
     engine = Engine(step, lambda b: KVCache.for_config(loaded.config, b, W), slots=2, chunk=3, max_k=8)
     prompt = [3, 1, 4, 1, 5]
-    got = run(engine, [(prompt, RowSampling.of(max_new_tokens=12, temperature=0))])[0]
+    got = run(engine, [(prompt, RowSampling.of(Sampling(temperature=0), max_new_tokens=12))])[0]
     want, _ = generate(
         gpt_step_fn(qconfig, qparams), KVCache.for_config(qconfig, 1, W), np.array([prompt]), [5],
         max_new_tokens=12, rng=jax.random.key(0), temperature=0,

@@ -1,0 +1,89 @@
+"""One loader for every model flaxgpt can run: a training run, Hugging Face weights, or a GPT-2 name.
+
+    run = flaxgpt.load("out/shakespeare_char")                    # a run directory: the latest step
+    run = flaxgpt.load("out/run", step=2000, dtype="bfloat16")    # weights cast, computing in bfloat16
+    run = flaxgpt.load("gpt2", quantize="int8")                   # GPT-2 from the HF cache or the hub
+    run = flaxgpt.load("path/to/SmolLM2-135M")                    # a GPT-2 or Llama-family HF directory
+    kind, config, params, tokenizer = run                         # Run: "gpt" | "seq2seq"
+
+sample.py, serve.py, `flaxgpt eval` and `flaxgpt hf export` load through `load`; it is the one place
+that casts (`dtype`) and then quantizes (`quantize`). Bad input is a one-line ValueError / OSError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from flaxgpt.runs.run_dir import Run
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def is_run_dir(source) -> bool:
+    """A flaxgpt training run: meta.json or checkpoints/, or a config.json with a `model` entry
+    (a Hugging Face config.json has `model_type` instead)."""
+    path = Path(source)
+    if (path / "meta.json").is_file() or (path / "checkpoints").is_dir():
+        return True
+    try:
+        return "model" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def load(source, *, step: int | None = None, dtype: str | None = None, quantize: str | None = None) -> Run:
+    """The model at `source` as a Run(kind, config, params, tokenizer), params on one local device.
+
+    `source`: a training run's directory (checkpoint `step`, default the latest), a Hugging Face
+    directory (GPT-2 or Llama family: config.json + safetensors), or a hub name (gpt2 .. gpt2-xl)
+    found in the HF cache or downloaded. `dtype` casts the weights and sets the compute dtype (decoding
+    is bound by reading weights); `quantize` ("int8" | "bf16", GPT models) then gives weight-only
+    quantized weights that decode through the quantized matmuls.
+    """
+    from flaxgpt.models.quantize import check_mode
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+    if quantize is not None:
+        check_mode(quantize)  # before reading any weights
+    if is_run_dir(source):
+        from flaxgpt.runs import run_dir
+
+        run = run_dir.load_run(source, step)
+    else:
+        if step is not None:
+            raise ValueError(f"step={step} applies to a training run; {source} is pretrained weights")
+        if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{source} is neither a flaxgpt training run (config.json, meta.json, checkpoints/) nor "
+                "a Hugging Face model directory (config.json, model.safetensors)"
+            )
+        from flaxgpt.hf import gpt2 as hf
+
+        config, params = hf.load_pretrained(str(source))
+        run = Run("gpt", config, params, hf.load_tokenizer(str(source)))
+    if quantize is not None and run.kind != "gpt":
+        raise ValueError(f"{source} holds a {run.kind} model; quantize applies to GPT models")
+    if dtype is not None:
+        run = with_dtype(run, dtype)
+    if quantize is not None:
+        from flaxgpt.models.gpt import quantize_params
+
+        config, params = quantize_params(run.config, run.params, quantize)
+        run = run._replace(config=config, params=params)
+    return run
+
+
+def with_dtype(run: Run, dtype: str) -> Run:
+    """The run with weights cast to `dtype` and computing in it."""
+    import jax
+    import jax.numpy as jnp
+
+    config = dataclasses.replace(run.config, dtype=dtype, param_dtype=dtype)
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), run.params)
+    return run._replace(config=config, params=params)
+
+
+__all__ = ["DTYPES", "Run", "is_run_dir", "load", "with_dtype"]
