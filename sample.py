@@ -31,8 +31,8 @@ exactly one translation per source line, in order, and nothing else. Beam search
 is cut with a warning under --truncate. The sampling options (--temperature, --top_k, --top_p,
 --num_samples, --seed, --dtype) apply to GPT models only.
 
-This script only parses: loading is flaxgpt.runs.run_dir.load_run (or flaxgpt.hf.gpt2.load_pretrained),
-sampling flaxgpt.decode.sampling, translation flaxgpt.decode.translate; their errors are printed as they are.
+This script only parses: loading is flaxgpt.load, sampling flaxgpt.decode.sampling, translation
+flaxgpt.decode.translate; their errors are printed as they are.
 """
 
 from __future__ import annotations
@@ -72,22 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load(a):
-    """A run directory, or pretrained weights (a GPT-2 name, a GPT-2 or Llama-family directory), as a Run."""
-    return load_source(a.out_dir if a.init_from == "resume" else a.init_from, a.step, a.init_from == "resume")
+def load(a, source=None):
+    """--out_dir (with --init_from resume), --init_from or `source` (the draft) as a flaxgpt.loader.Run,
+    weights as saved: an attention map sees them; loader.compact applies --dtype and --quantize."""
+    from flaxgpt import loader
 
-
-def load_source(source: str, step=None, is_run: bool | None = None):
-    """A run's directory, or pretrained weights; `is_run` None: a directory with meta.json is a run."""
-    from flaxgpt.hf import gpt2 as hf
-    from flaxgpt.runs import run_dir
-
-    if is_run or (is_run is None and (Path(source) / "meta.json").is_file()):
-        from absl import logging as absl_logging
-
-        absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes about read-only directories
-        return run_dir.load_run(source, step)
-    return hf.load_pretrained_run(source)  # with tokenizer.json, or GPT-2's BPE
+    if source is not None:
+        return loader.load(source)
+    return loader.load(a.out_dir if a.init_from == "resume" else a.init_from, step=a.step)
 
 
 def read_texts(a, kind: str) -> list[str]:
@@ -133,12 +125,11 @@ def sample(a, run):
     import jax
     import numpy as np
 
-    from flaxgpt import gpt_step_fn
+    from flaxgpt import gpt_step_fn, loader
     from flaxgpt.data.tokenizers import TextStream, encode_prompt
     from flaxgpt.decode import sampling
-    from flaxgpt.models import gpt, quantize
+    from flaxgpt.models import quantize
     from flaxgpt.models.cache import KVCache
-    from flaxgpt.runs import run_dir
 
     sampling.check_sampling_args(a.temperature, a.top_k, a.top_p)
     if a.quantize is not None:
@@ -160,9 +151,7 @@ def sample(a, run):
         )
         if a.max_new_tokens == 0:
             return
-    config, params, _ = (run_dir.with_dtype(run, a.dtype) if a.dtype else run)[1:]
-    if a.quantize:
-        config, params = gpt.quantize_params(config, params, a.quantize)
+    config, params, _ = loader.compact(run, dtype=a.dtype, quantize=a.quantize)[1:]
     B, P = len(rows), max(map(len, rows))
     prompt_BP, lengths_B = np.zeros((B, P), np.int32), np.array([len(r) for r in rows], np.int32)
     for b, ids in enumerate(rows):
@@ -197,13 +186,12 @@ def sample(a, run):
 
 def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
     """Speculative decoding with the --draft model; the acceptance rate goes to stderr."""
-    from flaxgpt import count_params
+    from flaxgpt import count_params, loader
     from flaxgpt.decode import sampling, speculative
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
-    from flaxgpt.runs import run_dir
 
-    draft = load_source(a.draft)
+    draft = load(a, a.draft)
     if draft.kind != "gpt":
         raise ValueError(f"--draft {a.draft} is a {draft.kind} run; a draft must be a GPT")
     speculative.check_draft(
@@ -214,9 +202,7 @@ def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
         target_tokenizer=run.tokenizer.to_meta(),
         draft_tokenizer=draft.tokenizer.to_meta(),
     )
-    dconfig, dparams, _ = (run_dir.with_dtype(draft, a.dtype) if a.dtype else draft)[1:]
-    if a.quantize:
-        dconfig, dparams = gpt.quantize_params(dconfig, dparams, a.quantize)
+    dconfig, dparams, _ = loader.compact(draft, dtype=a.dtype, quantize=a.quantize)[1:]
     B, P = prompt_BP.shape
     need = a.max_new_tokens + a.draft_tokens + 1
     cache = KVCache.for_config(config, B, sampling.cache_length(config.block_size, P, need))
@@ -234,6 +220,9 @@ def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
 
 
 def main(argv=None) -> int:
+    from flaxgpt import runtime
+
+    runtime.setup()
     parser = build_parser()
     a = parser.parse_args(argv)
     with warnings.catch_warnings():

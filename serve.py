@@ -53,6 +53,9 @@ def parse_args(argv):
 
 def main(argv=None):
     a = parse_args(argv)
+    from flaxgpt import runtime
+
+    runtime.setup()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)
     from flaxgpt.serve import launch, server

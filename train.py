@@ -1,6 +1,6 @@
 """Train a GPT.
 
-    python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
+    flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
     python train.py --config configs/shakespeare_char_cpu.py          # a few minutes on a laptop CPU
     python train.py --config configs/shakespeare_char.py              # one GPU / TPU
     python train.py --config configs/gpt2_124m.py                     # TPU VM or GPU node

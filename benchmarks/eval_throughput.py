@@ -7,7 +7,7 @@
 A GPT-2 124M config with random weights (speed does not depend on the values) saved as a Hugging
 Face directory with GPT-2's tokenizer, and synthetic task files of the real tasks' shapes (HellaSwag:
 a context of ~40-90 words and 4 endings of ~8-30; LAMBADA: ~60-100 words). Each side runs in its
-own process, flaxgpt first: `python -m flaxgpt.eval.evaluate` (lm-eval's conventions) and lm-eval's
+own process, flaxgpt first: `flaxgpt eval` (lm-eval's conventions) and lm-eval's
 `simple_evaluate` on the HF backend (CPU, float32, --lm_eval_batch_size). Both count the same
 tokens: context + continuation of every request as lm-eval tokenizes them. Times exclude model
 loading; flaxgpt's include compilation. Needs `pip install -e '.[hf,eval]'`.

@@ -1,6 +1,6 @@
 """Loss per second: the modern recipe (Muon + the speedrun's architecture) against the GPT-2 recipe.
 
-    python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
+    flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
     python benchmarks/modern_recipe.py --data_dir data/shakespeare_char --seeds 3 \
         --png docs/modern_recipe.png --json modern_recipe.json
     python benchmarks/modern_recipe.py --recipes shakespeare_char_cpu_modern --seeds 1 \

@@ -1,6 +1,6 @@
 """Training throughput and quality on the shakespeare_char_cpu recipe, optionally beside nanoGPT.
 
-    python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
+    flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
     python benchmarks/train_throughput.py                        # flaxgpt, 2000 iters (~2-3 min on 2 cores)
     python benchmarks/train_throughput.py --iters 200            # a quick throughput sample
     python benchmarks/train_throughput.py --nanogpt_dir ~/nanoGPT   # also nanoGPT's CPU recipe, same data
@@ -244,7 +244,7 @@ def main():
     data_dir = Path(args.data_dir)
     if not (data_dir / "meta.json").exists():
         sys.exit(
-            f"error: no dataset in {data_dir}; run: python -m flaxgpt.data.prepare "
+            f"error: no dataset in {data_dir}; run: flaxgpt prepare "
             f"--dataset shakespeare_char --out_dir {data_dir}"
         )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="flaxgpt-bench-"))

@@ -1,10 +1,10 @@
 """Fine-tune a Llama-family model (Llama, Mistral, Qwen2) on your text, then export it back.
 
-    python -m flaxgpt.data.prepare --dataset shakespeare --tokenizer path/to/SmolLM2-135M \
+    flaxgpt prepare --dataset shakespeare --tokenizer path/to/SmolLM2-135M \
         --out_dir data/shakespeare_smollm2
     python train.py --config configs/finetune_llama.py --config.init_from=path/to/SmolLM2-135M
     python sample.py --out_dir out/finetune_llama --start "ROMEO:"
-    python -m flaxgpt.hf.gpt2 export --out_dir out/finetune_llama --to out/finetune_llama_hf
+    flaxgpt hf export --out_dir out/finetune_llama --to out/finetune_llama_hf
     # a model that does not fit one device: shard parameters and Adam state over 8 of them
     python train.py --config configs/finetune_llama.py --config.init_from=path/to/Llama-3.2-1B \
         --config.mesh.fsdp=8

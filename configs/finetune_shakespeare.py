@@ -1,6 +1,6 @@
 """Fine-tune OpenAI's GPT-2 on Tiny Shakespeare (GPT-2 BPE tokens), as nanoGPT's finetune recipe.
 
-    python -m flaxgpt.data.prepare --dataset shakespeare --tokenizer gpt2 --out_dir data/shakespeare
+    flaxgpt prepare --dataset shakespeare --tokenizer gpt2 --out_dir data/shakespeare
     python train.py --config configs/finetune_shakespeare.py
     python sample.py --out_dir out/finetune_shakespeare --start "ROMEO:"
     # the biggest GPT-2 (1.5B) if the accelerator holds it:

@@ -1,6 +1,6 @@
 """GPT-2 124M on OpenWebText (or FineWeb-Edu): the recipe for a TPU VM or a GPU node.
 
-python -m flaxgpt.data.prepare --dataset hf --hf_name openwebtext --out_dir data/openwebtext
+flaxgpt prepare --dataset hf --hf_name openwebtext --out_dir data/openwebtext
 python train.py --config configs/gpt2_124m.py
 # fewer devices or less memory: more micro-batches per step, same tokens per step
 python train.py --config configs/gpt2_124m.py --config.grad_accum=32

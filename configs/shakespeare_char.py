@@ -1,6 +1,6 @@
 """nanoGPT's "baby GPT" on Tiny Shakespeare characters (nanoGPT: val loss 1.4697 on one A100).
 
-python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
+flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
 python train.py --config configs/shakespeare_char.py
 """
 

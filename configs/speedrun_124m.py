@@ -1,7 +1,7 @@
 """GPT-2 124M to 3.28 FineWeb val loss: the modded-nanogpt speedrun's recipe (its 11/10/24 record,
 "U-net & 2x lr", the last one before FlexAttention) on an 8-GPU node or a TPU v5e-8 / v4-8 slice.
 
-    python -m flaxgpt.data.prepare --dataset fineweb --out_dir data/fineweb10B --num_proc 16 --max_shards 17
+    flaxgpt prepare --dataset fineweb --out_dir data/fineweb10B --num_proc 16 --max_shards 17
     python train.py --config configs/speedrun_124m.py                            # 8 GPUs (64 rows each)
     python train.py --config configs/speedrun_124m.py --config.grad_accum=4 --config.eval_iters=80  # v5e-8
 

@@ -2,7 +2,7 @@
 in "Attention Is All You Need"; base trained 100k steps on 8 P100s). For a GPU or TPU, not a CPU.
 
 pip install 'flaxgpt[data]'      # Hugging Face datasets; preparing needs the network (~4.5M pairs)
-python -m flaxgpt.data.prepare_seq2seq --task hf --hf_name wmt14 --hf_config de-en --src_lang en \
+flaxgpt prepare-seq2seq --task hf --hf_name wmt14 --hf_config de-en --src_lang en \
     --tgt_lang de --tokenizer gpt2 --max_len 128 --truncate --out_dir data/wmt14_ende
 python train.py --config configs/wmt14_ende_base.py
 python sample.py --out_dir out/wmt14_ende_base --start "The house is small."

@@ -6,8 +6,8 @@
     run = flaxgpt.load("path/to/SmolLM2-135M")                    # a GPT-2 or Llama-family HF directory
     kind, config, params, tokenizer = run                         # Run: "gpt" | "seq2seq"
 
-sample.py, serve.py, `flaxgpt eval` and `flaxgpt hf export` load through `load`; it is the one place
-that casts (`dtype`) and then quantizes (`quantize`). Bad input is a one-line ValueError / OSError.
+sample.py, serve.py, `flaxgpt eval` and `flaxgpt hf export` load through `load`; `compact` is the one
+place that casts (`dtype`) and then quantizes (`quantize`). Bad input is a one-line ValueError / OSError.
 """
 
 from __future__ import annotations
@@ -66,6 +66,12 @@ def load(source, *, step: int | None = None, dtype: str | None = None, quantize:
         run = Run("gpt", config, params, hf.load_tokenizer(str(source)))
     if quantize is not None and run.kind != "gpt":
         raise ValueError(f"{source} holds a {run.kind} model; quantize applies to GPT models")
+    return compact(run, dtype=dtype, quantize=quantize)
+
+
+def compact(run: Run, *, dtype: str | None = None, quantize: str | None = None) -> Run:
+    """The run as it decodes: weights cast to `dtype` (`with_dtype`), then quantized (GPT models).
+    `load` ends here; sample.py calls it itself after drawing an attention map of the float32 weights."""
     if dtype is not None:
         run = with_dtype(run, dtype)
     if quantize is not None:
@@ -86,4 +92,4 @@ def with_dtype(run: Run, dtype: str) -> Run:
     return run._replace(config=config, params=params)
 
 
-__all__ = ["DTYPES", "Run", "is_run_dir", "load", "with_dtype"]
+__all__ = ["DTYPES", "Run", "compact", "is_run_dir", "load", "with_dtype"]

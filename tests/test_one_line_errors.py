@@ -116,7 +116,7 @@ def test_hub_names_fail_at_once_offline(tmp_path, monkeypatch, capsys):
     pytest.importorskip("huggingface_hub")
     from huggingface_hub import constants
 
-    from flaxgpt.hf import gpt2 as hf
+    from flaxgpt.hf import cli as hf_cli
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # whatever another test in this process set
@@ -125,7 +125,7 @@ def test_hub_names_fail_at_once_offline(tmp_path, monkeypatch, capsys):
     t0 = time.perf_counter()
     with pytest.raises(ConnectionError, match="127.0.0.1:9 cannot be reached"):
         hf_files.resolve("no-such-model-xyz", cache_dir=str(tmp_path))
-    assert hf.main(["info", "no-such-model-xyz"]) == 1
+    assert hf_cli.main(["info", "no-such-model-xyz"]) == 1
     assert time.perf_counter() - t0 < 10  # was 24 s of retries
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: 'no-such-model-xyz' is not a local directory")

@@ -20,7 +20,7 @@ import numpy as np
 from flaxgpt.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
 
 PREPARE_HINT = (
-    "prepare it with: python -m flaxgpt.data.prepare --dataset shakespeare_char "
+    "prepare it with: flaxgpt prepare --dataset shakespeare_char "
     "--out_dir {dir} (or --dataset text --input FILE --out_dir {dir})"
 )
 TRAIN_STREAM, VAL_STREAM, TRAIN_EVAL_STREAM = 0, 1, 2  # separate random streams per purpose
@@ -180,12 +180,11 @@ class ParallelData:
 
     def __init__(self, data_dir: str | Path, split: str):
         self.dir = Path(data_dir)
-        hint = f"prepare it with: python -m flaxgpt.data.prepare_seq2seq --task reverse --out_dir {self.dir}"
+        hint = f"prepare it with: flaxgpt prepare-seq2seq --task reverse --out_dir {self.dir}"
         self.meta = read_meta(self.dir, hint)
         if self.meta.get("kind") != "seq2seq":
             raise ValueError(
-                f"{self.dir} holds a GPT dataset, not parallel text; prepare one with "
-                "python -m flaxgpt.data.prepare_seq2seq"
+                f"{self.dir} holds a GPT dataset, not parallel text; prepare one with flaxgpt prepare-seq2seq"
             )
         idx = self.dir / f"{split}.idx.npy"
         try:

@@ -1,6 +1,6 @@
 """The modded-nanogpt speedrun's token shards: reading, batching, and writing them from FineWeb.
 
-    python -m flaxgpt.data.prepare --dataset fineweb --out_dir data/fineweb10B       # HF datasets, streamed
+    flaxgpt prepare --dataset fineweb --out_dir data/fineweb10B       # HF datasets, streamed
     python -m flaxgpt.data.fineweb --write_meta data/fineweb10B    # meta.json beside shards made elsewhere
     data = ShardData("data/fineweb10B")                                          # *_train_*.bin, *_val_*.bin
     batch = data.batch("train", step, n_rows=8, block_size=1024, process_index=0)  # {"inputs", "targets"}
@@ -142,7 +142,7 @@ def shard_paths(data_dir: str | Path, split: str) -> list[Path]:
     if not paths:
         raise ShardError(
             f"no {split} shards (*_{split}_*.bin) in {data_dir}; "
-            "prepare them with: python -m flaxgpt.data.prepare --dataset fineweb --out_dir " + str(data_dir)
+            "prepare them with: flaxgpt prepare --dataset fineweb --out_dir " + str(data_dir)
         )
     return paths
 

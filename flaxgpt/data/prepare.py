@@ -1,10 +1,10 @@
 """Text -> token files: train.bin, val.bin (uint16 when the vocabulary fits, else uint32) and meta.json.
 
-    python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
-    python -m flaxgpt.data.prepare --dataset shakespeare --tokenizer gpt2 --out_dir data/shakespeare
-    python -m flaxgpt.data.prepare --dataset text --input my_corpus/ --tokenizer gpt2 --out_dir data/mine
-    python -m flaxgpt.data.prepare --dataset hf --hf_name openwebtext --out_dir data/owt  # needs datasets
-    python -m flaxgpt.data.prepare --dataset fineweb --out_dir data/fineweb10B --num_proc 8  # speedrun shards
+    flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
+    flaxgpt prepare --dataset shakespeare --tokenizer gpt2 --out_dir data/shakespeare
+    flaxgpt prepare --dataset text --input my_corpus/ --tokenizer gpt2 --out_dir data/mine
+    flaxgpt prepare --dataset hf --hf_name openwebtext --out_dir data/owt  # needs datasets
+    flaxgpt prepare --dataset fineweb --out_dir data/fineweb10B --num_proc 8  # speedrun shards
 
 The split is deterministic: the first (1 - val_fraction) of the tokens train, the rest validate
 (for Hugging Face datasets, whole documents are assigned to val by a seeded shuffle).
@@ -259,7 +259,7 @@ def _write_hf(out_dir: Path, splits, tokenizer, source: str, overwrite: bool) ->
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m flaxgpt.data.prepare", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="flaxgpt prepare", description=__doc__.split("\n")[0])
     p.add_argument(
         "--dataset",
         required=True,
@@ -346,8 +346,15 @@ def main(argv=None) -> dict:
     return meta
 
 
-if __name__ == "__main__":
+def cli(argv=None) -> int:
+    """`flaxgpt prepare`: main with its PrepareError as one line on stderr (exit status 1)."""
     try:
-        main()
+        main(argv)
     except PrepareError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,10 +1,10 @@
 """Parallel text for the encoder-decoder -> token files (batches: data.batches.ParallelData / Batcher).
 
-    python -m flaxgpt.data.prepare_seq2seq --task reverse --out_dir data/reverse
-    python -m flaxgpt.data.prepare_seq2seq --task numbers --out_dir data/numbers
-    python -m flaxgpt.data.prepare_seq2seq --task tsv --input pairs.tsv --out_dir data/mine  # src<TAB>tgt
-    python -m flaxgpt.data.prepare_seq2seq --task files --input train.en --target train.de --out_dir data/mine
-    python -m flaxgpt.data.prepare_seq2seq --task hf --hf_name wmt14 --hf_config de-en \
+    flaxgpt prepare-seq2seq --task reverse --out_dir data/reverse
+    flaxgpt prepare-seq2seq --task numbers --out_dir data/numbers
+    flaxgpt prepare-seq2seq --task tsv --input pairs.tsv --out_dir data/mine  # src<TAB>tgt
+    flaxgpt prepare-seq2seq --task files --input train.en --target train.de --out_dir data/mine
+    flaxgpt prepare-seq2seq --task hf --hf_name wmt14 --hf_config de-en \
         --src_lang en --tgt_lang de --tokenizer gpt2 --out_dir data/wmt14_ende   # needs `datasets`, network
 
 A prepared folder holds {train,val}.src.bin and .tgt.bin (the pairs' tokens end to end), {split}.idx.npy
@@ -258,9 +258,7 @@ def load_hf_pairs(args):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(
-        prog="python -m flaxgpt.data.prepare_seq2seq", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="flaxgpt prepare-seq2seq", description=__doc__.split("\n")[0])
     p.add_argument(
         "--task", required=True, choices=TASKS, help="reverse | numbers (synthetic), tsv, files, hf"
     )
@@ -294,8 +292,15 @@ def main(argv=None) -> dict:
     return meta
 
 
-if __name__ == "__main__":
+def cli(argv=None) -> int:
+    """`flaxgpt prepare-seq2seq`: main with its PrepareError as one line on stderr (exit status 1)."""
     try:
-        main()
+        main(argv)
     except PrepareError as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -240,6 +240,6 @@ class Seq2SeqTokenizer:
         if meta.get("kind") != "seq2seq":
             raise ValueError(
                 f"tokenizer kind {meta.get('kind')!r} is not a seq2seq vocabulary; "
-                "prepare the data with python -m flaxgpt.data.prepare_seq2seq"
+                "prepare the data with flaxgpt prepare-seq2seq"
             )
         return cls(from_meta(meta["base"]))

@@ -1,10 +1,10 @@
 """Evaluate a run or GPT-2 weights on perplexity, HellaSwag, LAMBADA, or (encoder-decoders) translation.
 
-    python -m flaxgpt.eval.evaluate --init_from gpt2 --task hellaswag --data hellaswag_val.jsonl
-    python -m flaxgpt.eval.evaluate --init_from gpt2 --task lambada --data lambada_test.jsonl
-    python -m flaxgpt.eval.evaluate --init_from gpt2 --task perplexity --data wiki.test.raw --stride 512
-    python -m flaxgpt.eval.evaluate --out_dir out/finetune_shakespeare --task perplexity --data texts/
-    python -m flaxgpt.eval.evaluate --out_dir out/numbers --task translation --data pairs.tsv --beam_size 4
+    flaxgpt eval --init_from gpt2 --task hellaswag --data hellaswag_val.jsonl
+    flaxgpt eval --init_from gpt2 --task lambada --data lambada_test.jsonl
+    flaxgpt eval --init_from gpt2 --task perplexity --data wiki.test.raw --stride 512
+    flaxgpt eval --out_dir out/finetune_shakespeare --task perplexity --data texts/
+    flaxgpt eval --out_dir out/numbers --task translation --data pairs.tsv --beam_size 4
 
 Prints the results as JSON (--output FILE also writes them, with the per-example log-likelihoods);
 on a training run (--out_dir) appends them to its metrics.jsonl at the checkpoint's step as
@@ -24,7 +24,9 @@ TASKS = ("perplexity", "hellaswag", "lambada", "translation")
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="flaxgpt eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--out_dir", help="a flaxgpt training run")
     src.add_argument("--init_from", help="GPT-2 weights: gpt2 .. gpt2-xl, or a Hugging Face GPT-2 directory")
@@ -85,23 +87,18 @@ def load(a):
     """(kind, config, params, tokenizer, step) from --init_from or --out_dir."""
     import dataclasses
 
+    from flaxgpt import loader
+
+    kind, config, params, tokenizer = loader.load(a.init_from or a.out_dir, step=a.step)
+    if kind == "gpt":  # the compute dtype; weights stay as loaded (scores in float32 either way)
+        config = dataclasses.replace(config, dtype=a.dtype)
     if a.init_from:
         from flaxgpt.hf import gpt2 as hf
 
-        config, params = hf.load_pretrained(a.init_from, dtype=a.dtype)
-        tokenizer = hf.load_tokenizer(a.init_from)  # GPT-2's BPE, or a Llama-family model's tokenizer.json
         check_tokenizer(tokenizer, config.vocab_size, a.init_from, hf.resolve(a.init_from))
-        return "gpt", config, params, tokenizer, None
-    from absl import logging as absl_logging
-
-    from flaxgpt.runs import run_dir
+        return kind, config, params, tokenizer, None
     from flaxgpt.runs.checkpoint import Checkpointer
 
-    absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes about read-only directories
-    run = run_dir.load_run(a.out_dir, a.step)
-    kind, config, params, tokenizer = run
-    if kind == "gpt":  # the compute dtype; weights stay as saved (scores in float32 either way)
-        config = dataclasses.replace(config, dtype=a.dtype)
     ckpt = Checkpointer(a.out_dir, read_only=True, async_save=False)
     step = a.step if a.step is not None else ckpt.latest_step()
     ckpt.close()
@@ -177,4 +174,7 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from flaxgpt import runtime
+
+    runtime.setup()
     sys.exit(cli())

@@ -4,11 +4,8 @@
     config, params = load_pretrained("path/to/dir")     # config.json + model.safetensors
     export_pretrained(config, params, "out/hf")         # then GPT2LMHeadModel.from_pretrained("out/hf")
 
-    python -m flaxgpt.hf.gpt2 export --out_dir out/run --to out/hf     # a training run -> HF directory
-    python -m flaxgpt.hf.gpt2 export --out_dir out/run --to out/hf --step 2000 --overwrite
-    python -m flaxgpt.hf.gpt2 info gpt2                                 # the GPTConfig a checkpoint maps to
-    python -m flaxgpt.hf.gpt2 info path/to/Llama-3.2-1B                 # Llama, Mistral, Qwen2 too
 
+`flaxgpt hf export` and `flaxgpt hf info` are flaxgpt.hf.cli.
 GPT-2 stores its Linear layers as Conv1D, whose weight is [in, out]: the same layout as
 a flax Dense kernel, so blocks copy without transposes. Only an untied lm_head
 (torch Linear, [out, in]) is transposed. Finding and opening the files: flaxgpt.hf.files.
@@ -22,12 +19,10 @@ meta.json, or anything inside one), and replaces an existing non-empty directory
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import jax
@@ -238,14 +233,6 @@ def load_pretrained(
     return config, params
 
 
-def load_pretrained_run(name_or_path: str, *, quantize: str | None = None):
-    """Pretrained weights and their tokenizer as a run_dir.Run: what sample.py and serve.py load."""
-    from flaxgpt.runs.run_dir import Run
-
-    config, params = load_pretrained(name_or_path, quantize=quantize)
-    return Run("gpt", config, params, load_tokenizer(name_or_path))
-
-
 def load_tokenizer(name_or_path: str, cache_dir: str | None = None):
     """The tokenizer of a pretrained model: GPT-2's BPE (shipped with flaxgpt, offline) for GPT-2,
     the directory's tokenizer.json for a Llama-family model (an error when it has none)."""
@@ -394,48 +381,3 @@ def export_pretrained(config, params, out_dir: str, overwrite: bool = False, tok
     os.replace(weights + ".tmp", weights)  # a failed export leaves no half-written file behind
     os.replace(config_file + ".tmp", config_file)
     return out_dir
-
-
-# ---------------------------------------------------------------- CLI
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flaxgpt.hf.gpt2", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    ex = sub.add_parser("export", help="write a training run as a Hugging Face GPT-2 / Llama-family dir")
-    ex.add_argument("--out_dir", required=True, help="flaxgpt training run directory")
-    ex.add_argument("--to", required=True, help="directory to write config.json + model.safetensors into")
-    ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    ex.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --to")
-    info = sub.add_parser("info", help="print the GPTConfig a GPT-2 name or a HF directory maps to")
-    info.add_argument("name_or_path")
-    args = parser.parse_args(argv)
-    try:
-        if args.cmd == "export":
-            from flaxgpt.runs.run_dir import load_run
-
-            check_export_target(args.to, args.overwrite, run=args.out_dir)  # before loading anything
-            run = load_run(args.out_dir, step=args.step)
-            tok = run.tokenizer if getattr(run.tokenizer, "file", None) else None  # a model's tokenizer.json
-            export_pretrained(run.config, run.params, args.to, overwrite=args.overwrite, tokenizer=tok)
-            with open(os.path.join(args.to, CONFIG_FILE)) as fh:
-                arch = json.load(fh)["architectures"][0]
-            print(
-                f"wrote {args.to} ({arch}); load it with "
-                f"transformers.AutoModelForCausalLM.from_pretrained({args.to!r})"
-            )
-        else:
-            directory = resolve(args.name_or_path)
-            with open(os.path.join(directory, CONFIG_FILE)) as fh:
-                hf = json.load(fh)
-            family = llama_family(hf)
-            config = family.config_from_hf(hf) if family else config_from_hf(hf)
-            print(json.dumps(config.to_dict(), indent=2))
-    except (ValueError, OSError, ImportError) as e:  # CheckpointError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,36 +7,28 @@ from flaxgpt.serve.scheduler import Scheduler
 
 
 def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_init=False, quantize=None):
-    """-> (run_dir.Run, model name) from a run directory, GPT-2 weights, or a preset's random weights;
-    `quantize` ("int8" | "bf16"): weight-only quantized weights, as sample.py --quantize."""
+    """-> (Run, model name) from a run directory, pretrained weights (flaxgpt.load), or a preset's
+    random weights; `dtype` and `quantize` ("int8" | "bf16") as flaxgpt.load (cast, then quantize)."""
     from pathlib import Path
 
-    import jax
-
-    from flaxgpt.data import tokenizers
-    from flaxgpt.hf import gpt2 as hf
-    from flaxgpt.models import gpt
-    from flaxgpt.runs import run_dir
+    from flaxgpt import loader
 
     if random_init:  # random weights of a preset's shape: load tests without a download
-        config = gpt.GPTConfig.preset(init_from)
-        run, name = run_dir.Run("gpt", config, gpt.init_params(config, jax.random.key(0)), None), init_from
-    elif init_from:  # GPT-2 or a Llama-family directory, with its own tokenizer
-        run, name = hf.load_pretrained_run(init_from), Path(init_from).name
-    else:
-        from absl import logging as absl_logging
+        import jax
 
-        absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes about read-only directories
-        run, name = run_dir.load_run(out_dir, step), Path(out_dir).resolve().name
-        if run.kind != "gpt":
-            raise SystemExit(f"error: {out_dir} holds a {run.kind!r} model; the server serves GPT models")
-    if run.tokenizer is None:
-        run = run._replace(tokenizer=tokenizers.get_tokenizer("gpt2"))
-    run = run_dir.with_dtype(run, dtype) if dtype != "float32" else run
-    if quantize:  # after the dtype, as sample.py: the engine decodes through the quantized matmuls
-        config, params = gpt.quantize_params(run.config, run.params, quantize)
-        run = run._replace(config=config, params=params)
-    return run, name
+        from flaxgpt.data import tokenizers
+        from flaxgpt.models import gpt
+
+        config = gpt.GPTConfig.preset(init_from)
+        run = loader.Run(
+            "gpt", config, gpt.init_params(config, jax.random.key(0)), tokenizers.get_tokenizer("gpt2")
+        )
+        return loader.compact(run, dtype=None if dtype == "float32" else dtype, quantize=quantize), init_from
+    source = init_from or out_dir
+    run = loader.load(source, step=step, dtype=None if dtype == "float32" else dtype, quantize=quantize)
+    if run.kind != "gpt":
+        raise SystemExit(f"error: {source} holds a {run.kind!r} model; the server serves GPT models")
+    return run, Path(init_from).name if init_from else Path(out_dir).resolve().name
 
 
 def scheduler_for(config, params, tokenizer, *, slots=8, max_len=None, chunk=4, max_queue=64) -> Scheduler:

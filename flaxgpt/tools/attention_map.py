@@ -1,10 +1,10 @@
 """Where attention looks: the softmax weights of chosen layers and heads, as a PNG grid.
 
-    python -m flaxgpt.tools.attention_map --init_from out/shakespeare_char --prompt "ROMEO:" \\
+    flaxgpt attention-map --init_from out/shakespeare_char --prompt "ROMEO:" \\
         --layers 0,5 --heads all --out attn.png
-    python -m flaxgpt.tools.attention_map --init_from gpt2 --prompt "The cat sat on the mat because it" \\
+    flaxgpt attention-map --init_from gpt2 --prompt "The cat sat on the mat because it" \\
         --layers 5 --heads all --out gpt2_layer5.png      # GPT-2's weights (HF cache or a directory)
-    python -m flaxgpt.tools.attention_map --init_from random --preset gpt2 --n_layer=2 \\
+    flaxgpt attention-map --init_from random --preset gpt2 --n_layer=2 \\
         --prompt "The quick brown fox" --layers all --heads 0:4 --out attn.png
 
 Rows of each panel are queries, columns keys, both labelled with the prompt's tokens
@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     from flaxgpt.tools.summary import parse_overrides
 
     p = argparse.ArgumentParser(
+        prog="flaxgpt attention-map",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="GPTConfig fields may follow as overrides, e.g. --n_layer=2.",
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
         config, params, tokenizer = _load(args, parse_overrides(rest, gpt.GPTConfig))
         w = write_attention_png(config, params, tokenizer, args.prompt, args.layers, args.heads, args.out)
     except (ValueError, ImportError, OSError, RuntimeError) as e:
-        p.exit(2, f"flaxgpt.tools.attention_map: error: {e}\n")
+        p.exit(2, f"{p.prog}: error: {e}\n")
     print(f"wrote {args.out}: layers {args.layers}, heads {args.heads}, {w.shape[-1]} tokens")
     return w
 

@@ -1,7 +1,7 @@
 """Training curves from a run directory's metrics.jsonl.
 
-    python -m flaxgpt.tools.plot out/shakespeare_char                # -> out/shakespeare_char/metrics.png
-    python -m flaxgpt.tools.plot out/shakespeare_char --out curves.png
+    flaxgpt plot out/shakespeare_char                # -> out/shakespeare_char/metrics.png
+    flaxgpt plot out/shakespeare_char --out curves.png
 
 Three panels against the step: train and val loss, learning rate, tokens/s; a fourth with the
 benchmark tasks' accuracies (and perplexities, log scale) when the run logged config.eval_tasks.
@@ -156,7 +156,9 @@ def _plot_tasks(ax, series, names):
 
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="flaxgpt plot",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run", help="a run directory (holding metrics.jsonl) or a metrics.jsonl file")
     p.add_argument("--out", default=None, help="PNG path (default: metrics.png in the run directory)")
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> str:
     try:
         path = plot_metrics(args.run, args.out)
     except (FileNotFoundError, ImportError) as e:
-        p.exit(2, f"flaxgpt.tools.plot: error: {e}\n")
+        p.exit(2, f"{p.prog}: error: {e}\n")
     print(f"wrote {path}")
     return path
 

@@ -1,10 +1,10 @@
 """Where the parameters sit, what training them costs: the figures write-ups compute by hand.
 
-    python -m flaxgpt.tools.summary --preset gpt2
-    python -m flaxgpt.tools.summary --preset gpt2 --tie_embeddings=false --qkv_bias=false
-    python -m flaxgpt.tools.summary --config configs/default.py --n_layer=6 --seq_len 256
-    python -m flaxgpt.tools.summary --config configs/default.py --json
-    python -m flaxgpt.tools.summary --preset base --vocab_size=37000      # the encoder-decoder Transformer
+    flaxgpt summary --preset gpt2
+    flaxgpt summary --preset gpt2 --tie_embeddings=false --qkv_bias=false
+    flaxgpt summary --config configs/default.py --n_layer=6 --seq_len 256
+    flaxgpt summary --config configs/default.py --json
+    flaxgpt summary --preset base --vocab_size=37000      # the encoder-decoder Transformer
 
 Every number comes from `jax.eval_shape` of the real model (no weight is ever
 allocated), so a 1.5B-parameter model is summarised in a second on a laptop.
@@ -292,6 +292,7 @@ def config_from_args(args, rest: list[str]):
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(
+        prog="flaxgpt summary",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any model config field may follow as an override, e.g. --n_layer=6.",
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         model_config = config_from_args(args, rest)
     except (ValueError, TypeError, OSError, KeyError) as e:
-        p.exit(2, f"flaxgpt.tools.summary: error: {e}\n")
+        p.exit(2, f"{p.prog}: error: {e}\n")
     s = summarize(model_config, args.seq_len)
     print(json.dumps(s, indent=1) if args.json else format_summary(s))
     return s

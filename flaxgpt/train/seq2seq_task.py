@@ -1,6 +1,6 @@
 """The encoder-decoder as a trainer task (config.model.kind = "seq2seq") and its evaluation.
 
-    python -m flaxgpt.data.prepare_seq2seq --task reverse --out_dir data/reverse
+    flaxgpt prepare-seq2seq --task reverse --out_dir data/reverse
     python train.py --config configs/reverse.py
 
 The trainer sees the same interface as the GPT's (flaxgpt.train.tasks): the loss is the padding-masked,

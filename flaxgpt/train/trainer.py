@@ -116,7 +116,7 @@ class Trainer:
             out_shardings=rep,
         )
         self.tokens_per_step = config.batch_size * self.task.tokens_per_row
-        # training FLOPs per token, the figure `python -m flaxgpt.tools.summary` prints (for MFU)
+        # training FLOPs per token, the figure `flaxgpt summary` prints (for MFU)
         self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
         self.is_main = jax.process_index() == 0
         # restore onto the state's shardings: any mesh / device count, whatever the saving run had

@@ -47,7 +47,7 @@ def test_sampler_never_reads_past_the_end():
 
 
 def test_errors_for_missing_short_and_wide_data(tmp_path):
-    with pytest.raises(FileNotFoundError, match="python -m flaxgpt.data.prepare"):
+    with pytest.raises(FileNotFoundError, match="flaxgpt prepare"):
         data.TokenData(tmp_path / "nothing")
     d = _dataset(tmp_path, n_train=40, n_val=100, vocab=50)
     with pytest.raises(ValueError, match="train.bin has 40 tokens.*block_size"):

@@ -19,6 +19,7 @@ from flax import linen as nn
 from safetensors.numpy import load_file, save_file
 
 from flaxgpt.decode.sampling import generate
+from flaxgpt.hf import cli as hf_cli
 from flaxgpt.hf import files as hf_files
 from flaxgpt.hf import gpt2 as hf
 from flaxgpt.models.cache import KVCache
@@ -243,9 +244,9 @@ def test_info_cli_and_package_names(small, capsys):
 
     assert flaxgpt.load_pretrained is hf.load_pretrained and flaxgpt.export_pretrained is hf.export_pretrained
     directory, _, _ = small
-    assert hf.main(["info", directory]) == 0
+    assert hf_cli.main(["info", directory]) == 0
     assert json.loads(capsys.readouterr().out)["n_embd"] == 64
-    assert hf.main(["info", "/no/such/dir"]) == 1
+    assert hf_cli.main(["info", "/no/such/dir"]) == 1
     assert "not a directory" in capsys.readouterr().err
 
 
@@ -262,13 +263,13 @@ def test_export_cli_from_training_run(tmp_path, capsys):
     ckpt.close()
     (run / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **config.to_dict()}}))
     (run / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "char", "chars": ["a"] * 300}}))
-    assert hf.main(["export", "--out_dir", str(run), "--to", str(tmp_path / "hf")]) == 0
+    assert hf_cli.main(["export", "--out_dir", str(run), "--to", str(tmp_path / "hf")]) == 0
     model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     tokens = TOKENS[:, :16] % 300
     np.testing.assert_allclose(
         ref_logits(model, tokens), flax_logits(config, params, tokens), atol=1e-4, rtol=0
     )
-    assert hf.main(["export", "--out_dir", str(tmp_path / "nothing"), "--to", str(tmp_path / "x")]) == 1
+    assert hf_cli.main(["export", "--out_dir", str(tmp_path / "nothing"), "--to", str(tmp_path / "x")]) == 1
     assert "nothing is not a directory; point out_dir at a flaxgpt training run" in capsys.readouterr().err
 
 
@@ -291,7 +292,7 @@ def test_export_never_overwrites_a_run_or_asks_first(tmp_path, capsys):
     (other / "checkpoints").mkdir()
 
     def export(to, *flags):
-        code = hf.main(["export", "--out_dir", str(run), "--to", str(to), *flags])
+        code = hf_cli.main(["export", "--out_dir", str(run), "--to", str(to), *flags])
         return code, capsys.readouterr().err.strip()
 
     refusals = {

@@ -18,6 +18,7 @@ import transformers
 from flax import linen as nn
 
 from flaxgpt.decode.sampling import generate
+from flaxgpt.hf import cli as hf_cli
 from flaxgpt.hf import gpt2 as hf
 from flaxgpt.hf import llama as hf_llama
 from flaxgpt.models.cache import KVCache
@@ -118,7 +119,7 @@ def test_import_logits_and_greedy_tokens_match_transformers(family):
 
 def test_info_cli(family, capsys):
     model_type, directory, _ = family
-    assert hf.main(["info", directory]) == 0
+    assert hf_cli.main(["info", directory]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["n_kv_head"], info["norm"], info["qkv_bias"]) == (2, "rmsnorm", model_type == "qwen2")
 

@@ -1,5 +1,5 @@
 """flaxgpt.models.registry: every recipe's `model` section is its dataclass's fields, maps by config_from,
-is described by `python -m flaxgpt.tools.summary --config` and builds its model (shapes only)."""
+is described by `flaxgpt summary --config` and builds its model (shapes only)."""
 
 import dataclasses
 from pathlib import Path

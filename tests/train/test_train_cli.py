@@ -120,7 +120,7 @@ def test_recipes_are_locked_and_complete():
 BAD = {
     "unknown key": (["--config.optim.lerning_rate=1"], "unknown config key 'lerning_rate'"),
     "wrong type": (["--config.max_iters=lots"], "--config.max_iters=lots"),
-    "no data": (["--config.data.dir=nowhere"], "python -m flaxgpt.data.prepare"),
+    "no data": (["--config.data.dir=nowhere"], "flaxgpt prepare"),
     "short data": (["--config.model.block_size=8000"], "fewer than block_size + 1"),
     "batch vs devices": (["--config.batch_size=3"], "not divisible by the 2 data-parallel devices"),
     "vocab too big": (["--config.model.vocab_size=10"], "larger than the model's vocab_size (10)"),
