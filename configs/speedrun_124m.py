@@ -7,9 +7,8 @@
 
 Expected, from the speedrun's own record (PyTorch, 8xH100): 3000 steps x 524,288 tokens = 1.57B
 tokens (16 train shards of 100M, which --max_shards 17 prepares after the val shard), val loss 3.28 on
-the first 10,485,760 val tokens, 7.2 minutes. With flaxgpt: NOT MEASURED on any GPU or TPU yet (no
-accelerator was lent to the session that wrote this); the CPU version of the same recipe is measured
-in docs/benchmarks.md ("Loss per second").
+the first 10,485,760 val tokens, 7.2 minutes. With flaxgpt it is not yet measured on a GPU or TPU;
+the CPU version of the same recipe is in docs/benchmarks.md ("Loss per second").
 
 What it is: 12 layers, 6 heads of 128, width 768, vocabulary padded to 50304, no biases; rotary
 positions, RMSNorm, QK-norm, ReLU^2 MLP, zero-initialised output projections and head, untied head,
