@@ -79,6 +79,8 @@ def load(a, source=None):
 
     if source is not None:
         return loader.load(source)
+    if a.init_from == "resume":
+        loader.require_run(a.out_dir)
     return loader.load(a.out_dir if a.init_from == "resume" else a.init_from, step=a.step)
 
 

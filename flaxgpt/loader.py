@@ -33,6 +33,16 @@ def is_run_dir(source) -> bool:
         return False
 
 
+def require_run(source) -> None:
+    """A one-line RunError unless `source` is a training run's directory: where the user named a run
+    (--out_dir), before `load`, which would look a missing directory's name up on the hub."""
+    from flaxgpt.runs.run_dir import HINT, RunError
+
+    if not is_run_dir(source):
+        what = "is not a training run" if Path(source).is_dir() else "is not a directory"
+        raise RunError(f"{source} {what}; {HINT}")
+
+
 def load(source, *, step: int | None = None, dtype: str | None = None, quantize: str | None = None) -> Run:
     """The model at `source` as a Run(kind, config, params, tokenizer), params on one local device.
 
@@ -92,4 +102,4 @@ def with_dtype(run: Run, dtype: str) -> Run:
     return run._replace(config=config, params=params)
 
 
-__all__ = ["DTYPES", "Run", "compact", "is_run_dir", "load", "with_dtype"]
+__all__ = ["DTYPES", "Run", "compact", "is_run_dir", "load", "require_run", "with_dtype"]

@@ -10,7 +10,7 @@ from flaxgpt import loader
 from flaxgpt.data.tokenizers import CharTokenizer
 from flaxgpt.models import gpt, quantize
 from flaxgpt.models.cache import KVCache
-from flaxgpt.runs.run_dir import load_run, write_run_files
+from flaxgpt.runs.run_dir import RunError, load_run, write_run_files
 from tests.hf.test_hf import flax_logits, make_hf_model, ref_logits
 from tests.runs.test_run_dir import CHARS, assert_same, data_dir, save
 
@@ -83,3 +83,9 @@ def test_bad_sources_are_one_line(tmp_path, run_dir, hf_dir):
         with pytest.raises(error) as e:
             flaxgpt.load(kw.pop("source"), **kw)
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    # where a run was named (--out_dir): no hub look-up for a missing directory
+    with pytest.raises(RunError, match=r"missing is not a directory; point out_dir at a flaxgpt"):
+        loader.require_run(tmp_path / "missing")
+    with pytest.raises(RunError, match=r"empty is not a training run; point out_dir"):
+        loader.require_run(tmp_path / "empty")
+    loader.require_run(run_dir[0])

@@ -89,6 +89,8 @@ def load(a):
 
     from flaxgpt import loader
 
+    if a.out_dir:
+        loader.require_run(a.out_dir)
     kind, config, params, tokenizer = loader.load(a.init_from or a.out_dir, step=a.step)
     if kind == "gpt":  # the compute dtype; weights stay as loaded (scores in float32 either way)
         config = dataclasses.replace(config, dtype=a.dtype)

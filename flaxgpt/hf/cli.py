@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from flaxgpt.hf import files, gpt2
 
@@ -34,12 +33,9 @@ def main(argv=None) -> int:
     try:
         if args.cmd == "export":
             from flaxgpt import loader
-            from flaxgpt.runs.run_dir import HINT
 
             gpt2.check_export_target(args.to, args.overwrite, run=args.out_dir)  # before loading anything
-            if not loader.is_run_dir(args.out_dir):  # (else flaxgpt.load would look for it on the hub)
-                what = "is not a training run" if Path(args.out_dir).is_dir() else "is not a directory"
-                raise ValueError(f"{args.out_dir} {what}; {HINT}")
+            loader.require_run(args.out_dir)
             run = loader.load(args.out_dir, step=args.step)
             tok = run.tokenizer if getattr(run.tokenizer, "file", None) else None  # a model's tokenizer.json
             gpt2.export_pretrained(run.config, run.params, args.to, overwrite=args.overwrite, tokenizer=tok)

@@ -24,6 +24,8 @@ def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_ini
             "gpt", config, gpt.init_params(config, jax.random.key(0)), tokenizers.get_tokenizer("gpt2")
         )
         return loader.compact(run, dtype=None if dtype == "float32" else dtype, quantize=quantize), init_from
+    if not init_from:
+        loader.require_run(out_dir)
     source = init_from or out_dir
     run = loader.load(source, step=step, dtype=None if dtype == "float32" else dtype, quantize=quantize)
     if run.kind != "gpt":
