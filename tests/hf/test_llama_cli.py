@@ -106,7 +106,7 @@ def test_sample_cli_needs_the_tokenizer(llama_dir, tmp_path, capsys):
 
 def test_finetune_with_fsdp_then_export_back(llama_dir, tmp_path):
     """prepare -> train.py --config configs/finetune_llama.py (init_from the directory, FSDP over 2
-    devices) -> flaxgpt.hf.gpt2 export -> transformers loads it, logits equal to the checkpoint's."""
+    devices) -> flaxgpt hf export -> transformers loads it, logits equal to the checkpoint's."""
     import jax
     import torch
     import transformers
@@ -129,9 +129,9 @@ def test_finetune_with_fsdp_then_export_back(llama_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     saved = json.loads((tmp_path / "run/config.json").read_text())["model"]
     assert (saved["n_kv_head"], saved["pos_embedding"], saved["scan_layers"]) == (2, "rope", True)
-    from flaxgpt.hf import gpt2 as hf_lib
+    from flaxgpt.hf import cli as hf_cli
 
-    assert hf_lib.main(["export", "--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "hf")]) == 0
+    assert hf_cli.main(["export", "--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf/tokenizer.json").is_file()
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     assert (model.config.bos_token_id, model.config.eos_token_id) == (1, 2)
