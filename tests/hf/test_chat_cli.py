@@ -1,0 +1,135 @@
+"""Chat SFT through the tools on a tiny Llama with a Llama 3 chat template: prepare --dataset chat
+(packed rows, masks, errors), train.py --config configs/sft_llama.py, sample.py --chat, and
+POST /v1/chat/completions through the official openai client. Nothing is downloaded."""
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+from flaxgpt.data import chat, packing, prepare
+from flaxgpt.hf.tokenizer import HFTokenizer
+from tests.data.test_chat import make_chat_dir
+from tests.hf.test_llama import make_hf_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def conversations(n):
+    out = []
+    for i in range(n):
+        turns = [{"role": "user", "content": f"what is {i} plus {i}?"}]
+        turns.append({"role": "assistant", "content": f"it is {2 * i}."})
+        if i % 3 == 0:  # some longer: several turns, a system prompt
+            turns = [{"role": "system", "content": "Be brief."}, *turns]
+            turns += [
+                {"role": "user", "content": f"and {i} plus 1?"},
+                {"role": "assistant", "content": f"{i + 1}."},
+            ]
+        out.append({"messages": turns})
+    return out
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama_chat")
+    model = make_hf_model("llama", str(directory))
+    make_chat_dir(directory, "llama3")
+    return directory, model
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def prep(tmp_path, directory, records, *extra):
+    convs = write_jsonl(tmp_path / "convs.jsonl", records)
+    args = [
+        "--dataset",
+        "chat",
+        "--input",
+        str(convs),
+        "--hf_dir",
+        str(directory),
+        "--out_dir",
+        str(tmp_path / "d"),
+    ]
+    return prepare.main(args + list(extra))
+
+
+def test_prepare_chat_packs_rows_with_assistant_masks(chat_dir, tmp_path):
+    directory, _ = chat_dir
+    records = conversations(12)
+    meta = prep(tmp_path, directory, records, "--block_size", "128", "--val_fraction", "0.25")
+    assert meta["kind"] == "packed" and (meta["train_examples"], meta["val_examples"]) == (9, 3)
+    assert meta["train_rows"] < 9 and 0 <= meta["train_padding"] < 0.5
+    data = packing.PackedData(tmp_path / "d")
+    tok = HFTokenizer(directory)
+    train = data.splits["train"]
+    # every training conversation is one segment: its ids, and its targets masked as assistant_mask says
+    want = {}
+    for r in records[:9]:
+        ids, mask = chat.assistant_mask(tok, chat.check_messages(r["messages"]))
+        want[tuple(ids.tolist())] = mask.tolist()
+    got = {}
+    for r in range(len(train["inputs"])):
+        for s in range(1, int(train["segment_ids"][r].max()) + 1):
+            at = np.asarray(train["segment_ids"][r]) == s
+            ids = np.r_[np.asarray(train["inputs"][r])[at][:1], np.asarray(train["targets"][r])[at]]
+            got[tuple(ids.tolist())] = [0] + np.asarray(train["loss_mask"][r])[at].tolist()
+    assert got == want
+    b1 = data.batch("train", 3, 2, seed=5, process_index=1, process_count=2)
+    b2 = data.batch("train", 3, 2, seed=5, process_index=1, process_count=2)
+    assert all(
+        np.array_equal(b1[k], b2[k]) for k in packing.FIELDS
+    )  # a pure function of (seed, step, process)
+
+
+def test_prepare_chat_bad_input_is_one_line_and_writes_nothing(chat_dir, tmp_path):
+    directory, _ = chat_dir
+    long = {"messages": [{"role": "user", "content": "hi " * 200}, {"role": "assistant", "content": "ok"}]}
+    with pytest.raises(
+        prepare.PrepareError, match=r"convs.jsonl line 2: the conversation has \d+ tokens, more "
+    ):
+        prep(tmp_path, directory, [*conversations(1), long, *conversations(2)], "--block_size", "128")
+    assert not (tmp_path / "d").exists()
+    cases = {
+        "has no assistant turn": [{"messages": [{"role": "user", "content": "hi"}]}],
+        "has role 'robot'": [{"messages": [{"role": "robot", "content": "hi"}]}],
+    }
+    for message, records in cases.items():
+        with pytest.raises(prepare.PrepareError, match=f"convs.jsonl line 1.*{message}"):
+            prep(tmp_path, directory, records, "--block_size", "128")
+        assert not (tmp_path / "d").exists()
+    bare = make_chat_dir(tmp_path / "bare", None)
+    with pytest.raises(prepare.PrepareError, match="has no chat template"):
+        prep(tmp_path, bare, conversations(3), "--block_size", "128")
+    # --truncate: the long conversation is cut to a row; its assistant turn is gone, so it is dropped
+    meta = prep(tmp_path, directory, [*conversations(3), long], "--block_size", "128", "--truncate")
+    assert meta["truncated"] == 1 and meta["train_examples"] + meta["val_examples"] == 3
+
+
+def test_sft_recipe_trains_end_to_end(chat_dir, tmp_path):
+    from tests.train.test_train_cli import run
+
+    directory, _ = chat_dir
+    prep(tmp_path, directory, conversations(16), "--block_size", "128")
+    overrides = dict(
+        init_from=directory, out_dir=tmp_path / "run", max_iters=4, batch_size=4, grad_accum=1,
+        eval_interval=4, eval_iters=1, **{"data.dir": tmp_path / "d", "model.block_size": 128,
+        "model.dtype": "float32", "optim.warmup_steps": 0, "optim.learning_rate": 1e-3},
+    )  # fmt: skip
+    flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+    r = run([str(ROOT / "train.py"), f"--config={ROOT}/configs/sft_llama.py", *flags], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    losses = [x["train_loss"] for x in lines if "train_loss" in x]  # evaluated at steps 0 and 4
+    assert len(losses) == 2 and all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert all("val_loss" in x for x in lines if "train_loss" in x)
+    saved = json.loads((tmp_path / "run/config.json").read_text())
+    assert saved["data"]["format"] == "packed"
