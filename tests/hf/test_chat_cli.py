@@ -4,6 +4,8 @@ POST /v1/chat/completions through the official openai client. Nothing is downloa
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -14,7 +16,7 @@ import pytest
 from flaxgpt.data import chat, packing, prepare
 from flaxgpt.hf.tokenizer import HFTokenizer
 from tests.data.test_chat import make_chat_dir
-from tests.hf.test_llama import make_hf_model
+from tests.hf.test_llama import make_hf_model, torch_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,3 +135,38 @@ def test_sft_recipe_trains_end_to_end(chat_dir, tmp_path):
     assert all("val_loss" in x for x in lines if "train_loss" in x)
     saved = json.loads((tmp_path / "run/config.json").read_text())
     assert saved["data"]["format"] == "packed"
+
+
+def expected_reply(model, tok, messages, n=12):
+    """transformers' greedy continuation of the rendered prompt, cut at the end-of-turn token."""
+    ids = chat.render_ids(tok, messages, add_generation_prompt=True)
+    new = torch_greedy(model, ids, n)
+    eot = chat.end_of_turn_id(tok)
+    return tok.decode(new[: new.index(eot)] if eot in new else new)
+
+
+def test_sample_chat_reads_stdin_and_stops_at_end_of_turn(chat_dir, tmp_path):
+    from tests.train.test_train_cli import run
+
+    directory, model = chat_dir
+    tok = HFTokenizer(directory)
+    lines = ["what is 2 plus 2?", "", "and 3 plus 3?"]
+    args = [str(ROOT / "sample.py"), "--init_from", str(directory), "--chat", "--temperature", "0"]
+    args += ["--max_new_tokens", "12", "--system", "Be brief."]
+    env_input = "\n".join(lines) + "\n"
+    r = subprocess.run(
+        [sys.executable, *args], cwd=tmp_path, input=env_input, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    messages = [{"role": "system", "content": "Be brief."}]
+    want = []
+    for line in (lines[0], lines[2]):
+        messages.append({"role": "user", "content": line})
+        want.append(expected_reply(model, tok, messages))
+        messages.append({"role": "assistant", "content": want[-1]})
+    assert any(want) and r.stdout == "".join(w + "\n" for w in want)
+    bare = make_chat_dir(tmp_path / "bare", None)
+    make_hf_model("llama", str(bare))
+    r = run([str(ROOT / "sample.py"), "--init_from", str(bare), "--chat"], tmp_path)
+    assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "has no chat template" in r.stderr
