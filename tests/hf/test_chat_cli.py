@@ -170,3 +170,63 @@ def test_sample_chat_reads_stdin_and_stops_at_end_of_turn(chat_dir, tmp_path):
     make_hf_model("llama", str(bare))
     r = run([str(ROOT / "sample.py"), "--init_from", str(bare), "--chat"], tmp_path)
     assert r.returncode == 1 and r.stderr.strip().count("\n") == 0 and "has no chat template" in r.stderr
+
+
+def test_chat_completions_with_the_openai_client(chat_dir):
+    """serve's app on the tiny chat model: greedy replies equal transformers' continuation of the
+    rendered messages (stopped at <|eot_id|>), streamed and whole, n choices, 400s for bad input."""
+    openai = pytest.importorskip("openai")
+    from flaxgpt.serve import launch, server
+    from tests.serve.test_serve import serving_in_thread
+
+    directory, model = chat_dir
+    run, name = launch.load(init_from=str(directory))
+    tok = run.tokenizer
+    sched = launch.scheduler_for(run.config, run.params, tok, slots=2, max_len=128)
+    sched.start()
+    app = server.create_app(sched, tok, model=name, max_len=128, vocab_size=run.config.vocab_size)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "what is 7 plus 7?"}]
+    want = expected_reply(model, tok, messages, n=10)
+    try:
+        with serving_in_thread(app) as url:
+            assert sched.ready.wait(timeout=300)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+            r = client.chat.completions.create(
+                model=name, messages=messages, max_tokens=10, temperature=0, n=2
+            )
+            assert [c.message.content for c in r.choices] == [want, want]
+            assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
+            ids = chat.render_ids(tok, messages, add_generation_prompt=True)
+            assert r.usage.prompt_tokens == 2 * len(ids)
+            hit = chat.end_of_turn_id(tok) in torch_greedy(model, ids, 10)  # stopped at <|eot_id|>?
+            assert [c.finish_reason for c in r.choices] == ["stop" if hit else "length"] * 2
+            chunks = list(
+                client.chat.completions.create(
+                    model=name, messages=messages, max_tokens=10, temperature=0, stream=True
+                )
+            )
+            assert all(c.object == "chat.completion.chunk" for c in chunks)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            with pytest.raises(openai.BadRequestError, match="role 'robot'"):
+                client.chat.completions.create(model=name, messages=[{"role": "robot", "content": "x"}])
+            with pytest.raises(openai.BadRequestError, match="non-empty list"):
+                client.chat.completions.create(model=name, messages=[])
+    finally:
+        sched.close()
+
+
+def test_chat_request_validation(tmp_path):
+    from flaxgpt.serve import openai_api as api
+
+    tok, bare = HFTokenizer(make_chat_dir(tmp_path / "a")), HFTokenizer(make_chat_dir(tmp_path / "b", None))
+    kw = dict(model="m", vocab_size=300, max_len=128)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "n": 3}
+    req = api.parse_chat(body, tokenizer=tok, **kw)
+    assert req.prompts == [chat.render_ids(tok, body["messages"], True)] and (req.max_tokens, req.n) == (5, 3)
+    with pytest.raises(api.BadRequest, match="has no chat template"):
+        api.parse_chat(body, tokenizer=bare, **kw)
+    with pytest.raises(api.BadRequest, match="'prompt' belongs to /v1/completions"):
+        api.parse_chat({**body, "prompt": "x"}, tokenizer=tok, **kw)
+    with pytest.raises(api.BadRequest, match="context window"):
+        api.parse_chat({**body, "max_completion_tokens": 200}, tokenizer=tok, **kw)
