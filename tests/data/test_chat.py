@@ -165,3 +165,37 @@ def test_bad_conversations_and_templates_are_one_line_errors(tmp_path):
     with pytest.raises(chat.ChatError, match='convs.jsonl line 3 has no "messages" list'):
         chat.read_conversations(path)
     assert tok.chat_template == LLAMA3 and tok.special_tokens["bos_token"] == "<|begin_of_text|>"
+
+
+def test_prepare_text_pack_one_segment_per_document(tmp_path):
+    from flaxgpt.data import packing, prepare
+    from flaxgpt.data.tokenizers import get_tokenizer
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    texts = ["a short note.", "a longer document " * 30, "the third one, of middling length " * 3]
+    for i, text in enumerate(texts):
+        (docs / f"{i}.txt").write_text(text)
+    args = ["--dataset", "text", "--pack", "--input", str(docs), "--block_size", "64", "--out_dir"]
+    meta = prepare.main(args + [str(tmp_path / "d"), "--val_fraction", "0.2"])
+    tok = get_tokenizer("gpt2")
+    pieces = []  # each document (+ EOS), cut into rows' worth of 65 tokens overlapping by one
+    for text in texts:
+        ids = tok.encode(text) + [tok.eot_id]
+        pieces += [ids[i : i + 65] for i in range(0, len(ids) - 1, 64)]
+    assert meta["train_examples"] + meta["val_examples"] == len(pieces) and 0 < meta["train_padding"] < 1
+    data = packing.PackedData(tmp_path / "d")
+    got = []
+    for split in ("train", "val"):
+        a = data.splits[split]
+        for r in range(len(a["inputs"])):
+            for s in range(1, int(a["segment_ids"][r].max()) + 1):
+                at = np.asarray(a["segment_ids"][r]) == s
+                assert (
+                    np.asarray(a["loss_mask"][r])[at].all()
+                    and not np.asarray(a["loss_mask"][r])[~at & (np.asarray(a["segment_ids"][r]) == 0)].any()
+                )
+                got.append(
+                    np.r_[np.asarray(a["inputs"][r])[at][:1], np.asarray(a["targets"][r])[at]].tolist()
+                )
+    assert sorted(got) == sorted(pieces)
