@@ -10,6 +10,8 @@
     python sample.py --out_dir out/reverse --prompts_file src.txt --beam_size 1 > hyp.txt
     python sample.py --init_from gpt2 --start "Hello" --quantize int8    # int8 weights: faster decoding
     python sample.py --init_from gpt2-medium --draft gpt2 --temperature 0   # speculative decoding
+    python sample.py --init_from path/to/Llama-3.2-1B-Instruct --chat      # a conversation (stdin)
+    echo "What is 2 + 2?" | python sample.py --out_dir out/sft_llama --chat --temperature 0
 
 A single sample streams to the terminal as it is decoded; several are printed one after another,
 separated by a line of dashes. The same seed gives the same output. GPT-2 BPE samples stop at
@@ -30,6 +32,11 @@ exactly one translation per source line, in order, and nothing else. Beam search
 (1 = greedy) and length penalty --alpha; a source longer than the model's maximum is an error, or
 is cut with a warning under --truncate. The sampling options (--temperature, --top_k, --top_p,
 --num_samples, --seed, --dtype) apply to GPT models only.
+
+Chat (--chat, a model or run whose tokenizer directory has a chat template): every line read from
+stdin is a user turn; the conversation so far (after --system, if given) is rendered with the
+model's own template and generation prompt (flaxgpt.data.chat), the reply is sampled until the
+template's end-of-turn token (or --max_new_tokens) and printed as one block on stdout.
 
 This script only parses: loading is flaxgpt.load, sampling flaxgpt.decode.sampling, translation
 flaxgpt.decode.translate; their errors are printed as they are.
@@ -69,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--beam_size", type=int, default=4, help="seq2seq runs: beam width (1 = greedy)")
     p.add_argument("--alpha", type=float, default=0.6, help="seq2seq runs: length penalty exponent")
     p.add_argument("--truncate", action="store_true", help="seq2seq runs: cut long sources (else error)")
+    p.add_argument("--chat", action="store_true", help="a conversation: user turns from stdin, one a line")
+    p.add_argument("--system", help="--chat: a system message first")
     return p
 
 
@@ -186,6 +195,53 @@ def sample(a, run):
         print(SEPARATOR)
 
 
+def chat(a, run):
+    """--chat: user lines from stdin, each reply sampled until the template's end-of-turn token."""
+    import jax
+    import numpy as np
+
+    from flaxgpt import gpt_step_fn, loader
+    from flaxgpt.data import chat as chat_lib
+    from flaxgpt.decode import sampling
+    from flaxgpt.models.cache import KVCache
+
+    sampling.check_sampling_args(a.temperature, a.top_k, a.top_p)
+    if a.max_new_tokens < 1:
+        raise ValueError(f"--max_new_tokens must be >= 1, got {a.max_new_tokens}")
+    tok = run.tokenizer
+    chat_lib.template_of(tok)  # a tokenizer without a template: the one-line error, before loading more
+    eot = chat_lib.end_of_turn_id(tok)
+    config, params, _ = loader.compact(run, dtype=a.dtype, quantize=a.quantize)[1:]
+    step = gpt_step_fn(config, params)
+    messages = [] if a.system is None else [{"role": "system", "content": a.system}]
+    rng = jax.random.key(a.seed)
+    for turn in range(1 << 30):
+        if sys.stdin.isatty():  # a prompt for a person; none when stdin is piped
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids = chat_lib.render_ids(tok, messages, add_generation_prompt=True)
+        if len(ids) >= config.block_size:
+            raise ValueError(
+                f"the conversation has {len(ids)} tokens, the model's block_size is {config.block_size}"
+            )
+        new = min(a.max_new_tokens, config.block_size - len(ids))
+        cache = KVCache.for_config(config, 1, sampling.cache_length(config.block_size, len(ids), new))
+        out_BN, n_B = sampling.generate(
+            step, cache, np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32), max_new_tokens=new,
+            rng=jax.random.fold_in(rng, turn), eos_id=eot,
+            temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+        )  # fmt: skip
+        reply_ids = [int(t) for t in out_BN[0, : n_B[0]]]
+        reply = tok.decode(reply_ids[:-1] if reply_ids[-1:] == [eot] else reply_ids)
+        print(reply, flush=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
 def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
     """Speculative decoding with the --draft model; the acceptance rate goes to stderr."""
     from flaxgpt import count_params, loader
@@ -232,7 +288,12 @@ def main(argv=None) -> int:
         warnings.showwarning = lambda message, *_, **__: print(f"warning: {message}", file=sys.stderr)
         try:
             run = load(a)
-            translate(a, parser, run) if run.kind == "seq2seq" else sample(a, run)
+            if a.chat and run.kind != "gpt":
+                raise ValueError(f"--chat needs a GPT-family model; {a.out_dir} is a {run.kind} run")
+            if a.chat:
+                chat(a, run)
+            else:
+                translate(a, parser, run) if run.kind == "seq2seq" else sample(a, run)
         except (OSError, ValueError, ImportError) as e:  # CheckpointError and RunError are ValueErrors
             print(f"error: {e}", file=sys.stderr)
             return 1

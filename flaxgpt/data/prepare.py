@@ -5,6 +5,10 @@
     flaxgpt prepare --dataset text --input my_corpus/ --tokenizer gpt2 --out_dir data/mine
     flaxgpt prepare --dataset hf --hf_name openwebtext --out_dir data/owt  # needs datasets
     flaxgpt prepare --dataset fineweb --out_dir data/fineweb10B --num_proc 8  # speedrun shards
+    flaxgpt prepare --dataset chat --input convs.jsonl --hf_dir path/to/Llama-3.2-1B-Instruct \
+        --block_size 2048 --out_dir data/chat      # packed chat SFT rows (see docs/chat.md)
+    flaxgpt prepare --dataset text --input docs/ --pack --block_size 1024 \
+        --tokenizer gpt2 --out_dir data/docs       # one segment per file, packed
 
 The split is deterministic: the first (1 - val_fraction) of the tokens train, the rest validate
 (for Hugging Face datasets, whole documents are assigned to val by a seeded shuffle).
@@ -258,15 +262,99 @@ def _write_hf(out_dir: Path, splits, tokenizer, source: str, overwrite: bool) ->
     return meta
 
 
+def prepare_packed(args) -> dict:
+    """--dataset chat (conversations, assistant tokens trained) or text --pack (documents, every token
+    trained) -> packed rows (flaxgpt.data.packing). The last val_fraction of the examples validate."""
+    from flaxgpt.data import chat, packing
+
+    out_dir, T = Path(args.out_dir), args.block_size
+    if T < 2:
+        raise PrepareError(f"--block_size must be >= 2, got {T}; packing needs the model's block_size")
+    if (out_dir / "meta.json").exists() and not args.overwrite:
+        raise PrepareError(f"{out_dir} already holds a prepared dataset; pass --overwrite to replace it")
+    sequences = []  # (name, ids, mask): mask 1 on the tokens to predict
+    if args.dataset == "chat":
+        if not args.input or not args.hf_dir:
+            raise PrepareError(
+                "--dataset chat needs --input CONVS.jsonl and --hf_dir MODEL_DIR (its chat template)"
+            )
+        tokenizer = make_tokenizer(args.hf_dir)
+        try:
+            chat.template_of(tokenizer)
+            for name, messages in chat.read_conversations(args.input):
+                sequences.append((name, *chat.assistant_mask(tokenizer, messages, name)))
+        except chat.ChatError as e:
+            raise PrepareError(str(e)) from None
+    else:
+        if not args.input:
+            raise PrepareError("--dataset text --pack needs --input FILE_OR_FOLDER")
+        path = Path(args.input)
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES) if path.is_dir() else [path]
+        tokenizer = make_tokenizer(args.tokenizer or "gpt2", read_text(path))
+        bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []
+        for f in files:  # a document longer than a row is cut into rows' worth
+            ids = bos + tokenizer.encode(read_utf8(f)) + [tokenizer.eot_id]
+            sequences += [(str(f), ids[i : i + T + 1], None) for i in range(0, max(1, len(ids) - 1), T)]
+    examples, cut = [], 0
+    for name, ids, mask in sequences:
+        if len(ids) > T + 1:
+            if not args.truncate:
+                raise PrepareError(
+                    f"{name}: the conversation has {len(ids)} tokens, more than --block_size + 1 = {T + 1}; "
+                    "pass --truncate to cut it, or a larger --block_size"
+                )
+            ids, mask, cut = ids[: T + 1], mask[: T + 1], cut + 1
+        ex = packing.example(ids, mask)
+        if ex[2].any():  # a conversation cut before its first assistant token has nothing to train
+            examples.append(ex)
+    n_val = max(1, round(len(examples) * args.val_fraction))
+    if len(examples) - n_val < 1:
+        raise PrepareError(
+            f"{len(examples)} usable examples: too few to split with val_fraction={args.val_fraction}"
+        )
+    splits = {"train": examples[:-n_val], "val": examples[-n_val:]}
+    pad = tokenizer.eot_id if tokenizer.eot_id is not None else 0
+    rows = {name: packing.pack(exs, T, pad_id=pad) for name, exs in splits.items()}
+    dtype = token_dtype(tokenizer.vocab_size)
+    with writing(out_dir) as tmp:
+        meta = {"kind": "packed", "tokenizer": tokenizer.to_meta(), "vocab_size": tokenizer.vocab_size}
+        meta.update(dtype=np.dtype(dtype).name, block_size=T, source=str(args.input), truncated=cut)
+        for split, arrays in rows.items():
+            for field, a in arrays.items():
+                np.save(
+                    tmp / f"{split}.{field}.npy",
+                    a.astype(dtype if field in ("inputs", "targets") else a.dtype),
+                )
+            meta[f"{split}_rows"] = len(arrays["inputs"])
+            meta[f"{split}_examples"] = len(splits[split])
+            meta[f"{split}_padding"] = round(packing.padding_fraction(arrays["segment_ids"]), 4)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        out_dir.mkdir(exist_ok=True)
+        for split in rows:
+            for field in packing.FIELDS:
+                os.replace(tmp / f"{split}.{field}.npy", out_dir / f"{split}.{field}.npy")
+        os.replace(tmp / "meta.json", out_dir / "meta.json")  # last: it marks completeness
+    print(
+        f"wrote {out_dir}: {meta['train_examples']} train examples in {meta['train_rows']} rows of {T} "
+        f"({meta['train_padding']:.1%} padding), {meta['val_examples']} val in {meta['val_rows']}"
+        + (f"; {cut} cut to {T + 1} tokens" if cut else "")
+    )
+    return meta
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="flaxgpt prepare", description=__doc__.split("\n")[0])
     p.add_argument(
         "--dataset",
         required=True,
-        choices=["shakespeare_char", "shakespeare", "text", "hf", "fineweb"],
+        choices=["shakespeare_char", "shakespeare", "text", "hf", "fineweb", "chat"],
         help="shakespeare_char (char tokens), shakespeare (default gpt2 BPE), text, hf, "
-        "fineweb (speedrun token shards)",
+        "fineweb (speedrun token shards), chat (OpenAI-style jsonl conversations, packed)",
     )
+    p.add_argument("--hf_dir", help="--dataset chat: the model directory (tokenizer.json, chat template)")
+    p.add_argument("--block_size", type=int, default=0, help="chat / --pack: the row length (the model's)")
+    p.add_argument("--pack", action="store_true", help="--dataset text: one segment per file, packed rows")
+    p.add_argument("--truncate", action="store_true", help="chat: cut a conversation longer than a row")
     p.add_argument("--input", help="a text file or a folder of text files (shakespeare*: a local copy)")
     p.add_argument("--out_dir", required=True, help="where train.bin, val.bin and meta.json go")
     p.add_argument(
@@ -306,6 +394,8 @@ def main(argv=None) -> dict:
     if args.num_proc < 1:
         raise PrepareError(f"--num_proc must be >= 1, got {args.num_proc}")
     tok = args.tokenizer or ("char" if args.dataset == "shakespeare_char" else "gpt2")
+    if args.dataset == "chat" or (args.dataset == "text" and args.pack):
+        return prepare_packed(args)
     if args.dataset == "fineweb":
         from flaxgpt.data import fineweb
 

@@ -11,6 +11,12 @@ does, Qwen2's does not); prompts (tokenizers.encode_prompt) and prepared documen
 continuation encode apart as lm-evaluation-harness does. BOS and EOS ids come from the model's
 files, first found wins: generation_config.json, config.json, then tokenizer_config.json's token
 strings. EOS is what sampling stops at and what `prepare` appends to each document.
+
+The chat side (rendered by flaxgpt.data.chat): `tok.chat_template` is the model's Jinja template,
+chat_template.jinja beside tokenizer.json, else tokenizer_config.json's `chat_template` (a string,
+or a list of named templates: "default"), else None; `tok.special_tokens` the strings templates
+read (bos_token, eos_token, ...: transformers' special_tokens_map); `tok.encoding(text)` the
+tokenizers Encoding (offsets for char_to_token).
 """
 
 from __future__ import annotations
@@ -20,6 +26,16 @@ from pathlib import Path
 
 TOKENIZER_FILE = "tokenizer.json"
 ID_FILES = ("generation_config.json", "config.json")
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the token strings a chat template sees
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 class HFTokenizer:
@@ -39,9 +55,15 @@ class HFTokenizer:
         self.eot_id = self.eos_id  # the Tokenizer protocol's end of text
         with_special = self.tok.encode("a").ids
         self.add_bos = self.bos_id is not None and with_special[:1] == [self.bos_id] != self.encode("a")[:1]
+        self.chat_template, self.special_tokens = chat_files(self.file.parent)
+        self.added_ids = frozenset(self.tok.get_added_tokens_decoder())  # control tokens (<|eot_id|>, ...)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encoding(self, text: str):
+        """The tokenizers Encoding of `text` (ids and character offsets), no special token added."""
+        return self.tok.encode(text, add_special_tokens=False)
 
     def encode_batch(self, texts: list[str], num_threads: int = 1) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
@@ -75,3 +97,24 @@ def special_ids(directory: Path, tok) -> tuple[int | None, int | None]:
             if f"{key}_id" not in found and token is not None and tok.token_to_id(token) is not None:
                 found[f"{key}_id"] = tok.token_to_id(token)
     return found.get("bos_token_id"), found.get("eos_token_id")
+
+
+def chat_files(directory: Path) -> tuple[str | None, dict[str, str]]:
+    """(chat template or None, special token strings) from chat_template.jinja / tokenizer_config.json."""
+    config_file, template = directory / "tokenizer_config.json", None
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():  # transformers v5 saves the template here; it wins over the config's copy
+        template = jinja.read_text(encoding="utf-8")
+    elif isinstance(config.get("chat_template"), list):  # named templates: the default one
+        named = {t.get("name"): t.get("template") for t in config["chat_template"] if isinstance(t, dict)}
+        template = named.get("default")
+    elif isinstance(config.get("chat_template"), str):
+        template = config["chat_template"]
+    special = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            special[name] = token
+    return template, special

@@ -52,23 +52,33 @@ def _kernel(seq_len: int, n_head: int, interpret: bool):
     return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
-def _local_attention(q_BTHK, k_BSHK, v_BSHK):
+def _local_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT=None):
     _, T, H, K = q_BTHK.shape
     kernel = _kernel(T, H, jax.default_backend() != "tpu")
     # the kernel takes one row [H, T, K] and does not scale the logits itself
     q_BHTK = jnp.swapaxes(q_BTHK * jnp.asarray(1.0 / math.sqrt(K), q_BTHK.dtype), 1, 2)
     k_BHSK, v_BHSK = jnp.swapaxes(k_BSHK, 1, 2), jnp.swapaxes(v_BSHK, 1, 2)
-    y_BHTK = jax.vmap(kernel)(q_BHTK, k_BHSK, v_BHSK)
+    if segment_ids_BT is None:
+        y_BHTK = jax.vmap(kernel)(q_BHTK, k_BHSK, v_BHSK)
+    else:  # packed rows: the kernel skips the blocks of other segments itself
+        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+
+        row = lambda q, k, v, s: kernel(q, k, v, segment_ids=sk.SegmentIds(q=s, kv=s))  # noqa: E731
+        y_BHTK = jax.vmap(row)(q_BHTK, k_BHSK, v_BHSK, segment_ids_BT.astype(jnp.int32))
     return jnp.swapaxes(y_BHTK, 1, 2).astype(q_BTHK.dtype)
 
 
-def causal_attention(q_BTHK: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(K) + causal mask) v -> [B, T, H, K]; needs `fits(T, S, B)`."""
+def causal_attention(
+    q_BTHK: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array, segment_ids_BT=None
+) -> jax.Array:
+    """softmax(q k^T / sqrt(K) + causal mask) v -> [B, T, H, K]; needs `fits(T, S, B)`.
+    With segment ids [B, T] (packed rows) a query sees only keys of its own segment."""
     mesh = jax.sharding.get_abstract_mesh()
     B = q_BTHK.shape[0]
+    args = (q_BTHK, k_BSHK, v_BSHK) + (() if segment_ids_BT is None else (segment_ids_BT,))
     if mesh.empty or mesh.size == 1 or B % mesh.size:
-        return _local_attention(q_BTHK, k_BSHK, v_BSHK)
+        return _local_attention(*args)
     rows = PartitionSpec(tuple(mesh.axis_names))  # batch over every device, as flaxgpt.sharding does
     return jax.shard_map(
-        _local_attention, mesh=mesh, in_specs=(rows, rows, rows), out_specs=rows, check_vma=False
-    )(q_BTHK, k_BSHK, v_BSHK)
+        _local_attention, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows, check_vma=False
+    )(*args)

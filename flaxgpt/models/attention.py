@@ -59,6 +59,11 @@ def causal_mask(q_pos_BT: jax.Array, kv_len: int, window: int = 0) -> jax.Array:
     return visible_BTS[:, None]
 
 
+def segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
+    """[B, 1, T, T] True where query t and key s are in the same segment (packed rows)."""
+    return (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])[:, None]
+
+
 def padding_mask(kv_lengths_B: jax.Array, kv_len: int) -> jax.Array:
     """[B, 1, 1, S] True on the first kv_lengths[b] keys of each row."""
     return (jnp.arange(kv_len)[None, :] < kv_lengths_B[:, None])[:, None, None, :]
@@ -75,6 +80,7 @@ def attend(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     sow=None,
+    segment_ids_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention -> [B, T, H, K].
 
@@ -84,20 +90,23 @@ def attend(
     position 0 together (training, prefill into an empty cache). The fused kernels take only
     that case (pallas) or causal / an explicit mask (cudnn), and neither does dropout or hands
     back the weights; everything else goes through the XLA path.
+    Packed rows (`segment_ids_BT`, already folded into `mask_BHTS`): the splash kernel takes the
+    segment ids itself; cuDNN gets the explicit causal-and-same-segment mask.
     """
     fused_ok = dropout_rate == 0.0 and sow is None
     if impl == "pallas" and fused_ok and is_causal:
         from flaxgpt.kernels import pallas_attention
 
         if pallas_attention.fits(q_BTHK.shape[1], k_BSHK.shape[1], q_BTHK.shape[0]):
-            return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK)
+            return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT)
     if impl == "cudnn" and fused_ok:
+        causal_only = is_causal and segment_ids_BT is None
         return jax.nn.dot_product_attention(
             q_BTHK,
             k_BSHK,
             v_BSHK,
-            mask=None if is_causal else mask_BHTS,
-            is_causal=is_causal,
+            mask=None if causal_only else mask_BHTS,
+            is_causal=causal_only,
             implementation="cudnn",
         )
     scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
@@ -182,7 +191,7 @@ class SelfAttention(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT=None, kv=None, mask_BHTS=None, ve_BTD=None):
+    def __call__(self, x_BTD, positions_BT=None, kv=None, mask_BHTS=None, ve_BTD=None, segment_ids_BT=None):
         B, T, D = x_BTD.shape
         H = self.n_head
         J = self.n_kv_head or H
@@ -225,6 +234,8 @@ class SelfAttention(nn.Module):
                 is_causal = mask_BHTS is None and not self.window
                 tril = causal_mask(jnp.arange(T)[None], T, self.window)
                 mask_BHTS = tril if mask_BHTS is None else mask_BHTS & tril
+            if segment_ids_BT is not None:  # packed rows: no query sees another example's keys
+                mask_BHTS = mask_BHTS & segment_mask(segment_ids_BT)
             dropout = 0.0 if self.deterministic else self.attn_dropout
             if J < H:  # grouped-query: each key/value head serves G query heads (h reads h // G)
                 k_BTJK, v_BTJK = jnp.repeat(k_BTJK, H // J, axis=2), jnp.repeat(v_BTJK, H // J, axis=2)
@@ -238,6 +249,7 @@ class SelfAttention(nn.Module):
                 dropout_rate=dropout,
                 dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
                 sow=sow,
+                segment_ids_BT=segment_ids_BT,
             )
         y_BTD = nn.Dense(
             D,

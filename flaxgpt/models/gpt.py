@@ -44,7 +44,7 @@ class Block(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None):
+    def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None, segment_ids_BT=None):
         c = self.config
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         # GPT-2: residual projections start smaller so the residual stream's variance does not
@@ -69,7 +69,7 @@ class Block(nn.Module):
             impl=c.attention_impl,
             deterministic=self.deterministic,
             name="attn",
-        )(ln("ln_1")(x_BTD), positions_BT, kv, ve_BTD=ve_BTD)
+        )(ln("ln_1")(x_BTD), positions_BT, kv, ve_BTD=ve_BTD, segment_ids_BT=segment_ids_BT)
         x_BTD = x_BTD + h_BTD
         x_BTD = x_BTD + MLP(
             hidden=c.mlp_hidden or 4 * c.n_embd,
@@ -87,16 +87,18 @@ class Block(nn.Module):
 
 
 class ScannedBlock(nn.Module):
-    """Block in nn.scan's (carry, xs) -> (carry, ys) form: xs and ys are the layer's (k, v)."""
+    """Block in nn.scan's (carry, xs) -> (carry, ys) form: xs and ys are the layer's (k, v);
+    the carry holds the segment ids (or None) beside the positions."""
 
     config: GPTConfig
     deterministic: bool = True
 
     @nn.compact
     def __call__(self, carry, kv):
-        x_BTD, positions_BT = carry
-        x_BTD, kv = Block(self.config, self.deterministic, name="block")(x_BTD, positions_BT, kv)
-        return (x_BTD, positions_BT), kv
+        x_BTD, positions_BT, seg_BT = carry
+        block = Block(self.config, self.deterministic, name="block")
+        x_BTD, kv = block(x_BTD, positions_BT, kv, segment_ids_BT=seg_BT)
+        return (x_BTD, positions_BT, seg_BT), kv
 
 
 def _remat_policy(name: str):
@@ -111,6 +113,13 @@ def wpe_prefix(wpe_SD: jax.Array, T: int) -> jax.Array:
     """Learned embeddings of positions 0..T-1 -> [1, T, D]."""
     # a slice, not a gather over broadcast positions (which FSDP rematerialises)
     return wpe_SD[None, :T]
+
+
+def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
+    """[B, T] positions that restart at 0 where the segment id changes (packed rows)."""
+    t_BT = jnp.broadcast_to(jnp.arange(segment_ids_BT.shape[1]), segment_ids_BT.shape)
+    starts_BT = jnp.concatenate([jnp.ones_like(t_BT[:, :1], bool), jnp.diff(segment_ids_BT, axis=1) != 0], 1)
+    return t_BT - jax.lax.cummax(jnp.where(starts_BT, t_BT, 0), axis=1)
 
 
 def tied_head_few_rows(wte_VD: jax.Array, x_ND: jax.Array) -> jax.Array:
@@ -131,14 +140,23 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         deterministic: bool = True,
         logits_at=None,
+        segment_ids_BT=None,
     ):
         """tokens [B, T] -> logits [B, T, V]; with a cache (and positions [B, T], default
         0..T-1) the keys/values are written at `positions` and (logits, cache) comes back.
-        With `logits_at` [B] (time indices), the logits are those of one position per row: [B, 1, V]."""
+        With `logits_at` [B] (time indices), the logits are those of one position per row: [B, 1, V].
+        `segment_ids_BT` (training on packed rows, no cache): attention stays inside each run of
+        equal ids and positions restart at 0 in each, so every example sees what it would alone."""
         c = self.config
         check_tokens(tokens_BT, c, cache)
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         B, T = tokens_BT.shape
+        if segment_ids_BT is not None:
+            if cache is not None:
+                raise ValueError(
+                    "segment_ids_BT is for training on packed rows; decoding takes a cache instead"
+                )
+            positions = segment_positions(segment_ids_BT) if positions is None else positions
         implicit_positions = positions is None
         if implicit_positions:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -156,7 +174,7 @@ class GPT(nn.Module):
             x_BTD = x_BTD + self._position_embeddings(positions, implicit_positions)
         x_BTD = nn.Dropout(c.embd_dropout)(x_BTD, deterministic=deterministic)
         kv_layers = None if cache is None else [cache.layer(i) for i in range(c.n_layer)]
-        x_BTD, kv_layers = self._blocks(x_BTD, positions, kv_layers, deterministic, tokens_BT)
+        x_BTD, kv_layers = self._blocks(x_BTD, positions, kv_layers, deterministic, tokens_BT, segment_ids_BT)
         if (
             logits_at is not None
         ):  # a prefill draws from one position: skip the head (1/3 of GPT-2's FLOPs) elsewhere
@@ -188,7 +206,7 @@ class GPT(nn.Module):
             return wpe_prefix(wpe.embedding, positions_BT.shape[1]).astype(dtype)
         return wpe(positions_BT)
 
-    def _blocks(self, x_BTD, positions_BT, kv_layers, deterministic: bool, tokens_BT=None):
+    def _blocks(self, x_BTD, positions_BT, kv_layers, deterministic: bool, tokens_BT=None, seg_BT=None):
         """The n_layer blocks; kv_layers (or None) holds each layer's (k, v), handed to its block."""
         c = self.config
         if c.scan_layers:
@@ -200,13 +218,13 @@ class GPT(nn.Module):
             scan_cls = ScannedBlock
             if c.remat != "none":
                 scan_cls = nn.remat(ScannedBlock, policy=_remat_policy(c.remat), prevent_cse=False)
-            (x_BTD, _), stacked = nn.scan(
+            (x_BTD, _, _), stacked = nn.scan(
                 scan_cls,
                 variable_axes={"params": 0, "intermediates": 0},
                 split_rngs={"params": True, "dropout": True},
                 length=c.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(c, deterministic, name="h")((x_BTD, positions_BT), stacked)
+            )(c, deterministic, name="h")((x_BTD, positions_BT, seg_BT), stacked)
             if stacked is not None:
                 kv_layers = [(stacked[0][i], stacked[1][i]) for i in range(c.n_layer)]
             return x_BTD, kv_layers
@@ -223,7 +241,8 @@ class GPT(nn.Module):
             if i >= n_enc and skips:
                 x_BTD = x_BTD + skip_weights[i - n_enc].astype(x_BTD.dtype) * skips.pop()
             kv = None if kv_layers is None else kv_layers[i]
-            x_BTD, kv = block_cls(c, deterministic, name=f"h_{i}")(x_BTD, positions_BT, kv, ve_layers[i])
+            block = block_cls(c, deterministic, name=f"h_{i}")
+            x_BTD, kv = block(x_BTD, positions_BT, kv, ve_layers[i], seg_BT)
             if i < n_enc:
                 skips.append(x_BTD)
             out.append(kv)

@@ -1,7 +1,13 @@
-"""OpenAI's /v1/completions request and response shapes: validation and JSON, no HTTP and no model.
+"""OpenAI's /v1/completions and /v1/chat/completions request and response shapes: validation and
+JSON, no HTTP and no model.
 
     req = parse_completion(body, model="gpt2", tokenizer=tok, max_len=1024)   # or BadRequest
     req.prompts  # token ids per prompt; choice i*n + j is prompt i's j-th sample
+    req = parse_chat(body, model=..., tokenizer=tok, ...)   # messages -> one prompt (the chat template)
+
+A chat request's messages are rendered with the model's own template and generation prompt
+(flaxgpt.data.chat, as transformers' apply_chat_template) into one token-id prompt, then checked
+as a completion of those ids; the server stops each choice at the template's end-of-turn token.
 
 Every bad field is a BadRequest naming the field and the limit, which the server answers with
 HTTP 400 and OpenAI's error JSON. Extensions beyond OpenAI's fields: `top_k` (0 = off) and
@@ -14,6 +20,8 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
+
+from flaxgpt.data import chat
 
 OPENAI_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16
@@ -173,8 +181,59 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: i
     )
 
 
+def parse_chat(body, *, model: str, tokenizer, vocab_size: int, max_len: int) -> CompletionRequest:
+    """A chat completion: `messages` through the chat template, the other fields as a completion's."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    if "prompt" in body:
+        raise BadRequest("'prompt' belongs to /v1/completions; a chat request sends 'messages'", "prompt")
+    for field in ("tools", "tool_choice", "response_format"):
+        if body.get(field) is not None:
+            raise BadRequest(f"'{field}' is not supported", field)
+    try:
+        chat.template_of(tokenizer)
+        messages = chat.check_messages(body.get("messages"), "'messages'", need_assistant=False)
+        ids = chat.render_ids(tokenizer, messages, add_generation_prompt=True, name="'messages'")
+    except chat.ChatError as e:
+        raise BadRequest(str(e), "messages") from None
+    rest = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", "logprobs")}
+    if body.get("logprobs"):
+        raise BadRequest("'logprobs' is not supported", "logprobs")
+    if body.get("max_completion_tokens") is not None:  # the newer name of max_tokens
+        rest["max_tokens"] = body["max_completion_tokens"]
+    return parse_completion(
+        {**rest, "prompt": ids}, model=model, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len
+    )
+
+
 def new_id() -> str:
     return f"cmpl-{uuid.uuid4().hex[:24]}"
+
+
+def chat_json(cid, model, choices, usage=None, created=None) -> dict:
+    """A whole chat completion; choices: [(index, text, finish_reason)]."""
+    out = completion_json(cid, model, [], usage, created)
+    out["object"], out["id"] = "chat.completion", cid.replace("cmpl-", "chatcmpl-")
+    out["choices"] = [
+        {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+        for i, t, r in choices
+    ]
+    return out
+
+
+def chat_chunk_json(cid, model, choices, usage=None, created=None) -> dict:
+    """One streamed chunk; the role comes with each choice's first (empty) delta."""
+    out = completion_json(cid, model, [], usage, created)
+    out["object"], out["id"] = "chat.completion.chunk", cid.replace("cmpl-", "chatcmpl-")
+    deltas = [
+        {"role": "assistant", "content": ""} if t is None else {"content": t} if t else {}
+        for _, t, _ in choices
+    ]
+    out["choices"] = [
+        {"index": i, "delta": d, "logprobs": None, "finish_reason": r}
+        for (i, _, r), d in zip(choices, deltas)
+    ]
+    return out
 
 
 def completion_json(cid, model, choices, usage=None, created=None) -> dict:

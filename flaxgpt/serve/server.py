@@ -3,12 +3,13 @@
     app = create_app(scheduler, tokenizer, model="gpt2", max_len=1024, vocab_size=50257)
     serve(app, scheduler, host="127.0.0.1", port=8000)     # SIGTERM drains, then exits 0
 
-Routes: POST /v1/completions (text or token-id prompts; stream as server-sent events ending with
-`data: [DONE]`), GET /v1/models, GET /health (503 while compiling or draining). The handlers
-only translate: parse and validate (flaxgpt/serve/openai_api.py), submit sequences to the Scheduler,
-and turn its events into JSON. The event loop never runs XLA; the engine thread never touches
-HTTP. Bad input is a 400 with OpenAI's error JSON; a full queue a 429 with Retry-After; a
-client that disconnects cancels its sequences, freeing their slots.
+Routes: POST /v1/completions (text or token-id prompts; stream as server-sent events ending with `data:
+[DONE]`), POST /v1/chat/completions (messages through the model's chat template, each choice stopped at
+the template's end-of-turn token; streamed the same way), GET /v1/models, GET /health (503 while
+compiling or draining). The handlers only translate: parse and validate (flaxgpt/serve/openai_api.py),
+submit sequences to the Scheduler, and turn its events into JSON. The event loop never runs XLA; the
+engine thread never touches HTTP. Bad input is a 400 with OpenAI's error JSON; a full queue a 429 with
+Retry-After; a client that disconnects cancels its sequences, freeing their slots.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from flaxgpt.data import chat
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.serve import openai_api as api
 from flaxgpt.serve.engine import RowSampling
@@ -66,7 +68,18 @@ def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_s
         card = {"id": model, "object": "model", "created": created, "owned_by": "flaxgpt"}
         return JSONResponse({"object": "list", "data": [card]})
 
+    end_of_turn: list = []  # the chat template's end-of-turn id, found at the first chat request
+
     async def completions(request: Request):
+        return await _handle(request, api.parse_completion, eos_id, api.completion_json, api.completion_json)
+
+    async def chat_completions(request: Request):
+        if not end_of_turn and getattr(tokenizer, "chat_template", None):
+            end_of_turn.append(chat.end_of_turn_id(tokenizer))
+        eot = end_of_turn[0] if end_of_turn else eos_id
+        return await _handle(request, api.parse_chat, eot, api.chat_json, api.chat_chunk_json)
+
+    async def _handle(request: Request, parse, eos_id, whole_json, chunk_json):
         if not sched.accepting:
             return _error(503, "the server is shutting down", "service_unavailable")
         try:
@@ -74,9 +87,7 @@ def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_s
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"the body is not valid JSON: {e}")
         try:
-            req = api.parse_completion(
-                body, model=model, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len
-            )
+            req = parse(body, model=model, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len)
         except api.BadRequest as e:
             return _error(400, str(e), param=e.param)
         loop = asyncio.get_running_loop()
@@ -102,12 +113,12 @@ def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_s
         cid = api.new_id()
         inflight.add(cid)  # a drain waits until every response is sent, not only generated
         if req.stream:
-            stream = _stream(events, seqs, cid, model, prompt_tokens, req.include_usage, inflight)
+            stream = _stream(events, seqs, cid, model, prompt_tokens, req.include_usage, inflight, chunk_json)
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         try:
-            return await _collect(request, events, seqs, cid, model, prompt_tokens)
+            return await _collect(request, events, seqs, cid, model, prompt_tokens, whole_json)
         finally:
             inflight.discard(cid)
 
@@ -115,6 +126,7 @@ def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_s
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
 
     async def not_found(request, exc):
@@ -125,23 +137,25 @@ def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_s
     return app
 
 
-async def _stream(events, seqs, cid, model, prompt_tokens, include_usage, inflight):
+async def _stream(events, seqs, cid, model, prompt_tokens, include_usage, inflight, chunk_json):
     completion_tokens, left = 0, len(seqs)
     try:
+        if chunk_json is api.chat_chunk_json:  # chat: each choice's role first, as OpenAI streams
+            yield _sse(chunk_json(cid, model, [(i, None, None) for i in range(len(seqs))]))
         while left:
             index, ev = await events.get()
             if isinstance(ev, Delta):
-                yield _sse(api.completion_json(cid, model, [(index, ev.text, None)]))
+                yield _sse(chunk_json(cid, model, [(index, ev.text, None)]))
             elif isinstance(ev, Finish):
                 left -= 1
                 completion_tokens += ev.completion_tokens
-                yield _sse(api.completion_json(cid, model, [(index, "", ev.reason)]))
+                yield _sse(chunk_json(cid, model, [(index, "", ev.reason)]))
             elif isinstance(ev, Failed):
                 left -= 1
                 yield _sse(api.error_json(f"choice {index} failed: {ev.message}", "server_error"))
         if include_usage:
             usage = api.usage_json(prompt_tokens, completion_tokens)
-            yield _sse(api.completion_json(cid, model, [], usage=usage))
+            yield _sse(chunk_json(cid, model, [], usage=usage))
         yield "data: [DONE]\n\n"
     finally:  # also when the client went away (Starlette cancels us): free the slots
         inflight.discard(cid)
@@ -149,7 +163,7 @@ async def _stream(events, seqs, cid, model, prompt_tokens, include_usage, inflig
             s.cancel()
 
 
-async def _collect(request, events, seqs, cid, model, prompt_tokens):
+async def _collect(request, events, seqs, cid, model, prompt_tokens, whole_json):
     texts, reasons, completion_tokens, failed = [""] * len(seqs), [None] * len(seqs), 0, []
     left = len(seqs)
     try:
@@ -176,7 +190,7 @@ async def _collect(request, events, seqs, cid, model, prompt_tokens):
         return _error(500, "; ".join(failed), "server_error")
     usage = api.usage_json(prompt_tokens, completion_tokens)
     choices = [(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
-    return JSONResponse(api.completion_json(cid, model, choices, usage=usage))
+    return JSONResponse(whole_json(cid, model, choices, usage=usage))
 
 
 def serve(app, sched: Scheduler, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 600):

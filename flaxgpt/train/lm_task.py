@@ -1,6 +1,8 @@
 """The decoder-only GPT as a trainer task (config.model.kind = "gpt"): next-token prediction on a
 prepared token dataset (flaxgpt.data.prepare), or on the speedrun's token shards (data.format = shards,
-flaxgpt.data.fineweb: windows in order, evaluated on the fixed val set only).
+flaxgpt.data.fineweb: windows in order, evaluated on the fixed val set only), or on packed rows
+(data.format = packed, flaxgpt.data.packing: chat SFT or packed documents; the loss counts the
+rows' loss_mask tokens and attention stays inside each example's segment).
 
     task = LMTask(config)     # config: a configs/*.py recipe (ml_collections)
     loss_sum, n_tokens = task.loss(params, task.batch("train", step, rows, 0), rng, train=True)
@@ -18,12 +20,13 @@ import dataclasses
 import jax
 
 from flaxgpt.data import batches as data_lib
-from flaxgpt.data import fineweb
+from flaxgpt.data import fineweb, packing
 from flaxgpt.hf import gpt2 as hf
 from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
 from flaxgpt.train.losses import cross_entropy
 
+FORMATS = ("tokens", "shards", "packed")  # config.data.format
 FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the model from config.model
 # what a pretrained checkpoint leaves to the recipe: the layout of the loaded arrays ...
 LAYOUT_FIELDS = ("block_size", "scan_layers", "pad_vocab_multiple", "param_dtype")
@@ -48,8 +51,13 @@ class LMTask:
     splits = ("train", "val")
 
     def __init__(self, config):
-        self.shards = config.data.get("format", "tokens") == "shards"
-        if self.shards:  # shards need the window length, which the model section fixes
+        self.format = config.data.get("format", "tokens")
+        if self.format not in FORMATS:
+            raise ValueError(f"data.format={self.format!r}; choose one of {', '.join(FORMATS)}")
+        self.shards = self.format == "shards"
+        if self.format == "packed":
+            self.data = packing.PackedData(config.data.dir)
+        elif self.shards:  # shards need the window length, which the model section fixes
             block_size = config.model.block_size
             d = config.data
             self.data = fineweb.ShardData(d.dir, block_size, d.align_to_bos, d.val_tokens)
@@ -81,6 +89,7 @@ class LMTask:
             {"params": params},
             batch["inputs"],
             deterministic=not train,
+            segment_ids_BT=batch.get("segment_ids"),  # packed rows only
             rngs={"dropout": rng} if train else None,
         )
         return cross_entropy(logits_BTV, batch["targets"], batch.get("loss_mask"), self.label_smoothing)
@@ -89,6 +98,8 @@ class LMTask:
         """Train batches follow the step; eval batch i of a split is the same at every evaluation."""
         if self.shards:
             return self.data.batch(split, step, n_rows, process_index, jax.process_count())
+        if self.format == "packed":
+            return self.data.batch(split, step, n_rows, self.seed, process_index, jax.process_count())
         tokens = self.data.splits["train" if split != "val" else "val"]
         stream = {
             "train": data_lib.TRAIN_STREAM,

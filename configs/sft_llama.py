@@ -1,0 +1,43 @@
+"""Chat SFT of a Llama-family model (Llama 3, Qwen2, Mistral instruct) on packed conversations.
+
+    python -m flaxgpt.data.prepare --dataset chat --input convs.jsonl \
+        --hf_dir path/to/Llama-3.2-1B-Instruct --block_size 2048 --out_dir data/chat_llama
+    python train.py --config configs/sft_llama.py --config.init_from=path/to/Llama-3.2-1B-Instruct
+    python sample.py --out_dir out/sft_llama --chat           # talk to it in the terminal
+    python serve.py --out_dir out/sft_llama                   # POST /v1/chat/completions
+
+The data are conversations ({"messages": [{"role", "content"}, ...]} per line) rendered with the
+model's own chat template, packed several to a row of block_size with segment ids (attention and
+positions restart in each), and the loss counts the assistant tokens only (flaxgpt.data.chat).
+`--block_size` of prepare and `model.block_size` here must agree. Full fine-tuning: every weight
+trains (AdamW state for all of them); see docs/chat.md.
+"""
+
+from configs import default
+
+
+def get_config():
+    c = default.get_config()
+    c.init_from = "path/to/Llama-3.2-1B-Instruct"  # a Hugging Face Llama / Mistral / Qwen2 directory
+    c.out_dir = "out/sft_llama"
+    c.data.dir = "data/chat_llama"  # prepare --dataset chat --hf_dir (the same model directory)
+    c.data.format = "packed"  # rows of whole conversations, loss mask + segment ids
+    c.model.block_size = 2048  # the packed row length (prepare's --block_size)
+    c.model.dropout = 0.0  # Llama-family models are trained without dropout
+    c.model.dtype = "bfloat16"  # bf16 matmuls, float32 parameters (use float32 on CPU)
+    c.model.pad_vocab_multiple = 64  # Llama-family vocabularies already are multiples of 64
+    c.model.scan_layers = True  # one compiled block: 16-30 layers compile in seconds
+    c.model.remat = "dots"  # keep the matmul outputs, recompute the rest: long rows fit
+    c.batch_size = 8  # packed rows per step (8 x 2048 = 16,384 tokens, a fraction of them trained)
+    c.grad_accum = 2  # micro-batches of 4 rows
+    c.max_iters = 300
+    c.eval_interval = 50
+    c.eval_iters = 10
+    c.log_interval = 5
+    c.ckpt_interval = 0  # a checkpoint at the end only
+    c.optim.learning_rate = 1e-5  # SFT: a small step away from the instruct weights
+    c.optim.min_lr = 1e-6
+    c.optim.schedule = "cosine"
+    c.optim.warmup_steps = 20
+    c.optim.weight_decay = 0.0
+    return c

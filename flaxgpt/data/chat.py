@@ -1,0 +1,210 @@
+"""Conversations through a model's own chat template: token ids and the assistant-only loss mask.
+
+    tok = HFTokenizer("path/to/llama_dir")           # its chat_template and special token strings
+    ids = render_ids(tok, messages, add_generation_prompt=True)     # a prompt for generation
+    ids, mask = assistant_mask(tok, messages)        # training: mask[i] = 1 on assistant tokens
+    examples = read_conversations("convs.jsonl")     # {"messages": [{"role", "content"}, ...]} a line
+
+Rendering is transformers' apply_chat_template: the same Jinja environment (a sandbox with
+trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that
+keeps non-ASCII, the `{% generation %}` block), the same variables (messages,
+add_generation_prompt, tools=None, documents=None and the special token strings), then the text
+encoded with no special token added: the ids equal `apply_chat_template`'s.
+
+The loss counts assistant tokens only, found one of two ways:
+- a template that marks `{% generation %}...{% endgeneration %}` (TRL's, SmolLM3's, ...): the tokens
+  of the marked characters, as transformers' `return_assistant_tokens_mask` (char_to_token of each
+  span's first and last character);
+- any other template (Llama 3's, Qwen2's ChatML, ...): prefix by prefix. For assistant turn i, the
+  ids of messages[:i] with the generation prompt must be a prefix of the ids of messages[:i+1],
+  which must be a prefix of the whole conversation's; the tokens between are the turn (its text and
+  the template's end-of-turn tokens). A template for which that does not hold is an error that
+  asks for `{% generation %}` marks.
+Either way the generation prompt (`<|start_header_id|>assistant<|end_header_id|>\\n\\n`) is never
+trained on: it is what the user's side supplies at inference.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+ROLES = ("system", "user", "assistant", "tool")
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# private-use characters around each {% generation %} block's output, removed after rendering
+OPEN, CLOSE = "\U000f0000", "\U000f0001"
+
+
+class ChatError(ValueError):
+    """Bad conversation or template: the message says which and how to fix it."""
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compile_template(source: str):
+    """A chat template compiled in transformers' Jinja environment (cached per source)."""
+    if source in _COMPILED:
+        return _COMPILED[source]
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(jinja2.ext.Extension):
+        """{% generation %}...{% endgeneration %}: its output, wrapped in OPEN ... CLOSE."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return OPEN + caller() + CLOSE
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters; templates expect plain JSON
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    _COMPILED[source] = env.from_string(source)
+    return _COMPILED[source]
+
+
+def template_of(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        where = getattr(getattr(tokenizer, "file", None), "parent", "the tokenizer")
+        raise ChatError(
+            f"{where} has no chat template (no chat_template.jinja, no tokenizer_config.json "
+            "'chat_template'); use a chat (instruct) model's directory, or add its template there"
+        )
+    return template
+
+
+def check_messages(messages, name: str = "the conversation", need_assistant: bool = True) -> list[dict]:
+    """The messages as plain {role, content} dicts; a bad one is a ChatError naming `name`."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatError(f"{name}: 'messages' must be a non-empty list of {{role, content}} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ChatError(f"{name}: message {i} is not a {{role, content}} object")
+        if m["role"] not in ROLES:
+            raise ChatError(f"{name}: message {i} has role {m['role']!r}; roles are {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise ChatError(f"{name}: message {i} ({m['role']}) has no string 'content'")
+        clean = {k: v for k, v in m.items() if v is not None}  # as transformers: None keys dropped
+        clean["content"] = m["content"].replace(OPEN, "").replace(CLOSE, "")
+        out.append(clean)
+    if need_assistant and not any(m["role"] == "assistant" for m in out):
+        raise ChatError(f"{name} has no assistant turn: nothing to train on (add one, or drop the line)")
+    return out
+
+
+def render(tokenizer, messages, add_generation_prompt: bool, name: str = "the conversation"):
+    """(text, [(start, end) character spans of {% generation %} blocks])."""
+    import jinja2
+
+    template = compile_template(template_of(tokenizer))
+    variables = dict(getattr(tokenizer, "special_tokens", {}))
+    try:
+        marked = template.render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatError(f"{name}: the chat template refused it: {e}") from None
+    text, spans, start = [], [], None
+    for piece in re.split(f"([{OPEN}{CLOSE}])", marked):
+        if piece == OPEN:
+            start = sum(map(len, text))
+        elif piece == CLOSE:
+            spans.append((start, sum(map(len, text))))
+        else:
+            text.append(piece)
+    return "".join(text), spans
+
+
+def render_ids(tokenizer, messages, add_generation_prompt: bool, name: str = "the conversation") -> list[int]:
+    """apply_chat_template's ids: the rendered text, no special token added."""
+    return tokenizer.encode(render(tokenizer, messages, add_generation_prompt, name)[0])
+
+
+def assistant_mask(tokenizer, messages, name: str = "the conversation") -> tuple[np.ndarray, np.ndarray]:
+    """(ids [N] int64, mask [N] uint8: 1 on the tokens of assistant turns) of a whole conversation."""
+    text, spans = render(tokenizer, messages, False, name)
+    encoding = tokenizer.encoding(text)
+    ids = np.asarray(encoding.ids, np.int64)
+    mask = np.zeros(len(ids), np.uint8)
+    if GENERATION_TAG.search(template_of(tokenizer)):
+        for start, end in spans:  # transformers' rule: first to last token touching the span
+            first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+            if first is None:
+                break
+            mask[first : len(ids) if last is None else last + 1] = 1
+        return ids, mask
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render_ids(tokenizer, messages[:i], True, name) if i else []
+        through = render_ids(tokenizer, messages[: i + 1], False, name)
+        if through[: len(before)] != before or list(ids[: len(through)]) != through:
+            raise ChatError(
+                f"{name}: the chat template does not render turn {i} as a prefix of the conversation, "
+                "so its assistant tokens cannot be found; mark them with {% generation %} in the template"
+            )
+        mask[len(before) : len(through)] = 1
+    return ids, mask
+
+
+def end_of_turn_id(tokenizer) -> int | None:
+    """The control token the template writes right after an assistant's text (<|eot_id|>, <|im_end|>):
+    where a chat reply stops. The tokenizer's EOS when the template writes none."""
+    probe = "\u2063probe\u2063"
+    text, _ = render(
+        tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}], False
+    )
+    after = text[text.index(probe) + len(probe) :] if probe in text else ""
+    added = getattr(tokenizer, "added_ids", frozenset())
+    return next((t for t in tokenizer.encode(after) if t in added), tokenizer.eos_id)
+
+
+def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
+    """[(name, messages)] of an OpenAI-style jsonl file; name = "PATH line N" for the errors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ChatError(f'--input {path} does not exist (a .jsonl file of {{"messages": [...]}} lines)')
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        name = f"{path} line {n}"
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ChatError(f"{name} is not JSON ({e})") from None
+        if not isinstance(record, dict) or "messages" not in record:
+            raise ChatError(f'{name} has no "messages" list')
+        out.append((name, check_messages(record["messages"], name)))
+    if not out:
+        raise ChatError(f"{path} holds no conversation")
+    return out
