@@ -153,7 +153,7 @@ def compare(
     sleep: Callable[[float], None] = time.sleep,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
 ) -> Report:
-    """Every side `rounds` times, the order alternating, `pause` seconds of rest before each run but the first."""
+    """Every side `rounds` times, the order alternating, `pause` s of rest before each run but the first."""
     if rounds < MIN_ROUNDS:
         raise SystemExit(f"error: --rounds {rounds} is too few; at least {MIN_ROUNDS} (the order alternates)")
     if pause < 0:
