@@ -94,12 +94,12 @@ class Report:
         return statistics.median(self.ratios(f))
 
     def table(self) -> str:
-        lines = [
-            f"{len(self.results)} rounds, orders: " + ", ".join("-".join(o) for o in self.orders),
-            "",
-            "| figure | side (median) | reference (median) | ratio (median) | ratios per round | spread |",
-            "| --- | ---: | ---: | ---: | --- | ---: |",
-        ]
+        lines = [f"{len(self.results)} rounds, orders: " + ", ".join("-".join(o) for o in self.orders), ""]
+        if self.figures:
+            lines.append(
+                "| figure | side (median) | reference (median) | ratio (median) | ratios per round | spread |"
+            )
+            lines.append("| --- | ---: | ---: | ---: | --- | ---: |")
         for f in self.figures:
             rs = self.ratios(f)
             side, ref = (
