@@ -153,9 +153,7 @@ def main():
             widths=widths,
         )
     compile_s = ", ".join(f"{k} {first[f'{k} warm']:.1f}" for k in keys)
-    print(
-        f"\nKV MiB/1k: the float32 KV cache of one 1024-token sequence; compile s (round 1): {compile_s}"
-    )
+    print(f"\nKV MiB/1k: the float32 KV cache of one 1024-token sequence; compile s (round 1): {compile_s}")
 
 
 if __name__ == "__main__":
