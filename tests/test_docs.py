@@ -70,7 +70,7 @@ def bash_commands(text: str) -> list[tuple[int, str]]:
 
 
 def ours(cmd: str) -> bool:
-    return cmd.startswith(("flaxgpt ", *(f"python {s}" for s in SCRIPTS)))
+    return cmd.startswith(("flaxgpt ", "python benchmarks/", *(f"python {s}" for s in SCRIPTS)))
 
 
 @functools.cache
@@ -128,6 +128,10 @@ def check_script(words: list[str]) -> list[str]:
     script = words[1]
     if script == "train.py":
         return check_train(words)
+    if not (ROOT / script).is_file():
+        return [f"no script {script}"]
+    if "argparse" not in (ROOT / script).read_text():  # no flags at all (and --help would run it)
+        return [f"{script} takes no flags, got {w}" for w in words[2:] if w.startswith("-")]
     known = flags_of(help_text((sys.executable, str(ROOT / script))))
     return [f"unknown flag {w}" for w in words[2:] if w.startswith("--") and w.split("=")[0] not in known]
 
