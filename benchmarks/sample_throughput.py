@@ -262,7 +262,11 @@ def main():
     modes = [m for m in a.modes.split(",") if m]
     figures = [
         harness.Figure(
-            f"GPT-2 124M {m} vs float32, batch {B} (tok/s)", "flaxgpt", f"{m} b{B}", "transformers", f"b{B}"
+            f"decoding GPT-2 124M, batch {B}, flaxgpt {m} vs float32 (tok/s)",
+            "flaxgpt",
+            f"{m} b{B}",
+            "transformers",
+            f"b{B}",
         )
         for m in modes
         for B in batches
