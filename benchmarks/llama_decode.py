@@ -130,7 +130,9 @@ def main():
         harness.Side("transformers", [a.torch_python, __file__, *args, "--side", "hf"]),
     ]
     keys = [f"{name} b{B}" for name, _ in models(a.n_kv_heads) for B in batches]
-    figures = [harness.Figure(f"{k} (tok/s)", "flaxgpt", f"{k} tok_s", "transformers", k) for k in keys]
+    figures = [
+        harness.Figure(f"decoding {k} (tok/s)", "flaxgpt", f"{k} tok_s", "transformers", k) for k in keys
+    ]
     report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
     first = report.results[0]["flaxgpt"]
     print(
