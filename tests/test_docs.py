@@ -249,4 +249,4 @@ def test_quickstart_runs_as_written(tmp_path):
         r = subprocess.run(argv, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"{cmd}\n{r.stderr[-3000:]}"
     assert (tmp_path / "data/shakespeare_char/meta.json").exists()
-    assert r.stdout.count("ROMEO:") == 3, r.stdout  # three samples of the prompt
+    assert r.stdout.count("ROMEO:") >= 3, r.stdout  # three samples, each starting with the prompt
