@@ -1,7 +1,7 @@
 """Serving under load: serve.py (continuous batching) vs the same requests one at a time.
 
     python benchmarks/serve_load.py                                   # 64 requests, 16 clients, GPT-2 124M
-    python benchmarks/serve_load.py --requests 4 --clients 2 --max_new 12 --skip_hf --pause 1   # smoke run
+    python benchmarks/serve_load.py --requests 4 --clients 2 --min_new 4 --max_new 12 --skip_hf --pause 1
 
 GPT-2 124M with random weights (no download), fp32, on 127.0.0.1. Requests: token-id prompts of
 random lengths in [--min_prompt, --max_prompt], outputs in [--min_new, --max_new] tokens (decoded
@@ -251,7 +251,11 @@ def parse(argv):
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the transformers side")
     harness.add_arguments(p)
     p.add_argument("--side", default=None, choices=["serve", "flaxgpt", "hf"], help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    for lo, hi in (("min_prompt", "max_prompt"), ("min_new", "max_new")):
+        if getattr(a, lo) > getattr(a, hi):
+            p.error(f"--{lo} {getattr(a, lo)} is above --{hi} {getattr(a, hi)}")
+    return a
 
 
 def main(argv=None):
