@@ -2,12 +2,13 @@
 
     python benchmarks/eval_throughput.py                              # HellaSwag-shaped, GPT-2 124M, 200 docs
     python benchmarks/eval_throughput.py --task lambada --n 400
-    python benchmarks/eval_throughput.py --n 16 --n_layer 2 --n_embd 64   # a smoke run
+    python benchmarks/eval_throughput.py --n 16 --n_layer 2 --n_embd 64 --pause 1   # a smoke run
 
 A GPT-2 124M config with random weights (speed does not depend on the values) saved as a Hugging
 Face directory with GPT-2's tokenizer, and synthetic task files of the real tasks' shapes (HellaSwag:
 a context of ~40-90 words and 4 endings of ~8-30; LAMBADA: ~60-100 words). Each side runs in its
-own process, flaxgpt first: `flaxgpt eval` (lm-eval's conventions) and lm-eval's
+own process through benchmarks/harness.py (the order alternating every round, --pause seconds of
+rest before each run, at least 4 rounds): `flaxgpt eval` (lm-eval's conventions) and lm-eval's
 `simple_evaluate` on the HF backend (CPU, float32, --lm_eval_batch_size). Both count the same
 tokens: context + continuation of every request as lm-eval tokenizes them. Times exclude model
 loading; flaxgpt's include compilation. Needs `pip install -e '.[hf,eval]'`.
@@ -20,13 +21,15 @@ import json
 import os
 import random
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness  # noqa: E402
+
 WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which but "
     "have an they you were her she there been one all we their has would when if so no will can more "
@@ -133,11 +136,8 @@ def main():
     p.add_argument("--n_head", type=int, default=12)
     p.add_argument("--batch_tokens", type=int, default=8192, help="flaxgpt's padded tokens per batch")
     p.add_argument("--lm_eval_batch_size", type=int, default=16)
-    p.add_argument(
-        "--torch_python",
-        default=sys.executable,
-        help="interpreter for the lm-eval side",
-    )
+    p.add_argument("--torch_python", default=sys.executable, help="interpreter for the lm-eval side")
+    harness.add_arguments(p)
     p.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: run one side
     p.add_argument("--tasks_dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--task_name", default=None, help=argparse.SUPPRESS)
@@ -145,36 +145,34 @@ def main():
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.side:
-        print(json.dumps((side_flaxgpt if a.side == "flaxgpt" else side_lm_eval)(a)))
-        return
+        r = (side_flaxgpt if a.side == "flaxgpt" else side_lm_eval)(a)
+        r["tok_s"], r["tok_cpu_s"] = r["tokens"] / r["seconds"], r["tokens"] / r["cpu_seconds"]
+        return harness.print_result(r)
     work = Path(tempfile.mkdtemp(prefix="eval_bench_"))
     make_model(work / "model", a.n_layer, a.n_embd, a.n_head)
     write_data(a.task, a.n, work / "data.jsonl")
     from flaxgpt.eval.reference import write_tasks
 
     (name,) = write_tasks({a.task: str(work / "data.jsonl")}, work / "tasks")
-    rows = {}
-    for side in ("flaxgpt", "lm_eval"):
-        python = sys.executable if side == "flaxgpt" else a.torch_python
-        cmd = [python, __file__, "--side", side, "--model_dir", str(work / "model")]
-        cmd += ["--data", str(work / "data.jsonl"), "--task", a.task, "--n", str(a.n)]
-        cmd += ["--tasks_dir", str(work / "tasks"), "--task_name", name]
-        cmd += ["--batch_tokens", str(a.batch_tokens), "--lm_eval_batch_size", str(a.lm_eval_batch_size)]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-        rows[side] = json.loads(out.strip().splitlines()[-1])
-        r = rows[side]
-        rate, cpu_rate = r["tokens"] / r["seconds"], r["tokens"] / r["cpu_seconds"]
-        print(
-            f"{side:8s} {r['tokens']:8d} tokens {r['seconds']:8.1f} s {rate:9.1f} tokens/s "
-            f"{r['cpu_seconds']:8.1f} CPU s {cpu_rate:9.1f} tokens/CPU s"
-        )
-    f, ref = rows["flaxgpt"], rows["lm_eval"]
-    print(f"lm-eval side: {ref['versions']} ({ref['torch_threads']} threads), {a.torch_python}")
-    wall = (f["tokens"] / f["seconds"]) / (ref["tokens"] / ref["seconds"])
-    cpu = (f["tokens"] / f["cpu_seconds"]) / (ref["tokens"] / ref["cpu_seconds"])
-    print(f"speed-up: {wall:.2f}x in tokens/s, {cpu:.2f}x in tokens per CPU second")
-    assert f["tokens"] == ref["tokens"], (f["tokens"], ref["tokens"])
+    args = ["--model_dir", str(work / "model"), "--data", str(work / "data.jsonl"), "--task", a.task]
+    args += ["--n", str(a.n), "--tasks_dir", str(work / "tasks"), "--task_name", name]
+    args += ["--batch_tokens", str(a.batch_tokens), "--lm_eval_batch_size", str(a.lm_eval_batch_size)]
+    env = {"PYTHONPATH": str(ROOT)}
+    sides = [
+        harness.Side("flaxgpt", [sys.executable, __file__, *args, "--side", "flaxgpt"], env=env),
+        harness.Side("lm-eval", [a.torch_python, __file__, *args, "--side", "lm_eval"], env=env),
+    ]
+    label = f"{a.task}, {a.n} documents"
+    figures = [
+        harness.Figure(f"{label}: tokens/s (wall)", "flaxgpt", "tok_s", "lm-eval", "tok_s"),
+        harness.Figure(f"{label}: tokens per CPU second", "flaxgpt", "tok_cpu_s", "lm-eval", "tok_cpu_s"),
+    ]
+    report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    for rnd in report.results:
+        assert rnd["flaxgpt"]["tokens"] == rnd["lm-eval"]["tokens"], rnd  # both score the same requests
+    ref = report.results[0]["lm-eval"]
+    print(f"\n{ref['tokens']} tokens per side; lm-eval: {ref['versions']} ({ref['torch_threads']} threads)")
+    print(report.table())
 
 
 if __name__ == "__main__":

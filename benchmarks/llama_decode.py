@@ -1,7 +1,7 @@
 """Decoding throughput of a Llama-style model of GPT-2 124M's size: flaxgpt vs transformers.
 
     python benchmarks/llama_decode.py --torch_python VENV/bin/python   # batch 1 and 8, 256 new tokens
-    python benchmarks/llama_decode.py --new_tokens 32 --batch_sizes 1 --n_kv_heads 4 --skip_hf   # a smoke run
+    python benchmarks/llama_decode.py --new_tokens 8 --batch_sizes 1 --n_kv_heads 4 --pause 1   # a smoke run
 
 The Llama-style model has GPT-2 124M's shape (12 layers, width 768, 12 heads, vocabulary 50257,
 tied head, context 1024) with RoPE, RMSNorm, no biases and a SwiGLU MLP of hidden size 2048 (three
@@ -9,22 +9,22 @@ tied head, context 1024) with RoPE, RMSNorm, no biases and a SwiGLU MLP of hidde
 key/value heads. Random weights, float32, greedy, a 16-token prompt; prefill included, compilation
 excluded, as benchmarks/sample_throughput.py. flaxgpt's GPT-2 runs on the same shapes so the two
 paths compare per parameter (tokens/s x parameters). The KV cache bytes show what grouped-query
-attention saves. Each side runs in its own process, flaxgpt first; the transformers side under
---torch_python (a venv with the torch / transformers to compare against), which prints its versions.
+attention saves. Each side runs in its own process through benchmarks/harness.py (the order
+alternating every round, --pause seconds of rest before each run, at least 4 rounds); the
+transformers side under --torch_python (a venv with the torch / transformers to compare against).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from sample_throughput import row  # noqa: E402
 
 
@@ -61,7 +61,8 @@ def flax_side(a, batches):
         step = gpt.step_fn(cfg, params)
         for B, prompt in prompts(batches, a.prompt_len).items():
             warm, tok_s, _ = timed_generate(step, cfg, prompt, a.new_tokens, a.repeats)
-            out[f"{name} b{B}"] = dict(params=count_params(params), mib=mib, tok_s=tok_s, warm=warm)
+            for field, v in dict(params=count_params(params), mib=mib, tok_s=tok_s, warm=warm).items():
+                out[f"{name} b{B} {field}"] = v  # flat: the harness compares one key per figure
         del params, step
     return out
 
@@ -107,41 +108,54 @@ def main():
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--batch_sizes", default="1,8")
     p.add_argument("--n_kv_heads", default="12,4", help="key/value heads of the Llama-style runs")
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per side and round (their median)")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the transformers side")
-    p.add_argument("--skip_hf", action="store_true")
+    harness.add_arguments(p)
     p.add_argument("--side", choices=["flaxgpt", "hf"], default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     batches = [int(b) for b in a.batch_sizes.split(",")]
     if a.side:
-        print("RESULT " + json.dumps((flax_side if a.side == "flaxgpt" else hf_side)(a, batches)))
-        return
-    results = {}
-    for side in ["flaxgpt"] + ([] if a.skip_hf else ["hf"]):  # flaxgpt first, each in its own process
-        python = a.torch_python if side == "hf" else sys.executable
-        r = subprocess.run([python, __file__, *sys.argv[1:], "--side", side], capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(f"{side} side failed:\n{r.stderr[-3000:]}")
-        results[side] = json.loads(r.stdout.split("RESULT ", 1)[1])
-    import jax
-
-    hf = results.get("hf", {})
+        return harness.print_result((flax_side if a.side == "flaxgpt" else hf_side)(a, batches))
+    args = [
+        "--prompt_len",
+        str(a.prompt_len),
+        "--new_tokens",
+        str(a.new_tokens),
+        "--batch_sizes",
+        a.batch_sizes,
+    ]
+    args += ["--n_kv_heads", a.n_kv_heads, "--repeats", str(a.repeats)]
+    sides = [
+        harness.Side("flaxgpt", [sys.executable, __file__, *args, "--side", "flaxgpt"]),
+        harness.Side("transformers", [a.torch_python, __file__, *args, "--side", "hf"]),
+    ]
+    keys = [f"{name} b{B}" for name, _ in models(a.n_kv_heads) for B in batches]
+    figures = [
+        harness.Figure(f"decoding {k} (tok/s)", "flaxgpt", f"{k} tok_s", "transformers", k) for k in keys
+    ]
+    report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    first = report.results[0]["flaxgpt"]
     print(
-        f"random weights, float32, greedy, prompt {a.prompt_len}, {a.new_tokens} new tokens, median of "
-        f"{a.repeats}; flaxgpt: jax {jax.__version__}; {hf.get('versions', 'transformers not run')}"
-        f" ({hf.get('threads', '-')} threads); {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}\n"
+        f"\nrandom weights, float32, greedy, prompt {a.prompt_len}, {a.new_tokens} new tokens, median of "
+        f"{a.repeats} per round; {os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}\n"
     )
-    widths = (22, 6, 9, 10, 11, 9, 7, 13)
-    header = ("model", "batch", "params", "KV MiB/1k", "flax tok/s", "hf tok/s", "ratio", "Mparam*tok/s")
-    row(*header, widths=widths)
-    for key, f in results["flaxgpt"].items():
-        name, B = key.rsplit(" b", 1)
-        ref = hf.get(key, float("nan"))
-        n, fx = f["params"], f["tok_s"]
-        row(name, B, f"{n / 1e6:.1f}M", f"{f['mib']:.1f}", f"{fx:.1f}", f"{ref:.1f}", f"{fx / ref:.2f}x",
-            f"{fx * n / 1e6:,.0f}", widths=widths)  # fmt: skip
-    compile_s = ", ".join(f"{k} {f['warm']:.1f}" for k, f in results["flaxgpt"].items())
-    print(f"\nKV MiB/1k: the float32 KV cache of one 1024-token sequence; compile times (s): {compile_s}")
+    print(report.table() + "\n")
+    widths = (22, 6, 9, 10, 11, 13)
+    row("model", "batch", "params", "KV MiB/1k", "flax tok/s", "Mparam*tok/s", widths=widths)
+    for k in keys:
+        name, B = k.rsplit(" b", 1)
+        n, fx = first[f"{k} params"], float(np.median(report.values("flaxgpt", f"{k} tok_s")))
+        row(
+            name,
+            B,
+            f"{n / 1e6:.1f}M",
+            f"{first[f'{k} mib']:.1f}",
+            f"{fx:.1f}",
+            f"{fx * n / 1e6:,.0f}",
+            widths=widths,
+        )
+    compile_s = ", ".join(f"{k} {first[f'{k} warm']:.1f}" for k in keys)
+    print(f"\nKV MiB/1k: the float32 KV cache of one 1024-token sequence; compile s (round 1): {compile_s}")
 
 
 if __name__ == "__main__":

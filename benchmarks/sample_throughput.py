@@ -2,15 +2,16 @@
 transformers' GPT2LMHeadModel.generate under the newest torch.
 
     python benchmarks/sample_throughput.py --torch_python /path/to/venv/bin/python   # the comparison
-    python benchmarks/sample_throughput.py --skip_hf --new_tokens 64 --repeats 1     # a smoke run
+    python benchmarks/sample_throughput.py --batch_sizes 1 --modes fp32 --new_tokens 8 --repeats 1 --pause 1
 
 GPT-2 124M config, random weights, greedy, a 16-token prompt, KV cache on both sides. Each side runs
-in its own process, flaxgpt first (PyTorch's idle OpenMP workers spin after each call and slow an
-XLA run that follows them); the transformers side runs with --torch_python (a venv with the
-torch / transformers to compare against; default this interpreter) and prints its versions.
-Times include the prefill and exclude compilation / warm-up; tok/s is the median of --repeats runs.
+in its own process through benchmarks/harness.py (the order alternates every round, --pause seconds
+of rest before each run, at least 4 rounds: PyTorch's idle OpenMP workers spin after a run and slow
+what follows); the transformers side runs with --torch_python (a venv with the torch / transformers
+to compare against; default this interpreter). Times include the prefill and exclude compilation /
+warm-up; each round's tok/s is the median of --repeats runs, and the table the median over rounds.
 
-Also printed:
+Also printed (from the first round):
 - quality of bf16 / int8 weights against float32 on the same random GPT-2: max logit deviation
   (absolute, and relative to the largest |logit|) and greedy-token agreement over 4 x 64
   teacher-forced positions, and how many tokens greedy generation follows float32 exactly;
@@ -23,15 +24,16 @@ Also printed:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 PROMPT_LEN = 16
 
@@ -55,7 +57,7 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 # ---------------------------------------------------------------- the transformers side
 
 
-def hf_side(batches, n_new, repeats):
+def hf_side(batches, n_new, repeats) -> dict:
     import torch
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -80,7 +82,7 @@ def hf_side(batches, n_new, repeats):
                 times.append(time.perf_counter() - t0)
         assert gen.shape[1] == PROMPT_LEN + n_new
         out[f"b{B}"] = B * n_new / float(np.median(times))
-    print("HF_RESULT " + json.dumps(out))
+    return out
 
 
 # ---------------------------------------------------------------- the flaxgpt side
@@ -182,7 +184,8 @@ def row(*cells, widths=(26, 12, 12, 10, 12, 12)):
     print("".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths))))
 
 
-def flax_side(a):
+def flax_side(a, extras: bool) -> dict:
+    """tok/s per "mode bB"; with `extras` (the first round) also weight bytes, quality and speculative."""
     import jax
 
     from flaxgpt.models import quantize
@@ -202,19 +205,31 @@ def flax_side(a):
     batches = [int(b) for b in a.batch_sizes.split(",")]
     rs = np.random.RandomState(0)
     prompts = {B: rs.randint(0, cfg.vocab_size, (B, PROMPT_LEN)).astype(np.int32) for B in batches}
-    results = {}
+    out, first_rows = {"jax": jax.__version__}, {}
     for mode in modes:
         c, step = step_of(mode)
         for B in batches:
-            results[mode, B] = timed_generate(step, c, prompts[B], a.new_tokens, a.repeats)
+            warm, tok_s, toks = timed_generate(step, c, prompts[B], a.new_tokens, a.repeats)
+            out[f"{mode} b{B}"], out[f"{mode} b{B} compile"] = tok_s, warm
+            first_rows[mode, B] = np.asarray(toks)[0]
+    if not extras:
+        return out
     wpe = params["wpe"]["embedding"].nbytes
-    weight_bytes = {"fp32": quantize.weight_bytes(params) - wpe}
+    out["weight_bytes"] = {"fp32": quantize.weight_bytes(params) - wpe}
     for mode in modes:
         if mode != "fp32":
-            weight_bytes[mode] = quantize.weight_bytes(steps[mode][2]) - wpe
-    qual = quality(cfg, params, [m for m in modes if m != "fp32"], step_of) if "fp32" in modes else {}
-    spec = speculative_run(cfg, params, step_of, a.new_tokens, a.repeats) if a.speculative else None
-    return results, weight_bytes, qual, spec
+            out["weight_bytes"][mode] = quantize.weight_bytes(steps[mode][2]) - wpe
+    if "fp32" in modes:
+        out["quality"] = quality(cfg, params, [m for m in modes if m != "fp32"], step_of)
+        for mode in out["quality"]:
+            if ("fp32", 1) in first_rows and (mode, 1) in first_rows:
+                same = first_rows["fp32", 1] == first_rows[mode, 1]
+                out["quality"][mode]["same_prefix"] = [int(np.argmin(np.append(same, False))), len(same)]
+    if a.speculative:
+        spec = speculative_run(cfg, params, step_of, a.new_tokens, a.repeats)
+        st = spec.pop("stats")
+        out["speculative"] = {**spec, "acceptance": float(st.acceptance), "rounds": int(st.rounds)}
+    return out
 
 
 def main():
@@ -222,60 +237,70 @@ def main():
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--batch_sizes", default="1,8")
     p.add_argument("--modes", default="fp32,bf16,int8", help="flaxgpt weight formats (fp32, bf16, int8)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per side and round (their median)")
     p.add_argument("--torch_python", default=sys.executable, help="the interpreter for the transformers side")
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--no_speculative", dest="speculative", action="store_false")
-    p.add_argument("--side", choices=["all", "hf"], default="all", help=argparse.SUPPRESS)
+    harness.add_arguments(p)
+    p.add_argument("--side", choices=["flaxgpt", "hf"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--extras", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     batches = [int(b) for b in a.batch_sizes.split(",")]
     if a.side == "hf":
-        return hf_side(batches, a.new_tokens, a.repeats)
-
-    import jax
+        return harness.print_result(hf_side(batches, a.new_tokens, a.repeats))
+    if a.side == "flaxgpt":
+        return harness.print_result(flax_side(a, a.extras))
 
     load = os.getloadavg()
     bandwidth = read_bandwidth()
-    results, weight_bytes, qual, spec = flax_side(a)
-    hf = {}
+    common = ["--batch_sizes", a.batch_sizes, "--new_tokens", str(a.new_tokens), "--repeats", str(a.repeats)]
+    common += ["--modes", a.modes] + ([] if a.speculative else ["--no_speculative"])
+    flax_argv = lambda r: [sys.executable, __file__, *common, "--side", "flaxgpt"] + ["--extras"] * (r == 0)  # noqa: E731
+    sides = [harness.Side("flaxgpt", flax_argv)]
     if not a.skip_hf:
-        cmd = [a.torch_python, __file__, "--side", "hf", "--batch_sizes", a.batch_sizes]
-        cmd += ["--new_tokens", str(a.new_tokens), "--repeats", str(a.repeats)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(f"transformers side failed:\n{r.stderr[-3000:]}")
-        hf = json.loads(r.stdout.split("HF_RESULT ", 1)[1])
+        sides.append(harness.Side("transformers", [a.torch_python, __file__, *common, "--side", "hf"]))
+    modes = [m for m in a.modes.split(",") if m]
+    figures = [
+        harness.Figure(
+            f"decoding GPT-2 124M, batch {B}, flaxgpt {m} vs float32 (tok/s)",
+            "flaxgpt",
+            f"{m} b{B}",
+            "transformers",
+            f"b{B}",
+        )
+        for m in modes
+        for B in batches
+        if not a.skip_hf
+    ]
+    report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    first = report.results[0]["flaxgpt"]
+
+    def median(key):
+        return float(np.median(report.values("flaxgpt", key)))
 
     print(
         f"\nGPT-2 124M, random weights, greedy, prompt {PROMPT_LEN}, {a.new_tokens} new tokens, "
-        f"median of {a.repeats}; {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"median of {a.repeats} per round; {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, "
         f"load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}"
     )
-    print(f"flaxgpt: jax {jax.__version__}; measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    if hf:
-        print(f"transformers {hf['transformers']}, torch {hf['torch']} ({hf['threads']} threads), float32")
-    print()
-    row("flaxgpt weights", "batch", "flax tok/s", "hf tok/s", "ratio", "compile s")
-    for (mode, B), (warm, tok_s, _) in results.items():
-        ref = hf.get(f"b{B}", float("nan"))
-        row(mode, str(B), f"{tok_s:.1f}", f"{ref:.1f}", f"{tok_s / ref:.2f}x", f"{warm:.1f}")
-    print("\nbatch 1: weight bytes read per token / time per token / measured read bandwidth")
+    print(
+        f"measured read bandwidth {bandwidth / 1e9:.1f} GB/s; compile s (round 1): "
+        + ", ".join(f"{m} b{B} {first[f'{m} b{B} compile']:.1f}" for m in modes for B in batches)
+    )
+    print("\n" + report.table())
+    print("\nbatch 1: weight bytes read per token / time per token (median over rounds) / measured bandwidth")
     row("flaxgpt weights", "MB/token", "ms/token", "GB/s", "of peak", widths=(26, 12, 12, 10, 12))
-    for mode, nbytes in weight_bytes.items():
-        if (mode, 1) in results:
-            tok_s = results[mode, 1][1]
+    for mode, nbytes in first["weight_bytes"].items():
+        if 1 in batches:
+            tok_s = median(f"{mode} b1")
             gbs = nbytes * tok_s / 1e9
-            row(
-                mode,
-                f"{nbytes / 1e6:.0f}",
-                f"{1000 / tok_s:.1f}",
-                f"{gbs:.1f}",
-                f"{gbs * 1e9 / bandwidth:.0%}",
-            )
-    if qual:
+            cells = f"{nbytes / 1e6:.0f}", f"{1000 / tok_s:.1f}", f"{gbs:.1f}", f"{gbs * 1e9 / bandwidth:.0%}"
+            row(mode, *cells, widths=(26, 12, 12, 10, 12))
+    if first.get("quality"):
         print("\nquality vs float32 (4 x 64 teacher-forced positions of the same random GPT-2)")
         row("flaxgpt weights", "max |dlogit|", "relative", "argmax =", widths=(26, 14, 12, 12))
-        for mode, q in qual.items():
+        for mode, q in first["quality"].items():
             row(
                 mode,
                 f"{q['max_dev']:.4f}",
@@ -283,21 +308,17 @@ def main():
                 f"{q['agree']:.1%}",
                 widths=(26, 14, 12, 12),
             )
-        for mode in qual:
-            if ("fp32", 1) in results and (mode, 1) in results:
-                same = results["fp32", 1][2][0] == results[mode, 1][2][0]
-                n_same = int(np.argmin(np.append(same, False)))
-                print(
-                    f"{mode}: greedy generation equals float32's for the first {n_same} of {len(same)} tokens"
-                )
-    if spec:
-        st = spec["stats"]
-        base = results.get(("fp32", 1), (0, float("nan")))[1]
+            if "same_prefix" in q:
+                n_same, n = q["same_prefix"]
+                print(f"{mode}: greedy generation equals float32's for the first {n_same} of {n} tokens")
+    if first.get("speculative"):
+        sp = first["speculative"]
+        base = first.get("fp32 b1", float("nan"))
         print(
-            f"\nspeculative, batch 1: float32 target, its int8 copy drafting {spec['k']} tokens: "
-            f"{spec['tok_s']:.1f} tok/s ({spec['tok_s'] / base:.2f}x float32 plain decoding), "
-            f"{st.acceptance:.1%} of drafted tokens accepted, {a.new_tokens / max(st.rounds, 1):.2f} tokens "
-            f"per target call; output identical to plain greedy: {spec['same']}"
+            f"\nspeculative, batch 1 (round 1): float32 target, its int8 copy drafting {sp['k']} tokens: "
+            f"{sp['tok_s']:.1f} tok/s ({sp['tok_s'] / base:.2f}x float32 plain decoding, same process), "
+            f"{sp['acceptance']:.1%} of drafted tokens accepted, {a.new_tokens / max(sp['rounds'], 1):.2f} "
+            f"tokens per target call; output identical to plain greedy: {sp['same']}"
         )
 
 

@@ -1,12 +1,13 @@
 """Serving under load: serve.py (continuous batching) vs the same requests one at a time.
 
     python benchmarks/serve_load.py                                   # 64 requests, 16 clients, GPT-2 124M
-    python benchmarks/serve_load.py --requests 4 --clients 2 --max_new 12 --skip_hf   # smoke run
+    python benchmarks/serve_load.py --requests 4 --clients 2 --min_new 4 --max_new 12 --skip_hf --pause 1
 
 GPT-2 124M with random weights (no download), fp32, on 127.0.0.1. Requests: token-id prompts of
 random lengths in [--min_prompt, --max_prompt], outputs in [--min_new, --max_new] tokens (decoded
 to the end: ignore_eos), temperature 1, top_k 50, one seed each. Three sides, each in its own
-process, flaxgpt first:
+process through benchmarks/harness.py (the order alternating every round, --pause seconds of rest
+before each run, at least 4 rounds; the table shows medians over rounds):
   serve      serve.py --slots S; --clients concurrent streaming clients (httpx) share the requests
   flaxgpt    the same requests one after another with flaxgpt.decode.sampling.generate (batch 1)
   hf         the same with transformers' GPT2LMHeadModel.generate (batch 1, torch CPU)
@@ -32,6 +33,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness  # noqa: E402
 
 
 def make_requests(a):
@@ -246,8 +249,13 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the transformers side")
-    p.add_argument("--side", default=None, choices=["serve", "flaxgpt", "hf"], help="(internal) run one side")
-    return p.parse_args(argv)
+    harness.add_arguments(p)
+    p.add_argument("--side", default=None, choices=["serve", "flaxgpt", "hf"], help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    for lo, hi in (("min_prompt", "max_prompt"), ("min_new", "max_new")):
+        if getattr(a, lo) > getattr(a, hi):
+            p.error(f"--{lo} {getattr(a, lo)} is above --{hi} {getattr(a, hi)}")
+    return a
 
 
 def main(argv=None):
@@ -255,37 +263,40 @@ def main(argv=None):
     reqs = make_requests(a)
     if a.side:
         result = {"serve": run_server_side, "flaxgpt": run_flaxgpt_side, "hf": run_hf_side}[a.side](a, reqs)
-        print("RESULT " + json.dumps(result))
-        return
-    import jax
-
-    versions = f"jax {jax.__version__}"
+        return harness.print_result(result)
     load = f"{a.requests} requests, {a.clients} clients, slots {a.slots}"
     lengths = f"prompts {a.min_prompt}-{a.max_prompt}, outputs {a.min_new}-{a.max_new} tokens"
-    print(f"{versions}, python {platform.python_version()}, {os.cpu_count()} cores; {load}; {lengths}")
-    results = []
-    for side in ["flaxgpt", "serve"] + ([] if a.skip_hf else ["hf"]):  # flaxgpt's processes first
-        python = a.torch_python if side == "hf" else sys.executable
-        args = [python, __file__, *(argv if argv is not None else sys.argv[1:]), "--side", side]
-        out = subprocess.run(
-            args, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True
+    print(f"python {platform.python_version()}, {os.cpu_count()} cores; {load}; {lengths}")
+    args = [*(argv if argv is not None else sys.argv[1:])]
+    env = {"PYTHONPATH": str(ROOT)}
+    sides = [
+        harness.Side("one at a time", [sys.executable, __file__, *args, "--side", "flaxgpt"], env=env),
+        harness.Side("serve.py", [sys.executable, __file__, *args, "--side", "serve"], env=env),
+    ]
+    figures = [
+        harness.Figure("tok/s vs flaxgpt one at a time", "serve.py", "tok_s", "one at a time", "tok_s")
+    ]
+    if not a.skip_hf:
+        sides.append(harness.Side("transformers", [a.torch_python, __file__, *args, "--side", "hf"], env=env))
+        figures.append(
+            harness.Figure(
+                "tok/s vs transformers one at a time", "serve.py", "tok_s", "transformers", "tok_s"
+            )
         )
-        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        if out.returncode or not line:
-            raise SystemExit(f"{side} failed ({out.returncode}):\n{out.stderr[-3000:]}")
-        results.append(json.loads(line[0][7:]))
-        print(f"  {side}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
-    base = next(r for r in results if r["side"].startswith("flaxgpt"))["tok_s"]
-    print(
-        "| side | requests | tokens | wall s | tok/s | vs flaxgpt one at a time "
-        "| TTFT p50 / p99 s | ITL p50 / p99 ms |"
-    )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in results:
+    report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    print(report.table() + "\n")
+    print("medians over rounds:")
+    print("| side | requests | tokens | wall s | tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for s in sides:
+        m = {
+            k: float(np.median(report.values(s.name, k))) for k in ("wall_s", "tok_s", "ttft_p50", "ttft_p99")
+        }
+        m |= {k: 1e3 * float(np.median(report.values(s.name, k))) for k in ("itl_p50", "itl_p99")}
+        r = report.results[0][s.name]
         print(
-            f"| {r['side']} | {r['requests']} | {r['tokens']} | {r['wall_s']:.1f} | {r['tok_s']:.1f} | "
-            f"{r['tok_s'] / base:.2f}x | {r['ttft_p50']:.2f} / {r['ttft_p99']:.2f} | "
-            f"{1e3 * r['itl_p50']:.0f} / {1e3 * r['itl_p99']:.0f} |"
+            f"| {r['side']} | {r['requests']} | {r['tokens']} | {m['wall_s']:.1f} | {m['tok_s']:.1f} | "
+            f"{m['ttft_p50']:.2f} / {m['ttft_p99']:.2f} | {m['itl_p50']:.0f} / {m['itl_p99']:.0f} |"
         )
 
 

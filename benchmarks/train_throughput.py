@@ -1,17 +1,20 @@
 """Training throughput and quality on the shakespeare_char_cpu recipe, optionally beside nanoGPT.
 
     flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
-    python benchmarks/train_throughput.py                        # flaxgpt, 2000 iters (~2-3 min on 2 cores)
-    python benchmarks/train_throughput.py --iters 200            # a quick throughput sample
-    python benchmarks/train_throughput.py --nanogpt_dir ~/nanoGPT   # also nanoGPT's CPU recipe, same data
+    python benchmarks/train_throughput.py --nanogpt_dir ~/nanoGPT --torch_python VENV/bin/python
+    python benchmarks/train_throughput.py --iters 20 --pause 1     # a smoke run, flaxgpt alone
+
+Each implementation runs once per round in its own process (benchmarks/harness.py: the order
+alternates every round, --pause seconds of rest before each run, at least 4 rounds; round r trains
+seed r), and the harness prints the median and the per-round ratios.
 
 Both runs log every iteration; ms/iter is the median over iterations (evaluation and the first
 compile excluded), tokens/s = batch x block / median, "val @N" is the evaluation at the last
 iteration (eval_iters=20 random batches, as nanoGPT's recipe: noisy, about +-0.015), and
 "full val" is the final model's mean loss over every token of val.bin (non-overlapping windows
-of block_size, the same windows for both implementations). With --seeds S each implementation
-trains S times (flaxgpt: config.seed; nanoGPT: its torch seed offset) and the table shows the
-median ms/iter and the mean losses. nanoGPT is run from its own checkout (python train.py
+of block_size, the same windows for both implementations). Seeds: flaxgpt's config.seed, nanoGPT's
+torch seed offset; the table shows the median ms/iter and the mean losses over rounds.
+nanoGPT is run from its own checkout (python train.py
 config/train_shakespeare_char.py --device=cpu --compile=False ...) on the same train.bin /
 val.bin, with a meta.pkl written for it; nothing of nanoGPT is part of flaxgpt.
 """
@@ -30,6 +33,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = dict(block_size=64, batch_size=12, n_layer=4, n_head=4, n_embd=128)  # shakespeare_char_cpu
@@ -212,7 +218,7 @@ def run_nanogpt(
 
 
 def combine(runs: list[dict]) -> dict:
-    """One row from several seeds: median time, mean losses (and the spread of the full val loss)."""
+    """One row from several rounds (seed = round): median time, mean losses, the full val loss's spread."""
     full = [r["full_val"] for r in runs]
     vals = [r["val"] for r in runs if r["val"] is not None]
     return {
@@ -232,12 +238,13 @@ def main():
     p.add_argument("--data_dir", default=str(ROOT / "data/shakespeare_char"))
     p.add_argument("--iters", type=int, default=2000)
     p.add_argument("--nanogpt_dir", help="a nanoGPT checkout: also run its CPU recipe")
-    p.add_argument("--skip_flaxgpt", action="store_true")
     p.add_argument("--work_dir", help="where runs go (default: a temporary folder)")
     p.add_argument("--flaxgpt_args", nargs="*", default=[], help="extra --config.key=value for flaxgpt")
-    p.add_argument("--seeds", type=int, default=1, help="train each implementation this many times")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for nanoGPT (its torch)")
     p.add_argument("--quantized_ppl", action="store_true", help="val perplexity with int8 / bf16 weights")
+    harness.add_arguments(p)
+    p.add_argument("--side", choices=["flaxgpt", "nanogpt"], help=argparse.SUPPRESS)  # internal: one run
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     global TORCH_PYTHON
     TORCH_PYTHON = args.torch_python
@@ -249,18 +256,34 @@ def main():
         )
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="flaxgpt-bench-"))
     eval_interval = 250 if args.iters >= 250 else args.iters
-    flax_runs, nano_runs = [], []
-    for seed in range(args.seeds):  # interleaved: a slow spell of the machine hits both alike
-        if not args.skip_flaxgpt:
-            extra = [f"--config.eval_interval={eval_interval}", *args.flaxgpt_args]
-            flax_runs.append(run_flaxgpt(data_dir, args.iters, work, extra, seed))
-        if args.nanogpt_dir:
-            nanogpt_dir = Path(args.nanogpt_dir).expanduser()
-            nano_runs.append(run_nanogpt(nanogpt_dir, data_dir, args.iters, work, eval_interval, seed))
-    results = [combine(runs) for runs in (flax_runs, nano_runs) if runs]
+    if args.side == "flaxgpt":
+        extra = [f"--config.eval_interval={eval_interval}", *args.flaxgpt_args]
+        return harness.print_result(run_flaxgpt(data_dir, args.iters, work, extra, args.seed))
+    if args.side == "nanogpt":
+        nanogpt_dir = Path(args.nanogpt_dir).expanduser()
+        return harness.print_result(
+            run_nanogpt(nanogpt_dir, data_dir, args.iters, work, eval_interval, args.seed)
+        )
+
+    common = [sys.executable, __file__, "--data_dir", str(data_dir), "--iters", str(args.iters)]
+    common += ["--work_dir", str(work), "--torch_python", args.torch_python]
+    if args.nanogpt_dir:
+        common += ["--nanogpt_dir", args.nanogpt_dir]
+    if args.flaxgpt_args:
+        common += ["--flaxgpt_args", *args.flaxgpt_args]
+    sides = [harness.Side("flaxgpt", lambda r: [*common, "--side", "flaxgpt", "--seed", str(r)])]
+    figures = []
+    if args.nanogpt_dir:  # nanoGPT's process is launched from this venv but runs under --torch_python
+        argv = lambda r: [*common, "--side", "nanogpt", "--seed", str(r)]  # noqa: E731
+        sides.append(harness.Side("nanoGPT", argv, python=args.torch_python))
+        figures.append(
+            harness.Figure("ms/iter, shakespeare_char_cpu", "flaxgpt", "ms", "nanoGPT", "ms", False)
+        )
+    report = harness.compare(sides, figures, rounds=args.rounds, pause=args.pause)
+    results = [combine([r[s.name] for r in report.results]) for s in sides]
     tokens = RECIPE["batch_size"] * RECIPE["block_size"]
     print(
-        f"\nshakespeare_char_cpu recipe, {args.iters} iters, {args.seeds} seed(s) each, "
+        f"\nshakespeare_char_cpu recipe, {args.iters} iters, {args.rounds} rounds (seed = round), "
         f"{os.cpu_count()} CPU cores, load {os.getloadavg()[0]:.1f}"
     )
     header = f"| {'implementation':34} | ms/iter (median) | tokens/s | compile s |"
@@ -278,17 +301,11 @@ def main():
         )
     for r in results:
         print(f"{r['name']}: full val loss per seed {', '.join(f'{v:.4f}' for v in r['full_vals'])}")
-    if args.nanogpt_dir:
-        r = subprocess.run(
-            [TORCH_PYTHON, "-c", "import torch; print(torch.__version__)"], capture_output=True
-        )
-        print(f"nanoGPT ran under torch {r.stdout.decode().strip()} ({TORCH_PYTHON})")
-    if len(results) == 2:
-        print(f"\nflaxgpt / nanoGPT throughput: {results[1]['ms'] / results[0]['ms']:.2f}x")
-    if args.quantized_ppl and flax_runs:
+    print("\n" + report.table())
+    if args.quantized_ppl:
         import math
 
-        base = flax_runs[0]["full_val"]
+        base = report.results[0]["flaxgpt"]["full_val"]
         print("\nweight-only quantization, flaxgpt seed 0's model: full val loss / perplexity")
         print(f"  float32  {base:.4f} / {math.exp(base):.4f}")
         for mode in ("bf16", "int8"):

@@ -1,6 +1,6 @@
 """Chat SFT of a Llama-family model (Llama 3, Qwen2, Mistral instruct) on packed conversations.
 
-    python -m flaxgpt.data.prepare --dataset chat --input convs.jsonl \
+    flaxgpt prepare --dataset chat --input convs.jsonl \
         --hf_dir path/to/Llama-3.2-1B-Instruct --block_size 2048 --out_dir data/chat_llama
     python train.py --config configs/sft_llama.py --config.init_from=path/to/Llama-3.2-1B-Instruct
     python sample.py --out_dir out/sft_llama --chat           # talk to it in the terminal

@@ -29,7 +29,7 @@ import numpy as np
 from flaxgpt.data.batches import TRAIN_EVAL_STREAM, read_meta
 
 FIELDS = ("inputs", "targets", "loss_mask", "segment_ids")
-HINT = "prepare it with: python -m flaxgpt.data.prepare --dataset chat --input convs.jsonl --hf_dir MODEL"
+HINT = "prepare it with: flaxgpt prepare --dataset chat --input convs.jsonl --hf_dir MODEL"
 
 
 def example(ids, mask=None):

@@ -1,6 +1,6 @@
 """Text -> token files: train.bin, val.bin (uint16 when the vocabulary fits, else uint32) and meta.json.
 
-    flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
+    flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char  # offline
     flaxgpt prepare --dataset shakespeare --tokenizer gpt2 --out_dir data/shakespeare
     flaxgpt prepare --dataset text --input my_corpus/ --tokenizer gpt2 --out_dir data/mine
     flaxgpt prepare --dataset hf --hf_name openwebtext --out_dir data/owt  # needs datasets
@@ -9,6 +9,9 @@
         --block_size 2048 --out_dir data/chat      # packed chat SFT rows (see docs/chat.md)
     flaxgpt prepare --dataset text --input docs/ --pack --block_size 1024 \
         --tokenizer gpt2 --out_dir data/docs       # one segment per file, packed
+
+Tiny Shakespeare ships with the package (flaxgpt/assets), so the shakespeare datasets need no network;
+--download fetches karpathy/char-rnn's input.txt instead.
 
 The split is deterministic: the first (1 - val_fraction) of the tokens train, the rest validate
 (for Hugging Face datasets, whole documents are assigned to val by a seeded shuffle).
@@ -25,6 +28,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import hashlib
+import importlib.resources
 import json
 import os
 import shutil
@@ -38,6 +43,9 @@ import numpy as np
 from flaxgpt.data.tokenizers import CharTokenizer, get_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# the same file ships as package data, so the quickstart needs no network (--download fetches it instead)
+SHAKESPEARE_ASSET = "assets/tinyshakespeare.txt"
+SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 HF_DATASETS = {  # short name -> (load_dataset path, config name)
     "openwebtext": ("openwebtext", None),
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
@@ -103,6 +111,18 @@ def writing(out_dir: Path):
         ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def shipped_shakespeare() -> str:
+    """Tiny Shakespeare from the package's assets (1.1 MB), checked against its sha256."""
+    data = importlib.resources.files("flaxgpt").joinpath(SHAKESPEARE_ASSET).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != SHAKESPEARE_SHA256:
+        raise PrepareError(
+            f"flaxgpt/{SHAKESPEARE_ASSET} is corrupt: sha256 {digest}, expected {SHAKESPEARE_SHA256}; "
+            "reinstall flaxgpt, or pass --download (or --input FILE with a copy of input.txt)"
+        )
+    return data.decode("utf-8")
 
 
 def download_shakespeare(timeout: float = 20.0) -> str:
@@ -385,6 +405,11 @@ def main(argv=None) -> dict:
         help="tokenizer processes for --dataset hf",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset")
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="shakespeare*: fetch input.txt from karpathy/char-rnn instead of the copy shipped with flaxgpt",
+    )
     args = p.parse_args(argv)
     if not 0.0 < args.val_fraction < 1.0:  # (0 too: training evaluates on val.bin)
         raise PrepareError(
@@ -426,8 +451,10 @@ def main(argv=None) -> dict:
             )
         if args.input:
             text, source = read_text(args.input), str(args.input)
-        else:
+        elif args.download:
             text, source = download_shakespeare(), SHAKESPEARE_URL
+        else:
+            text, source = shipped_shakespeare(), f"flaxgpt/{SHAKESPEARE_ASSET} ({SHAKESPEARE_URL})"
         meta = prepare_text(text, args.out_dir, tok, args.val_fraction, source, args.overwrite)
     print(
         f"wrote {args.out_dir}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, "

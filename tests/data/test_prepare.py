@@ -107,13 +107,33 @@ def test_refuses_to_overwrite_and_keeps_old_files(tmp_path):
     assert (out / "train.bin").read_bytes() != before
 
 
-def test_offline_download_says_use_input(tmp_path, monkeypatch):
+def _offline(monkeypatch):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr(urllib.request, "urlopen", offline)
+
+
+def test_shakespeare_char_offline_uses_the_shipped_copy(tmp_path, monkeypatch):
+    _offline(monkeypatch)  # the quickstart's prepare step must not touch the network
+    meta = prepare.main(["--dataset", "shakespeare_char", "--out_dir", str(tmp_path / "d")])
+    # nanoGPT's figures for this file: 65 characters, 1,003,854 train and 111,540 val tokens
+    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (65, 1_003_854, 111_540)
+    text = from_meta(meta["tokenizer"]).decode(np.fromfile(tmp_path / "d/train.bin", dtype=np.uint16)[:14])
+    assert text == "First Citizen:"
+    assert "tinyshakespeare.txt" in meta["source"]
+
+
+def test_shipped_copy_is_checked(monkeypatch):
+    monkeypatch.setattr(prepare, "SHAKESPEARE_SHA256", "0" * 64)
+    with pytest.raises(prepare.PrepareError, match="corrupt.*--download"):
+        prepare.shipped_shakespeare()
+
+
+def test_offline_download_says_use_input(tmp_path, monkeypatch):
+    _offline(monkeypatch)
     with pytest.raises(prepare.PrepareError, match="--input FILE") as e:
-        prepare.main(["--dataset", "shakespeare_char", "--out_dir", str(tmp_path / "d")])
+        prepare.main(["--dataset", "shakespeare_char", "--download", "--out_dir", str(tmp_path / "d")])
     assert "\n" not in str(e.value)
     assert not (tmp_path / "d").exists()
 

@@ -1,0 +1,221 @@
+"""The docs' commands run: the README's quickstart end to end on a tiny scale, and every `python train.py`,
+`python sample.py`, `python serve.py` and `flaxgpt ...` line of a ```bash block in README.md and docs/*.md
+names a script or subcommand and flags that exist (config overrides: real config fields)."""
+
+import functools
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SCRIPTS = ("train.py", "sample.py", "serve.py")
+MAX_README_LINES = 250
+OVERRIDES = {"summary", "attention-map"}  # they take model-config fields as --field=value too
+
+
+def env():
+    """A user's shell: the device count the tests simulate (conftest) is not inherited."""
+    e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    return dict(e, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")  # this checkout's flaxgpt, not an installed one
+
+
+def cli() -> list[str] | None:
+    """The `flaxgpt` command of this checkout (an installed console script may be another's)."""
+    return [sys.executable, "-m", "flaxgpt.cli"]
+
+
+def bash_commands(text: str) -> list[tuple[int, str]]:
+    """(line number, command) of every command in the text's ```bash blocks: continuation lines joined,
+    `a && b`, `a; b` and `a | b` split, comments dropped."""
+    out, block, start, joined = [], False, 0, ""
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip().startswith("```"):
+            block = line.strip() == "```bash" and not block
+            continue
+        if not block:
+            continue
+        joined, start = (joined + " " + line.rstrip("\\").strip(), start or i)
+        if line.rstrip().endswith("\\"):
+            continue
+        for part in re.split(r"&&|\|\||;|\|", joined):
+            try:
+                words = shlex.split(part, comments=True)
+            except ValueError:  # quotes across a split (a quoted shell snippet): not ours
+                words = []
+            if words:
+                out.append((start, shlex.join(words)))
+        joined, start = "", 0
+    return out
+
+
+def ours(cmd: str) -> bool:
+    return cmd.startswith(("flaxgpt ", "python benchmarks/", *(f"python {s}" for s in SCRIPTS)))
+
+
+@functools.cache
+def help_text(argv: tuple[str, ...]) -> str:
+    r = subprocess.run([*argv, "--help"], capture_output=True, text=True, env=env(), cwd=ROOT, timeout=120)
+    assert r.returncode == 0, f"{' '.join(argv)} --help failed:\n{r.stderr[-2000:]}"
+    return r.stdout
+
+
+def flags_of(text: str) -> set[str]:
+    """The --flags an argparse help text lists (usage and options)."""
+    return set(
+        re.findall(r"(?<![\w-])(--[A-Za-z][\w-]*)", text.split("\n\n")[0] + text.partition("options:")[2])
+    )
+
+
+def subcommands_of(text: str) -> set[str]:
+    m = re.search(r"positional arguments:\n\s+\{([\w,-]+)\}", text)  # subparsers, not a flag's choices
+    return set(m.group(1).split(",")) if m else set()
+
+
+@functools.cache
+def recipe(path: str):
+    from flaxgpt.train.config_check import load_recipe
+
+    return load_recipe(str(ROOT / path))
+
+
+def check_train(words: list[str]) -> list[str]:
+    errors, config = [], None
+    for i, w in enumerate(words):
+        if w == "--config" and i + 1 < len(words):
+            config = words[i + 1]
+        elif w.startswith("--config="):
+            config = w.split("=", 1)[1]
+    if config is None:
+        config = "configs/shakespeare_char_cpu.py"  # train.py's default
+    if not (ROOT / config.partition(":")[0]).is_file():
+        return [f"no recipe {config}"]
+    c = recipe(config)
+    for w in words[2:]:
+        if w.startswith("--config."):
+            node = c
+            for key in w[len("--config.") :].split("=", 1)[0].split("."):
+                if key not in node:
+                    errors.append(f"{w}: {key!r} is not a config field")
+                    break
+                node = node[key]
+        elif w.startswith("-") and w not in ("--config",) and not w.startswith("--config="):
+            errors.append(f"unknown flag {w}")
+    return errors
+
+
+def check_script(words: list[str]) -> list[str]:
+    script = words[1]
+    if script == "train.py":
+        return check_train(words)
+    if not (ROOT / script).is_file():
+        return [f"no script {script}"]
+    if "argparse" not in (ROOT / script).read_text():  # no flags at all (and --help would run it)
+        return [f"{script} takes no flags, got {w}" for w in words[2:] if w.startswith("-")]
+    known = flags_of(help_text((sys.executable, str(ROOT / script))))
+    return [f"unknown flag {w}" for w in words[2:] if w.startswith("--") and w.split("=")[0] not in known]
+
+
+def check_cli(words: list[str]) -> list[str]:
+    """Errors of a `flaxgpt ...` line."""
+    base, rest = cli(), words[1:]
+    if not rest:
+        return ["no subcommand"]
+    if rest[0] not in subcommands_of(help_text(tuple(base))):
+        return [f"no subcommand {rest[0]!r}"]
+    argv = (*base, rest[0])
+    text = help_text(argv)
+    rest = rest[1:]
+    subs = subcommands_of(text)
+    if subs:  # hf export | info
+        if not rest or rest[0] not in subs:
+            return [f"{words[1]} needs one of {sorted(subs)}"]
+        text, rest = help_text((*argv, rest[0])), rest[1:]
+    known = flags_of(text)
+    if words[1] in OVERRIDES:
+        from flaxgpt.models.gpt_config import GPTConfig
+        from flaxgpt.models.seq2seq import TransformerConfig
+
+        known |= {f"--{f.name}" for cls in (GPTConfig, TransformerConfig) for f in fields(cls)}
+    return [f"unknown flag {w}" for w in rest if w.startswith("--") and w.split("=")[0] not in known]
+
+
+def all_commands():
+    return [(p, n, c) for p in DOCS for n, c in bash_commands(p.read_text()) if ours(c)]
+
+
+def test_readme_is_a_front_page():
+    n = len((ROOT / "README.md").read_text().splitlines())
+    assert n <= MAX_README_LINES, (
+        f"README.md has {n} lines; at most {MAX_README_LINES}: move the rest to docs/"
+    )
+
+
+def test_every_documented_command_names_real_flags():
+    commands = all_commands()
+    assert len(commands) > 50, "the parser found too few commands: is the ```bash fence still used?"
+    errors = []
+    for path, line, cmd in commands:
+        words = shlex.split(cmd)
+        found = check_cli(words) if words[0] == "flaxgpt" else check_script(words)
+        errors += [f"{path.relative_to(ROOT)}:{line}: {e}  ({cmd[:100]})" for e in found]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_checker_catches_mistakes():
+    assert check_train(
+        ["python", "train.py", "--config", "configs/shakespeare_char_cpu.py", "--config.lerning_rate=1"]
+    )
+    assert check_train(["python", "train.py", "--config", "configs/nope.py"])
+    assert not check_train(
+        [
+            "python",
+            "train.py",
+            "--config",
+            "configs/shakespeare_char_cpu.py",
+            "--config.optim.learning_rate=1",
+        ]
+    )
+    assert check_script(["python", "sample.py", "--out_dir", "x", "--temprature", "0"])
+    assert not check_script(["python", "sample.py", "--out_dir", "x", "--temperature", "0"])
+    assert check_cli(["flaxgpt", "prepare", "--datset", "x"]) == ["unknown flag --datset"]
+    assert check_cli(["flaxgpt", "summary", "--preset", "gpt2", "--n_layer=2"]) == []
+    assert check_cli(["flaxgpt", "summary", "--preset", "gpt2", "--n_layers=2"]) == [
+        "unknown flag --n_layers=2"
+    ]
+
+
+def quickstart() -> list[str]:
+    """The commands of the first ```bash block under the README's "## Quickstart"."""
+    section = (ROOT / "README.md").read_text().split("## Quickstart", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    return [c for _, c in bash_commands(f"```bash{block}```")]
+
+
+def test_quickstart_runs_as_written(tmp_path):
+    """The README's quickstart on a tiny scale: 30 steps instead of 2000, 20 new tokens instead of 300."""
+    for name in ("configs", *SCRIPTS):
+        (tmp_path / name).symlink_to(ROOT / name)
+    commands = quickstart()
+    assert [c.split()[:2] for c in commands] == [
+        ["flaxgpt", "prepare"],
+        ["python", "train.py"],
+        ["python", "sample.py"],
+    ]
+    for cmd in commands:
+        words = shlex.split(cmd)
+        if words[0] == "flaxgpt":
+            argv = [*cli(), *words[1:]]
+        elif words[1] == "train.py":
+            argv = [sys.executable, *words[1:], "--config.max_iters=30", "--config.eval_interval=15"]
+            argv += ["--config.eval_iters=2", "--config.optim.warmup_steps=5"]
+        else:
+            argv = [sys.executable, *words[1:], "--max_new_tokens", "20"]
+        r = subprocess.run(argv, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"{cmd}\n{r.stderr[-3000:]}"
+    assert (tmp_path / "data/shakespeare_char/meta.json").exists()
+    assert r.stdout.count("ROMEO:") >= 3, r.stdout  # three samples, each starting with the prompt
