@@ -73,7 +73,10 @@ def flags_of(text: str) -> set[str]:
 
 def subcommands_of(text: str) -> set[str]:
     m = re.search(r"positional arguments:\n\s+\{([\w,-]+)\}", text)  # subparsers, not a flag's choices
-    return set(m.group(1).split(",")) if m else set()
+    if m:
+        return set(m.group(1).split(","))
+    m = re.search(r"^commands:\n((?:  \S.*\n?)+)", text, re.M)  # the flaxgpt command's own table
+    return {line.split()[0] for line in m.group(1).splitlines()} if m else set()
 
 
 @functools.cache
