@@ -3,6 +3,8 @@
 python -m flaxgpt.data.prepare_seq2seq --task reverse --out_dir data/reverse
 python train.py --config configs/reverse.py
 python sample.py --out_dir out/reverse --start "abcdefg"        # -> gfedcba
+
+Targets: cpu (check: python -m flaxgpt.aot.compile --config configs/reverse.py --target NAME)
 """
 
 import ml_collections

@@ -2,6 +2,8 @@
 
 python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
 python train.py --config configs/shakespeare_char_cpu.py
+
+Targets: cpu (check: python -m flaxgpt.aot.compile --config configs/shakespeare_char_cpu.py --target NAME)
 """
 
 from configs import shakespeare_char
