@@ -53,6 +53,7 @@ class Program:
     model_flops: float  # flaxgpt's FLOP count per call, all devices together
     state_bytes: dict  # per device: {"parameters": ..., "optimizer": ...}
     note: str = ""
+    min_bytes: float = 0.0  # HBM bytes a call must at least read (decoding: weights + cache per token)
 
     def trace(self):
         return self.jitted.trace(*self.args, **self.kwargs)
@@ -173,6 +174,7 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256) -> list[Progr
         {"chunk": chunk, "keep": W // 2, "sampling": how}, 1,
         flops_per_token(cfg, W)["forward"] * batch * chunk, {"parameters": param_bytes},
         f"batch {batch}, {chunk} tokens per call, cache {W}",
+        chunk * (param_bytes + per_device_bytes(cache)),
     )  # fmt: skip
     return [prefill, decode]
 
@@ -198,6 +200,7 @@ def serve_programs(mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4
         "serve.generate", engine._generate, (step, state, stop), {"chunk": chunk, "max_k": 256}, 1,
         flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
         f"{slots} slots x window {W}, {chunk} tokens per call",
+        chunk * (param_bytes + per_device_bytes(state.cache)),
     )  # fmt: skip
     return [prefill, generate]
 

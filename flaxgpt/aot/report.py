@@ -9,7 +9,9 @@ Collectives are counted in the program text: one inside a loop (scan over layers
 counts once, though it runs every iteration; bytes are the per-device result size of each.
 FLOPs: XLA's cost analysis where the backend gives one (TPU; it includes rematerialized work), else
 flaxgpt's own count (flaxgpt.tools.summary.flops_per_token). The step-time lower bound is
-max(FLOPs / peak, bytes accessed / HBM bandwidth); the MFU ceiling is the model's FLOPs over that.
+max(FLOPs / peak, bytes / HBM bandwidth), bytes being XLA's "bytes accessed" but at least every
+argument read and every output written once (decoding: the weights and the cache read per token); the
+MFU ceiling is the model's FLOPs over that bound.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Row:
     compile_s: float = 0.0
     flops: float = 0.0  # per device per call
     flops_source: str = ""  # xla | model
-    bytes_accessed: float = 0.0  # per device per call (0: the backend gives none)
+    bytes_accessed: float = 0.0  # per device per call (a lower bound; see the module docstring)
     model_flops: float = 0.0  # per device per call
     step_s: float = 0.0
     mfu_ceiling: float = 0.0
@@ -140,7 +142,9 @@ def analyze(program, target, dump: str | Path | None = None) -> Row:
         (Path(dump) / f"{program.name}.{target.name}.hlo.txt").write_text(hlo)
     row.kernel = attention_kernel(hlo)
     row.collectives = collectives(hlo)
-    xla_flops, row.bytes_accessed = _cost(compiled)
+    xla_flops, xla_bytes = _cost(compiled)
+    # at least: every argument read and every output written once, and what the program says it must read
+    row.bytes_accessed = max(xla_bytes, row.arguments + row.output, getattr(program, "min_bytes", 0.0))
     # XLA's count where it has one and it is not lower than the model's (a count that missed loop trips)
     row.flops, row.flops_source = (
         (xla_flops, "xla") if xla_flops >= row.model_flops else (row.model_flops, "model")
