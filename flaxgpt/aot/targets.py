@@ -37,6 +37,17 @@ class Target:
     spec: str = ""  # GPU: the GpuTargetConfig file in gpu_specs/
 
     @property
+    def n_devices(self) -> int:
+        """Devices of the topology (without starting the plugin; the host CPU counts as one)."""
+        if self.platform == "cpu":
+            return 1
+        dims = self.topology.split(":")[-1].split("x")
+        n = 1
+        for d in dims:
+            n *= int(d)
+        return n
+
+    @property
     def kind(self) -> str:
         return {"tpu": "TPU", "cuda": "NVIDIA GPU", "cpu": "host CPU"}[self.platform]
 
@@ -147,3 +158,8 @@ def recipe_targets(path: str) -> list[str]:
     for n in names:
         get(n)
     return names
+
+
+def smallest(names: list[str]) -> Target:
+    """The target of `names` with the least memory in all (devices x memory per device)."""
+    return min((get(n) for n in names), key=lambda t: (t.n_devices * t.memory, t.n_devices))
