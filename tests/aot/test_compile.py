@@ -135,3 +135,11 @@ def test_recipes_name_their_targets():
     for path in sorted(Path("configs").glob("*.py")):
         names = targets.recipe_targets(str(path))
         assert names, path
+
+
+def test_a_pod_slice_compiles_as_every_host_runs_it():
+    target = targets.get("v5e-256")  # 256 devices on 64 hosts: one program, the same on every host
+    rows, _ = aot.run(tiny(batch_size=256, grad_accum=1, mesh__fsdp=4), target, ("train",), print_fn=print)
+    (train,) = rows
+    assert train.devices == 256 and train.fits(0.1) and "all-gather" in train.collectives
+    assert target.n_devices == 256 and target.hosts == 64
