@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         label = " ".join([Path(recipe).name, *overrides])
         for r in rows:
             fits = "yes" if r.fits() else ("no (compiler: out of memory)" if r.error else "no")
-            mfu = f"{r.mfu_ceiling:.0%}" if r.mfu_ceiling else "-"
+            mfu = report.pct(r.mfu_ceiling) if r.mfu_ceiling else "-"
             lines.append(
                 f"| {label} | {name} | {r.program} | {report.gb(r.total)} of {report.gb(r.memory)} "
                 f"| {fits} | "

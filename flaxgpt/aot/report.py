@@ -170,6 +170,11 @@ def _exhausted(message: str) -> tuple[int, int]:
     return int(float(m.group(1)) * unit(m.group(2))), int(float(m.group(3)) * unit(m.group(4)))
 
 
+def pct(x: float) -> str:
+    """A percentage with two significant digits below 10% (decoding's ceilings are fractions of one)."""
+    return f"{x:.0%}" if x >= 0.1 else f"{100 * x:.2g}%"
+
+
 def gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
@@ -195,7 +200,7 @@ def table(rows: list[Row], target, headroom: float = 0.0) -> str:
             f"{r.compile_s:.1f}",
             f"{r.flops / 1e12:.3g} ({r.flops_source})" if r.flops else "-",
             f"{r.step_s * 1e3:.3g}" if r.step_s else "-",
-            f"{r.mfu_ceiling:.0%}" if r.mfu_ceiling else "-",
+            pct(r.mfu_ceiling) if r.mfu_ceiling else "-",
         ))  # fmt: skip
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
