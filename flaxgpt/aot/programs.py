@@ -54,9 +54,13 @@ class Program:
     state_bytes: dict  # per device: {"parameters": ..., "optimizer": ...}
     note: str = ""
     min_bytes: float = 0.0  # HBM bytes a call must at least read (decoding: weights + cache per token)
+    mesh: Any = None  # traced under this mesh context, as flaxgpt.train.trainer.train runs the steps
 
     def trace(self):
-        return self.jitted.trace(*self.args, **self.kwargs)
+        if self.mesh is None:
+            return self.jitted.trace(*self.args, **self.kwargs)
+        with jax.set_mesh(self.mesh):  # Pallas attention splits its kernel per device under it
+            return self.jitted.trace(*self.args, **self.kwargs)
 
 
 def model_config(config, vocab_size: int = 0):
@@ -127,13 +131,15 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
         batch = _batch(task.batch_shapes(micro), steps.train_batch_sharding, (config.grad_accum,))
         flops = fpt["train"] * config.batch_size * task.tokens_per_row
         note = f"{mesh_note}, {config.grad_accum} x {micro} rows x {task.tokens_per_row} tokens"
-        out.append(Program("train", steps.train_step, (state, batch), {}, n, flops, sizes, note))
+        out.append(Program("train", steps.train_step, (state, batch), {}, n, flops, sizes, note, mesh=mesh))
     if "eval" in groups:
         batch = _batch(task.batch_shapes(micro), steps.eval_batch_sharding)
         flops = fpt["forward"] * micro * task.tokens_per_row
         params = {"parameters": sizes["parameters"]}
         note = f"{mesh_note}, {micro} rows"
-        out.append(Program("eval", steps.eval_step, (state.params, batch), {}, n, flops, params, note))
+        out.append(
+            Program("eval", steps.eval_step, (state.params, batch), {}, n, flops, params, note, mesh=mesh)
+        )
     return out
 
 
