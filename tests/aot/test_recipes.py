@@ -28,6 +28,7 @@ def reduced(config, n_devices: int):
     return mc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=[Path(r).stem for r in RECIPES])
 def test_recipe_fits_its_smallest_target(recipe):
     target = targets.smallest(targets.recipe_targets(recipe))
