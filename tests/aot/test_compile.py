@@ -143,3 +143,12 @@ def test_a_pod_slice_compiles_as_every_host_runs_it():
     (train,) = rows
     assert train.devices == 256 and train.fits(0.1) and "all-gather" in train.collectives
     assert target.n_devices == 256 and target.hosts == 64
+
+
+def test_every_tpu_target_has_its_devices_and_hosts():
+    for t in targets.TARGETS.values():
+        if t.platform == "tpu":
+            devices = t.devices()
+            assert len(devices) == t.n_devices, t.name
+            assert len({d.process_index for d in devices}) == t.hosts, t.name
+    assert targets.smallest(["v5e-8", "v5e-1", "h100-1"]).name == "v5e-1"
