@@ -6,7 +6,7 @@
     python -m flaxgpt.aot.compile --list                       # the targets
 
 Overrides are train.py's (`--config.section.key=value`, the recipe locked). For each program (train,
-eval, sample = prefill + decode, serve = prefill + generate) one line per device: parameters,
+eval, sample = prefill + decode, serve = prefill + generate) one line, figures per device: parameters,
 optimizer state, temporaries and the total against the target's memory, the attention kernel,
 compile time, FLOPs, the roofline step-time bound and MFU ceiling; then its collectives. Exit 1 when
 a program does not fit (with --headroom F: within (1 - F) of the memory). --dump DIR writes the
