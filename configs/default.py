@@ -1,6 +1,8 @@
 """Every training option, one comment each; recipes start from `get_config()` and change a few.
 
 python train.py --config configs/default.py --config.data.dir=data/shakespeare_char
+
+Targets: cpu (check: flaxgpt aot --config configs/default.py --target NAME)
 """
 
 import ml_collections

@@ -4,6 +4,8 @@ flaxgpt prepare --dataset hf --hf_name openwebtext --out_dir data/openwebtext
 python train.py --config configs/gpt2_124m.py
 # fewer devices or less memory: more micro-batches per step, same tokens per step
 python train.py --config configs/gpt2_124m.py --config.grad_accum=32
+
+Targets: v5e-8, v4-8, h100-8 (h100-1 with --config.grad_accum=32)
 """
 
 from configs import default

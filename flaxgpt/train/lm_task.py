@@ -73,10 +73,27 @@ class LMTask:
             self.model_config, self.pretrained = load_pretrained(config.init_from, recipe)
         if not self.shards:
             self.data.check(self.model_config.block_size, self.model_config.vocab_size)
-        self.model = gpt.GPT(self.model_config)
+        self._set_model(config, self.model_config)
+
+    @classmethod
+    def without_data(cls, config, model_config: gpt.GPTConfig) -> LMTask:
+        """The task's model and loss with no dataset read (flaxgpt.aot compiles its steps); no batches."""
+        task = cls.__new__(cls)
+        task.shards, task.data, task.data_dir, task.pretrained = False, None, None, None
+        task._set_model(config, model_config)
+        return task
+
+    def _set_model(self, config, model_config: gpt.GPTConfig) -> None:
+        self.model_config = model_config
+        self.model = gpt.GPT(model_config)
         self.seed = config.seed
         self.label_smoothing = config.optim.label_smoothing
-        self.tokens_per_row = self.model_config.block_size
+        self.tokens_per_row = model_config.block_size
+
+    def batch_shapes(self, n_rows: int) -> dict:
+        """{name: (shape, dtype)} of `batch(split, step, n_rows, ...)`."""
+        T = self.model_config.block_size
+        return {"inputs": ((n_rows, T), "int32"), "targets": ((n_rows, T), "int32")}
 
     def abstract_params(self):
         return gpt.abstract_params(self.model_config)
