@@ -29,8 +29,12 @@ __all__ = [
 
 def __getattr__(name):
     # flaxgpt.hf.gpt2 on first use: importing it here would make `python -m flaxgpt.hf.gpt2` warn
-    if name in ("load_pretrained", "export_pretrained"):
+    if name == "load_pretrained":  # GPT-2 / Llama-family weights, optionally with a PEFT adapter merged
+        from flaxgpt.hf import peft
+
+        return peft.load_pretrained
+    if name == "export_pretrained":
         from flaxgpt.hf import gpt2 as hf
 
-        return getattr(hf, name)
+        return hf.export_pretrained
     raise AttributeError(f"module 'flaxgpt' has no attribute {name!r}")
