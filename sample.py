@@ -10,6 +10,7 @@
     python sample.py --out_dir out/reverse --prompts_file src.txt --beam_size 1 > hyp.txt
     python sample.py --init_from gpt2 --start "Hello" --quantize int8    # int8 weights: faster decoding
     python sample.py --init_from gpt2-medium --draft gpt2 --temperature 0   # speculative decoding
+    python sample.py --init_from path/to/SmolLM2-135M --adapter path/to/peft_adapter --start "Hi"  # LoRA
 
 A single sample streams to the terminal as it is decoded; several are printed one after another,
 separated by a line of dashes. The same seed gives the same output. GPT-2 BPE samples stop at
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the run's own")
     p.add_argument("--quantize", help="int8 | bf16: weight-only quantized weights for decoding")
+    p.add_argument("--adapter", help="a PEFT LoRA adapter directory, merged into --init_from's weights")
     p.add_argument("--draft", help="speculative decoding: a smaller run directory or GPT-2 name/path")
     p.add_argument("--draft_tokens", type=int, default=4, help="tokens the draft proposes per step")
     p.add_argument("--attention_png", help="write the first prompt's attention map here")
@@ -74,20 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load(a):
     """A run directory, or pretrained weights (a GPT-2 name, a GPT-2 or Llama-family directory), as a Run."""
-    return load_source(a.out_dir if a.init_from == "resume" else a.init_from, a.step, a.init_from == "resume")
+    if a.adapter and a.init_from == "resume":
+        raise ValueError("--adapter DIR goes with --init_from BASE (a LoRA run's --out_dir has its own)")
+    source = a.out_dir if a.init_from == "resume" else a.init_from
+    return load_source(source, a.step, a.init_from == "resume", adapter=a.adapter)
 
 
-def load_source(source: str, step=None, is_run: bool | None = None):
+def load_source(source: str, step=None, is_run: bool | None = None, adapter: str | None = None):
     """A run's directory, or pretrained weights; `is_run` None: a directory with meta.json is a run."""
-    from flaxgpt.hf import gpt2 as hf
+    from flaxgpt.hf import peft
     from flaxgpt.runs import run_dir
 
     if is_run or (is_run is None and (Path(source) / "meta.json").is_file()):
         from absl import logging as absl_logging
 
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes about read-only directories
+        if peft.lora_section(source):  # a LoRA run: its base with the checkpoint's adapters merged
+            return peft.load_lora_run(source, step)
         return run_dir.load_run(source, step)
-    return hf.load_pretrained_run(source)  # with tokenizer.json, or GPT-2's BPE
+    return peft.load_pretrained_run(source, adapter=adapter)  # with tokenizer.json, or GPT-2's BPE
 
 
 def read_texts(a, kind: str) -> list[str]:

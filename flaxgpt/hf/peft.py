@@ -183,6 +183,63 @@ def load_pretrained(name_or_path: str, *, adapter: str | None = None, quantize: 
     return config, params
 
 
+def load_pretrained_run(name_or_path: str, *, adapter: str | None = None, quantize: str | None = None):
+    """Pretrained weights (with a PEFT adapter merged) and their tokenizer as a run_dir.Run."""
+    from flaxgpt.runs.run_dir import Run
+
+    config, params = load_pretrained(name_or_path, adapter=adapter, quantize=quantize)
+    return Run("gpt", config, params, hf_gpt2.load_tokenizer(name_or_path))
+
+
+def lora_section(out_dir) -> dict | None:
+    """The `lora` section of a run's config.json when the run trained LoRA adapters (rank > 0)."""
+    path = os.path.join(out_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        section = json.load(fh).get("lora") or {}
+    return section if section.get("rank") else None
+
+
+def _lora_run(out_dir, step=None):
+    """(config, spec, adapters, base directory, extra) of a LoRA run's checkpoint `step` (default latest)."""
+    from flaxgpt.models import registry as models
+    from flaxgpt.runs import checkpoint
+
+    adapters, extra = checkpoint.load_for_inference(out_dir, step, with_extra=True)
+    cfg = extra.get("config") or {}
+    c, config = cfg.get("lora") or lora_section(out_dir), models.config_from(cfg["model"], saved=True)
+    spec = lora.LoraSpec.make(config, c["rank"], c["alpha"], c["dropout"], c["targets"])
+    return config, spec, adapters, cfg["init_from"], extra
+
+
+def load_lora_run(out_dir, step=None, *, quantize: str | None = None):
+    """A LoRA run as a run_dir.Run: its base (init_from) with the checkpoint's adapters merged."""
+    from flaxgpt.data import tokenizers
+    from flaxgpt.runs.run_dir import Run
+
+    config, spec, adapters, base_dir, extra = _lora_run(out_dir, step)
+    layout = {
+        f: getattr(config, f) for f in ("scan_layers", "pad_vocab_multiple", "param_dtype", "block_size")
+    }
+    _, base = hf_gpt2.load_pretrained(base_dir, **layout)
+    params = lora.merge(config, spec, base, adapters)
+    if quantize is not None:
+        config, params = quantize_params(config, params, quantize)
+    with open(os.path.join(out_dir, "meta.json")) as fh:
+        tok_meta = (extra.get("meta") or {}).get("tokenizer") or json.load(fh)["tokenizer"]
+    return Run("gpt", config, params, tokenizers.from_meta(tok_meta))
+
+
+def export_run_adapter(out_dir, to: str, step=None) -> str:
+    """A LoRA run's adapters (checkpoint `step`, default the latest) as a PEFT adapter directory."""
+    if lora_section(out_dir) is None:
+        raise ValueError(f"{out_dir} is not a LoRA run (its config.json has no lora.rank > 0)")
+    hf_gpt2.check_export_target(to, run=out_dir)
+    config, spec, adapters, base_dir, _ = _lora_run(out_dir, step)
+    return export_adapter(config, spec, adapters, to, base=base_dir)
+
+
 def merge_to(base_dir: str, adapter_dir: str, to: str, overwrite: bool = False) -> str:
     """Write base + adapter as a plain Hugging Face model directory (config, safetensors, tokenizer)."""
     hf_gpt2.check_export_target(to, overwrite)
@@ -208,10 +265,8 @@ def main(argv=None) -> int:
         if args.cmd == "merge":
             print(f"wrote {merge_to(args.base, args.adapter, args.to, args.overwrite)}")
         else:
-            from flaxgpt.hf import lora_run
-
-            print(f"wrote {lora_run.export_run_adapter(args.out_dir, args.to)}")
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+            print(f"wrote {export_run_adapter(args.out_dir, args.to)}")
+    except (ValueError, OSError) as e:
         raise SystemExit(f"error: {e}") from None
     return 0
 

@@ -287,6 +287,22 @@ def quantize_base(base, dtype: str):
     return visit(dict(base), False)
 
 
+def base_shardings(float_shardings, base):
+    """Shardings of the frozen base from those of its float parameters (full fine-tuning's FSDP):
+    a QuantizedWeight's w [.., N, K] is its kernel [.., K, N] transposed, its scale [.., N] follows N."""
+
+    def one(s, leaf):
+        if not isinstance(leaf, QuantizedWeight):
+            return s
+        *lead, k, n = tuple(s.spec) + (None,) * (leaf.w.ndim - len(s.spec))
+        named = lambda *axes: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*axes))  # noqa: E731
+        return QuantizedWeight(named(*lead, n, k), named(*lead, n))
+
+    return jax.tree_util.tree_map(
+        one, float_shardings, base, is_leaf=lambda x: isinstance(x, QuantizedWeight)
+    )
+
+
 def merge(config: GPTConfig, spec: LoraSpec, base, adapters):
     """Plain GPT params with W + (alpha / r) A B in each adapted kernel's columns (float32 base)."""
     check_adapters(config, spec, adapters)

@@ -6,15 +6,25 @@ from __future__ import annotations
 from flaxgpt.serve.scheduler import Scheduler
 
 
-def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_init=False, quantize=None):
+def load(
+    out_dir=None,
+    init_from=None,
+    *,
+    step=None,
+    dtype="float32",
+    random_init=False,
+    quantize=None,
+    adapter=None,
+):
     """-> (run_dir.Run, model name) from a run directory, GPT-2 weights, or a preset's random weights;
-    `quantize` ("int8" | "bf16"): weight-only quantized weights, as sample.py --quantize."""
+    `quantize` ("int8" | "bf16"): weight-only quantized weights, as sample.py --quantize; `adapter`: a
+    PEFT LoRA directory merged into init_from's weights (a LoRA run's out_dir merges its own)."""
     from pathlib import Path
 
     import jax
 
     from flaxgpt.data import tokenizers
-    from flaxgpt.hf import gpt2 as hf
+    from flaxgpt.hf import peft
     from flaxgpt.models import gpt
     from flaxgpt.runs import run_dir
 
@@ -22,12 +32,13 @@ def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_ini
         config = gpt.GPTConfig.preset(init_from)
         run, name = run_dir.Run("gpt", config, gpt.init_params(config, jax.random.key(0)), None), init_from
     elif init_from:  # GPT-2 or a Llama-family directory, with its own tokenizer
-        run, name = hf.load_pretrained_run(init_from), Path(init_from).name
+        run, name = peft.load_pretrained_run(init_from, adapter=adapter), Path(init_from).name
     else:
         from absl import logging as absl_logging
 
         absl_logging.set_verbosity(absl_logging.ERROR)  # orbax's notes about read-only directories
-        run, name = run_dir.load_run(out_dir, step), Path(out_dir).resolve().name
+        load_run = peft.load_lora_run if peft.lora_section(out_dir) else run_dir.load_run
+        run, name = load_run(out_dir, step), Path(out_dir).resolve().name
         if run.kind != "gpt":
             raise SystemExit(f"error: {out_dir} holds a {run.kind!r} model; the server serves GPT models")
     if run.tokenizer is None:

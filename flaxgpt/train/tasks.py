@@ -22,3 +22,14 @@ def make_task(config):
     if kind not in TASKS:
         raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(TASKS)}")
     return TASKS[kind](config)
+
+
+def task_loss(task, train: bool):
+    """loss(params, batch, rng, frozen): the task's loss, given the frozen base (LoRA) when there is one."""
+
+    def loss(params, batch, rng, frozen):
+        if frozen is None:
+            return task.loss(params, batch, rng, train)
+        return task.loss(params, batch, rng, train, frozen=frozen)
+
+    return loss

@@ -12,6 +12,8 @@ at the end and on SIGTERM. The data position is the step, so a restored state co
 Each checkpoint records the run config and data meta it was trained with (a resume that changes the
 model or the tokenizer is refused: run_dir.check_resume) and the loss of its own weights on a fixed
 batch, so the checkpoint named after a NaN is one whose loss was finite and not exploding.
+LoRA (config.lora.rank > 0): `params` are the adapters and `frozen` the task's pretrained base, a
+jit argument sharded like full fine-tuning's parameters; checkpoints hold the state without it.
 `train` holds out_dir's lock (flaxgpt.runs.run_lock) from before anything is written until it returns.
 """
 
@@ -38,7 +40,7 @@ from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import check as check_config
 from flaxgpt.train.optim import make_optimizer
 from flaxgpt.train.preemption import StopSignal
-from flaxgpt.train.tasks import make_task
+from flaxgpt.train.tasks import make_task, task_loss
 
 
 @struct.dataclass
@@ -47,17 +49,20 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # base key; dropout at step s uses fold_in(rng, s)
+    frozen: Any = None  # LoRA: the frozen base (never differentiated, never checkpointed); else None
 
 
 def make_train_step(task, tx, schedule, grad_accum: int):
     """train_step(state, batch) with batch leaves [grad_accum, micro_B, ...]."""
-    grad_fn = jax.value_and_grad(lambda p, b, r: task.loss(p, b, r, True), has_aux=True)
+    grad_fn = jax.value_and_grad(task_loss(task, True), has_aux=True)
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
 
         def micro(i, micro_batch):
-            (loss_sum, weight), grads = grad_fn(state.params, micro_batch, jax.random.fold_in(rng, i))
+            (loss_sum, weight), grads = grad_fn(
+                state.params, micro_batch, jax.random.fold_in(rng, i), state.frozen
+            )
             return grads, loss_sum, weight
 
         if grad_accum == 1:
@@ -104,20 +109,28 @@ class Trainer:
         self.state_shardings = sharding.state_shardings(
             self.abstract_state, self.abstract_state.params, self.param_shardings, self.mesh
         )
+        # LoRA: the frozen base on the mesh, sharded as full fine-tuning shards the parameters
+        self.frozen, frozen_shardings = getattr(self.task, "place_frozen", lambda mesh: (None, None))(
+            self.mesh
+        )
+        step_shardings = self.state_shardings.replace(frozen=frozen_shardings)
         self.train_batch_sharding = sharding.batch_sharding(self.mesh, leading_axes=1)
         self.eval_batch_sharding = sharding.batch_sharding(self.mesh)
         rep = sharding.replicated(self.mesh)
         self.train_step = jax.jit(
             make_train_step(self.task, self.tx, self.schedule, config.grad_accum),
-            in_shardings=(self.state_shardings, self.train_batch_sharding),
-            out_shardings=(self.state_shardings, rep),
+            in_shardings=(step_shardings, self.train_batch_sharding),
+            out_shardings=(step_shardings, rep),
             donate_argnums=0,
         )
-        self.eval_step = jax.jit(
-            lambda p, b: self.task.loss(p, b, None, False),
-            in_shardings=(self.param_shardings, self.eval_batch_sharding),
+        eval_loss = task_loss(self.task, False)
+        self._eval_jit = jax.jit(
+            lambda p, b, f: eval_loss(p, b, None, f),
+            in_shardings=(self.param_shardings, self.eval_batch_sharding, frozen_shardings),
             out_shardings=rep,
         )
+        # LoRA: pass the state's `frozen` (the train step donates the state, the base with it)
+        self.eval_step = lambda p, b, frozen=None: self._eval_jit(p, b, frozen)
         self.tokens_per_step = config.batch_size * self.task.tokens_per_row
         # training FLOPs per token, the figure `python -m flaxgpt.tools.summary` prints (for MFU)
         self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
@@ -194,16 +207,16 @@ class Trainer:
                 self.resumed_best = float("inf") if val is None else float(val)
             self.task.pretrained = None  # not needed: the checkpoint holds the fine-tuned weights
             self._print(f"resumed from {self.ckpt.directory / str(step)}")
-            return state
+            return state.replace(frozen=self.frozen)
         key = jax.random.key(self.config.seed)
         pretrained = getattr(self.task, "pretrained", None)
         if pretrained is not None:  # parameters as arguments, not constants baked into the program
             params = jax.device_put(pretrained, self.param_shardings)
             make = jax.jit(self._state_from_params, out_shardings=self.state_shardings)
-            return make(params, key)
+            return make(params, key).replace(frozen=self.frozen)
         if not hasattr(self, "_init_jit"):
             self._init_jit = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
-        return self._init_jit(key)
+        return self._init_jit(key).replace(frozen=self.frozen)
 
     def _print(self, msg: str) -> None:
         if self.is_main:
@@ -216,13 +229,13 @@ class Trainer:
             return data_lib.to_global(local, self.train_batch_sharding, batch_axis=1)
         return data_lib.to_global(local, self.eval_batch_sharding)
 
-    def evaluate(self, params) -> dict:
+    def evaluate(self, params, frozen=None) -> dict:
         """Mean loss over eval_iters fixed batches of each split (results fetched once at the end)."""
         sums = {}
         for split in self.task.splits:
             name = "train_eval" if split == "train" else split
             parts = [
-                self.eval_step(params, self.global_batch(name, i, self.micro_rows, micro=False))
+                self.eval_step(params, self.global_batch(name, i, self.micro_rows, micro=False), frozen)
                 for i in range(self.config.eval_iters)
             ]
             sums[split] = parts
@@ -250,7 +263,9 @@ class Trainer:
                 "lower the learning rate and resume"
             )
         loss_sum, weight = jax.device_get(
-            self.eval_step(state.params, self.global_batch("train_eval", 0, self.micro_rows, micro=False))
+            self.eval_step(
+                state.params, self.global_batch("train_eval", 0, self.micro_rows, micro=False), state.frozen
+            )
         )
         loss = float(loss_sum / weight)
         cfg = self.config.to_dict()
@@ -262,7 +277,7 @@ class Trainer:
             "loss": loss if np.isfinite(loss) else None,
             "best_loss": self.best_loss if np.isfinite(self.best_loss) else None,
         }
-        self.ckpt.save(step, state, extra=extra, val_loss=val_loss, good=_healthy(extra))
+        self.ckpt.save(step, state.replace(frozen=None), extra=extra, val_loss=val_loss, good=_healthy(extra))
         self.best_loss = min(self.best_loss, _finite_or_inf(loss))
 
     def last_good(self) -> str:
@@ -349,7 +364,7 @@ class Trainer:
         return summary
 
     def _eval(self, step, state, writer, summary) -> dict:
-        evals = self.evaluate(state.params)
+        evals = self.evaluate(state.params, state.frozen)
         every = self.config.get("eval_tasks_every") or self.config.eval_interval
         if self.task_eval is not None and (step % every == 0 or step == self.config.max_iters):
             evals.update(self.task_eval(state.params))
