@@ -12,8 +12,7 @@ at the end and on SIGTERM. The data position is the step, so a restored state co
 Each checkpoint records the run config and data meta it was trained with (a resume that changes the
 model or the tokenizer is refused: run_dir.check_resume) and the loss of its own weights on a fixed
 batch, so the checkpoint named after a NaN is one whose loss was finite and not exploding.
-LoRA (config.lora.rank > 0): `params` are the adapters and `frozen` the task's pretrained base, a
-jit argument sharded like full fine-tuning's parameters; checkpoints hold the state without it.
+LoRA (lora.rank > 0): `params` are the adapters, `frozen` the base (FSDP-sharded, never checkpointed).
 `train` holds out_dir's lock (flaxgpt.runs.run_lock) from before anything is written until it returns.
 """
 
@@ -60,9 +59,8 @@ def make_train_step(task, tx, schedule, grad_accum: int):
         rng = jax.random.fold_in(state.rng, state.step)
 
         def micro(i, micro_batch):
-            (loss_sum, weight), grads = grad_fn(
-                state.params, micro_batch, jax.random.fold_in(rng, i), state.frozen
-            )
+            r = jax.random.fold_in(rng, i)
+            (loss_sum, weight), grads = grad_fn(state.params, micro_batch, r, state.frozen)
             return grads, loss_sum, weight
 
         if grad_accum == 1:
@@ -109,10 +107,8 @@ class Trainer:
         self.state_shardings = sharding.state_shardings(
             self.abstract_state, self.abstract_state.params, self.param_shardings, self.mesh
         )
-        # LoRA: the frozen base on the mesh, sharded as full fine-tuning shards the parameters
-        self.frozen, frozen_shardings = getattr(self.task, "place_frozen", lambda mesh: (None, None))(
-            self.mesh
-        )
+        place = getattr(self.task, "place_frozen", lambda mesh: (None, None))  # LoRA's base, as FSDP shards
+        self.frozen, frozen_shardings = place(self.mesh)
         step_shardings = self.state_shardings.replace(frozen=frozen_shardings)
         self.train_batch_sharding = sharding.batch_sharding(self.mesh, leading_axes=1)
         self.eval_batch_sharding = sharding.batch_sharding(self.mesh)
@@ -129,8 +125,7 @@ class Trainer:
             in_shardings=(self.param_shardings, self.eval_batch_sharding, frozen_shardings),
             out_shardings=rep,
         )
-        # LoRA: pass the state's `frozen` (the train step donates the state, the base with it)
-        self.eval_step = lambda p, b, frozen=None: self._eval_jit(p, b, frozen)
+        self.eval_step = lambda p, b, frozen=None: self._eval_jit(p, b, frozen)  # LoRA: state.frozen
         self.tokens_per_step = config.batch_size * self.task.tokens_per_row
         # training FLOPs per token, the figure `python -m flaxgpt.tools.summary` prints (for MFU)
         self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
@@ -262,11 +257,8 @@ class Trainer:
                 f"non-finite weights at step {step} (not saved); {self.last_good()}; "
                 "lower the learning rate and resume"
             )
-        loss_sum, weight = jax.device_get(
-            self.eval_step(
-                state.params, self.global_batch("train_eval", 0, self.micro_rows, micro=False), state.frozen
-            )
-        )
+        batch = self.global_batch("train_eval", 0, self.micro_rows, micro=False)
+        loss_sum, weight = jax.device_get(self.eval_step(state.params, batch, state.frozen))
         loss = float(loss_sum / weight)
         cfg = self.config.to_dict()
         cfg["model"] = models.section_of(self.task.model_config)
