@@ -135,3 +135,17 @@ def test_unsupported_adapter_fields_are_refused(llama_and_gpt2, tmp_path):
     config, _ = hf.load_pretrained(str(llama_and_gpt2 / "llama"))
     with pytest.raises(ValueError, match="use_dora"):
         hf_peft.load_adapter(str(tmp_path / "a"), config)
+
+
+def test_sample_and_serve_load_a_base_with_an_adapter(tmp_path):
+    import sample
+    from flaxgpt.serve import launch
+
+    base_dir, adapter_dir = tmp_path / "gpt2", tmp_path / "adapter"  # GPT-2: its BPE ships with flaxgpt
+    want = ref_logits(make_adapter(make_gpt2(base_dir), adapter_dir, ["c_attn", "c_fc"], fan_in_fan_out=True))
+    a = sample.build_parser().parse_args(["--init_from", str(base_dir), "--adapter", str(adapter_dir)])
+    served, _ = launch.load(init_from=str(base_dir), adapter=str(adapter_dir))
+    for r in (sample.load(a), served):
+        assert np.abs(flax_logits(r.config, r.params) - want).max() < 1e-4
+    with pytest.raises(ValueError, match="--adapter DIR goes with --init_from BASE"):
+        sample.load(sample.build_parser().parse_args(["--out_dir", "x", "--adapter", str(adapter_dir)]))
