@@ -262,29 +262,43 @@ def apply(
 
 def quantize_base(base, dtype: str):
     """The frozen base in `dtype`: float32 as is, bfloat16 by a cast, int8 with per-output-channel
-    scales on every Dense kernel (quantize.quantize_rows; embeddings and norms stay float32)."""
+    scales on every Dense kernel of the blocks (quantize.quantize_rows; embeddings, head and norms stay
+    float32). A base of jax.ShapeDtypeStructs gives the abstract result (ahead-of-time compiles)."""
     if dtype not in BASE_DTYPES:
         raise ValueError(f"lora base_dtype {dtype!r}: choose one of {', '.join(BASE_DTYPES)}")
     if dtype == "float32":
         return base
     if dtype == "bfloat16":
-        return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16) if x.ndim >= 2 else x, base)
+        cast = lambda x: (
+            jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) if _abstract(x) else jnp.asarray(x, jnp.bfloat16)
+        )  # noqa: E731
+        return jax.tree_util.tree_map(lambda x: cast(x) if x.ndim >= 2 else x, base)
+
+    def rows(kernel):  # [.., K, N] -> QuantizedWeight(w [.., N, K] int8, scale [.., N])
+        if _abstract(kernel):
+            *lead, k, n = kernel.shape
+            return QuantizedWeight(
+                jax.ShapeDtypeStruct((*lead, n, k), jnp.int8), jax.ShapeDtypeStruct((*lead, n), jnp.float32)
+            )
+        if kernel.ndim == 2:
+            return quantize_rows(np.asarray(kernel).T, "int8")
+        layers = [quantize_rows(np.asarray(k).T, "int8") for k in kernel]  # scan_layers: per layer
+        return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
 
     def visit(tree, in_block):
         out = {}
         for name, value in tree.items():
             if isinstance(value, dict):
                 out[name] = visit(value, in_block or name.startswith("h"))
-            elif in_block and name == "kernel" and value.ndim == 2:
-                out[name] = quantize_rows(np.asarray(value).T, "int8")
-            elif in_block and name == "kernel" and value.ndim == 3:  # scan_layers: [L, K, N], per layer
-                layers = [quantize_rows(np.asarray(k).T, "int8") for k in value]
-                out[name] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
             else:
-                out[name] = value
+                out[name] = rows(value) if in_block and name == "kernel" else value
         return out
 
     return visit(dict(base), False)
+
+
+def _abstract(x) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def base_shardings(float_shardings, base):

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 from flaxgpt.models import gpt, lora
 from flaxgpt.models.gpt import GPTConfig
@@ -50,9 +51,9 @@ def test_apply_equals_merged_weights(config, targets, scan):
     base = gpt.init_params(config, jax.random.key(0))
     spec = lora.LoraSpec.make(config, 4, 8.0, 0.0, targets)
     adapters = random_adapters(config, spec)
-    got = lora.apply(config, spec, base, adapters, TOKENS)
-    want = gpt.GPT(config).apply({"params": lora.merge(config, spec, base, adapters)}, TOKENS)
-    plain = gpt.GPT(config).apply({"params": base}, TOKENS)
+    got = jax.jit(lambda b, a: lora.apply(config, spec, b, a, TOKENS))(base, adapters)
+    plain_fwd = jax.jit(lambda p: gpt.GPT(config).apply({"params": p}, TOKENS))
+    want, plain = plain_fwd(lora.merge(config, spec, base, adapters)), plain_fwd(base)
     assert np.abs(np.asarray(got - want)).max() < 1e-5
     assert np.abs(np.asarray(got - plain)).max() > 1e-2  # the adapters do something
 
@@ -76,10 +77,10 @@ def test_quantized_bases_stay_close_and_train(dtype, tol):
     spec = lora.LoraSpec.make(config, 4, 8.0)
     adapters = random_adapters(config, spec)
     qbase = lora.quantize_base(base, dtype)
-    got = lora.apply(config, spec, qbase, adapters, TOKENS)
-    want = lora.apply(config, spec, base, adapters, TOKENS)
+    fwd = jax.jit(lambda b, a: lora.apply(config, spec, b, a, TOKENS))
+    got, want = fwd(qbase, adapters), fwd(base, adapters)
     assert np.abs(np.asarray(got - want)).max() < tol * np.abs(np.asarray(want)).max()
-    grads = jax.grad(lambda a: lora.apply(config, spec, qbase, a, TOKENS).sum())(adapters)
+    grads = jax.jit(jax.grad(lambda a: lora.apply(config, spec, qbase, a, TOKENS).sum()))(adapters)
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree_util.tree_leaves(grads))
 
 
@@ -117,3 +118,16 @@ def test_adapters_of_another_shape_are_named():
     )
     with pytest.raises(ValueError, match=r"adapter tensor h_0/attn/c_attn/\w+ has shape"):
         lora.check_adapters(LLAMA, spec, adapters)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_an_abstract_base_lowers_ahead_of_time(dtype):
+    """What an ahead-of-time compile of a LoRA step sees: no weights, only shapes."""
+    config = dataclasses.replace(LLAMA, scan_layers=True)
+    spec = lora.LoraSpec.make(config, 4, 8.0)
+    base = lora.quantize_base(nn.unbox(gpt.abstract_params(config)), dtype)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(base))
+    adapters = jax.eval_shape(lambda: lora.init_adapters(config, spec, jax.random.key(0)))
+    grad = jax.grad(lambda a, b: lora.apply(config, spec, b, a, TOKENS).sum())
+    text = jax.jit(grad).lower(adapters, base).as_text()
+    assert ("i8" in text) == (dtype == "int8")
