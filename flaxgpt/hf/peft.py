@@ -122,9 +122,8 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
         )
     lora.check_adapters(flat, spec, adapters, what=f"{directory}:")
     adapters = jax.tree_util.tree_map(jax.numpy.asarray, adapters)
-    if config.scan_layers:
+    if config.scan_layers:  # the spec's columns do not depend on the layout
         adapters = stack_layers(adapters, config.n_layer)
-        spec = lora.LoraSpec.make(config, spec.rank, spec.alpha, spec.dropout, spec.targets, spec.rslora)
     return spec, adapters
 
 
