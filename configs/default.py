@@ -61,6 +61,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.distributed.num_processes = 0  # processes in a multi-host run; 0 = auto
     c.distributed.process_id = -1  # this process's index; -1 = auto
 
+    # LoRA (flaxgpt/models/lora.py): train low-rank adapters on a frozen pretrained base (init_from)
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 0  # adapter rank r; 0 = off (full fine-tuning)
+    c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / r
+    c.lora.dropout = 0.0  # dropout on each adapted layer's input, adapter path only (training)
+    # all-linear | a comma list: q,k,v,o,gate,up,down (Llama family) or qkv,o,up,down (GPT-2)
+    c.lora.targets = "all-linear"
+    c.lora.base_dtype = "float32"  # the frozen base: float32 | bfloat16 | int8 (QLoRA-style)
+
     c.out_dir = "out"  # run directory: config.json, meta.json, metrics.jsonl, checkpoints
     c.seed = 1337  # parameter init, dropout and batch sampling all derive from it
     c.max_iters = 600000  # optimizer steps

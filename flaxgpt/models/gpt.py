@@ -220,7 +220,7 @@ class GPT(nn.Module):
                 scan_cls = nn.remat(ScannedBlock, policy=_remat_policy(c.remat), prevent_cse=False)
             (x_BTD, _, _), stacked = nn.scan(
                 scan_cls,
-                variable_axes={"params": 0, "intermediates": 0},
+                variable_axes={"params": 0, "intermediates": 0, "lora": 0},  # lora: models/lora.py
                 split_rngs={"params": True, "dropout": True},
                 length=c.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},

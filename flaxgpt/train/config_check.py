@@ -42,6 +42,7 @@ INTS = {
     "seq2seq.eval_batch": (1, "sources decoded at once"),
     "seq2seq.eval_beam_size": (1, "beam width during evaluation"),
     "seq2seq.beam_size": (1, "beam width for translating"),
+    "lora.rank": (0, "LoRA rank; 0 = off"),
 }
 # key: (low, high, low included, high included, what it is). Finite floats.
 FLOATS = {
@@ -56,6 +57,7 @@ FLOATS = {
     "peak_flops": (0.0, math.inf, True, False, "per-device peak FLOP/s; 0 = guess"),
     "seq2seq.alpha": (0.0, math.inf, True, False, "the length penalty"),
     "model.dropout": (0.0, 1.0, True, False, "a dropout rate"),
+    "lora.dropout": (0.0, 1.0, True, False, "the LoRA dropout rate"),
     "model.layer_norm_epsilon": (0.0, math.inf, False, False, "LayerNorm's epsilon"),
 }
 # dropout rates where -1 means "model.dropout"
@@ -110,6 +112,20 @@ def check(config) -> None:
     mesh_data = _get(config, "mesh.data")
     if mesh_data is not None and mesh_data != -1 and mesh_data < 1:
         raise ConfigError(f"--config.mesh.data={mesh_data} must be >= 1, or -1 for all devices left")
+    if _get(config, "lora.rank"):
+        if config.init_from in ("auto", "resume", "scratch"):
+            raise ConfigError(
+                f"lora.rank={config.lora.rank} adapts a pretrained model, not init_from={config.init_from!r};"
+                " set --config.init_from to a Hugging Face model directory or a GPT-2 name"
+            )
+        if config.get("eval_tasks"):
+            raise ConfigError(
+                "eval_tasks are not scored during LoRA training; merge the adapter and evaluate"
+            )
+        if config.lora.base_dtype not in ("float32", "bfloat16", "int8"):
+            raise ConfigError(
+                f"--config.lora.base_dtype={config.lora.base_dtype!r}: float32 | bfloat16 | int8"
+            )
     if "model" not in config:
         raise ConfigError("the run config has no `model` section (start from configs/default.py)")
     for key in ("dtype", "param_dtype"):

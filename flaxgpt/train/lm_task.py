@@ -11,6 +11,9 @@ init_from = auto | resume | scratch builds the model from the recipe's `model` s
 (models.config_from); a GPT-2 name or directory takes the architecture and weights from that
 checkpoint and only the recipe's run-time fields (models.RUNTIME_FIELDS) from the recipe; so does a Llama,
 Mistral or Qwen2 directory (hf.load_pretrained dispatches on its config.json's model_type).
+
+With `lora.rank` > 0 the pretrained weights become the frozen base (`frozen`, in lora.base_dtype) and
+the trained parameters are LoRA adapters only (flaxgpt/models/lora.py): `loss(adapters, ..., frozen=base)`.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import dataclasses
 
 import jax
 
+from flaxgpt import sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.data import fineweb, packing
 from flaxgpt.hf import gpt2 as hf
-from flaxgpt.models import gpt
+from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.train.losses import cross_entropy
 
@@ -86,6 +90,11 @@ class LMTask:
     def _set_model(self, config, model_config: gpt.GPTConfig) -> None:
         self.model_config = model_config
         self.model = gpt.GPT(model_config)
+        self.lora, self.frozen = None, None  # LoRA: the adapters' spec and the frozen base
+        if config.get("lora") and config.lora.rank:
+            c = config.lora
+            self.lora = lora.LoraSpec.make(self.model_config, c.rank, c.alpha, c.dropout, c.targets)
+            self.frozen, self.pretrained = lora.quantize_base(self.pretrained, c.base_dtype), None
         self.seed = config.seed
         self.label_smoothing = config.optim.label_smoothing
         self.tokens_per_row = model_config.block_size
@@ -95,20 +104,36 @@ class LMTask:
         T = self.model_config.block_size
         return {"inputs": ((n_rows, T), "int32"), "targets": ((n_rows, T), "int32")}
 
+    def place_frozen(self, mesh):
+        """LoRA: (the frozen base on `mesh`, its shardings), sharded as full fine-tuning shards the
+        parameters (FSDP); (None, None) without LoRA."""
+        if self.frozen is None:
+            return None, None
+        boxed = gpt.abstract_params(self.model_config)
+        shardings = lora.base_shardings(sharding.param_shardings(boxed, mesh), self.frozen)
+        return jax.device_put(self.frozen, shardings), shardings
+
     def abstract_params(self):
+        """The trained parameters, boxed with their logical axes (LoRA: the adapters, replicated)."""
+        if self.lora is not None:
+            return jax.eval_shape(self.init_params, jax.random.key(0))
         return gpt.abstract_params(self.model_config)
 
     def init_params(self, rng):
+        if self.lora is not None:
+            return lora.init_adapters(self.model_config, self.lora, rng)
         return gpt.init_params(self.model_config, rng)
 
-    def loss(self, params, batch, rng, train: bool):
-        logits_BTV = self.model.apply(
-            {"params": params},
-            batch["inputs"],
-            deterministic=not train,
-            segment_ids_BT=batch.get("segment_ids"),  # packed rows only
-            rngs={"dropout": rng} if train else None,
-        )
+    def loss(self, params, batch, rng, train: bool, frozen=None):
+        kw = dict(deterministic=not train, segment_ids_BT=batch.get("segment_ids"))  # packed rows only
+        if self.lora is not None:  # params are the adapters; the base is not differentiated
+            logits_BTV = lora.apply(
+                self.model_config, self.lora, frozen, params, batch["inputs"], rng=rng, **kw
+            )
+        else:
+            logits_BTV = self.model.apply(
+                {"params": params}, batch["inputs"], rngs={"dropout": rng} if train else None, **kw
+            )
         return cross_entropy(logits_BTV, batch["targets"], batch.get("loss_mask"), self.label_smoothing)
 
     def batch(self, split: str, step: int, n_rows: int, process_index: int):

@@ -115,6 +115,10 @@ class Seq2SeqTask:
         seed = self.seed if split == "train" else self.seed + 1  # train_eval: its own order
         return self._batcher("train", n_rows * n_proc, seed).batch(step, process_index, n_proc)
 
+    def place_frozen(self, mesh):
+        """No frozen base: the encoder-decoder trains all its parameters."""
+        return None, None
+
     def evaluate(self, params, n_pairs: int | None = None) -> dict:
         """Token accuracy (teacher forcing), exact match and BLEU of decoded outputs on val."""
         return evaluate(

@@ -5,6 +5,7 @@ eval step, with the optimizer and shardings they are compiled with.
     state, metrics = steps.train_step(state, batch)   # batch leaves [grad_accum, micro_B, ...]
 
 The trainer (flaxgpt.train.trainer) runs them; flaxgpt.aot compiles them for a target ahead of time.
+LoRA (lora.rank > 0): `params` are the adapters, `frozen` the base (FSDP-sharded, never checkpointed).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flax import struct
 
 from flaxgpt import sharding
 from flaxgpt.train.optim import make_optimizer
+from flaxgpt.train.tasks import task_loss
 
 
 @struct.dataclass
@@ -26,17 +28,19 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # base key; dropout at step s uses fold_in(rng, s)
+    frozen: Any = None  # LoRA: the frozen base (never differentiated, never checkpointed); else None
 
 
 def make_train_step(task, tx, schedule, grad_accum: int):
     """train_step(state, batch) with batch leaves [grad_accum, micro_B, ...]."""
-    grad_fn = jax.value_and_grad(lambda p, b, r: task.loss(p, b, r, True), has_aux=True)
+    grad_fn = jax.value_and_grad(task_loss(task, True), has_aux=True)
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
 
         def micro(i, micro_batch):
-            (loss_sum, weight), grads = grad_fn(state.params, micro_batch, jax.random.fold_in(rng, i))
+            r = jax.random.fold_in(rng, i)
+            (loss_sum, weight), grads = grad_fn(state.params, micro_batch, r, state.frozen)
             return grads, loss_sum, weight
 
         if grad_accum == 1:
@@ -66,11 +70,12 @@ class Steps(NamedTuple):
     init_state: Any  # init_state(rng, params=None) -> TrainState (fresh parameters, or the given ones)
     param_shardings: Any
     abstract_state: Any
-    state_shardings: Any
+    state_shardings: Any  # of what checkpoints hold (frozen: None)
+    frozen: Any  # LoRA: the frozen base placed on the mesh, else None
     train_batch_sharding: Any  # leaves [grad_accum, micro_B, ...]
     eval_batch_sharding: Any
     train_step: Any  # jitted, state donated
-    eval_step: Any  # jitted: (params, batch) -> (loss_sum, weight)
+    eval_step: Any  # (params, batch, frozen=None) -> (loss_sum, weight), jitted
 
 
 def make_steps(config, task, mesh) -> Steps:
@@ -85,21 +90,24 @@ def make_steps(config, task, mesh) -> Steps:
 
     abstract_state = jax.eval_shape(init_state, jax.random.key(0))
     state_shardings = sharding.state_shardings(abstract_state, abstract_state.params, param_shardings, mesh)
+    frozen, frozen_shardings = task.place_frozen(mesh)  # LoRA's base, sharded as FSDP shards parameters
+    step_shardings = state_shardings.replace(frozen=frozen_shardings)  # checkpoints hold no frozen base
     train_batch_sharding = sharding.batch_sharding(mesh, leading_axes=1)
     eval_batch_sharding = sharding.batch_sharding(mesh)
     rep = sharding.replicated(mesh)
     train_step = jax.jit(
         make_train_step(task, tx, schedule, config.grad_accum),
-        in_shardings=(state_shardings, train_batch_sharding),
-        out_shardings=(state_shardings, rep),
+        in_shardings=(step_shardings, train_batch_sharding),
+        out_shardings=(step_shardings, rep),
         donate_argnums=0,
     )
-    eval_step = jax.jit(
-        lambda p, b: task.loss(p, b, None, False),
-        in_shardings=(param_shardings, eval_batch_sharding),
+    eval_loss = task_loss(task, False)
+    eval_jit = jax.jit(
+        lambda p, b, f: eval_loss(p, b, None, f),
+        in_shardings=(param_shardings, eval_batch_sharding, frozen_shardings),
         out_shardings=rep,
     )
     return Steps(
-        tx, schedule, init_state, param_shardings, abstract_state, state_shardings,
-        train_batch_sharding, eval_batch_sharding, train_step, eval_step,
+        tx, schedule, init_state, param_shardings, abstract_state, state_shardings, frozen,
+        train_batch_sharding, eval_batch_sharding, train_step, lambda p, b, f=None: eval_jit(p, b, f),
     )  # fmt: skip

@@ -12,6 +12,7 @@ at the end and on SIGTERM. The data position is the step, so a restored state co
 Each checkpoint records the run config and data meta it was trained with (a resume that changes the
 model or the tokenizer is refused: run_dir.check_resume) and the loss of its own weights on a fixed
 batch, so the checkpoint named after a NaN is one whose loss was finite and not exploding.
+LoRA (lora.rank > 0): `params` are the adapters, `frozen` the base (FSDP-sharded, never checkpointed).
 `train` holds out_dir's lock (flaxgpt.runs.run_lock) from before anything is written until it returns.
 """
 
@@ -59,6 +60,7 @@ class Trainer:
         self.train_batch_sharding = steps.train_batch_sharding
         self.eval_batch_sharding = steps.eval_batch_sharding
         self.train_step, self.eval_step = steps.train_step, steps.eval_step
+        self.frozen = steps.frozen
         self.tokens_per_step = config.batch_size * self.task.tokens_per_row
         # training FLOPs per token, the figure `flaxgpt summary` prints (for MFU)
         self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
@@ -125,16 +127,16 @@ class Trainer:
                 self.resumed_best = float("inf") if val is None else float(val)
             self.task.pretrained = None  # not needed: the checkpoint holds the fine-tuned weights
             self._print(f"resumed from {self.ckpt.directory / str(step)}")
-            return state
+            return state.replace(frozen=self.frozen)
         key = jax.random.key(self.config.seed)
         pretrained = self.task.pretrained
         if pretrained is not None:  # parameters as arguments, not constants baked into the program
             params = jax.device_put(pretrained, self.param_shardings)
             make = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
-            return make(key, params)
+            return make(key, params).replace(frozen=self.frozen)
         if not hasattr(self, "_init_jit"):
             self._init_jit = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
-        return self._init_jit(key)
+        return self._init_jit(key).replace(frozen=self.frozen)
 
     def _print(self, msg: str) -> None:
         if self.is_main:
@@ -147,13 +149,13 @@ class Trainer:
             return data_lib.to_global(local, self.train_batch_sharding, batch_axis=1)
         return data_lib.to_global(local, self.eval_batch_sharding)
 
-    def evaluate(self, params) -> dict:
+    def evaluate(self, params, frozen=None) -> dict:
         """Mean loss over eval_iters fixed batches of each split (results fetched once at the end)."""
         sums = {}
         for split in self.task.splits:
             name = "train_eval" if split == "train" else split
             parts = [
-                self.eval_step(params, self.global_batch(name, i, self.micro_rows, micro=False))
+                self.eval_step(params, self.global_batch(name, i, self.micro_rows, micro=False), frozen)
                 for i in range(self.config.eval_iters)
             ]
             sums[split] = parts
@@ -179,9 +181,8 @@ class Trainer:
                 f"non-finite weights at step {step} (not saved); {self.last_good()}; "
                 "lower the learning rate and resume"
             )
-        loss_sum, weight = jax.device_get(
-            self.eval_step(state.params, self.global_batch("train_eval", 0, self.micro_rows, micro=False))
-        )
+        batch = self.global_batch("train_eval", 0, self.micro_rows, micro=False)
+        loss_sum, weight = jax.device_get(self.eval_step(state.params, batch, state.frozen))
         loss = float(loss_sum / weight)
         cfg = self.config.to_dict()
         cfg["model"] = models.section_of(self.task.model_config)
@@ -192,7 +193,7 @@ class Trainer:
             "loss": loss if np.isfinite(loss) else None,
             "best_loss": self.best_loss if np.isfinite(self.best_loss) else None,
         }
-        self.ckpt.save(step, state, extra=extra, val_loss=val_loss, good=_healthy(extra))
+        self.ckpt.save(step, state.replace(frozen=None), extra=extra, val_loss=val_loss, good=_healthy(extra))
         self.best_loss = min(self.best_loss, _finite_or_inf(loss))
 
     def last_good(self) -> str:
@@ -279,7 +280,7 @@ class Trainer:
         return summary
 
     def _eval(self, step, state, writer, summary) -> dict:
-        evals = self.evaluate(state.params)
+        evals = self.evaluate(state.params, state.frozen)
         every = self.config.get("eval_tasks_every") or self.config.eval_interval
         if self.task_eval is not None and (step % every == 0 or step == self.config.max_iters):
             evals.update(self.task_eval(state.params))
