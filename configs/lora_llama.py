@@ -14,6 +14,8 @@ a frozen base, then a PEFT adapter out (or a merged model).
 
 Only the adapters train and are checkpointed (with their AdamW state); the base is read from
 init_from at every start, so keep that directory. See docs/fine_tuning.md.
+
+Targets: h100-1, v5e-8 (check: flaxgpt aot --config configs/lora_llama.py --target NAME)
 """
 
 from configs import finetune_llama

@@ -81,6 +81,8 @@ def model_config(config, vocab_size: int = 0):
         return recipe, f"vocab {recipe.vocab_size}: {source}"
     kept = {f: getattr(recipe, f) for f in LAYOUT_FIELDS + models.RUNTIME_FIELDS}
     name = Path(init_from).name.lower()
+    for suffix in ("-instruct", "-it", "-chat"):  # an instruction-tuned variant has its base's shape
+        name = name.removesuffix(suffix) if name.removesuffix(suffix) in gpt.GPTConfig.PRESETS else name
     if (Path(init_from) / "config.json").is_file():  # a Hugging Face directory: its config.json, no weights
         from flaxgpt.hf import gpt2 as hf
 
@@ -125,7 +127,7 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
     steps = make_steps(config, task, mesh)
-    state = _abstract(steps.abstract_state, steps.state_shardings)
+    state = _abstract(steps.abstract_state, steps.state_shardings).replace(frozen=steps.frozen)  # LoRA's base
     n = len(devices)
     sizes = {"parameters": per_device_bytes(state.params), "optimizer": per_device_bytes(state.opt_state)}
     fpt = flops_per_token(mc, task.tokens_per_row)
@@ -142,7 +144,17 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
         params = {"parameters": sizes["parameters"]}
         note = f"{mesh_note}, {micro} rows"
         out.append(
-            Program("eval", steps.eval_step, (state.params, batch), {}, n, flops, params, note, mesh=mesh)
+            Program(
+                "eval",
+                steps.eval_step,
+                (state.params, batch, state.frozen),
+                {},
+                n,
+                flops,
+                params,
+                note,
+                mesh=mesh,
+            )
         )
     return out
 

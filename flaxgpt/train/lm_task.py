@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+from flax import linen as nn
 
 from flaxgpt import sharding
 from flaxgpt.data import batches as data_lib
@@ -83,7 +84,10 @@ class LMTask:
     def without_data(cls, config, model_config: gpt.GPTConfig) -> LMTask:
         """The task's model and loss with no dataset read (flaxgpt.aot compiles its steps); no batches."""
         task = cls.__new__(cls)
-        task.shards, task.data, task.data_dir, task.pretrained = False, None, None, None
+        task.shards, task.data, task.data_dir = False, None, None
+        # LoRA's frozen base as shapes: lora.quantize_base and place_frozen keep them abstract
+        lora_on = config.get("lora") and config.lora.rank
+        task.pretrained = nn.unbox(gpt.abstract_params(model_config)) if lora_on else None
         task._set_model(config, model_config)
         return task
 
@@ -111,6 +115,9 @@ class LMTask:
             return None, None
         boxed = gpt.abstract_params(self.model_config)
         shardings = lora.base_shardings(sharding.param_shardings(boxed, mesh), self.frozen)
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.frozen)):  # flaxgpt.aot
+            place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+            return jax.tree.map(place, self.frozen, shardings), shardings
         return jax.device_put(self.frozen, shardings), shardings
 
     def abstract_params(self):

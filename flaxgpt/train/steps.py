@@ -75,7 +75,7 @@ class Steps(NamedTuple):
     train_batch_sharding: Any  # leaves [grad_accum, micro_B, ...]
     eval_batch_sharding: Any
     train_step: Any  # jitted, state donated
-    eval_step: Any  # (params, batch, frozen=None) -> (loss_sum, weight), jitted
+    eval_step: Any  # jitted: (params, batch, frozen) -> (loss_sum, weight); frozen None without LoRA
 
 
 def make_steps(config, task, mesh) -> Steps:
@@ -102,12 +102,12 @@ def make_steps(config, task, mesh) -> Steps:
         donate_argnums=0,
     )
     eval_loss = task_loss(task, False)
-    eval_jit = jax.jit(
+    eval_step = jax.jit(
         lambda p, b, f: eval_loss(p, b, None, f),
         in_shardings=(param_shardings, eval_batch_sharding, frozen_shardings),
         out_shardings=rep,
     )
     return Steps(
         tx, schedule, init_state, param_shardings, abstract_state, state_shardings, frozen,
-        train_batch_sharding, eval_batch_sharding, train_step, lambda p, b, f=None: eval_jit(p, b, f),
+        train_batch_sharding, eval_batch_sharding, train_step, eval_step,
     )  # fmt: skip

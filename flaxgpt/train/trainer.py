@@ -149,7 +149,7 @@ class Trainer:
             return data_lib.to_global(local, self.train_batch_sharding, batch_axis=1)
         return data_lib.to_global(local, self.eval_batch_sharding)
 
-    def evaluate(self, params, frozen=None) -> dict:
+    def evaluate(self, params, frozen) -> dict:
         """Mean loss over eval_iters fixed batches of each split (results fetched once at the end)."""
         sums = {}
         for split in self.task.splits:
