@@ -108,13 +108,15 @@ class Trainer:
         self.eval_batch_sharding = sharding.batch_sharding(self.mesh)
         rep = sharding.replicated(self.mesh)
         self.train_step = jax.jit(
-            make_train_step(self.task, self.tx, self.schedule, config.grad_accum),
+            sharding.under_mesh(
+                make_train_step(self.task, self.tx, self.schedule, config.grad_accum), self.mesh
+            ),
             in_shardings=(self.state_shardings, self.train_batch_sharding),
             out_shardings=(self.state_shardings, rep),
             donate_argnums=0,
         )
         self.eval_step = jax.jit(
-            lambda p, b: self.task.loss(p, b, None, False),
+            sharding.under_mesh(lambda p, b: self.task.loss(p, b, None, False), self.mesh),
             in_shardings=(self.param_shardings, self.eval_batch_sharding),
             out_shardings=rep,
         )
