@@ -130,10 +130,13 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         deterministic: bool = True,
         logits_at=None,
+        hidden: bool = False,
     ):
         """tokens [B, T] -> logits [B, T, V]; with a cache (and positions [B, T], default
         0..T-1) the keys/values are written at `positions` and (logits, cache) comes back.
-        With `logits_at` [B] (time indices), the logits are those of one position per row: [B, 1, V]."""
+        With `logits_at` [B] (time indices), the logits are those of one position per row: [B, 1, V].
+        With `hidden` (training, no cache), the final hidden states [B, T, D] (after ln_f) come back
+        instead: `head_logits` applies the head, a chunk at a time (losses.chunked_cross_entropy)."""
         c = self.config
         check_tokens(tokens_BT, c, cache)
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -161,11 +164,9 @@ class GPT(nn.Module):
         ):  # a prefill draws from one position: skip the head (1/3 of GPT-2's FLOPs) elsewhere
             x_BTD = jnp.take_along_axis(x_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)
         x_BTD = norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)
-        logits_BTV = self._head(wte, x_BTD)
-        # padded vocabulary rows exist for speed only: callers never see them
-        logits_BTV = logits_BTV[..., : c.vocab_size]
-        if c.logit_softcap:  # bounded logits (Gemma 2), in float32
-            logits_BTV = c.logit_softcap * jnp.tanh(logits_BTV.astype(jnp.float32) / c.logit_softcap)
+        if hidden and cache is None:
+            return x_BTD
+        logits_BTV = finish_logits(c, self._head(wte, x_BTD))
         if cache is None:
             return logits_BTV
         return logits_BTV, KVCache.from_layers(kv_layers, cache.n_head)
@@ -262,6 +263,28 @@ class GPT(nn.Module):
         if B * T <= 64:
             return tied_head_few_rows(wte.embedding.astype(dtype), x_ND.astype(dtype)).reshape(B, T, -1)
         return wte.attend(x_ND).reshape(B, T, -1)
+
+
+def finish_logits(config: GPTConfig, logits_BTV: jax.Array) -> jax.Array:
+    """The head's raw output [..., padded V] -> the logits callers see: [..., V], soft-capped."""
+    # padded vocabulary rows exist for speed only: callers never see them
+    logits_BTV = logits_BTV[..., : config.vocab_size]
+    if config.logit_softcap:  # bounded logits (Gemma 2), in float32
+        logits_BTV = config.logit_softcap * jnp.tanh(logits_BTV.astype(jnp.float32) / config.logit_softcap)
+    return logits_BTV
+
+
+def head_logits(config: GPTConfig, params, x_BTD: jax.Array) -> jax.Array:
+    """The LM head on hidden states from GPT(config)(tokens, hidden=True) -> logits [B, T, V], as
+    the model's own forward computes them (tied: x @ wte^T, else x @ lm_head, in config.dtype)."""
+    dtype = jnp.dtype(config.dtype)
+    B, T, D = x_BTD.shape
+    x_ND = x_BTD.reshape(B * T, D).astype(dtype)  # 2-D operands: see layers.MLP
+    if config.tie_embeddings:
+        logits_NV = jnp.dot(x_ND, params["wte"]["embedding"].astype(dtype).T)
+    else:
+        logits_NV = jnp.dot(x_ND, params["lm_head"]["kernel"].astype(dtype))
+    return finish_logits(config, logits_NV.reshape(B, T, -1))
 
 
 def check_tokens(tokens_BT, config: GPTConfig, cache=None):

@@ -36,6 +36,7 @@ INTS = {
     "keep_checkpoints": (1, "checkpoints kept on disk"),
     "optim.warmup_steps": (0, "warmup steps"),
     "optim.decay_steps": (0, "steps of the cosine decay; 0 = max_iters"),
+    "optim.loss_chunk": (0, "positions per chunk of the chunked cross-entropy; 0 = plain"),
     "mesh.fsdp": (1, "devices that shard the parameters"),
     "mesh.cpu_devices": (0, "CPU devices; 0 = one per core"),
     "seq2seq.eval_pairs": (0, "val pairs decoded at each evaluation"),

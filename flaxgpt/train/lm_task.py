@@ -14,6 +14,7 @@ Mistral or Qwen2 directory (hf.load_pretrained dispatches on its config.json's m
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
@@ -22,7 +23,7 @@ from flaxgpt.data import fineweb
 from flaxgpt.hf import gpt2 as hf
 from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
-from flaxgpt.train.losses import cross_entropy
+from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
 
 FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the model from config.model
 # what a pretrained checkpoint leaves to the recipe: the layout of the loaded arrays ...
@@ -69,6 +70,7 @@ class LMTask:
         self.model = gpt.GPT(self.model_config)
         self.seed = config.seed
         self.label_smoothing = config.optim.label_smoothing
+        self.loss_chunk = config.optim.get("loss_chunk", 0)  # positions per logits chunk; 0 = all at once
         self.tokens_per_row = self.model_config.block_size
 
     def abstract_params(self):
@@ -78,13 +80,19 @@ class LMTask:
         return gpt.init_params(self.model_config, rng)
 
     def loss(self, params, batch, rng, train: bool):
-        logits_BTV = self.model.apply(
+        out = self.model.apply(
             {"params": params},
             batch["inputs"],
             deterministic=not train,
             rngs={"dropout": rng} if train else None,
+            hidden=bool(self.loss_chunk),
         )
-        return cross_entropy(logits_BTV, batch["targets"], batch.get("loss_mask"), self.label_smoothing)
+        targets_BT, mask_BT = batch["targets"], batch.get("loss_mask")
+        if not self.loss_chunk:
+            return cross_entropy(out, targets_BT, mask_BT, self.label_smoothing)
+        # the [B, T, V] float32 logits never exist: the head runs one chunk of positions at a time
+        head = functools.partial(gpt.head_logits, self.model_config, params)
+        return chunked_cross_entropy(out, head, targets_BT, mask_BT, self.label_smoothing, self.loss_chunk)
 
     def batch(self, split: str, step: int, n_rows: int, process_index: int):
         """Train batches follow the step; eval batch i of a split is the same at every evaluation."""
