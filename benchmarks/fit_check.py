@@ -138,7 +138,7 @@ def main():
     head = (
         f"{args.config} on {args.target} ({len(devices)} devices, mesh {dict(trainer.mesh.shape)}, "
         f"micro-batch {trainer.micro_rows} x {config.grad_accum}, attention {config.model.attention_impl}, "
-        f"remat {config.model.remat}, loss_chunk {config.model.get('loss_chunk', 0)})"
+        f"remat {config.model.remat}, loss_chunk {config.optim.get('loss_chunk', 0)})"
     )
     print(head)
     try:

@@ -33,7 +33,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.pad_vocab_multiple = 64  # round embedding rows up to a multiple of this (faster matmuls)
     c.model.attention_impl = "auto"  # auto | xla | cudnn | pallas (see flaxgpt.models.layers.attend)
     c.model.scan_layers = False  # nn.scan over blocks: compile time independent of depth
-    c.model.remat = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
+    c.model.remat = (
+        "none"  # none | full | dots | dots_no_batch | offload_dots_no_batch (flaxgpt/models/gpt.py)
+    )
     # modern decoders (Llama, Mistral, Qwen2: see README); the values here are GPT-2's
     c.model.norm = "layernorm"  # layernorm | rmsnorm (layer_norm_epsilon is its epsilon)
     c.model.glu = False  # gated MLP act(x W_gate) * (x W_up); with activation=silu: SwiGLU

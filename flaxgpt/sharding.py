@@ -115,12 +115,14 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
 
 
 def under_mesh(fn, mesh: Mesh):
-    """fn, traced with `mesh` as the mesh context (jax.sharding.use_abstract_mesh inside the jit):
-    attention_impl="auto" and the Pallas kernel then see the devices the program is compiled for
-    (flaxgpt.kernels.target) and split per device, whoever calls or compiles the step."""
+    """fn, traced with `mesh` as the mesh context (jax.sharding.use_abstract_mesh inside the jit)
+    and LOGICAL_RULES as flax's axis rules: attention_impl="auto" and the Pallas kernel then see the
+    devices the program is compiled for (flaxgpt.kernels.target) and split per device, and the
+    model's activation constraints (rows over every device, gpt.Block) apply, whoever calls or
+    compiles the step."""
 
     def traced(*args, **kwargs):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(LOGICAL_RULES):
             return fn(*args, **kwargs)
 
     return traced

@@ -46,6 +46,10 @@ class Block(nn.Module):
     def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None):
         c = self.config
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        # activations keep their rows split over the devices (a no-op without axis rules: see
+        # sharding.under_mesh); else with FSDP's "embed"-sharded weights XLA may keep every device's
+        # activations whole for the batch and split the features instead
+        x_BTD = nn.with_logical_constraint(x_BTD, ("batch", None, None))
         # GPT-2: residual projections start smaller so the residual stream's variance does not
         # grow with depth; the speedrun starts them at zero (each block starts as the identity)
         out_std = 0.0 if c.zero_init_proj else 0.02 / math.sqrt(2 * c.n_layer)
@@ -99,10 +103,17 @@ class ScannedBlock(nn.Module):
 
 
 def _remat_policy(name: str):
+    """What a rematerialized block keeps for its backward pass (GPTConfig.remat): full = only its
+    input (recompute everything); dots = every matmul output (JAX's dots_saveable); dots_no_batch =
+    the weight matmuls' outputs, not attention's batched q k^T and p v; offload_dots_no_batch = those
+    same outputs moved to host memory during the forward and back for the backward (TPU/GPU: device
+    memory for PCIe/ICI time)."""
+    policies = jax.checkpoint_policies
     return {
         "full": None,
-        "dots": jax.checkpoint_policies.checkpoint_dots,
-        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+        "dots": policies.checkpoint_dots,
+        "dots_no_batch": policies.checkpoint_dots_with_no_batch_dims,
+        "offload_dots_no_batch": policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
     }[name]
 
 
