@@ -108,6 +108,57 @@ def attention_kernels(hlo: str) -> list:
     return kinds or ["xla"]
 
 
+def decode_check(config, devices, capacity, slots: int, quantize: str) -> None:
+    """One decode step of the GPT for `slots` rows over a KV cache of block_size positions (what the
+    serving engine runs per token), parameters and cache split over the devices."""
+    import dataclasses
+
+    from flax import linen as nn
+
+    from flaxgpt import sharding
+    from flaxgpt.models import gpt
+    from flaxgpt.models import registry as models
+    from flaxgpt.models.cache import KVCache
+
+    cfg = dataclasses.replace(models.config_from(config.model), scan_layers=False, remat="none")
+    mesh = sharding.make_mesh(1, len(devices), devices)
+    boxed = gpt.abstract_params(cfg)
+    p_shard = sharding.param_shardings(boxed, mesh)
+    params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp_dtype(cfg), sharding=s), nn.unbox(boxed), p_shard
+    )
+    if quantize != "none":
+        cfg, params = jax.eval_shape(lambda p: gpt.quantize_params(cfg, p, quantize), params)
+    rows = jax.sharding.NamedSharding(mesh, jax.P(("data", "fsdp")))
+    cache = jax.eval_shape(lambda: KVCache.for_config(cfg, slots, cfg.block_size, dtype=jnp_dtype(cfg)))
+    cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows), cache)
+    tokens = jax.ShapeDtypeStruct((slots, 1), np.int32)
+
+    def step(params, tokens_B1, pos_B1, cache):
+        return gpt.step_fn(cfg, params)(tokens_B1, pos_B1, cache)
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(step, donate_argnums=3).trace(params, tokens, tokens, cache).lower().compile()
+    report(compiled, capacity)
+
+
+def jnp_dtype(cfg):
+    return np.dtype("bfloat16") if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
+
+
+def report(compiled, capacity) -> None:
+    m = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    print(
+        f"  per device: arguments {m.argument_size_in_bytes / GiB:.2f} GiB, temporaries "
+        f"{m.temp_size_in_bytes / GiB:.2f} GiB, outputs {m.output_size_in_bytes / GiB:.2f} GiB "
+        f"(aliased {m.alias_size_in_bytes / GiB:.2f}), total {total / GiB:.2f} of {capacity / GiB:.2f} GiB: "
+        f"{'fits' if total <= 0.9 * capacity else 'DOES NOT FIT with 10% headroom'}"
+    )
+    print(f"  attention: {', '.join(attention_kernels(hlo))}; collectives: {collectives(hlo)}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True)
@@ -117,6 +168,8 @@ def main():
     )
     p.add_argument("--hlo", help="write the optimized HLO here")
     p.add_argument("--no_mesh_context", action="store_true", help="compile outside jax.set_mesh")
+    p.add_argument("--decode_slots", type=int, default=0, help="compile one decode step for this many slots")
+    p.add_argument("--quantize", default="none", help="decode: none | int8 | bf16 weights")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. grad_accum=16 model.remat=dots")
     args = p.parse_args()
 
@@ -130,6 +183,12 @@ def main():
     config.out_dir = tempfile.mkdtemp(prefix="fit_out_")
     config.init_from = "scratch"
     devices, capacity = target_devices(args.target)
+    if args.decode_slots:
+        print(
+            f"{args.config} decode on {args.target}: {args.decode_slots} slots x "
+            f"{config.model.block_size}, weights {args.quantize}"
+        )
+        return decode_check(config, devices, capacity, args.decode_slots, args.quantize)
     trainer = Trainer(config, devices=devices, print_fn=lambda *_: None)
     T = trainer.task.tokens_per_row
     shape = (config.grad_accum, trainer.micro_rows, T)
@@ -147,18 +206,9 @@ def main():
     except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program that does not fit
         print(f"  DOES NOT FIT: {str(e).splitlines()[0]}")
         return
-    m = compiled.memory_analysis()
-    hlo = compiled.as_text()
     if args.hlo:
-        Path(args.hlo).write_text(hlo)
-    total = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    print(
-        f"  per device: arguments {m.argument_size_in_bytes / GiB:.2f} GiB, temporaries "
-        f"{m.temp_size_in_bytes / GiB:.2f} GiB, outputs {m.output_size_in_bytes / GiB:.2f} GiB "
-        f"(aliased {m.alias_size_in_bytes / GiB:.2f}), total {total / GiB:.2f} of {capacity / GiB:.2f} GiB: "
-        f"{'fits' if total <= 0.9 * capacity else 'DOES NOT FIT with 10% headroom'}"
-    )
-    print(f"  attention: {', '.join(attention_kernels(hlo))}; collectives: {collectives(hlo)}")
+        Path(args.hlo).write_text(compiled.as_text())
+    report(compiled, capacity)
 
 
 if __name__ == "__main__":
