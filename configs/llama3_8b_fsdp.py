@@ -24,6 +24,7 @@ def get_config():
     c.data.dir = "data/openwebtext_llama3"  # prepared with the model's tokenizer (--tokenizer PATH)
     for field, value in GPTConfig.PRESETS["llama-3-8b"].items():
         c.model[field] = value
+    c.model.vocab_size = 0  # the dataset's (Llama 3's tokenizer: 128256)
     c.model.block_size = 8192  # Llama 3's context
     c.model.dropout = 0.0
     c.model.dtype = "bfloat16"  # bf16 matmuls, float32 parameters and Adam state
