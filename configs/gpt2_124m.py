@@ -1,6 +1,6 @@
 """GPT-2 124M on OpenWebText (or FineWeb-Edu): the recipe for a TPU VM or a GPU node.
 
-Targets: v5e-8, v4-8
+Targets: v5e-8, v4-8, h100-8 (one GPU: configs/gpt2_124m_1gpu.py)
 
 python -m flaxgpt.data.prepare --dataset hf --hf_name openwebtext --out_dir data/openwebtext
 python train.py --config configs/gpt2_124m.py

@@ -1,7 +1,5 @@
 """The encoder-decoder Transformer reversing strings: a tiny model, about a minute on a CPU.
 
-Targets: cpu
-
 python -m flaxgpt.data.prepare_seq2seq --task reverse --out_dir data/reverse
 python train.py --config configs/reverse.py
 python sample.py --out_dir out/reverse --start "abcdefg"        # -> gfedcba

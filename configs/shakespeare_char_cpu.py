@@ -1,7 +1,5 @@
 """nanoGPT's CPU recipe for Tiny Shakespeare characters: a few minutes on a laptop's 2 cores.
 
-Targets: cpu
-
 python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
 python train.py --config configs/shakespeare_char_cpu.py
 """

@@ -4,8 +4,6 @@ speedrun's way: Muon, rotary positions, RMSNorm, QK-norm, ReLU^2, zero-initialis
 an untied head, and a constant learning rate with a linear cooldown. It reaches the GPT-2 recipe's
 val loss after 2000 steps (1.90) in about a fifth of the steps (docs/benchmarks.md, "Loss per second").
 
-Targets: cpu
-
 python -m flaxgpt.data.prepare --dataset shakespeare_char --out_dir data/shakespeare_char
 python train.py --config configs/shakespeare_char_cpu_modern.py
 """
