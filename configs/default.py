@@ -40,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.eps = 1e-8  # AdamW epsilon
     c.optim.grad_clip = 1.0  # clip gradients to this global norm; 0 = off
     c.optim.label_smoothing = 0.0  # cross-entropy label smoothing
+    c.optim.loss_chunk = 0  # GPT: logits computed this many positions at a time (no [B, T, V] fp32); 0 = all
     c.optim.cooldown_frac = 0.0  # wsd schedule: the final fraction of decay_steps that decays linearly
     c.optim.muon_learning_rate = 0.02  # muon: peak learning rate of the hidden 2-D kernels
     c.optim.muon_momentum = 0.95  # muon: momentum of the hidden kernels' gradients

@@ -36,7 +36,7 @@ INTS = {
     "keep_checkpoints": (1, "checkpoints kept on disk"),
     "optim.warmup_steps": (0, "warmup steps"),
     "optim.decay_steps": (0, "steps of the cosine decay; 0 = max_iters"),
-    "mesh.fsdp": (1, "devices that shard the parameters"),
+    "optim.loss_chunk": (0, "positions per chunk of the chunked cross-entropy; 0 = plain"),
     "mesh.cpu_devices": (0, "CPU devices; 0 = one per core"),
     "seq2seq.eval_pairs": (0, "val pairs decoded at each evaluation"),
     "seq2seq.eval_batch": (1, "sources decoded at once"),
@@ -109,9 +109,16 @@ def check(config) -> None:
             raise ConfigError(f"--config.{key}={value} must be {_range(low, high, low_in, high_in)} ({what})")
     if config.get("batch_size") and config.get("grad_accum"):
         micro_batch(config)
-    mesh_data = _get(config, "mesh.data")
-    if mesh_data is not None and mesh_data != -1 and mesh_data < 1:
-        raise ConfigError(f"--config.mesh.data={mesh_data} must be >= 1, or -1 for all devices left")
+    for axis in ("data", "fsdp"):  # -1: the devices the other axis leaves (sharding.make_mesh)
+        size = _get(config, f"mesh.{axis}")
+        if size is None:
+            continue
+        if isinstance(size, bool) or not isinstance(size, int | np.integer):
+            raise ConfigError(f"--config.mesh.{axis}={size!r} must be an integer")
+        if size != -1 and size < 1:
+            raise ConfigError(f"--config.mesh.{axis}={size} must be >= 1, or -1 for all devices left")
+    if _get(config, "mesh.data") == -1 and _get(config, "mesh.fsdp") == -1:
+        raise ConfigError("only one of --config.mesh.data and --config.mesh.fsdp may be -1")
     if _get(config, "lora.rank"):
         if config.init_from in ("auto", "resume", "scratch"):
             raise ConfigError(

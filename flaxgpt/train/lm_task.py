@@ -19,6 +19,7 @@ the trained parameters are LoRA adapters only (flaxgpt/models/lora.py): `loss(ad
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 from flax import linen as nn
@@ -29,7 +30,7 @@ from flaxgpt.data import fineweb, packing
 from flaxgpt.hf import gpt2 as hf
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
-from flaxgpt.train.losses import cross_entropy
+from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
 
 FORMATS = ("tokens", "shards", "packed")  # config.data.format
 FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the model from config.model
@@ -101,6 +102,7 @@ class LMTask:
             self.frozen, self.pretrained = lora.quantize_base(self.pretrained, c.base_dtype), None
         self.seed = config.seed
         self.label_smoothing = config.optim.label_smoothing
+        self.loss_chunk = config.optim.get("loss_chunk", 0)  # positions per logits chunk; 0 = all at once
         self.tokens_per_row = model_config.block_size
 
     def batch_shapes(self, n_rows: int) -> dict:
@@ -132,16 +134,22 @@ class LMTask:
         return gpt.init_params(self.model_config, rng)
 
     def loss(self, params, batch, rng, train: bool, frozen=None):
-        kw = dict(deterministic=not train, segment_ids_BT=batch.get("segment_ids"))  # packed rows only
+        kw = dict(
+            deterministic=not train, segment_ids_BT=batch.get("segment_ids"), hidden=bool(self.loss_chunk)
+        )
         if self.lora is not None:  # params are the adapters; the base is not differentiated
-            logits_BTV = lora.apply(
-                self.model_config, self.lora, frozen, params, batch["inputs"], rng=rng, **kw
-            )
+            spec, tokens_BT = self.lora, batch["inputs"]
+            out = lora.apply(self.model_config, spec, frozen, params, tokens_BT, rng=rng, **kw)
         else:
-            logits_BTV = self.model.apply(
+            out = self.model.apply(
                 {"params": params}, batch["inputs"], rngs={"dropout": rng} if train else None, **kw
             )
-        return cross_entropy(logits_BTV, batch["targets"], batch.get("loss_mask"), self.label_smoothing)
+        targets_BT, mask_BT = batch["targets"], batch.get("loss_mask")
+        if not self.loss_chunk:
+            return cross_entropy(out, targets_BT, mask_BT, self.label_smoothing)
+        # the [B, T, V] float32 logits never exist: the head runs one chunk of positions at a time
+        head = functools.partial(gpt.head_logits, self.model_config, params if self.lora is None else frozen)
+        return chunked_cross_entropy(out, head, targets_BT, mask_BT, self.label_smoothing, self.loss_chunk)
 
     def batch(self, split: str, step: int, n_rows: int, process_index: int):
         """Train batches follow the step; eval batch i of a split is the same at every evaluation."""

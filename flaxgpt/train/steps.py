@@ -95,15 +95,16 @@ def make_steps(config, task, mesh) -> Steps:
     train_batch_sharding = sharding.batch_sharding(mesh, leading_axes=1)
     eval_batch_sharding = sharding.batch_sharding(mesh)
     rep = sharding.replicated(mesh)
+    # traced under the mesh: "auto" attention and the Pallas kernel see the devices compiled for
     train_step = jax.jit(
-        make_train_step(task, tx, schedule, config.grad_accum),
+        sharding.under_mesh(make_train_step(task, tx, schedule, config.grad_accum), mesh),
         in_shardings=(step_shardings, train_batch_sharding),
         out_shardings=(step_shardings, rep),
         donate_argnums=0,
     )
     eval_loss = task_loss(task, False)
     eval_step = jax.jit(
-        lambda p, b, f: eval_loss(p, b, None, f),
+        sharding.under_mesh(lambda p, b, f: eval_loss(p, b, None, f), mesh),
         in_shardings=(param_shardings, eval_batch_sharding, frozen_shardings),
         out_shardings=rep,
     )
