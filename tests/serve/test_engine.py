@@ -146,3 +146,60 @@ def test_quantized_weights_serve_what_generate_gives(mode, tmp_path):
         max_new_tokens=12, rng=jax.random.key(0), temperature=0,
     )  # fmt: skip
     assert got == np.asarray(want)[0].tolist()
+
+
+def chat_requests(seed=1):
+    """Prompts sharing a 13-token system prompt, some also an earlier turn; greedy and sampled."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, CFG.vocab_size, 13).tolist()
+    turn = rng.integers(0, CFG.vocab_size, 9).tolist()
+    out = []
+    for i, (t, k, p) in enumerate(SETTINGS[:5]):
+        tail = rng.integers(0, CFG.vocab_size, int(rng.integers(1, 12))).tolist()
+        prompt = system + (turn if i % 2 else []) + tail
+        out.append((prompt, RowSampling.of(max_new_tokens=int(rng.integers(3, 15)), temperature=t, top_k=k,
+                                           top_p=p, seed=i)))  # fmt: skip
+    return out
+
+
+def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
+    """Prompts taken partly from the prefix cache (blocks of 4, 6 of them: evictions happen) and
+    prefilled in chunks of 8 give each request the tokens of generate alone."""
+    reqs = chat_requests()
+    alone = run(new_engine(step, slots=1), reqs)
+    engine = Engine(
+        step, lambda b: KVCache.for_config(CFG, b, W), slots=3, chunk=3, max_k=8,
+        prefill_chunk=8, prefix_block=4, prefix_blocks=6,
+    )  # fmt: skip
+    assert engine.buckets == (8,) and engine.n_programs == 5
+    first = run(engine, reqs, arrive_every=2)
+    hits = [engine.start_prefill(p, rows).hit for p, rows in reqs]  # a second round: what it reuses
+    second = run(engine, reqs, arrive_every=2)
+    assert first == second == alone
+    assert max(hits) >= 12 and len(engine.prefix_cache) == 6  # bounded: LRU evicted the rest
+    # a hit never covers the last prompt token, whose logits the prefill must compute
+    p = reqs[0][0][:12]
+    engine.prefill(p, RowSampling.of(max_new_tokens=2))
+    assert engine.start_prefill(p, RowSampling.of(max_new_tokens=2)).hit == 8
+    for (prompt, rows), got in zip(reqs, alone, strict=True):
+        toks, n = generate(
+            step, KVCache.for_config(CFG, 1, W), np.array([prompt]), [len(prompt)],
+            max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
+            temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
+        )  # fmt: skip
+        assert got == toks[0, : n[0]].tolist()
+
+
+def test_prefix_cache_lru_table():
+    from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
+
+    pc = PrefixCache(KVCache.for_config(CFG, 1, 16), block=4, capacity=3)
+    a = list(range(13))
+    assert block_digests(a, 4) == block_digests(a[:12] + [99], 4)  # only full blocks count
+    assert block_digests([1, 2, 3, 4, 5, 6, 7, 8], 4)[1] != block_digests([0, 2, 3, 4, 5, 6, 7, 8], 4)[1]
+    hit, ids, digests = pc.match(a)
+    assert hit == 0 and pc.save(pc.restore(ids), digests) == 3 and len(pc) == 3
+    assert pc.match(a)[0] == 12 and pc.match(a[:12])[0] == 8  # the last token is never a hit
+    b = [50] + a[1:]
+    pc.save(pc.restore(pc.match(b)[1]), pc.match(b)[2])  # 3 new blocks evict a's 3 (least recent)
+    assert pc.match(a)[0] == 0 and pc.match(b)[0] == 12
