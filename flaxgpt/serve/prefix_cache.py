@@ -86,6 +86,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.table)
 
+    def clear(self):
+        """Forget every block (the pool's contents are simply overwritten later)."""
+        self.table.clear()
+        self.free = list(range(self.capacity - 1, -1, -1))
+
     def match(self, prompt_ids) -> tuple[int, np.ndarray, list[bytes]]:
         """-> (hit tokens, block ids [M] for restore, the digests of the prompt's full blocks)."""
         digests = block_digests(prompt_ids, self.block)[: self.M]
