@@ -100,11 +100,11 @@ async def _client(url, queue, records, t0):
             records.append((n, times[0] - start, itl))
 
 
-def run_server_side(a, reqs):
+def run_server_side(a, reqs, root=ROOT, name="serve"):
     port = free_port()
     cmd = [
         sys.executable,
-        str(ROOT / "serve.py"),
+        str(root / "serve.py"),
         "--init_from",
         "gpt2",
         "--random_init",
@@ -121,7 +121,7 @@ def run_server_side(a, reqs):
         "--max_queue",
         "256",
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(root)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -145,7 +145,7 @@ def run_server_side(a, reqs):
             await asyncio.gather(*[_client(url, queue, records, t0) for _ in range(a.clients)])
 
         asyncio.run(main())
-        return summary(f"serve (slots {a.slots}, {a.clients} clients)", time.perf_counter() - t0, records)
+        return summary(f"{name} (slots {a.slots}, {a.clients} clients)", time.perf_counter() - t0, records)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -246,7 +246,16 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the transformers side")
-    p.add_argument("--side", default=None, choices=["serve", "flaxgpt", "hf"], help="(internal) run one side")
+    p.add_argument(
+        "--baseline_root",
+        default=None,
+        help="another checkout (e.g. `git archive` of an older commit): its serve.py runs too, alternating "
+        "with this one's (--rounds pairs), instead of the one-at-a-time sides",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="with --baseline_root: (this, baseline) pairs")
+    p.add_argument(
+        "--side", default=None, choices=["serve", "flaxgpt", "hf", "base"], help="(internal) run one side"
+    )
     return p.parse_args(argv)
 
 
@@ -254,8 +263,9 @@ def main(argv=None):
     a = parse(argv)
     reqs = make_requests(a)
     if a.side:
-        result = {"serve": run_server_side, "flaxgpt": run_flaxgpt_side, "hf": run_hf_side}[a.side](a, reqs)
-        print("RESULT " + json.dumps(result))
+        base = lambda a, reqs: run_server_side(a, reqs, Path(a.baseline_root), "baseline serve")  # noqa: E731
+        sides = {"serve": run_server_side, "flaxgpt": run_flaxgpt_side, "hf": run_hf_side, "base": base}
+        print("RESULT " + json.dumps(sides[a.side](a, reqs)))
         return
     import jax
 
@@ -264,7 +274,10 @@ def main(argv=None):
     lengths = f"prompts {a.min_prompt}-{a.max_prompt}, outputs {a.min_new}-{a.max_new} tokens"
     print(f"{versions}, python {platform.python_version()}, {os.cpu_count()} cores; {load}; {lengths}")
     results = []
-    for side in ["flaxgpt", "serve"] + ([] if a.skip_hf else ["hf"]):  # flaxgpt's processes first
+    order = ["flaxgpt", "serve"] + ([] if a.skip_hf else ["hf"])  # flaxgpt's processes first
+    if a.baseline_root:  # alternating: a slower or faster spell of a shared machine hits both
+        order = [s for i in range(a.rounds) for s in (("serve", "base") if i % 2 == 0 else ("base", "serve"))]
+    for side in order:
         python = a.torch_python if side == "hf" else sys.executable
         args = [python, __file__, *(argv if argv is not None else sys.argv[1:]), "--side", side]
         out = subprocess.run(
@@ -275,9 +288,9 @@ def main(argv=None):
             raise SystemExit(f"{side} failed ({out.returncode}):\n{out.stderr[-3000:]}")
         results.append(json.loads(line[0][7:]))
         print(f"  {side}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)
-    base = next(r for r in results if r["side"].startswith("flaxgpt"))["tok_s"]
+    base = next(r for r in results if r["side"].startswith(("flaxgpt", "baseline")))["tok_s"]
     print(
-        "| side | requests | tokens | wall s | tok/s | vs flaxgpt one at a time "
+        f"| side | requests | tokens | wall s | tok/s | vs {results[1 if a.baseline_root else 0]['side']} "
         "| TTFT p50 / p99 s | ITL p50 / p99 ms |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

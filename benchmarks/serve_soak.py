@@ -20,6 +20,7 @@ import collections
 import json
 import os
 import socket
+import string
 import subprocess
 import sys
 import tempfile
@@ -135,7 +136,7 @@ def write_tiny_run(out: Path, *, block_size=256, n_embd=128, n_layer=2):
     from flaxgpt.models.gpt import GPTConfig, init_params
     from flaxgpt.runs.checkpoint import Checkpointer
 
-    chars = sorted(set("abcdefghijklmnopqrstuvwxyz ROMEO:\n.,?!'"))
+    chars = sorted(set(string.ascii_letters + " :\n.,?!'"))
     cfg = GPTConfig(vocab_size=len(chars), block_size=block_size, n_layer=n_layer, n_head=4, n_embd=n_embd)
     (out / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **cfg.to_dict()}}))
     (out / "meta.json").write_text(json.dumps({"tokenizer": CharTokenizer(chars).to_meta()}))
