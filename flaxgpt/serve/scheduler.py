@@ -111,7 +111,7 @@ class Scheduler:
         self.max_tokens = max_tokens
         self.pending: collections.deque[Sequence] = collections.deque()
         self.active: dict[int, Sequence] = {}  # slot -> sequence (prefilling or decoding)
-        self.prefilling: dict[int, object] = {}  # slot -> its engine.PrefillJob, oldest first
+        self.prefilling: dict[int, object] = {}  # slot -> its PrefillJob (None: not started), oldest first
         self.metrics = None  # a ServeMetrics (flaxgpt/serve/metrics.py) once an app serves us
         self.lock = threading.Condition()
         self.ready = threading.Event()
@@ -218,14 +218,7 @@ class Scheduler:
                     self._count("cancelled")
                     continue
                 self.active[free[0]] = seq  # reserved before the prefill: submit counts it busy
-            try:
-                job = self.engine.start_prefill(seq.prompt_ids, seq.rows)
-            except Exception as e:
-                self._fail(free[0], seq, e)
-                continue
-            self.prefilling[free[0]] = job
-            if self.metrics is not None:
-                self.metrics.admitted(len(seq.prompt_ids), job.hit)
+                self.prefilling[free[0]] = None  # started when its turn comes (below)
         decoding = len(self.active) > len(self.prefilling)
         budget = self.engine.prefill_chunk if decoding else float("inf")
         while budget > 0 and self.prefilling:
@@ -236,8 +229,13 @@ class Scheduler:
                 self._free(slot, release=False)
                 self._count("cancelled")
                 continue
-            budget -= min(job.left, self.engine.prefill_chunk)
             try:
+                if job is None:  # matched against the prefix cache only now: a burst of prompts with
+                    # one system prompt reuses the blocks the first of them just saved
+                    job = self.prefilling[slot] = self.engine.start_prefill(seq.prompt_ids, seq.rows)
+                    if self.metrics is not None:
+                        self.metrics.admitted(len(seq.prompt_ids), job.hit)
+                budget -= min(job.left, self.engine.prefill_chunk)
                 prefix = self.engine.prefill_step(job)
                 if prefix is None:
                     continue
