@@ -6,13 +6,13 @@
     seq.cancel()                                    # any thread: its slot is freed before the next chunk
     sched.drain(); sched.close()                    # in-flight sequences finish, new ones are refused
 
-Each turn of the thread starts waiting sequences in every free slot, runs prefill chunks (at
-most `engine.prefill_chunk` prompt tokens while other slots are decoding, so a long prompt
-delays their next tokens by one chunk, not by its whole prefill; everything waiting when no slot
-decodes), emits the first token of each finished prefill at once, then runs one
-`engine.generate()` for all slots and hands each sequence its new tokens. Text is decoded on this
-thread: a sequence's text is streamed as it grows, holding back an incomplete UTF-8 character and
-any tail that could begin a stop string.
+Each turn of the thread starts waiting sequences in every free slot, runs prefill chunks (one
+chunk of at most `engine.prefill_chunk` prompt tokens per prefilling sequence while other slots
+decode, so a long prompt delays their next tokens by one chunk, not by its whole prefill; every
+prompt to its end when no slot decodes), emits the first token of each finished prefill at once,
+then runs one `engine.generate()` for all slots and hands each sequence its new tokens. Text is
+decoded on this thread: a sequence's text is streamed as it grows, holding back an incomplete
+UTF-8 character and any tail that could begin a stop string.
 
 `emit(event)` is called on this thread with `Delta(text)` and then one `Finish(reason,
 completion_tokens)` or `Failed(message)`; callers in an event loop hand it over with
@@ -219,35 +219,38 @@ class Scheduler:
                     continue
                 self.active[free[0]] = seq  # reserved before the prefill: submit counts it busy
                 self.prefilling[free[0]] = None  # started when its turn comes (below)
-        decoding = len(self.active) > len(self.prefilling)
-        budget = self.engine.prefill_chunk if decoding else float("inf")
-        while budget > 0 and self.prefilling:
-            slot = next(iter(self.prefilling))  # the oldest first: the earliest first token
-            job, seq = self.prefilling[slot], self.active[slot]
-            if seq.cancelled:
-                del self.prefilling[slot]
-                self._free(slot, release=False)
-                self._count("cancelled")
-                continue
-            try:
-                if job is None:  # matched against the prefix cache only now: a burst of prompts with
-                    # one system prompt reuses the blocks the first of them just saved
-                    job = self.prefilling[slot] = self.engine.start_prefill(seq.prompt_ids, seq.rows)
-                    if self.metrics is not None:
-                        self.metrics.admitted(len(seq.prompt_ids), job.hit)
-                budget -= min(job.left, self.engine.prefill_chunk)
-                prefix = self.engine.prefill_step(job)
-                if prefix is None:
-                    continue
-                del self.prefilling[slot]
-                first, done = int(prefix.first), bool(prefix.done)
-                if not done:
-                    self.engine.insert(prefix, slot)
-            except Exception as e:
-                self.prefilling.pop(slot, None)
-                self._fail(slot, seq, e)
-                continue
-            self._advance(slot, seq, [first], done)
+        if len(self.active) > len(self.prefilling):  # others decode: one chunk per prefill this turn
+            for slot in list(self.prefilling):
+                self._prefill_once(slot)
+        while self.prefilling:  # nobody decodes (a burst): oldest first, each to its end
+            self._prefill_once(next(iter(self.prefilling)))
+
+    def _prefill_once(self, slot: int):
+        """One prefill chunk of the sequence in `slot`; its first token once the prompt is in."""
+        job, seq = self.prefilling[slot], self.active[slot]
+        if seq.cancelled:
+            del self.prefilling[slot]
+            self._free(slot, release=False)
+            self._count("cancelled")
+            return
+        try:
+            if job is None:  # matched against the prefix cache only now: a burst of prompts with one
+                # system prompt reuses the blocks the first of them just saved
+                job = self.prefilling[slot] = self.engine.start_prefill(seq.prompt_ids, seq.rows)
+                if self.metrics is not None:
+                    self.metrics.admitted(len(seq.prompt_ids), job.hit)
+            prefix = self.engine.prefill_step(job)
+            if prefix is None:
+                return
+            del self.prefilling[slot]
+            first, done = int(prefix.first), bool(prefix.done)
+            if not done:
+                self.engine.insert(prefix, slot)
+        except Exception as e:
+            self.prefilling.pop(slot, None)
+            self._fail(slot, seq, e)
+            return
+        self._advance(slot, seq, [first], done)
 
     def _step(self):
         with self.lock:
