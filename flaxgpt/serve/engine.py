@@ -30,8 +30,8 @@ decodes the tokens `generate` gives it alone with the same cache length, key and
 its prompt was split into chunks or taken from the prefix cache (up to float rounding of matmuls
 of other shapes).
 
-Compiled programs: one prefill per prompt bucket, one insert, one generate (+ the prefix cache's
-save and restore): len(buckets) + 2 (+ 2).
+Compiled programs: one prefill per prompt bucket, one insert, generate for `chunk` steps and for
+one step (+ the prefix cache's save and restore): len(buckets) + 3 (+ 2).
 
 Shape letters: B slots, P prompt bucket, W cache length, V vocab, C chunk, K sampling candidates.
 """
@@ -245,7 +245,7 @@ class Engine:
 
     @property
     def n_programs(self) -> int:
-        return len(self.buckets) + 2 + (2 if self.prefix_cache is not None else 0)
+        return len(self.buckets) + 2 + (self.chunk > 1) + (2 if self.prefix_cache is not None else 0)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -300,10 +300,15 @@ class Engine:
         """Stop decoding `slot` before its end (cancelled, or a stop string): from the next generate."""
         self._stop[slot] = True
 
-    def generate(self):
-        """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]]."""
+    def generate(self, steps: int | None = None):
+        """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]].
+        steps: `chunk` (default) or 1 (one token each: a scheduler with prompts still prefilling
+        comes back to them after one step rather than `chunk`)."""
+        steps = steps or self.chunk
+        if steps not in (1, self.chunk):
+            raise ValueError(f"generate runs 1 or chunk ({self.chunk}) steps, got {steps}")
         stop_B = self._stop.copy()
-        self.state, out_BC = _generate(self.step_fn, self.state, stop_B, chunk=self.chunk, max_k=self.max_k)
+        self.state, out_BC = _generate(self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k)
         count = np.array(self.state.count_B)  # a writable copy
         new_B, self._count = count - self._count, count
         return np.asarray(out_BC), new_B, np.asarray(self.state.done_B)

@@ -196,6 +196,7 @@ class Scheduler:
             # prompts that differ in their first token: none reuses another's blocks, each runs its bucket
             prefix = self.engine.prefill([i] + [0] * (min(b, self.engine.max_len - 2) - 1), rows)
         self.engine.insert(prefix, 0)
+        self.engine.generate(steps=1)
         self.engine.release(0)
         self.engine.generate()
         if self.engine.prefix_cache is not None:
@@ -260,7 +261,9 @@ class Scheduler:
                 self._free(slot, release=True)
                 self._count("cancelled")
         try:
-            tokens_BC, new_B, done_B = self.engine.generate()
+            # prompts still prefilling: one step, then back to their next chunk (their first token
+            # waits for one decode step per chunk, not `chunk` steps)
+            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if self.prefilling else None)
         except Exception as e:  # not expected: fail the running sequences, keep serving
             for slot, seq in active.items():
                 self._fail(slot, seq, e)

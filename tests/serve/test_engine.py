@@ -25,8 +25,8 @@ def new_engine(step, slots):  # slots 3 or 1, chunk 3: the tests share four comp
     return Engine(step, lambda b: KVCache.for_config(CFG, b, W), slots=slots, chunk=3, max_k=8)
 
 
-def run(engine, requests, arrive_every=1):
-    """Feed requests into free slots, one new request every `arrive_every` generate calls."""
+def run(engine, requests, arrive_every=1, steps=None):
+    """Feed requests into free slots, one new request every `arrive_every` generate(steps) calls."""
     out = {i: [] for i in range(len(requests))}
     waiting, owner, calls = list(range(len(requests))), {}, 0
     while waiting or owner:
@@ -40,7 +40,7 @@ def run(engine, requests, arrive_every=1):
                 engine.insert(prefix, free[0])
                 owner[free[0]] = i
         if owner:
-            tokens_BC, new_B, done_B = engine.generate()
+            tokens_BC, new_B, done_B = engine.generate(steps)
             for s, i in list(owner.items()):
                 out[i] += tokens_BC[s, : new_B[s]].tolist()
                 if done_B[s]:
@@ -91,7 +91,7 @@ def test_eos_release_and_bad_requests(step):
         engine.prefill([1] * 60, RowSampling.of(max_new_tokens=5))
     with pytest.raises(ValueError, match="empty"):
         engine.prefill([], RowSampling.of(max_new_tokens=5))
-    assert prompt_buckets(64) == (16, 24, 32, 48, 64) and engine.n_programs == 7
+    assert prompt_buckets(64) == (16, 24, 32, 48, 64) and engine.n_programs == 8
     assert prompt_buckets(100) == (16, 24, 32, 48, 64, 96, 100)
 
 
@@ -171,10 +171,10 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
         step, lambda b: KVCache.for_config(CFG, b, W), slots=3, chunk=3, max_k=8,
         prefill_chunk=8, prefix_block=4, prefix_blocks=6,
     )  # fmt: skip
-    assert engine.buckets == (8,) and engine.n_programs == 5
+    assert engine.buckets == (8,) and engine.n_programs == 6
     first = run(engine, reqs, arrive_every=2)
     hits = [engine.start_prefill(p, rows).hit for p, rows in reqs]  # a second round: what it reuses
-    second = run(engine, reqs, arrive_every=2)
+    second = run(engine, reqs, arrive_every=2, steps=1)  # one decode step per call
     assert first == second == alone
     assert max(hits) >= 12 and len(engine.prefix_cache) == 6  # bounded: LRU evicted the rest
     # a hit never covers the last prompt token, whose logits the prefill must compute
