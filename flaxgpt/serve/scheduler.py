@@ -6,11 +6,12 @@
     seq.cancel()                                    # any thread: its slot is freed before the next chunk
     sched.drain(); sched.close()                    # in-flight sequences finish, new ones are refused
 
-Each turn of the thread starts waiting sequences in every free slot, runs prefill chunks (one
-chunk of at most `engine.prefill_chunk` prompt tokens per prefilling sequence while other slots
-decode, so a long prompt delays their next tokens by one chunk, not by its whole prefill; every
-prompt to its end when no slot decodes), emits the first token of each finished prefill at once,
-then runs one `engine.generate()` for all slots and hands each sequence its new tokens. Text is
+Each turn of the thread starts waiting sequences in every free slot, runs prefill chunks (as
+many chunks of at most `engine.prefill_chunk` prompt tokens as there are prefilling sequences,
+oldest first, while other slots decode, so a long prompt delays their next tokens by one chunk,
+not by its whole prefill; every prompt to its end when no slot decodes), emits the first token of
+each finished prefill at once, then runs one `engine.generate()` for all slots (one step while
+prompts are still prefilling, else `chunk`) and hands each sequence its new tokens. Text is
 decoded on this thread: a sequence's text is streamed as it grows, holding back an incomplete
 UTF-8 character and any tail that could begin a stop string.
 
@@ -220,9 +221,10 @@ class Scheduler:
                     continue
                 self.active[free[0]] = seq  # reserved before the prefill: submit counts it busy
                 self.prefilling[free[0]] = None  # started when its turn comes (below)
-        if len(self.active) > len(self.prefilling):  # others decode: one chunk per prefill this turn
-            for slot in list(self.prefilling):
-                self._prefill_once(slot)
+        if len(self.active) > len(self.prefilling):  # others decode: as many chunks as prefills, oldest
+            for _ in range(len(self.prefilling)):  # first (the earliest first token; a later prompt
+                if self.prefilling:  # may then reuse the blocks an earlier one saved)
+                    self._prefill_once(next(iter(self.prefilling)))
         while self.prefilling:  # nobody decodes (a burst): oldest first, each to its end
             self._prefill_once(next(iter(self.prefilling)))
 
