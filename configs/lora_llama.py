@@ -5,8 +5,8 @@ a frozen base, then a PEFT adapter out (or a merged model).
         --out_dir data/shakespeare_smollm2
     python train.py --config configs/lora_llama.py --config.init_from=path/to/SmolLM2-135M
     python sample.py --out_dir out/lora_llama --start "ROMEO:"          # base + the run's adapters
-    python -m flaxgpt.hf.peft export --out_dir out/lora_llama --to out/lora_llama_adapter   # peft loads it
-    python -m flaxgpt.hf.peft merge --base path/to/SmolLM2-135M --adapter out/lora_llama_adapter \
+    flaxgpt peft export --out_dir out/lora_llama --to out/lora_llama_adapter   # peft loads it
+    flaxgpt peft merge --base path/to/SmolLM2-135M --adapter out/lora_llama_adapter \
         --to out/lora_llama_merged                                        # a plain transformers model
     # QLoRA-style: the frozen base in int8 (adapters stay float32); an 8B base sharded over 8 devices
     python train.py --config configs/lora_llama.py --config.init_from=path/to/Llama-3-8B \
@@ -29,6 +29,8 @@ def get_config():
     c.lora.dropout = 0.05  # on each adapted layer's input, adapter path only
     c.lora.targets = "all-linear"  # q, k, v, o, gate, up, down
     c.lora.base_dtype = "bfloat16"  # the frozen base; int8 for QLoRA-style, float32 on CPU
+    c.model.remat = "full"  # recompute each block in the backward: an 8B base fits one H100 (docs/aot.md)
+    c.optim.loss_chunk = 256  # Llama 3's 128k vocabulary: never the whole [B, T, V] float32 logits
     c.optim.learning_rate = 2e-4  # adapters start at zero: LoRA takes ~10x full fine-tuning's rate
     c.optim.min_lr = 2e-5
     c.optim.weight_decay = 0.0

@@ -9,8 +9,9 @@
 The data are conversations ({"messages": [{"role", "content"}, ...]} per line) rendered with the
 model's own chat template, packed several to a row of block_size with segment ids (attention and
 positions restart in each), and the loss counts the assistant tokens only (flaxgpt.data.chat).
-`--block_size` of prepare and `model.block_size` here must agree. Full fine-tuning: every weight
-trains (AdamW state for all of them); see docs/chat.md.
+`--block_size` of prepare and `model.block_size` here must agree. LoRA adapters on every linear layer
+of the frozen bf16 base (configs/lora_llama.py's); `--config.lora.rank=0` fine-tunes every weight instead
+(with `--config.optim.learning_rate=1e-5`). See docs/chat.md and docs/fine_tuning.md.
 
 Targets: h100-1, v5e-8 (check: flaxgpt aot --config configs/sft_llama.py --target NAME)
 """
@@ -37,7 +38,12 @@ def get_config():
     c.eval_iters = 10
     c.log_interval = 5
     c.ckpt_interval = 0  # a checkpoint at the end only
-    c.optim.learning_rate = 1e-5  # SFT: a small step away from the instruct weights
+    c.lora.rank = 16  # adapters on a frozen base (0: full fine-tuning)
+    c.lora.alpha = 32.0  # scale alpha / r = 2
+    c.lora.targets = "all-linear"  # q, k, v, o, gate, up, down
+    c.lora.base_dtype = "bfloat16"  # the frozen base; int8 for QLoRA-style, float32 on CPU
+    c.optim.loss_chunk = 256  # Llama 3's 128k vocabulary: never the whole [B, T, V] float32 logits
+    c.optim.learning_rate = 2e-4  # adapters start at zero: LoRA takes ~10x full fine-tuning's rate
     c.optim.min_lr = 1e-6
     c.optim.schedule = "cosine"
     c.optim.warmup_steps = 20

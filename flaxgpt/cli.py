@@ -23,6 +23,7 @@ COMMANDS = {
     "prepare-seq2seq": ("flaxgpt.data.prepare_seq2seq:cli", "source/target pairs for the encoder-decoder"),
     "eval": ("flaxgpt.eval.evaluate:cli", "perplexity, HellaSwag, LAMBADA or translation scores of a model"),
     "hf": ("flaxgpt.hf.cli:main", "Hugging Face weights: export a run, or info on a model's config"),
+    "peft": ("flaxgpt.hf.peft:main", "LoRA adapters: export a run's as PEFT, or merge one into its base"),
     "summary": ("flaxgpt.tools.summary:main", "parameters, memory and FLOPs of a model config"),
     "plot": ("flaxgpt.tools.plot:main", "draw a run's metrics.jsonl as a PNG"),
     "attention-map": ("flaxgpt.tools.attention_map:main", "draw a model's attention weights for a prompt"),

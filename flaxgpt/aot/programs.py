@@ -83,6 +83,7 @@ def model_config(config, vocab_size: int = 0):
     name = Path(init_from).name.lower()
     for suffix in ("-instruct", "-it", "-chat"):  # an instruction-tuned variant has its base's shape
         name = name.removesuffix(suffix) if name.removesuffix(suffix) in gpt.GPTConfig.PRESETS else name
+    name = name.removeprefix("meta-") if name.removeprefix("meta-") in gpt.GPTConfig.PRESETS else name
     if (Path(init_from) / "config.json").is_file():  # a Hugging Face directory: its config.json, no weights
         from flaxgpt.hf import gpt2 as hf
 
@@ -201,18 +202,24 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256) -> list[Progr
     return [prefill, decode]
 
 
-def serve_programs(mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4) -> list[Program]:
+def serve_programs(
+    mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128
+) -> list[Program]:
+    """The engine's programs as serve.py runs them: a prefill chunk (its largest bucket: serve.py's
+    --prefill_chunk) into a one-row cache, and the generate step for every slot."""
     cfg, step, one, param_bytes = _decoding(mc, devices)
     W = min(max_len or cfg.block_size, cfg.block_size)
+    P = min(prefill_chunk, W)
     cache_1 = _abstract(jax.eval_shape(lambda: KVCache.for_config(cfg, 1, W)), one)
     rows = _abstract(
         jax.eval_shape(lambda: jax.tree.map(jnp.asarray, engine.RowSampling.of(max_new_tokens=1))), one
     )
-    prompt = jax.ShapeDtypeStruct((1, W), jnp.int32, sharding=one)  # the largest prompt bucket
+    prompt = jax.ShapeDtypeStruct((1, P), jnp.int32, sharding=one)  # the largest prompt bucket
+    start, size = _scalar(jnp.int32, one), _scalar(jnp.int32, one)
     prefill = Program(
-        "serve.prefill", engine._prefill, (step, cache_1, prompt, _scalar(jnp.int32, one), rows),
-        {"max_k": 256}, 1, flops_per_token(cfg, W)["forward"] * W, {"parameters": param_bytes},
-        f"prompt bucket {W}",
+        "serve.prefill", engine._prefill, (step, cache_1, prompt, start, size, rows),
+        {"max_k": 256}, 1, flops_per_token(cfg, W)["forward"] * P, {"parameters": param_bytes},
+        f"prompt chunk {P} into a window of {W}",
     )  # fmt: skip
     state = _abstract(
         jax.eval_shape(lambda: engine.empty_slots(KVCache.for_config(cfg, slots, W), slots)), one

@@ -3,8 +3,8 @@
     spec, adapters = load_adapter("adapter_dir", config)     # adapter_config.json + adapter_model.safetensors
     config, params = flaxgpt.load_pretrained("base_dir", adapter="adapter_dir")   # merged
     export_adapter(config, spec, adapters, "out/adapter", base="base_dir")       # peft loads it
-    python -m flaxgpt.hf.peft merge --base base_dir --adapter adapter_dir --to merged_dir
-    python -m flaxgpt.hf.peft export --out_dir out/lora_llama --to out/lora_llama_adapter
+    flaxgpt peft merge --base base_dir --adapter adapter_dir --to merged_dir
+    flaxgpt peft export --out_dir out/lora_llama --to out/lora_llama_adapter
 
 PEFT names one adapter per torch module: lora_A.weight [r, in] and lora_B.weight [out, r] (torch
 layout, also for GPT-2's Conv1D); flaxgpt's are A [in, r] and B [r, out] at the Dense they adapt
@@ -241,7 +241,7 @@ def merge_to(base_dir: str, adapter_dir: str, to: str, overwrite: bool = False) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m flaxgpt.hf.peft", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="flaxgpt peft", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("merge", help="base + PEFT adapter -> a plain Hugging Face model directory")
     m.add_argument("--base", required=True, help="the base model directory (config.json + safetensors)")

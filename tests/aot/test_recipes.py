@@ -31,11 +31,17 @@ def reduced(config, n_devices: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=[Path(r).stem for r in RECIPES])
 def test_recipe_fits_its_smallest_target(recipe):
-    target = targets.smallest(targets.recipe_targets(recipe))
-    if target.platform == "tpu":
-        pytest.importorskip("libtpu", reason="TPU targets need libtpu: pip install 'jax[tpu]==<jax version>'")
-    if target.platform == "cuda":
-        pytest.importorskip("jax_cuda12_plugin", reason="GPU targets need the CUDA plugin (flaxgpt[gpu-aot])")
+    """The smallest of the recipe's targets this machine can compile for (CI has libtpu, not the CUDA
+    plugin: a recipe that names a TPU target is compiled for it even when a GPU target is smaller)."""
+    import importlib.util
+
+    plugins = {"tpu": "libtpu", "cuda": "jax_cuda12_plugin"}
+    names = targets.recipe_targets(recipe)
+    usable = [n for n in names if targets.get(n).platform not in plugins
+              or importlib.util.find_spec(plugins[targets.get(n).platform])]  # fmt: skip
+    if not usable:
+        pytest.skip(f"{Path(recipe).name} names only {names}: their compiler plugin is not installed here")
+    target = targets.smallest(usable)
     config, _ = aot.load_config(["--config", recipe])
     devices = target.devices()
     mc = reduced(config, len(devices))

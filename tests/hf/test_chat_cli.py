@@ -124,7 +124,8 @@ def test_sft_recipe_trains_end_to_end(chat_dir, tmp_path):
     overrides = dict(
         init_from=directory, out_dir=tmp_path / "run", max_iters=4, batch_size=4, grad_accum=1,
         eval_interval=4, eval_iters=1, **{"data.dir": tmp_path / "d", "model.block_size": 128,
-        "model.dtype": "float32", "optim.warmup_steps": 0, "optim.learning_rate": 1e-3},
+        "model.dtype": "float32", "optim.warmup_steps": 0, "optim.learning_rate": 1e-2,
+        "lora.base_dtype": "float32"},
     )  # fmt: skip
     flags = [f"--config.{k}={v}" for k, v in overrides.items()]
     r = run([str(ROOT / "train.py"), f"--config={ROOT}/configs/sft_llama.py", *flags], tmp_path)
@@ -134,7 +135,7 @@ def test_sft_recipe_trains_end_to_end(chat_dir, tmp_path):
     assert len(losses) == 2 and all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert all("val_loss" in x for x in lines if "train_loss" in x)
     saved = json.loads((tmp_path / "run/config.json").read_text())
-    assert saved["data"]["format"] == "packed"
+    assert saved["data"]["format"] == "packed" and saved["lora"]["rank"] == 16  # the recipe's LoRA
 
 
 def expected_reply(model, tok, messages, n=12):
