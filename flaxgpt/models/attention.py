@@ -81,8 +81,14 @@ def attend(
     dropout_rng: jax.Array | None = None,
     sow=None,
     segment_ids_BT: jax.Array | None = None,
+    scale: float = 0.0,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Scaled dot-product attention -> [B, T, H, K].
+
+    `scale`: the logits' factor (0 = 1/sqrt(K)); `softcap`: logits = cap * tanh(logits / cap)
+    before the mask (Gemma 2), which only the XLA path does (cuDNN has no soft-cap; the splash
+    kernel has one, not wired here).
 
     impl: "xla" (explicit logits and mask), "cudnn" (jax.nn.dot_product_attention's cuDNN
     flash attention, NVIDIA GPUs, 16-bit) or "pallas" (the splash kernel, TPU; interpret mode
@@ -93,7 +99,9 @@ def attend(
     Packed rows (`segment_ids_BT`, already folded into `mask_BHTS`): the splash kernel takes the
     segment ids itself; cuDNN gets the explicit causal-and-same-segment mask.
     """
-    fused_ok = dropout_rate == 0.0 and sow is None
+    fused_ok = dropout_rate == 0.0 and sow is None and not softcap
+    if scale and impl in ("pallas", "cudnn") and fused_ok:  # the kernels scale by 1/sqrt(K) themselves
+        q_BTHK = q_BTHK * jnp.asarray(scale * math.sqrt(q_BTHK.shape[-1]), q_BTHK.dtype)
     if impl == "pallas" and fused_ok and is_causal:
         from flaxgpt.kernels import pallas_attention
 
@@ -109,10 +117,12 @@ def attend(
             is_causal=causal_only,
             implementation="cudnn",
         )
-    scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
+    scale = scale or 1.0 / math.sqrt(q_BTHK.shape[-1])
     # logits and softmax in at least fp32 (bf16 loses the tail of the distribution), fp64 for fp64
     acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)
     logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=acc) * scale
+    if softcap:
+        logits_BHTS = softcap * jnp.tanh(logits_BHTS / softcap)
     if mask_BHTS is not None:
         logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
@@ -134,7 +144,7 @@ def write_cache(buf_NSK: jax.Array, new_BTHK: jax.Array, pos_BT: jax.Array) -> j
     return buf_NSK.at[rows_B1H, pos_BT[:, :, None]].set(new_BTHK.astype(buf_NSK.dtype))
 
 
-def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None) -> jax.Array:
+def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None, scale=0.0, softcap=0.0) -> jax.Array:
     """Attention over a KVCache layer ([B*J, S, K] keys and values, as they lie) -> [B, T, H, K].
 
     With J < H key/value heads (grouped-query), the G = H / J query heads that share a key/value
@@ -148,7 +158,10 @@ def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None) -> jax.Array:
     q_NMK = jnp.transpose(q_BTHK.reshape(B, T, J, G, K), (0, 2, 3, 1, 4)).reshape(N, G * T, K)  # M = G*T
     acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)  # as in attend: fp32 at least, fp64 for fp64
     logits_NMS = jnp.einsum("nmk,nsk->nms", q_NMK, k_NSK.astype(q_NMK.dtype), preferred_element_type=acc)
-    logits_BHTS = logits_NMS.reshape(B, H, T, S) / math.sqrt(K)
+    logits_BHTS = logits_NMS.reshape(B, H, T, S)
+    logits_BHTS = logits_BHTS * scale if scale else logits_BHTS / math.sqrt(K)
+    if softcap:  # as in attend
+        logits_BHTS = softcap * jnp.tanh(logits_BHTS / softcap)
     logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
     if sow is not None:
@@ -179,6 +192,9 @@ class SelfAttention(nn.Module):
     qk_norm: str | None = None  # None, or the norm ("layernorm" | "rmsnorm") over each head's K features
     norm_eps: float = 1e-5
     window: int = 0  # sliding-window attention (Mistral); 0 = every earlier key
+    head_dim: int = 0  # K; 0 = D // H (Gemma and Qwen3 set their own)
+    scale: float = 0.0  # the logits' factor; 0 = 1/sqrt(K) (Gemma: 1/sqrt(query_pre_attn_scalar))
+    softcap: float = 0.0  # attention-logit soft-cap (Gemma 2); 0 = off
     causal: bool = True
     use_bias: bool = True
     qkv_bias: bool = True
@@ -195,7 +211,7 @@ class SelfAttention(nn.Module):
         B, T, D = x_BTD.shape
         H = self.n_head
         J = self.n_kv_head or H
-        K = D // H
+        K = self.head_dim or D // H
         qkv_BTE = nn.Dense(
             (H + 2 * J) * K,  # columns q | k | v, heads inside each (3D for GPT-2)
             use_bias=self.qkv_bias,
@@ -226,7 +242,7 @@ class SelfAttention(nn.Module):
             v_NSK = write_cache(kv[1], v_BTJK, positions_BT)
             kv = (k_NSK, v_NSK)
             mask_BHTS = causal_mask(positions_BT, k_NSK.shape[1], self.window)
-            y_BTHK = attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow)
+            y_BTHK = attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow, self.scale, self.softcap)
         else:
             is_causal = False
             if self.causal:
@@ -250,6 +266,8 @@ class SelfAttention(nn.Module):
                 dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
                 sow=sow,
                 segment_ids_BT=segment_ids_BT,
+                scale=self.scale,
+                softcap=self.softcap,
             )
         y_BTD = nn.Dense(
             D,
@@ -259,7 +277,7 @@ class SelfAttention(nn.Module):
             kernel_init=normal_init(self.out_init_std, ("heads", "embed")),
             bias_init=zeros_init(("embed",)),
             name="c_proj",
-        )(y_BTHK.reshape(B * T, D)).reshape(B, T, D)
+        )(y_BTHK.reshape(B * T, H * K)).reshape(B, T, D)
         y_BTD = nn.Dropout(self.resid_dropout)(y_BTD, deterministic=self.deterministic)
         return y_BTD, kv
 
