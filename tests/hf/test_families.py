@@ -208,3 +208,22 @@ def test_config_errors_name_the_values():
         GPTConfig(**base, attn_softcap=-1.0)
     with pytest.raises(ValueError, match="gemma2 needs norm='rmsnorm_1p', this model has 'rmsnorm'"):
         hf_llama.config_to_hf(GPTConfig.preset("qwen3-0.6b"), "gemma2")
+
+
+def test_speculative_decoding_past_the_window_gives_the_greedy_tokens(family):
+    """A drafted-and-verified decode (draft: the model with perturbed weights) writes and rewinds
+    window layers' keys; with temperature 0 it must still give transformers' greedy tokens."""
+    from flaxgpt.decode.speculative import speculative_generate
+    from flaxgpt.models.cache import KVCache
+    from flaxgpt.models.gpt import step_fn
+
+    _, directory, model = family
+    config, params = hf.load_pretrained(directory)
+    draft = jax.tree_util.tree_map(lambda x: x * 1.05, params)
+    prompt = [int(t) for t in TOKENS[1, :9]]
+    got, lengths, _ = speculative_generate(
+        step_fn(config, params), KVCache.for_config(config, 1, 64), step_fn(config, draft),
+        KVCache.for_config(config, 1, 64), np.asarray([prompt], np.int32), [9], max_new_tokens=12,
+        rng=jax.random.key(0), draft_tokens=3, temperature=0,
+    )  # fmt: skip
+    assert [int(t) for t in np.asarray(got)[0, :12]] == torch_greedy(model, prompt, 12)
