@@ -227,3 +227,21 @@ def test_speculative_decoding_past_the_window_gives_the_greedy_tokens(family):
         rng=jax.random.key(0), draft_tokens=3, temperature=0,
     )  # fmt: skip
     assert [int(t) for t in np.asarray(got)[0, :12]] == torch_greedy(model, prompt, 12)
+
+
+def test_serving_engine_past_the_window_gives_the_greedy_tokens(family):
+    """The engine's bucket-padded prefill and slot decoding over window layers: transformers' tokens
+    for two requests of different lengths sharing the slots."""
+    from flaxgpt.decode.sampling import Sampling
+    from flaxgpt.models.cache import KVCache
+    from flaxgpt.models.gpt import step_fn
+    from flaxgpt.serve.engine import Engine, RowSampling
+    from tests.serve.test_engine import run
+
+    _, directory, model = family
+    config, params = hf.load_pretrained(directory)
+    engine = Engine(step_fn(config, params), lambda b: KVCache.for_config(config, b, 48), slots=2, chunk=3)
+    prompts = [[int(t) for t in TOKENS[0, :11]], [int(t) for t in TOKENS[1, :7]]]
+    rows = RowSampling.of(Sampling(temperature=0), max_new_tokens=10)
+    got = run(engine, [(p, rows) for p in prompts])
+    assert [got[0], got[1]] == [torch_greedy(model, p, 10) for p in prompts]
