@@ -245,3 +245,12 @@ def test_serving_engine_past_the_window_gives_the_greedy_tokens(family):
     rows = RowSampling.of(Sampling(temperature=0), max_new_tokens=10)
     got = run(engine, [(p, rows) for p in prompts])
     assert [got[0], got[1]] == [torch_greedy(model, p, 10) for p in prompts]
+
+
+def test_flops_count_a_window_layer_over_its_window():
+    from flaxgpt.tools import summary
+
+    c = GPTConfig.preset("gemma-3-1b")  # 26 layers: 4 global (5, 11, 17, 23), 22 over 512 keys
+    T, HK = 8192, 4 * 256
+    got = summary.flops_per_token(c, T)["forward"] - 2 * summary.flops_per_token(c, T)["n_matmul"]
+    assert got == 4 * HK * (4 * T + 22 * 512)
