@@ -100,12 +100,12 @@ def attend(
     segment ids itself; cuDNN gets the explicit causal-and-same-segment mask.
     """
     fused_ok = dropout_rate == 0.0 and sow is None and not softcap
-    if scale and impl in ("pallas", "cudnn") and fused_ok:  # the kernels scale by 1/sqrt(K) themselves
-        q_BTHK = q_BTHK * jnp.asarray(scale * math.sqrt(q_BTHK.shape[-1]), q_BTHK.dtype)
     if impl == "pallas" and fused_ok and is_causal:
         from flaxgpt.kernels import pallas_attention
 
         if pallas_attention.fits(q_BTHK.shape[1], k_BSHK.shape[1], q_BTHK.shape[0]):
+            if scale:  # the kernel scales by 1/sqrt(K) itself
+                q_BTHK = q_BTHK * jnp.asarray(scale * math.sqrt(q_BTHK.shape[-1]), q_BTHK.dtype)
             return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT)
     if impl == "cudnn" and fused_ok:
         causal_only = is_causal and segment_ids_BT is None
@@ -116,6 +116,7 @@ def attend(
             mask=None if causal_only else mask_BHTS,
             is_causal=causal_only,
             implementation="cudnn",
+            **({"scale": scale} if scale else {}),
         )
     scale = scale or 1.0 / math.sqrt(q_BTHK.shape[-1])
     # logits and softmax in at least fp32 (bf16 loses the tail of the distribution), fp64 for fp64
