@@ -12,6 +12,7 @@
     python sample.py --init_from gpt2-medium --draft gpt2 --temperature 0   # speculative decoding
     python sample.py --init_from path/to/Llama-3.2-1B-Instruct --chat      # a conversation (stdin)
     echo "What is 2 + 2?" | python sample.py --out_dir out/sft_llama --chat --temperature 0
+    python sample.py --init_from path/to/SmolLM2-135M --adapter path/to/peft_adapter --start "Hi"  # LoRA
 
 A single sample streams to the terminal as it is decoded; several are printed one after another,
 separated by a line of dashes. The same seed gives the same output. GPT-2 BPE samples stop at
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the run's own")
     p.add_argument("--quantize", help="int8 | bf16: weight-only quantized weights for decoding")
+    p.add_argument("--adapter", help="a PEFT LoRA adapter directory, merged into --init_from's weights")
     p.add_argument("--draft", help="speculative decoding: a smaller run directory or GPT-2 name/path")
     p.add_argument("--draft_tokens", type=int, default=4, help="tokens the draft proposes per step")
     p.add_argument("--attention_png", help="write the first prompt's attention map here")
@@ -89,8 +91,10 @@ def load(a, source=None):
     if source is not None:
         return loader.load(source)
     if a.init_from == "resume":
+        if a.adapter:
+            raise ValueError("--adapter DIR goes with --init_from BASE (a LoRA run's --out_dir has its own)")
         loader.require_run(a.out_dir)
-    return loader.load(a.out_dir if a.init_from == "resume" else a.init_from, step=a.step)
+    return loader.load(a.out_dir if a.init_from == "resume" else a.init_from, step=a.step, adapter=a.adapter)
 
 
 def read_texts(a, kind: str) -> list[str]:

@@ -4,6 +4,7 @@
     python serve.py --init_from gpt2 --slots 8 --port 8000             # GPT-2 weights (HF cache or download)
     python serve.py --init_from gpt2 --random_init                     # GPT-2's shape, random weights
     python serve.py --init_from gpt2 --quantize int8                   # int8 weights: faster decoding
+    python serve.py --init_from path/to/SmolLM2-135M --adapter path/to/peft_adapter   # base + LoRA
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "ROMEO:", "max_tokens": 50, "temperature": 0.8, "top_k": 200}'
 
@@ -24,6 +25,7 @@ def parse_args(argv):
     p.add_argument("--out_dir", default=None, help="a training run's directory")
     p.add_argument("--init_from", default=None, help="GPT-2 weights: gpt2, gpt2-medium, ... or a directory")
     p.add_argument("--random_init", action="store_true", help="with --init_from PRESET: random weights")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory merged into --init_from")
     p.add_argument(
         "--step", type=int, default=None, help="checkpoint step of --out_dir (default: the latest)"
     )
@@ -48,6 +50,8 @@ def parse_args(argv):
         p.error("give exactly one of --out_dir RUN and --init_from NAME")
     if a.random_init and not a.init_from:
         p.error("--random_init needs --init_from PRESET (e.g. gpt2)")
+    if a.adapter and (not a.init_from or a.random_init):
+        p.error("--adapter DIR goes with --init_from BASE (a LoRA run's --out_dir merges its own)")
     return a
 
 
@@ -61,7 +65,13 @@ def main(argv=None):
     from flaxgpt.serve import launch, server
 
     run, name = launch.load(
-        a.out_dir, a.init_from, step=a.step, dtype=a.dtype, random_init=a.random_init, quantize=a.quantize
+        a.out_dir,
+        a.init_from,
+        step=a.step,
+        dtype=a.dtype,
+        random_init=a.random_init,
+        quantize=a.quantize,
+        adapter=a.adapter,
     )
     config, tok = run.config, run.tokenizer
     sched = launch.scheduler_for(

@@ -1,6 +1,8 @@
 """Every training option, one comment each; recipes start from `get_config()` and change a few.
 
 python train.py --config configs/default.py --config.data.dir=data/shakespeare_char
+
+Targets: cpu (check: flaxgpt aot --config configs/default.py --target NAME)
 """
 
 import ml_collections
@@ -38,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.eps = 1e-8  # AdamW epsilon
     c.optim.grad_clip = 1.0  # clip gradients to this global norm; 0 = off
     c.optim.label_smoothing = 0.0  # cross-entropy label smoothing
+    c.optim.loss_chunk = 0  # GPT: logits computed this many positions at a time (no [B, T, V] fp32); 0 = all
     c.optim.cooldown_frac = 0.0  # wsd schedule: the final fraction of decay_steps that decays linearly
     c.optim.muon_learning_rate = 0.02  # muon: peak learning rate of the hidden 2-D kernels
     c.optim.muon_momentum = 0.95  # muon: momentum of the hidden kernels' gradients
@@ -58,6 +61,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.distributed.coordinator_address = ""  # host:port of process 0 for multi-host GPU; "" = auto/none
     c.distributed.num_processes = 0  # processes in a multi-host run; 0 = auto
     c.distributed.process_id = -1  # this process's index; -1 = auto
+
+    # LoRA (flaxgpt/models/lora.py): train low-rank adapters on a frozen pretrained base (init_from)
+    c.lora = ml_collections.ConfigDict()
+    c.lora.rank = 0  # adapter rank r; 0 = off (full fine-tuning)
+    c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / r
+    c.lora.dropout = 0.0  # dropout on each adapted layer's input, adapter path only (training)
+    # all-linear | a comma list: q,k,v,o,gate,up,down (Llama family) or qkv,o,up,down (GPT-2)
+    c.lora.targets = "all-linear"
+    c.lora.base_dtype = "float32"  # the frozen base: float32 | bfloat16 | int8 (QLoRA-style)
 
     c.out_dir = "out"  # run directory: config.json, meta.json, metrics.jsonl, checkpoints
     c.seed = 1337  # parameter init, dropout and batch sampling all derive from it

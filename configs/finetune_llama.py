@@ -14,6 +14,8 @@ and its shards) and tokenizer.json; prepare the data with that tokenizer (--toke
 the ids are the ones the model was trained on. The architecture (layers, heads, grouped-query
 key/value heads, RoPE, RMSNorm, SwiGLU ...) comes from the checkpoint; the model fields set
 here are the ones it leaves free (dropout, dtypes, layout, block_size up to its context).
+
+Targets: v5e-1, h100-1 (check: flaxgpt aot --config configs/finetune_llama.py --target NAME)
 """
 
 from configs import default

@@ -10,6 +10,8 @@ The architecture (n_layer, n_head, n_embd, vocab_size, ...) comes from the pretr
 checkpoint; the model fields set here are the ones it leaves free (dropout, dtypes, layout,
 block_size up to GPT-2's 1024). ~300k training tokens: 20 steps of 32 x 1024 tokens is
 about two passes over the play, enough to take on its style without forgetting English.
+
+Targets: v5e-1, h100-1
 """
 
 from configs import default

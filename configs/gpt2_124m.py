@@ -1,9 +1,12 @@
 """GPT-2 124M on OpenWebText (or FineWeb-Edu): the recipe for a TPU VM or a GPU node.
 
+Targets: v5e-8, v4-8, h100-8 (one GPU: configs/gpt2_124m_1gpu.py)
+
 flaxgpt prepare --dataset hf --hf_name openwebtext --out_dir data/openwebtext
 python train.py --config configs/gpt2_124m.py
 # fewer devices or less memory: more micro-batches per step, same tokens per step
 python train.py --config configs/gpt2_124m.py --config.grad_accum=32
+
 """
 
 from configs import default
@@ -31,4 +34,7 @@ def get_config():
     c.optim.decay_steps = 600000
     c.optim.weight_decay = 0.1
     c.optim.beta1, c.optim.beta2 = 0.9, 0.95
+    c.optim.loss_chunk = (
+        128  # logits 128 positions at a time: no [64, 1024, 50304] fp32 array (~3 GiB/device)
+    )
     return c

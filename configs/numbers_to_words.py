@@ -6,6 +6,8 @@ Measured with train.py on a busy 2-core CPU (load ~7): 99.7% exact match, BLEU 9
 flaxgpt prepare-seq2seq --task numbers --out_dir data/numbers
 python train.py --config configs/numbers_to_words.py
 python sample.py --out_dir out/numbers --start "907215"
+
+Targets: cpu (check: flaxgpt aot --config configs/numbers_to_words.py --target NAME)
 """
 
 from configs import seq2seq_default

@@ -3,6 +3,8 @@
 flaxgpt prepare-seq2seq --task reverse --out_dir data/reverse
 python train.py --config configs/reverse.py
 python sample.py --out_dir out/reverse --start "abcdefg"        # -> gfedcba
+
+Targets: cpu (check: flaxgpt aot --config configs/reverse.py --target NAME)
 """
 
 from configs import seq2seq_default

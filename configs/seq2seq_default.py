@@ -1,6 +1,8 @@
 """The encoder-decoder's base recipe: configs/default.py with the `model` section of TransformerConfig
 (its fields, defaults and comments: the paper's base sizes) and the `seq2seq` decoding section. Every
 seq2seq recipe starts here (configs/reverse.py, numbers_to_words.py, wmt14_ende_base.py).
+
+Targets: cpu (check: flaxgpt aot --config configs/seq2seq_default.py --target NAME)
 """
 
 import ml_collections

@@ -11,6 +11,8 @@ model's own chat template, packed several to a row of block_size with segment id
 positions restart in each), and the loss counts the assistant tokens only (flaxgpt.data.chat).
 `--block_size` of prepare and `model.block_size` here must agree. Full fine-tuning: every weight
 trains (AdamW state for all of them); see docs/chat.md.
+
+Targets: h100-1, v5e-8 (check: flaxgpt aot --config configs/sft_llama.py --target NAME)
 """
 
 from configs import default

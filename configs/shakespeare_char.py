@@ -2,6 +2,8 @@
 
 flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
 python train.py --config configs/shakespeare_char.py
+
+Targets: v5e-1, h100-1
 """
 
 from configs import default

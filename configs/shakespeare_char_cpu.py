@@ -2,6 +2,8 @@
 
 flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
 python train.py --config configs/shakespeare_char_cpu.py
+
+Targets: cpu (check: flaxgpt aot --config configs/shakespeare_char_cpu.py --target NAME)
 """
 
 from configs import shakespeare_char

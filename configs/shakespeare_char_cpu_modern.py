@@ -6,6 +6,8 @@ val loss after 2000 steps (1.90) in about a fifth of the steps (docs/benchmarks.
 
 flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
 python train.py --config configs/shakespeare_char_cpu_modern.py
+
+Targets: cpu
 """
 
 from configs import shakespeare_char_cpu

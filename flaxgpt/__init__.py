@@ -26,7 +26,7 @@ _OWNERS = {
     "beam_search": "flaxgpt.decode.beam_search",
     "load": "flaxgpt.loader",
     "Run": "flaxgpt.loader",
-    "load_pretrained": "flaxgpt.hf.gpt2",
+    "load_pretrained": "flaxgpt.hf.peft",  # GPT-2 / Llama-family weights, a PEFT adapter merged if given
     "export_pretrained": "flaxgpt.hf.gpt2",
     "setup": "flaxgpt.runtime",
 }

@@ -43,14 +43,22 @@ def require_run(source) -> None:
         raise RunError(f"{source} {what}; {HINT}")
 
 
-def load(source, *, step: int | None = None, dtype: str | None = None, quantize: str | None = None) -> Run:
+def load(
+    source,
+    *,
+    step: int | None = None,
+    dtype: str | None = None,
+    quantize: str | None = None,
+    adapter: str | None = None,
+) -> Run:
     """The model at `source` as a Run(kind, config, params, tokenizer), params on one local device.
 
     `source`: a training run's directory (checkpoint `step`, default the latest), a Hugging Face
     directory (GPT-2 or Llama family: config.json + safetensors), or a hub name (gpt2 .. gpt2-xl)
     found in the HF cache or downloaded. `dtype` casts the weights and sets the compute dtype (decoding
     is bound by reading weights); `quantize` ("int8" | "bf16", GPT models) then gives weight-only
-    quantized weights that decode through the quantized matmuls.
+    quantized weights that decode through the quantized matmuls. `adapter`: a PEFT LoRA directory
+    merged into pretrained weights; a LoRA run's directory loads its base with its own adapters merged.
     """
     from flaxgpt.models.quantize import check_mode
 
@@ -58,10 +66,16 @@ def load(source, *, step: int | None = None, dtype: str | None = None, quantize:
         raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
     if quantize is not None:
         check_mode(quantize)  # before reading any weights
+    from flaxgpt.hf import peft
+
     if is_run_dir(source):
         from flaxgpt.runs import run_dir
 
-        run = run_dir.load_run(source, step)
+        if adapter is not None:
+            raise ValueError(f"adapter={adapter} goes with pretrained weights; the run {source} has its own")
+        run = (
+            peft.load_lora_run(source, step) if peft.lora_section(source) else run_dir.load_run(source, step)
+        )
     else:
         if step is not None:
             raise ValueError(f"step={step} applies to a training run; {source} is pretrained weights")
@@ -72,7 +86,7 @@ def load(source, *, step: int | None = None, dtype: str | None = None, quantize:
             )
         from flaxgpt.hf import gpt2 as hf
 
-        config, params = hf.load_pretrained(str(source))
+        config, params = peft.load_pretrained(str(source), adapter=adapter)
         run = Run("gpt", config, params, hf.load_tokenizer(str(source)))
     if quantize is not None and run.kind != "gpt":
         raise ValueError(f"{source} holds a {run.kind} model; quantize applies to GPT models")

@@ -114,6 +114,20 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(data, fsdp), MESH_AXES)
 
 
+def under_mesh(fn, mesh: Mesh):
+    """fn, traced with `mesh` as the mesh context (jax.sharding.use_abstract_mesh inside the jit)
+    and LOGICAL_RULES as flax's axis rules: attention_impl="auto" and the Pallas kernel then see the
+    devices the program is compiled for (flaxgpt.kernels.target) and split per device, and the
+    model's activation constraints (rows over every device, gpt.Block) apply, whoever calls or
+    compiles the step."""
+
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(LOGICAL_RULES):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
     """Rows split over every device; `leading_axes` unsplit axes before them (micro-batches)."""
     return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), BATCH_AXES))

@@ -46,12 +46,7 @@ def main(argv=None) -> int:
                 f"transformers.AutoModelForCausalLM.from_pretrained({args.to!r})"
             )
         else:
-            directory = files.resolve(args.name_or_path)
-            with open(os.path.join(directory, files.CONFIG_FILE)) as fh:
-                hf = json.load(fh)
-            family = gpt2.llama_family(hf)
-            config = family.config_from_hf(hf) if family else gpt2.config_from_hf(hf)
-            print(json.dumps(config.to_dict(), indent=2))
+            print(json.dumps(gpt2.read_config(args.name_or_path).to_dict(), indent=2))
     except (ValueError, OSError, ImportError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -149,6 +149,14 @@ def llama_family(hf: dict):
     return hf_llama
 
 
+def read_config(name_or_path: str, cache_dir: str | None = None) -> GPTConfig:
+    """The GPTConfig of a GPT-2 name or a Hugging Face directory, from its config.json alone (no weights)."""
+    with open(os.path.join(resolve(name_or_path, cache_dir), CONFIG_FILE)) as fh:
+        hf = json.load(fh)
+    family = llama_family(hf)
+    return family.config_from_hf(hf) if family else config_from_hf(hf)
+
+
 def load_pretrained(
     name_or_path: str,
     *,

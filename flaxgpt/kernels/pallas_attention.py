@@ -4,12 +4,15 @@ Used by `attention.attend` for impl="pallas" (what `auto` picks on TPU) on the c
 prefill path only: queries and keys start together at position 0, no dropout, no attention maps.
 Cached decoding, cross-attention and padding masks keep the explicit-mask XLA path.
 
-The kernel is imported lazily (it pulls in Mosaic/TPU code) and built at trace time. Off TPU it
-runs in Pallas interpret mode: correct but slow, which is how the CPU tests check it.
+The kernel is imported lazily (it pulls in Mosaic/TPU code) and built at trace time. When the
+program is not for a TPU (kernels.target: the mesh context's devices, else the host's) it runs in
+Pallas interpret mode: correct but slow, which is how the CPU tests check it.
 
-Under a mesh context (`with jax.set_mesh(mesh):` around the jit) the kernel runs inside
-`jax.shard_map` with the batch split over every mesh axis, so each device attends over its own
-rows; XLA cannot partition a Pallas custom call by itself, so on several TPU chips without a mesh
+Under a mesh context (`jax.set_mesh(mesh)`, or the trainer's `sharding.under_mesh`) the kernel runs
+inside `jax.shard_map` with the batch split over every mesh axis, so each device attends over its
+own rows. XLA cannot partition a Pallas custom call by itself: a kernel traced without the mesh over
+a batch split across devices makes XLA all-gather q, k and v (and the gradients' operands) onto every
+device and run the whole batch's attention on each; so on several TPU chips without a mesh
 context (or with a batch the mesh does not divide) the XLA path runs instead.
 
 Shape letters: B batch, T query length, S key length, H heads, K head dim (see layers.py).
@@ -23,11 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from flaxgpt.kernels import target
+
 BLOCK = 128  # the kernel's default block size: sequence lengths must be multiples of it
-
-
-def _on_tpu() -> bool:
-    return jax.default_backend() == "tpu"
 
 
 def fits(q_len: int, kv_len: int, batch: int = 1) -> bool:
@@ -36,10 +37,10 @@ def fits(q_len: int, kv_len: int, batch: int = 1) -> bool:
     cannot partition a Pallas (Mosaic) kernel by itself and refuses to compile one unsplit."""
     if q_len != kv_len or q_len % BLOCK:
         return False
-    if _on_tpu() and jax.device_count() > 1:
-        mesh = jax.sharding.get_abstract_mesh()
-        return not mesh.empty and batch % mesh.size == 0
-    return True
+    if target.platform() != "tpu":  # interpret mode takes any batch
+        return True
+    mesh = jax.sharding.get_abstract_mesh()
+    return jax.device_count() == 1 if mesh.empty else batch % mesh.size == 0
 
 
 def _kernel(seq_len: int, n_head: int, interpret: bool):
@@ -54,7 +55,7 @@ def _kernel(seq_len: int, n_head: int, interpret: bool):
 
 def _local_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT=None):
     _, T, H, K = q_BTHK.shape
-    kernel = _kernel(T, H, jax.default_backend() != "tpu")
+    kernel = _kernel(T, H, interpret=target.platform() != "tpu")
     # the kernel takes one row [H, T, K] and does not scale the logits itself
     q_BHTK = jnp.swapaxes(q_BTHK * jnp.asarray(1.0 / math.sqrt(K), q_BTHK.dtype), 1, 2)
     k_BHSK, v_BHSK = jnp.swapaxes(k_BSHK, 1, 2), jnp.swapaxes(v_BSHK, 1, 2)

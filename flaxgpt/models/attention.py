@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from flaxgpt.kernels import target
 from flaxgpt.models.layers import norm, normal_init, zeros_init
 from flaxgpt.models.rope import RoPE
 
@@ -25,16 +26,18 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn", "pallas")
 
 
 def accelerator() -> str:
-    """The kind of device: "nvidia" (CUDA GPU, has cuDNN), "tpu", else the backend ("cpu", "gpu" on ROCm)."""
-    backend = jax.default_backend()
-    if backend == "gpu" and "nvidia" in jax.devices()[0].device_kind.lower():
+    """The kind of device the program is traced for (kernels.target: the mesh context's devices, else
+    the host's): "nvidia" (CUDA GPU, has cuDNN), "tpu", else the platform ("cpu", "gpu" on ROCm)."""
+    where = target.platform()
+    if where == "gpu" and "nvidia" in target.device_kind().lower():  # "NVIDIA H100 80GB HBM3"
         return "nvidia"
-    return backend
+    return where
 
 
 def resolve_attention_impl(impl: str, dtype: Dtype) -> str:
     """`auto` picks cuDNN flash attention on NVIDIA GPUs in 16-bit (cuDNN's fused kernel has no
-    float32 path), the Pallas splash kernel on TPU, XLA elsewhere. Explicit choices pass through."""
+    float32 path), the Pallas splash kernel on TPU, XLA elsewhere: for the devices the program is
+    traced for (`accelerator`), called at trace time. Explicit choices pass through."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention_impl {impl!r}; choose one of {ATTENTION_IMPLS}")
     if impl != "auto":

@@ -48,6 +48,10 @@ class Block(nn.Module):
     def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None, segment_ids_BT=None):
         c = self.config
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+        # activations keep their rows split over the devices (a no-op without axis rules: see
+        # sharding.under_mesh); else with FSDP's "embed"-sharded weights XLA may keep every device's
+        # activations whole for the batch and split the features instead
+        x_BTD = nn.with_logical_constraint(x_BTD, ("batch", None, None))
         # GPT-2: residual projections start smaller so the residual stream's variance does not
         # grow with depth; the speedrun starts them at zero (each block starts as the identity)
         out_std = 0.0 if c.zero_init_proj else 0.02 / math.sqrt(2 * c.n_layer)
@@ -110,10 +114,17 @@ class ScannedBlock(nn.Module):
 
 
 def _remat_policy(name: str):
+    """What a rematerialized block keeps for its backward pass (GPTConfig.remat): full = only its
+    input (recompute everything); dots = every matmul output (JAX's dots_saveable); dots_no_batch =
+    the weight matmuls' outputs, not attention's batched q k^T and p v; offload_dots_no_batch = those
+    same outputs moved to host memory during the forward and back for the backward (TPU/GPU: device
+    memory for PCIe/ICI time)."""
+    policies = jax.checkpoint_policies
     return {
         "full": None,
-        "dots": jax.checkpoint_policies.checkpoint_dots,
-        "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+        "dots": policies.checkpoint_dots,
+        "dots_no_batch": policies.checkpoint_dots_with_no_batch_dims,
+        "offload_dots_no_batch": policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
     }[name]
 
 
@@ -149,12 +160,15 @@ class GPT(nn.Module):
         deterministic: bool = True,
         logits_at=None,
         segment_ids_BT=None,
+        hidden: bool = False,
     ):
         """tokens [B, T] -> logits [B, T, V]; with a cache (and positions [B, T], default
         0..T-1) the keys/values are written at `positions` and (logits, cache) comes back.
         With `logits_at` [B] (time indices), the logits are those of one position per row: [B, 1, V].
         `segment_ids_BT` (training on packed rows, no cache): attention stays inside each run of
-        equal ids and positions restart at 0 in each, so every example sees what it would alone."""
+        equal ids and positions restart at 0 in each, so every example sees what it would alone.
+        With `hidden` (training, no cache), the final hidden states [B, T, D] (after ln_f) come back
+        instead: `head_logits` applies the head, a chunk at a time (losses.chunked_cross_entropy)."""
         c = self.config
         check_tokens(tokens_BT, c, cache)
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -190,11 +204,9 @@ class GPT(nn.Module):
         ):  # a prefill draws from one position: skip the head (1/3 of GPT-2's FLOPs) elsewhere
             x_BTD = jnp.take_along_axis(x_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)
         x_BTD = norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)
-        logits_BTV = self._head(wte, x_BTD)
-        # padded vocabulary rows exist for speed only: callers never see them
-        logits_BTV = logits_BTV[..., : c.vocab_size]
-        if c.logit_softcap:  # bounded logits (Gemma 2), in float32
-            logits_BTV = c.logit_softcap * jnp.tanh(logits_BTV.astype(jnp.float32) / c.logit_softcap)
+        if hidden and cache is None:
+            return x_BTD
+        logits_BTV = finish_logits(c, self._head(wte, x_BTD))
         if cache is None:
             return logits_BTV
         return logits_BTV, KVCache.from_layers(kv_layers, cache.n_head)
@@ -230,7 +242,7 @@ class GPT(nn.Module):
                 scan_cls = nn.remat(ScannedBlock, policy=_remat_policy(c.remat), prevent_cse=False)
             (x_BTD, _, _), stacked = nn.scan(
                 scan_cls,
-                variable_axes={"params": 0, "intermediates": 0},
+                variable_axes={"params": 0, "intermediates": 0, "lora": 0},  # lora: models/lora.py
                 split_rngs={"params": True, "dropout": True},
                 length=c.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},
@@ -292,6 +304,28 @@ class GPT(nn.Module):
         if B * T <= 64:
             return tied_head_few_rows(wte.embedding.astype(dtype), x_ND.astype(dtype)).reshape(B, T, -1)
         return wte.attend(x_ND).reshape(B, T, -1)
+
+
+def finish_logits(config: GPTConfig, logits_BTV: jax.Array) -> jax.Array:
+    """The head's raw output [..., padded V] -> the logits callers see: [..., V], soft-capped."""
+    # padded vocabulary rows exist for speed only: callers never see them
+    logits_BTV = logits_BTV[..., : config.vocab_size]
+    if config.logit_softcap:  # bounded logits (Gemma 2), in float32
+        logits_BTV = config.logit_softcap * jnp.tanh(logits_BTV.astype(jnp.float32) / config.logit_softcap)
+    return logits_BTV
+
+
+def head_logits(config: GPTConfig, params, x_BTD: jax.Array) -> jax.Array:
+    """The LM head on hidden states from GPT(config)(tokens, hidden=True) -> logits [B, T, V], as
+    the model's own forward computes them (tied: x @ wte^T, else x @ lm_head, in config.dtype)."""
+    dtype = jnp.dtype(config.dtype)
+    B, T, D = x_BTD.shape
+    x_ND = x_BTD.reshape(B * T, D).astype(dtype)  # 2-D operands: see layers.MLP
+    if config.tie_embeddings:
+        logits_NV = jnp.dot(x_ND, params["wte"]["embedding"].astype(dtype).T)
+    else:
+        logits_NV = jnp.dot(x_ND, params["lm_head"]["kernel"].astype(dtype))
+    return finish_logits(config, logits_NV.reshape(B, T, -1))
 
 
 def check_tokens(tokens_BT, config: GPTConfig, cache=None):

@@ -19,7 +19,8 @@ from flaxgpt.models.attention import ATTENTION_IMPLS
 from flaxgpt.models.layers import ACTIVATIONS, NORMS, SINUSOID_LAYOUTS
 from flaxgpt.models.rope import ROPE_SCALINGS, RoPE
 
-REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# activation checkpointing of each block (gpt._remat_policy): what the backward pass keeps of its forward
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batch")
 # what Llama, Mistral and Qwen2 share (the presets below add their shapes)
 LLAMA_STYLE = dict(pos_embedding="rope", norm="rmsnorm", activation="silu", glu=True, bias=False)
 LLAMA_STYLE.update(qkv_bias=False)
@@ -64,7 +65,7 @@ class GPTConfig:
     pad_vocab_multiple: int = 1  # round the embedding rows up to this (64 is fast); 1 = exact
     attention_impl: str = "auto"  # auto | xla | cudnn | pallas (see attention.attend)
     scan_layers: bool = False  # nn.scan over the blocks: compile time independent of depth
-    remat: str = "none"  # none | full | dots | dots_no_batch (activation checkpointing)
+    remat: str = "none"  # none | full | dots | dots_no_batch | offload_dots_no_batch (see gpt._remat_policy)
     # modern decoders (Llama, Mistral, Qwen2); the defaults are GPT-2's
     norm: str = "layernorm"  # layernorm | rmsnorm (Llama); eps is layer_norm_epsilon
     glu: bool = False  # gated MLP act(x W_gate) * (x W_up): with activation=silu, SwiGLU
@@ -196,6 +197,10 @@ class GPTConfig:
             LLAMA_STYLE, vocab_size=128256, block_size=131072, n_layer=16, n_head=32, n_kv_head=8,
             n_embd=2048, mlp_hidden=8192, rope_theta=500000.0, rope_scaling="llama3", rope_factor=32.0,
             rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=8192,
+        ),
+        "llama-3-8b": dict(
+            LLAMA_STYLE, vocab_size=128256, block_size=8192, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+            mlp_hidden=14336, rope_theta=500000.0, tie_embeddings=False,
         ),
         "qwen2.5-0.5b": dict(
             LLAMA_STYLE, qkv_bias=True, vocab_size=151936, block_size=32768, n_layer=24, n_head=14,

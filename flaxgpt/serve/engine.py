@@ -168,6 +168,20 @@ def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
     return (*out, max_len)
 
 
+def empty_slots(cache, slots: int) -> SlotState:
+    """The state of `slots` free slots over an empty slots cache (batch `slots`)."""
+    rows = RowSampling.of(max_new_tokens=1)
+    zeros = lambda dtype: jnp.zeros((slots,), dtype)  # noqa: E731
+    return SlotState(
+        cache=cache,
+        last_B=zeros(jnp.int32),
+        fill_B=zeros(jnp.int32),
+        count_B=zeros(jnp.int32),
+        done_B=jnp.ones((slots,), bool),  # every slot starts free
+        rows=jax.tree_util.tree_map(lambda x: jnp.stack([jnp.asarray(x)] * slots), rows),
+    )
+
+
 class Engine:
     """prefill / insert / generate over one slots cache; see the module docstring."""
 
@@ -183,16 +197,7 @@ class Engine:
         self.buckets = tuple(buckets or prompt_buckets(self.max_len))
         if max(self.buckets) != self.max_len:
             raise ValueError(f"the largest prompt bucket must be {self.max_len}: {self.buckets}")
-        rows = RowSampling.of(max_new_tokens=1)
-        zeros = lambda dtype: jnp.zeros((slots,), dtype)  # noqa: E731
-        self.state = SlotState(
-            cache=cache,
-            last_B=zeros(jnp.int32),
-            fill_B=zeros(jnp.int32),
-            count_B=zeros(jnp.int32),
-            done_B=jnp.ones((slots,), bool),  # every slot starts free
-            rows=jax.tree_util.tree_map(lambda x: jnp.stack([jnp.asarray(x)] * slots), rows),
-        )
+        self.state = empty_slots(cache, slots)
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
 

@@ -6,9 +6,19 @@ from __future__ import annotations
 from flaxgpt.serve.scheduler import Scheduler
 
 
-def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_init=False, quantize=None):
+def load(
+    out_dir=None,
+    init_from=None,
+    *,
+    step=None,
+    dtype="float32",
+    random_init=False,
+    quantize=None,
+    adapter=None,
+):
     """-> (Run, model name) from a run directory, pretrained weights (flaxgpt.load), or a preset's
-    random weights; `dtype` and `quantize` ("int8" | "bf16") as flaxgpt.load (cast, then quantize)."""
+    random weights; `dtype` and `quantize` ("int8" | "bf16") as flaxgpt.load (cast, then quantize);
+    `adapter`: a PEFT LoRA directory merged into init_from's weights (a LoRA run merges its own)."""
     from pathlib import Path
 
     from flaxgpt import loader
@@ -27,7 +37,8 @@ def load(out_dir=None, init_from=None, *, step=None, dtype="float32", random_ini
     if not init_from:
         loader.require_run(out_dir)
     source = init_from or out_dir
-    run = loader.load(source, step=step, dtype=None if dtype == "float32" else dtype, quantize=quantize)
+    dtype = None if dtype == "float32" else dtype
+    run = loader.load(source, step=step, dtype=dtype, quantize=quantize, adapter=adapter)
     if run.kind != "gpt":
         raise SystemExit(f"error: {source} holds a {run.kind!r} model; the server serves GPT models")
     return run, Path(init_from).name if init_from else Path(out_dir).resolve().name

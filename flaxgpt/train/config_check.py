@@ -36,12 +36,13 @@ INTS = {
     "keep_checkpoints": (1, "checkpoints kept on disk"),
     "optim.warmup_steps": (0, "warmup steps"),
     "optim.decay_steps": (0, "steps of the cosine decay; 0 = max_iters"),
-    "mesh.fsdp": (1, "devices that shard the parameters"),
+    "optim.loss_chunk": (0, "positions per chunk of the chunked cross-entropy; 0 = plain"),
     "mesh.cpu_devices": (0, "CPU devices; 0 = one per core"),
     "seq2seq.eval_pairs": (0, "val pairs decoded at each evaluation"),
     "seq2seq.eval_batch": (1, "sources decoded at once"),
     "seq2seq.eval_beam_size": (1, "beam width during evaluation"),
     "seq2seq.beam_size": (1, "beam width for translating"),
+    "lora.rank": (0, "LoRA rank; 0 = off"),
 }
 # key: (low, high, low included, high included, what it is). Finite floats.
 FLOATS = {
@@ -56,6 +57,7 @@ FLOATS = {
     "peak_flops": (0.0, math.inf, True, False, "per-device peak FLOP/s; 0 = guess"),
     "seq2seq.alpha": (0.0, math.inf, True, False, "the length penalty"),
     "model.dropout": (0.0, 1.0, True, False, "a dropout rate"),
+    "lora.dropout": (0.0, 1.0, True, False, "the LoRA dropout rate"),
     "model.layer_norm_epsilon": (0.0, math.inf, False, False, "LayerNorm's epsilon"),
 }
 # dropout rates where -1 means "model.dropout"
@@ -107,9 +109,30 @@ def check(config) -> None:
             raise ConfigError(f"--config.{key}={value} must be {_range(low, high, low_in, high_in)} ({what})")
     if config.get("batch_size") and config.get("grad_accum"):
         micro_batch(config)
-    mesh_data = _get(config, "mesh.data")
-    if mesh_data is not None and mesh_data != -1 and mesh_data < 1:
-        raise ConfigError(f"--config.mesh.data={mesh_data} must be >= 1, or -1 for all devices left")
+    for axis in ("data", "fsdp"):  # -1: the devices the other axis leaves (sharding.make_mesh)
+        size = _get(config, f"mesh.{axis}")
+        if size is None:
+            continue
+        if isinstance(size, bool) or not isinstance(size, int | np.integer):
+            raise ConfigError(f"--config.mesh.{axis}={size!r} must be an integer")
+        if size != -1 and size < 1:
+            raise ConfigError(f"--config.mesh.{axis}={size} must be >= 1, or -1 for all devices left")
+    if _get(config, "mesh.data") == -1 and _get(config, "mesh.fsdp") == -1:
+        raise ConfigError("only one of --config.mesh.data and --config.mesh.fsdp may be -1")
+    if _get(config, "lora.rank"):
+        if config.init_from in ("auto", "resume", "scratch"):
+            raise ConfigError(
+                f"lora.rank={config.lora.rank} adapts a pretrained model, not init_from={config.init_from!r};"
+                " set --config.init_from to a Hugging Face model directory or a GPT-2 name"
+            )
+        if config.get("eval_tasks"):
+            raise ConfigError(
+                "eval_tasks are not scored during LoRA training; merge the adapter and evaluate"
+            )
+        if config.lora.base_dtype not in ("float32", "bfloat16", "int8"):
+            raise ConfigError(
+                f"--config.lora.base_dtype={config.lora.base_dtype!r}: float32 | bfloat16 | int8"
+            )
     if "model" not in config:
         raise ConfigError("the run config has no `model` section (start from configs/default.py)")
     for key in ("dtype", "param_dtype"):

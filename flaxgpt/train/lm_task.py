@@ -11,20 +11,26 @@ init_from = auto | resume | scratch builds the model from the recipe's `model` s
 (models.config_from); a GPT-2 name or directory takes the architecture and weights from that
 checkpoint and only the recipe's run-time fields (models.RUNTIME_FIELDS) from the recipe; so does a Llama,
 Mistral or Qwen2 directory (hf.load_pretrained dispatches on its config.json's model_type).
+
+With `lora.rank` > 0 the pretrained weights become the frozen base (`frozen`, in lora.base_dtype) and
+the trained parameters are LoRA adapters only (flaxgpt/models/lora.py): `loss(adapters, ..., frozen=base)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+from flax import linen as nn
 
+from flaxgpt import sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.data import fineweb, packing
 from flaxgpt.hf import gpt2 as hf
-from flaxgpt.models import gpt
+from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
-from flaxgpt.train.losses import cross_entropy
+from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
 
 FORMATS = ("tokens", "shards", "packed")  # config.data.format
 FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the model from config.model
@@ -73,26 +79,77 @@ class LMTask:
             self.model_config, self.pretrained = load_pretrained(config.init_from, recipe)
         if not self.shards:
             self.data.check(self.model_config.block_size, self.model_config.vocab_size)
-        self.model = gpt.GPT(self.model_config)
+        self._set_model(config, self.model_config)
+
+    @classmethod
+    def without_data(cls, config, model_config: gpt.GPTConfig) -> LMTask:
+        """The task's model and loss with no dataset read (flaxgpt.aot compiles its steps); no batches."""
+        task = cls.__new__(cls)
+        task.shards, task.data, task.data_dir = False, None, None
+        # LoRA's frozen base as shapes: lora.quantize_base and place_frozen keep them abstract
+        lora_on = config.get("lora") and config.lora.rank
+        task.pretrained = nn.unbox(gpt.abstract_params(model_config)) if lora_on else None
+        task._set_model(config, model_config)
+        return task
+
+    def _set_model(self, config, model_config: gpt.GPTConfig) -> None:
+        self.model_config = model_config
+        self.model = gpt.GPT(model_config)
+        self.lora, self.frozen = None, None  # LoRA: the adapters' spec and the frozen base
+        if config.get("lora") and config.lora.rank:
+            c = config.lora
+            self.lora = lora.LoraSpec.make(self.model_config, c.rank, c.alpha, c.dropout, c.targets)
+            self.frozen, self.pretrained = lora.quantize_base(self.pretrained, c.base_dtype), None
         self.seed = config.seed
         self.label_smoothing = config.optim.label_smoothing
-        self.tokens_per_row = self.model_config.block_size
+        self.loss_chunk = config.optim.get("loss_chunk", 0)  # positions per logits chunk; 0 = all at once
+        self.tokens_per_row = model_config.block_size
+
+    def batch_shapes(self, n_rows: int) -> dict:
+        """{name: (shape, dtype)} of `batch(split, step, n_rows, ...)`."""
+        T = self.model_config.block_size
+        return {"inputs": ((n_rows, T), "int32"), "targets": ((n_rows, T), "int32")}
+
+    def place_frozen(self, mesh):
+        """LoRA: (the frozen base on `mesh`, its shardings), sharded as full fine-tuning shards the
+        parameters (FSDP); (None, None) without LoRA."""
+        if self.frozen is None:
+            return None, None
+        boxed = gpt.abstract_params(self.model_config)
+        shardings = lora.base_shardings(sharding.param_shardings(boxed, mesh), self.frozen)
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.frozen)):  # flaxgpt.aot
+            place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+            return jax.tree.map(place, self.frozen, shardings), shardings
+        return jax.device_put(self.frozen, shardings), shardings
 
     def abstract_params(self):
+        """The trained parameters, boxed with their logical axes (LoRA: the adapters, replicated)."""
+        if self.lora is not None:
+            return jax.eval_shape(self.init_params, jax.random.key(0))
         return gpt.abstract_params(self.model_config)
 
     def init_params(self, rng):
+        if self.lora is not None:
+            return lora.init_adapters(self.model_config, self.lora, rng)
         return gpt.init_params(self.model_config, rng)
 
-    def loss(self, params, batch, rng, train: bool):
-        logits_BTV = self.model.apply(
-            {"params": params},
-            batch["inputs"],
-            deterministic=not train,
-            segment_ids_BT=batch.get("segment_ids"),  # packed rows only
-            rngs={"dropout": rng} if train else None,
+    def loss(self, params, batch, rng, train: bool, frozen=None):
+        kw = dict(
+            deterministic=not train, segment_ids_BT=batch.get("segment_ids"), hidden=bool(self.loss_chunk)
         )
-        return cross_entropy(logits_BTV, batch["targets"], batch.get("loss_mask"), self.label_smoothing)
+        if self.lora is not None:  # params are the adapters; the base is not differentiated
+            spec, tokens_BT = self.lora, batch["inputs"]
+            out = lora.apply(self.model_config, spec, frozen, params, tokens_BT, rng=rng, **kw)
+        else:
+            out = self.model.apply(
+                {"params": params}, batch["inputs"], rngs={"dropout": rng} if train else None, **kw
+            )
+        targets_BT, mask_BT = batch["targets"], batch.get("loss_mask")
+        if not self.loss_chunk:
+            return cross_entropy(out, targets_BT, mask_BT, self.label_smoothing)
+        # the [B, T, V] float32 logits never exist: the head runs one chunk of positions at a time
+        head = functools.partial(gpt.head_logits, self.model_config, params if self.lora is None else frozen)
+        return chunked_cross_entropy(out, head, targets_BT, mask_BT, self.label_smoothing, self.loss_chunk)
 
     def batch(self, split: str, step: int, n_rows: int, process_index: int):
         """Train batches follow the step; eval batch i of a split is the same at every evaluation."""

@@ -1,9 +1,15 @@
 """The training loss of every task: masked, optionally label-smoothed cross-entropy in float32.
 
     loss_sum, n_tokens = cross_entropy(logits_BTV, targets_BT, mask_BT, label_smoothing=0.1)
+    loss_sum, n_tokens = chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT, chunk=128)
 
 Sums, not means: the train step adds micro-batches' sums and divides once by the token count,
 so k micro-batches give exactly the gradient of one big batch.
+
+`chunked_cross_entropy` is the same loss without the [B, T, V] float32 logits: `head` maps a chunk of
+hidden states to its logits, one chunk of `chunk` positions of every row at a time (a lax.scan), and
+jax.checkpoint makes the backward pass recompute each chunk's logits instead of keeping them. Chunks
+run along time, not rows, so every chunk keeps the batch's sharding (each device its own rows).
 """
 
 from __future__ import annotations
@@ -21,3 +27,35 @@ def cross_entropy(logits_BTV, targets_BT, mask_BT=None, label_smoothing: float =
         nll_BT = (1.0 - label_smoothing) * nll_BT - label_smoothing * logprobs_BTV.mean(axis=-1)
     mask_BT = jnp.ones_like(nll_BT) if mask_BT is None else mask_BT.astype(jnp.float32)
     return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT=None, label_smoothing=0.0, chunk=128):
+    """cross_entropy(head(hidden_BTD), ...) computed `chunk` positions at a time.
+
+    head: [B, t, D] hidden states -> [B, t, V] logits (closing over the head's weights; gradients
+    reach them and hidden_BTD). T need not be a multiple of `chunk`: the tail is padded and masked.
+    """
+    B, T, D = hidden_BTD.shape
+    mask_BT = jnp.ones((B, T), jnp.float32) if mask_BT is None else mask_BT.astype(jnp.float32)
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    if pad:
+        hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
+        targets_BT, mask_BT = jnp.pad(targets_BT, ((0, 0), (0, pad))), jnp.pad(mask_BT, ((0, 0), (0, pad)))
+
+    def by_chunk(x_BT):  # [B, n*chunk, ...] -> [n, B, chunk, ...]: the scan walks the chunks
+        return jnp.swapaxes(x_BT.reshape(B, n, chunk, *x_BT.shape[2:]), 0, 1)
+
+    @jax.checkpoint  # the backward recomputes this chunk's logits: only [B, chunk, V] live at once
+    def one_chunk(x_BtD, targets_Bt, mask_Bt):
+        return cross_entropy(head(x_BtD), targets_Bt, mask_Bt, label_smoothing)
+
+    def body(carry, xs):
+        loss_sum, weight = one_chunk(*xs)
+        return (carry[0] + loss_sum, carry[1] + weight), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (loss_sum, _), _ = jax.lax.scan(
+        body, (zero, zero), tuple(map(by_chunk, (hidden_BTD, targets_BT, mask_BT)))
+    )
+    return loss_sum, jnp.sum(mask_BT)

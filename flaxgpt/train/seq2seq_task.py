@@ -62,6 +62,26 @@ class Seq2SeqTask:
         self.tokenizer = tokenizers.Seq2SeqTokenizer.from_meta(meta["tokenizer"])
         self._batchers = {}
 
+    @classmethod
+    def without_data(cls, config, model_config: TransformerConfig) -> Seq2SeqTask:
+        """The model and loss with no dataset read (flaxgpt.aot), at its longest pairs: block_size."""
+        task = cls.__new__(cls)
+        task.model_config, task.data, task.data_dir, task._batchers = model_config, None, None, {}
+        task.src_len = task.tgt_len = task.tokens_per_row = model_config.block_size
+        task.seed, task.label_smoothing = config.seed, config.optim.label_smoothing
+        return task
+
+    def batch_shapes(self, n_rows: int) -> dict:
+        """{name: (shape, dtype)} of the largest `batch(...)` (batches are bucketed up to these lengths)."""
+        S, T = self.src_len, self.tgt_len
+        return {
+            "src": ((n_rows, S), "int32"),
+            "src_lengths": ((n_rows,), "int32"),
+            "inputs": ((n_rows, T), "int32"),
+            "targets": ((n_rows, T), "int32"),
+            "loss_mask": ((n_rows, T), "float32"),
+        }
+
     def abstract_params(self):
         return abstract_params(self.model_config)
 
@@ -94,6 +114,10 @@ class Seq2SeqTask:
             return data_lib.make_batch(self.data["val"], rows, self.src_len, self.tgt_len)
         seed = self.seed if split == "train" else self.seed + 1  # train_eval: its own order
         return self._batcher("train", n_rows * n_proc, seed).batch(step, process_index, n_proc)
+
+    def place_frozen(self, mesh):
+        """No frozen base: the encoder-decoder trains all its parameters."""
+        return None, None
 
     def evaluate(self, params, n_pairs: int | None = None) -> dict:
         """Token accuracy (teacher forcing), exact match and BLEU of decoded outputs on val."""

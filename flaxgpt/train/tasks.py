@@ -33,6 +33,8 @@ class Task(Protocol):
 
     def evaluate(self, params) -> dict: ...  # the task's own metrics at an evaluation ({}: none)
 
+    def place_frozen(self, mesh) -> tuple[Any, Any]: ...  # LoRA: (the frozen base on mesh, its shardings)
+
 
 TASKS: dict[str, type[Task]] = {"gpt": LMTask, "seq2seq": Seq2SeqTask}
 
@@ -42,3 +44,14 @@ def make_task(config) -> Task:
     if kind not in TASKS:
         raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(TASKS)}")
     return TASKS[kind](config)
+
+
+def task_loss(task, train: bool):
+    """loss(params, batch, rng, frozen): the task's loss, given the frozen base (LoRA) when there is one."""
+
+    def loss(params, batch, rng, frozen):
+        if frozen is None:
+            return task.loss(params, batch, rng, train)
+        return task.loss(params, batch, rng, train, frozen=frozen)
+
+    return loss

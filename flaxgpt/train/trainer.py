@@ -12,6 +12,7 @@ at the end and on SIGTERM. The data position is the step, so a restored state co
 Each checkpoint records the run config and data meta it was trained with (a resume that changes the
 model or the tokenizer is refused: run_dir.check_resume) and the loss of its own weights on a fixed
 batch, so the checkpoint named after a NaN is one whose loss was finite and not exploding.
+LoRA (lora.rank > 0): `params` are the adapters, `frozen` the base (FSDP-sharded, never checkpointed).
 `train` holds out_dir's lock (flaxgpt.runs.run_lock) from before anything is written until it returns.
 """
 
@@ -19,13 +20,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import struct
 
 from flaxgpt import sharding
 from flaxgpt.data import batches as data_lib
@@ -37,47 +34,9 @@ from flaxgpt.runs.metrics import MetricsWriter, peak_flops_per_device
 from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import check as check_config
 from flaxgpt.train.config_check import micro_batch
-from flaxgpt.train.optim import make_optimizer
 from flaxgpt.train.preemption import StopSignal
+from flaxgpt.train.steps import TrainState, make_steps, make_train_step  # noqa: F401 (re-exported)
 from flaxgpt.train.tasks import make_task
-
-
-@struct.dataclass
-class TrainState:
-    step: jax.Array  # int32 scalar: optimizer updates done so far (also the data position)
-    params: Any
-    opt_state: Any
-    rng: jax.Array  # base key; dropout at step s uses fold_in(rng, s)
-
-
-def make_train_step(task, tx, schedule, grad_accum: int):
-    """train_step(state, batch) with batch leaves [grad_accum, micro_B, ...]."""
-    grad_fn = jax.value_and_grad(lambda p, b, r: task.loss(p, b, r, True), has_aux=True)
-
-    def train_step(state: TrainState, batch):
-        rng = jax.random.fold_in(state.rng, state.step)
-
-        def micro(i, micro_batch):
-            (loss_sum, weight), grads = grad_fn(state.params, micro_batch, jax.random.fold_in(rng, i))
-            return grads, loss_sum, weight
-
-        if grad_accum == 1:
-            grads, loss_sum, weight = micro(0, jax.tree_util.tree_map(lambda x: x[0], batch))
-        else:  # sum gradients of summed losses, divide once: k micro-batches == one big batch
-
-            def body(carry, xs):
-                out = micro(*xs)
-                return jax.tree_util.tree_map(jnp.add, carry, out), None
-
-            zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params), jnp.float32(0), jnp.float32(0))
-            (grads, loss_sum, weight), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), batch))
-        grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-    return train_step
 
 
 class Trainer:
@@ -94,27 +53,14 @@ class Trainer:
                 f"batch_size // grad_accum = {self.micro_rows} is not divisible by the "
                 f"{jax.process_count()} processes"
             )
-        self.tx, self.schedule = make_optimizer(config.optim, config.max_iters, self.mesh)
-        boxed = self.task.abstract_params()
-        self.param_shardings = sharding.param_shardings(boxed, self.mesh)
-        self.abstract_state = jax.eval_shape(self._init_state_fn, jax.random.key(0))
-        self.state_shardings = sharding.state_shardings(
-            self.abstract_state, self.abstract_state.params, self.param_shardings, self.mesh
-        )
-        self.train_batch_sharding = sharding.batch_sharding(self.mesh, leading_axes=1)
-        self.eval_batch_sharding = sharding.batch_sharding(self.mesh)
-        rep = sharding.replicated(self.mesh)
-        self.train_step = jax.jit(
-            make_train_step(self.task, self.tx, self.schedule, config.grad_accum),
-            in_shardings=(self.state_shardings, self.train_batch_sharding),
-            out_shardings=(self.state_shardings, rep),
-            donate_argnums=0,
-        )
-        self.eval_step = jax.jit(
-            lambda p, b: self.task.loss(p, b, None, False),
-            in_shardings=(self.param_shardings, self.eval_batch_sharding),
-            out_shardings=rep,
-        )
+        steps = make_steps(config, self.task, self.mesh)
+        self.tx, self.schedule, self._init_state_fn = steps.tx, steps.schedule, steps.init_state
+        self.param_shardings, self.state_shardings = steps.param_shardings, steps.state_shardings
+        self.abstract_state = steps.abstract_state
+        self.train_batch_sharding = steps.train_batch_sharding
+        self.eval_batch_sharding = steps.eval_batch_sharding
+        self.train_step, self.eval_step = steps.train_step, steps.eval_step
+        self.frozen = steps.frozen
         self.tokens_per_step = config.batch_size * self.task.tokens_per_row
         # training FLOPs per token, the figure `flaxgpt summary` prints (for MFU)
         self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
@@ -156,15 +102,6 @@ class Trainer:
             c.eval_tasks, self.task.model_config, tokenizer, limit=c.eval_tasks_limit, devices=devices
         )
 
-    def _init_state_fn(self, rng):
-        params_rng, train_rng = jax.random.split(rng)
-        params = self.task.init_params(params_rng)
-        return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params), rng=train_rng)
-
-    def _state_from_params(self, params, rng):
-        _, train_rng = jax.random.split(rng)
-        return TrainState(step=jnp.int32(0), params=params, opt_state=self.tx.init(params), rng=train_rng)
-
     def init_state(self) -> TrainState:
         """The latest checkpoint (init_from auto | resume, or a fine-tune's own checkpoints), else a
         fresh state built directly in its shardings (never whole on one device), or the task's
@@ -190,16 +127,16 @@ class Trainer:
                 self.resumed_best = float("inf") if val is None else float(val)
             self.task.pretrained = None  # not needed: the checkpoint holds the fine-tuned weights
             self._print(f"resumed from {self.ckpt.directory / str(step)}")
-            return state
+            return state.replace(frozen=self.frozen)
         key = jax.random.key(self.config.seed)
         pretrained = self.task.pretrained
         if pretrained is not None:  # parameters as arguments, not constants baked into the program
             params = jax.device_put(pretrained, self.param_shardings)
-            make = jax.jit(self._state_from_params, out_shardings=self.state_shardings)
-            return make(params, key)
+            make = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
+            return make(key, params).replace(frozen=self.frozen)
         if not hasattr(self, "_init_jit"):
             self._init_jit = jax.jit(self._init_state_fn, out_shardings=self.state_shardings)
-        return self._init_jit(key)
+        return self._init_jit(key).replace(frozen=self.frozen)
 
     def _print(self, msg: str) -> None:
         if self.is_main:
@@ -212,13 +149,13 @@ class Trainer:
             return data_lib.to_global(local, self.train_batch_sharding, batch_axis=1)
         return data_lib.to_global(local, self.eval_batch_sharding)
 
-    def evaluate(self, params) -> dict:
+    def evaluate(self, params, frozen) -> dict:
         """Mean loss over eval_iters fixed batches of each split (results fetched once at the end)."""
         sums = {}
         for split in self.task.splits:
             name = "train_eval" if split == "train" else split
             parts = [
-                self.eval_step(params, self.global_batch(name, i, self.micro_rows, micro=False))
+                self.eval_step(params, self.global_batch(name, i, self.micro_rows, micro=False), frozen)
                 for i in range(self.config.eval_iters)
             ]
             sums[split] = parts
@@ -244,9 +181,8 @@ class Trainer:
                 f"non-finite weights at step {step} (not saved); {self.last_good()}; "
                 "lower the learning rate and resume"
             )
-        loss_sum, weight = jax.device_get(
-            self.eval_step(state.params, self.global_batch("train_eval", 0, self.micro_rows, micro=False))
-        )
+        batch = self.global_batch("train_eval", 0, self.micro_rows, micro=False)
+        loss_sum, weight = jax.device_get(self.eval_step(state.params, batch, state.frozen))
         loss = float(loss_sum / weight)
         cfg = self.config.to_dict()
         cfg["model"] = models.section_of(self.task.model_config)
@@ -257,7 +193,7 @@ class Trainer:
             "loss": loss if np.isfinite(loss) else None,
             "best_loss": self.best_loss if np.isfinite(self.best_loss) else None,
         }
-        self.ckpt.save(step, state, extra=extra, val_loss=val_loss, good=_healthy(extra))
+        self.ckpt.save(step, state.replace(frozen=None), extra=extra, val_loss=val_loss, good=_healthy(extra))
         self.best_loss = min(self.best_loss, _finite_or_inf(loss))
 
     def last_good(self) -> str:
@@ -344,7 +280,7 @@ class Trainer:
         return summary
 
     def _eval(self, step, state, writer, summary) -> dict:
-        evals = self.evaluate(state.params)
+        evals = self.evaluate(state.params, state.frozen)
         every = self.config.get("eval_tasks_every") or self.config.eval_interval
         if self.task_eval is not None and (step % every == 0 or step == self.config.max_iters):
             evals.update(self.task_eval(state.params))

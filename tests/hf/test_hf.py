@@ -241,8 +241,11 @@ def test_hub_names_offline(small, tmp_path, monkeypatch):
 
 def test_info_cli_and_package_names(small, capsys):
     import flaxgpt
+    from flaxgpt.hf import peft
 
-    assert flaxgpt.load_pretrained is hf.load_pretrained and flaxgpt.export_pretrained is hf.export_pretrained
+    # flaxgpt.load_pretrained is hf.load_pretrained with an optional PEFT `adapter` merged in
+    assert flaxgpt.load_pretrained is peft.load_pretrained
+    assert flaxgpt.export_pretrained is hf.export_pretrained
     directory, _, _ = small
     assert hf_cli.main(["info", directory]) == 0
     assert json.loads(capsys.readouterr().out)["n_embd"] == 64

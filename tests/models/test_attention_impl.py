@@ -154,7 +154,7 @@ def test_pallas_matches_xla_bf16_and_only_on_its_path(monkeypatch):
 
 
 def test_pallas_on_several_tpu_chips_needs_a_mesh(monkeypatch):
-    monkeypatch.setattr(pallas_attention, "_on_tpu", lambda: True)
+    monkeypatch.setattr(pallas_attention.target, "platform", lambda: "tpu")
     assert not pallas_attention.fits(128, 128, 8)  # 8 devices, no mesh context: XLA's path
     assert not pallas_attention.fits(96, 96, 8) and not pallas_attention.fits(128, 256, 8)
     mesh = Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "fsdp"))

@@ -269,13 +269,16 @@ def test_scan_layers_and_remat_match():
         dict(scan_layers=True),
         dict(scan_layers=True, remat="full"),
         dict(scan_layers=True, remat="dots"),
+        dict(scan_layers=True, remat="offload_dots_no_batch"),
     ):
         cfg = dataclasses.replace(TINY, **kw)
         np.testing.assert_allclose(apply(cfg, stacked, x), want, atol=1e-5)
-        g = unstack_layers(jax.grad(lambda p, c=cfg: loss(c, p))(stacked), TINY.n_layer)
+        g = unstack_layers(jax.jit(jax.grad(lambda p, c=cfg: loss(c, p)))(stacked), TINY.n_layer)
         chex.assert_trees_all_close(g, g_want, atol=1e-6)
-    remat = dataclasses.replace(TINY, remat="full")
-    chex.assert_trees_all_close(jax.grad(lambda p: loss(remat, p))(params), g_want, atol=1e-6)
+    for policy in ("full", "dots_no_batch"):  # unscanned blocks too
+        remat = dataclasses.replace(TINY, remat=policy)
+        g = jax.jit(jax.grad(lambda p, c=remat: loss(c, p)))(params)
+        chex.assert_trees_all_close(g, g_want, atol=1e-6)
     # the scanned init has the same shapes as the stacked GPT-2 layout
     chex.assert_trees_all_equal_shapes(
         init_params(dataclasses.replace(TINY, scan_layers=True), jax.random.key(0)), stacked

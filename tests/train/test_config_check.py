@@ -34,6 +34,8 @@ BAD = {  # override -> what the message says
     "heads": ("model.n_head", 5, "n_embd 768 is not divisible by n_head 5"),
     "batch vs accum": ("grad_accum", 3, "batch_size 512 is not divisible by grad_accum 3"),
     "layout": ("model.sinusoid_layout", "cosines", "sinusoid_layout='cosines' is not one of"),
+    "fsdp=0": ("mesh.fsdp", 0, "--config.mesh.fsdp=0 must be >= 1, or -1 for all devices left"),
+    "loss_chunk=-1": ("optim.loss_chunk", -1, "--config.optim.loss_chunk=-1 must be >= 0"),
 }
 
 

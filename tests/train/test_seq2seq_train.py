@@ -138,7 +138,7 @@ def test_bad_data_and_mismatched_vocabularies_are_one_line_errors(reverse_data, 
     (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "char", "chars": ["x"]}}))
     with pytest.raises(ValueError, match="differs from"):  # before anything is written
         trainer.Trainer(reverse_config(reverse_data, tmp_path, **{"model.block_size": 12}))
-    with pytest.raises(FileNotFoundError, match="prepare_seq2seq"):
+    with pytest.raises(FileNotFoundError, match="prepare-seq2seq"):
         seq2seq_task.Seq2SeqTask(reverse_config(tmp_path / "nothing", tmp_path / "run"))
 
 

@@ -1,0 +1,154 @@
+"""Compile a recipe's programs for an accelerator it names, on this machine, and check they fit.
+
+    flaxgpt aot --config configs/gpt2_124m.py --target v5e-8
+    flaxgpt aot --config configs/gpt2_124m.py --config.grad_accum=32 --target h100-1
+    flaxgpt aot --config configs/shakespeare_char.py --target v5e-1 --programs train,eval
+    flaxgpt aot --list                       # the targets
+
+Overrides are train.py's (`--config.section.key=value`, the recipe locked). For each program (train,
+eval, sample = prefill + decode, serve = prefill + generate) one line, figures per device: parameters,
+optimizer state, temporaries and the total against the target's memory, the attention kernel,
+compile time, FLOPs, the roofline step-time bound and MFU ceiling; then its collectives. Exit 1 when
+a program does not fit (with --headroom F: within (1 - F) of the memory). --dump DIR writes the
+optimized HLO of each program. TPU targets need libtpu (`pip install "jax[tpu]==<jax version>"`),
+GPU ones the CUDA plugin (`pip install "jax[cuda12]==<jax version>"`); no accelerator is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from flaxgpt.aot import targets as targets_lib
+
+USAGE = "flaxgpt aot --config configs/<recipe>.py [--config.key=value ...] --target NAME"
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="flaxgpt aot", usage=USAGE, description=__doc__.splitlines()[0])
+    p.add_argument("--target", help=f"one of {', '.join(targets_lib.TARGETS)}")
+    p.add_argument(
+        "--programs", default="train,eval,sample,serve", help="comma-separated: train,eval,sample,serve"
+    )
+    p.add_argument("--dump", default=None, help="write each program's optimized HLO here")
+    p.add_argument("--slots", type=int, default=8, help="serve: the engine's slots")
+    p.add_argument("--max_len", type=int, default=0, help="sample/serve: the cache window (0 = block_size)")
+    p.add_argument("--vocab_size", type=int, default=0, help="when neither the recipe nor its data says")
+    p.add_argument("--headroom", type=float, default=0.0, help="fraction of memory to keep free")
+    p.add_argument("--list", action="store_true", help="print the targets and exit")
+    args, rest = p.parse_known_args(argv)
+    return args, rest
+
+
+def load_config(rest: list[str]):
+    """The recipe with train.py's overrides: ml_collections' config flag (locked), errors in one line."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from flaxgpt.train.config_check import ConfigError, check, load_recipe
+
+    paths = [a.split("=", 1)[1] for a in rest if a.startswith("--config=")]
+    paths += [rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--config"]
+    if not paths:
+        raise SystemExit(f"error: no --config recipe; usage: {USAGE}")
+    unknown = [a for a in rest if not a.startswith("--config")]
+    if unknown and unknown != [paths[-1]]:
+        raise SystemExit(f"error: unexpected arguments {unknown}; usage: {USAGE}")
+    try:
+        load_recipe(paths[-1])  # a broken recipe: one line (ml_collections would print a traceback)
+        argv = ["flaxgpt aot", f"--config={paths[-1]}", *[a for a in rest if a.startswith("--config.")]]
+        fv = flags.FlagValues()  # the overrides are found in sys_argv (ml_collections' default: sys.argv)
+        config_flags.DEFINE_config_file(
+            "config", None, "a recipe file", flag_values=fv, lock_config=True, sys_argv=argv
+        )
+        fv(argv)
+        config = fv.config
+        check(config)
+    except (ConfigError, flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
+        msg = " ".join(str(e).replace("\\n", " ").split())
+        if len(msg) > 1 and msg[0] == msg[-1] and msg[0] in "'\"":  # repr-quoted by KeyError
+            msg = msg[1:-1]
+        if isinstance(e, AttributeError | KeyError):
+            msg = f"unknown config key {msg} (every key is listed in configs/default.py)"
+        raise SystemExit(f"error: {msg}") from None
+    return config, paths[-1]
+
+
+def run(config, target, groups=("train", "eval", "sample", "serve"), *, slots=8, max_len=0, vocab_size=0,
+        dump=None, mc=None, print_fn=print):  # fmt: skip
+    """Compile every program of `groups` for `target` -> (report rows, model config)."""
+    devices = target.devices()  # first: the plugin's environment is set before jax starts it
+    from flaxgpt.aot import programs as programs_lib
+    from flaxgpt.aot import report
+
+    if mc is None:
+        mc, source = programs_lib.model_config(config, vocab_size)
+        print_fn(f"model: {source}")
+    try:
+        progs = programs_lib.build(config, devices, groups, mc=mc, slots=slots, max_len=max_len)
+    except ValueError as e:  # a mesh or batch that does not divide the target's devices
+        raise SystemExit(f"error: {e} (target {target.name}: {len(devices)} devices)") from None
+    return [report.analyze(p, target, dump) for p in progs], mc
+
+
+def versions(platform: str) -> str:
+    import importlib.metadata as md
+
+    import jax
+
+    out = [f"jax {jax.__version__}"]
+    for dist in {"tpu": ("libtpu",), "cuda": ("jax-cuda12-plugin", "nvidia-cudnn-cu12")}.get(platform, ()):
+        try:
+            out.append(f"{dist} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            pass
+    return ", ".join(out)
+
+
+def main(argv=None) -> int:
+    args, rest = parse(sys.argv[1:] if argv is None else argv)
+    if args.list:
+        print(targets_table())
+        return 0
+    if not args.target:
+        raise SystemExit(f"error: no --target; targets: {', '.join(targets_lib.TARGETS)}")
+    target = targets_lib.get(args.target)
+    groups = tuple(g.strip() for g in args.programs.split(",") if g.strip())
+    bad = [g for g in groups if g not in ("train", "eval", "sample", "serve")]
+    if bad or not groups:
+        raise SystemExit(f"error: --programs {args.programs!r}: choose from train, eval, sample, serve")
+    if not 0 <= args.headroom < 1:
+        raise SystemExit(f"error: --headroom {args.headroom} must be in [0, 1)")
+    config, path = load_config(rest)
+    t0 = time.perf_counter()
+    rows, _ = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,
+                  dump=args.dump)  # fmt: skip
+    from flaxgpt.aot import report
+
+    print(
+        f"{path} on {target.name} ({len(target.devices())} {target.kind} devices, {target.hosts} host(s), "
+        f"{report.gb(target.memory)} GB each; {versions(target.platform)}); compiled, not measured, "
+        f"in {time.perf_counter() - t0:.1f} s"
+    )
+    print(report.table(rows, target, args.headroom))
+    misfits = [r.program for r in rows if not r.fits(args.headroom)]
+    if misfits:
+        verb = "does" if len(misfits) == 1 else "do"
+        print(f"error: {', '.join(misfits)} {verb} not fit {target.name}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def targets_table() -> str:
+    lines = ["target    platform  topology    hosts  memory/device  peak bf16 TFLOP/s  HBM GB/s"]
+    for t in targets_lib.TARGETS.values():
+        lines.append(
+            f"{t.name:<9} {t.platform:<9} {t.topology:<11} {t.hosts:<6} {t.memory / 1e9:>8.1f} GB "
+            f"{t.peak_flops / 1e12:>15.0f}   {t.bandwidth / 1e9:>8.0f}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

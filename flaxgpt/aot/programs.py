@@ -1,0 +1,239 @@
+"""A recipe's real programs with abstract arguments: flaxgpt's own jitted functions, traced with
+`jax.ShapeDtypeStruct`s that carry shardings over a target's abstract devices. Nothing is allocated.
+
+    programs = build(config, devices, groups=("train", "eval", "sample", "serve"))
+    compiled = programs[0].trace().lower().compile()
+
+- train: flaxgpt.train.steps.make_steps' train step (micro-batches, optimizer, donation, shardings) on
+  the recipe's (data, fsdp) mesh over all the target's devices; eval: its eval step (one micro-batch).
+- sample (GPT): flaxgpt.decode.sampling's prefill (a full-window prompt) and decode chunk over
+  gpt.step_fn and a KVCache, on one device, as sample.py runs (batch 1, temperature 0.8, top-k 200).
+- serve (GPT): flaxgpt.serve.engine's prefill (the largest prompt bucket) and generate step for all
+  `slots` slots (chunk 4), on one device, as flaxgpt.serve.launch runs it.
+
+A recipe that fine-tunes a pretrained model takes the architecture of the preset its init_from names
+(gpt2*, smollm2-135m, ...): the checkpoint itself is not read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flaxgpt import sharding
+from flaxgpt.decode import sampling
+from flaxgpt.models import gpt
+from flaxgpt.models import registry as models
+from flaxgpt.models.cache import KVCache
+from flaxgpt.serve import engine
+from flaxgpt.tools.summary import flops_per_token
+from flaxgpt.train.config_check import micro_batch
+from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS, LMTask
+from flaxgpt.train.seq2seq_task import Seq2SeqTask
+from flaxgpt.train.steps import make_steps
+
+GROUPS = ("train", "eval", "sample", "serve")
+DEFAULT_VOCAB = 50257  # GPT-2's BPE: the vocabulary assumed when neither the recipe nor its data says
+
+
+@dataclasses.dataclass
+class Program:
+    name: str  # train | eval | sample.prefill | sample.decode | serve.prefill | serve.generate
+    jitted: Any  # flaxgpt's own jax.jit-wrapped function
+    args: tuple  # abstract arguments (ShapeDtypeStructs with shardings; pytrees of them)
+    kwargs: dict  # static arguments
+    devices: int  # devices the program runs on
+    model_flops: float  # flaxgpt's FLOP count per call, all devices together
+    state_bytes: dict  # per device: {"parameters": ..., "optimizer": ...}
+    note: str = ""
+    min_bytes: float = 0.0  # HBM bytes a call must at least read (decoding: weights + cache per token)
+    mesh: Any = None  # traced under this mesh context, as flaxgpt.train.trainer.train runs the steps
+
+    def trace(self):
+        if self.mesh is None:
+            return self.jitted.trace(*self.args, **self.kwargs)
+        with jax.set_mesh(self.mesh):  # Pallas attention splits its kernel per device under it
+            return self.jitted.trace(*self.args, **self.kwargs)
+
+
+def model_config(config, vocab_size: int = 0):
+    """The recipe's model config, without reading its data or checkpoint. Vocabulary: the recipe's,
+    else its data's meta.json, else GPT-2's (returned second, with where it came from)."""
+    vocab, source = vocab_size, "--vocab_size"
+    if not vocab and config.model.get("vocab_size"):
+        vocab, source = config.model.vocab_size, "the recipe"
+    meta = Path(config.data.dir) / "meta.json"
+    if not vocab and meta.is_file():
+        vocab, source = json.loads(meta.read_text()).get("vocab_size", 0), str(meta)
+    if not vocab:
+        vocab, source = DEFAULT_VOCAB, f"assumed (GPT-2's; no {meta}: set --vocab_size)"
+    recipe = models.config_from(config.model, vocab)
+    init_from = config.get("init_from", "auto")
+    if init_from in FRESH_STARTS:
+        return recipe, f"vocab {recipe.vocab_size}: {source}"
+    kept = {f: getattr(recipe, f) for f in LAYOUT_FIELDS + models.RUNTIME_FIELDS}
+    name = Path(init_from).name.lower()
+    for suffix in ("-instruct", "-it", "-chat"):  # an instruction-tuned variant has its base's shape
+        name = name.removesuffix(suffix) if name.removesuffix(suffix) in gpt.GPTConfig.PRESETS else name
+    if (Path(init_from) / "config.json").is_file():  # a Hugging Face directory: its config.json, no weights
+        from flaxgpt.hf import gpt2 as hf
+
+        pretrained = dataclasses.replace(hf.read_config(init_from), **kept)
+        return pretrained, f"{init_from}/config.json"
+    if name not in gpt.GPTConfig.PRESETS:
+        raise SystemExit(
+            f"error: init_from={init_from!r}: not a Hugging Face directory (config.json) nor a preset "
+            f"({', '.join(gpt.GPTConfig.PRESETS)}); point it at the model's directory or train from scratch"
+        )
+    pretrained = gpt.GPTConfig.preset(name, **kept)
+    return pretrained, f"the {name} preset (init_from={init_from})"
+
+
+def _abstract(tree, shardings):
+    """ShapeDtypeStructs of `tree` placed by `shardings` (one sharding for all, or a matching tree)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of an abstract, sharded tree (the largest shard of each leaf)."""
+    total = 0
+    for a in jax.tree.leaves(tree):
+        shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
+        total += int(np.prod(shape)) * jnp.dtype(a.dtype).itemsize
+    return total
+
+
+def _batch(shapes: dict, sharding_, leading=()):
+    return {
+        k: jax.ShapeDtypeStruct(tuple(leading) + shape, dtype, sharding=sharding_)
+        for k, (shape, dtype) in shapes.items()
+    }
+
+
+def train_programs(config, mc, devices, groups) -> list[Program]:
+    kind = models.kind_of(mc)
+    task = (LMTask if kind == "gpt" else Seq2SeqTask).without_data(config, mc)
+    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
+    micro = micro_batch(config)
+    sharding.check_batch(micro, mesh, "batch_size // grad_accum")
+    steps = make_steps(config, task, mesh)
+    state = _abstract(steps.abstract_state, steps.state_shardings).replace(frozen=steps.frozen)  # LoRA's base
+    n = len(devices)
+    sizes = {"parameters": per_device_bytes(state.params), "optimizer": per_device_bytes(state.opt_state)}
+    fpt = flops_per_token(mc, task.tokens_per_row)
+    mesh_note = f"mesh data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']}"
+    out = []
+    if "train" in groups:
+        batch = _batch(task.batch_shapes(micro), steps.train_batch_sharding, (config.grad_accum,))
+        flops = fpt["train"] * config.batch_size * task.tokens_per_row
+        note = f"{mesh_note}, {config.grad_accum} x {micro} rows x {task.tokens_per_row} tokens"
+        out.append(Program("train", steps.train_step, (state, batch), {}, n, flops, sizes, note, mesh=mesh))
+    if "eval" in groups:
+        batch = _batch(task.batch_shapes(micro), steps.eval_batch_sharding)
+        flops = fpt["forward"] * micro * task.tokens_per_row
+        params = {"parameters": sizes["parameters"]}
+        note = f"{mesh_note}, {micro} rows"
+        out.append(
+            Program(
+                "eval",
+                steps.eval_step,
+                (state.params, batch, state.frozen),
+                {},
+                n,
+                flops,
+                params,
+                note,
+                mesh=mesh,
+            )
+        )
+    return out
+
+
+def _one_device(devices):
+    return NamedSharding(Mesh(np.asarray(devices[:1]), ("one",)), PartitionSpec())
+
+
+def _decoding(mc, devices):
+    """(config, abstract step_fn, the one-device sharding) as gpt.step_fn decodes: layers unrolled."""
+    one = _one_device(devices)
+    cfg = dataclasses.replace(mc, scan_layers=False, remat="none")
+    params = _abstract(nn.unbox(gpt.abstract_params(cfg)), one)
+    return cfg, gpt.step_fn(cfg, params), one, per_device_bytes(params)
+
+
+def _scalar(dtype, one):
+    return jax.ShapeDtypeStruct((), dtype, sharding=one)
+
+
+def sample_programs(mc, devices, batch: int = 1, chunk: int = 256) -> list[Program]:
+    cfg, step, one, param_bytes = _decoding(mc, devices)
+    W = P = cfg.block_size
+    cache = _abstract(jax.eval_shape(lambda: KVCache.for_config(cfg, batch, W)), one)
+    rng = _abstract(jax.eval_shape(lambda: jax.random.key(0)), one)
+    prompt = jax.ShapeDtypeStruct((batch, P), jnp.int32, sharding=one)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one)
+    max_new = _scalar(jnp.int32, one)
+    how = sampling.Sampling(temperature=0.8, top_k=200)  # sample.py's defaults
+    args = (step, cache, prompt, lengths, rng, max_new)
+    prefill = Program(
+        "sample.prefill", sampling._prefill, args, {"sampling": how}, 1,
+        flops_per_token(cfg, P)["forward"] * batch * P, {"parameters": param_bytes},
+        f"batch {batch}, prompt {P}, cache {W}",
+    )  # fmt: skip
+    state = _abstract(prefill.trace().out_info[0], one)
+    decode = Program(
+        "sample.decode", sampling._decode_chunk, (step, state, max_new),
+        {"chunk": chunk, "keep": W // 2, "sampling": how}, 1,
+        flops_per_token(cfg, W)["forward"] * batch * chunk, {"parameters": param_bytes},
+        f"batch {batch}, {chunk} tokens per call, cache {W}",
+        chunk * (param_bytes + per_device_bytes(cache)),
+    )  # fmt: skip
+    return [prefill, decode]
+
+
+def serve_programs(mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4) -> list[Program]:
+    cfg, step, one, param_bytes = _decoding(mc, devices)
+    W = min(max_len or cfg.block_size, cfg.block_size)
+    cache_1 = _abstract(jax.eval_shape(lambda: KVCache.for_config(cfg, 1, W)), one)
+    rows = _abstract(
+        jax.eval_shape(lambda: jax.tree.map(jnp.asarray, engine.RowSampling.of(max_new_tokens=1))), one
+    )
+    prompt = jax.ShapeDtypeStruct((1, W), jnp.int32, sharding=one)  # the largest prompt bucket
+    prefill = Program(
+        "serve.prefill", engine._prefill, (step, cache_1, prompt, _scalar(jnp.int32, one), rows),
+        {"max_k": 256}, 1, flops_per_token(cfg, W)["forward"] * W, {"parameters": param_bytes},
+        f"prompt bucket {W}",
+    )  # fmt: skip
+    state = _abstract(
+        jax.eval_shape(lambda: engine.empty_slots(KVCache.for_config(cfg, slots, W), slots)), one
+    )
+    stop = jax.ShapeDtypeStruct((slots,), jnp.bool_, sharding=one)
+    generate = Program(
+        "serve.generate", engine._generate, (step, state, stop), {"chunk": chunk, "max_k": 256}, 1,
+        flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
+        f"{slots} slots x window {W}, {chunk} tokens per call",
+        chunk * (param_bytes + per_device_bytes(state.cache)),
+    )  # fmt: skip
+    return [prefill, generate]
+
+
+def build(config, devices, groups=GROUPS, mc=None, slots: int = 8, max_len: int = 0) -> list[Program]:
+    """The programs of `groups` for `config` on `devices` (sample and serve: GPT models only)."""
+    mc = mc if mc is not None else model_config(config)[0]
+    out = train_programs(config, mc, devices, groups)
+    if models.kind_of(mc) == "gpt":
+        if "sample" in groups:
+            out += sample_programs(mc, devices)
+        if "serve" in groups:
+            out += serve_programs(mc, devices, slots, max_len)
+    return out

@@ -1,0 +1,211 @@
+"""What a compiled program costs on its target: memory per device, the attention kernel, collectives,
+compile time and a roofline bound, from `compiled.memory_analysis()`, `compiled.as_text()` (the
+optimized HLO) and `compiled.cost_analysis()`.
+
+    row = report.analyze(program, target)      # a Row; row.fits, row.total, row.collectives ...
+    print(report.table([row, ...], target))
+
+Collectives are counted in the program text: one inside a loop (scan over layers or micro-batches)
+counts once, though it runs every iteration; bytes are the per-device result size of each.
+FLOPs: XLA's cost analysis where the backend gives one (TPU; it includes rematerialized work), else
+flaxgpt's own count (flaxgpt.tools.summary.flops_per_token). The step-time lower bound is
+max(FLOPs / peak, bytes / HBM bandwidth), bytes being XLA's "bytes accessed" but at least every
+argument read and every output written once (decoding: the weights and the cache read per token); the
+MFU ceiling is the model's FLOPs over that bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from pathlib import Path
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+|c64|c128)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+
+
+@dataclasses.dataclass
+class Row:
+    program: str
+    devices: int
+    note: str = ""
+    parameters: int = 0  # per device, bytes
+    optimizer: int = 0
+    arguments: int = 0  # every argument (parameters, optimizer state, batch, cache)
+    temporary: int = 0
+    output: int = 0
+    aliased: int = 0  # outputs written into donated arguments
+    code: int = 0
+    total: int = 0  # arguments + temporaries + outputs not aliased + code
+    memory: int = 0  # the target's per device
+    error: str = ""  # the compiler's refusal (RESOURCE_EXHAUSTED)
+    kernel: str = ""
+    collectives: dict = dataclasses.field(default_factory=dict)  # kind -> (count, bytes)
+    compile_s: float = 0.0
+    flops: float = 0.0  # per device per call
+    flops_source: str = ""  # xla | model
+    bytes_accessed: float = 0.0  # per device per call (a lower bound; see the module docstring)
+    model_flops: float = 0.0  # per device per call
+    step_s: float = 0.0
+    mfu_ceiling: float = 0.0
+
+    def fits(self, headroom: float = 0.0) -> bool:
+        return not self.error and self.total <= (1 - headroom) * self.memory
+
+
+def _array_bytes(text: str) -> list[int]:
+    out = []
+    for dtype, dims in _ARRAY.findall(text):
+        bits = _BITS.get(dtype) or int(re.sub(r"\D", "", dtype.split("e")[0]) or 8)
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        out.append(n * bits // 8)
+    return out
+
+
+def collectives(hlo: str) -> dict:
+    """{kind: (count, bytes per device)} of the collectives in an optimized HLO module's text.
+    An async `-start` op's result tuple holds its operand and result: the largest is counted."""
+    found = {}
+    for line in hlo.splitlines():
+        m = _OP.search(line)
+        if not m:
+            continue
+        sizes = _array_bytes(m.group(1))
+        nbytes = max(sizes, default=0) if m.group(3) else sum(sizes)
+        count, total = found.get(m.group(2), (0, 0))
+        found[m.group(2)] = (count + 1, total + nbytes)
+    return found
+
+
+def attention_kernel(hlo: str) -> str:
+    """The attention implementation the compiled program contains."""
+    if "__cudnn$fmha" in hlo:
+        return "cudnn flash"
+    if "tpu_custom_call" in hlo:  # Pallas on TPU compiles to Mosaic custom calls
+        names = set(re.findall(r'"?kernel_name"?\s*[:=]\s*\\?"?([\w.]+)', hlo))
+        splash = any("splash" in n or "flash" in n for n in names) or "splash" in hlo
+        return "pallas splash" if splash else "pallas (mosaic)"
+    if "__gpu$xla.gpu.triton" in hlo:
+        return "pallas (triton)"
+    return "xla"
+
+
+def _cost(compiled) -> tuple[float, float]:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # some backends raise instead of returning None
+        return 0.0, 0.0
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else None
+    if not cost:
+        return 0.0, 0.0
+    return float(cost.get("flops", 0.0) or 0.0), float(cost.get("bytes accessed", 0.0) or 0.0)
+
+
+def analyze(program, target, dump: str | Path | None = None) -> Row:
+    """Compile `program` for `target` and measure it; a compiler that runs out of memory is a Row
+    with `error` set (it does not fit), any other failure propagates."""
+    row = Row(program.name, program.devices, program.note, memory=int(target.memory))
+    row.parameters = program.state_bytes.get("parameters", 0)
+    row.optimizer = program.state_bytes.get("optimizer", 0)
+    row.model_flops = program.model_flops / program.devices
+    t0 = time.perf_counter()
+    try:
+        compiled = program.trace().lower().compile()
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        row.compile_s = time.perf_counter() - t0
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        row.error = next((line for line in lines if "RESOURCE_EXHAUSTED" in line), lines[0])[:300]
+        row.temporary, available = _exhausted(str(e))
+        row.total = row.temporary + row.parameters + row.optimizer  # at least
+        row.memory = available or row.memory  # what the compiler had: the HBM less its reserve
+        return row
+    row.compile_s = time.perf_counter() - t0
+    m = compiled.memory_analysis()
+    row.arguments, row.temporary = m.argument_size_in_bytes, m.temp_size_in_bytes
+    row.output, row.aliased, row.code = (
+        m.output_size_in_bytes,
+        m.alias_size_in_bytes,
+        m.generated_code_size_in_bytes,
+    )
+    row.total = row.arguments + row.temporary + row.output - row.aliased + row.code
+    hlo = compiled.as_text()
+    if dump:
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        (Path(dump) / f"{program.name}.{target.name}.hlo.txt").write_text(hlo)
+    row.kernel = attention_kernel(hlo)
+    row.collectives = collectives(hlo)
+    xla_flops, xla_bytes = _cost(compiled)
+    # at least: every argument read and every output written once, and what the program says it must read
+    row.bytes_accessed = max(xla_bytes, row.arguments + row.output, getattr(program, "min_bytes", 0.0))
+    # XLA's count where it has one and it is not lower than the model's (a count that missed loop trips)
+    row.flops, row.flops_source = (
+        (xla_flops, "xla") if xla_flops >= row.model_flops else (row.model_flops, "model")
+    )
+    if target.peak_flops:
+        compute = row.flops / target.peak_flops
+        memory_time = row.bytes_accessed / target.bandwidth if target.bandwidth else 0.0
+        row.step_s = max(compute, memory_time)
+        row.mfu_ceiling = (row.model_flops / target.peak_flops) / row.step_s if row.step_s else 0.0
+    return row
+
+
+_EXHAUSTED = re.compile(r"\(([\d.]+)([KMGT])\)\s*exceeds available HBM\s*\(([\d.]+)([KMGT])\)")
+
+
+def _exhausted(message: str) -> tuple[int, int]:
+    """(bytes required, bytes available) from the TPU compiler's RESOURCE_EXHAUSTED message
+    ("... HLO temporaries (49.15G) exceeds available HBM (15.75G)"), else (0, 0)."""
+    m = _EXHAUSTED.search(message)
+    if not m:
+        return 0, 0
+    unit = lambda u: 1024 ** (1 + "KMGT".index(u))  # noqa: E731
+    return int(float(m.group(1)) * unit(m.group(2))), int(float(m.group(3)) * unit(m.group(4)))
+
+
+def pct(x: float) -> str:
+    """A percentage with two significant digits below 10% (decoding's ceilings are fractions of one)."""
+    return f"{x:.0%}" if x >= 0.1 else f"{100 * x:.2g}%"
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def collectives_text(found: dict) -> str:
+    if not found:
+        return "none"
+    return ", ".join(
+        f"{k} {c} ({gb(b) if b >= 1e7 else f'{b / 1e6:.1f}M'}B)" for k, (c, b) in sorted(found.items())
+    )
+
+
+def table(rows: list[Row], target, headroom: float = 0.0) -> str:
+    """A plain-text table, one line per program, the figures per device."""
+    head = ("program", "params GB", "opt GB", "temp GB", "total GB", "memory GB", "fits",
+            "kernel", "compile s", "TFLOP", "step >= ms", "MFU ceiling")  # fmt: skip
+    lines = [head]
+    for r in rows:
+        fits = "yes" if r.fits(headroom) else ("NO: " + ("compiler: out of memory" if r.error else "too big"))
+        lines.append((
+            r.program, gb(r.parameters), gb(r.optimizer), gb(r.temporary), gb(r.total),
+            f"{gb(r.memory)} ({(r.memory - r.total) / 1e9:+.2f})", fits, r.kernel or "-",
+            f"{r.compile_s:.1f}",
+            f"{r.flops / 1e12:.3g} ({r.flops_source})" if r.flops else "-",
+            f"{r.step_s * 1e3:.3g}" if r.step_s else "-",
+            pct(r.mfu_ceiling) if r.mfu_ceiling else "-",
+        ))  # fmt: skip
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+    for r in rows:
+        out.append(f"{r.program}: {r.note}; collectives: {collectives_text(r.collectives)}")
+        if r.error:
+            out.append(f"{r.program}: {r.error}")
+    return "\n".join(out)

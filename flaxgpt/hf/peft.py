@@ -1,0 +1,266 @@
+"""Hugging Face PEFT LoRA adapters both ways, and merging one into its base.
+
+    spec, adapters = load_adapter("adapter_dir", config)     # adapter_config.json + adapter_model.safetensors
+    config, params = flaxgpt.load_pretrained("base_dir", adapter="adapter_dir")   # merged
+    export_adapter(config, spec, adapters, "out/adapter", base="base_dir")       # peft loads it
+    python -m flaxgpt.hf.peft merge --base base_dir --adapter adapter_dir --to merged_dir
+    python -m flaxgpt.hf.peft export --out_dir out/lora_llama --to out/lora_llama_adapter
+
+PEFT names one adapter per torch module: lora_A.weight [r, in] and lora_B.weight [out, r] (torch
+layout, also for GPT-2's Conv1D); flaxgpt's are A [in, r] and B [r, out] at the Dense they adapt
+(models/lora.py), a q, k or v adapter writing its column block of the fused c_attn. The key table
+below is the whole mapping; every tensor is shape-checked against the base's config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+
+import jax
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from flaxgpt.hf import files as hf_files
+from flaxgpt.hf import gpt2 as hf_gpt2
+from flaxgpt.models import lora
+from flaxgpt.models.gpt import GPTConfig, quantize_params, stack_layers, unstack_layers
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# flaxgpt target -> torch module inside layer i, per family; and the layer prefix of each
+HF_MODULES = {
+    "llama": {
+        "q": "self_attn.q_proj",
+        "k": "self_attn.k_proj",
+        "v": "self_attn.v_proj",
+        "o": "self_attn.o_proj",
+        "gate": "mlp.gate_proj",
+        "up": "mlp.up_proj",
+        "down": "mlp.down_proj",
+    },
+    "gpt2": {"qkv": "attn.c_attn", "o": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"},
+}
+LAYER_PREFIX = {"llama": "base_model.model.model.layers.{i}.", "gpt2": "base_model.model.transformer.h.{i}."}
+KEY_RE = re.compile(
+    r"^base_model\.model\.(?:model\.layers|transformer\.h)\.(\d+)\.(.+)\.lora_([AB])\.weight$"
+)
+UNSUPPORTED = {  # adapter_config fields whose non-default values flaxgpt does not implement
+    "use_dora": False,
+    "bias": "none",
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+}
+
+
+def _family(config: GPTConfig) -> str:
+    return "llama" if config.glu else "gpt2"
+
+
+def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict]:
+    """A PEFT LoRA directory -> (LoraSpec, flaxgpt adapters) for the base `config`, every tensor checked."""
+    cfg_file, weights = os.path.join(directory, ADAPTER_CONFIG), os.path.join(directory, ADAPTER_WEIGHTS)
+    if not (os.path.isfile(cfg_file) and os.path.isfile(weights)):
+        raise FileNotFoundError(
+            f"{directory} is not a PEFT adapter: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
+        )
+    with open(cfg_file) as fh:
+        hf = json.load(fh)
+    if hf.get("peft_type", "LORA") != "LORA":
+        raise ValueError(
+            f"{directory}: peft_type {hf.get('peft_type')!r} is not supported; only LORA adapters load"
+        )
+    for name, default in UNSUPPORTED.items():
+        if hf.get(name) not in (default, None, {}, False, "none"):
+            raise ValueError(f"{directory}: {name}={hf[name]!r} is not supported (flaxgpt loads plain LoRA)")
+    family = _family(config)
+    to_target = {module: t for t, module in HF_MODULES[family].items()}
+    tensors = load_file(weights)
+    found: dict = {}  # (layer, target) -> {"A": array, "B": array}
+    for key, x in tensors.items():
+        m = KEY_RE.match(key)
+        target = m and to_target.get(m.group(2))
+        if not m or target is None or not key.startswith(LAYER_PREFIX[family].format(i=m.group(1))):
+            raise ValueError(
+                f"{directory}: tensor {key} is not a LoRA weight of a {family}-family model "
+                f"(an adapter for another architecture?)"
+            )
+        found.setdefault((int(m.group(1)), target), {})[m.group(3)] = x
+    targets = sorted({t for _, t in found}, key=lora.model_targets(config).index)
+    if not targets:
+        raise ValueError(f"{directory}: {ADAPTER_WEIGHTS} holds no LoRA weights")
+    flat = dataclasses.replace(config, scan_layers=False)
+    spec = lora.LoraSpec.make(
+        flat,
+        int(hf["r"]),
+        float(hf["lora_alpha"]),
+        float(hf.get("lora_dropout") or 0.0),
+        targets,
+        rslora=bool(hf.get("use_rslora")),
+    )
+    adapters: dict = {}
+    for i in range(config.n_layer):
+        for t in targets:
+            pair = found.pop((i, t), None)
+            if pair is None or set(pair) != {"A", "B"}:
+                raise ValueError(
+                    f"{directory}: layer {i} has no complete {HF_MODULES[family][t]} adapter (A and B)"
+                )
+            node = adapters.setdefault(f"h_{i}", {})
+            for name in lora.SITES[t]:
+                node = node.setdefault(name, {})
+            node[f"{t}_a"] = np.ascontiguousarray(pair["A"].T.astype(np.float32))
+            node[f"{t}_b"] = np.ascontiguousarray(pair["B"].T.astype(np.float32))
+    if found:
+        raise ValueError(
+            f"{directory}: adapters for layer {min(found)[0]}, but the base has {config.n_layer} layers"
+        )
+    lora.check_adapters(flat, spec, adapters, what=f"{directory}:")
+    adapters = jax.tree_util.tree_map(jax.numpy.asarray, adapters)
+    if config.scan_layers:  # the spec's columns do not depend on the layout
+        adapters = stack_layers(adapters, config.n_layer)
+    return spec, adapters
+
+
+def export_adapter(config: GPTConfig, spec: lora.LoraSpec, adapters, out_dir: str, base: str = "") -> str:
+    """Write out_dir/adapter_config.json + adapter_model.safetensors that peft's PeftModel loads."""
+    lora.check_adapters(config, spec, adapters)
+    adapters = jax.device_get(adapters)
+    if config.scan_layers:
+        adapters = unstack_layers(adapters, config.n_layer)
+    family = _family(config)
+    tensors = {}
+    for i in range(config.n_layer):
+        for t in spec.targets:
+            node = adapters[f"h_{i}"]
+            for name in lora.SITES[t]:
+                node = node[name]
+            key = LAYER_PREFIX[family].format(i=i) + HF_MODULES[family][t]
+            tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(np.asarray(node[f"{t}_a"], np.float32).T)
+            tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(np.asarray(node[f"{t}_b"], np.float32).T)
+    modules = [HF_MODULES[family][t] for t in spec.targets]
+    hf = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "use_rslora": spec.rslora,
+        # GPT-2's attn.c_proj and mlp.c_proj share a name: peft matches a target by its dotted suffix
+        "target_modules": [
+            m if family == "gpt2" and m.endswith("c_proj") else m.split(".")[-1] for m in modules
+        ],
+        "fan_in_fan_out": family == "gpt2",  # GPT-2's Conv1D keeps weights [in, out]
+        "bias": "none",
+        "inference_mode": True,
+        "init_lora_weights": True,
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, ADAPTER_WEIGHTS + ".tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, ADAPTER_WEIGHTS))
+    hf_files.write_json(hf, os.path.join(out_dir, ADAPTER_CONFIG))
+    return out_dir
+
+
+def load_pretrained(name_or_path: str, *, adapter: str | None = None, quantize: str | None = None, **kw):
+    """hf.gpt2.load_pretrained, with a PEFT `adapter` directory merged into the base (W + scale A B)
+    before any `quantize`: (config, params) of a plain GPT (flaxgpt.load_pretrained)."""
+    if adapter is None:
+        return hf_gpt2.load_pretrained(name_or_path, quantize=quantize, **kw)
+    config, base = hf_gpt2.load_pretrained(name_or_path, **kw)
+    spec, adapters = load_adapter(adapter, config)
+    params = lora.merge(config, spec, base, adapters)
+    if quantize is not None:
+        return quantize_params(config, params, quantize)
+    return config, params
+
+
+def lora_section(out_dir) -> dict | None:
+    """The `lora` section of a run's config.json when the run trained LoRA adapters (rank > 0)."""
+    path = os.path.join(out_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        section = json.load(fh).get("lora") or {}
+    return section if section.get("rank") else None
+
+
+def _lora_run(out_dir, step=None):
+    """(config, spec, adapters, base directory, extra) of a LoRA run's checkpoint `step` (default latest)."""
+    from flaxgpt.models import registry as models
+    from flaxgpt.runs import checkpoint
+
+    adapters, extra = checkpoint.load_for_inference(out_dir, step, with_extra=True)
+    cfg = extra.get("config") or {}
+    c, config = cfg.get("lora") or lora_section(out_dir), models.config_from(cfg["model"], saved=True)
+    spec = lora.LoraSpec.make(config, c["rank"], c["alpha"], c["dropout"], c["targets"])
+    return config, spec, adapters, cfg["init_from"], extra
+
+
+def load_lora_run(out_dir, step=None, *, quantize: str | None = None):
+    """A LoRA run as a run_dir.Run: its base (init_from) with the checkpoint's adapters merged."""
+    from flaxgpt.data import tokenizers
+    from flaxgpt.runs.run_dir import Run
+
+    config, spec, adapters, base_dir, extra = _lora_run(out_dir, step)
+    layout = {
+        f: getattr(config, f) for f in ("scan_layers", "pad_vocab_multiple", "param_dtype", "block_size")
+    }
+    _, base = hf_gpt2.load_pretrained(base_dir, **layout)
+    params = lora.merge(config, spec, base, adapters)
+    if quantize is not None:
+        config, params = quantize_params(config, params, quantize)
+    with open(os.path.join(out_dir, "meta.json")) as fh:
+        tok_meta = (extra.get("meta") or {}).get("tokenizer") or json.load(fh)["tokenizer"]
+    return Run("gpt", config, params, tokenizers.from_meta(tok_meta))
+
+
+def export_run_adapter(out_dir, to: str, step=None) -> str:
+    """A LoRA run's adapters (checkpoint `step`, default the latest) as a PEFT adapter directory."""
+    if lora_section(out_dir) is None:
+        raise ValueError(f"{out_dir} is not a LoRA run (its config.json has no lora.rank > 0)")
+    hf_gpt2.check_export_target(to, run=out_dir)
+    config, spec, adapters, base_dir, _ = _lora_run(out_dir, step)
+    return export_adapter(config, spec, adapters, to, base=base_dir)
+
+
+def merge_to(base_dir: str, adapter_dir: str, to: str, overwrite: bool = False) -> str:
+    """Write base + adapter as a plain Hugging Face model directory (config, safetensors, tokenizer)."""
+    hf_gpt2.check_export_target(to, overwrite)
+    config, params = load_pretrained(base_dir, adapter=adapter_dir)
+    has_tokenizer = os.path.isfile(os.path.join(base_dir, "tokenizer.json"))
+    tokenizer = hf_gpt2.load_tokenizer(base_dir) if config.glu and has_tokenizer else None
+    return hf_gpt2.export_pretrained(config, params, to, overwrite=True, tokenizer=tokenizer)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flaxgpt.hf.peft", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="base + PEFT adapter -> a plain Hugging Face model directory")
+    m.add_argument("--base", required=True, help="the base model directory (config.json + safetensors)")
+    m.add_argument("--adapter", required=True, help="the PEFT adapter directory")
+    m.add_argument("--to", required=True, help="the new model directory")
+    m.add_argument("--overwrite", action="store_true")
+    e = sub.add_parser("export", help="a LoRA run's adapter -> a PEFT adapter directory")
+    e.add_argument("--out_dir", required=True, help="the LoRA training run")
+    e.add_argument("--to", required=True, help="the adapter directory to write")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "merge":
+            print(f"wrote {merge_to(args.base, args.adapter, args.to, args.overwrite)}")
+        else:
+            print(f"wrote {export_run_adapter(args.out_dir, args.to)}")
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

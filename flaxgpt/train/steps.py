@@ -1,0 +1,114 @@
+"""The pure, jitted steps of a run: TrainState, the train step (gradient accumulation inside) and the
+eval step, with the optimizer and shardings they are compiled with.
+
+    steps = make_steps(config, task, mesh)
+    state, metrics = steps.train_step(state, batch)   # batch leaves [grad_accum, micro_B, ...]
+
+The trainer (flaxgpt.train.trainer) runs them; flaxgpt.aot compiles them for a target ahead of time.
+LoRA (lora.rank > 0): `params` are the adapters, `frozen` the base (FSDP-sharded, never checkpointed).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from flaxgpt import sharding
+from flaxgpt.train.optim import make_optimizer
+from flaxgpt.train.tasks import task_loss
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates done so far (also the data position)
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # base key; dropout at step s uses fold_in(rng, s)
+    frozen: Any = None  # LoRA: the frozen base (never differentiated, never checkpointed); else None
+
+
+def make_train_step(task, tx, schedule, grad_accum: int):
+    """train_step(state, batch) with batch leaves [grad_accum, micro_B, ...]."""
+    grad_fn = jax.value_and_grad(task_loss(task, True), has_aux=True)
+
+    def train_step(state: TrainState, batch):
+        rng = jax.random.fold_in(state.rng, state.step)
+
+        def micro(i, micro_batch):
+            r = jax.random.fold_in(rng, i)
+            (loss_sum, weight), grads = grad_fn(state.params, micro_batch, r, state.frozen)
+            return grads, loss_sum, weight
+
+        if grad_accum == 1:
+            grads, loss_sum, weight = micro(0, jax.tree_util.tree_map(lambda x: x[0], batch))
+        else:  # sum gradients of summed losses, divide once: k micro-batches == one big batch
+
+            def body(carry, xs):
+                out = micro(*xs)
+                return jax.tree_util.tree_map(jnp.add, carry, out), None
+
+            zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params), jnp.float32(0), jnp.float32(0))
+            (grads, loss_sum, weight), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), batch))
+        grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+class Steps(NamedTuple):
+    """A run's jitted programs and what they are built from: what Trainer runs and flaxgpt.aot compiles."""
+
+    tx: Any
+    schedule: Any
+    init_state: Any  # init_state(rng, params=None) -> TrainState (fresh parameters, or the given ones)
+    param_shardings: Any
+    abstract_state: Any
+    state_shardings: Any  # of what checkpoints hold (frozen: None)
+    frozen: Any  # LoRA: the frozen base placed on the mesh, else None
+    train_batch_sharding: Any  # leaves [grad_accum, micro_B, ...]
+    eval_batch_sharding: Any
+    train_step: Any  # jitted, state donated
+    eval_step: Any  # jitted: (params, batch, frozen) -> (loss_sum, weight); frozen None without LoRA
+
+
+def make_steps(config, task, mesh) -> Steps:
+    """The optimizer, shardings and jitted train / eval steps of `config` for `task` on `mesh`."""
+    tx, schedule = make_optimizer(config.optim, config.max_iters, mesh)
+    param_shardings = sharding.param_shardings(task.abstract_params(), mesh)
+
+    def init_state(rng, params=None):
+        params_rng, train_rng = jax.random.split(rng)
+        params = task.init_params(params_rng) if params is None else params
+        return TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=train_rng)
+
+    abstract_state = jax.eval_shape(init_state, jax.random.key(0))
+    state_shardings = sharding.state_shardings(abstract_state, abstract_state.params, param_shardings, mesh)
+    frozen, frozen_shardings = task.place_frozen(mesh)  # LoRA's base, sharded as FSDP shards parameters
+    step_shardings = state_shardings.replace(frozen=frozen_shardings)  # checkpoints hold no frozen base
+    train_batch_sharding = sharding.batch_sharding(mesh, leading_axes=1)
+    eval_batch_sharding = sharding.batch_sharding(mesh)
+    rep = sharding.replicated(mesh)
+    # traced under the mesh: "auto" attention and the Pallas kernel see the devices compiled for
+    train_step = jax.jit(
+        sharding.under_mesh(make_train_step(task, tx, schedule, config.grad_accum), mesh),
+        in_shardings=(step_shardings, train_batch_sharding),
+        out_shardings=(step_shardings, rep),
+        donate_argnums=0,
+    )
+    eval_loss = task_loss(task, False)
+    eval_step = jax.jit(
+        sharding.under_mesh(lambda p, b, f: eval_loss(p, b, None, f), mesh),
+        in_shardings=(param_shardings, eval_batch_sharding, frozen_shardings),
+        out_shardings=rep,
+    )
+    return Steps(
+        tx, schedule, init_state, param_shardings, abstract_state, state_shardings, frozen,
+        train_batch_sharding, eval_batch_sharding, train_step, eval_step,
+    )  # fmt: skip

@@ -1,0 +1,151 @@
+"""PEFT LoRA adapters against peft itself: loaded, merged, exported and bad adapters, on tiny random
+Llama / Qwen2 / GPT-2 models made with transformers (random non-zero B: init_lora_weights=False)."""
+
+import json
+
+import jax
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+import flaxgpt
+from flaxgpt.hf import gpt2 as hf
+from flaxgpt.hf import peft as hf_peft
+from flaxgpt.models import lora
+from tests.hf.test_llama import TOKENS, flax_logits, make_hf_model, ref_logits
+
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_gpt2(directory):
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(directory)
+    return model
+
+
+def make_adapter(model, directory, targets, r=4, alpha=8.0, **kw):
+    torch.manual_seed(1)
+    cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, **kw)
+    pmodel = peft.get_peft_model(model, cfg).eval()
+    pmodel.save_pretrained(directory)
+    return pmodel
+
+
+CASES = {  # name -> (base maker, peft target_modules, extra LoraConfig fields)
+    "llama_all": (lambda d: make_hf_model("llama", d), LLAMA_TARGETS, {}),
+    "qwen2_kv_rslora": (
+        lambda d: make_hf_model("qwen2", d),
+        ["k_proj", "v_proj", "up_proj"],
+        {"use_rslora": True},
+    ),
+    "gpt2_all": (make_gpt2, ["c_attn", "c_proj", "c_fc"], {"fan_in_fan_out": True}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def adapted(request, tmp_path_factory):
+    base_dir, adapter_dir = tmp_path_factory.mktemp("base"), tmp_path_factory.mktemp("adapter")
+    make_base, targets, extra = CASES[request.param]
+    pmodel = make_adapter(make_base(base_dir), adapter_dir, targets, **extra)
+    return base_dir, adapter_dir, pmodel, ref_logits(pmodel)
+
+
+def test_load_matches_peft(adapted):
+    base_dir, adapter_dir, _, want = adapted
+    config, merged = flaxgpt.load_pretrained(str(base_dir), adapter=str(adapter_dir))
+    assert np.abs(flax_logits(config, merged) - want).max() < 1e-4
+    # unmerged: the adapters added by the interceptor, over the float32 and a scan-layers base
+    config, base = hf.load_pretrained(str(base_dir), scan_layers=True)
+    spec, adapters = hf_peft.load_adapter(str(adapter_dir), config)
+    got = jax.jit(lambda b, a: lora.apply(config, spec, b, a, TOKENS))(base, adapters)
+    assert np.abs(np.asarray(got) - want).max() < 1e-4
+
+
+def test_export_loads_in_peft(adapted, tmp_path):
+    base_dir, adapter_dir, pmodel, want = adapted
+    config, base = hf.load_pretrained(str(base_dir))
+    spec, adapters = hf_peft.load_adapter(str(adapter_dir), config)
+    hf_peft.export_adapter(config, spec, adapters, str(tmp_path / "out"), base=str(base_dir))
+    reloaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "out"
+    ).eval()
+    assert np.abs(ref_logits(reloaded) - want).max() < 1e-5
+
+
+def test_merge_cli_writes_a_plain_model(adapted, tmp_path):
+    base_dir, adapter_dir, _, want = adapted
+    assert (
+        hf_peft.main(
+            ["merge", "--base", str(base_dir), "--adapter", str(adapter_dir), "--to", str(tmp_path / "m")]
+        )
+        == 0
+    )
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert np.abs(ref_logits(merged) - want).max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def llama_and_gpt2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    make_adapter(make_hf_model("llama", root / "llama"), root / "llama_adapter", ["q_proj", "v_proj"])
+    make_adapter(make_gpt2(root / "gpt2"), root / "gpt2_adapter", ["c_attn"], fan_in_fan_out=True)
+    make_adapter(make_hf_model("llama", root / "wide", hidden_size=128), root / "wide_adapter", ["q_proj"])
+    return root
+
+
+@pytest.mark.parametrize(
+    "base, adapter, message",
+    [
+        ("llama", "gpt2_adapter", "not a LoRA weight of a llama-family model"),
+        ("gpt2", "llama_adapter", "not a LoRA weight of a gpt2-family model"),
+        ("llama", "wide_adapter", "has shape"),
+        ("llama", "llama", "is not a PEFT adapter"),
+    ],
+)
+def test_bad_adapters_fail_in_one_line_and_write_nothing(llama_and_gpt2, tmp_path, base, adapter, message):
+    root = llama_and_gpt2
+    with pytest.raises(SystemExit) as e:
+        hf_peft.main(
+            [
+                "merge",
+                "--base",
+                str(root / base),
+                "--adapter",
+                str(root / adapter),
+                "--to",
+                str(tmp_path / "m"),
+            ]
+        )
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "m").exists()
+
+
+def test_unsupported_adapter_fields_are_refused(llama_and_gpt2, tmp_path):
+    src = llama_and_gpt2 / "llama_adapter"
+    (tmp_path / "a").mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(
+        (src / "adapter_model.safetensors").read_bytes()
+    )
+    config, _ = hf.load_pretrained(str(llama_and_gpt2 / "llama"))
+    with pytest.raises(ValueError, match="use_dora"):
+        hf_peft.load_adapter(str(tmp_path / "a"), config)
+
+
+def test_sample_and_serve_load_a_base_with_an_adapter(tmp_path):
+    import sample
+    from flaxgpt.serve import launch
+
+    base_dir, adapter_dir = tmp_path / "gpt2", tmp_path / "adapter"  # GPT-2: its BPE ships with flaxgpt
+    want = ref_logits(make_adapter(make_gpt2(base_dir), adapter_dir, ["c_attn", "c_fc"], fan_in_fan_out=True))
+    a = sample.build_parser().parse_args(["--init_from", str(base_dir), "--adapter", str(adapter_dir)])
+    served, _ = launch.load(init_from=str(base_dir), adapter=str(adapter_dir))
+    for r in (sample.load(a), served):
+        assert np.abs(flax_logits(r.config, r.params) - want).max() < 1e-4
+    with pytest.raises(ValueError, match="--adapter DIR goes with --init_from BASE"):
+        sample.load(sample.build_parser().parse_args(["--out_dir", "x", "--adapter", str(adapter_dir)]))

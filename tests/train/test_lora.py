@@ -1,0 +1,162 @@
+"""LoRA training on a tiny random Llama directory: configs/lora_llama.py end to end through train.py,
+exact resume, checkpoints that hold only the adapters and their AdamW state, the exported adapter in
+peft, an int8 (QLoRA-style) base, FSDP on 8 CPU devices equal to one device, and one-line errors."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import peft
+import pytest
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ package
+
+from configs import lora_llama  # noqa: E402
+from flaxgpt.data import prepare  # noqa: E402
+from flaxgpt.hf import peft as hf_peft  # noqa: E402
+from flaxgpt.runs import checkpoint as ckpt_lib  # noqa: E402
+from flaxgpt.train import trainer  # noqa: E402
+from flaxgpt.train.config_check import ConfigError  # noqa: E402
+from tests.hf.test_llama import TOKENS, flax_logits, make_hf_model, ref_logits  # noqa: E402
+from tests.train.test_train_cli import ROOT, run  # noqa: E402
+
+TEXT = "".join(f"the {i % 9} quick foxes jumped over {i % 4} lazy dogs.\n" for i in range(200))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    make_hf_model("llama", root / "llama")
+    prepare.prepare_text(TEXT, root / "data", "char", 0.1, "generated")
+    return root
+
+
+def tiny(root, out, **over):
+    c = lora_llama.get_config()
+    c.init_from, c.data.dir, c.out_dir = str(root / "llama"), str(root / "data"), str(out)
+    c.model.block_size, c.model.dtype, c.model.remat = 16, "float32", "none"
+    c.batch_size, c.grad_accum, c.max_iters, c.eval_interval, c.eval_iters = 4, 1, 6, 3, 1
+    c.log_interval, c.ckpt_interval, c.tensorboard, c.plot = 1, 3, False, False
+    c.lora.rank, c.lora.base_dtype = 4, "float32"
+    c.optim.learning_rate, c.optim.warmup_steps, c.optim.schedule = 1e-2, 0, "constant"  # resumable
+    c.mesh.cpu_devices = 0
+    for key, value in over.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def quiet_train(config, devices=None):
+    return trainer.train(config, devices=devices, print_fn=lambda *a: None)
+
+
+def losses(out):
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_trains_resumes_exactly_and_checkpoints_only_the_adapters(dirs, tmp_path):
+    one = quiet_train(tiny(dirs, tmp_path / "one"), jax.devices()[:1])
+    seen = losses(tmp_path / "one")
+    assert seen[-1] < seen[0] - 0.3, seen
+    quiet_train(tiny(dirs, tmp_path / "two", max_iters=3), jax.devices()[:1])
+    two = quiet_train(tiny(dirs, tmp_path / "two"), jax.devices()[:1])  # resumes at step 3
+    for a, b in zip(
+        jax.tree_util.tree_leaves(one["state"].params), jax.tree_util.tree_leaves(two["state"].params)
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ckpt = ckpt_lib.Checkpointer(tmp_path / "one", read_only=True, async_save=False)
+    names = ckpt.saved_shapes(6)
+    ckpt.close()
+    params = [n for n in names if n.startswith("params/")]
+    assert params and all(n.split("/")[-1][-2:] in ("_a", "_b") for n in params), params
+    assert not any("kernel" in n or "embedding" in n or "scale" in n for n in names), names
+    adapter_values = sum(int(np.prod(s)) for n, (s, _) in names.items() if n.startswith("params/"))
+    assert adapter_values == sum(x.size for x in jax.tree_util.tree_leaves(one["state"].params))
+
+
+def test_int8_base_trains(dirs, tmp_path):
+    quiet_train(tiny(dirs, tmp_path / "q", **{"lora.base_dtype": "int8", "mesh.fsdp": 2}), jax.devices()[:2])
+    seen = losses(tmp_path / "q")
+    assert np.all(np.isfinite(seen)) and seen[-1] < seen[0] - 0.3, seen
+
+
+def test_fsdp_on_8_devices_equals_one_device(dirs, tmp_path):
+    def steps(cfg, devices):
+        t = trainer.Trainer(cfg, devices=devices, print_fn=lambda *a: None)
+        state, out = t.init_state(), []
+        for step in range(3):
+            state, m = t.train_step(state, t.global_batch("train", step, cfg.batch_size, micro=True))
+            out.append(float(m["loss"]))
+        t.close()
+        return np.array(out), state
+
+    cfg = tiny(dirs, tmp_path / "x", **{"model.scan_layers": True})
+    ref, _ = steps(cfg, jax.devices()[:1])
+    cfg8 = tiny(
+        dirs, tmp_path / "y", **{"model.scan_layers": True, "mesh.data": 2, "mesh.fsdp": 4, "batch_size": 8}
+    )
+    cfg1 = tiny(dirs, tmp_path / "z", **{"model.scan_layers": True, "batch_size": 8})
+    got, state = steps(cfg8, jax.devices()[:8])
+    want, _ = steps(cfg1, jax.devices()[:1])
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    assert ref[-1] < ref[0]
+    kernel = state.frozen["h"]["block"]["mlp"]["c_fc"]["kernel"]  # [L, D, 2F]: split over fsdp
+    assert kernel.sharding.spec != jax.sharding.PartitionSpec() and "fsdp" in str(kernel.sharding.spec)
+    assert len({s.data.shape for s in kernel.addressable_shards}) == 1
+    assert kernel.addressable_shards[0].data.size * 4 == kernel.size
+
+
+def test_train_py_end_to_end_then_peft_loads_the_adapter(dirs, tmp_path):
+    out, adapter = tmp_path / "run", tmp_path / "adapter"
+    flags = [
+        f"--config.init_from={dirs / 'llama'}",
+        f"--config.data.dir={dirs / 'data'}",
+        f"--config.out_dir={out}",
+        "--config.model.block_size=16",
+        "--config.model.dtype=float32",
+        "--config.lora.base_dtype=float32",
+        "--config.batch_size=4",
+        "--config.grad_accum=1",
+        "--config.max_iters=4",
+        "--config.eval_interval=2",
+        "--config.eval_iters=1",
+        "--config.log_interval=1",
+        "--config.optim.learning_rate=1e-2",
+        "--config.optim.warmup_steps=0",
+        "--config.tensorboard=False",
+        "--config.plot=False",
+    ]
+    r = run([str(ROOT / "train.py"), f"--config={ROOT}/configs/lora_llama.py", *flags], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert hf_peft.main(["export", "--out_dir", str(out), "--to", str(adapter)]) == 0
+    lora_run = hf_peft.load_lora_run(str(out))  # what sample.py --out_dir loads: base + adapters merged
+    base = transformers.AutoModelForCausalLM.from_pretrained(dirs / "llama")
+    tokens = TOKENS[:, :16]  # the run's block_size
+    want = ref_logits(peft.PeftModel.from_pretrained(base, adapter).eval(), tokens)
+    assert np.abs(flax_logits(lora_run.config, lora_run.params, tokens) - want).max() < 1e-4
+    plain = ref_logits(transformers.AutoModelForCausalLM.from_pretrained(dirs / "llama"), tokens)
+    assert np.abs(want - plain).max() > 1e-3  # the adapters trained: not the base model
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"lora.rank": -1}, "lora.rank=-1 must be >= 0"),
+        ({"lora.targets": "q,v,c_attn"}, "has no c_attn"),
+        ({"lora.targets": "qkv"}, "has no qkv"),
+        ({"init_from": "scratch"}, "adapts a pretrained model"),
+        ({"lora.base_dtype": "int4"}, "base_dtype"),
+    ],
+)
+def test_bad_lora_settings_fail_in_one_line_and_write_nothing(dirs, tmp_path, over, message):
+    with pytest.raises((ConfigError, ValueError)) as e:
+        quiet_train(tiny(dirs, tmp_path / "never", **over))
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "never").exists()
