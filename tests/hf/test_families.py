@@ -254,3 +254,21 @@ def test_flops_count_a_window_layer_over_its_window():
     T, HK = 8192, 4 * 256
     got = summary.flops_per_token(c, T)["forward"] - 2 * summary.flops_per_token(c, T)["n_matmul"]
     assert got == 4 * HK * (4 * T + 22 * 512)
+
+
+def test_peft_lora_adapter_loads_merged_and_unmerged(family, tmp_path):
+    """A PEFT LoRA adapter on every projection (Llama's module names) equals peft's logits."""
+    import flaxgpt
+    from flaxgpt.hf import peft as hf_peft
+    from flaxgpt.models import lora
+    from tests.hf.test_peft import LLAMA_TARGETS, make_adapter
+
+    _, directory, _ = family
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    want = ref_logits(make_adapter(base_model, tmp_path, LLAMA_TARGETS), TOKENS)
+    config, merged = flaxgpt.load_pretrained(directory, adapter=str(tmp_path))
+    np.testing.assert_allclose(flax_logits(config, merged, TOKENS), want, atol=1e-4, rtol=0)
+    config, base = hf.load_pretrained(directory)
+    spec, adapters = hf_peft.load_adapter(str(tmp_path), config)
+    got = jax.jit(lambda b, a: lora.apply(config, spec, b, a, TOKENS))(base, adapters)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=0)
