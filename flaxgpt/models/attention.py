@@ -86,12 +86,14 @@ def attend(
     segment_ids_BT: jax.Array | None = None,
     scale: float = 0.0,
     softcap: float = 0.0,
+    window: int = 0,
 ) -> jax.Array:
     """Scaled dot-product attention -> [B, T, H, K].
 
     `scale`: the logits' factor (0 = 1/sqrt(K)); `softcap`: logits = cap * tanh(logits / cap)
-    before the mask (Gemma 2), which only the XLA path does (cuDNN has no soft-cap; the splash
-    kernel has one, not wired here).
+    before the mask (Gemma 2): XLA and the splash kernel do it, cuDNN has none. `window` with
+    `is_causal`: the causal mask also limited to the last `window` keys (the mask holds it too):
+    the splash kernel takes it as a local mask, cuDNN as the explicit mask.
 
     impl: "xla" (explicit logits and mask), "cudnn" (jax.nn.dot_product_attention's cuDNN
     flash attention, NVIDIA GPUs, 16-bit) or "pallas" (the splash kernel, TPU; interpret mode
@@ -102,16 +104,16 @@ def attend(
     Packed rows (`segment_ids_BT`, already folded into `mask_BHTS`): the splash kernel takes the
     segment ids itself; cuDNN gets the explicit causal-and-same-segment mask.
     """
-    fused_ok = dropout_rate == 0.0 and sow is None and not softcap
+    fused_ok = dropout_rate == 0.0 and sow is None
     if impl == "pallas" and fused_ok and is_causal:
         from flaxgpt.kernels import pallas_attention
 
         if pallas_attention.fits(q_BTHK.shape[1], k_BSHK.shape[1], q_BTHK.shape[0]):
             if scale:  # the kernel scales by 1/sqrt(K) itself
                 q_BTHK = q_BTHK * jnp.asarray(scale * math.sqrt(q_BTHK.shape[-1]), q_BTHK.dtype)
-            return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT)
-    if impl == "cudnn" and fused_ok:
-        causal_only = is_causal and segment_ids_BT is None
+            return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT, window, softcap)
+    if impl == "cudnn" and fused_ok and not softcap:
+        causal_only = is_causal and segment_ids_BT is None and not window
         return jax.nn.dot_product_attention(
             q_BTHK,
             k_BSHK,
@@ -250,8 +252,8 @@ class SelfAttention(nn.Module):
         else:
             is_causal = False
             if self.causal:
-                # an extra mask or a window must reach the kernel explicitly
-                is_causal = mask_BHTS is None and not self.window
+                # an extra mask must reach the kernel explicitly (a window goes as `window`)
+                is_causal = mask_BHTS is None
                 tril = causal_mask(jnp.arange(T)[None], T, self.window)
                 mask_BHTS = tril if mask_BHTS is None else mask_BHTS & tril
             if segment_ids_BT is not None:  # packed rows: no query sees another example's keys
@@ -272,6 +274,7 @@ class SelfAttention(nn.Module):
                 segment_ids_BT=segment_ids_BT,
                 scale=self.scale,
                 softcap=self.softcap,
+                window=self.window,
             )
         y_BTD = nn.Dense(
             D,

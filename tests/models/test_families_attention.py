@@ -1,8 +1,8 @@
 """Gemma's attention options against a float64 reference, and on every attention path.
 
 `scale` (1/sqrt(query_pre_attn_scalar)), `softcap` (Gemma 2) and a sliding window: the XLA path equals
-numpy in float64; the Pallas splash kernel (interpret mode) and the cuDNN branch (answered by XLA, as
-in test_attention_impl) give the XLA result, and a soft-capped call never reaches a fused kernel.
+numpy in float64; the Pallas splash kernel (interpret mode, its local mask and soft-cap) and the cuDNN
+branch (answered by XLA, as in test_attention_impl) give the same, and cuDNN never gets a soft-cap.
 """
 
 import jax
@@ -37,7 +37,7 @@ def test_xla_equals_float64(softcap, window):
     np.testing.assert_allclose(got, reference(q, k, v, 0.3, softcap, window), atol=1e-5)
 
 
-def test_pallas_with_a_scale_equals_xla_and_softcap_skips_it(monkeypatch):
+def test_pallas_with_a_scale_equals_xla():
     q, k, v = qkv(B=1, T=128, H=1)
     want = attend(q, k, v, tril(128), impl="xla", scale=0.3)
     np.testing.assert_allclose(
@@ -51,13 +51,6 @@ def test_pallas_with_a_scale_equals_xla_and_softcap_skips_it(monkeypatch):
         atol=1e-5,
     )
 
-    def refuse(*a):
-        raise AssertionError("no fused kernel soft-caps")
-
-    monkeypatch.setattr(pallas_attention, "causal_attention", refuse)
-    got = attend(q, k, v, tril(128), impl="pallas", is_causal=True, scale=0.3, softcap=2.0)
-    np.testing.assert_allclose(got, reference(q, k, v, 0.3, 2.0, 0), atol=1e-5)
-
 
 def test_cudnn_gets_the_scale_and_the_window_mask(fake_cudnn):  # noqa: F811
     q, k, v = qkv(T=32)
@@ -70,7 +63,9 @@ def test_cudnn_gets_the_scale_and_the_window_mask(fake_cudnn):  # noqa: F811
 
 
 @pytest.mark.parametrize("impl", ["cudnn", "pallas"])
-def test_a_gemma2_model_on_the_fused_paths_equals_xla(fake_cudnn, impl):  # noqa: F811
+def test_a_gemma2_model_on_the_fused_paths_equals_xla(fake_cudnn, impl, monkeypatch):  # noqa: F811
+    pallas_calls, real = [], pallas_attention.causal_attention
+    monkeypatch.setattr(pallas_attention, "causal_attention", lambda *a: pallas_calls.append(a) or real(*a))
     base = dict(GPTConfig.PRESETS["gemma-2-2b"], vocab_size=61, block_size=128, n_layer=2, n_head=2)
     base.update(
         n_kv_head=1, n_embd=32, head_size=16, mlp_hidden=48, sliding_window=9, query_pre_attn_scalar=12.0
@@ -84,3 +79,21 @@ def test_a_gemma2_model_on_the_fused_paths_equals_xla(fake_cudnn, impl):  # noqa
         np.testing.assert_allclose(got, want, atol=1e-4)
     # cuDNN ran both layers (the window layer with its explicit mask) without the soft-cap, none with it
     assert len(fake_cudnn) == (2 if impl == "cudnn" else 0)
+    assert len(pallas_calls) == (4 if impl == "pallas" else 0)  # both layers, both times
+
+
+@pytest.mark.parametrize("softcap, window", [(2.0, 0), (0.0, 7), (2.0, 7)])
+def test_splash_kernel_does_the_window_and_the_softcap(monkeypatch, softcap, window):
+    """The splash kernel (interpret mode) with its local mask and soft-cap equals float64; it ran."""
+    calls, real = [], pallas_attention.causal_attention
+
+    def spy(*a):
+        calls.append(a[-2:])
+        return real(*a)
+
+    monkeypatch.setattr(pallas_attention, "causal_attention", spy)
+    q, k, v = qkv(B=1, T=128, H=2, K=16)
+    mask = causal_mask(jnp.arange(128)[None], 128, window)
+    got = attend(q, k, v, mask, impl="pallas", is_causal=True, scale=0.3, softcap=softcap, window=window)
+    np.testing.assert_allclose(got, reference(q, k, v, 0.3, softcap, window), atol=1e-5)
+    assert calls == [(window, softcap)]
