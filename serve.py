@@ -11,12 +11,17 @@
 Every slot is a row of one KV cache of --max_len positions (default the model's block_size); a
 request needs prompt + max_tokens <= max_len. All programs are compiled before /health says ok.
 SIGTERM drains: running requests finish, new ones get 503, then the process exits.
+Operations (docs/serving_ops.md): --api_key (or $FLAXGPT_API_KEY), GET /metrics (Prometheus), one
+access-log line per request on stderr, --max_tokens and --max_body_bytes limits (400 / 413);
+prompts sharing a prefix reuse its KV (--prefix_cache_tokens), long prompts are prefilled in
+chunks of --prefill_chunk tokens between decode steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -42,6 +47,26 @@ def parse_args(argv):
     )
     p.add_argument("--chunk", type=int, default=4, help="decode steps between admitting new requests")
     p.add_argument("--max_queue", type=int, default=64, help="waiting requests beyond the slots; then 429")
+    p.add_argument(
+        "--prefill_chunk",
+        type=int,
+        default=128,
+        help="prompt tokens prefilled per engine turn while others decode (0: a whole prompt at once)",
+    )
+    p.add_argument(
+        "--prefix_cache_tokens",
+        type=int,
+        default=4096,
+        help="KV positions kept for reuse by prompts sharing a prefix (0: no prefix cache)",
+    )
+    p.add_argument("--prefix_block", type=int, default=16, help="prefix cache granularity in tokens")
+    p.add_argument(
+        "--api_key",
+        default=os.environ.get("FLAXGPT_API_KEY"),
+        help="required as 'Authorization: Bearer KEY' on every route but /health (default: $FLAXGPT_API_KEY)",
+    )
+    p.add_argument("--max_tokens", type=int, default=None, help="the most max_tokens a request may ask for")
+    p.add_argument("--max_body_bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--model_name", default=None, help="the model id clients send (default: the run's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -52,6 +77,11 @@ def parse_args(argv):
         p.error("--random_init needs --init_from PRESET (e.g. gpt2)")
     if a.adapter and (not a.init_from or a.random_init):
         p.error("--adapter DIR goes with --init_from BASE (a LoRA run's --out_dir merges its own)")
+    for name in ("prefill_chunk", "prefix_cache_tokens"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
+    if a.prefix_block < 1 or a.max_body_bytes < 1 or (a.max_tokens is not None and a.max_tokens < 1):
+        p.error("--prefix_block, --max_body_bytes and --max_tokens must be >= 1")
     return a
 
 
@@ -61,7 +91,7 @@ def main(argv=None):
 
     runtime.setup()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)
+    logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)  # and its access log, a line per request
     from flaxgpt.serve import launch, server
 
     run, name = launch.load(
@@ -75,7 +105,17 @@ def main(argv=None):
     )
     config, tok = run.config, run.tokenizer
     sched = launch.scheduler_for(
-        config, run.params, tok, slots=a.slots, max_len=a.max_len, chunk=a.chunk, max_queue=a.max_queue
+        config,
+        run.params,
+        tok,
+        slots=a.slots,
+        max_len=a.max_len,
+        chunk=a.chunk,
+        max_queue=a.max_queue,
+        max_tokens=a.max_tokens,
+        prefill_chunk=a.prefill_chunk or None,
+        prefix_cache_tokens=a.prefix_cache_tokens,
+        prefix_block=a.prefix_block,
     )
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(
@@ -87,7 +127,15 @@ def main(argv=None):
         sched.engine.buckets,
     )
     sched.start()
-    app = server.create_app(sched, tok, model=a.model_name or name, max_len=W, vocab_size=config.vocab_size)
+    app = server.create_app(
+        sched,
+        tok,
+        model=a.model_name or name,
+        max_len=W,
+        vocab_size=config.vocab_size,
+        api_key=a.api_key,
+        max_body_bytes=a.max_body_bytes,
+    )
     print(
         f"serving {a.model_name or name} on http://{a.host}:{a.port} (GET /health is ok once compiled)",
         flush=True,

@@ -1,7 +1,8 @@
-"""Serving: the engine (prefill / insert / generate over a slots KV cache), the scheduler thread, the
-OpenAI request/response layer and the Starlette HTTP app.
+"""Serving: the engine (prefill / insert / generate over a slots KV cache; chunked prefill), the prefix
+cache (block KV reused across prompts), the scheduler thread, the OpenAI request/response layer, the
+Starlette HTTP app with its operations middleware (API key, limits, access log) and Prometheus metrics.
 
 May import: flaxgpt.decode (the row sampling), flaxgpt.data.chat (chat templates). The HTTP layer
-(server, openai_api, scheduler) imports no model module; building an engine for a model happens in
-launch.
+(server, openai_api, scheduler, middleware, metrics) imports no model module; building an engine for a
+model happens in launch.
 """

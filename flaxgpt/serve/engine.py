@@ -3,6 +3,8 @@
     engine = Engine(gpt_step_fn(config, params), lambda b: KVCache.for_config(config, b, W), slots=8)
     prefix = engine.prefill(prompt_ids, RowSampling.of(Sampling(temperature=0.8), max_new_tokens=64, seed=7))
     engine.insert(prefix, slot=3)              # the request now owns row 3 of the cache
+    job = engine.start_prefill(prompt_ids, rows)   # or in chunks: prefill_step until it is done
+    while (prefix := engine.prefill_step(job)) is None: ...   # (decode steps may run in between)
     tokens_BC, new_B, done_B = engine.generate()   # up to `chunk` tokens for every busy slot
 
 The interface is JetStream's (prefill, insert into a slot, generate for all slots); the scheduler
@@ -10,18 +12,26 @@ The interface is JetStream's (prefill, insert into a slot, generate for all slot
 the model only as `step_fn(tokens_BT, positions_BT, cache) -> (logits_BTV, cache)`, with the
 prefill asking for the logits of the prompt's last position only (`logits_at`).
 
-A request is prefilled alone into a fresh one-row cache (its prompt right-padded to the smallest
-prompt bucket that holds it), then its row is copied into the slots cache; between `generate`
-calls the other slots keep their rows. Every slot decodes at its own position with its own
-sampling settings and key, all as arrays of the one jitted step, so requests come and go without
-recompiling. Free and finished slots idle (they feed their last token at their last position and
-their outputs are dropped). A request must fit its window: prompt + max_new_tokens <= W.
+A request is prefilled alone into a one-row cache, in calls of at most `prefill_chunk` prompt
+tokens (each right-padded to the smallest prompt bucket that holds it, at positions offset by the
+tokens before it), so a scheduler can run a long prompt's chunks between decode steps
+(start_prefill, then prefill_step until it returns the Prefix); then its row is copied into the
+slots cache. With a prefix cache (flaxgpt/serve/prefix_cache.py) the one-row cache starts with the
+KV of the longest cached block prefix of the prompt and only the rest is prefilled; the prompt's
+full blocks are kept for later requests. Between `generate` calls the other slots keep their rows.
+Every slot decodes at its own position with its own sampling settings and key, all as arrays of
+the one jitted step, so requests come and go without recompiling. Free and finished slots idle
+(they feed their last token at their last position and their outputs are dropped). A request must
+fit its window: prompt + max_new_tokens <= W.
 
 Exactness: a row's computation depends only on that row (per-row positions, keys, settings; no
-cross-row reductions), so a request decodes the tokens `generate` gives it alone with the same
-cache length, key and settings.
+cross-row reductions), and a position's keys and values only on the tokens up to it, so a request
+decodes the tokens `generate` gives it alone with the same cache length, key and settings, however
+its prompt was split into chunks or taken from the prefix cache (up to float rounding of matmuls
+of other shapes).
 
-Compiled programs: one prefill per prompt bucket, one insert, one generate: len(buckets) + 2.
+Compiled programs: one prefill per prompt bucket, one insert, generate for `chunk` steps and for
+one step (+ the prefix cache's save and restore): len(buckets) + 3 (+ 2).
 
 Shape letters: B slots, P prompt bucket, W cache length, V vocab, C chunk, K sampling candidates.
 """
@@ -37,6 +47,7 @@ import numpy as np
 from flax import struct
 
 from flaxgpt.decode.sampling import Sampling, select_rows
+from flaxgpt.serve.prefix_cache import PrefixCache
 
 
 class RowSampling(NamedTuple):
@@ -96,15 +107,19 @@ def _next_tokens(rows: RowSampling, count_B, logits_BV, max_k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("cache",))
-def _prefill(step_fn, cache, prompt_1P, length, rows: RowSampling, max_k: int) -> Prefix:
-    P = prompt_1P.shape[1]
-    positions_1P = jnp.arange(P, dtype=jnp.int32)[None]
-    logits_11V, cache = step_fn(prompt_1P, positions_1P, cache, logits_at=jnp.reshape(length - 1, (1,)))
+def _prefill(step_fn, cache, chunk_1P, start, size, rows: RowSampling, max_k: int) -> Prefix:
+    """Prompt positions start .. start + size - 1 (chunk_1P right-padded to its bucket P) into a
+    one-row cache already holding positions < start; the token after the chunk is sampled."""
+    P = chunk_1P.shape[1]
+    # pads past the window write nothing (a scatter drops out-of-range positions); pads inside it
+    # are overwritten by the next chunk or by decoding before any query can see them
+    positions_1P = start + jnp.arange(P, dtype=jnp.int32)[None]
+    logits_11V, cache = step_fn(chunk_1P, positions_1P, cache, logits_at=jnp.reshape(size - 1, (1,)))
     logits_1V = logits_11V[:, 0]
     rows = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], rows)
     first = _next_tokens(rows, jnp.zeros((1,), jnp.int32), logits_1V, max_k)[0]
     done = (first == rows.eos[0]) | (rows.max_new[0] <= 1)
-    return Prefix(cache, first, length, done, rows)
+    return Prefix(cache, first, start + size, done, rows)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -182,11 +197,39 @@ def empty_slots(cache, slots: int) -> SlotState:
     )
 
 
+class PrefillJob:
+    """A request being prefilled (host side): its one-row cache and how far the prompt has gone in."""
+
+    def __init__(self, prompt_ids, rows: RowSampling, cache, hit: int, digests):
+        self.prompt_ids, self.rows, self.cache = list(prompt_ids), rows, cache
+        self.hit = hit  # prompt tokens whose KV came from the prefix cache
+        self.done_upto = hit  # positions < done_upto are in `cache`
+        self.digests = digests  # the prompt's block digests (prefix cache), else None
+
+    @property
+    def left(self) -> int:
+        return len(self.prompt_ids) - self.done_upto
+
+
 class Engine:
     """prefill / insert / generate over one slots cache; see the module docstring."""
 
-    def __init__(self, step_fn, make_cache, *, slots: int, chunk: int = 4, max_k: int = 256, buckets=None):
-        """make_cache(batch) -> an empty cache (all with the same length W, the request window)."""
+    def __init__(
+        self,
+        step_fn,
+        make_cache,
+        *,
+        slots: int,
+        chunk: int = 4,
+        max_k: int = 256,
+        buckets=None,
+        prefill_chunk: int | None = None,
+        prefix_block: int = 16,
+        prefix_blocks: int = 0,
+    ):
+        """make_cache(batch) -> an empty cache (all with the same length W, the request window).
+        prefill_chunk: the most prompt tokens one prefill call runs (default W: a prompt in one
+        call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off)."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)
@@ -194,16 +237,22 @@ class Engine:
         self.make_cache, self.slots, self.chunk, self.max_k = make_cache, slots, chunk, max_k
         cache = make_cache(slots)
         self.max_len = cache.max_len
-        self.buckets = tuple(buckets or prompt_buckets(self.max_len))
-        if max(self.buckets) != self.max_len:
-            raise ValueError(f"the largest prompt bucket must be {self.max_len}: {self.buckets}")
+        self.prefill_chunk = min(prefill_chunk or self.max_len, self.max_len)
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.buckets = tuple(buckets or prompt_buckets(self.prefill_chunk))
+        if max(self.buckets) != self.prefill_chunk:
+            raise ValueError(f"the largest prompt bucket must be {self.prefill_chunk}: {self.buckets}")
+        self.prefix_cache = None
+        if prefix_blocks:
+            self.prefix_cache = PrefixCache(make_cache(1), block=prefix_block, capacity=prefix_blocks)
         self.state = empty_slots(cache, slots)
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
 
     @property
     def n_programs(self) -> int:
-        return len(self.buckets) + 2
+        return len(self.buckets) + 2 + (self.chunk > 1) + (2 if self.prefix_cache is not None else 0)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -211,8 +260,8 @@ class Engine:
                 return b
         raise ValueError(f"prompt of {n} tokens is longer than the context window of {self.max_len} tokens")
 
-    def prefill(self, prompt_ids, rows: RowSampling) -> Prefix:
-        """Run the prompt through the model alone; the first new token is in `prefix.first`."""
+    def start_prefill(self, prompt_ids, rows: RowSampling) -> PrefillJob:
+        """Check the request and take its cached prefix (if any): run the rest with prefill_step."""
         n = len(prompt_ids)
         if n < 1:
             raise ValueError("the prompt is empty; start it with an end-of-text token")
@@ -221,9 +270,32 @@ class Engine:
                 f"prompt ({n} tokens) + max_new_tokens ({int(rows.max_new)}) exceeds the context "
                 f"window of {self.max_len} tokens"
             )
-        prompt_1P = np.zeros((1, self.bucket(n)), np.int32)
-        prompt_1P[0, :n] = prompt_ids
-        return _prefill(self.step_fn, self.make_cache(1), prompt_1P, np.int32(n), rows, max_k=self.max_k)
+        if self.prefix_cache is None:
+            return PrefillJob(prompt_ids, rows, self.make_cache(1), 0, None)
+        hit, ids_M, digests = self.prefix_cache.match(prompt_ids)
+        return PrefillJob(prompt_ids, rows, self.prefix_cache.restore(ids_M), hit, digests)
+
+    def prefill_step(self, job: PrefillJob) -> Prefix | None:
+        """Run the next prefill_chunk prompt tokens of `job`: the Prefix after its last chunk, else None."""
+        start, size = job.done_upto, min(job.left, self.prefill_chunk)
+        chunk_1P = np.zeros((1, self.bucket(size)), np.int32)
+        chunk_1P[0, :size] = job.prompt_ids[start : start + size]
+        prefix = _prefill(
+            self.step_fn, job.cache, chunk_1P, np.int32(start), np.int32(size), job.rows, max_k=self.max_k
+        )
+        job.cache, job.done_upto = prefix.cache, start + size
+        if job.left:
+            return None
+        if self.prefix_cache is not None:
+            self.prefix_cache.save(prefix.cache, job.digests, first=job.hit // self.prefix_cache.block)
+        return prefix
+
+    def prefill(self, prompt_ids, rows: RowSampling) -> Prefix:
+        """Run the prompt through the model alone; the first new token is in `prefix.first`."""
+        job = self.start_prefill(prompt_ids, rows)
+        while (prefix := self.prefill_step(job)) is None:
+            pass
+        return prefix
 
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant is gone)."""
@@ -235,10 +307,15 @@ class Engine:
         """Stop decoding `slot` before its end (cancelled, or a stop string): from the next generate."""
         self._stop[slot] = True
 
-    def generate(self):
-        """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]]."""
+    def generate(self, steps: int | None = None):
+        """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]].
+        steps: `chunk` (default) or 1 (one token each: a scheduler with prompts still prefilling
+        comes back to them after one step rather than `chunk`)."""
+        steps = steps or self.chunk
+        if steps not in (1, self.chunk):
+            raise ValueError(f"generate runs 1 or chunk ({self.chunk}) steps, got {steps}")
         stop_B = self._stop.copy()
-        self.state, out_BC = _generate(self.step_fn, self.state, stop_B, chunk=self.chunk, max_k=self.max_k)
+        self.state, out_BC = _generate(self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k)
         count = np.array(self.state.count_B)  # a writable copy
         new_B, self._count = count - self._count, count
         return np.asarray(out_BC), new_B, np.asarray(self.state.done_B)

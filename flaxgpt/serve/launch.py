@@ -44,14 +44,35 @@ def load(
     return run, Path(init_from).name if init_from else Path(out_dir).resolve().name
 
 
-def scheduler_for(config, params, tokenizer, *, slots=8, max_len=None, chunk=4, max_queue=64) -> Scheduler:
-    """The engine (a window of max_len, default block_size) and its thread, not started."""
+def scheduler_for(
+    config,
+    params,
+    tokenizer,
+    *,
+    slots=8,
+    max_len=None,
+    chunk=4,
+    max_queue=64,
+    max_tokens=None,
+    prefill_chunk=None,
+    prefix_cache_tokens=0,
+    prefix_block=16,
+) -> Scheduler:
+    """The engine (a window of max_len, default block_size) and its thread, not started.
+    prefill_chunk: prompt tokens per prefill call (None: a whole prompt); prefix_cache_tokens: the
+    prefix cache's budget in positions (0: off), rounded down to blocks of prefix_block."""
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
     from flaxgpt.serve.engine import Engine
 
     W = min(max_len or config.block_size, config.block_size)
     engine = Engine(
-        gpt.step_fn(config, params), lambda b: KVCache.for_config(config, b, W), slots=slots, chunk=chunk
+        gpt.step_fn(config, params),
+        lambda b: KVCache.for_config(config, b, W),
+        slots=slots,
+        chunk=chunk,
+        prefill_chunk=prefill_chunk,
+        prefix_block=prefix_block,
+        prefix_blocks=prefix_cache_tokens // prefix_block,
     )
-    return Scheduler(engine, tokenizer, max_queue=max_queue)
+    return Scheduler(engine, tokenizer, max_queue=max_queue, max_tokens=max_tokens)

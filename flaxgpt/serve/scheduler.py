@@ -6,10 +6,14 @@
     seq.cancel()                                    # any thread: its slot is freed before the next chunk
     sched.drain(); sched.close()                    # in-flight sequences finish, new ones are refused
 
-Between generate chunks the thread prefills waiting sequences into every free slot (each one's
-first token is emitted at once), then runs one `engine.generate()` for all slots and hands each
-sequence its new tokens. Text is decoded on this thread: a sequence's text is streamed as it
-grows, holding back an incomplete UTF-8 character and any tail that could begin a stop string.
+Each turn of the thread starts waiting sequences in every free slot, runs prefill chunks (as
+many chunks of at most `engine.prefill_chunk` prompt tokens as there are prefilling sequences,
+oldest first, while other slots decode, so a long prompt delays their next tokens by one chunk,
+not by its whole prefill; every prompt to its end when no slot decodes), emits the first token of
+each finished prefill at once, then runs one `engine.generate()` for all slots (one step while
+prompts are still prefilling, else `chunk`) and hands each sequence its new tokens. Text is
+decoded on this thread: a sequence's text is streamed as it grows, holding back an incomplete
+UTF-8 character and any tail that could begin a stop string.
 
 `emit(event)` is called on this thread with `Delta(text)` and then one `Finish(reason,
 completion_tokens)` or `Failed(message)`; callers in an event loop hand it over with
@@ -22,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -59,6 +64,12 @@ class TooManySequences(ValueError):
     """A request that could never be queued, however idle the server: more sequences than slots + queue."""
 
 
+class TooManyTokens(TooManySequences):
+    """A request asking for more new tokens than the server's limit (serve.py --max_tokens)."""
+
+    param = "max_tokens"
+
+
 @dataclass(eq=False)
 class Sequence:
     prompt_ids: list[int]
@@ -69,6 +80,8 @@ class Sequence:
     sent: int = 0  # characters of text already emitted
     cancelled: bool = False
     finished: bool = False
+    submitted: float = 0.0  # perf_counter at submit (time to first token counts the queue)
+    last_at: float | None = None  # when its latest tokens were handed over
 
     def cancel(self):
         self.cancelled = True  # read by the engine thread (a plain bool is atomic enough)
@@ -86,10 +99,22 @@ def _held_back(text: str, stop: list[str]) -> int:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, tokenizer, *, eos_id: int | None = None, max_queue: int = 64):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        *,
+        eos_id: int | None = None,
+        max_queue: int = 64,
+        max_tokens: int | None = None,
+    ):
+        """max_tokens: the most new tokens one sequence may ask for (None: the window's limit)."""
         self.engine, self.tokenizer, self.eos_id, self.max_queue = engine, tokenizer, eos_id, max_queue
+        self.max_tokens = max_tokens
         self.pending: collections.deque[Sequence] = collections.deque()
-        self.active: dict[int, Sequence] = {}  # slot -> sequence
+        self.active: dict[int, Sequence] = {}  # slot -> sequence (prefilling or decoding)
+        self.prefilling: dict[int, object] = {}  # slot -> its PrefillJob (None: not started), oldest first
+        self.metrics = None  # a ServeMetrics (flaxgpt/serve/metrics.py) once an app serves us
         self.lock = threading.Condition()
         self.ready = threading.Event()
         self.accepting = True
@@ -107,6 +132,12 @@ class Scheduler:
         with self.lock:
             if not self.accepting:
                 raise Draining("the server is shutting down")
+            over = [s for s in seqs if self.max_tokens and int(s.rows.max_new) > self.max_tokens]
+            if over:
+                raise TooManyTokens(
+                    f"max_tokens is {int(over[0].rows.max_new)}; this server generates at most "
+                    f"{self.max_tokens} tokens per completion: ask for fewer"
+                )
             if len(seqs) > self.engine.slots + self.max_queue:
                 raise TooManySequences(
                     f"this request asks for {len(seqs)} sequences (prompts x n); the server takes at most "
@@ -114,8 +145,11 @@ class Scheduler:
                 )
             free = self.engine.slots - len(self.active)
             if len(self.pending) + len(seqs) > self.max_queue + free:
-                self.stats["rejected"] += len(seqs)
+                self._count("rejected", len(seqs))
                 raise QueueFull(retry_after=1 + len(self.pending) // self.engine.slots)
+            now = time.perf_counter()
+            for s in seqs:
+                s.submitted = now
             self.pending.extend(seqs)
             self.lock.notify()
 
@@ -151,50 +185,88 @@ class Scheduler:
                 if self._closed:
                     return
             self._admit()
-            if self.active:
+            if len(self.active) > len(self.prefilling):  # some slot decodes
                 self._step()
             with self.lock:
                 self.lock.notify_all()  # drain() waits on the same condition
 
     def _warm_up(self):
-        """Compile every program now, so no request waits for XLA: a prefill per bucket, insert, generate."""
+        """Compile every program now, so no request waits for XLA: a prefill per bucket, insert, generate
+        (and the prefix cache's restore and save)."""
         rows = RowSampling.of(Sampling(temperature=1.0, top_k=1), max_new_tokens=2)
-        for b in self.engine.buckets:
-            prefix = self.engine.prefill([0] * min(b, self.engine.max_len - 2), rows)
+        for i, b in enumerate(self.engine.buckets):
+            # prompts that differ in their first token: none reuses another's blocks, each runs its bucket
+            prefix = self.engine.prefill([i] + [0] * (min(b, self.engine.max_len - 2) - 1), rows)
         self.engine.insert(prefix, 0)
+        self.engine.generate(steps=1)
         self.engine.release(0)
         self.engine.generate()
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.clear()
+
+    def _count(self, outcome: str, n: int = 1):
+        self.stats[outcome] += n
+        if self.metrics is not None:
+            self.metrics.sequences.labels(outcome=outcome).inc(n)
 
     def _admit(self):
+        """Start waiting sequences in free slots, then run prefill chunks (see the module docstring)."""
         while True:
             with self.lock:
                 free = [s for s in range(self.engine.slots) if s not in self.active]
                 if not free or not self.pending:
-                    return
+                    break
                 seq = self.pending.popleft()
                 if seq.cancelled:
-                    self.stats["cancelled"] += 1
+                    self._count("cancelled")
                     continue
                 self.active[free[0]] = seq  # reserved before the prefill: submit counts it busy
-            try:
-                prefix = self.engine.prefill(seq.prompt_ids, seq.rows)
-                first, done = int(prefix.first), bool(prefix.done)
-                if not done:
-                    self.engine.insert(prefix, free[0])
-            except Exception as e:
-                self._fail(free[0], seq, e)
-                continue
-            self._advance(free[0], seq, [first], done)
+                self.prefilling[free[0]] = None  # started when its turn comes (below)
+        if len(self.active) > len(self.prefilling):  # others decode: as many chunks as prefills, oldest
+            for _ in range(len(self.prefilling)):  # first (the earliest first token; a later prompt
+                if self.prefilling:  # may then reuse the blocks an earlier one saved)
+                    self._prefill_once(next(iter(self.prefilling)))
+        while self.prefilling:  # nobody decodes (a burst): oldest first, each to its end
+            self._prefill_once(next(iter(self.prefilling)))
+
+    def _prefill_once(self, slot: int):
+        """One prefill chunk of the sequence in `slot`; its first token once the prompt is in."""
+        job, seq = self.prefilling[slot], self.active[slot]
+        if seq.cancelled:
+            del self.prefilling[slot]
+            self._free(slot, release=False)
+            self._count("cancelled")
+            return
+        try:
+            if job is None:  # matched against the prefix cache only now: a burst of prompts with one
+                # system prompt reuses the blocks the first of them just saved
+                job = self.prefilling[slot] = self.engine.start_prefill(seq.prompt_ids, seq.rows)
+                if self.metrics is not None:
+                    self.metrics.admitted(len(seq.prompt_ids), job.hit)
+            prefix = self.engine.prefill_step(job)
+            if prefix is None:
+                return
+            del self.prefilling[slot]
+            first, done = int(prefix.first), bool(prefix.done)
+            if not done:
+                self.engine.insert(prefix, slot)
+        except Exception as e:
+            self.prefilling.pop(slot, None)
+            self._fail(slot, seq, e)
+            return
+        self._advance(slot, seq, [first], done)
 
     def _step(self):
         with self.lock:
-            active = dict(self.active)
+            active = {slot: seq for slot, seq in self.active.items() if slot not in self.prefilling}
         for slot, seq in active.items():
             if seq.cancelled:
                 self._free(slot, release=True)
-                self.stats["cancelled"] += 1
+                self._count("cancelled")
         try:
-            tokens_BC, new_B, done_B = self.engine.generate()
+            # prompts still prefilling: one step, then back to their next chunk (their first token
+            # waits for one decode step per chunk, not `chunk` steps)
+            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if self.prefilling else None)
         except Exception as e:  # not expected: fail the running sequences, keep serving
             for slot, seq in active.items():
                 self._fail(slot, seq, e)
@@ -206,6 +278,12 @@ class Scheduler:
     def _advance(self, slot: int, seq: Sequence, new_ids: list[int], device_done: bool):
         """Hand `seq` its new tokens: text, stop strings, and the end of the sequence."""
         try:
+            if new_ids and self.metrics is not None:
+                now = time.perf_counter()
+                first_after = None if seq.ids else now - seq.submitted
+                gap = None if seq.last_at is None else now - seq.last_at
+                self.metrics.tokens(len(new_ids), first_after, gap)
+                seq.last_at = now
             seq.ids.extend(new_ids)
             eos = device_done and int(seq.rows.eos) >= 0 and seq.ids[-1] == int(seq.rows.eos)
             text = self.tokenizer.decode(seq.ids[:-1] if eos else seq.ids)
@@ -221,7 +299,7 @@ class Scheduler:
                 seq.sent = max(seq.sent, len(text))
             if reason:
                 seq.finished = True
-                self.stats["finished"] += 1
+                self._count("finished")
                 self._free(slot, release=not device_done)
                 seq.emit(Finish(reason, len(seq.ids)))
         except Exception as e:
@@ -230,7 +308,7 @@ class Scheduler:
     def _fail(self, slot: int, seq: Sequence, e: BaseException):
         log.error("sequence failed: %s", "".join(traceback.format_exception_only(e)).strip())
         seq.finished = True
-        self.stats["failed"] += 1
+        self._count("failed")
         self._free(slot, release=True)
         try:
             seq.emit(Failed(str(e)))

@@ -6,10 +6,12 @@
 Routes: POST /v1/completions (text or token-id prompts; stream as server-sent events ending with `data:
 [DONE]`), POST /v1/chat/completions (messages through the model's chat template, each choice stopped at
 the template's end-of-turn token; streamed the same way), GET /v1/models, GET /health (503 while
-compiling or draining). The handlers only translate: parse and validate (flaxgpt/serve/openai_api.py),
-submit sequences to the Scheduler, and turn its events into JSON. The event loop never runs XLA; the
-engine thread never touches HTTP. Bad input is a 400 with OpenAI's error JSON; a full queue a 429 with
-Retry-After; a client that disconnects cancels its sequences, freeing their slots.
+compiling or draining), GET /metrics (Prometheus, flaxgpt/serve/metrics.py). Every request goes through
+flaxgpt/serve/middleware.py (API key, body size limit, access log, request counter). The handlers only
+translate: parse and validate (flaxgpt/serve/openai_api.py), submit sequences to the Scheduler, and turn
+its events into JSON. The event loop never runs XLA; the engine thread never touches HTTP. Bad input is
+a 400 with OpenAI's error JSON; a full queue a 429 with Retry-After; a client that disconnects cancels
+its sequences, freeing their slots.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ import threading
 import time
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from flaxgpt.data import chat
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.serve import openai_api as api
 from flaxgpt.serve.engine import RowSampling
+from flaxgpt.serve.metrics import ServeMetrics
+from flaxgpt.serve.middleware import Operations
 from flaxgpt.serve.scheduler import (
     Delta,
     Draining,
@@ -52,7 +57,21 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_size: int) -> Starlette:
+def create_app(
+    sched: Scheduler,
+    tokenizer,
+    *,
+    model: str,
+    max_len: int,
+    vocab_size: int,
+    api_key: str | None = None,
+    max_body_bytes: int = 1 << 20,
+) -> Starlette:
+    """api_key: required as `Authorization: Bearer` on every route but /health (None: open);
+    max_body_bytes: larger bodies get 413. The scheduler reports to the app's /metrics."""
+    metrics = ServeMetrics()
+    metrics.watch(sched)
+    sched.metrics = metrics
     eos_id = getattr(tokenizer, "eot_id", None)
     created = int(time.time())
     inflight: set[str] = set()  # ids of responses not fully sent
@@ -103,8 +122,8 @@ def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_s
                 seqs.append(Sequence(ids, rows, stop=req.stop, emit=emit))
         try:
             sched.submit(*seqs)
-        except TooManySequences as e:
-            return _error(400, str(e), param="n")
+        except TooManySequences as e:  # or TooManyTokens (max_tokens over the server's limit)
+            return _error(400, str(e), param=getattr(e, "param", "n"))
         except QueueFull as e:
             return _error(429, str(e), "rate_limit_error", headers={"Retry-After": str(e.retry_after)})
         except Draining as e:
@@ -122,8 +141,13 @@ def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_s
         finally:
             inflight.discard(cid)
 
+    async def prometheus(request: Request):
+        body, content_type = metrics.exposition()
+        return Response(body, headers={"Content-Type": content_type})
+
     routes = [
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -132,7 +156,14 @@ def create_app(sched: Scheduler, tokenizer, *, model: str, max_len: int, vocab_s
     async def not_found(request, exc):
         return _error(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
-    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    ops = Middleware(
+        Operations,
+        api_key=api_key,
+        max_bytes=max_body_bytes,
+        metrics=metrics,
+        routes=[r.path for r in routes],
+    )
+    app = Starlette(routes=routes, middleware=[ops], exception_handlers={404: not_found, 405: not_found})
     app.state.inflight = inflight
     return app
 

@@ -12,8 +12,8 @@ from flax import linen as nn
 
 from flaxgpt import sharding
 from flaxgpt.kernels import target
+from flaxgpt.models.attention import resolve_attention_impl
 from flaxgpt.models.gpt import GPT, GPTConfig, abstract_params
-from flaxgpt.models.layers import resolve_attention_impl
 from flaxgpt.train.losses import cross_entropy
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other test processes may hold libtpu

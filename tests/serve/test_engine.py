@@ -25,8 +25,8 @@ def new_engine(step, slots):  # slots 3 or 1, chunk 3: the tests share four comp
     return Engine(step, lambda b: KVCache.for_config(CFG, b, W), slots=slots, chunk=3, max_k=8)
 
 
-def run(engine, requests, arrive_every=1):
-    """Feed requests into free slots, one new request every `arrive_every` generate calls."""
+def run(engine, requests, arrive_every=1, steps=None):
+    """Feed requests into free slots, one new request every `arrive_every` generate(steps) calls."""
     out = {i: [] for i in range(len(requests))}
     waiting, owner, calls = list(range(len(requests))), {}, 0
     while waiting or owner:
@@ -40,7 +40,7 @@ def run(engine, requests, arrive_every=1):
                 engine.insert(prefix, free[0])
                 owner[free[0]] = i
         if owner:
-            tokens_BC, new_B, done_B = engine.generate()
+            tokens_BC, new_B, done_B = engine.generate(steps)
             for s, i in list(owner.items()):
                 out[i] += tokens_BC[s, : new_B[s]].tolist()
                 if done_B[s]:
@@ -92,7 +92,7 @@ def test_eos_release_and_bad_requests(step):
         engine.prefill([1] * 60, RowSampling.of(max_new_tokens=5))
     with pytest.raises(ValueError, match="empty"):
         engine.prefill([], RowSampling.of(max_new_tokens=5))
-    assert prompt_buckets(64) == (16, 24, 32, 48, 64) and engine.n_programs == 7
+    assert prompt_buckets(64) == (16, 24, 32, 48, 64) and engine.n_programs == 8
     assert prompt_buckets(100) == (16, 24, 32, 48, 64, 96, 100)
 
 
@@ -147,3 +147,62 @@ def test_quantized_weights_serve_what_generate_gives(mode, tmp_path):
         max_new_tokens=12, rng=jax.random.key(0), temperature=0,
     )  # fmt: skip
     assert got == np.asarray(want)[0].tolist()
+
+
+def chat_requests(seed=1):
+    """Prompts sharing a 13-token system prompt, some also an earlier turn; greedy and sampled."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, CFG.vocab_size, 13).tolist()
+    turn = rng.integers(0, CFG.vocab_size, 9).tolist()
+    out = []
+    for i, (t, k, p) in enumerate(SETTINGS[:5]):
+        tail = rng.integers(0, CFG.vocab_size, int(rng.integers(1, 12))).tolist()
+        prompt = system + (turn if i % 2 else []) + tail
+        rows = RowSampling.of(
+            Sampling(temperature=t, top_k=k, top_p=p), max_new_tokens=int(rng.integers(3, 15)), seed=i
+        )
+        out.append((prompt, rows))
+    return out
+
+
+def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
+    """Prompts taken partly from the prefix cache (blocks of 4, 6 of them: evictions happen) and
+    prefilled in chunks of 8 give each request the tokens of generate alone."""
+    reqs = chat_requests()
+    alone = run(new_engine(step, slots=1), reqs)
+    engine = Engine(
+        step, lambda b: KVCache.for_config(CFG, b, W), slots=3, chunk=3, max_k=8,
+        prefill_chunk=8, prefix_block=4, prefix_blocks=6,
+    )  # fmt: skip
+    assert engine.buckets == (8,) and engine.n_programs == 6
+    first = run(engine, reqs, arrive_every=2)
+    hits = [engine.start_prefill(p, rows).hit for p, rows in reqs]  # a second round: what it reuses
+    second = run(engine, reqs, arrive_every=2, steps=1)  # one decode step per call
+    assert first == second == alone
+    assert max(hits) >= 12 and len(engine.prefix_cache) == 6  # bounded: LRU evicted the rest
+    # a hit never covers the last prompt token, whose logits the prefill must compute
+    p = reqs[0][0][:12]
+    engine.prefill(p, RowSampling.of(max_new_tokens=2))
+    assert engine.start_prefill(p, RowSampling.of(max_new_tokens=2)).hit == 8
+    for (prompt, rows), got in zip(reqs, alone, strict=True):
+        toks, n = generate(
+            step, KVCache.for_config(CFG, 1, W), np.array([prompt]), [len(prompt)],
+            max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
+            temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
+        )  # fmt: skip
+        assert got == toks[0, : n[0]].tolist()
+
+
+def test_prefix_cache_lru_table():
+    from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
+
+    pc = PrefixCache(KVCache.for_config(CFG, 1, 16), block=4, capacity=3)
+    a = list(range(13))
+    assert block_digests(a, 4) == block_digests(a[:12] + [99], 4)  # only full blocks count
+    assert block_digests([1, 2, 3, 4, 5, 6, 7, 8], 4)[1] != block_digests([0, 2, 3, 4, 5, 6, 7, 8], 4)[1]
+    hit, ids, digests = pc.match(a)
+    assert hit == 0 and pc.save(pc.restore(ids), digests) == 3 and len(pc) == 3
+    assert pc.match(a)[0] == 12 and pc.match(a[:12])[0] == 8  # the last token is never a hit
+    b = [50] + a[1:]
+    pc.save(pc.restore(pc.match(b)[1]), pc.match(b)[2])  # 3 new blocks evict a's 3 (least recent)
+    assert pc.match(a)[0] == 0 and pc.match(b)[0] == 12

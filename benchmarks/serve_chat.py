@@ -1,0 +1,130 @@
+"""Chat traffic: time to first token with and without the prefix cache (serve.py --prefix_cache_tokens).
+
+    python benchmarks/serve_chat.py                   # 8 conversations x 4 turns, 4 at a time, ~2 minutes
+    python benchmarks/serve_chat.py --conversations 2 --turns 2 --rounds 1   # smoke run
+
+A random-weight char-level GPT (6 layers, 384 wide, window 1024; no download) behind serve.py on
+127.0.0.1. Every conversation starts with the same 200-token system prompt; turn t sends the system
+prompt, the earlier turns (user messages and the server's replies) and a new user message of
+20-40 tokens, and streams a reply of --reply tokens (ignore_eos). --clients conversations run at
+once. The same seeded workload runs against a server without the prefix cache and one with it,
+alternating (off, on, on, off, ...), each server in its own process; TTFT is from sending the
+request to its first streamed token, p50 and p99 over every turn of a side's rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.serve_soak import write_tiny_run  # noqa: E402
+
+LETTERS = list("abcdefghijklmnopqrstuvwxyz ")
+
+
+async def conversation(c, url, system, rng, a, ttfts):
+    history = system
+    for _ in range(a.turns):
+        user = "".join(rng.choice(LETTERS, int(rng.integers(20, 41))))
+        prompt = f"{history}\nUSER: {user}\nROMEO:"
+        body = {"prompt": prompt, "max_tokens": a.reply, "temperature": 0.8, "seed": 1}
+        body |= {"stream": True, "ignore_eos": True}
+        start, first, reply = time.perf_counter(), None, ""
+        async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    if first is None and choice["finish_reason"] is None:
+                        first = time.perf_counter()
+                    reply += choice["text"]
+        ttfts.append(first - start)
+        history = prompt + reply
+
+
+def run_side(a, cache_tokens: int, run_dir: str) -> list[float]:
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, str(ROOT / "serve.py"), "--out_dir", run_dir, "--port", str(port)]
+    cmd += ["--slots", str(a.clients), "--prefix_cache_tokens", str(cache_tokens)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve.py exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        rng = np.random.default_rng(a.seed)
+        system = "".join(rng.choice(LETTERS, 200))
+        ttfts: list[float] = []
+
+        async def main():
+            async with httpx.AsyncClient(timeout=600) as c:
+                queue = [np.random.default_rng(a.seed + 1 + i) for i in range(a.conversations)]
+
+                async def client():
+                    while queue:
+                        await conversation(c, url, system, queue.pop(0), a, ttfts)
+
+                await asyncio.gather(*[client() for _ in range(a.clients)])
+
+        asyncio.run(main())
+        return ttfts
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--clients", type=int, default=4, help="conversations at once (= the server's slots)")
+    p.add_argument("--reply", type=int, default=24, help="tokens per reply")
+    p.add_argument("--rounds", type=int, default=1, help="(off, on) pairs, alternating order")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    results = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory() as run_dir:
+        write_tiny_run(Path(run_dir), block_size=1024, n_embd=384, n_layer=6)
+        for i in range(a.rounds):
+            for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                ttfts = run_side(a, 0 if side == "off" else 8192, run_dir)
+                results[side] += ttfts
+                p50 = np.percentile(ttfts, 50)
+                print(f"  round {i} prefix cache {side}: TTFT p50 {p50 * 1e3:.0f} ms", file=sys.stderr)
+    print(f"{a.conversations} conversations x {a.turns} turns, {a.clients} at a time, {os.cpu_count()} cores")
+    print("| prefix cache | turns | TTFT p50 ms | TTFT p99 ms |")
+    print("| --- | ---: | ---: | ---: |")
+    for side, xs in results.items():
+        print(
+            f"| {side} | {len(xs)} | {np.percentile(xs, 50) * 1e3:.0f} | {np.percentile(xs, 99) * 1e3:.0f} |"
+        )
+    off, on = (np.percentile(results[s], 50) for s in ("off", "on"))
+    print(f"TTFT p50 {off / on:.1f}x lower with the prefix cache")
+
+
+if __name__ == "__main__":
+    main()
