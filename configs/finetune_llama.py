@@ -1,4 +1,4 @@
-"""Fine-tune a Llama-family model (Llama, Mistral, Qwen2) on your text, then export it back.
+"""Fine-tune a Llama-family model (Llama, Mistral, Qwen2 and 3, Gemma 2 and 3) on your text, export it back.
 
     flaxgpt prepare --dataset shakespeare --tokenizer path/to/SmolLM2-135M \
         --out_dir data/shakespeare_smollm2
@@ -13,7 +13,8 @@
 and its shards) and tokenizer.json; prepare the data with that tokenizer (--tokenizer PATH) so
 the ids are the ones the model was trained on. The architecture (layers, heads, grouped-query
 key/value heads, RoPE, RMSNorm, SwiGLU ...) comes from the checkpoint; the model fields set
-here are the ones it leaves free (dropout, dtypes, layout, block_size up to its context).
+here are the ones it leaves free (dropout, dtypes, layout, block_size up to its context). Gemma's
+layers differ (sliding-window and global ones): pass --config.model.scan_layers=False for it.
 
 Targets: v5e-1, h100-1 (check: flaxgpt aot --config configs/finetune_llama.py --target NAME)
 """

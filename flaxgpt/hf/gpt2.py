@@ -136,8 +136,8 @@ def config_to_hf(config: GPTConfig) -> dict:
 
 
 def llama_family(hf: dict):
-    """flaxgpt.hf.llama when config.json is a Llama / Mistral / Qwen2 one, None for GPT-2; any
-    other model_type is a one-line error listing the supported ones."""
+    """flaxgpt.hf.llama when config.json is a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 text
+    one, None for GPT-2; any other model_type is a one-line error listing the supported ones."""
     from flaxgpt.hf import llama as hf_llama
 
     model_type = hf.get("model_type")

@@ -25,6 +25,7 @@ import numpy as np
 from flax import linen as nn
 
 from flaxgpt.hf import files as hf_files
+from flaxgpt.hf import gemma as hf_gemma
 from flaxgpt.hf.files import get_path, set_path
 from flaxgpt.models.gpt import GPTConfig, abstract_params, unstack_layers
 
@@ -47,6 +48,11 @@ QWEN2_LAYER_KEYS = {
     "self_attn.k_proj.bias": (("attn", "c_attn", "bias"), "k"),  # [J*K]
     "self_attn.v_proj.bias": (("attn", "c_attn", "bias"), "v"),  # [J*K]
 }
+QWEN3_LAYER_KEYS = {
+    **LLAMA_LAYER_KEYS,
+    "self_attn.q_norm.weight": (("attn", "q_norm", "scale"), None),  # [K], RMSNorm per head
+    "self_attn.k_norm.weight": (("attn", "k_norm", "scale"), None),  # [K]
+}
 TOP_KEYS = {
     "model.embed_tokens.weight": ("wte", "embedding"),  # [V, D]; flaxgpt may pad rows
     "model.norm.weight": ("ln_f", "scale"),  # [D]
@@ -59,12 +65,16 @@ class Family:
     architecture: str
     layer_keys: dict
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's queries and keys; head_dim its own
 
 
 FAMILIES = {
     "llama": Family("LlamaForCausalLM", LLAMA_LAYER_KEYS),
     "mistral": Family("MistralForCausalLM", LLAMA_LAYER_KEYS),
     "qwen2": Family("Qwen2ForCausalLM", QWEN2_LAYER_KEYS, qkv_bias=True),
+    "qwen3": Family("Qwen3ForCausalLM", QWEN3_LAYER_KEYS, qk_norm=True),
+    # gemma2, gemma3_text: their config.json maps in flaxgpt/hf/gemma.py
+    **{model_type: Family(arch, keys) for model_type, (arch, keys) in hf_gemma.FAMILIES.items()},
 }
 ROPE_TYPES = ("default", "llama3")  # rope_scaling types flaxgpt implements
 # GPTConfig fields a checkpoint fixes; the others (dropout, dtype, remat, block_size, ...) are free
@@ -72,7 +82,8 @@ ARCH_FIELDS = tuple(
     "vocab_size n_layer n_head n_kv_head n_embd mlp_hidden pos_embedding norm activation glu "
     "tie_embeddings bias qkv_bias layer_norm_epsilon rope_theta rope_scaling rope_factor "
     "rope_low_freq_factor rope_high_freq_factor rope_original_max_len sliding_window qk_norm "
-    "logit_softcap".split()
+    "logit_softcap head_size window_pattern rope_local_theta query_pre_attn_scalar attn_softcap post_norms "
+    "embed_scale".split()
 )
 
 
@@ -106,17 +117,28 @@ def config_from_hf(hf: dict, **fields) -> GPTConfig:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not a Llama-family model: {', '.join(FAMILIES)}")
+    if model_type in hf_gemma.FAMILIES:
+        return hf_gemma.config_from_hf(hf, ARCH_FIELDS, **fields)
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [key for key in required if key not in hf]
     if missing:
         raise ValueError(f"{model_type} config.json has no {', '.join(missing)}")
     D, H = hf["hidden_size"], hf["num_attention_heads"]
+    family = FAMILIES[model_type]
+    if family.qk_norm and "head_dim" not in hf:
+        raise ValueError(
+            f"{model_type} config.json has no head_dim (Qwen3 heads are not hidden_size / heads)"
+        )
     unsupported = {
         "hidden_act": hf.get("hidden_act", "silu") if hf.get("hidden_act", "silu") != "silu" else None,
-        "head_dim": hf.get("head_dim") if hf.get("head_dim") not in (None, D // H) else None,
+        "head_dim": hf.get("head_dim")
+        if hf.get("head_dim") not in (None, D // H) and not family.qk_norm
+        else None,
         "attention_bias": True if hf.get("attention_bias") else None,
         "mlp_bias": True if hf.get("mlp_bias") else None,
-        "use_sliding_window": True if model_type == "qwen2" and hf.get("use_sliding_window") else None,
+        "use_sliding_window": True
+        if model_type.startswith("qwen") and hf.get("use_sliding_window")
+        else None,
     }
     max_len = hf.get("max_position_embeddings", 2048)
     block_size = hf_files.checked_block_size(
@@ -136,7 +158,9 @@ def config_from_hf(hf: dict, **fields) -> GPTConfig:
         activation="silu",
         glu=True,
         bias=False,
-        qkv_bias=FAMILIES[model_type].qkv_bias,
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
+        head_size=hf["head_dim"] if family.qk_norm else 0,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         sliding_window=window if window and window < block_size else 0,  # a window >= the context is none
@@ -150,6 +174,8 @@ def config_to_hf(config: GPTConfig, model_type: str, special_ids: dict | None = 
     if model_type not in FAMILIES:
         types = ", ".join(FAMILIES)
         raise ValueError(f"cannot export model_type {model_type!r}; Llama-family types: {types}")
+    if model_type in hf_gemma.FAMILIES:
+        return hf_gemma.config_to_hf(config, model_type, special_ids)
     c = config
     need = {
         "pos_embedding": "rope",
@@ -158,8 +184,14 @@ def config_to_hf(config: GPTConfig, model_type: str, special_ids: dict | None = 
         "glu": True,
         "bias": False,
         "qkv_bias": FAMILIES[model_type].qkv_bias,
-        "qk_norm": False,
+        "qk_norm": FAMILIES[model_type].qk_norm,
         "logit_softcap": 0.0,
+        "window_pattern": 0,
+        "rope_local_theta": 0.0,
+        "query_pre_attn_scalar": 0.0,
+        "attn_softcap": 0.0,
+        "post_norms": False,
+        "embed_scale": False,
         "unet_skips": False,
         "value_embeds": 0,
     }
@@ -200,13 +232,18 @@ def config_to_hf(config: GPTConfig, model_type: str, special_ids: dict | None = 
     }
     if model_type == "mistral":
         hf["sliding_window"] = c.sliding_window or None
-    if model_type == "qwen2":
+    if model_type in ("qwen2", "qwen3"):
         hf["use_sliding_window"] = False
     return hf
 
 
 def family_of(config: GPTConfig) -> str:
-    """The family that expresses a Llama-style GPTConfig: Qwen2 has qkv biases, Mistral a window."""
+    """The family that expresses a rotary GPTConfig: Gemma has post-norms (Gemma 3 QK-norm too),
+    Qwen3 QK-norm, Qwen2 qkv biases, Mistral a window."""
+    if config.post_norms:
+        return "gemma3_text" if config.qk_norm else "gemma2"
+    if config.qk_norm:
+        return "qwen3"
     return "qwen2" if config.qkv_bias else "mistral" if config.sliding_window else "llama"
 
 

@@ -20,6 +20,7 @@ Shape letters: B batch, T query length, S key length, H heads, K head dim (see l
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -43,19 +44,25 @@ def fits(q_len: int, kv_len: int, batch: int = 1) -> bool:
     return jax.device_count() == 1 if mesh.empty else batch % mesh.size == 0
 
 
-def _kernel(seq_len: int, n_head: int, interpret: bool):
+def _kernel(seq_len: int, n_head: int, interpret: bool, window: int = 0, softcap: float = 0.0):
     # built afresh in every trace: the kernel holds arrays (the mask's block tables), and a kernel
     # cached across traces would leak one trace's values into another (inside nn.scan, say)
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(n_head)])
-    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, interpret=interpret)
+    shape = (seq_len, seq_len)
+    # a sliding window (Gemma, Mistral): key s seen by query t when t - (window - 1) <= s <= t
+    one = (lambda: sm.LocalMask(shape, (window - 1, 0), 0)) if window else (lambda: sm.CausalMask(shape))
+    mask = sm.MultiHeadMask([one() for _ in range(n_head)])
+    cap = softcap or None  # Gemma 2: logits = cap * tanh(logits / cap)
+    return sk.make_splash_mha(
+        mask, head_shards=1, q_seq_shards=1, interpret=interpret, attn_logits_soft_cap=cap
+    )
 
 
-def _local_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT=None):
+def _local_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT=None, *, window=0, softcap=0.0):
     _, T, H, K = q_BTHK.shape
-    kernel = _kernel(T, H, interpret=target.platform() != "tpu")
+    kernel = _kernel(T, H, target.platform() != "tpu", window, softcap)
     # the kernel takes one row [H, T, K] and does not scale the logits itself
     q_BHTK = jnp.swapaxes(q_BTHK * jnp.asarray(1.0 / math.sqrt(K), q_BTHK.dtype), 1, 2)
     k_BHSK, v_BHSK = jnp.swapaxes(k_BSHK, 1, 2), jnp.swapaxes(v_BSHK, 1, 2)
@@ -70,16 +77,18 @@ def _local_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT=None):
 
 
 def causal_attention(
-    q_BTHK: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array, segment_ids_BT=None
+    q_BTHK: jax.Array, k_BSHK: jax.Array, v_BSHK: jax.Array, segment_ids_BT=None, window=0, softcap=0.0
 ) -> jax.Array:
     """softmax(q k^T / sqrt(K) + causal mask) v -> [B, T, H, K]; needs `fits(T, S, B)`.
-    With segment ids [B, T] (packed rows) a query sees only keys of its own segment."""
+    With segment ids [B, T] (packed rows) a query sees only keys of its own segment; with `window`
+    only the last `window` keys; `softcap` bounds the logits (cap * tanh(logits / cap))."""
+    local = functools.partial(_local_attention, window=window, softcap=softcap)
     mesh = jax.sharding.get_abstract_mesh()
     B = q_BTHK.shape[0]
     args = (q_BTHK, k_BSHK, v_BSHK) + (() if segment_ids_BT is None else (segment_ids_BT,))
     if mesh.empty or mesh.size == 1 or B % mesh.size:
-        return _local_attention(*args)
+        return local(*args)
     rows = PartitionSpec(tuple(mesh.axis_names))  # batch over every device, as flaxgpt.sharding does
-    return jax.shard_map(
-        _local_attention, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows, check_vma=False
-    )(*args)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows,) * len(args), out_specs=rows, check_vma=False)(
+        *args
+    )

@@ -84,8 +84,16 @@ def attend(
     dropout_rng: jax.Array | None = None,
     sow=None,
     segment_ids_BT: jax.Array | None = None,
+    scale: float = 0.0,
+    softcap: float = 0.0,
+    window: int = 0,
 ) -> jax.Array:
     """Scaled dot-product attention -> [B, T, H, K].
+
+    `scale`: the logits' factor (0 = 1/sqrt(K)); `softcap`: logits = cap * tanh(logits / cap)
+    before the mask (Gemma 2): XLA and the splash kernel do it, cuDNN has none. `window` with
+    `is_causal`: the causal mask also limited to the last `window` keys (the mask holds it too):
+    the splash kernel takes it as a local mask, cuDNN as the explicit mask.
 
     impl: "xla" (explicit logits and mask), "cudnn" (jax.nn.dot_product_attention's cuDNN
     flash attention, NVIDIA GPUs, 16-bit) or "pallas" (the splash kernel, TPU; interpret mode
@@ -101,9 +109,11 @@ def attend(
         from flaxgpt.kernels import pallas_attention
 
         if pallas_attention.fits(q_BTHK.shape[1], k_BSHK.shape[1], q_BTHK.shape[0]):
-            return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT)
-    if impl == "cudnn" and fused_ok:
-        causal_only = is_causal and segment_ids_BT is None
+            if scale:  # the kernel scales by 1/sqrt(K) itself
+                q_BTHK = q_BTHK * jnp.asarray(scale * math.sqrt(q_BTHK.shape[-1]), q_BTHK.dtype)
+            return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT, window, softcap)
+    if impl == "cudnn" and fused_ok and not softcap:
+        causal_only = is_causal and segment_ids_BT is None and not window
         return jax.nn.dot_product_attention(
             q_BTHK,
             k_BSHK,
@@ -111,11 +121,14 @@ def attend(
             mask=None if causal_only else mask_BHTS,
             is_causal=causal_only,
             implementation="cudnn",
+            **({"scale": scale} if scale else {}),
         )
-    scale = 1.0 / math.sqrt(q_BTHK.shape[-1])
+    scale = scale or 1.0 / math.sqrt(q_BTHK.shape[-1])
     # logits and softmax in at least fp32 (bf16 loses the tail of the distribution), fp64 for fp64
     acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)
     logits_BHTS = jnp.einsum("bthk,bshk->bhts", q_BTHK, k_BSHK, preferred_element_type=acc) * scale
+    if softcap:
+        logits_BHTS = softcap * jnp.tanh(logits_BHTS / softcap)
     if mask_BHTS is not None:
         logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
@@ -137,7 +150,7 @@ def write_cache(buf_NSK: jax.Array, new_BTHK: jax.Array, pos_BT: jax.Array) -> j
     return buf_NSK.at[rows_B1H, pos_BT[:, :, None]].set(new_BTHK.astype(buf_NSK.dtype))
 
 
-def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None) -> jax.Array:
+def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None, scale=0.0, softcap=0.0) -> jax.Array:
     """Attention over a KVCache layer ([B*J, S, K] keys and values, as they lie) -> [B, T, H, K].
 
     With J < H key/value heads (grouped-query), the G = H / J query heads that share a key/value
@@ -151,7 +164,10 @@ def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None) -> jax.Array:
     q_NMK = jnp.transpose(q_BTHK.reshape(B, T, J, G, K), (0, 2, 3, 1, 4)).reshape(N, G * T, K)  # M = G*T
     acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)  # as in attend: fp32 at least, fp64 for fp64
     logits_NMS = jnp.einsum("nmk,nsk->nms", q_NMK, k_NSK.astype(q_NMK.dtype), preferred_element_type=acc)
-    logits_BHTS = logits_NMS.reshape(B, H, T, S) / math.sqrt(K)
+    logits_BHTS = logits_NMS.reshape(B, H, T, S)
+    logits_BHTS = logits_BHTS * scale if scale else logits_BHTS / math.sqrt(K)
+    if softcap:  # as in attend
+        logits_BHTS = softcap * jnp.tanh(logits_BHTS / softcap)
     logits_BHTS = jnp.where(mask_BHTS, logits_BHTS, jnp.finfo(acc).min)
     probs_BHTS = jax.nn.softmax(logits_BHTS, axis=-1)
     if sow is not None:
@@ -182,6 +198,9 @@ class SelfAttention(nn.Module):
     qk_norm: str | None = None  # None, or the norm ("layernorm" | "rmsnorm") over each head's K features
     norm_eps: float = 1e-5
     window: int = 0  # sliding-window attention (Mistral); 0 = every earlier key
+    head_dim: int = 0  # K; 0 = D // H (Gemma and Qwen3 set their own)
+    scale: float = 0.0  # the logits' factor; 0 = 1/sqrt(K) (Gemma: 1/sqrt(query_pre_attn_scalar))
+    softcap: float = 0.0  # attention-logit soft-cap (Gemma 2); 0 = off
     causal: bool = True
     use_bias: bool = True
     qkv_bias: bool = True
@@ -198,7 +217,7 @@ class SelfAttention(nn.Module):
         B, T, D = x_BTD.shape
         H = self.n_head
         J = self.n_kv_head or H
-        K = D // H
+        K = self.head_dim or D // H
         qkv_BTE = nn.Dense(
             (H + 2 * J) * K,  # columns q | k | v, heads inside each (3D for GPT-2)
             use_bias=self.qkv_bias,
@@ -229,12 +248,12 @@ class SelfAttention(nn.Module):
             v_NSK = write_cache(kv[1], v_BTJK, positions_BT)
             kv = (k_NSK, v_NSK)
             mask_BHTS = causal_mask(positions_BT, k_NSK.shape[1], self.window)
-            y_BTHK = attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow)
+            y_BTHK = attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow, self.scale, self.softcap)
         else:
             is_causal = False
             if self.causal:
-                # an extra mask or a window must reach the kernel explicitly
-                is_causal = mask_BHTS is None and not self.window
+                # an extra mask must reach the kernel explicitly (a window goes as `window`)
+                is_causal = mask_BHTS is None
                 tril = causal_mask(jnp.arange(T)[None], T, self.window)
                 mask_BHTS = tril if mask_BHTS is None else mask_BHTS & tril
             if segment_ids_BT is not None:  # packed rows: no query sees another example's keys
@@ -253,6 +272,9 @@ class SelfAttention(nn.Module):
                 dropout_rng=self.make_rng("dropout") if dropout > 0 else None,
                 sow=sow,
                 segment_ids_BT=segment_ids_BT,
+                scale=self.scale,
+                softcap=self.softcap,
+                window=self.window,
             )
         y_BTD = nn.Dense(
             D,
@@ -262,7 +284,7 @@ class SelfAttention(nn.Module):
             kernel_init=normal_init(self.out_init_std, ("heads", "embed")),
             bias_init=zeros_init(("embed",)),
             name="c_proj",
-        )(y_BTHK.reshape(B * T, D)).reshape(B, T, D)
+        )(y_BTHK.reshape(B * T, H * K)).reshape(B, T, D)
         y_BTD = nn.Dropout(self.resid_dropout)(y_BTD, deterministic=self.deterministic)
         return y_BTD, kv
 

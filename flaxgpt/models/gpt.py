@@ -42,6 +42,7 @@ class Block(nn.Module):
 
     config: GPTConfig
     deterministic: bool = True
+    layer: int = 0  # the block's index: window and rotary base may differ per layer (Gemma)
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None, segment_ids_BT=None):
@@ -58,10 +59,13 @@ class Block(nn.Module):
         h_BTD, kv = SelfAttention(
             n_head=c.n_head,
             n_kv_head=c.kv_heads,
-            rope=c.rope,
+            rope=c.layer_rope(self.layer),
             qk_norm=c.norm if c.qk_norm else None,
             norm_eps=c.layer_norm_epsilon,
-            window=c.sliding_window,
+            window=c.layer_window(self.layer),
+            head_dim=c.head_dim,
+            scale=c.query_pre_attn_scalar**-0.5 if c.query_pre_attn_scalar else 0.0,
+            softcap=c.attn_softcap,
             causal=True,
             use_bias=c.bias,
             qkv_bias=c.qkv_bias,
@@ -74,8 +78,10 @@ class Block(nn.Module):
             deterministic=self.deterministic,
             name="attn",
         )(ln("ln_1")(x_BTD), positions_BT, kv, ve_BTD=ve_BTD, segment_ids_BT=segment_ids_BT)
+        if c.post_norms:  # Gemma: normalise the branch's output too (its post_attention_layernorm)
+            h_BTD = ln("post_attn_ln")(h_BTD)
         x_BTD = x_BTD + h_BTD
-        x_BTD = x_BTD + MLP(
+        h_BTD = MLP(
             hidden=c.mlp_hidden or 4 * c.n_embd,
             activation=c.activation,
             glu=c.glu,
@@ -87,7 +93,9 @@ class Block(nn.Module):
             deterministic=self.deterministic,
             name="mlp",
         )(ln("ln_2")(x_BTD))
-        return x_BTD, kv
+        if c.post_norms:  # Gemma's post_feedforward_layernorm
+            h_BTD = ln("post_mlp_ln")(h_BTD)
+        return x_BTD + h_BTD, kv
 
 
 class ScannedBlock(nn.Module):
@@ -184,6 +192,8 @@ class GPT(nn.Module):
             name="wte",
         )
         x_BTD = wte(tokens_BT)
+        if c.embed_scale:  # Gemma: sqrt(D) rounded to the compute dtype first, as transformers does
+            x_BTD = x_BTD * jnp.asarray(math.sqrt(c.n_embd), dtype)
         if c.pos_embedding != "rope":  # rope: positions rotate queries and keys inside each attention
             x_BTD = x_BTD + self._position_embeddings(positions, implicit_positions)
         x_BTD = nn.Dropout(c.embd_dropout)(x_BTD, deterministic=deterministic)
@@ -253,7 +263,7 @@ class GPT(nn.Module):
             if i >= n_enc and skips:
                 x_BTD = x_BTD + skip_weights[i - n_enc].astype(x_BTD.dtype) * skips.pop()
             kv = None if kv_layers is None else kv_layers[i]
-            block = block_cls(c, deterministic, name=f"h_{i}")
+            block = block_cls(c, deterministic, layer=i, name=f"h_{i}")
             x_BTD, kv = block(x_BTD, positions_BT, kv, ve_layers[i], seg_BT)
             if i < n_enc:
                 skips.append(x_BTD)

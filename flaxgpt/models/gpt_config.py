@@ -24,6 +24,22 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch", "offload_dots_no_batc
 # what Llama, Mistral and Qwen2 share (the presets below add their shapes)
 LLAMA_STYLE = dict(pos_embedding="rope", norm="rmsnorm", activation="silu", glu=True, bias=False)
 LLAMA_STYLE.update(qkv_bias=False)
+QWEN3_STYLE = dict(
+    LLAMA_STYLE, qk_norm=True, head_size=128, vocab_size=151936, block_size=40960, n_kv_head=8,
+    rope_theta=1000000.0, layer_norm_epsilon=1e-6,
+)  # fmt: skip
+# Gemma 2 and 3: GeGLU, (1 + w) RMSNorms also after each branch, sqrt(D)-scaled embeddings, 256-wide heads
+GEMMA_STYLE = dict(
+    pos_embedding="rope", norm="rmsnorm_1p", activation="gelu", glu=True, bias=False, qkv_bias=False,
+    post_norms=True, embed_scale=True, head_size=256, query_pre_attn_scalar=256.0, layer_norm_epsilon=1e-6,
+)  # fmt: skip
+GEMMA2_STYLE = dict(
+    GEMMA_STYLE, vocab_size=256000, block_size=8192, sliding_window=4096, window_pattern=2,
+    attn_softcap=50.0, logit_softcap=30.0,
+)  # fmt: skip
+GEMMA3_STYLE = dict(
+    GEMMA_STYLE, qk_norm=True, window_pattern=6, rope_theta=1000000.0, rope_local_theta=10000.0
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +80,14 @@ class GPTConfig:
     rope_original_max_len: int = 8192  # llama3: the pretraining context
     sliding_window: int = 0  # each query sees the last sliding_window keys (Mistral); 0 = all
     logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) (Gemma 2); 0 = off
+    # Gemma 2 / 3 and Qwen3 (defaults leave every model above as it was)
+    head_size: int = 0  # K, each head's width (config.head_dim); 0 = n_embd // n_head
+    window_pattern: int = 0  # with sliding_window: layer i is global when (i+1) % this == 0; 0 = none is
+    rope_local_theta: float = 0.0  # rotary base of the window layers (Gemma 3: 10000); 0 = rope_theta
+    query_pre_attn_scalar: float = 0.0  # attention logits scaled by 1/sqrt(this) (Gemma); 0 = head_dim
+    attn_softcap: float = 0.0  # attention logits = cap * tanh(logits / cap) (Gemma 2); 0 = off
+    post_norms: bool = False  # a norm on the attention's and the MLP's outputs before each residual add
+    embed_scale: bool = False  # token embeddings times sqrt(n_embd), rounded to the compute dtype (Gemma)
     # the modded-nanogpt speedrun's architecture (activation="relu2" is its MLP)
     zero_init_proj: bool = False  # attention and MLP output projections (and an untied head) start at 0
     unet_skips: bool = False  # U-net: block L-1-i also gets block i's output, times a learned weight
@@ -74,7 +98,7 @@ class GPTConfig:
         for name in ("embd_dropout", "attn_dropout", "resid_dropout"):
             if getattr(self, name) < 0:
                 object.__setattr__(self, name, self.dropout)
-        if self.n_embd % self.n_head:
+        if not self.head_size and self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
         if (self.unet_skips or self.value_embeds) and self.scan_layers:
             raise ValueError(
@@ -102,17 +126,37 @@ class GPTConfig:
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
 
-        for field in ("mlp_hidden", "sliding_window"):
+        if (self.window_pattern or self.rope_local_theta) and self.scan_layers:
+            raise ValueError(
+                "window_pattern / rope_local_theta make layers differ; they need scan_layers=False"
+            )
+        if self.window_pattern and not self.sliding_window:
+            raise ValueError(f"window_pattern {self.window_pattern} needs a sliding_window > 0")
+        for field in ("mlp_hidden", "sliding_window", "head_size", "window_pattern"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0 (0 = the default), got {getattr(self, field)}")
-        if self.logit_softcap < 0:
-            raise ValueError(f"logit_softcap must be >= 0 (0 = off), got {self.logit_softcap}")
+        for field in ("logit_softcap", "attn_softcap", "query_pre_attn_scalar", "rope_local_theta"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0 (0 = off), got {getattr(self, field)}")
         if self.pos_embedding == "rope":
             self.rope  # noqa: B018 -- RoPE checks its own arguments
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
+
+    def layer_window(self, i: int) -> int:
+        """Layer i's sliding window (0 = every earlier key): window_pattern makes every
+        window_pattern-th layer global (Gemma 2: 2, local first; Gemma 3: 6)."""
+        if self.window_pattern and (i + 1) % self.window_pattern == 0:
+            return 0
+        return self.sliding_window
+
+    def layer_rope(self, i: int) -> RoPE | None:
+        """Layer i's rotary embedding: window layers use rope_local_theta, unscaled, when it is set."""
+        if self.pos_embedding == "rope" and self.rope_local_theta and self.layer_window(i):
+            return RoPE(self.head_dim, self.rope_local_theta)
+        return self.rope
 
     @property
     def kv_heads(self) -> int:
@@ -165,6 +209,22 @@ class GPTConfig:
         "mistral-7b-v0.1": dict(
             LLAMA_STYLE, vocab_size=32000, block_size=32768, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
             mlp_hidden=14336, sliding_window=4096, tie_embeddings=False,
+        ),
+        "qwen3-0.6b": dict(QWEN3_STYLE, n_layer=28, n_head=16, n_embd=1024, mlp_hidden=3072),
+        "qwen3-1.7b": dict(QWEN3_STYLE, n_layer=28, n_head=16, n_embd=2048, mlp_hidden=6144),
+        "qwen3-4b": dict(QWEN3_STYLE, n_layer=36, n_head=32, n_embd=2560, mlp_hidden=9728),
+        "qwen3-8b": dict(
+            QWEN3_STYLE, n_layer=36, n_head=32, n_embd=4096, mlp_hidden=12288, tie_embeddings=False
+        ),
+        "gemma-2-2b": dict(GEMMA2_STYLE, n_layer=26, n_head=8, n_kv_head=4, n_embd=2304, mlp_hidden=9216),
+        "gemma-2-9b": dict(GEMMA2_STYLE, n_layer=42, n_head=16, n_kv_head=8, n_embd=3584, mlp_hidden=14336),
+        "gemma-3-1b": dict(
+            GEMMA3_STYLE, vocab_size=262144, block_size=32768, n_layer=26, n_head=4, n_kv_head=1, n_embd=1152,
+            mlp_hidden=6912, sliding_window=512,
+        ),
+        "gemma-3-4b-text": dict(
+            GEMMA3_STYLE, vocab_size=262208, block_size=131072, n_layer=34, n_head=8, n_kv_head=4,
+            n_embd=2560, mlp_hidden=10240, sliding_window=1024, rope_scaling="linear", rope_factor=8.0,
         ),
     }
     # fmt: on

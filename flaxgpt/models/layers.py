@@ -26,7 +26,7 @@ from flax import linen as nn
 Dtype = Any
 
 ACTIVATIONS = ("gelu", "gelu_exact", "relu", "silu", "relu2")
-NORMS = ("layernorm", "rmsnorm")
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_1p")
 
 
 def normal_init(std: float, axes: tuple[str | None, ...]):
@@ -137,7 +137,10 @@ class MLP(nn.Module):
 
 
 def norm(kind: str, use_bias: bool, eps: float, dtype: Dtype, param_dtype: Dtype, name, axes=("embed",)):
-    """LayerNorm (GPT-2) or RMSNorm (Zhang & Sennrich 2019; Llama: no mean, no bias), param `scale`."""
+    """LayerNorm (GPT-2), RMSNorm (Zhang & Sennrich 2019; Llama: no mean, no bias) or Gemma's RMSNorm
+    scaled by (1 + w) ("rmsnorm_1p"), param `scale` in each."""
+    if kind == "rmsnorm_1p":
+        return RMSNormPlusOne(epsilon=eps, dtype=dtype, param_dtype=param_dtype, axes=axes, name=name)
     if kind == "rmsnorm":
         return nn.RMSNorm(
             epsilon=eps, dtype=dtype, param_dtype=param_dtype, scale_init=ones_init(axes), name=name
@@ -157,3 +160,21 @@ def layer_norm(use_bias: bool, eps: float, dtype: Dtype, param_dtype: Dtype, nam
         bias_init=zeros_init(axes),
         name=name,
     )
+
+
+class RMSNormPlusOne(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + scale), scale starting at 0; in float32 (float64 for float64)
+    until the product, as transformers' Gemma2RMSNorm / Gemma3RMSNorm (not Llama's cast-then-scale)."""
+
+    epsilon: float = 1e-6
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    axes: tuple = ("embed",)
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        w_D = self.param("scale", zeros_init(self.axes), (x_BTD.shape[-1],), self.param_dtype)
+        acc = jnp.promote_types(x_BTD.dtype, jnp.float32)
+        x = x_BTD.astype(acc)
+        y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.epsilon)
+        return (y * (1.0 + w_D.astype(acc))).astype(self.dtype)

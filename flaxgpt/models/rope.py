@@ -20,15 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_SCALINGS = ("none", "llama3")
+ROPE_SCALINGS = ("none", "llama3", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
 class RoPE:
     head_dim: int
     theta: float = 10000.0
-    scaling: str = "none"  # none | llama3
-    factor: float = 1.0  # llama3: how much longer the context became
+    scaling: str = (
+        "none"  # none | llama3 | linear (every frequency divided by factor: Gemma 3's global layers)
+    )
+    factor: float = 1.0  # llama3, linear: how much longer the context became
     low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by factor
     high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
     original_max_len: int = 8192  # llama3: the context the model was pretrained with
@@ -45,6 +47,8 @@ class RoPE:
         inv_freq = 1.0 / self.theta ** (np.arange(0, K, 2, dtype=np.float64) / K)
         if self.scaling == "llama3":
             inv_freq = _llama3_scaling(inv_freq, self)
+        if self.scaling == "linear":  # position interpolation: positions read as position / factor
+            inv_freq = inv_freq / self.factor
         return inv_freq
 
     def apply(self, x_BTHK: jax.Array, positions_BT: jax.Array) -> jax.Array:

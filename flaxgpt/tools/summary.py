@@ -100,6 +100,9 @@ def _flops(c, parts: dict, seq_len: int | None) -> dict:
     is_gpt = models.kind_of(c) == "gpt"
     attn_layers = c.n_layer if is_gpt else c.n_enc_layer + 2 * c.n_dec_layer
     attn_fwd = 4 * attn_layers * c.n_head * c.head_dim * T  # q.k scores + weighted sum of v
+    if is_gpt and c.sliding_window:  # a window layer's query reads at most its window of keys
+        keys = sum(min(T, c.layer_window(i) or T) for i in range(c.n_layer))
+        attn_fwd = 4 * c.n_head * c.head_dim * keys
     return {
         "seq_len": T,
         "n_matmul": n_matmul,

@@ -372,7 +372,9 @@ def test_config_errors_name_the_values():
     base = dict(n_layer=1, n_head=6, n_embd=48, pos_embedding="rope")
     with pytest.raises(ValueError, match="n_head 6 is not divisible by n_kv_head 4"):
         GPTConfig(**base, n_kv_head=4)
-    with pytest.raises(ValueError, match="rope_scaling='yarn' is not one of \\('none', 'llama3'\\)"):
+    with pytest.raises(
+        ValueError, match="rope_scaling='yarn' is not one of \\('none', 'llama3', 'linear'\\)"
+    ):
         GPTConfig(**base, rope_scaling="yarn")
     with pytest.raises(ValueError, match="rotary embeddings need an even head_dim, got 7"):
         GPTConfig(**{**base, "n_head": 7, "n_embd": 49})

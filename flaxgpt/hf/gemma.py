@@ -1,0 +1,209 @@
+"""Gemma 2 and Gemma 3 (text) config.json <-> GPTConfig, and their key tables.
+
+The weights load and export through flaxgpt/hf/llama.py (one loop for every rotary family);
+this module says how Gemma's config.json reads as GPTConfig fields and how its tensors are named.
+Gemma is a Llama-style decoder plus: norms scaled by (1 + w) (norm="rmsnorm_1p"), a norm after
+the attention and after the MLP (post_norms), GeGLU (activation="gelu", glu), embeddings times
+sqrt(D) (embed_scale), heads of their own width (head_size), logits scaled by
+1/sqrt(query_pre_attn_scalar), sliding-window layers in a repeating pattern (window_pattern), and
+in Gemma 2 soft-capped attention and final logits, in Gemma 3 QK-norm and a rotary base of their
+own for the window layers (rope_local_theta).
+
+Mind the names: Gemma's post_attention_layernorm is the norm on the attention's output
+(post_attn_ln), not Llama's norm before the MLP, which Gemma calls pre_feedforward_layernorm (ln_2).
+"""
+
+from __future__ import annotations
+
+GEMMA2_LAYER_KEYS = {  # HF name in layer i -> (flaxgpt path in h_{i}, part of a fused tensor)
+    "input_layernorm.weight": (("ln_1", "scale"), None),  # [D]
+    "self_attn.q_proj.weight": (("attn", "c_attn", "kernel"), "q"),  # [H*K, D]
+    "self_attn.k_proj.weight": (("attn", "c_attn", "kernel"), "k"),  # [J*K, D]
+    "self_attn.v_proj.weight": (("attn", "c_attn", "kernel"), "v"),  # [J*K, D]
+    "self_attn.o_proj.weight": (("attn", "c_proj", "kernel"), None),  # [D, H*K]
+    "post_attention_layernorm.weight": (("post_attn_ln", "scale"), None),  # [D], on the attention's output
+    "pre_feedforward_layernorm.weight": (("ln_2", "scale"), None),  # [D]
+    "post_feedforward_layernorm.weight": (("post_mlp_ln", "scale"), None),  # [D]
+    "mlp.gate_proj.weight": (("mlp", "c_fc", "kernel"), "gate"),  # [F, D]
+    "mlp.up_proj.weight": (("mlp", "c_fc", "kernel"), "up"),  # [F, D]
+    "mlp.down_proj.weight": (("mlp", "c_proj", "kernel"), None),  # [D, F]
+}
+GEMMA3_LAYER_KEYS = {
+    **GEMMA2_LAYER_KEYS,
+    "self_attn.q_norm.weight": (("attn", "q_norm", "scale"), None),  # [K]
+    "self_attn.k_norm.weight": (("attn", "k_norm", "scale"), None),  # [K]
+}
+# model_type -> (architecture, layer keys); llama.py wraps them in its Family
+FAMILIES = {
+    "gemma2": ("Gemma2ForCausalLM", GEMMA2_LAYER_KEYS),
+    "gemma3_text": ("Gemma3ForCausalLM", GEMMA3_LAYER_KEYS),
+}
+REQUIRED = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads head_dim "
+    "query_pre_attn_scalar sliding_window".split()
+)
+GLOBAL, LOCAL = "full_attention", "sliding_attention"
+
+
+def _window_pattern(hf: dict, model_type: str) -> int:
+    """N such that layer i is global exactly when (i+1) % N == 0, from layer_types (transformers 5)
+    or sliding_window_pattern (older Gemma 3 files; Gemma 2 alternates, N = 2)."""
+    L = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if not types:
+        n = 2 if model_type == "gemma2" else hf.get("sliding_window_pattern", 6)
+        return n
+    n = types.index(GLOBAL) + 1 if GLOBAL in types else L + 1
+    if len(types) != L or types != [GLOBAL if (i + 1) % n == 0 else LOCAL for i in range(L)]:
+        raise ValueError(f"{model_type} layer_types {types} are not 'N-1 local, 1 global' repeated")
+    return n
+
+
+def _rope(params: dict, model_type: str) -> dict:
+    """One rope_parameters entry -> rope_theta / rope_scaling / rope_factor (default or linear)."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ValueError(f"{model_type} rope_type {kind!r} is not implemented; implemented: default, linear")
+    out = {"rope_theta": float(params.get("rope_theta", 10000.0))}
+    if kind == "linear":
+        out.update(rope_scaling="linear", rope_factor=float(params["factor"]))
+    return out
+
+
+def _rope_fields(hf: dict, model_type: str) -> dict:
+    """Global and local rotary settings from either config.json format."""
+    params = hf.get("rope_parameters") or {}
+    if GLOBAL in params:  # transformers 5: one entry per layer type
+        out = _rope(params[GLOBAL], model_type)
+        local = params.get(LOCAL, {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(
+                f"{model_type}: scaled rotary embeddings on the window layers are not implemented"
+            )
+        local_theta = float(local.get("rope_theta", out["rope_theta"]))
+    else:  # older files: rope_theta + rope_scaling (global), rope_local_base_freq (Gemma 3)
+        scaling = hf.get("rope_scaling") or params
+        out = _rope(
+            {**scaling, "rope_theta": hf.get("rope_theta", params.get("rope_theta", 10000.0))}, model_type
+        )
+        local_theta = float(hf.get("rope_local_base_freq", out["rope_theta"]))
+    if model_type == "gemma3_text":
+        out["rope_local_theta"] = local_theta
+    elif local_theta != out["rope_theta"]:
+        raise ValueError(f"{model_type} has one rotary base; this config.json gives two")
+    return out
+
+
+def config_from_hf(hf: dict, arch_fields, **fields):
+    """A Gemma 2 / Gemma 3 text config.json (as a dict) -> GPTConfig; `fields` set the free fields."""
+    from flaxgpt.hf import files as hf_files
+    from flaxgpt.models.gpt_config import GPTConfig
+
+    model_type = hf["model_type"]
+    missing = [key for key in REQUIRED if hf.get(key) is None]
+    if missing:
+        raise ValueError(
+            f"{model_type} config.json has no {', '.join(missing)}; flaxgpt needs them to load it"
+        )
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    unsupported = {
+        "hidden_activation": act if act != "gelu_pytorch_tanh" else None,
+        "attention_bias": True if hf.get("attention_bias") else None,
+        "use_bidirectional_attention": True if hf.get("use_bidirectional_attention") else None,
+    }
+    max_len = hf.get("max_position_embeddings", 8192)
+    window = hf["sliding_window"]
+    if window > max_len:
+        raise ValueError(
+            f"{model_type} sliding_window {window} is longer than max_position_embeddings {max_len}; "
+            "fix config.json (a window covers at most the context)"
+        )
+    block_size = hf_files.checked_block_size(
+        model_type, unsupported, fields, arch_fields, max_len, "max_position_embeddings"
+    )
+    softcaps = {
+        key: float(hf.get(key) or 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")
+    }
+    return GPTConfig(
+        vocab_size=hf["vocab_size"],
+        block_size=block_size,
+        n_layer=hf["num_hidden_layers"],
+        n_head=hf["num_attention_heads"],
+        n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        n_embd=hf["hidden_size"],
+        head_size=hf["head_dim"],
+        mlp_hidden=hf["intermediate_size"],
+        pos_embedding="rope",
+        norm="rmsnorm_1p",
+        activation="gelu",
+        glu=True,
+        bias=False,
+        qkv_bias=False,
+        qk_norm=model_type == "gemma3_text",
+        post_norms=True,
+        embed_scale=True,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        sliding_window=min(window, block_size),  # a window of the whole context is the same model
+        window_pattern=_window_pattern(hf, model_type),
+        query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+        attn_softcap=softcaps["attn_logit_softcapping"],
+        logit_softcap=softcaps["final_logit_softcapping"],
+        **_rope_fields(hf, model_type),
+        **fields,
+    )
+
+
+def config_to_hf(config, model_type: str, special_ids: dict | None = None) -> dict:
+    """GPTConfig -> a Gemma 2 / Gemma 3 text config.json (transformers 5's format)."""
+    c = config
+    need = dict(
+        pos_embedding="rope", norm="rmsnorm_1p", activation="gelu", glu=True, bias=False, qkv_bias=False,
+        post_norms=True, embed_scale=True, qk_norm=model_type == "gemma3_text", unet_skips=False,
+        value_embeds=0,
+    )  # fmt: skip
+    if model_type == "gemma2":
+        need.update(rope_local_theta=0.0, rope_scaling="none")
+    for field, value in need.items():
+        if getattr(c, field) != value:
+            raise ValueError(f"{model_type} needs {field}={value!r}, this model has {getattr(c, field)!r}")
+    if c.rope_scaling not in ("none", "linear"):
+        raise ValueError(f"{model_type} cannot express rope_scaling={c.rope_scaling!r}")
+    types = [GLOBAL if not c.layer_window(i) else LOCAL for i in range(c.n_layer)]
+    glob = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling == "linear":
+        glob.update(rope_type="linear", factor=c.rope_factor)
+    if model_type == "gemma3_text":
+        local = {"rope_type": "default", "rope_theta": c.rope_local_theta or c.rope_theta}
+        rope = {GLOBAL: glob, LOCAL: local}
+    else:
+        rope = glob
+    scalar = c.query_pre_attn_scalar or c.head_dim
+    return {
+        "architectures": [FAMILIES[model_type][0]],
+        "model_type": model_type,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.mlp_hidden or 4 * c.n_embd,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": c.block_size,
+        "rms_norm_eps": c.layer_norm_epsilon,
+        "tie_word_embeddings": c.tie_embeddings,
+        "rope_parameters": rope,
+        "query_pre_attn_scalar": int(scalar)
+        if scalar == int(scalar)
+        else scalar,  # transformers wants an int
+        "sliding_window": c.sliding_window or c.block_size,
+        "layer_types": types,
+        "attn_logit_softcapping": c.attn_softcap or None,
+        "final_logit_softcapping": c.logit_softcap or None,
+        "attention_bias": False,
+        "attention_dropout": c.attn_dropout,
+        "initializer_range": 0.02,
+        "dtype": "float32",
+        **(special_ids or {}),
+    }
