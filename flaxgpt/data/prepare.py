@@ -26,20 +26,25 @@ running the same command again.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import hashlib
 import importlib.resources
 import json
 import os
-import shutil
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+from flaxgpt.data.dataset_files import (
+    TEXT_SUFFIXES,
+    PrepareError,
+    read_text,
+    read_utf8,
+    token_dtype,
+    write_tokens,
+    writing,
+)
 from flaxgpt.data.tokenizers import CharTokenizer, get_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -50,67 +55,6 @@ HF_DATASETS = {  # short name -> (load_dataset path, config name)
     "openwebtext": ("openwebtext", None),
     "fineweb-edu": ("HuggingFaceFW/fineweb-edu", "sample-10BT"),
 }
-TEXT_SUFFIXES = (".txt", ".md", ".text")
-
-
-class PrepareError(Exception):
-    """Bad input: the message says what is wrong and how to fix it."""
-
-
-def token_dtype(vocab_size: int):
-    return np.uint16 if vocab_size <= 2**16 else np.uint32
-
-
-def read_utf8(path: str | Path) -> str:
-    """A file's text; bytes that are not UTF-8 are an error naming the file, byte offset and line."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise PrepareError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise PrepareError(
-            f"{path} is not UTF-8 text: byte {e.start} (line {line}) is 0x{data[e.start]:02x} ({e.reason}); "
-            "convert it, e.g. iconv -f latin1 -t utf-8"
-        ) from None
-
-
-def read_text(path: str | Path) -> str:
-    """A text file, or every text file under a folder (sorted, joined by blank lines)."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
-        if not files:
-            raise PrepareError(f"no {'/'.join(TEXT_SUFFIXES)} files under {path}")
-        return "\n\n".join(read_utf8(p) for p in files)
-    if not path.is_file():
-        raise PrepareError(f"--input {path} does not exist")
-    return read_utf8(path)
-
-
-@contextlib.contextmanager
-def writing(out_dir: Path):
-    """A temporary folder beside out_dir for the files (renamed into place by the caller, meta.json
-    last); removed whatever happens. A write that fails (a full disk) is a one-line PrepareError and
-    leaves any existing dataset in out_dir as it was."""
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    except OSError as e:
-        raise PrepareError(f"cannot write to {out_dir.parent}: {e.strerror or e}") from None
-    try:
-        yield tmp
-    except OSError as e:
-        why = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-        if e.errno is None:  # numpy's tofile: "N requested and M written"
-            why = f"a short write ({e}): is the disk full?"
-        raise PrepareError(
-            f"writing {out_dir} failed: {why}; nothing was changed there (free space and run again)"
-        ) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def shipped_shakespeare() -> str:
@@ -171,13 +115,6 @@ def write_dataset(out_dir: str | Path, train_ids, val_ids, tokenizer, source: st
         for name in ("train.bin", "val.bin", "meta.json"):  # meta.json last: it marks completeness
             os.replace(tmp / name, out_dir / name)
     return meta
-
-
-def write_tokens(path: Path, ids, dtype) -> None:
-    ids = np.asarray(ids)
-    if ids.size and ids.max() >= np.iinfo(dtype).max + 1:
-        raise PrepareError(f"token id {ids.max()} does not fit {np.dtype(dtype).name}")
-    ids.astype(dtype).tofile(path)
 
 
 def make_tokenizer(name: str, text: str | None = None):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flaxgpt.data.prepare import PrepareError, read_utf8, token_dtype, writing
+from flaxgpt.data.dataset_files import PrepareError, read_utf8, token_dtype, writing
 from flaxgpt.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, CharTokenizer, Seq2SeqTokenizer, get_tokenizer
 
 TASKS = ("reverse", "numbers", "tsv", "files", "hf")

@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    from flaxgpt.data.prepare import PrepareError
+    from flaxgpt.data.dataset_files import PrepareError
     from flaxgpt.runs.checkpoint import CheckpointError
 
     try:
