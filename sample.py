@@ -267,8 +267,9 @@ def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
     dconfig, dparams, _ = loader.compact(draft, dtype=a.dtype, quantize=a.quantize)[1:]
     B, P = prompt_BP.shape
     need = a.max_new_tokens + a.draft_tokens + 1
-    cache = KVCache.for_config(config, B, sampling.cache_length(config.block_size, P, need))
-    dcache = KVCache.for_config(dconfig, B, sampling.cache_length(dconfig.block_size, P, need))
+    k = a.draft_tokens  # window layers' rings keep k extra slots: a rejected draft takes back k
+    cache = KVCache.for_config(config, B, sampling.cache_length(config.block_size, P, need), rewind=k)
+    dcache = KVCache.for_config(dconfig, B, sampling.cache_length(dconfig.block_size, P, need), rewind=k)
     tokens_BN, n_B, stats = speculative.speculative_generate(
         step, cache, gpt.step_fn(dconfig, dparams), dcache, prompt_BP, lengths_B,
         draft_tokens=a.draft_tokens, **kw,

@@ -35,6 +35,9 @@ def parse(argv):
     p.add_argument("--slots", type=int, default=8, help="serve: the engine's slots")
     p.add_argument("--max_len", type=int, default=0, help="sample/serve: the cache window (0 = block_size)")
     p.add_argument("--vocab_size", type=int, default=0, help="when neither the recipe nor its data says")
+    p.add_argument(
+        "--quantize", default="none", choices=("none", "int8", "bf16"), help="sample/serve: the weights"
+    )
     p.add_argument("--headroom", type=float, default=0.0, help="fraction of memory to keep free")
     p.add_argument("--list", action="store_true", help="print the targets and exit")
     args, rest = p.parse_known_args(argv)
@@ -76,7 +79,7 @@ def load_config(rest: list[str]):
 
 
 def run(config, target, groups=("train", "eval", "sample", "serve"), *, slots=8, max_len=0, vocab_size=0,
-        dump=None, mc=None, print_fn=print):  # fmt: skip
+        dump=None, mc=None, print_fn=print, quantize="none"):  # fmt: skip
     """Compile every program of `groups` for `target` -> (report rows, model config)."""
     devices = target.devices()  # first: the plugin's environment is set before jax starts it
     from flaxgpt.aot import programs as programs_lib
@@ -86,7 +89,9 @@ def run(config, target, groups=("train", "eval", "sample", "serve"), *, slots=8,
         mc, source = programs_lib.model_config(config, vocab_size)
         print_fn(f"model: {source}")
     try:
-        progs = programs_lib.build(config, devices, groups, mc=mc, slots=slots, max_len=max_len)
+        progs = programs_lib.build(
+            config, devices, groups, mc=mc, slots=slots, max_len=max_len, quantize=quantize
+        )
     except ValueError as e:  # a mesh or batch that does not divide the target's devices
         raise SystemExit(f"error: {e} (target {target.name}: {len(devices)} devices)") from None
     return [report.analyze(p, target, dump) for p in progs], mc
@@ -123,7 +128,7 @@ def main(argv=None) -> int:
     config, path = load_config(rest)
     t0 = time.perf_counter()
     rows, _ = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,
-                  dump=args.dump)  # fmt: skip
+                  dump=args.dump, quantize=args.quantize)  # fmt: skip
     from flaxgpt.aot import report
 
     print(

@@ -10,6 +10,8 @@
   gpt.step_fn and a KVCache, on one device, as sample.py runs (batch 1, temperature 0.8, top-k 200).
 - serve (GPT): flaxgpt.serve.engine's prefill (the largest prompt bucket) and generate step for all
   `slots` slots (chunk 4), on one device, as flaxgpt.serve.launch runs it.
+Both over gpt.step_fn's weights (int8 or bf16 with `quantize`, as sample.py / serve.py --quantize) and a
+KVCache whose sliding-window layers keep rings of their window (models/cache.py).
 
 A recipe that fine-tunes a pretrained model takes the architecture of the preset its init_from names
 (gpt2*, smollm2-135m, ...): the checkpoint itself is not read.
@@ -164,11 +166,15 @@ def _one_device(devices):
     return NamedSharding(Mesh(np.asarray(devices[:1]), ("one",)), PartitionSpec())
 
 
-def _decoding(mc, devices):
-    """(config, abstract step_fn, the one-device sharding) as gpt.step_fn decodes: layers unrolled."""
+def _decoding(mc, devices, quantize: str = "none"):
+    """(config, abstract step_fn, the one-device sharding) as gpt.step_fn decodes: layers unrolled;
+    `quantize` (int8 | bf16): the weights as gpt.quantize_params makes them (sample.py --quantize)."""
     one = _one_device(devices)
     cfg = dataclasses.replace(mc, scan_layers=False, remat="none")
     params = _abstract(nn.unbox(gpt.abstract_params(cfg)), one)
+    if quantize != "none":
+        cfg, params = jax.eval_shape(lambda p: gpt.quantize_params(cfg, p, quantize), params)
+        params = _abstract(params, one)
     return cfg, gpt.step_fn(cfg, params), one, per_device_bytes(params)
 
 
@@ -176,8 +182,8 @@ def _scalar(dtype, one):
     return jax.ShapeDtypeStruct((), dtype, sharding=one)
 
 
-def sample_programs(mc, devices, batch: int = 1, chunk: int = 256) -> list[Program]:
-    cfg, step, one, param_bytes = _decoding(mc, devices)
+def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize: str = "none") -> list[Program]:
+    cfg, step, one, param_bytes = _decoding(mc, devices, quantize)
     W = P = cfg.block_size
     cache = _abstract(jax.eval_shape(lambda: KVCache.for_config(cfg, batch, W)), one)
     rng = _abstract(jax.eval_shape(lambda: jax.random.key(0)), one)
@@ -203,11 +209,11 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256) -> list[Progr
 
 
 def serve_programs(
-    mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128
+    mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128, quantize="none"
 ) -> list[Program]:
     """The engine's programs as serve.py runs them: a prefill chunk (its largest bucket: serve.py's
     --prefill_chunk) into a one-row cache, and the generate step for every slot."""
-    cfg, step, one, param_bytes = _decoding(mc, devices)
+    cfg, step, one, param_bytes = _decoding(mc, devices, quantize)
     W = min(max_len or cfg.block_size, cfg.block_size)
     P = min(prefill_chunk, W)
     cache_1 = _abstract(jax.eval_shape(lambda: KVCache.for_config(cfg, 1, W)), one)
@@ -234,13 +240,16 @@ def serve_programs(
     return [prefill, generate]
 
 
-def build(config, devices, groups=GROUPS, mc=None, slots: int = 8, max_len: int = 0) -> list[Program]:
-    """The programs of `groups` for `config` on `devices` (sample and serve: GPT models only)."""
+def build(
+    config, devices, groups=GROUPS, mc=None, slots: int = 8, max_len: int = 0, quantize: str = "none"
+) -> list[Program]:
+    """The programs of `groups` for `config` on `devices` (sample and serve: GPT models only;
+    `quantize` their weights: none | int8 | bf16)."""
     mc = mc if mc is not None else model_config(config)[0]
     out = train_programs(config, mc, devices, groups)
     if models.kind_of(mc) == "gpt":
         if "sample" in groups:
-            out += sample_programs(mc, devices)
+            out += sample_programs(mc, devices, quantize=quantize)
         if "serve" in groups:
-            out += serve_programs(mc, devices, slots, max_len)
+            out += serve_programs(mc, devices, slots, max_len, quantize=quantize)
     return out

@@ -7,8 +7,9 @@
 
 `generate` knows nothing about the model beyond `step_fn(tokens_BT, positions_BT, cache) ->
 (logits_BTV, cache)`, which must write the keys/values of `tokens` at `positions` into the cache
-and attend to cache positions <= each query's own; the prefill calls it with `logits_at=idx_B`
-(one time index per row) and reads logits [B, 1, V], so a model can skip its head elsewhere.
+(nothing at positions >= cache.max_len) and attend to cache positions <= each query's own; the
+prefill calls it with `logits_at=idx_B` (one time index per row) and reads logits [B, 1, V], so a
+model can skip its head elsewhere, and need not write the padding after idx_B.
 Prompts are right-padded and delimited by their lengths (never by a token id: GPT-2's token 0 is "!").
 
 How it runs: one jitted prefill writes all prompts at once and samples each row's first token;
@@ -26,8 +27,8 @@ length so far and o the start of its context (o = 0 at first): whenever n - o > 
 the next token is predicted from tokens[o:n] at positions 0..n-o-1. Half a window amortises one
 re-prefill over W/2 tokens while keeping at least W/2 tokens of context; keep = W re-prefills
 every step and equals nanoGPT's crop-to-the-last-W-tokens loop. Other rows in the batch feed
-their own unchanged window prefix in that pass (rewriting equal keys/values), so a row's
-tokens do not depend on its neighbours.
+their window prefix in that pass at positions past the cache (W and on: a step_fn writes nothing
+there), so a row's tokens do not depend on its neighbours.
 
 Shape letters: B batch, P prompt buffer, T step length, W cache (window) length, V vocab,
 C chunk, N new tokens.
@@ -242,10 +243,9 @@ def _slide(step_fn, keep: int, state: DecodeState, overflow_B):
     window_BW = jnp.where(overflow_B[:, None], recent_BW, state.window_BW)
     cache = state.cache
     if keep > 1:
-        B = window_BW.shape[0]
-        # every row re-writes positions 0..keep-2 from its own window: unchanged rows get back
-        # the keys/values they had; positions past a row's fill are garbage it overwrites later
-        positions_BT = jnp.broadcast_to(jnp.arange(keep - 1, dtype=jnp.int32), (B, keep - 1))
+        # overflowing rows re-write positions 0..keep-2 from their window; the others feed theirs
+        # past the cache (positions >= W), where nothing is written: their caches stay as they were
+        positions_BT = jnp.arange(keep - 1, dtype=jnp.int32) + jnp.where(overflow_B, 0, W)[:, None]
         _, cache = step_fn(window_BW[:, : keep - 1], positions_BT, cache)
     fill_B = jnp.where(overflow_B, keep - 1, state.fill_B)
     return state.replace(cache=cache, window_BW=window_BW, fill_B=fill_B)

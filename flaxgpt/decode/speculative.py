@@ -20,7 +20,8 @@ renormalised; if all k are kept, one more is drawn from p. Each emitted token is
 distributed exactly as under p.
 
 Rows advance at their own pace (per-row positions in both caches). Cache entries a row wrote
-past its accepted tokens are garbage that it overwrites before attending to them. The
+past its accepted tokens are garbage that it overwrites before attending to them (a cache whose
+sliding-window layers keep rings must let a row take back k positions: `cache.rewind` >= k). The
 window does not slide: prompt + max_new_tokens + k + 1 must fit in both caches.
 
 Shape letters: B batch, P prompt buffer, k draft tokens per round, V vocab, N new tokens.
@@ -81,9 +82,10 @@ def _draw(s: Sampling, rng, logits_BV):
 def _prefill(target_step, target, draft_step, draft, prompt_BP, lengths_B, rng, max_new, sel, n_out):
     B, P = prompt_BP.shape
     positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits_BPV, target = target_step(prompt_BP, positions_BP, target)
-    _, draft = draft_step(prompt_BP, positions_BP, draft)
-    logits_BV = jnp.take_along_axis(logits_BPV, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    # logits_at: the last prompt token's logits, and the padding after it need not be written
+    logits_B1V, target = target_step(prompt_BP, positions_BP, target, logits_at=lengths_B - 1)
+    _, draft = draft_step(prompt_BP, positions_BP, draft, logits_at=lengths_B - 1)
+    logits_BV = logits_B1V[:, 0]
     first_B = _draw(sel, jax.random.fold_in(rng, 0), logits_BV)
     done_B = jnp.full((B,), max_new <= 1)
     if sel.eos_id is not None:
@@ -237,6 +239,12 @@ def speculative_generate(
                 f"the {name} cache holds {cache.max_len} positions; speculative decoding does not "
                 f"slide the window and needs prompt {P} + max_new_tokens {max_new_tokens} + "
                 f"draft_tokens {k} + 1 = {need}"
+            )
+        rewind = getattr(cache, "rewind", None)  # None: a row may go back any number of positions
+        if rewind is not None and rewind < k:
+            raise ValueError(
+                f"the {name} cache lets a row take back {rewind} written positions (its sliding-window "
+                f"rings); a rejected draft takes back up to draft_tokens {k}: make it with rewind={k}"
             )
     if max_new_tokens < 1:
         return np.zeros((B, 0), np.int32), np.zeros(B, np.int32), SpecStats(0, 0, 0)

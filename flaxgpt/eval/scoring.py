@@ -111,7 +111,9 @@ def _score_shared(config: GPTConfig, params, ctx_BP, start_B, cont_CBT, targets_
     """
     B, P = ctx_BP.shape
     T = cont_CBT.shape[-1]
-    cache = KVCache.for_config(config, batch=B, max_len=P + T)
+    # full-length buffers for window layers too: right-padded contexts go in without logits_at,
+    # and every continuation goes back to start_B
+    cache = KVCache.for_config(config, batch=B, max_len=P + T, ring=False)
     _, cache = _final_hidden(config, params, ctx_BP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache)
     positions_BT = start_B[:, None] + jnp.arange(T)
 

@@ -13,6 +13,16 @@ stacked [L, ...] buffer is copied out first on CPU, 24 copies of the cache per G
 Batch and heads merged: at batch 1 a [1, H, S, K] buffer reaches the attention as [H, S, K],
 and XLA then updates it twice, copying it each time.
 
+Sliding-window layers (Mistral, Gemma 2 / 3) keep only their window: a ring buffer of R = W +
+`rewind` slots, [batch * heads, R, head_dim], position p in slot p % R, and `pos` [batch, R] the
+position each slot holds (EMPTY: none), so memory stays bounded however long a generation runs and
+the attention masks by stored positions (models/attention.py, `ring_attend`). A call's tokens at or
+after the first position it writes replace what the ring held there (a row may go back and write
+again: speculative decoding, the sampler's re-prefill), so a row may take back at most `rewind` of
+the positions it wrote (`rewind` slots keep what they would otherwise lose). Layers with a window
+as long as the cache, or none, keep a full-length buffer and `pos` None. Padding written at
+positions past `max_len`, or marked by a prefill's `logits_at`, never enters a ring.
+
 Seq2SeqCache (encoder-decoder): the decoder's KVCache plus each layer's cross-attention keys and
 values of the source, [rows, S, H, K], one row per decoded row (a source repeated once per beam),
 and each row's source index. Rows of one source hold the same cross keys/values, so when taken
@@ -26,45 +36,81 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+EMPTY = -(2**30)  # the position of a ring slot never written: outside every query's window
+
 
 @struct.dataclass
 class KVCache:
-    k: tuple[jax.Array, ...]  # L x [B*H, S, K]
+    k: tuple[jax.Array, ...]  # L x [B*H, S, K]; a window layer's ring: [B*H, R, K]
     v: tuple[jax.Array, ...]  # L x [B*H, S, K]
     n_head: int = struct.field(pytree_node=False)  # heads stored (the key/value heads): B*H rows
+    pos: tuple = ()  # L x ([B, R] int32 positions a ring holds, or None: a full-length buffer)
+    length: int = struct.field(pytree_node=False, default=0)  # S, positions covered; 0 = k[0]'s
+    rewind: int | None = struct.field(
+        pytree_node=False, default=None
+    )  # positions a row may take back (None: any)
 
     @classmethod
     def init(
-        cls, n_layer: int, batch: int, max_len: int, n_head: int, head_dim: int, dtype=jnp.float32
+        cls,
+        n_layer: int,
+        batch: int,
+        max_len: int,
+        n_head: int,
+        head_dim: int,
+        dtype=jnp.float32,
+        windows=(),
+        rewind: int = 0,
     ) -> KVCache:
-        shape = (batch * n_head, max_len, head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(n_layer))  # noqa: E731
-        return cls(k=zeros(), v=zeros(), n_head=n_head)
+        """Zeroed buffers; `windows` (one per layer, 0 = none) give sliding-window layers a ring
+        of window + rewind slots when that is shorter than max_len."""
+        windows = tuple(windows) or (0,) * n_layer
+        if len(windows) != n_layer or rewind < 0:
+            raise ValueError(f"{len(windows)} windows for {n_layer} layers, rewind {rewind} (must be >= 0)")
+        lengths = [w + rewind if 0 < w and w + rewind < max_len else max_len for w in windows]
+        zeros = lambda: tuple(jnp.zeros((batch * n_head, S, head_dim), dtype) for S in lengths)  # noqa: E731
+        pos = tuple(jnp.full((batch, S), EMPTY, jnp.int32) if S < max_len else None for S in lengths)
+        rings = any(p is not None for p in pos)
+        return cls(
+            k=zeros(), v=zeros(), n_head=n_head, pos=pos, length=max_len, rewind=rewind if rings else None
+        )
 
     @classmethod
-    def for_config(cls, config, batch: int, max_len: int, dtype=None) -> KVCache:
+    def for_config(cls, config, batch: int, max_len: int, dtype=None, *, ring=True, rewind=0) -> KVCache:
         """A cache sized for a GPTConfig (or any config with n_layer, n_head, head_dim): it stores
-        the config's key/value heads (`kv_heads`, fewer than n_head with grouped-query attention)."""
+        the config's key/value heads (`kv_heads`, fewer than n_head with grouped-query attention).
+        Sliding-window layers get rings (`ring`=False: full-length buffers, for callers that write
+        right-padded rows without a prefill's `logits_at`); `rewind`: see the module docstring."""
         dtype = jnp.dtype(dtype or config.dtype)
         heads = getattr(config, "kv_heads", config.n_head)
-        return cls.init(config.n_layer, batch, max_len, heads, config.head_dim, dtype)
+        windows = ()
+        if ring and hasattr(config, "layer_window"):
+            windows = tuple(config.layer_window(i) for i in range(config.n_layer))
+        return cls.init(config.n_layer, batch, max_len, heads, config.head_dim, dtype, windows, rewind)
 
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[1]
+        return self.length or self.k[0].shape[1]
 
     @property
     def batch(self) -> int:
         return self.k[0].shape[0] // self.n_head
 
-    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
-        """Layer i's (k, v) buffers, [B*H, S, K] each: what its attention block reads and returns."""
+    @property
+    def has_rings(self) -> bool:
+        return any(p is not None for p in self.pos)
+
+    def layer(self, i: int) -> tuple:
+        """Layer i's buffers, what its attention block reads and returns: (k, v), [B*H, S, K] each,
+        or a ring's (k, v, pos)."""
+        if self.pos and self.pos[i] is not None:
+            return self.k[i], self.v[i], self.pos[i]
         return self.k[i], self.v[i]
 
-    @classmethod
-    def from_layers(cls, kv_layers, n_head: int) -> KVCache:
-        """The cache made of the blocks' returned (k, v) pairs, one per layer."""
-        return cls(k=tuple(k for k, _ in kv_layers), v=tuple(v for _, v in kv_layers), n_head=n_head)
+    def with_layers(self, kv_layers) -> KVCache:
+        """This cache holding the blocks' returned buffers ((k, v) or a ring's (k, v, pos))."""
+        pos = tuple(kv[2] if len(kv) == 3 else None for kv in kv_layers)
+        return self.replace(k=tuple(kv[0] for kv in kv_layers), v=tuple(kv[1] for kv in kv_layers), pos=pos)
 
     def take_rows(self, rows_R: jax.Array) -> KVCache:
         """The cache of rows `rows_R` (in that order): beam search follows its beams with it."""
@@ -74,7 +120,8 @@ class KVCache:
             x_BHSK = x_NSK.reshape(-1, H, *x_NSK.shape[1:])
             return jnp.take(x_BHSK, rows_R, axis=0).reshape(-1, *x_NSK.shape[1:])
 
-        return jax.tree_util.tree_map(take, self)
+        pos = tuple(None if p is None else jnp.take(p, rows_R, axis=0) for p in self.pos)
+        return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)), pos=pos)
 
 
 @struct.dataclass

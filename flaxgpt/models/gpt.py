@@ -45,7 +45,7 @@ class Block(nn.Module):
     layer: int = 0  # the block's index: window and rotary base may differ per layer (Gemma)
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None, segment_ids_BT=None):
+    def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None, segment_ids_BT=None, real_BT=None):
         c = self.config
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         # activations keep their rows split over the devices (a no-op without axis rules: see
@@ -77,7 +77,7 @@ class Block(nn.Module):
             impl=c.attention_impl,
             deterministic=self.deterministic,
             name="attn",
-        )(ln("ln_1")(x_BTD), positions_BT, kv, ve_BTD=ve_BTD, segment_ids_BT=segment_ids_BT)
+        )(ln("ln_1")(x_BTD), positions_BT, kv, ve_BTD=ve_BTD, segment_ids_BT=segment_ids_BT, real_BT=real_BT)
         if c.post_norms:  # Gemma: normalise the branch's output too (its post_attention_layernorm)
             h_BTD = ln("post_attn_ln")(h_BTD)
         x_BTD = x_BTD + h_BTD
@@ -107,10 +107,10 @@ class ScannedBlock(nn.Module):
 
     @nn.compact
     def __call__(self, carry, kv):
-        x_BTD, positions_BT, seg_BT = carry
+        x_BTD, positions_BT, seg_BT, real_BT = carry
         block = Block(self.config, self.deterministic, name="block")
-        x_BTD, kv = block(x_BTD, positions_BT, kv, segment_ids_BT=seg_BT)
-        return (x_BTD, positions_BT, seg_BT), kv
+        x_BTD, kv = block(x_BTD, positions_BT, kv, segment_ids_BT=seg_BT, real_BT=real_BT)
+        return (x_BTD, positions_BT, seg_BT, real_BT), kv
 
 
 def _remat_policy(name: str):
@@ -197,8 +197,17 @@ class GPT(nn.Module):
         if c.pos_embedding != "rope":  # rope: positions rotate queries and keys inside each attention
             x_BTD = x_BTD + self._position_embeddings(positions, implicit_positions)
         x_BTD = nn.Dropout(c.embd_dropout)(x_BTD, deterministic=deterministic)
-        kv_layers = None if cache is None else [cache.layer(i) for i in range(c.n_layer)]
-        x_BTD, kv_layers = self._blocks(x_BTD, positions, kv_layers, deterministic, tokens_BT, segment_ids_BT)
+        kv_layers, real_BT = None, None
+        if cache is not None:
+            kv_layers = [cache.layer(i) for i in range(c.n_layer)]
+            # what window layers' rings may take in (models/cache.py): not a prefill's padding after
+            # logits_at, nor positions past the cache (which a full-length buffer drops too)
+            real_BT = positions < cache.max_len
+            if logits_at is not None:
+                real_BT &= jnp.arange(T)[None] <= jnp.asarray(logits_at)[:, None]
+        x_BTD, kv_layers = self._blocks(
+            x_BTD, positions, kv_layers, deterministic, tokens_BT, segment_ids_BT, real_BT
+        )
         if (
             logits_at is not None
         ):  # a prefill draws from one position: skip the head (1/3 of GPT-2's FLOPs) elsewhere
@@ -209,7 +218,7 @@ class GPT(nn.Module):
         logits_BTV = finish_logits(c, self._head(wte, x_BTD))
         if cache is None:
             return logits_BTV
-        return logits_BTV, KVCache.from_layers(kv_layers, cache.n_head)
+        return logits_BTV, cache.with_layers(kv_layers)
 
     def _position_embeddings(self, positions_BT, implicit: bool):
         c = self.config
@@ -228,7 +237,9 @@ class GPT(nn.Module):
             return wpe_prefix(wpe.embedding, positions_BT.shape[1]).astype(dtype)
         return wpe(positions_BT)
 
-    def _blocks(self, x_BTD, positions_BT, kv_layers, deterministic: bool, tokens_BT=None, seg_BT=None):
+    def _blocks(
+        self, x_BTD, positions_BT, kv_layers, deterministic: bool, tokens_BT=None, seg_BT=None, real_BT=None
+    ):
         """The n_layer blocks; kv_layers (or None) holds each layer's (k, v), handed to its block."""
         c = self.config
         if c.scan_layers:
@@ -240,15 +251,15 @@ class GPT(nn.Module):
             scan_cls = ScannedBlock
             if c.remat != "none":
                 scan_cls = nn.remat(ScannedBlock, policy=_remat_policy(c.remat), prevent_cse=False)
-            (x_BTD, _, _), stacked = nn.scan(
+            (x_BTD, _, _, _), stacked = nn.scan(
                 scan_cls,
                 variable_axes={"params": 0, "intermediates": 0, "lora": 0},  # lora: models/lora.py
                 split_rngs={"params": True, "dropout": True},
                 length=c.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(c, deterministic, name="h")((x_BTD, positions_BT, seg_BT), stacked)
+            )(c, deterministic, name="h")((x_BTD, positions_BT, seg_BT, real_BT), stacked)
             if stacked is not None:
-                kv_layers = [(stacked[0][i], stacked[1][i]) for i in range(c.n_layer)]
+                kv_layers = [tuple(x[i] for x in stacked) for i in range(c.n_layer)]
             return x_BTD, kv_layers
         block_cls = Block
         if c.remat != "none":
@@ -264,7 +275,7 @@ class GPT(nn.Module):
                 x_BTD = x_BTD + skip_weights[i - n_enc].astype(x_BTD.dtype) * skips.pop()
             kv = None if kv_layers is None else kv_layers[i]
             block = block_cls(c, deterministic, layer=i, name=f"h_{i}")
-            x_BTD, kv = block(x_BTD, positions_BT, kv, ve_layers[i], seg_BT)
+            x_BTD, kv = block(x_BTD, positions_BT, kv, ve_layers[i], seg_BT, real_BT)
             if i < n_enc:
                 skips.append(x_BTD)
             out.append(kv)

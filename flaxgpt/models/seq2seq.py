@@ -317,7 +317,7 @@ class Transformer(nn.Module):
         logits_BTV = logits_BTV[..., : c.vocab_size].astype(jnp.float32)
         if cache is None:
             return logits_BTV
-        return logits_BTV, cache.replace(self_kv=KVCache.from_layers(kv_layers, c.n_head))
+        return logits_BTV, cache.replace(self_kv=cache.self_kv.with_layers(kv_layers))
 
     def __call__(self, src_BS, src_lengths_B, tgt_in_BT):
         """Teacher forcing: logits [B, T, V] for the next target token at each position."""

@@ -244,6 +244,11 @@ class Engine:
         if max(self.buckets) != self.prefill_chunk:
             raise ValueError(f"the largest prompt bucket must be {self.prefill_chunk}: {self.buckets}")
         self.prefix_cache = None
+        if prefix_blocks and getattr(cache, "has_rings", False):
+            raise ValueError(
+                "the prefix cache keeps every position's keys and values; this model's sliding-window "
+                "layers keep only their window (ring buffers): serve it without a prefix cache"
+            )
         if prefix_blocks:
             self.prefix_cache = PrefixCache(make_cache(1), block=prefix_block, capacity=prefix_blocks)
         self.state = empty_slots(cache, slots)

@@ -85,7 +85,14 @@ TARGET_LOGITS, DRAFT_LOGITS = np.log(TARGET_PROBS), np.log(DRAFT_PROBS)
 
 def bigram_step(table):
     table = jnp.asarray(table, jnp.float32)
-    return lambda tokens_BT, positions_BT, cache: (table[tokens_BT], cache)
+
+    def step(tokens_BT, positions_BT, cache, logits_at=None):  # prefills ask for one position per row
+        logits_BTV = table[tokens_BT]
+        if logits_at is not None:
+            logits_BTV = jnp.take_along_axis(logits_BTV, logits_at[:, None, None], axis=1)
+        return logits_BTV, cache
+
+    return step
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 3)])

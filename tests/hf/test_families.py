@@ -222,8 +222,8 @@ def test_speculative_decoding_past_the_window_gives_the_greedy_tokens(family):
     draft = jax.tree_util.tree_map(lambda x: x * 1.05, params)
     prompt = [int(t) for t in TOKENS[1, :9]]
     got, lengths, _ = speculative_generate(
-        step_fn(config, params), KVCache.for_config(config, 1, 64), step_fn(config, draft),
-        KVCache.for_config(config, 1, 64), np.asarray([prompt], np.int32), [9], max_new_tokens=12,
+        step_fn(config, params), KVCache.for_config(config, 1, 64, rewind=3), step_fn(config, draft),
+        KVCache.for_config(config, 1, 64, rewind=3), np.asarray([prompt], np.int32), [9], max_new_tokens=12,
         rng=jax.random.key(0), draft_tokens=3, temperature=0,
     )  # fmt: skip
     assert [int(t) for t in np.asarray(got)[0, :12]] == torch_greedy(model, prompt, 12)
