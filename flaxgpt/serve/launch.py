@@ -3,6 +3,8 @@ random weights) and an engine thread over it. The HTTP layer (server.py) never i
 
 from __future__ import annotations
 
+import logging
+
 from flaxgpt.serve.scheduler import Scheduler
 
 
@@ -66,6 +68,12 @@ def scheduler_for(
     from flaxgpt.serve.engine import Engine
 
     W = min(max_len or config.block_size, config.block_size)
+    if prefix_cache_tokens and KVCache.for_config(config, 0, W).has_rings:
+        # window layers keep only their window (rings), the prefix cache every position's keys
+        logging.getLogger("flaxgpt.serve").warning(
+            "prefix cache off: this model's sliding-window layers keep ring buffers of their window"
+        )
+        prefix_cache_tokens = 0
     engine = Engine(
         gpt.step_fn(config, params),
         lambda b: KVCache.for_config(config, b, W),

@@ -22,6 +22,7 @@ from flaxgpt.decode.speculative import speculative_generate
 from flaxgpt.hf import gpt2 as hf
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import init_params, step_fn
+from flaxgpt.serve import launch
 from flaxgpt.serve.engine import Engine, RowSampling
 from tests.hf.test_families import TINY
 from tests.hf.test_llama import torch_greedy
@@ -107,6 +108,9 @@ def test_engine_whole_and_chunked_prefill_equal_transformers(family):
         assert run(engine, [(p, rows) for p in prompts]) == expect
     with pytest.raises(ValueError, match="sliding-window layers keep only their window"):
         Engine(step_fn(config, params), lambda b: KVCache.for_config(config, b, S), slots=1, prefix_blocks=4)
+    # serve.py asks for a prefix cache by default: over rings the server goes without one
+    sched = launch.scheduler_for(config, params, None, slots=1, max_len=S, prefix_cache_tokens=64)
+    assert sched.engine.prefix_cache is None and sched.engine.state.cache.has_rings
 
 
 def test_speculative_decoding_takes_back_positions_in_the_rings(family):
