@@ -167,14 +167,21 @@ def _one_device(devices):
 
 
 def _decoding(mc, devices, quantize: str = "none"):
-    """(config, abstract step_fn, the one-device sharding) as gpt.step_fn decodes: layers unrolled;
+    """(config, abstract step_fn, the one-device sharding) as gpt.step_fn decodes: layers unrolled
+    (traced under the one device's mesh: attention and the int8 matmul pick the target's kernels);
     `quantize` (int8 | bf16): the weights as gpt.quantize_params makes them (sample.py --quantize)."""
     one = _one_device(devices)
     cfg = dataclasses.replace(mc, scan_layers=False, remat="none")
     params = _abstract(nn.unbox(gpt.abstract_params(cfg)), one)
     if quantize != "none":
-        cfg, params = jax.eval_shape(lambda p: gpt.quantize_params(cfg, p, quantize), params)
-        params = _abstract(params, one)
+        quantized = {}  # the config comes back beside the traced weights (eval_shape returns arrays only)
+
+        def weights(p):
+            quantized["config"], q = gpt.quantize_params(cfg, p, quantize)
+            return q
+
+        params = _abstract(jax.eval_shape(weights, params), one)
+        cfg = quantized["config"]
     return cfg, gpt.step_fn(cfg, params), one, per_device_bytes(params)
 
 
@@ -195,7 +202,7 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize: str
     prefill = Program(
         "sample.prefill", sampling._prefill, args, {"sampling": how}, 1,
         flops_per_token(cfg, P)["forward"] * batch * P, {"parameters": param_bytes},
-        f"batch {batch}, prompt {P}, cache {W}",
+        f"batch {batch}, prompt {P}, cache {W}", mesh=one.mesh,
     )  # fmt: skip
     state = _abstract(prefill.trace().out_info[0], one)
     decode = Program(
@@ -203,7 +210,7 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize: str
         {"chunk": chunk, "keep": W // 2, "sampling": how}, 1,
         flops_per_token(cfg, W)["forward"] * batch * chunk, {"parameters": param_bytes},
         f"batch {batch}, {chunk} tokens per call, cache {W}",
-        chunk * (param_bytes + per_device_bytes(cache)),
+        chunk * (param_bytes + per_device_bytes(cache)), mesh=one.mesh,
     )  # fmt: skip
     return [prefill, decode]
 
@@ -225,7 +232,7 @@ def serve_programs(
     prefill = Program(
         "serve.prefill", engine._prefill, (step, cache_1, prompt, start, size, rows),
         {"max_k": 256}, 1, flops_per_token(cfg, W)["forward"] * P, {"parameters": param_bytes},
-        f"prompt chunk {P} into a window of {W}",
+        f"prompt chunk {P} into a window of {W}", mesh=one.mesh,
     )  # fmt: skip
     state = _abstract(
         jax.eval_shape(lambda: engine.empty_slots(KVCache.for_config(cfg, slots, W), slots)), one
@@ -235,7 +242,7 @@ def serve_programs(
         "serve.generate", engine._generate, (step, state, stop), {"chunk": chunk, "max_k": 256}, 1,
         flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
         f"{slots} slots x window {W}, {chunk} tokens per call",
-        chunk * (param_bytes + per_device_bytes(state.cache)),
+        chunk * (param_bytes + per_device_bytes(state.cache)), mesh=one.mesh,
     )  # fmt: skip
     return [prefill, generate]
 

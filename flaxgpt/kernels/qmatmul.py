@@ -26,6 +26,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from flaxgpt.kernels import target
+
 MAX_KERNEL_ROWS = 64  # above this the product is compute-bound: XLA's dot is faster
 _SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
 _TARGETS = {"int8": "FlaxgptInt8Matmul", "bfloat16": "FlaxgptBf16Matmul"}
@@ -90,7 +92,7 @@ def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     name = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.bfloat16): "bfloat16"}.get(jnp.dtype(w_NK.dtype))
     if name is None:
         raise ValueError(f"qmatmul weights must be int8 or bfloat16, got {w_NK.dtype}")
-    if M <= MAX_KERNEL_ROWS and kernel_available():
+    if M <= MAX_KERNEL_ROWS and target.platform() == "cpu" and kernel_available():  # traced for a CPU
         out = jax.ShapeDtypeStruct((M, N), jnp.float32)
         return jax.ffi.ffi_call(f"flaxgpt_{name}_matmul", out)(x_MK, w_NK, scale_N.astype(jnp.float32))
     return jax.lax.dot_general(x_MK, w_NK.astype(jnp.float32), (((1,), (1,)), ((), ()))) * scale_N

@@ -54,12 +54,15 @@ class QuantizedWeight:
 
 def quantize_rows(w_NK, mode: str) -> QuantizedWeight:
     """One scale per row (output channel): symmetric int8, or bfloat16 with scale 1."""
-    w_NK = np.asarray(w_NK, np.float32)
+    xp = (
+        jnp if isinstance(w_NK, jax.core.Tracer) else np
+    )  # traced (jax.eval_shape: flaxgpt aot), else on the host
+    w_NK = xp.asarray(w_NK, np.float32)
     if check_mode(mode) == "bf16":
         return QuantizedWeight(jnp.asarray(w_NK, jnp.bfloat16), jnp.ones(w_NK.shape[0], jnp.float32))
-    absmax_N = np.abs(w_NK).max(axis=1)
-    scale_N = np.where(absmax_N > 0, absmax_N / 127.0, 1.0).astype(np.float32)  # all-zero rows: any scale
-    q_NK = np.clip(np.rint(w_NK / scale_N[:, None]), -127, 127).astype(np.int8)
+    absmax_N = xp.abs(w_NK).max(axis=1)
+    scale_N = xp.where(absmax_N > 0, absmax_N / 127.0, 1.0).astype(np.float32)  # all-zero rows: any scale
+    q_NK = xp.clip(xp.rint(w_NK / scale_N[:, None]), -127, 127).astype(np.int8)
     return QuantizedWeight(jnp.asarray(q_NK), jnp.asarray(scale_N))
 
 
@@ -73,7 +76,7 @@ def quantize_tree(params, mode: str):
             if isinstance(value, dict):
                 out[name] = visit(value)
             elif name == "kernel" and np.ndim(value) == 2:
-                out[name] = quantize_rows(np.asarray(value).T, mode)
+                out[name] = quantize_rows(value.T, mode)
             else:
                 out[name] = value
         return out

@@ -153,8 +153,13 @@ def kv_cache_bytes(c) -> dict:
     """Bytes of KV cache per token of one sequence (keys and values of every layer), as the
     GPT's cache stores them (kv_heads heads) and as multi-head attention would (n_head heads)."""
     per_head = 2 * c.n_layer * c.head_dim  # keys + values, every layer
+    T = c.block_size
+    windows = [c.layer_window(i) if hasattr(c, "layer_window") else 0 for i in range(c.n_layer)]
+    positions = sum(min(w or T, T) for w in windows)  # a window layer's cache holds its window (a ring)
+    per_position = 2 * c.head_dim * c.kv_heads
     return {
         "kv_heads": c.kv_heads,
+        "at_block_size": {dtype: per_position * positions * n for dtype, n in DTYPE_BYTES.items()},
         "per_token": {dtype: per_head * c.kv_heads * n for dtype, n in DTYPE_BYTES.items()},
         "per_token_multi_head": {dtype: per_head * c.n_head * n for dtype, n in DTYPE_BYTES.items()},
     }
@@ -207,7 +212,10 @@ def format_summary(s: dict) -> str:
     if "kv_cache" in s:
         kv, T = s["kv_cache"], c["block_size"]
         per, mha = kv["per_token"]["bfloat16"], kv["per_token_multi_head"]["bfloat16"]
-        line = f"KV cache, bfloat16: {per / 2**10:,.1f} KiB per token, {per * T / MB:,.1f} MB at {T:,} tokens"
+        at_T = kv.get("at_block_size", {}).get("bfloat16", per * T)
+        line = f"KV cache, bfloat16: {per / 2**10:,.1f} KiB per token, {at_T / MB:,.1f} MB at {T:,} tokens"
+        if at_T < per * T:
+            line += " (sliding-window layers hold their window)"
         if kv["kv_heads"] != c["n_head"]:
             line += f" ({kv['kv_heads']} key/value heads; {mha / per:.0f}x less than {c['n_head']})"
         lines += ["", line]

@@ -152,3 +152,19 @@ def test_every_tpu_target_has_its_devices_and_hosts():
             assert len(devices) == t.n_devices, t.name
             assert len({d.process_index for d in devices}) == t.hosts, t.name
     assert targets.smallest(["v5e-8", "v5e-1", "h100-1"]).name == "v5e-1"
+
+
+def test_decoding_programs_with_int8_weights_and_window_rings():
+    """--quantize: the sample/serve programs over int8 weights (gpt.quantize_params on abstract arrays);
+    a Gemma-like model's window layers decode over rings of their window."""
+    target = targets.get("v5e-8")
+    c = tiny(model__pos_embedding="rope", model__sliding_window=8, model__window_pattern=2, model__n_layer=2)
+    c.model.scan_layers = False
+
+    def run(quantize):
+        rows, _ = aot.run(c, target, ("sample", "serve"), quantize=quantize, print_fn=lambda *_: None)
+        return {r.program: r for r in rows}
+
+    full, int8 = run("none"), run("int8")
+    assert list(int8) == ["sample.prefill", "sample.decode", "serve.prefill", "serve.generate"]
+    assert int8["serve.generate"].parameters < full["serve.generate"].parameters / 2
