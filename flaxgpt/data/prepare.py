@@ -41,6 +41,7 @@ from flaxgpt.data.dataset_files import (
     PrepareError,
     read_text,
     read_utf8,
+    run_cli,
     token_dtype,
     write_tokens,
     writing,
@@ -401,13 +402,8 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    """`flaxgpt prepare`: main with its PrepareError as one line on stderr (exit status 1)."""
-    try:
-        main(argv)
-    except PrepareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    """`flaxgpt prepare`."""
+    return run_cli(main, argv)
 
 
 if __name__ == "__main__":
