@@ -345,3 +345,21 @@ def test_bad_dpo_settings_fail_in_one_line_and_write_nothing(model_dir, tmp_path
             trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert not (tmp_path / "never").exists()
+
+
+def test_grad_accum_equals_one_big_batch(model_dir, tmp_path):
+    """Micro-batches holding different numbers of pairs: the step's loss, rewards and update are
+    those of the whole batch at once (sums over pairs, divided once)."""
+    meta = prep(tmp_path, model_dir, text_pairs(13), "--val_fraction", "0.1")
+    rows = meta["train_rows"] - meta["train_rows"] % 2
+    out = []
+    for accum in (1, 2):
+        config = tiny(model_dir, tmp_path / "d", tmp_path / f"run{accum}", lora_rank=4)
+        config.batch_size, config.grad_accum = rows, accum
+        t, state = flax_trainer(config)
+        state, metrics = t.train_step(state, t.global_batch("train", 0, rows, micro=True))
+        out.append((jax.device_get(metrics), jax.device_get(state.params)))
+    (m1, p1), (m2, p2) = out
+    assert set(m1) == set(m2) and "reward_margin" in m1
+    assert all(abs(float(m1[k]) - float(m2[k])) < 1e-5 for k in m1), (m1, m2)
+    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), p1, p2))) < 1e-6
