@@ -237,10 +237,11 @@ def test_equals_trl(model_dir, tmp_path, case):
     assert max(diffs.values()) < 1e-4, diffs
 
 
-def test_packed_rows_equal_one_pair_a_row_and_the_losses(model_dir, tmp_path):
+def test_packing_grad_accum_and_the_losses(model_dir, tmp_path):
     """Several pairs to a row (segments) give each pair's log-probabilities as a row of its own;
-    conservative DPO and IPO are their closed forms."""
-    records = text_pairs(9) + chat_pairs(3)[:0]
+    micro-batches holding different numbers of pairs step as the whole batch at once (sums over pairs,
+    divided once); conservative DPO and IPO are their closed forms."""
+    records = text_pairs(13)
     meta = prep(tmp_path, model_dir, records, "--val_fraction", "0.1")
     assert meta["kind"] == "pairs" and meta["train_rows"] < meta["train_examples"]  # packed
     t, state = flax_trainer(tiny(model_dir, tmp_path / "d", tmp_path / "run"))
@@ -253,6 +254,18 @@ def test_packed_rows_equal_one_pair_a_row_and_the_losses(model_dir, tmp_path):
     )
     for k in ("policy_chosen", "policy_rejected", "n_chosen", "n_rejected"):
         assert np.abs(np.sort(packed[k][held]) - np.sort(alone[k])).max() < 1e-4, k
+
+    rows, out = meta["train_rows"] - meta["train_rows"] % 2, []
+    for accum in (1, 2):
+        config = tiny(model_dir, tmp_path / "d", tmp_path / f"run{accum}", lora_rank=4)
+        config.batch_size, config.grad_accum = rows, accum
+        t, state = flax_trainer(config)
+        state, metrics = t.train_step(state, t.global_batch("train", 0, rows, micro=True))
+        out.append((jax.device_get(metrics), jax.device_get(state.params)))
+    (m1, p1), (m2, p2) = out
+    assert set(m1) == set(m2) and "reward_margin" in m1
+    assert all(abs(float(m1[k]) - float(m2[k])) < 1e-5 for k in m1), (m1, m2)
+    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), p1, p2))) < 1e-6
 
     from flaxgpt.train.dpo_task import dpo_losses
 
@@ -278,8 +291,8 @@ def test_recipe_end_to_end_then_sample(model_dir, tmp_path):
 
     prep(tmp_path, model_dir, chat_pairs(16))
     overrides = dict(
-        init_from=model_dir, out_dir=tmp_path / "run", max_iters=6, batch_size=2, grad_accum=1,
-        eval_interval=6, eval_iters=1, log_interval=1, **{"data.dir": tmp_path / "d", "model.block_size": T,
+        init_from=model_dir, out_dir=tmp_path / "run", max_iters=4, batch_size=2, grad_accum=1,
+        eval_interval=4, eval_iters=1, log_interval=1, **{"data.dir": tmp_path / "d", "model.block_size": T,
         "model.dtype": "float32", "model.remat": "none", "optim.warmup_steps": 0, "optim.learning_rate": 1e-2,
         "lora.base_dtype": "float32", "lora.rank": 4, "mesh.cpu_devices": 1},
     )  # fmt: skip
@@ -288,7 +301,7 @@ def test_recipe_end_to_end_then_sample(model_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "reward_margin" in x]
-    assert len(steps) == 6 and steps[0]["reward_margin"] == pytest.approx(0, abs=1e-3)
+    assert len(steps) == 4 and steps[0]["reward_margin"] == pytest.approx(0, abs=1e-3)
     assert steps[-1]["reward_margin"] > 0.01 and steps[-1]["loss"] < steps[0]["loss"]
     assert all(k in steps[-1] for k in ("reward_chosen", "reward_rejected", "reward_accuracy", "logp_chosen"))
     assert any("val_loss" in x for x in lines)
@@ -345,21 +358,3 @@ def test_bad_dpo_settings_fail_in_one_line_and_write_nothing(model_dir, tmp_path
             trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert not (tmp_path / "never").exists()
-
-
-def test_grad_accum_equals_one_big_batch(model_dir, tmp_path):
-    """Micro-batches holding different numbers of pairs: the step's loss, rewards and update are
-    those of the whole batch at once (sums over pairs, divided once)."""
-    meta = prep(tmp_path, model_dir, text_pairs(13), "--val_fraction", "0.1")
-    rows = meta["train_rows"] - meta["train_rows"] % 2
-    out = []
-    for accum in (1, 2):
-        config = tiny(model_dir, tmp_path / "d", tmp_path / f"run{accum}", lora_rank=4)
-        config.batch_size, config.grad_accum = rows, accum
-        t, state = flax_trainer(config)
-        state, metrics = t.train_step(state, t.global_batch("train", 0, rows, micro=True))
-        out.append((jax.device_get(metrics), jax.device_get(state.params)))
-    (m1, p1), (m2, p2) = out
-    assert set(m1) == set(m2) and "reward_margin" in m1
-    assert all(abs(float(m1[k]) - float(m2[k])) < 1e-5 for k in m1), (m1, m2)
-    assert max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), p1, p2))) < 1e-6
