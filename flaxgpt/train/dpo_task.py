@@ -108,9 +108,9 @@ class DPOTask(LMTask):
             raise ValueError(
                 "DPO needs a reference: set --config.init_from to the model to tune (its SFT checkpoint)"
             )
-        # a copy of its own: the policy's parameters are donated and updated in place
-        abstract = isinstance(jax.tree.leaves(reference)[0], jax.ShapeDtypeStruct)
-        self.frozen = reference if abstract else jax.tree.map(lambda x: np.array(x, copy=True), reference)
+        # init_from's weights: a copy of their own, as the policy's start is donated and updated in place
+        shared = not c.reference and not isinstance(jax.tree.leaves(reference)[0], jax.ShapeDtypeStruct)
+        self.frozen = jax.tree.map(lambda x: np.array(x, copy=True), reference) if shared else reference
 
     def batch_shapes(self, n_rows: int) -> dict:
         T = self.model_config.block_size
