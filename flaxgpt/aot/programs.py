@@ -36,9 +36,9 @@ from flaxgpt.models.cache import KVCache
 from flaxgpt.serve import engine
 from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import micro_batch
-from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS, LMTask
-from flaxgpt.train.seq2seq_task import Seq2SeqTask
+from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS
 from flaxgpt.train.steps import make_steps
+from flaxgpt.train.tasks import TASKS, task_name
 
 GROUPS = ("train", "eval", "sample", "serve")
 DEFAULT_VOCAB = 50257  # GPT-2's BPE: the vocabulary assumed when neither the recipe nor its data says
@@ -122,8 +122,8 @@ def _batch(shapes: dict, sharding_, leading=()):
 
 
 def train_programs(config, mc, devices, groups) -> list[Program]:
-    kind = models.kind_of(mc)
-    task = (LMTask if kind == "gpt" else Seq2SeqTask).without_data(config, mc)
+    name = task_name(config) if models.kind_of(mc) == "gpt" else "seq2seq"
+    task = TASKS[name].without_data(config, mc)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
