@@ -8,6 +8,8 @@ XLA); everything else is replicated. Batches are split over all devices on their
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -121,6 +123,7 @@ def under_mesh(fn, mesh: Mesh):
     model's activation constraints (rows over every device, gpt.Block) apply, whoever calls or
     compiles the step."""
 
+    @functools.wraps(fn)  # jit reads fn's signature through it (static and donated argument names)
     def traced(*args, **kwargs):
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(LOGICAL_RULES):
             return fn(*args, **kwargs)
@@ -131,6 +134,14 @@ def under_mesh(fn, mesh: Mesh):
 def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
     """Rows split over every device; `leading_axes` unsplit axes before them (micro-batches)."""
     return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), BATCH_AXES))
+
+
+def row_shardings(tree, mesh: Mesh):
+    """A sharding per leaf of `tree` (arrays or ShapeDtypeStructs): its rows (axis 0) split over every
+    device where they divide, else replicated. The serving engine's caches ([slots * heads, S, K]:
+    slots, or heads of a one-row cache) and per-slot arrays, as the model's activations are split."""
+    rows, rep = batch_sharding(mesh), replicated(mesh)
+    return jax.tree.map(lambda x: rows if x.ndim and x.shape[0] % mesh.size == 0 else rep, tree)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
