@@ -10,7 +10,7 @@
   gpt.step_fn and a KVCache, on one device, as sample.py runs (batch 1, temperature 0.8, top-k 200).
 - serve (GPT): flaxgpt.serve.engine's prefill (the largest prompt bucket) and generate step for all
   `slots` slots (chunk 4), on one device as flaxgpt.serve.launch runs it, or over `serve_devices`
-  devices (Engine(mesh=...): weights split by the logical-axis rules, caches by rows).
+  devices (Engine(mesh=...): weights split by sharding.SERVE_RULES, caches by rows).
 - sample and serve take int8 / bf16 weights (`quantize`): gpt.quantize_params on the abstract
   parameters gives their layout and placement. Both are traced under their mesh (one device of the
   target's, or the serving mesh), so the kernels are the target's (no CPU qmatmul custom call).
@@ -166,12 +166,12 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
 
 def _decoding(mc, devices, quantize=None):
     """(config, abstract step_fn, mesh, parameter bytes per device) as gpt.step_fn decodes over
-    `devices`: layers unrolled, the weights placed by the logical-axis rules on a (data 1, fsdp n) mesh
+    `devices`: layers unrolled, the weights placed by sharding.SERVE_RULES on a (data 1, fsdp n) mesh
     (one device: whole), int8 / bf16 weights from quantize_params on their abstract layout."""
     mesh = sharding.make_mesh(1, len(devices), devices)
     cfg = dataclasses.replace(mc, scan_layers=False, remat="none")
     boxed = gpt.abstract_params(cfg)
-    params = _abstract(nn.unbox(boxed), sharding.param_shardings(boxed, mesh))
+    params = _abstract(nn.unbox(boxed), sharding.param_shardings(boxed, mesh, sharding.SERVE_RULES))
     if quantize:
         cfg, params = gpt.quantize_params(cfg, params, quantize)
     return cfg, gpt.step_fn(cfg, params), mesh, per_device_bytes(params)
@@ -218,8 +218,8 @@ def serve_programs(
 ) -> list[Program]:
     """The engine's programs as serve.py runs them: a prefill chunk (its largest bucket: serve.py's
     --prefill_chunk) into a one-row cache, and the generate step for every slot. Over several
-    `devices`: Engine(mesh=...)'s, the weights split by the logical-axis rules (fsdp = the devices),
-    the caches by rows (slots; a one-row cache's heads)."""
+    `devices`: Engine(mesh=...)'s, the weights split by sharding.SERVE_RULES (MLP and vocabulary over
+    the devices), the caches by rows (slots; a one-row cache's heads)."""
     cfg, step, mesh, param_bytes = _decoding(mc, devices, quantize)
     prefill_fn, _, generate_fn = engine.programs(mesh)
     n = len(devices)
@@ -235,7 +235,7 @@ def serve_programs(
     rep = sharding.replicated(mesh)
     prompt = jax.ShapeDtypeStruct((1, P), jnp.int32, sharding=rep)  # the largest prompt bucket
     start, size = _scalar(jnp.int32, mesh), _scalar(jnp.int32, mesh)
-    where = f"{_weights(quantize)}" + (f", over {n} devices (fsdp {n})" if n > 1 else "")
+    where = f"{_weights(quantize)}" + (f", over {n} devices (SERVE_RULES)" if n > 1 else "")
     prefill = Program(
         "serve.prefill", prefill_fn, (step, cache_1, prompt, start, size, rows),
         {"max_k": 256}, n, flops_per_token(cfg, W)["forward"] * P, {"parameters": param_bytes},

@@ -174,11 +174,12 @@ def _generate(step_fn, state: SlotState, stop_B, chunk: int, max_k: int):
 
 def programs(mesh=None):
     """(prefill, insert, generate) jitted: the functions above, or for `mesh` the same traced under
-    it (sharding.under_mesh: kernels chosen for its devices, activations' rows split over them)."""
+    it (sharding.under_mesh with SERVE_RULES: kernels chosen for its devices)."""
     if mesh is None:
         return _prefill, _insert, _generate
+    under = lambda f: sharding.under_mesh(f.__wrapped__, mesh, sharding.SERVE_RULES)  # noqa: E731
     return tuple(
-        jax.jit(sharding.under_mesh(f.__wrapped__, mesh), static_argnames=static, donate_argnames=donated)
+        jax.jit(under(f), static_argnames=static, donate_argnames=donated)
         for f, static, donated in (
             (_prefill, ("max_k",), ("cache",)),
             (_insert, (), ("state",)),
@@ -254,7 +255,7 @@ class Engine:
         call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off).
         mesh: run over its devices: the programs traced under it, every cache and slot array split
         by rows (sharding.row_shardings: slots; a one-row cache's heads); the weights stay where
-        step_fn's params are (sharding.param_shardings on this mesh). None: one device."""
+        step_fn's params are (sharding.param_shardings(..., SERVE_RULES) on it). None: one device."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)

@@ -58,6 +58,25 @@ def test_qmatmul_takes_the_cpu_kernel_only_for_cpu_devices():
         assert "ffi_call" not in str(jax.make_jaxpr(qmatmul.qmatmul)(*args))
 
 
+def test_qmatmul_for_accelerators_widens_int8_to_the_activations_dtype(monkeypatch):
+    """Traced for a TPU / GPU: bfloat16 activations meet the int8 weights in bfloat16 (exact), summed in
+    float32: the product the CPU path gives in float32."""
+    import numpy as np
+
+    from flaxgpt.kernels import qmatmul, target
+
+    rs = np.random.RandomState(0)
+    x = jnp.asarray(rs.randn(3, 40), jnp.bfloat16)
+    w = jnp.asarray(rs.randint(-127, 128, (24, 40)), jnp.int8)
+    scale = jnp.asarray(rs.rand(24), jnp.float32)
+    want = np.asarray(x, np.float32) @ (np.asarray(w, np.float32) * np.asarray(scale)[:, None]).T
+    monkeypatch.setattr(target, "platform", lambda: "tpu")
+    text = str(jax.make_jaxpr(qmatmul.qmatmul)(x, w, scale))
+    assert "ffi_call" not in text and "preferred_element_type=float32" in text
+    got = np.asarray(jax.jit(qmatmul.qmatmul)(x, w, scale))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_int8_sampling_and_serving_compile_for_v5e_8(tmp_path):
     pytest.importorskip("libtpu", reason="the TPU targets need libtpu: pip install 'jax[tpu]==<jax version>'")
     from flaxgpt.aot import compile as aot
@@ -75,10 +94,8 @@ def test_int8_sampling_and_serving_compile_for_v5e_8(tmp_path):
     assert all(r.fits(0.1) for r in rows)
     for path in tmp_path.iterdir():  # XLA's dequantize-and-dot, not the CPU kernel's custom call
         assert "flaxgpt_" not in path.read_text(), path.name
-    # int8 weights: a byte per weight, split over the 8 chips for serving
+    # int8 weights: about a byte per weight; serving splits the MLP and vocabulary over the 8 chips
     n = sum(x.size for x in jax.tree.leaves(nn.unbox(gpt.abstract_params(mc))))
-    assert (
-        by["sample.decode"].parameters < 2 * n
-        and by["serve.generate"].parameters < by["sample.decode"].parameters
-    )
-    assert "all-gather" in by["serve.generate"].collectives  # fsdp: each layer's weights gathered
+    assert by["sample.decode"].parameters < 2 * n
+    assert by["serve.generate"].parameters < 0.6 * by["sample.decode"].parameters
+    assert by["serve.generate"].collectives  # the activations move between the chips

@@ -208,11 +208,13 @@ def test_prefix_cache_lru_table():
     assert pc.match(a)[0] == 0 and pc.match(b)[0] == 12
 
 
-@pytest.mark.parametrize("mode", [None, "int8"])
-def test_sharded_engine_gives_the_one_device_tokens(mode):
-    """Engine(mesh=...) over the 8 CPU devices: weights split by the logical-axis rules (fsdp 8,
-    int8 ones placed by quantize_params on their abstract layout), the slots cache by rows; every
-    request gets the tokens of the one-device engine."""
+@pytest.mark.parametrize(
+    "mode,rules", [(None, "SERVE_RULES"), ("int8", "SERVE_RULES"), (None, "LOGICAL_RULES")]
+)
+def test_sharded_engine_gives_the_one_device_tokens(mode, rules):
+    """Engine(mesh=...) over the 8 CPU devices: weights split by a logical-axis rules table (serving's
+    MLP / vocabulary split, or training's FSDP; int8 ones placed by quantize_params on their abstract
+    layout), the slots cache by rows; every request gets the tokens of the one-device engine."""
     from flax import linen as nn
 
     from flaxgpt import sharding
@@ -221,7 +223,7 @@ def test_sharded_engine_gives_the_one_device_tokens(mode):
     mesh = sharding.make_mesh(1, 8)
     cfg, params = CFG, init_params(CFG, jax.random.key(0))
     boxed = gpt.abstract_params(CFG)
-    shardings = sharding.param_shardings(boxed, mesh)
+    shardings = sharding.param_shardings(boxed, mesh, getattr(sharding, rules))
     if mode:
         cfg, params = gpt.quantize_params(CFG, params, mode)
         abstract = jax.tree.map(
