@@ -99,3 +99,19 @@ def test_int8_sampling_and_serving_compile_for_v5e_8(tmp_path):
     assert by["sample.decode"].parameters < 2 * n
     assert by["serve.generate"].parameters < 0.6 * by["sample.decode"].parameters
     assert by["serve.generate"].collectives  # the activations move between the chips
+
+
+def test_int8_sampling_and_serving_compile_for_h100_1(tmp_path):
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    from flaxgpt.aot import compile as aot
+    from flaxgpt.aot import targets
+    from tests.aot.test_compile import tiny
+
+    rows, _ = aot.run(
+        tiny(), targets.get("h100-1"), ("sample", "serve"), quantize="int8", dump=tmp_path,
+        print_fn=lambda *_: None,
+    )  # fmt: skip
+    assert [r.program for r in rows] == ["sample.prefill", "sample.decode", "serve.prefill", "serve.generate"]
+    assert all(r.fits(0.1) for r in rows)
+    for path in tmp_path.iterdir():
+        assert "flaxgpt_" not in path.read_text(), path.name
