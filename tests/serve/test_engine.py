@@ -234,8 +234,9 @@ def test_sharded_engine_gives_the_one_device_tokens(mode, rules):
     w = jax.tree.leaves(placed["h_0"]["mlp"]["c_fc"]["kernel"])[0]
     assert w.addressable_shards[0].data.size == w.size // 8  # an eighth of each weight per device
     make = lambda b: KVCache.for_config(cfg, b, W)  # noqa: E731
-    one = Engine(gpt_step_fn(cfg, params), make, slots=8, chunk=3, max_k=8)
-    many = Engine(gpt_step_fn(cfg, placed), make, slots=8, chunk=3, max_k=8, mesh=mesh)
+    kw = dict(slots=8, chunk=3, max_k=8, prefill_chunk=24, buckets=(24,))  # few programs to compile
+    one = Engine(gpt_step_fn(cfg, params), make, **kw)
+    many = Engine(gpt_step_fn(cfg, placed), make, mesh=mesh, **kw)
     assert many.state.cache.k[0].sharding.shard_shape(many.state.cache.k[0].shape)[0] == 2  # a slot each
     reqs = requests()
     assert run(many, reqs) == run(one, reqs)
