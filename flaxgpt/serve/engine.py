@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from flaxgpt import sharding
 from flaxgpt.decode.sampling import Sampling, select_rows
 from flaxgpt.serve.prefix_cache import PrefixCache
 
@@ -171,6 +172,22 @@ def _generate(step_fn, state: SlotState, stop_B, chunk: int, max_k: int):
     return state, out_BC
 
 
+def programs(mesh=None):
+    """(prefill, insert, generate) jitted: the functions above, or for `mesh` the same traced under
+    it (sharding.under_mesh with SERVE_RULES: kernels chosen for its devices)."""
+    if mesh is None:
+        return _prefill, _insert, _generate
+    under = lambda f: sharding.under_mesh(f.__wrapped__, mesh, sharding.SERVE_RULES)  # noqa: E731
+    return tuple(
+        jax.jit(under(f), static_argnames=static, donate_argnames=donated)
+        for f, static, donated in (
+            (_prefill, ("max_k",), ("cache",)),
+            (_insert, (), ("state",)),
+            (_generate, ("chunk", "max_k"), ("state",)),
+        )
+    )
+
+
 def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
     """Powers of two from `smallest` and the midpoints between them (16, 24, 32, 48, 64, 96, ...)
     up to max_len, and max_len itself."""
@@ -195,6 +212,11 @@ def empty_slots(cache, slots: int) -> SlotState:
         done_B=jnp.ones((slots,), bool),  # every slot starts free
         rows=jax.tree_util.tree_map(lambda x: jnp.stack([jnp.asarray(x)] * slots), rows),
     )
+
+
+def _placed(make_cache, mesh, batch: int):
+    cache = make_cache(batch)
+    return jax.device_put(cache, sharding.row_shardings(cache, mesh))
 
 
 class PrefillJob:
@@ -226,15 +248,22 @@ class Engine:
         prefill_chunk: int | None = None,
         prefix_block: int = 16,
         prefix_blocks: int = 0,
+        mesh=None,
     ):
         """make_cache(batch) -> an empty cache (all with the same length W, the request window).
         prefill_chunk: the most prompt tokens one prefill call runs (default W: a prompt in one
-        call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off)."""
+        call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off).
+        mesh: run over its devices: the programs traced under it, every cache and slot array split
+        by rows (sharding.row_shardings: slots; a one-row cache's heads); the weights stay where
+        step_fn's params are (sharding.param_shardings(..., SERVE_RULES) on it). None: one device."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)
         self.step_fn = step_fn if isinstance(step_fn, Partial) else Partial(step_fn)
+        if mesh is not None:
+            make_cache = functools.partial(_placed, make_cache, mesh)
         self.make_cache, self.slots, self.chunk, self.max_k = make_cache, slots, chunk, max_k
+        self._prefill, self._insert, self._generate = programs(mesh)
         cache = make_cache(slots)
         self.max_len = cache.max_len
         self.prefill_chunk = min(prefill_chunk or self.max_len, self.max_len)
@@ -247,6 +276,8 @@ class Engine:
         if prefix_blocks:
             self.prefix_cache = PrefixCache(make_cache(1), block=prefix_block, capacity=prefix_blocks)
         self.state = empty_slots(cache, slots)
+        if mesh is not None:
+            self.state = jax.device_put(self.state, sharding.row_shardings(self.state, mesh))
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
 
@@ -280,7 +311,7 @@ class Engine:
         start, size = job.done_upto, min(job.left, self.prefill_chunk)
         chunk_1P = np.zeros((1, self.bucket(size)), np.int32)
         chunk_1P[0, :size] = job.prompt_ids[start : start + size]
-        prefix = _prefill(
+        prefix = self._prefill(
             self.step_fn, job.cache, chunk_1P, np.int32(start), np.int32(size), job.rows, max_k=self.max_k
         )
         job.cache, job.done_upto = prefix.cache, start + size
@@ -299,7 +330,7 @@ class Engine:
 
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant is gone)."""
-        self.state = _insert(self.state, prefix, np.int32(slot))
+        self.state = self._insert(self.state, prefix, np.int32(slot))
         self._count[slot] = 1
         self._stop[slot] = False
 
@@ -315,7 +346,7 @@ class Engine:
         if steps not in (1, self.chunk):
             raise ValueError(f"generate runs 1 or chunk ({self.chunk}) steps, got {steps}")
         stop_B = self._stop.copy()
-        self.state, out_BC = _generate(self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k)
+        self.state, out_BC = self._generate(self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k)
         count = np.array(self.state.count_B)  # a writable copy
         new_B, self._count = count - self._count, count
         return np.asarray(out_BC), new_B, np.asarray(self.state.done_B)

@@ -206,3 +206,39 @@ def test_prefix_cache_lru_table():
     b = [50] + a[1:]
     pc.save(pc.restore(pc.match(b)[1]), pc.match(b)[2])  # 3 new blocks evict a's 3 (least recent)
     assert pc.match(a)[0] == 0 and pc.match(b)[0] == 12
+
+
+@pytest.mark.parametrize(
+    "mode,rules", [(None, "SERVE_RULES"), ("int8", "SERVE_RULES"), (None, "LOGICAL_RULES")]
+)
+def test_sharded_engine_gives_the_one_device_tokens(mode, rules):
+    """Engine(mesh=...) over the 8 CPU devices: weights split by a logical-axis rules table (serving's
+    MLP / vocabulary split, or training's FSDP; int8 ones placed by quantize_params on their abstract
+    layout), the slots cache by rows; every request gets the tokens of the one-device engine."""
+    from flax import linen as nn
+
+    from flaxgpt import sharding
+    from flaxgpt.models import gpt
+
+    mesh = sharding.make_mesh(1, 8)
+    cfg, params = CFG, init_params(CFG, jax.random.key(0))
+    boxed = gpt.abstract_params(CFG)
+    shardings = sharding.param_shardings(boxed, mesh, getattr(sharding, rules))
+    if mode:
+        cfg, params = gpt.quantize_params(CFG, params, mode)
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings
+        )
+        shardings = jax.tree.map(lambda a: a.sharding, gpt.quantize_params(CFG, abstract, mode)[1])
+    placed = jax.device_put(params, shardings)
+    w = jax.tree.leaves(placed["h_0"]["mlp"]["c_fc"]["kernel"])[0]
+    assert w.addressable_shards[0].data.size == w.size // 8  # an eighth of each weight per device
+    make = lambda b: KVCache.for_config(cfg, b, W)  # noqa: E731
+    kw = dict(slots=8, chunk=3, max_k=8, prefill_chunk=24, buckets=(24,))  # few programs to compile
+    one = Engine(gpt_step_fn(cfg, params), make, **kw)
+    many = Engine(gpt_step_fn(cfg, placed), make, mesh=mesh, **kw)
+    assert many.state.cache.k[0].sharding.shard_shape(many.state.cache.k[0].shape)[0] == 2  # a slot each
+    reqs = requests()
+    assert run(many, reqs) == run(one, reqs)
+    k = many.state.cache.k[0]  # its rows still split: the donated state kept its placement
+    assert k.sharding.is_equivalent_to(sharding.batch_sharding(mesh), k.ndim)
