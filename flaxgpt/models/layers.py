@@ -55,6 +55,31 @@ def activation_fn(name: str):
     raise ValueError(f"unknown activation {name!r}; choose one of {ACTIVATIONS}")
 
 
+@jax.custom_vjp
+def swiglu(gate, up):
+    """silu(gate) * up (Llama's gated MLP), with a hand-written backward pass.
+
+    Autodiff of the plain expression keeps sigmoid(gate), silu(gate) and their products as separate
+    arrays, each its own pass over [tokens, F] (XLA does not duplicate the exp into every consumer);
+    here the forward is one pass and the backward one more, which recomputes the sigmoid from gate.
+    """
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(res, dh):
+    gate, up = res
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    return dh * up * (sig + silu * (1 - sig)), dh * silu  # d silu / dg = sig (1 + g (1 - sig))
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 SINUSOID_LAYOUTS = ("interleaved", "halves")
 
 
@@ -120,7 +145,8 @@ class MLP(nn.Module):
         )(x_ND)
         if self.glu:
             gate_NF, up_NF = jnp.split(h_NE, 2, axis=-1)
-            h_NF = activation_fn(self.activation)(gate_NF) * up_NF
+            glu = swiglu if self.activation == "silu" else lambda g, u: activation_fn(self.activation)(g) * u
+            h_NF = glu(gate_NF, up_NF)
         else:
             h_NF = activation_fn(self.activation)(h_NE)
         y_ND = nn.Dense(
