@@ -18,7 +18,9 @@ tokens before it), so a scheduler can run a long prompt's chunks between decode 
 (start_prefill, then prefill_step until it returns the Prefix); then its row is copied into the
 slots cache. With a prefix cache (flaxgpt/serve/prefix_cache.py) the one-row cache starts with the
 KV of the longest cached block prefix of the prompt and only the rest is prefilled; the prompt's
-full blocks are kept for later requests. Between `generate` calls the other slots keep their rows.
+full blocks are kept for later requests, and when a request ends (`keep`) the full blocks of its
+prompt and reply, read from its slot: a conversation's next turn reuses its whole history.
+Between `generate` calls the other slots keep their rows.
 Every slot decodes at its own position with its own sampling settings and key, all as arrays of
 the one jitted step, so requests come and go without recompiling. Free and finished slots idle
 (they feed their last token at their last position and their outputs are dropped). A request must
@@ -31,7 +33,8 @@ its prompt was split into chunks or taken from the prefix cache (up to float rou
 of other shapes).
 
 Compiled programs: one prefill per prompt bucket, one insert, generate for `chunk` steps and for
-one step (+ the prefix cache's save and restore): len(buckets) + 3 (+ 2).
+one step (+ the prefix cache's restore, and its save from a one-row cache and from the slots
+cache): len(buckets) + 3 (+ 3).
 
 Shape letters: B slots, P prompt bucket, W cache length, V vocab, C chunk, K sampling candidates.
 """
@@ -47,7 +50,7 @@ import numpy as np
 from flax import struct
 
 from flaxgpt.decode.sampling import Sampling, select_rows
-from flaxgpt.serve.prefix_cache import PrefixCache
+from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
 
 
 class RowSampling(NamedTuple):
@@ -243,16 +246,22 @@ class Engine:
         self.buckets = tuple(buckets or prompt_buckets(self.prefill_chunk))
         if max(self.buckets) != self.prefill_chunk:
             raise ValueError(f"the largest prompt bucket must be {self.prefill_chunk}: {self.buckets}")
+        # every buffer committed to the device, as the programs' outputs are: an uncommitted
+        # jnp.zeros cache in a prompt's first chunk and a committed one in its next are two jit
+        # signatures, and the second would compile mid-serving (each bucket, insert, ...)
+        device = jax.devices()[0]
+        self._new_row = lambda: jax.device_put(make_cache(1), device)  # noqa: E731
         self.prefix_cache = None
         if prefix_blocks:
-            self.prefix_cache = PrefixCache(make_cache(1), block=prefix_block, capacity=prefix_blocks)
-        self.state = empty_slots(cache, slots)
+            self.prefix_cache = PrefixCache(self._new_row(), block=prefix_block, capacity=prefix_blocks)
+            self.prefix_cache.pool = jax.device_put(self.prefix_cache.pool, device)
+        self.state = jax.device_put(empty_slots(cache, slots), device)
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
 
     @property
     def n_programs(self) -> int:
-        return len(self.buckets) + 2 + (self.chunk > 1) + (2 if self.prefix_cache is not None else 0)
+        return len(self.buckets) + 2 + (self.chunk > 1) + (3 if self.prefix_cache is not None else 0)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -271,7 +280,7 @@ class Engine:
                 f"window of {self.max_len} tokens"
             )
         if self.prefix_cache is None:
-            return PrefillJob(prompt_ids, rows, self.make_cache(1), 0, None)
+            return PrefillJob(prompt_ids, rows, self._new_row(), 0, None)
         hit, ids_M, digests = self.prefix_cache.match(prompt_ids)
         return PrefillJob(prompt_ids, rows, self.prefix_cache.restore(ids_M), hit, digests)
 
@@ -302,6 +311,16 @@ class Engine:
         self.state = _insert(self.state, prefix, np.int32(slot))
         self._count[slot] = 1
         self._stop[slot] = False
+
+    def keep(self, slot: int, tokens) -> int:
+        """Offer slot `slot`'s KV to the prefix cache once its request ends (before the slot is reused):
+        `tokens` are the tokens at its positions 0.. (the prompt and every generated token but the
+        last, which was never fed), so the next turn of a conversation, whose prompt holds this one's
+        prompt and reply, reuses both. -> blocks newly kept (0 without a prefix cache)."""
+        if self.prefix_cache is None:
+            return 0
+        digests = block_digests(tokens, self.prefix_cache.block)[: self.prefix_cache.M]
+        return self.prefix_cache.save(self.state.cache, digests, row=slot)
 
     def release(self, slot: int):
         """Stop decoding `slot` before its end (cancelled, or a stop string): from the next generate."""

@@ -13,7 +13,8 @@ not by its whole prefill; every prompt to its end when no slot decodes), emits t
 each finished prefill at once, then runs one `engine.generate()` for all slots (one step while
 prompts are still prefilling, else `chunk`) and hands each sequence its new tokens. Text is
 decoded on this thread: a sequence's text is streamed as it grows, holding back an incomplete
-UTF-8 character and any tail that could begin a stop string.
+UTF-8 character and any tail that could begin a stop string. A sequence that ends offers its
+slot's KV (prompt and reply) to the prefix cache (`engine.keep`) before the slot is reused.
 
 `emit(event)` is called on this thread with `Delta(text)` and then one `Finish(reason,
 completion_tokens)` or `Failed(message)`; callers in an event loop hand it over with
@@ -192,7 +193,7 @@ class Scheduler:
 
     def _warm_up(self):
         """Compile every program now, so no request waits for XLA: a prefill per bucket, insert, generate
-        (and the prefix cache's restore and save)."""
+        (and the prefix cache's restore and its two saves)."""
         rows = RowSampling.of(Sampling(temperature=1.0, top_k=1), max_new_tokens=2)
         for i, b in enumerate(self.engine.buckets):
             # prompts that differ in their first token: none reuses another's blocks, each runs its bucket
@@ -202,6 +203,7 @@ class Scheduler:
         self.engine.release(0)
         self.engine.generate()
         if self.engine.prefix_cache is not None:
+            self.engine.keep(0, [-1] * self.engine.prefix_cache.block)  # a block no prompt has: compiles
             self.engine.prefix_cache.clear()
 
     def _count(self, outcome: str, n: int = 1):
@@ -300,6 +302,8 @@ class Scheduler:
             if reason:
                 seq.finished = True
                 self._count("finished")
+                if len(seq.ids) > 1:  # it decoded in its slot: keep its prompt + reply for the next turn
+                    self.engine.keep(slot, seq.prompt_ids + seq.ids[:-1])
                 self._free(slot, release=not device_done)
                 seq.emit(Finish(reason, len(seq.ids)))
         except Exception as e:
