@@ -9,7 +9,8 @@
 - sample (GPT): flaxgpt.decode.sampling's prefill (a full-window prompt) and decode chunk over
   gpt.step_fn and a KVCache, on one device, as sample.py runs (batch 1, temperature 0.8, top-k 200).
 - serve (GPT): flaxgpt.serve.engine's prefill (the largest prompt bucket) and generate step for all
-  `slots` slots (chunk 4), on one device, as flaxgpt.serve.launch runs it.
+  `slots` slots (chunk 4), on one device, as flaxgpt.serve.launch runs it; and the generate step over
+  a paged slots cache (flaxgpt.serve.paged: JAX's Pallas paged-attention kernel on TPU and GPU).
 
 A recipe that fine-tunes a pretrained model takes the architecture of the preset its init_from names
 (gpt2*, smollm2-135m, ...): the checkpoint itself is not read.
@@ -34,6 +35,7 @@ from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import KVCache
 from flaxgpt.serve import engine
+from flaxgpt.serve.paged import PagedKVCache, paged_impl
 from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS, LMTask
@@ -46,7 +48,7 @@ DEFAULT_VOCAB = 50257  # GPT-2's BPE: the vocabulary assumed when neither the re
 
 @dataclasses.dataclass
 class Program:
-    name: str  # train | eval | sample.prefill | sample.decode | serve.prefill | serve.generate
+    name: str  # train | eval | sample.prefill | sample.decode | serve.prefill | serve.generate[_paged]
     jitted: Any  # flaxgpt's own jax.jit-wrapped function
     args: tuple  # abstract arguments (ShapeDtypeStructs with shardings; pytrees of them)
     kwargs: dict  # static arguments
@@ -231,7 +233,15 @@ def serve_programs(
         f"{slots} slots x window {W}, {chunk} tokens per call",
         chunk * (param_bytes + per_device_bytes(state.cache)),
     )  # fmt: skip
-    return [prefill, generate]
+    paged = PagedKVCache.for_slots(cfg, slots, W, page=16, impl=paged_impl(devices[0].platform, cfg.head_dim))
+    state_paged = _abstract(jax.eval_shape(lambda: engine.empty_slots(paged, slots)), one)
+    generate_paged = Program(
+        "serve.generate_paged", engine._generate, (step, state_paged, stop), {"chunk": chunk, "max_k": 256},
+        1, flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
+        f"{slots} slots x window {W} in pages of 16 ({paged.impl}), {chunk} tokens per call",
+        chunk * (param_bytes + per_device_bytes(state_paged.cache)),
+    )  # fmt: skip
+    return [prefill, generate, generate_paged]
 
 
 def build(config, devices, groups=GROUPS, mc=None, slots: int = 8, max_len: int = 0) -> list[Program]:

@@ -133,8 +133,12 @@ def _insert(state: SlotState, prefix: Prefix, slot) -> SlotState:
     def put(x_B, v):
         return x_B.at[slot].set(jnp.reshape(v, ()))
 
+    if hasattr(state.cache, "insert_row"):  # a paged slots cache (flaxgpt/serve/paged.py)
+        cache = state.cache.insert_row(prefix.cache, slot)
+    else:
+        cache = jax.tree_util.tree_map(put_row, state.cache, prefix.cache)
     return SlotState(
-        cache=jax.tree_util.tree_map(put_row, state.cache, prefix.cache),
+        cache=cache,
         last_B=put(state.last_B, prefix.first),
         fill_B=put(state.fill_B, prefix.length),
         count_B=put(state.count_B, 1),
@@ -172,6 +176,11 @@ def _generate(step_fn, state: SlotState, stop_B, chunk: int, max_k: int):
     out_BC = jnp.full((B, chunk), -1, jnp.int32)
     state, out_BC, _ = jax.lax.while_loop(cond, body, (state, out_BC, jnp.int32(0)))
     return state, out_BC
+
+
+@jax.jit
+def _paged_row(cache, slot):
+    return cache.row(slot)
 
 
 def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -229,16 +238,21 @@ class Engine:
         prefill_chunk: int | None = None,
         prefix_block: int = 16,
         prefix_blocks: int = 0,
+        slots_cache=None,
     ):
         """make_cache(batch) -> an empty cache (all with the same length W, the request window).
         prefill_chunk: the most prompt tokens one prefill call runs (default W: a prompt in one
-        call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off)."""
+        call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off);
+        slots_cache: the slots cache if not make_cache(slots), e.g. a serve.paged.PagedKVCache (decoding
+        reads each slot's pages through its block table; prefills still fill a contiguous one-row cache)."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)
         self.step_fn = step_fn if isinstance(step_fn, Partial) else Partial(step_fn)
         self.make_cache, self.slots, self.chunk, self.max_k = make_cache, slots, chunk, max_k
-        cache = make_cache(slots)
+        cache = make_cache(slots) if slots_cache is None else slots_cache
+        if cache.batch != slots or cache.max_len != jax.eval_shape(lambda: make_cache(1)).max_len:
+            raise ValueError(f"the slots cache holds {cache.batch} x {cache.max_len}, not {slots} slots")
         self.max_len = cache.max_len
         self.prefill_chunk = min(prefill_chunk or self.max_len, self.max_len)
         if self.prefill_chunk < 1:
@@ -320,6 +334,8 @@ class Engine:
         if self.prefix_cache is None:
             return 0
         digests = block_digests(tokens, self.prefix_cache.block)[: self.prefix_cache.M]
+        if hasattr(self.state.cache, "row"):  # paged: the slot's pages as a contiguous row first
+            return self.prefix_cache.save(_paged_row(self.state.cache, np.int32(slot)), digests)
         return self.prefix_cache.save(self.state.cache, digests, row=slot)
 
     def release(self, slot: int):

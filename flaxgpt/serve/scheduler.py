@@ -11,7 +11,8 @@ many chunks of at most `engine.prefill_chunk` prompt tokens as there are prefill
 oldest first, while other slots decode, so a long prompt delays their next tokens by one chunk,
 not by its whole prefill; every prompt to its end when no slot decodes), emits the first token of
 each finished prefill at once, then runs one `engine.generate()` for all slots (one step while
-prompts are still prefilling, else `chunk`) and hands each sequence its new tokens. Text is
+prompts are still prefilling or a slot is free for the next arrival, else `chunk`) and hands each
+sequence its new tokens. Text is
 decoded on this thread: a sequence's text is streamed as it grows, holding back an incomplete
 UTF-8 character and any tail that could begin a stop string. A sequence that ends offers its
 slot's KV (prompt and reply) to the prefix cache (`engine.keep`) before the slot is reused.
@@ -267,8 +268,10 @@ class Scheduler:
                 self._count("cancelled")
         try:
             # prompts still prefilling: one step, then back to their next chunk (their first token
-            # waits for one decode step per chunk, not `chunk` steps)
-            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if self.prefilling else None)
+            # waits for one decode step per chunk, not `chunk` steps); a free slot: one step too, so
+            # a request arriving now (a chat's next turn) is admitted after one step, not `chunk`
+            one = self.prefilling or len(self.active) < self.engine.slots
+            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if one else None)
         except Exception as e:  # not expected: fail the running sequences, keep serving
             for slot, seq in active.items():
                 self._fail(slot, seq, e)
