@@ -66,14 +66,22 @@ class PagedLayer:
 
     def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, scale=0.0, softcap=0.0, window=0):
         """Write the new keys/values at `positions_BT`, attend over each row's pages -> (y_BTHK, layer)."""
-        page = self.k_JPpK.shape[2]
+        J, P, page, K = self.k_JPpK.shape
         page_BT = jnp.take_along_axis(self.table_BM, positions_BT // page, axis=1, mode="clip")
-        off_BT = positions_BT % page
-        put = lambda buf, new_BTJK: buf.at[:, page_BT, off_BT].set(  # noqa: E731
-            jnp.transpose(new_BTJK, (2, 0, 1, 3)).astype(buf.dtype)  # -> [J, B, T, K]
-        )
+        slot_BT = (
+            page_BT * page + positions_BT % page
+        )  # the position's row of the pages seen as [J, P*page, K]
+
+        def put(buf_JPpK, new_BTJK):  # one index into [J, P*page, K]: scattering at (page, offset)
+            # made TPU lay the pages out otherwise than the kernel reads them (a copy per layer and step)
+            flat_JNK = buf_JPpK.reshape(J, P * page, K)
+            flat_JNK = flat_JNK.at[:, slot_BT].set(
+                jnp.transpose(new_BTJK, (2, 0, 1, 3)).astype(buf_JPpK.dtype)
+            )
+            return flat_JNK.reshape(J, P, page, K)
+
         layer = self.replace(k_JPpK=put(self.k_JPpK, k_BTJK), v_JPpK=put(self.v_JPpK, v_BTJK))
-        B, T, H, K = q_BTHK.shape
+        B, T, H, _ = q_BTHK.shape
         if self.impl == "xla" or T > 1 or window:
             return layer._attend_xla(q_BTHK, positions_BT, scale, softcap, window), layer
         q_BHK = (q_BTHK[:, 0] * (scale or 1 / math.sqrt(K))).astype(q_BTHK.dtype)  # the kernels do not scale
