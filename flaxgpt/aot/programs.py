@@ -10,7 +10,9 @@
   gpt.step_fn and a KVCache, on one device, as sample.py runs (batch 1, temperature 0.8, top-k 200).
 - serve (GPT): flaxgpt.serve.engine's prefill (the largest prompt bucket) and generate step for all
   `slots` slots (chunk 4), on one device as flaxgpt.serve.launch runs it, or over `serve_devices`
-  devices (Engine(mesh=...): weights split by sharding.SERVE_RULES, caches by rows).
+  devices (Engine(mesh=...): weights split by sharding.SERVE_RULES, caches by rows); on one device
+  also the generate step over a paged slots cache (flaxgpt.serve.paged: JAX's Pallas paged-attention
+  kernel on TPU and GPU).
 - sample and serve take int8 / bf16 weights (`quantize`): gpt.quantize_params on the abstract
   parameters gives their layout and placement. Both are traced under their mesh (one device of the
   target's, or the serving mesh), so the kernels are the target's (no CPU qmatmul custom call).
@@ -37,6 +39,7 @@ from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import KVCache
 from flaxgpt.serve import engine
+from flaxgpt.serve.paged import PagedKVCache, paged_impl
 from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS
@@ -49,7 +52,7 @@ DEFAULT_VOCAB = 50257  # GPT-2's BPE: the vocabulary assumed when neither the re
 
 @dataclasses.dataclass
 class Program:
-    name: str  # train | eval | sample.prefill | sample.decode | serve.prefill | serve.generate
+    name: str  # train | eval | sample.prefill | sample.decode | serve.prefill | serve.generate[_paged]
     jitted: Any  # flaxgpt's own jax.jit-wrapped function
     args: tuple  # abstract arguments (ShapeDtypeStructs with shardings; pytrees of them)
     kwargs: dict  # static arguments
@@ -249,7 +252,17 @@ def serve_programs(
         f"{slots} slots x window {W}, {chunk} tokens per call{where}",
         chunk * (param_bytes + per_device_bytes(state.cache)), mesh=mesh,
     )  # fmt: skip
-    return [prefill, generate]
+    if n > 1:  # the paged cache is one device's (Engine(slots_cache=...) runs without a mesh)
+        return [prefill, generate]
+    paged = PagedKVCache.for_slots(cfg, slots, W, page=16, impl=paged_impl(devices[0].platform, cfg.head_dim))
+    state_paged = placed(lambda: engine.empty_slots(paged, slots))
+    generate_paged = Program(
+        "serve.generate_paged", generate_fn, (step, state_paged, stop), {"chunk": chunk, "max_k": 256},
+        1, flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
+        f"{slots} slots x window {W} in pages of 16 ({paged.impl}){where}, {chunk} tokens per call",
+        chunk * (param_bytes + per_device_bytes(state_paged.cache)), mesh=mesh,
+    )  # fmt: skip
+    return [prefill, generate, generate_paged]
 
 
 def build(

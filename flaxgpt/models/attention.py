@@ -243,7 +243,11 @@ class SelfAttention(nn.Module):
         sow = None
         if self.is_mutable_collection("intermediates"):
             sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
-        if kv is not None:  # decoding: per-row query positions, the XLA path with an explicit mask
+        if hasattr(kv, "attend"):  # a paged cache layer (flaxgpt/serve/paged.py) writes and attends itself
+            y_BTHK, kv = kv.attend(
+                q_BTHK, k_BTJK, v_BTJK, positions_BT, self.scale, self.softcap, self.window
+            )
+        elif kv is not None:  # decoding: per-row query positions, the XLA path with an explicit mask
             k_NSK = write_cache(kv[0], k_BTJK, positions_BT)
             v_NSK = write_cache(kv[1], v_BTJK, positions_BT)
             kv = (k_NSK, v_NSK)

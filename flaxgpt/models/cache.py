@@ -66,6 +66,10 @@ class KVCache:
         """The cache made of the blocks' returned (k, v) pairs, one per layer."""
         return cls(k=tuple(k for k, _ in kv_layers), v=tuple(v for _, v in kv_layers), n_head=n_head)
 
+    def with_layers(self, kv_layers) -> KVCache:
+        """This cache with the blocks' returned (k, v) pairs (a paged cache has its own, serve/paged.py)."""
+        return KVCache.from_layers(kv_layers, self.n_head)
+
     def take_rows(self, rows_R: jax.Array) -> KVCache:
         """The cache of rows `rows_R` (in that order): beam search follows its beams with it."""
         H = self.n_head

@@ -209,7 +209,7 @@ class GPT(nn.Module):
         logits_BTV = finish_logits(c, self._head(wte, x_BTD))
         if cache is None:
             return logits_BTV
-        return logits_BTV, KVCache.from_layers(kv_layers, cache.n_head)
+        return logits_BTV, cache.with_layers(kv_layers)
 
     def _position_embeddings(self, positions_BT, implicit: bool):
         c = self.config

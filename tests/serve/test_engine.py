@@ -174,7 +174,7 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
         step, lambda b: KVCache.for_config(CFG, b, W), slots=3, chunk=3, max_k=8,
         prefill_chunk=8, prefix_block=4, prefix_blocks=6,
     )  # fmt: skip
-    assert engine.buckets == (8,) and engine.n_programs == 6
+    assert engine.buckets == (8,) and engine.n_programs == 7
     first = run(engine, reqs, arrive_every=2)
     hits = [engine.start_prefill(p, rows).hit for p, rows in reqs]  # a second round: what it reuses
     second = run(engine, reqs, arrive_every=2, steps=1)  # one decode step per call
@@ -191,6 +191,37 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
             temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
         )  # fmt: skip
         assert got == toks[0, : n[0]].tolist()
+
+
+def alone(step, prompt, rows):
+    toks, n = generate(
+        step, KVCache.for_config(CFG, 1, W), np.array([prompt]), [len(prompt)],
+        max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
+        temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
+    )  # fmt: skip
+    return toks[0, : n[0]].tolist()
+
+
+def test_reply_kv_is_kept_for_the_next_turn(step):
+    """A finished request's slot offers its prompt + reply to the prefix cache (`keep`): the next
+    turn (prompt, reply, a new message) reuses the reply's blocks and decodes what generate gives."""
+    engine = Engine(
+        step, lambda b: KVCache.for_config(CFG, b, W), slots=3, chunk=3, max_k=8,
+        prefill_chunk=8, prefix_block=4, prefix_blocks=16,
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    prompt, kept, asked = rng.integers(0, CFG.vocab_size, 10).tolist(), 0, 0
+    for turn in range(3):
+        rows = RowSampling.of(Sampling(temperature=0.9, top_k=8), max_new_tokens=9, seed=turn)
+        hit = engine.start_prefill(prompt, rows).hit
+        assert hit == kept // 4 * 4 and (turn == 0 or hit > asked)  # past the last turn's prompt
+        asked = len(prompt)
+        [reply] = run(engine, [(prompt, rows)])
+        assert reply == alone(step, prompt, rows)
+        slot = 0  # run() put the request in the first free slot; it has not been reused since
+        assert engine.keep(slot, prompt + reply[:-1]) >= 1  # the reply's blocks are new
+        kept = len(prompt) + len(reply) - 1  # reused up to here next turn (past this turn's prompt)
+        prompt = prompt + reply + rng.integers(0, CFG.vocab_size, 3).tolist()
 
 
 def test_prefix_cache_lru_table():
