@@ -128,7 +128,7 @@ def decode_check(config, devices, capacity, slots: int, quantize: str) -> None:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp_dtype(cfg), sharding=s), nn.unbox(boxed), p_shard
     )
     if quantize != "none":
-        cfg, params = jax.eval_shape(lambda p: gpt.quantize_params(cfg, p, quantize), params)
+        cfg, params = gpt.quantize_params(cfg, params, quantize)  # the layout, placed as the weights
     rows = jax.sharding.NamedSharding(mesh, jax.P(("data", "fsdp")))
     cache = jax.eval_shape(lambda: KVCache.for_config(cfg, slots, cfg.block_size, dtype=jnp_dtype(cfg)))
     cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rows), cache)

@@ -1,32 +1,36 @@
 """LoRA fine-tuning tokens/s: flaxgpt against transformers + peft on the same small Llama, this CPU.
 
-    python benchmarks/lora_train.py                     # 4 rounds x 20 steps (~3 min on 2 cores)
-    python benchmarks/lora_train.py --rounds 6 --steps 40 --layers 4 --dim 256
+    JAX_PLATFORMS=cpu python benchmarks/lora_train.py              # 4 rounds x 20 steps, 20 s pauses
+    JAX_PLATFORMS=cpu python benchmarks/lora_train.py --rounds 6 --steps 40 --layers 4 --dim 256
+    JAX_PLATFORMS=cpu python benchmarks/lora_train.py --rounds 4 --pause 1 --steps 5   # a smoke run
 
-One random Llama (LLAMA below, saved once with transformers) is the frozen base of both sides; each
+One random Llama (make_base, saved once with transformers) is the frozen base of both sides; each
 side trains rank-16 adapters on every linear layer (q, k, v, o, gate, up, down; alpha 32, no
-dropout) with AdamW (lr 1e-4, no weight decay) on the same random token batch [batch, seq], float32.
+dropout) with AdamW (lr 1e-4, no weight decay) on the same random token batch [batch, seq], float32
+everywhere (weights, activations, matmuls, softmax, loss).
 flaxgpt: models/lora.py's apply under one jitted step (value_and_grad over the adapters only,
-optax.adamw, the state donated), as the trainer's train_step does. transformers + peft:
-get_peft_model, model(input_ids, labels=input_ids).loss.backward(), torch.optim.AdamW over the
-trainable parameters, torch's default threads. Each side runs in its own subprocess, the order
-alternating every round; a round times `steps` steps after `warmup` untimed ones (flaxgpt's compile
-among them), tokens/s = batch x seq x steps / seconds. Printed: each round's figures and ratio, the
-medians, and the versions.
+optax.adamw, the state donated), as the trainer's train_step does. transformers + peft, the loop
+its users write: get_peft_model, model(input_ids, labels=input_ids).loss.backward(),
+torch.optim.AdamW over the trainable parameters, eager (not torch.compile), transformers' default
+attention (sdpa), torch's default threads (one per core, as XLA's pool).
+Each side runs in its own process (benchmarks/harness.py: the order alternates every round, a
+pause before each run); a run times `steps` steps after `warmup` untimed ones (flaxgpt's compile
+among them): tokens/s = batch x seq x steps / seconds. Printed: each round's ms/step, the median
+tokens/s of each side, the per-round ratios and their median, and the versions.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
 RANK, ALPHA, LR = 16, 32.0, 1e-4
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -121,56 +125,47 @@ def run_torch(base: str, batch: int, seq: int, warmup: int, steps: int) -> dict:
     return {"seconds": seconds, "loss": float(loss), "version": version}
 
 
-def worker(argv) -> None:
-    side, base, batch, seq, warmup, steps = argv[0], argv[1], *map(int, argv[2:])
-    run = run_flaxgpt if side == "flaxgpt" else run_torch
-    print("RESULT " + json.dumps(run(base, batch, seq, warmup, steps)))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # internal: run one side, print RESULT
+    p.add_argument("--base", help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps first (flaxgpt compiles in the first)"
+    )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
+    harness.add_arguments(p)
     a = p.parse_args()
+    shape = [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--batch={a.batch}", f"--seq={a.seq}"]
+    if a.side:
+        res = SIDES[a.side](a.base, a.batch, a.seq, a.warmup, a.steps)
+        res["tokens_per_s"] = a.batch * a.seq * a.steps / res["seconds"]
+        res["ms_per_step"] = 1e3 * res["seconds"] / a.steps
+        return harness.print_result(res)
     with tempfile.TemporaryDirectory() as tmp:
         make_base(Path(tmp), a.layers, a.dim)
-        rates: dict = {"flaxgpt": [], "torch": []}
-        versions = {}
-        for r in range(a.rounds):
-            order = ["flaxgpt", "torch"] if r % 2 == 0 else ["torch", "flaxgpt"]
-            for side in order:
-                args = [side, tmp, a.batch, a.seq, a.warmup, a.steps]
-                cmd = [sys.executable, __file__, "--worker", *map(str, args)]
-                out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-                if out.returncode:
-                    sys.exit(f"{side} failed:\n{out.stderr[-3000:]}")
-                res = json.loads(out.stdout.split("RESULT ", 1)[1])
-                rates[side].append(a.batch * a.seq * a.steps / res["seconds"])
-                versions[side] = res["version"]
-            ratio = rates["flaxgpt"][-1] / rates["torch"][-1]
-            print(
-                f"round {r} ({' then '.join(order)}): flaxgpt {rates['flaxgpt'][-1]:,.0f} tok/s, "
-                f"transformers+peft {rates['torch'][-1]:,.0f} tok/s, ratio {ratio:.2f}x",
-                flush=True,
+        sides = [
+            harness.Side(
+                name, [sys.executable, __file__, "--side", name, "--base", tmp, *shape], cwd=str(ROOT)
             )
-    ratios = [f / t for f, t in zip(rates["flaxgpt"], rates["torch"])]
+            for name in SIDES
+        ]
+        figures = [harness.Figure("LoRA train tokens/s", "flaxgpt", "tokens_per_s", "torch", "tokens_per_s")]
+        report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    for name in SIDES:
+        ms = [f"{x:.1f}" for x in report.values(name, "ms_per_step")]
+        print(f"{name} ms/step per round: {' '.join(ms)} ({report.results[0][name]['version']})")
     print(
-        f"Llama {a.layers} layers x {a.dim}, batch {a.batch} x seq {a.seq}, LoRA r={RANK} all-linear, AdamW; "
-        f"median flaxgpt {statistics.median(rates['flaxgpt']):,.0f} tok/s, transformers+peft "
-        f"{statistics.median(rates['torch']):,.0f} tok/s, median ratio {statistics.median(ratios):.2f}x "
-        f"(rounds {', '.join(f'{x:.2f}' for x in ratios)})"
+        f"Llama {a.layers} layers x {a.dim}, batch {a.batch} x seq {a.seq}, LoRA r={RANK} all-linear, AdamW, "
+        f"float32; torch = transformers + peft"
     )
-    py = sys.version.split()[0]
-    print(f"versions: flaxgpt side {versions['flaxgpt']}; reference {versions['torch']}; python {py}")
+    print("\n" + report.table())
 
+
+SIDES = {"flaxgpt": run_flaxgpt, "torch": run_torch}
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2:])
-    else:
-        main()
+    main()

@@ -1,15 +1,17 @@
 """Chat traffic: time to first token with and without the prefix cache (serve.py --prefix_cache_tokens).
 
-    python benchmarks/serve_chat.py                   # 8 conversations x 4 turns, 4 at a time, ~2 minutes
-    python benchmarks/serve_chat.py --conversations 2 --turns 2 --rounds 1   # smoke run
+    python benchmarks/serve_chat.py --rounds 4        # 8 conversations x 4 turns, 4 at a time, ~5 minutes
+    python benchmarks/serve_chat.py --conversations 2 --turns 2 --pause 1    # smoke run
 
 A random-weight char-level GPT (6 layers, 384 wide, window 1024; no download) behind serve.py on
 127.0.0.1. Every conversation starts with the same 200-token system prompt; turn t sends the system
 prompt, the earlier turns (user messages and the server's replies) and a new user message of
 20-40 tokens, and streams a reply of --reply tokens (ignore_eos). --clients conversations run at
 once. The same seeded workload runs against a server without the prefix cache and one with it,
-alternating (off, on, on, off, ...), each server in its own process; TTFT is from sending the
-request to its first streamed token, p50 and p99 over every turn of a side's rounds.
+two sides of benchmarks/harness.py (each in its own process with its own server, the order
+alternating every round, --pause seconds of rest before each run); TTFT is from sending the request
+to its first streamed token, p50 and p99 over every turn of a run; the table gives each round's
+ratio and the medians over rounds.
 """
 
 from __future__ import annotations
@@ -29,9 +31,13 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness  # noqa: E402
+
 from benchmarks.serve_soak import write_tiny_run  # noqa: E402
 
 LETTERS = list("abcdefghijklmnopqrstuvwxyz ")
+SIDES = {"cache off": 0, "cache on": 8192}  # serve.py --prefix_cache_tokens
 
 
 async def conversation(c, url, system, rng, a, ttfts):
@@ -62,7 +68,7 @@ def run_side(a, cache_tokens: int, run_dir: str) -> list[float]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, str(ROOT / "serve.py"), "--out_dir", run_dir, "--port", str(port)]
-    cmd += ["--slots", str(a.clients), "--prefix_cache_tokens", str(cache_tokens)]
+    cmd += ["--slots", str(a.clients), "--prefix_cache_tokens", str(cache_tokens), *a.serve_args.split()]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -103,27 +109,37 @@ def main(argv=None):
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--clients", type=int, default=4, help="conversations at once (= the server's slots)")
     p.add_argument("--reply", type=int, default=24, help="tokens per reply")
-    p.add_argument("--rounds", type=int, default=1, help="(off, on) pairs, alternating order")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serve_args", default="", help="more serve.py flags for both sides, e.g. '--chunk 2'")
+    harness.add_arguments(p)
+    p.add_argument("--side", default=None, choices=list(SIDES), help=argparse.SUPPRESS)
+    p.add_argument("--run_dir", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    results = {"off": [], "on": []}
+    if a.side:
+        ttfts = run_side(a, SIDES[a.side], a.run_dir)
+        pct = lambda q: float(np.percentile(ttfts, q))  # noqa: E731
+        return harness.print_result({"turns": len(ttfts), "ttft_p50": pct(50), "ttft_p99": pct(99)})
+    args = [*(argv if argv is not None else sys.argv[1:])]
     with tempfile.TemporaryDirectory() as run_dir:
         write_tiny_run(Path(run_dir), block_size=1024, n_embd=384, n_layer=6)
-        for i in range(a.rounds):
-            for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
-                ttfts = run_side(a, 0 if side == "off" else 8192, run_dir)
-                results[side] += ttfts
-                p50 = np.percentile(ttfts, 50)
-                print(f"  round {i} prefix cache {side}: TTFT p50 {p50 * 1e3:.0f} ms", file=sys.stderr)
+        env = {"PYTHONPATH": str(ROOT)}
+        sides = [
+            harness.Side(s, [sys.executable, __file__, *args, "--side", s, "--run_dir", run_dir], env=env)
+            for s in SIDES
+        ]
+        figures = [
+            harness.Figure(f"TTFT {q} (lower with the prefix cache)", "cache on", f"ttft_{q}", "cache off",
+                           f"ttft_{q}", higher_is_better=False)
+            for q in ("p50", "p99")
+        ]  # fmt: skip
+        report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
     print(f"{a.conversations} conversations x {a.turns} turns, {a.clients} at a time, {os.cpu_count()} cores")
-    print("| prefix cache | turns | TTFT p50 ms | TTFT p99 ms |")
+    print(report.table() + "\n")
+    print("medians over rounds:\n| prefix cache | turns | TTFT p50 ms | TTFT p99 ms |")
     print("| --- | ---: | ---: | ---: |")
-    for side, xs in results.items():
-        print(
-            f"| {side} | {len(xs)} | {np.percentile(xs, 50) * 1e3:.0f} | {np.percentile(xs, 99) * 1e3:.0f} |"
-        )
-    off, on = (np.percentile(results[s], 50) for s in ("off", "on"))
-    print(f"TTFT p50 {off / on:.1f}x lower with the prefix cache")
+    for s in SIDES:
+        p50, p99 = (1e3 * float(np.median(report.values(s, f"ttft_{q}"))) for q in ("p50", "p99"))
+        print(f"| {s} | {report.results[0][s]['turns']} | {p50:.0f} | {p99:.0f} |")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py                                   # 64 requests, 16 clients, GPT-2 124M
     python benchmarks/serve_load.py --requests 4 --clients 2 --min_new 4 --max_new 12 --skip_hf --pause 1
+    python benchmarks/serve_load.py --prefill_ab --pause 10   # chunked prefill vs whole prompts, ~12 min
 
 GPT-2 124M with random weights (no download), fp32, on 127.0.0.1. Requests: token-id prompts of
 random lengths in [--min_prompt, --max_prompt], outputs in [--min_new, --max_new] tokens (decoded
@@ -11,6 +12,8 @@ before each run, at least 4 rounds; the table shows medians over rounds):
   serve      serve.py --slots S; --clients concurrent streaming clients (httpx) share the requests
   flaxgpt    the same requests one after another with flaxgpt.decode.sampling.generate (batch 1)
   hf         the same with transformers' GPT2LMHeadModel.generate (batch 1, torch CPU)
+With --prefill_ab the sides are instead serve.py with whole-prompt prefills (--prefill_chunk 0,
+the engine before chunked prefill) and with --prefill_chunk N (its default), same load.
 Figures: generated tokens / wall time; time to first token (serve: from sending the request,
 queueing included; one at a time: from the start of its own generation); inter-token latency per
 request = (last token time - first token time) / (tokens - 1), p50 and p99 over requests.
@@ -124,6 +127,7 @@ def run_server_side(a, reqs):
         "--max_queue",
         "256",
     ]
+    cmd += ["--prefill_chunk", str(a.prefill_chunk if a.side == "serve" else 0)]  # serve_whole: 0
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -148,7 +152,9 @@ def run_server_side(a, reqs):
             await asyncio.gather(*[_client(url, queue, records, t0) for _ in range(a.clients)])
 
         asyncio.run(main())
-        return summary(f"serve (slots {a.slots}, {a.clients} clients)", time.perf_counter() - t0, records)
+        prefill = f"prefill chunks of {a.prefill_chunk}" if a.side == "serve" else "whole prompts"
+        name = f"serve ({prefill}, slots {a.slots}, {a.clients} clients)"
+        return summary(name, time.perf_counter() - t0, records)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
@@ -247,10 +253,23 @@ def parse(argv):
     p.add_argument("--min_new", type=int, default=16)
     p.add_argument("--max_new", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prefill_chunk",
+        type=int,
+        default=128,
+        help="serve.py --prefill_chunk (prompt tokens per engine turn)",
+    )
+    p.add_argument(
+        "--prefill_ab",
+        action="store_true",
+        help="two serve.py sides instead: --prefill_chunk 0 (whole prompts: the old engine) and N",
+    )
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the transformers side")
     harness.add_arguments(p)
-    p.add_argument("--side", default=None, choices=["serve", "flaxgpt", "hf"], help=argparse.SUPPRESS)
+    p.add_argument(
+        "--side", default=None, choices=["serve", "serve_whole", "flaxgpt", "hf"], help=argparse.SUPPRESS
+    )
     a = p.parse_args(argv)
     for lo, hi in (("min_prompt", "max_prompt"), ("min_new", "max_new")):
         if getattr(a, lo) > getattr(a, hi):
@@ -262,13 +281,16 @@ def main(argv=None):
     a = parse(argv)
     reqs = make_requests(a)
     if a.side:
-        result = {"serve": run_server_side, "flaxgpt": run_flaxgpt_side, "hf": run_hf_side}[a.side](a, reqs)
+        run = {"serve": run_server_side, "serve_whole": run_server_side, "flaxgpt": run_flaxgpt_side}
+        result = {**run, "hf": run_hf_side}[a.side](a, reqs)
         return harness.print_result(result)
     load = f"{a.requests} requests, {a.clients} clients, slots {a.slots}"
     lengths = f"prompts {a.min_prompt}-{a.max_prompt}, outputs {a.min_new}-{a.max_new} tokens"
     print(f"python {platform.python_version()}, {os.cpu_count()} cores; {load}; {lengths}")
     args = [*(argv if argv is not None else sys.argv[1:])]
     env = {"PYTHONPATH": str(ROOT)}
+    if a.prefill_ab:
+        return prefill_ab(a, args, env)
     sides = [
         harness.Side("one at a time", [sys.executable, __file__, *args, "--side", "flaxgpt"], env=env),
         harness.Side("serve.py", [sys.executable, __file__, *args, "--side", "serve"], env=env),
@@ -284,6 +306,29 @@ def main(argv=None):
             )
         )
     report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    print_medians(report, sides)
+
+
+def prefill_ab(a, args, env):
+    """serve.py with whole-prompt prefills (--prefill_chunk 0) against chunked prefills, alternating."""
+    whole, chunked = "whole prompts", f"prefill chunks of {a.prefill_chunk}"
+    sides = [
+        harness.Side(whole, [sys.executable, __file__, *args, "--side", "serve_whole"], env=env),
+        harness.Side(chunked, [sys.executable, __file__, *args, "--side", "serve"], env=env),
+    ]
+    lower = dict(higher_is_better=False)
+    figures = [
+        harness.Figure("tok/s (chunked / whole)", chunked, "tok_s", whole, "tok_s"),
+        harness.Figure("TTFT p50 (lower: > 1x)", chunked, "ttft_p50", whole, "ttft_p50", **lower),
+        harness.Figure("TTFT p99 (lower: > 1x)", chunked, "ttft_p99", whole, "ttft_p99", **lower),
+        harness.Figure("ITL p50 (lower: > 1x)", chunked, "itl_p50", whole, "itl_p50", **lower),
+        harness.Figure("ITL p99 (lower: > 1x)", chunked, "itl_p99", whole, "itl_p99", **lower),
+    ]
+    report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    print_medians(report, sides)
+
+
+def print_medians(report, sides):
     print(report.table() + "\n")
     print("medians over rounds:")
     print("| side | requests | tokens | wall s | tok/s | TTFT p50 / p99 s | ITL p50 / p99 ms |")

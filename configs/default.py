@@ -21,7 +21,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict()
     c.data.dir = "data/shakespeare_char"  # folder with train.bin, val.bin, meta.json (flaxgpt.data.prepare)
-    c.data.format = "tokens"  # tokens (train.bin/val.bin, random windows) | shards (speedrun *.bin, in order)
+    # tokens (train.bin/val.bin, random windows) | shards (speedrun *.bin, in order) | packed (chat SFT)
+    # | pairs (DPO preference pairs: flaxgpt prepare --dataset pairs; the `dpo` section below)
+    c.data.format = "tokens"
     c.data.align_to_bos = False  # shards: every training window starts at a document's first token
     c.data.val_tokens = 10_485_760  # shards: the fixed val set, the first this many val tokens
 
@@ -70,6 +72,14 @@ def get_config() -> ml_collections.ConfigDict:
     # all-linear | a comma list: q,k,v,o,gate,up,down (Llama family) or qkv,o,up,down (GPT-2)
     c.lora.targets = "all-linear"
     c.lora.base_dtype = "float32"  # the frozen base: float32 | bfloat16 | int8 (QLoRA-style)
+
+    # DPO (data.format = pairs, flaxgpt/train/dpo_task.py): the policy is tuned toward chosen responses
+    # against a frozen reference (LoRA: the base with the adapters off; full fine-tuning: a copy)
+    c.dpo = ml_collections.ConfigDict()
+    c.dpo.beta = 0.1  # how far the policy may move from the reference (TRL's beta; IPO's tau)
+    c.dpo.loss = "sigmoid"  # sigmoid (DPO) | ipo (IPO, per-token averaged log-ratios as TRL)
+    c.dpo.label_smoothing = 0.0  # sigmoid: conservative DPO, the probability a label is flipped; < 0.5
+    c.dpo.reference = ""  # full fine-tuning: the reference's HF directory ("" = init_from's weights)
 
     c.out_dir = "out"  # run directory: config.json, meta.json, metrics.jsonl, checkpoints
     c.seed = 1337  # parameter init, dropout and batch sampling all derive from it

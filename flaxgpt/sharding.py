@@ -4,9 +4,12 @@ Parameters carry logical axis names (layers.py: vocab, embed, heads, mlp, layers
 them onto the mesh axes ("data", "fsdp"): with fsdp > 1, every "embed" axis is split over the
 fsdp devices (ZeRO-3: parameters, gradients and optimizer state sharded, gathered per layer by
 XLA); everything else is replicated. Batches are split over all devices on their batch axis.
+SERVE_RULES place the weights for decoding over several devices (the MLP and vocabulary split).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import numpy as np
@@ -22,6 +25,21 @@ LOGICAL_RULES = (
     ("vocab", None),
     ("heads", None),
     ("mlp", None),
+    ("layers", None),
+)
+
+# Decoding over several devices (the serving engine's Engine(mesh=...), traced under these rules):
+# FSDP's "embed" split would all-gather every weight for every token (Llama-3-8B on a v5e-8: 8.3 GB
+# of temporaries per chip), so the MLP and the vocabulary (~80% of a Llama's weights) are split on
+# their own axes instead (Megatron-style: mostly activations, [slots, D], move) and the attention
+# weights stay whole on each device. Activations are not pinned to rows (XLA splits them as the
+# weights ask); the KV cache is split by slots (row_shardings), each device attending its own.
+SERVE_RULES = (
+    ("batch", None),
+    ("embed", None),
+    ("vocab", "fsdp"),
+    ("heads", None),
+    ("mlp", "fsdp"),
     ("layers", None),
 )
 
@@ -114,15 +132,16 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(data, fsdp), MESH_AXES)
 
 
-def under_mesh(fn, mesh: Mesh):
+def under_mesh(fn, mesh: Mesh, rules=LOGICAL_RULES):
     """fn, traced with `mesh` as the mesh context (jax.sharding.use_abstract_mesh inside the jit)
-    and LOGICAL_RULES as flax's axis rules: attention_impl="auto" and the Pallas kernel then see the
-    devices the program is compiled for (flaxgpt.kernels.target) and split per device, and the
-    model's activation constraints (rows over every device, gpt.Block) apply, whoever calls or
-    compiles the step."""
+    and `rules` as flax's axis rules (LOGICAL_RULES; decoding: SERVE_RULES): attention_impl="auto"
+    and the Pallas kernel then see the devices the program is compiled for (flaxgpt.kernels.target)
+    and split per device, and the model's activation constraints (LOGICAL_RULES: rows over every
+    device, gpt.Block) apply, whoever calls or compiles the step."""
 
+    @functools.wraps(fn)  # jit reads fn's signature through it (static and donated argument names)
     def traced(*args, **kwargs):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(LOGICAL_RULES):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
             return fn(*args, **kwargs)
 
     return traced
@@ -131,6 +150,14 @@ def under_mesh(fn, mesh: Mesh):
 def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
     """Rows split over every device; `leading_axes` unsplit axes before them (micro-batches)."""
     return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), BATCH_AXES))
+
+
+def row_shardings(tree, mesh: Mesh):
+    """A sharding per leaf of `tree` (arrays or ShapeDtypeStructs): its rows (axis 0) split over every
+    device where they divide, else replicated. The serving engine's caches ([slots * heads, S, K]:
+    slots, or heads of a one-row cache) and per-slot arrays, as the model's activations are split."""
+    rows, rep = batch_sharding(mesh), replicated(mesh)
+    return jax.tree.map(lambda x: rows if x.ndim and x.shape[0] % mesh.size == 0 else rep, tree)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -3,6 +3,8 @@
     flaxgpt aot --config configs/gpt2_124m.py --target v5e-8
     flaxgpt aot --config configs/gpt2_124m.py --config.grad_accum=32 --target h100-1
     flaxgpt aot --config configs/shakespeare_char.py --target v5e-1 --programs train,eval
+    flaxgpt aot --config configs/finetune_llama.py ... --target v5e-8 --programs serve --serve_devices 8 \
+        --quantize int8                      # the serving engine over 8 chips, int8 weights
     flaxgpt aot --list                       # the targets
 
 Overrides are train.py's (`--config.section.key=value`, the recipe locked). For each program (train,
@@ -34,10 +36,11 @@ def parse(argv):
     p.add_argument("--dump", default=None, help="write each program's optimized HLO here")
     p.add_argument("--slots", type=int, default=8, help="serve: the engine's slots")
     p.add_argument("--max_len", type=int, default=0, help="sample/serve: the cache window (0 = block_size)")
-    p.add_argument("--vocab_size", type=int, default=0, help="when neither the recipe nor its data says")
+    p.add_argument("--quantize", default=None, choices=("int8", "bf16"), help="sample/serve: weight-only")
     p.add_argument(
-        "--quantize", default="none", choices=("none", "int8", "bf16"), help="sample/serve: the weights"
+        "--serve_devices", type=int, default=1, help="serve: devices the engine runs over (weights fsdp)"
     )
+    p.add_argument("--vocab_size", type=int, default=0, help="when neither the recipe nor its data says")
     p.add_argument("--headroom", type=float, default=0.0, help="fraction of memory to keep free")
     p.add_argument("--list", action="store_true", help="print the targets and exit")
     args, rest = p.parse_known_args(argv)
@@ -79,7 +82,7 @@ def load_config(rest: list[str]):
 
 
 def run(config, target, groups=("train", "eval", "sample", "serve"), *, slots=8, max_len=0, vocab_size=0,
-        dump=None, mc=None, print_fn=print, quantize="none"):  # fmt: skip
+        quantize=None, serve_devices=1, dump=None, mc=None, print_fn=print):  # fmt: skip
     """Compile every program of `groups` for `target` -> (report rows, model config)."""
     devices = target.devices()  # first: the plugin's environment is set before jax starts it
     from flaxgpt.aot import programs as programs_lib
@@ -90,8 +93,9 @@ def run(config, target, groups=("train", "eval", "sample", "serve"), *, slots=8,
         print_fn(f"model: {source}")
     try:
         progs = programs_lib.build(
-            config, devices, groups, mc=mc, slots=slots, max_len=max_len, quantize=quantize
-        )
+            config, devices, groups, mc=mc, slots=slots, max_len=max_len, quantize=quantize,
+            serve_devices=serve_devices,
+        )  # fmt: skip
     except ValueError as e:  # a mesh or batch that does not divide the target's devices
         raise SystemExit(f"error: {e} (target {target.name}: {len(devices)} devices)") from None
     return [report.analyze(p, target, dump) for p in progs], mc
@@ -128,7 +132,7 @@ def main(argv=None) -> int:
     config, path = load_config(rest)
     t0 = time.perf_counter()
     rows, _ = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,
-                  dump=args.dump, quantize=args.quantize)  # fmt: skip
+                  quantize=args.quantize, serve_devices=args.serve_devices, dump=args.dump)  # fmt: skip
     from flaxgpt.aot import report
 
     print(

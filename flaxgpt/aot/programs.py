@@ -9,9 +9,13 @@
 - sample (GPT): flaxgpt.decode.sampling's prefill (a full-window prompt) and decode chunk over
   gpt.step_fn and a KVCache, on one device, as sample.py runs (batch 1, temperature 0.8, top-k 200).
 - serve (GPT): flaxgpt.serve.engine's prefill (the largest prompt bucket) and generate step for all
-  `slots` slots (chunk 4), on one device, as flaxgpt.serve.launch runs it.
-Both over gpt.step_fn's weights (int8 or bf16 with `quantize`, as sample.py / serve.py --quantize) and a
-KVCache whose sliding-window layers keep rings of their window (models/cache.py).
+  `slots` slots (chunk 4), on one device as flaxgpt.serve.launch runs it, or over `serve_devices`
+  devices (Engine(mesh=...): weights split by sharding.SERVE_RULES, caches by rows); on one device
+  also the generate step over a paged slots cache (flaxgpt.serve.paged: JAX's Pallas paged-attention
+  kernel on TPU and GPU).
+- sample and serve take int8 / bf16 weights (`quantize`): gpt.quantize_params on the abstract
+  parameters gives their layout and placement. Both are traced under their mesh (one device of the
+  target's, or the serving mesh), so the kernels are the target's (no CPU qmatmul custom call).
 
 A recipe that fine-tunes a pretrained model takes the architecture of the preset its init_from names
 (gpt2*, smollm2-135m, ...): the checkpoint itself is not read.
@@ -28,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flaxgpt import sharding
 from flaxgpt.decode import sampling
@@ -36,11 +39,12 @@ from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import KVCache
 from flaxgpt.serve import engine
+from flaxgpt.serve.paged import PagedKVCache, paged_impl
 from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import micro_batch
-from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS, LMTask
-from flaxgpt.train.seq2seq_task import Seq2SeqTask
+from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS
 from flaxgpt.train.steps import make_steps
+from flaxgpt.train.tasks import TASKS, task_name
 
 GROUPS = ("train", "eval", "sample", "serve")
 DEFAULT_VOCAB = 50257  # GPT-2's BPE: the vocabulary assumed when neither the recipe nor its data says
@@ -48,7 +52,7 @@ DEFAULT_VOCAB = 50257  # GPT-2's BPE: the vocabulary assumed when neither the re
 
 @dataclasses.dataclass
 class Program:
-    name: str  # train | eval | sample.prefill | sample.decode | serve.prefill | serve.generate
+    name: str  # train | eval | sample.prefill | sample.decode | serve.prefill | serve.generate[_paged]
     jitted: Any  # flaxgpt's own jax.jit-wrapped function
     args: tuple  # abstract arguments (ShapeDtypeStructs with shardings; pytrees of them)
     kwargs: dict  # static arguments
@@ -108,9 +112,10 @@ def _abstract(tree, shardings):
 
 
 def per_device_bytes(tree) -> int:
-    """Bytes one device holds of an abstract, sharded tree (the largest shard of each leaf)."""
+    """Bytes one device holds of an abstract, sharded tree (the largest shard of each leaf; a leaf
+    found twice counts once: a tied head's quantized table is the embedding's)."""
     total = 0
-    for a in jax.tree.leaves(tree):
+    for a in {id(a): a for a in jax.tree.leaves(tree)}.values():
         shape = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
         total += int(np.prod(shape)) * jnp.dtype(a.dtype).itemsize
     return total
@@ -124,8 +129,8 @@ def _batch(shapes: dict, sharding_, leading=()):
 
 
 def train_programs(config, mc, devices, groups) -> list[Program]:
-    kind = models.kind_of(mc)
-    task = (LMTask if kind == "gpt" else Seq2SeqTask).without_data(config, mc)
+    name = task_name(config) if models.kind_of(mc) == "gpt" else "seq2seq"
+    task = TASKS[name].without_data(config, mc)
     mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
@@ -162,101 +167,116 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
     return out
 
 
-def _one_device(devices):
-    return NamedSharding(Mesh(np.asarray(devices[:1]), ("one",)), PartitionSpec())
-
-
-def _decoding(mc, devices, quantize: str = "none"):
-    """(config, abstract step_fn, the one-device sharding) as gpt.step_fn decodes: layers unrolled
-    (traced under the one device's mesh: attention and the int8 matmul pick the target's kernels);
-    `quantize` (int8 | bf16): the weights as gpt.quantize_params makes them (sample.py --quantize)."""
-    one = _one_device(devices)
+def _decoding(mc, devices, quantize=None):
+    """(config, abstract step_fn, mesh, parameter bytes per device) as gpt.step_fn decodes over
+    `devices`: layers unrolled, the weights placed by sharding.SERVE_RULES on a (data 1, fsdp n) mesh
+    (one device: whole), int8 / bf16 weights from quantize_params on their abstract layout."""
+    mesh = sharding.make_mesh(1, len(devices), devices)
     cfg = dataclasses.replace(mc, scan_layers=False, remat="none")
-    params = _abstract(nn.unbox(gpt.abstract_params(cfg)), one)
-    if quantize != "none":
-        quantized = {}  # the config comes back beside the traced weights (eval_shape returns arrays only)
-
-        def weights(p):
-            quantized["config"], q = gpt.quantize_params(cfg, p, quantize)
-            return q
-
-        params = _abstract(jax.eval_shape(weights, params), one)
-        cfg = quantized["config"]
-    return cfg, gpt.step_fn(cfg, params), one, per_device_bytes(params)
+    boxed = gpt.abstract_params(cfg)
+    params = _abstract(nn.unbox(boxed), sharding.param_shardings(boxed, mesh, sharding.SERVE_RULES))
+    if quantize:
+        cfg, params = gpt.quantize_params(cfg, params, quantize)
+    return cfg, gpt.step_fn(cfg, params), mesh, per_device_bytes(params)
 
 
-def _scalar(dtype, one):
-    return jax.ShapeDtypeStruct((), dtype, sharding=one)
+def _scalar(dtype, mesh):
+    return jax.ShapeDtypeStruct((), dtype, sharding=sharding.replicated(mesh))
 
 
-def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize: str = "none") -> list[Program]:
-    cfg, step, one, param_bytes = _decoding(mc, devices, quantize)
+def _weights(quantize) -> str:
+    return f", {quantize} weights" if quantize else ""
+
+
+def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize=None) -> list[Program]:
+    cfg, step, mesh, param_bytes = _decoding(mc, devices[:1], quantize)
+    one = sharding.replicated(mesh)
     W = P = cfg.block_size
     cache = _abstract(jax.eval_shape(lambda: KVCache.for_config(cfg, batch, W)), one)
     rng = _abstract(jax.eval_shape(lambda: jax.random.key(0)), one)
     prompt = jax.ShapeDtypeStruct((batch, P), jnp.int32, sharding=one)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one)
-    max_new = _scalar(jnp.int32, one)
+    max_new = _scalar(jnp.int32, mesh)
     how = sampling.Sampling(temperature=0.8, top_k=200)  # sample.py's defaults
     args = (step, cache, prompt, lengths, rng, max_new)
+    # traced under the target's one-device mesh: kernels (attention, qmatmul) chosen for its device
     prefill = Program(
         "sample.prefill", sampling._prefill, args, {"sampling": how}, 1,
         flops_per_token(cfg, P)["forward"] * batch * P, {"parameters": param_bytes},
-        f"batch {batch}, prompt {P}, cache {W}", mesh=one.mesh,
+        f"batch {batch}, prompt {P}, cache {W}{_weights(quantize)}", mesh=mesh,
     )  # fmt: skip
     state = _abstract(prefill.trace().out_info[0], one)
     decode = Program(
         "sample.decode", sampling._decode_chunk, (step, state, max_new),
         {"chunk": chunk, "keep": W // 2, "sampling": how}, 1,
         flops_per_token(cfg, W)["forward"] * batch * chunk, {"parameters": param_bytes},
-        f"batch {batch}, {chunk} tokens per call, cache {W}",
-        chunk * (param_bytes + per_device_bytes(cache)), mesh=one.mesh,
+        f"batch {batch}, {chunk} tokens per call, cache {W}{_weights(quantize)}",
+        chunk * (param_bytes + per_device_bytes(cache)), mesh=mesh,
     )  # fmt: skip
     return [prefill, decode]
 
 
 def serve_programs(
-    mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128, quantize="none"
+    mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128, quantize=None
 ) -> list[Program]:
     """The engine's programs as serve.py runs them: a prefill chunk (its largest bucket: serve.py's
-    --prefill_chunk) into a one-row cache, and the generate step for every slot."""
-    cfg, step, one, param_bytes = _decoding(mc, devices, quantize)
+    --prefill_chunk) into a one-row cache, and the generate step for every slot. Over several
+    `devices`: Engine(mesh=...)'s, the weights split by sharding.SERVE_RULES (MLP and vocabulary over
+    the devices), the caches by rows (slots; a one-row cache's heads)."""
+    cfg, step, mesh, param_bytes = _decoding(mc, devices, quantize)
+    prefill_fn, _, generate_fn = engine.programs(mesh)
+    n = len(devices)
     W = min(max_len or cfg.block_size, cfg.block_size)
     P = min(prefill_chunk, W)
-    cache_1 = _abstract(jax.eval_shape(lambda: KVCache.for_config(cfg, 1, W)), one)
-    rows = _abstract(
-        jax.eval_shape(lambda: jax.tree.map(jnp.asarray, engine.RowSampling.of(max_new_tokens=1))), one
-    )
-    prompt = jax.ShapeDtypeStruct((1, P), jnp.int32, sharding=one)  # the largest prompt bucket
-    start, size = _scalar(jnp.int32, one), _scalar(jnp.int32, one)
+
+    def placed(make):
+        tree = jax.eval_shape(make)
+        return _abstract(tree, sharding.row_shardings(tree, mesh))
+
+    cache_1 = placed(lambda: KVCache.for_config(cfg, 1, W))
+    rows = placed(lambda: jax.tree.map(jnp.asarray, engine.RowSampling.of(max_new_tokens=1)))
+    rep = sharding.replicated(mesh)
+    prompt = jax.ShapeDtypeStruct((1, P), jnp.int32, sharding=rep)  # the largest prompt bucket
+    start, size = _scalar(jnp.int32, mesh), _scalar(jnp.int32, mesh)
+    where = f"{_weights(quantize)}" + (f", over {n} devices (SERVE_RULES)" if n > 1 else "")
     prefill = Program(
-        "serve.prefill", engine._prefill, (step, cache_1, prompt, start, size, rows),
-        {"max_k": 256}, 1, flops_per_token(cfg, W)["forward"] * P, {"parameters": param_bytes},
-        f"prompt chunk {P} into a window of {W}", mesh=one.mesh,
+        "serve.prefill", prefill_fn, (step, cache_1, prompt, start, size, rows),
+        {"max_k": 256}, n, flops_per_token(cfg, W)["forward"] * P, {"parameters": param_bytes},
+        f"prompt chunk {P} into a window of {W}{where}", mesh=mesh,
     )  # fmt: skip
-    state = _abstract(
-        jax.eval_shape(lambda: engine.empty_slots(KVCache.for_config(cfg, slots, W), slots)), one
-    )
-    stop = jax.ShapeDtypeStruct((slots,), jnp.bool_, sharding=one)
+    state = placed(lambda: engine.empty_slots(KVCache.for_config(cfg, slots, W), slots))
+    stop = jax.ShapeDtypeStruct((slots,), jnp.bool_, sharding=sharding.row_shardings(state.done_B, mesh))
     generate = Program(
-        "serve.generate", engine._generate, (step, state, stop), {"chunk": chunk, "max_k": 256}, 1,
+        "serve.generate", generate_fn, (step, state, stop), {"chunk": chunk, "max_k": 256}, n,
         flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
-        f"{slots} slots x window {W}, {chunk} tokens per call",
-        chunk * (param_bytes + per_device_bytes(state.cache)), mesh=one.mesh,
+        f"{slots} slots x window {W}, {chunk} tokens per call{where}",
+        chunk * (param_bytes + per_device_bytes(state.cache)), mesh=mesh,
     )  # fmt: skip
-    return [prefill, generate]
+    if n > 1:  # the paged cache is one device's (Engine(slots_cache=...) runs without a mesh)
+        return [prefill, generate]
+    paged = PagedKVCache.for_slots(cfg, slots, W, page=16, impl=paged_impl(devices[0].platform, cfg.head_dim))
+    state_paged = placed(lambda: engine.empty_slots(paged, slots))
+    generate_paged = Program(
+        "serve.generate_paged", generate_fn, (step, state_paged, stop), {"chunk": chunk, "max_k": 256},
+        1, flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
+        f"{slots} slots x window {W} in pages of 16 ({paged.impl}){where}, {chunk} tokens per call",
+        chunk * (param_bytes + per_device_bytes(state_paged.cache)), mesh=mesh,
+    )  # fmt: skip
+    return [prefill, generate, generate_paged]
 
 
 def build(
-    config, devices, groups=GROUPS, mc=None, slots: int = 8, max_len: int = 0, quantize: str = "none"
+    config, devices, groups=GROUPS, mc=None, slots: int = 8, max_len: int = 0, quantize=None, serve_devices=1
 ) -> list[Program]:
-    """The programs of `groups` for `config` on `devices` (sample and serve: GPT models only;
-    `quantize` their weights: none | int8 | bf16)."""
+    """The programs of `groups` for `config` on `devices` (sample and serve: GPT models only, with
+    `quantize` int8 / bf16 weights; serve over the first `serve_devices` devices)."""
     mc = mc if mc is not None else model_config(config)[0]
     out = train_programs(config, mc, devices, groups)
     if models.kind_of(mc) == "gpt":
         if "sample" in groups:
             out += sample_programs(mc, devices, quantize=quantize)
         if "serve" in groups:
-            out += serve_programs(mc, devices, slots, max_len, quantize=quantize)
+            if not 1 <= serve_devices <= len(devices):
+                raise ValueError(f"--serve_devices {serve_devices} must be in [1, {len(devices)}]")
+            out += serve_programs(mc, devices[:serve_devices], slots, max_len, quantize=quantize)
     return out

@@ -87,11 +87,13 @@ def attention_kernel(hlo: str) -> str:
     if "__cudnn$fmha" in hlo:
         return "cudnn flash"
     if "tpu_custom_call" in hlo:  # Pallas on TPU compiles to Mosaic custom calls
+        if "paged" in hlo:  # JAX's paged-attention kernel (flaxgpt.serve.paged)
+            return "pallas paged (mosaic)"
         names = set(re.findall(r'"?kernel_name"?\s*[:=]\s*\\?"?([\w.]+)', hlo))
         splash = any("splash" in n or "flash" in n for n in names) or "splash" in hlo
         return "pallas splash" if splash else "pallas (mosaic)"
     if "__gpu$xla.gpu.triton" in hlo:
-        return "pallas (triton)"
+        return "pallas paged (triton)" if "paged_attention" in hlo else "pallas (triton)"
     return "xla"
 
 

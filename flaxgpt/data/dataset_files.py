@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +18,16 @@ TEXT_SUFFIXES = (".txt", ".md", ".text")
 
 class PrepareError(Exception):
     """Bad input: the message says what is wrong and how to fix it."""
+
+
+def run_cli(main, argv=None) -> int:
+    """A prepare command's `main(argv)` with its PrepareError as one line on stderr (exit status 1)."""
+    try:
+        main(argv)
+    except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def token_dtype(vocab_size: int):

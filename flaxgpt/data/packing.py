@@ -30,6 +30,7 @@ from flaxgpt.data.batches import TRAIN_EVAL_STREAM, read_meta
 
 FIELDS = ("inputs", "targets", "loss_mask", "segment_ids")
 HINT = "prepare it with: flaxgpt prepare --dataset chat --input convs.jsonl --hf_dir MODEL"
+PAIRS_HINT = "prepare it with: flaxgpt prepare --dataset pairs --input pairs.jsonl --hf_dir MODEL"
 
 
 def example(ids, mask=None):
@@ -88,13 +89,17 @@ def padding_fraction(segment_ids_RT: np.ndarray) -> float:
 class PackedData:
     """A packed dataset's splits, memmapped and checked against meta.json on opening."""
 
-    def __init__(self, data_dir: str | Path):
+    def __init__(self, data_dir: str | Path, kind: str = "packed"):
+        """kind: packed (chat SFT, packed documents) | pairs (DPO, flaxgpt.data.preference)."""
         self.dir = Path(data_dir)
-        self.meta = read_meta(self.dir, HINT)
-        if self.meta.get("kind") != "packed":
+        hint = HINT if kind == "packed" else PAIRS_HINT
+        self.meta = read_meta(self.dir, hint)
+        if self.meta.get("kind") != kind:
+            held = self.meta.get("kind", "token")
+            fmt = {"packed": "packed", "pairs": "pairs"}.get(held, "tokens")
             raise ValueError(
-                f"{self.dir} holds a {self.meta.get('kind', 'token')} dataset, not a packed one; "
-                f"set --config.data.format=tokens, or {HINT}"
+                f"{self.dir} holds a {held} dataset, not a {kind} one; "
+                f"set --config.data.format={fmt}, or {hint}"
             )
         self.block_size = int(self.meta["block_size"])
         self.splits = {}
@@ -106,12 +111,12 @@ class PackedData:
                     arrays[field] = np.load(path, mmap_mode="r")
                 except (OSError, ValueError) as e:
                     raise ValueError(
-                        f"{path} cannot be read ({type(e).__name__}); {HINT} --overwrite"
+                        f"{path} cannot be read ({type(e).__name__}); {hint} --overwrite"
                     ) from None
                 if arrays[field].shape != (self.meta[f"{split}_rows"], self.block_size):
                     raise ValueError(
                         f"{path} has shape {arrays[field].shape}, not meta.json's "
-                        f"({self.meta[f'{split}_rows']}, {self.block_size}); {HINT} --overwrite"
+                        f"({self.meta[f'{split}_rows']}, {self.block_size}); {hint} --overwrite"
                     )
             self.splits[split] = arrays
 

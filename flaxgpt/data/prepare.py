@@ -7,6 +7,8 @@
     flaxgpt prepare --dataset fineweb --out_dir data/fineweb10B --num_proc 8  # speedrun shards
     flaxgpt prepare --dataset chat --input convs.jsonl --hf_dir path/to/Llama-3.2-1B-Instruct \
         --block_size 2048 --out_dir data/chat      # packed chat SFT rows (see docs/chat.md)
+    flaxgpt prepare --dataset pairs --input pairs.jsonl --hf_dir path/to/model \
+        --block_size 1024 --out_dir data/dpo       # DPO preference pairs (see docs/dpo.md)
     flaxgpt prepare --dataset text --input docs/ --pack --block_size 1024 \
         --tokenizer gpt2 --out_dir data/docs       # one segment per file, packed
 
@@ -41,6 +43,7 @@ from flaxgpt.data.dataset_files import (
     PrepareError,
     read_text,
     read_utf8,
+    run_cli,
     token_dtype,
     write_tokens,
     writing,
@@ -219,16 +222,10 @@ def _write_hf(out_dir: Path, splits, tokenizer, source: str, overwrite: bool) ->
     return meta
 
 
-def prepare_packed(args) -> dict:
-    """--dataset chat (conversations, assistant tokens trained) or text --pack (documents, every token
-    trained) -> packed rows (flaxgpt.data.packing). The last val_fraction of the examples validate."""
+def _sequences(args, T: int):
+    """--dataset chat | text --pack: (tokenizer, {split: packed rows}, {split_examples: n}, cut)."""
     from flaxgpt.data import chat, packing
 
-    out_dir, T = Path(args.out_dir), args.block_size
-    if T < 2:
-        raise PrepareError(f"--block_size must be >= 2, got {T}; packing needs the model's block_size")
-    if (out_dir / "meta.json").exists() and not args.overwrite:
-        raise PrepareError(f"{out_dir} already holds a prepared dataset; pass --overwrite to replace it")
     sequences = []  # (name, ids, mask): mask 1 on the tokens to predict
     if args.dataset == "chat":
         if not args.input or not args.hf_dir:
@@ -272,9 +269,33 @@ def prepare_packed(args) -> dict:
     splits = {"train": examples[:-n_val], "val": examples[-n_val:]}
     pad = tokenizer.eot_id if tokenizer.eot_id is not None else 0
     rows = {name: packing.pack(exs, T, pad_id=pad) for name, exs in splits.items()}
+    return tokenizer, rows, {f"{k}_examples": len(v) for k, v in splits.items()}, cut
+
+
+def prepare_packed(args) -> dict:
+    """--dataset chat (conversations, assistant tokens trained), text --pack (documents, every token
+    trained) or pairs (DPO's preference pairs, flaxgpt.data.preference) -> packed rows
+    (flaxgpt.data.packing). The last val_fraction of the examples validate."""
+    from flaxgpt.data import packing
+
+    out_dir, T = Path(args.out_dir), args.block_size
+    if T < 2:
+        raise PrepareError(f"--block_size must be >= 2, got {T}; packing needs the model's block_size")
+    if (out_dir / "meta.json").exists() and not args.overwrite:
+        raise PrepareError(f"{out_dir} already holds a prepared dataset; pass --overwrite to replace it")
+    kind, cut = "packed", 0
+    if args.dataset == "pairs":  # DPO: a pair's chosen and rejected side by side in a row
+        from flaxgpt.data import preference
+
+        if not args.input or not args.hf_dir:
+            raise PrepareError("--dataset pairs needs --input PAIRS.jsonl and --hf_dir MODEL_DIR")
+        kind, tokenizer = "pairs", make_tokenizer(args.hf_dir)
+        rows, counts = preference.prepare_pairs(args, tokenizer)
+    else:
+        tokenizer, rows, counts, cut = _sequences(args, T)
     dtype = token_dtype(tokenizer.vocab_size)
     with writing(out_dir) as tmp:
-        meta = {"kind": "packed", "tokenizer": tokenizer.to_meta(), "vocab_size": tokenizer.vocab_size}
+        meta = {"kind": kind, "tokenizer": tokenizer.to_meta(), "vocab_size": tokenizer.vocab_size}
         meta.update(dtype=np.dtype(dtype).name, block_size=T, source=str(args.input), truncated=cut)
         for split, arrays in rows.items():
             for field, a in arrays.items():
@@ -283,7 +304,7 @@ def prepare_packed(args) -> dict:
                     a.astype(dtype if field in ("inputs", "targets") else a.dtype),
                 )
             meta[f"{split}_rows"] = len(arrays["inputs"])
-            meta[f"{split}_examples"] = len(splits[split])
+            meta[f"{split}_examples"] = counts[f"{split}_examples"]
             meta[f"{split}_padding"] = round(packing.padding_fraction(arrays["segment_ids"]), 4)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         out_dir.mkdir(exist_ok=True)
@@ -304,12 +325,15 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--dataset",
         required=True,
-        choices=["shakespeare_char", "shakespeare", "text", "hf", "fineweb", "chat"],
+        choices=["shakespeare_char", "shakespeare", "text", "hf", "fineweb", "chat", "pairs"],
         help="shakespeare_char (char tokens), shakespeare (default gpt2 BPE), text, hf, "
-        "fineweb (speedrun token shards), chat (OpenAI-style jsonl conversations, packed)",
+        "fineweb (speedrun token shards), chat (OpenAI-style jsonl conversations, packed), "
+        "pairs (DPO: jsonl of prompt, chosen, rejected)",
     )
-    p.add_argument("--hf_dir", help="--dataset chat: the model directory (tokenizer.json, chat template)")
-    p.add_argument("--block_size", type=int, default=0, help="chat / --pack: the row length (the model's)")
+    p.add_argument("--hf_dir", help="chat, pairs: the model directory (tokenizer.json, chat template)")
+    p.add_argument(
+        "--block_size", type=int, default=0, help="chat, pairs / --pack: the row length (the model's)"
+    )
     p.add_argument("--pack", action="store_true", help="--dataset text: one segment per file, packed rows")
     p.add_argument("--truncate", action="store_true", help="chat: cut a conversation longer than a row")
     p.add_argument("--input", help="a text file or a folder of text files (shakespeare*: a local copy)")
@@ -356,7 +380,7 @@ def main(argv=None) -> dict:
     if args.num_proc < 1:
         raise PrepareError(f"--num_proc must be >= 1, got {args.num_proc}")
     tok = args.tokenizer or ("char" if args.dataset == "shakespeare_char" else "gpt2")
-    if args.dataset == "chat" or (args.dataset == "text" and args.pack):
+    if args.dataset in ("chat", "pairs") or (args.dataset == "text" and args.pack):
         return prepare_packed(args)
     if args.dataset == "fineweb":
         from flaxgpt.data import fineweb
@@ -401,13 +425,8 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    """`flaxgpt prepare`: main with its PrepareError as one line on stderr (exit status 1)."""
-    try:
-        main(argv)
-    except PrepareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    """`flaxgpt prepare`."""
+    return run_cli(main, argv)
 
 
 if __name__ == "__main__":

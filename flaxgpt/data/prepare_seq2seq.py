@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flaxgpt.data.dataset_files import PrepareError, read_utf8, token_dtype, writing
+from flaxgpt.data.dataset_files import PrepareError, read_utf8, run_cli, token_dtype, writing
 from flaxgpt.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, CharTokenizer, Seq2SeqTokenizer, get_tokenizer
 
 TASKS = ("reverse", "numbers", "tsv", "files", "hf")
@@ -293,13 +293,8 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
-    """`flaxgpt prepare-seq2seq`: main with its PrepareError as one line on stderr (exit status 1)."""
-    try:
-        main(argv)
-    except PrepareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    """`flaxgpt prepare-seq2seq`."""
+    return run_cli(main, argv)
 
 
 if __name__ == "__main__":

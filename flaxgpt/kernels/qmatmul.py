@@ -8,7 +8,9 @@ before a matrix-vector product, so without the kernel compact weights decode slo
 float32 ones. The kernel is compiled once with the system's C++ compiler into
 $FLAXGPT_CACHE (default ~/.cache/flaxgpt) on first use. Without a compiler, on other
 backends, for many rows (prefill, where the step is compute-bound) or with
-FLAXGPT_QMATMUL=xla, the same product is the XLA dequantize-then-dot.
+FLAXGPT_QMATMUL=xla, the same product is the XLA dequantize-then-dot. "Other backends" means the
+devices the program is traced for (kernels.target: the mesh context's, else this host's), so a
+program compiled ahead of time for a TPU or a GPU on this CPU holds no CPU custom call.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def _compile() -> Path:
 
 @functools.cache
 def kernel_available() -> bool:
-    """Compile (once) and register the CPU kernel; False, with one warning, where it cannot be."""
-    if os.environ.get("FLAXGPT_QMATMUL", "") == "xla" or jax.default_backend() != "cpu":
+    """Compile (once) and register the CPU kernel; False, with one warning, where it cannot be.
+    Whether a program uses it is `qmatmul`'s choice: only when traced for CPU devices."""
+    if os.environ.get("FLAXGPT_QMATMUL", "") == "xla":
         return False
     try:
         lib = ctypes.cdll.LoadLibrary(str(_compile()))
@@ -87,12 +90,22 @@ def dequantize(w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
 
 def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     """(x @ w^T) * scale in float32 -> [M, N]; w_NK is int8 or bfloat16."""
-    x_MK = x_MK.astype(jnp.float32)
     M, N = x_MK.shape[0], w_NK.shape[0]
     name = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.bfloat16): "bfloat16"}.get(jnp.dtype(w_NK.dtype))
     if name is None:
         raise ValueError(f"qmatmul weights must be int8 or bfloat16, got {w_NK.dtype}")
-    if M <= MAX_KERNEL_ROWS and target.platform() == "cpu" and kernel_available():  # traced for a CPU
+    dims = (((1,), (1,)), ((), ()))
+    if target.platform() != "cpu":
+        # TPU / GPU: the weights widened only to 16-bit activations' dtype (int8 is exact in
+        # bfloat16), accumulated in float32, so a convert XLA does not fuse into the dot writes
+        # 2 bytes a weight, not 4; the MXU / tensor cores multiply bfloat16 either way
+        dtype = x_MK.dtype if jnp.dtype(x_MK.dtype).itemsize == 2 else jnp.float32
+        y_MN = jax.lax.dot_general(
+            x_MK.astype(dtype), w_NK.astype(dtype), dims, preferred_element_type=jnp.float32
+        )
+        return y_MN * scale_N
+    x_MK = x_MK.astype(jnp.float32)
+    if M <= MAX_KERNEL_ROWS and target.platform() == "cpu" and kernel_available():
         out = jax.ShapeDtypeStruct((M, N), jnp.float32)
         return jax.ffi.ffi_call(f"flaxgpt_{name}_matmul", out)(x_MK, w_NK, scale_N.astype(jnp.float32))
-    return jax.lax.dot_general(x_MK, w_NK.astype(jnp.float32), (((1,), (1,)), ((), ()))) * scale_N
+    return jax.lax.dot_general(x_MK, w_NK.astype(jnp.float32), dims) * scale_N

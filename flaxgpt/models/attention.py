@@ -292,7 +292,11 @@ class SelfAttention(nn.Module):
         sow = None
         if self.is_mutable_collection("intermediates"):
             sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
-        if kv is not None and len(kv) == 3:  # a window layer's ring buffer (cache.KVCache)
+        if hasattr(kv, "attend"):  # a paged cache layer (flaxgpt/serve/paged.py) writes and attends itself
+            y_BTHK, kv = kv.attend(
+                q_BTHK, k_BTJK, v_BTJK, positions_BT, self.scale, self.softcap, self.window
+            )
+        elif isinstance(kv, tuple) and len(kv) == 3:  # a window layer's ring buffer (cache.KVCache)
             y_BTHK, kv = ring_attend(
                 q_BTHK, k_BTJK, v_BTJK, positions_BT, kv, self.window, real_BT,
                 sow=sow, scale=self.scale, softcap=self.softcap,

@@ -108,9 +108,16 @@ class KVCache:
         return self.k[i], self.v[i]
 
     def with_layers(self, kv_layers) -> KVCache:
-        """This cache holding the blocks' returned buffers ((k, v) or a ring's (k, v, pos))."""
+        """This cache holding the blocks' returned buffers ((k, v) or a ring's (k, v, pos)); a paged
+        cache has its own (serve/paged.py)."""
         pos = tuple(kv[2] if len(kv) == 3 else None for kv in kv_layers)
         return self.replace(k=tuple(kv[0] for kv in kv_layers), v=tuple(kv[1] for kv in kv_layers), pos=pos)
+
+    @classmethod
+    def from_layers(cls, kv_layers, n_head: int) -> KVCache:
+        """A full-length cache made of (k, v) pairs, one per layer (a paged slot's row, serve/paged.py)."""
+        k, v = tuple(k for k, _ in kv_layers), tuple(v for _, v in kv_layers)
+        return cls(k=k, v=v, n_head=n_head, pos=(None,) * len(k), length=k[0].shape[1])  # as for_config's
 
     def take_rows(self, rows_R: jax.Array) -> KVCache:
         """The cache of rows `rows_R` (in that order): beam search follows its beams with it."""

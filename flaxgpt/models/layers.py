@@ -55,6 +55,36 @@ def activation_fn(name: str):
     raise ValueError(f"unknown activation {name!r}; choose one of {ACTIVATIONS}")
 
 
+@jax.custom_vjp
+def swiglu(gate_up):
+    """[..., 2F] (columns gate | up) -> silu(gate) * up [..., F] (Llama's gated MLP), with a
+    hand-written backward pass.
+
+    Autodiff of the plain expression keeps sigmoid(gate), silu(gate) and their products as separate
+    arrays, each its own pass over [tokens, F], and joins the two halves' gradients in one more;
+    here the forward is one pass and the backward one, which recomputes the sigmoid from gate.
+    """
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate_up):
+    return swiglu(gate_up), gate_up
+
+
+def _swiglu_bwd(gate_up, dh):
+    # the barrier keeps XLA from sharing this sigmoid with the forward's (CSE), which would store
+    # sigmoid(gate) as an array and split both passes
+    gate, up = jnp.split(jax.lax.optimization_barrier(gate_up), 2, axis=-1)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    dgate = dh * up * (sig + silu * (1 - sig))  # d silu / dg = sig (1 + g (1 - sig))
+    return (jnp.concatenate([dgate, dh * silu], axis=-1),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
 SINUSOID_LAYOUTS = ("interleaved", "halves")
 
 
@@ -119,8 +149,11 @@ class MLP(nn.Module):
             name="c_fc",
         )(x_ND)
         if self.glu:
-            gate_NF, up_NF = jnp.split(h_NE, 2, axis=-1)
-            h_NF = activation_fn(self.activation)(gate_NF) * up_NF
+            if self.activation == "silu":
+                h_NF = swiglu(h_NE)
+            else:
+                gate_NF, up_NF = jnp.split(h_NE, 2, axis=-1)
+                h_NF = activation_fn(self.activation)(gate_NF) * up_NF
         else:
             h_NF = activation_fn(self.activation)(h_NE)
         y_ND = nn.Dense(

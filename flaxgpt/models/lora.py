@@ -208,6 +208,29 @@ def _dense(module: nn.Dense, x, kernel, next_fun, args, kwargs):
     return y.astype(module.dtype or x.dtype)
 
 
+def _add_adapters(module: nn.Dense, spec: LoraSpec, x, y, parts):
+    """y + x A B * scale for each (target, start, stop) of `parts` (in column order) on its columns of y.
+
+    The adapters of one Dense (q, k, v of c_attn; gate, up of c_fc) share one x @ [A_q | A_k | A_v]
+    (x read once), the scale goes on those r columns rather than the N output columns, and the deltas
+    join y in one concatenation: one pass over y where an `.at[].add` per adapter took one each.
+    """
+    r = spec.rank
+    names = [t for t, _, _ in parts]
+    a_KR = jnp.concatenate([module.get_variable("lora", f"{t}_a") for t in names], axis=-1)  # R = P r
+    xa_NR = (x.astype(jnp.float32) @ a_KR) * spec.scale
+    out, at = [], 0
+    for i, (t, start, stop) in enumerate(parts):
+        if start > at:  # columns no adapter writes (e.g. k when only q and v are targets)
+            out.append(y[..., at:start])
+        delta = xa_NR[..., i * r : (i + 1) * r] @ module.get_variable("lora", f"{t}_b")
+        out.append(y[..., start:stop] + delta.astype(y.dtype))
+        at = stop
+    if at < y.shape[-1]:
+        out.append(y[..., at:])
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
+
+
 def _interceptor(spec: LoraSpec, deterministic: bool):
     by_site: dict = {}
     for t, start, stop in spec.columns:
@@ -225,15 +248,7 @@ def _interceptor(spec: LoraSpec, deterministic: bool):
         if spec.dropout and not deterministic:  # one mask per Dense input, shared by its adapters (PEFT)
             keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - spec.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - spec.dropout), 0.0).astype(x.dtype)
-        for t, start, stop in parts:
-            a_Kr = module.get_variable("lora", f"{t}_a")
-            b_rN = module.get_variable("lora", f"{t}_b")
-            delta = (x.astype(jnp.float32) @ a_Kr) @ b_rN * spec.scale
-            if stop - start == y.shape[-1]:
-                y = y + delta.astype(y.dtype)
-            else:
-                y = y.at[..., start:stop].add(delta.astype(y.dtype))
-        return y
+        return _add_adapters(module, spec, x, y, sorted(parts, key=lambda p: p[1]))
 
     return intercept
 

@@ -18,6 +18,11 @@ routes every `nn.Dense` and `nn.Embed` whose parameter is a `QuantizedWeight` th
 (a CPU kernel that reads the compact weights directly); `gpt.step_fn` does this for quantized
 params. Nothing here knows the GPT: `gpt.quantize_params` picks what to quantize.
 Decoding then reads 1 (int8) or 2 (bf16) bytes per weight instead of 4.
+
+Given jax.ShapeDtypeStructs (gpt.abstract_params, with or without shardings) the same functions
+build the quantized tree's layout without computing anything: `gpt.quantize_params(config,
+abstract, "int8")` is what flaxgpt.aot compiles the 8B model's int8 decoding with. A weight's
+placement follows it: w [N, K] is the kernel's transpose, placed transposed; the scales as its rows.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flaxgpt.kernels.qmatmul import qmatmul
 
@@ -53,17 +59,37 @@ class QuantizedWeight:
 
 
 def quantize_rows(w_NK, mode: str) -> QuantizedWeight:
-    """One scale per row (output channel): symmetric int8, or bfloat16 with scale 1."""
-    xp = (
-        jnp if isinstance(w_NK, jax.core.Tracer) else np
-    )  # traced (jax.eval_shape: flaxgpt aot), else on the host
-    w_NK = xp.asarray(w_NK, np.float32)
+    """One scale per row (output channel): symmetric int8, or bfloat16 with scale 1. A
+    jax.ShapeDtypeStruct gives the layout alone (`abstract_rows`)."""
+    if isinstance(w_NK, jax.ShapeDtypeStruct):
+        return abstract_rows(w_NK, mode)
+    w_NK = np.asarray(w_NK, np.float32)
     if check_mode(mode) == "bf16":
         return QuantizedWeight(jnp.asarray(w_NK, jnp.bfloat16), jnp.ones(w_NK.shape[0], jnp.float32))
-    absmax_N = xp.abs(w_NK).max(axis=1)
-    scale_N = xp.where(absmax_N > 0, absmax_N / 127.0, 1.0).astype(np.float32)  # all-zero rows: any scale
-    q_NK = xp.clip(xp.rint(w_NK / scale_N[:, None]), -127, 127).astype(np.int8)
+    absmax_N = np.abs(w_NK).max(axis=1)
+    scale_N = np.where(absmax_N > 0, absmax_N / 127.0, 1.0).astype(np.float32)  # all-zero rows: any scale
+    q_NK = np.clip(np.rint(w_NK / scale_N[:, None]), -127, 127).astype(np.int8)
     return QuantizedWeight(jnp.asarray(q_NK), jnp.asarray(scale_N))
+
+
+def abstract_rows(w_NK: jax.ShapeDtypeStruct, mode: str) -> QuantizedWeight:
+    """quantize_rows' result as ShapeDtypeStructs, nothing computed: flaxgpt.aot compiles decoding
+    with it. w keeps w_NK's placement; the scales [N] are placed as its rows."""
+    sharding, rows = w_NK.sharding, None
+    if isinstance(sharding, NamedSharding):
+        rows = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:1]))
+    w = jax.ShapeDtypeStruct(w_NK.shape, _DTYPES[check_mode(mode)], sharding=sharding)
+    return QuantizedWeight(w, jax.ShapeDtypeStruct(w_NK.shape[:1], jnp.float32, sharding=rows))
+
+
+def _transposed(x):
+    if not isinstance(x, jax.ShapeDtypeStruct):
+        return np.asarray(x).T
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):  # the spec padded to the rank, then reversed
+        spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[::-1]))
+    return jax.ShapeDtypeStruct(x.shape[::-1], x.dtype, sharding=sharding)
 
 
 def quantize_tree(params, mode: str):
@@ -76,7 +102,7 @@ def quantize_tree(params, mode: str):
             if isinstance(value, dict):
                 out[name] = visit(value)
             elif name == "kernel" and np.ndim(value) == 2:
-                out[name] = quantize_rows(value.T, mode)
+                out[name] = quantize_rows(_transposed(value), mode)
             else:
                 out[name] = value
         return out

@@ -18,7 +18,9 @@ tokens before it), so a scheduler can run a long prompt's chunks between decode 
 (start_prefill, then prefill_step until it returns the Prefix); then its row is copied into the
 slots cache. With a prefix cache (flaxgpt/serve/prefix_cache.py) the one-row cache starts with the
 KV of the longest cached block prefix of the prompt and only the rest is prefilled; the prompt's
-full blocks are kept for later requests. Between `generate` calls the other slots keep their rows.
+full blocks are kept for later requests, and when a request ends (`keep`) the full blocks of its
+prompt and reply, read from its slot: a conversation's next turn reuses its whole history.
+Between `generate` calls the other slots keep their rows.
 Every slot decodes at its own position with its own sampling settings and key, all as arrays of
 the one jitted step, so requests come and go without recompiling. Free and finished slots idle
 (they feed their last token at their last position and their outputs are dropped). A request must
@@ -31,7 +33,8 @@ its prompt was split into chunks or taken from the prefix cache (up to float rou
 of other shapes).
 
 Compiled programs: one prefill per prompt bucket, one insert, generate for `chunk` steps and for
-one step (+ the prefix cache's save and restore): len(buckets) + 3 (+ 2).
+one step (+ the prefix cache's restore, and its save from a one-row cache and from the slots
+cache): len(buckets) + 3 (+ 3).
 
 Shape letters: B slots, P prompt bucket, W cache length, V vocab, C chunk, K sampling candidates.
 """
@@ -46,8 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from flaxgpt import sharding
 from flaxgpt.decode.sampling import Sampling, select_rows
-from flaxgpt.serve.prefix_cache import PrefixCache
+from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
 
 
 class RowSampling(NamedTuple):
@@ -130,8 +134,12 @@ def _insert(state: SlotState, prefix: Prefix, slot) -> SlotState:
     def put(x_B, v):
         return x_B.at[slot].set(jnp.reshape(v, ()))
 
+    if hasattr(state.cache, "insert_row"):  # a paged slots cache (flaxgpt/serve/paged.py)
+        cache = state.cache.insert_row(prefix.cache, slot)
+    else:
+        cache = jax.tree_util.tree_map(put_row, state.cache, prefix.cache)
     return SlotState(
-        cache=jax.tree_util.tree_map(put_row, state.cache, prefix.cache),
+        cache=cache,
         last_B=put(state.last_B, prefix.first),
         fill_B=put(state.fill_B, prefix.length),
         count_B=put(state.count_B, 1),
@@ -171,6 +179,27 @@ def _generate(step_fn, state: SlotState, stop_B, chunk: int, max_k: int):
     return state, out_BC
 
 
+def programs(mesh=None):
+    """(prefill, insert, generate) jitted: the functions above, or for `mesh` the same traced under
+    it (sharding.under_mesh with SERVE_RULES: kernels chosen for its devices)."""
+    if mesh is None:
+        return _prefill, _insert, _generate
+    under = lambda f: sharding.under_mesh(f.__wrapped__, mesh, sharding.SERVE_RULES)  # noqa: E731
+    return tuple(
+        jax.jit(under(f), static_argnames=static, donate_argnames=donated)
+        for f, static, donated in (
+            (_prefill, ("max_k",), ("cache",)),
+            (_insert, (), ("state",)),
+            (_generate, ("chunk", "max_k"), ("state",)),
+        )
+    )
+
+
+@jax.jit
+def _paged_row(cache, slot):
+    return cache.row(slot)
+
+
 def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
     """Powers of two from `smallest` and the midpoints between them (16, 24, 32, 48, 64, 96, ...)
     up to max_len, and max_len itself."""
@@ -195,6 +224,11 @@ def empty_slots(cache, slots: int) -> SlotState:
         done_B=jnp.ones((slots,), bool),  # every slot starts free
         rows=jax.tree_util.tree_map(lambda x: jnp.stack([jnp.asarray(x)] * slots), rows),
     )
+
+
+def _placed(make_cache, mesh, batch: int):
+    cache = make_cache(batch)
+    return jax.device_put(cache, sharding.row_shardings(cache, mesh))
 
 
 class PrefillJob:
@@ -226,16 +260,28 @@ class Engine:
         prefill_chunk: int | None = None,
         prefix_block: int = 16,
         prefix_blocks: int = 0,
+        mesh=None,
+        slots_cache=None,
     ):
         """make_cache(batch) -> an empty cache (all with the same length W, the request window).
         prefill_chunk: the most prompt tokens one prefill call runs (default W: a prompt in one
-        call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off)."""
+        call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off);
+        slots_cache: the slots cache if not make_cache(slots), e.g. a serve.paged.PagedKVCache (decoding
+        reads each slot's pages through its block table; prefills still fill a contiguous one-row cache).
+        mesh: run over its devices: the programs traced under it, every cache and slot array split
+        by rows (sharding.row_shardings: slots; a one-row cache's heads); the weights stay where
+        step_fn's params are (sharding.param_shardings(..., SERVE_RULES) on it). None: one device."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)
         self.step_fn = step_fn if isinstance(step_fn, Partial) else Partial(step_fn)
+        if mesh is not None:
+            make_cache = functools.partial(_placed, make_cache, mesh)
         self.make_cache, self.slots, self.chunk, self.max_k = make_cache, slots, chunk, max_k
-        cache = make_cache(slots)
+        self._prefill, self._insert, self._generate = programs(mesh)
+        cache = make_cache(slots) if slots_cache is None else slots_cache
+        if cache.batch != slots or cache.max_len != jax.eval_shape(lambda: make_cache(1)).max_len:
+            raise ValueError(f"the slots cache holds {cache.batch} x {cache.max_len}, not {slots} slots")
         self.max_len = cache.max_len
         self.prefill_chunk = min(prefill_chunk or self.max_len, self.max_len)
         if self.prefill_chunk < 1:
@@ -243,6 +289,14 @@ class Engine:
         self.buckets = tuple(buckets or prompt_buckets(self.prefill_chunk))
         if max(self.buckets) != self.prefill_chunk:
             raise ValueError(f"the largest prompt bucket must be {self.prefill_chunk}: {self.buckets}")
+        # every buffer committed to the device, as the programs' outputs are: an uncommitted
+        # jnp.zeros cache in a prompt's first chunk and a committed one in its next are two jit
+        # signatures, and the second would compile mid-serving (each bucket, insert, ...)
+        # (over a mesh make_cache places, and so commits, every cache itself)
+        device = jax.devices()[0]
+        self._new_row = (  # noqa: E731
+            (lambda: jax.device_put(make_cache(1), device)) if mesh is None else (lambda: make_cache(1))
+        )
         self.prefix_cache = None
         if prefix_blocks and getattr(cache, "has_rings", False):
             raise ValueError(
@@ -250,14 +304,19 @@ class Engine:
                 "layers keep only their window (ring buffers): serve it without a prefix cache"
             )
         if prefix_blocks:
-            self.prefix_cache = PrefixCache(make_cache(1), block=prefix_block, capacity=prefix_blocks)
+            self.prefix_cache = PrefixCache(self._new_row(), block=prefix_block, capacity=prefix_blocks)
+            if mesh is None:
+                self.prefix_cache.pool = jax.device_put(self.prefix_cache.pool, device)
         self.state = empty_slots(cache, slots)
+        self.state = jax.device_put(
+            self.state, device if mesh is None else sharding.row_shardings(self.state, mesh)
+        )
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
 
     @property
     def n_programs(self) -> int:
-        return len(self.buckets) + 2 + (self.chunk > 1) + (2 if self.prefix_cache is not None else 0)
+        return len(self.buckets) + 2 + (self.chunk > 1) + (3 if self.prefix_cache is not None else 0)
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -276,7 +335,7 @@ class Engine:
                 f"window of {self.max_len} tokens"
             )
         if self.prefix_cache is None:
-            return PrefillJob(prompt_ids, rows, self.make_cache(1), 0, None)
+            return PrefillJob(prompt_ids, rows, self._new_row(), 0, None)
         hit, ids_M, digests = self.prefix_cache.match(prompt_ids)
         return PrefillJob(prompt_ids, rows, self.prefix_cache.restore(ids_M), hit, digests)
 
@@ -285,7 +344,7 @@ class Engine:
         start, size = job.done_upto, min(job.left, self.prefill_chunk)
         chunk_1P = np.zeros((1, self.bucket(size)), np.int32)
         chunk_1P[0, :size] = job.prompt_ids[start : start + size]
-        prefix = _prefill(
+        prefix = self._prefill(
             self.step_fn, job.cache, chunk_1P, np.int32(start), np.int32(size), job.rows, max_k=self.max_k
         )
         job.cache, job.done_upto = prefix.cache, start + size
@@ -304,9 +363,21 @@ class Engine:
 
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant is gone)."""
-        self.state = _insert(self.state, prefix, np.int32(slot))
+        self.state = self._insert(self.state, prefix, np.int32(slot))
         self._count[slot] = 1
         self._stop[slot] = False
+
+    def keep(self, slot: int, tokens) -> int:
+        """Offer slot `slot`'s KV to the prefix cache once its request ends (before the slot is reused):
+        `tokens` are the tokens at its positions 0.. (the prompt and every generated token but the
+        last, which was never fed), so the next turn of a conversation, whose prompt holds this one's
+        prompt and reply, reuses both. -> blocks newly kept (0 without a prefix cache)."""
+        if self.prefix_cache is None:
+            return 0
+        digests = block_digests(tokens, self.prefix_cache.block)[: self.prefix_cache.M]
+        if hasattr(self.state.cache, "row"):  # paged: the slot's pages as a contiguous row first
+            return self.prefix_cache.save(_paged_row(self.state.cache, np.int32(slot)), digests)
+        return self.prefix_cache.save(self.state.cache, digests, row=slot)
 
     def release(self, slot: int):
         """Stop decoding `slot` before its end (cancelled, or a stop string): from the next generate."""
@@ -320,7 +391,7 @@ class Engine:
         if steps not in (1, self.chunk):
             raise ValueError(f"generate runs 1 or chunk ({self.chunk}) steps, got {steps}")
         stop_B = self._stop.copy()
-        self.state, out_BC = _generate(self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k)
+        self.state, out_BC = self._generate(self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k)
         count = np.array(self.state.count_B)  # a writable copy
         new_B, self._count = count - self._count, count
         return np.asarray(out_BC), new_B, np.asarray(self.state.done_B)

@@ -42,10 +42,10 @@ def block_digests(tokens, block: int) -> list[bytes]:
 
 
 @functools.partial(jax.jit, static_argnames=("block",), donate_argnames=("pool",))
-def _save(pool, cache, ids_M, block: int):
-    def put(pool_NRL, row_RS):  # L = the block's positions and what follows them in a leaf
-        R, S = row_RS.shape[:2]
-        M = ids_M.shape[0]
+def _save(pool, cache, row, ids_M, block: int):
+    def put(pool_NRL, buf_BRS):  # L = the block's positions and what follows them in a leaf
+        R, M = pool_NRL.shape[1], ids_M.shape[0]
+        row_RS = jax.lax.dynamic_slice_in_dim(buf_BRS, row * R, R, axis=0)  # sequence `row`'s rows
         blocks = row_RS[:, : M * block].reshape(R, M, block, *row_RS.shape[2:])
         return pool_NRL.at[ids_M].set(jnp.moveaxis(blocks, 1, 0).astype(pool_NRL.dtype), mode="drop")
 
@@ -108,8 +108,9 @@ class PrefixCache:
     def restore(self, ids_M):
         return _restore(self.pool, self.empty, ids_M, block=self.block)
 
-    def save(self, cache, digests: list[bytes], first: int = 0):
-        """Keep blocks first.. of a prefilled one-row cache (those not already kept)."""
+    def save(self, cache, digests: list[bytes], first: int = 0, row: int = 0):
+        """Keep blocks first.. of row `row` of a cache (a prefilled one-row cache, or a slot of the
+        slots cache after decoding) that are not already kept; digests: the row's full blocks."""
         ids_M = np.full(self.M, self.capacity, np.int32)
         new = 0
         for j, d in enumerate(digests[: self.capacity]):  # never evict a block this loop added
@@ -121,5 +122,5 @@ class PrefixCache:
             self.table[d] = ids_M[j] = self.free.pop()
             new += 1
         if new:
-            self.pool = _save(self.pool, cache, ids_M, block=self.block)
+            self.pool = _save(self.pool, cache, np.int32(row), ids_M, block=self.block)
         return new

@@ -11,9 +11,11 @@ many chunks of at most `engine.prefill_chunk` prompt tokens as there are prefill
 oldest first, while other slots decode, so a long prompt delays their next tokens by one chunk,
 not by its whole prefill; every prompt to its end when no slot decodes), emits the first token of
 each finished prefill at once, then runs one `engine.generate()` for all slots (one step while
-prompts are still prefilling, else `chunk`) and hands each sequence its new tokens. Text is
+prompts are still prefilling or a slot is free for the next arrival, else `chunk`) and hands each
+sequence its new tokens. Text is
 decoded on this thread: a sequence's text is streamed as it grows, holding back an incomplete
-UTF-8 character and any tail that could begin a stop string.
+UTF-8 character and any tail that could begin a stop string. A sequence that ends offers its
+slot's KV (prompt and reply) to the prefix cache (`engine.keep`) before the slot is reused.
 
 `emit(event)` is called on this thread with `Delta(text)` and then one `Finish(reason,
 completion_tokens)` or `Failed(message)`; callers in an event loop hand it over with
@@ -192,7 +194,7 @@ class Scheduler:
 
     def _warm_up(self):
         """Compile every program now, so no request waits for XLA: a prefill per bucket, insert, generate
-        (and the prefix cache's restore and save)."""
+        (and the prefix cache's restore and its two saves)."""
         rows = RowSampling.of(Sampling(temperature=1.0, top_k=1), max_new_tokens=2)
         for i, b in enumerate(self.engine.buckets):
             # prompts that differ in their first token: none reuses another's blocks, each runs its bucket
@@ -202,6 +204,7 @@ class Scheduler:
         self.engine.release(0)
         self.engine.generate()
         if self.engine.prefix_cache is not None:
+            self.engine.keep(0, [-1] * self.engine.prefix_cache.block)  # a block no prompt has: compiles
             self.engine.prefix_cache.clear()
 
     def _count(self, outcome: str, n: int = 1):
@@ -265,8 +268,10 @@ class Scheduler:
                 self._count("cancelled")
         try:
             # prompts still prefilling: one step, then back to their next chunk (their first token
-            # waits for one decode step per chunk, not `chunk` steps)
-            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if self.prefilling else None)
+            # waits for one decode step per chunk, not `chunk` steps); a free slot: one step too, so
+            # a request arriving now (a chat's next turn) is admitted after one step, not `chunk`
+            one = self.prefilling or len(self.active) < self.engine.slots
+            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if one else None)
         except Exception as e:  # not expected: fail the running sequences, keep serving
             for slot, seq in active.items():
                 self._fail(slot, seq, e)
@@ -300,6 +305,8 @@ class Scheduler:
             if reason:
                 seq.finished = True
                 self._count("finished")
+                if len(seq.ids) > 1:  # it decoded in its slot: keep its prompt + reply for the next turn
+                    self.engine.keep(slot, seq.prompt_ids + seq.ids[:-1])
                 self._free(slot, release=not device_done)
                 seq.emit(Finish(reason, len(seq.ids)))
         except Exception as e:

@@ -59,6 +59,8 @@ FLOATS = {
     "model.dropout": (0.0, 1.0, True, False, "a dropout rate"),
     "lora.dropout": (0.0, 1.0, True, False, "the LoRA dropout rate"),
     "model.layer_norm_epsilon": (0.0, math.inf, False, False, "LayerNorm's epsilon"),
+    "dpo.beta": (0.0, math.inf, False, False, "DPO's beta"),
+    "dpo.label_smoothing": (0.0, 0.5, True, False, "the probability a preference label is flipped"),
 }
 # dropout rates where -1 means "model.dropout"
 DEFAULTED_RATES = ("model.embd_dropout", "model.attn_dropout", "model.resid_dropout")
@@ -133,6 +135,8 @@ def check(config) -> None:
             raise ConfigError(
                 f"--config.lora.base_dtype={config.lora.base_dtype!r}: float32 | bfloat16 | int8"
             )
+    if config.get("data") and config.data.get("format") == "pairs":
+        _check_dpo(config)
     if "model" not in config:
         raise ConfigError("the run config has no `model` section (start from configs/default.py)")
     for key in ("dtype", "param_dtype"):
@@ -147,6 +151,33 @@ def check(config) -> None:
         models.config_from(config.model)  # the model config's own checks (choices, divisibility)
     except (ValueError, TypeError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_dpo(config) -> None:
+    """data.format = pairs: a pretrained policy to tune, a known loss, a reference DPO can use."""
+    dpo = config.get("dpo")
+    if dpo is None:
+        raise ConfigError(
+            "data.format=pairs trains DPO but the config has no `dpo` section (configs/default.py)"
+        )
+    if dpo.loss not in ("sigmoid", "ipo"):
+        raise ConfigError(f"--config.dpo.loss={dpo.loss!r}: sigmoid (DPO) | ipo")
+    if dpo.label_smoothing and dpo.loss != "sigmoid":
+        raise ConfigError(
+            f"--config.dpo.label_smoothing={dpo.label_smoothing} smooths the sigmoid loss, not ipo"
+        )
+    if config.init_from in ("auto", "resume", "scratch"):
+        raise ConfigError(
+            f"DPO tunes a pretrained model, not init_from={config.init_from!r}; set --config.init_from "
+            "to a Hugging Face directory (the SFT model: also the reference)"
+        )
+    if dpo.reference and config.get("lora") and config.lora.rank:
+        raise ConfigError(
+            f"--config.dpo.reference={dpo.reference!r} with LoRA: the reference is the base with the "
+            "adapters off; set dpo.reference='' (or lora.rank=0 for a separate reference)"
+        )
+    if config.model.get("kind", "gpt") != "gpt":
+        raise ConfigError("data.format=pairs (DPO) trains a decoder-only model (model.kind gpt)")
 
 
 def micro_batch(config) -> int:

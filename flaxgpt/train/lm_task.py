@@ -55,14 +55,15 @@ class LMTask:
 
     kind = "gpt"
     splits = ("train", "val")
+    formats = FORMATS  # the data.format values this task reads (DPOTask: pairs)
 
     def __init__(self, config):
         self.format = config.data.get("format", "tokens")
-        if self.format not in FORMATS:
-            raise ValueError(f"data.format={self.format!r}; choose one of {', '.join(FORMATS)}")
+        if self.format not in self.formats:
+            raise ValueError(f"data.format={self.format!r}; choose one of {', '.join(self.formats)}")
         self.shards = self.format == "shards"
-        if self.format == "packed":
-            self.data = packing.PackedData(config.data.dir)
+        if self.format in ("packed", "pairs"):
+            self.data = packing.PackedData(config.data.dir, kind=self.format)
         elif self.shards:  # shards need the window length, which the model section fixes
             block_size = config.model.block_size
             d = config.data
@@ -133,7 +134,9 @@ class LMTask:
             return lora.init_adapters(self.model_config, self.lora, rng)
         return gpt.init_params(self.model_config, rng)
 
-    def loss(self, params, batch, rng, train: bool, frozen=None):
+    def forward(self, params, batch, rng, train: bool, frozen=None):
+        """(out, head): the model on batch["inputs"] (segment ids when packed). out is the logits
+        [B, T, V], or with loss_chunk the hidden states [B, T, D] and head(hidden_BtD) -> logits."""
         kw = dict(
             deterministic=not train, segment_ids_BT=batch.get("segment_ids"), hidden=bool(self.loss_chunk)
         )
@@ -144,18 +147,25 @@ class LMTask:
             out = self.model.apply(
                 {"params": params}, batch["inputs"], rngs={"dropout": rng} if train else None, **kw
             )
-        targets_BT, mask_BT = batch["targets"], batch.get("loss_mask")
         if not self.loss_chunk:
+            return out, None
+        return out, functools.partial(
+            gpt.head_logits, self.model_config, params if self.lora is None else frozen
+        )
+
+    def loss(self, params, batch, rng, train: bool, frozen=None):
+        out, head = self.forward(params, batch, rng, train, frozen)
+        targets_BT, mask_BT = batch["targets"], batch.get("loss_mask")
+        if head is None:
             return cross_entropy(out, targets_BT, mask_BT, self.label_smoothing)
         # the [B, T, V] float32 logits never exist: the head runs one chunk of positions at a time
-        head = functools.partial(gpt.head_logits, self.model_config, params if self.lora is None else frozen)
         return chunked_cross_entropy(out, head, targets_BT, mask_BT, self.label_smoothing, self.loss_chunk)
 
     def batch(self, split: str, step: int, n_rows: int, process_index: int):
         """Train batches follow the step; eval batch i of a split is the same at every evaluation."""
         if self.shards:
             return self.data.batch(split, step, n_rows, process_index, jax.process_count())
-        if self.format == "packed":
+        if self.format in ("packed", "pairs"):
             return self.data.batch(split, step, n_rows, self.seed, process_index, jax.process_count())
         tokens = self.data.splits["train" if split != "val" else "val"]
         stream = {

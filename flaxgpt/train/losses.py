@@ -2,6 +2,8 @@
 
     loss_sum, n_tokens = cross_entropy(logits_BTV, targets_BT, mask_BT, label_smoothing=0.1)
     loss_sum, n_tokens = chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT, chunk=128)
+    logp_BT = token_logprobs(logits_BTV, targets_BT)              # DPO: log p of each target
+    logp_BT = chunked_token_logprobs(hidden_BTD, head, targets_BT, chunk=128)
 
 Sums, not means: the train step adds micro-batches' sums and divides once by the token count,
 so k micro-batches give exactly the gradient of one big batch.
@@ -18,15 +20,50 @@ import jax
 import jax.numpy as jnp
 
 
+def token_logprobs(logits_BTV, targets_BT):
+    """log p(target) at every position, float32 [B, T]."""
+    logprobs_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
+
+
 def cross_entropy(logits_BTV, targets_BT, mask_BT=None, label_smoothing: float = 0.0):
     """(sum of per-token losses, number of counted tokens), both float32."""
     logits_BTV = logits_BTV.astype(jnp.float32)  # fp32 log-softmax even when the model runs in bf16
-    logprobs_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
-    nll_BT = -jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
     if label_smoothing > 0:
+        logprobs_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
+        nll_BT = -jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
         nll_BT = (1.0 - label_smoothing) * nll_BT - label_smoothing * logprobs_BTV.mean(axis=-1)
+    else:
+        nll_BT = _nll(logits_BTV, targets_BT)
     mask_BT = jnp.ones_like(nll_BT) if mask_BT is None else mask_BT.astype(jnp.float32)
     return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
+
+
+@jax.custom_vjp
+def _nll(logits_BTV, targets_BT):
+    """-log softmax(logits)[target] = logsumexp(logits) - logits[target], float32.
+
+    Hand-written backward (softmax - one_hot, one pass over [B, T, V] from the saved logits and
+    logsumexp): autodiff of log_softmax keeps the [B, T, V] log-probabilities and their exp as
+    arrays, two more passes each way over the largest tensor of a small model's step.
+    """
+    return _nll_fwd(logits_BTV, targets_BT)[0]
+
+
+def _nll_fwd(logits_BTV, targets_BT):
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return lse_BT - target_BT, (logits_BTV, lse_BT, targets_BT)
+
+
+def _nll_bwd(res, g_BT):
+    logits_BTV, lse_BT, targets_BT = res
+    one_hot_BTV = jnp.arange(logits_BTV.shape[-1]) == targets_BT[..., None]
+    d_BTV = (jnp.exp(logits_BTV - lse_BT[..., None]) - one_hot_BTV) * g_BT[..., None]
+    return d_BTV, None  # integer targets: no cotangent
+
+
+_nll.defvjp(_nll_fwd, _nll_bwd)
 
 
 def chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT=None, label_smoothing=0.0, chunk=128):
@@ -59,3 +96,26 @@ def chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT=None, label_smoo
         body, (zero, zero), tuple(map(by_chunk, (hidden_BTD, targets_BT, mask_BT)))
     )
     return loss_sum, jnp.sum(mask_BT)
+
+
+def chunked_token_logprobs(hidden_BTD, head, targets_BT, chunk=128):
+    """token_logprobs(head(hidden_BTD), targets_BT) `chunk` positions at a time: [B, T] float32."""
+    B, T, D = hidden_BTD.shape
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    if pad:
+        hidden_BTD, targets_BT = (
+            jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0))),
+            jnp.pad(targets_BT, ((0, 0), (0, pad))),
+        )
+
+    def by_chunk(x_BT):  # [B, n*chunk, ...] -> [n, B, chunk, ...]
+        return jnp.swapaxes(x_BT.reshape(B, n, chunk, *x_BT.shape[2:]), 0, 1)
+
+    @jax.checkpoint  # only one chunk's [B, chunk, V] logits live, forward and backward
+    def one_chunk(_, xs):
+        x_BtD, targets_Bt = xs
+        return None, token_logprobs(head(x_BtD), targets_Bt)
+
+    _, logp_nBt = jax.lax.scan(one_chunk, None, (by_chunk(hidden_BTD), by_chunk(targets_BT)))
+    return jnp.swapaxes(logp_nBt, 0, 1).reshape(B, n * chunk)[:, :T]

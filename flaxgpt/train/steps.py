@@ -31,6 +31,11 @@ class TrainState:
     frozen: Any = None  # LoRA: the frozen base (never differentiated, never checkpointed); else None
 
 
+def _with_sums(aux):
+    """A task loss's aux: the weight alone, or (weight, {name: sum}) of metrics to log (DPO's rewards)."""
+    return aux if isinstance(aux, tuple) else (aux, {})
+
+
 def make_train_step(task, tx, schedule, grad_accum: int):
     """train_step(state, batch) with batch leaves [grad_accum, micro_B, ...]."""
     grad_fn = jax.value_and_grad(task_loss(task, True), has_aux=True)
@@ -40,23 +45,32 @@ def make_train_step(task, tx, schedule, grad_accum: int):
 
         def micro(i, micro_batch):
             r = jax.random.fold_in(rng, i)
-            (loss_sum, weight), grads = grad_fn(state.params, micro_batch, r, state.frozen)
-            return grads, loss_sum, weight
+            (loss_sum, aux), grads = grad_fn(state.params, micro_batch, r, state.frozen)
+            weight, sums = _with_sums(aux)
+            return grads, loss_sum, weight, sums
 
         if grad_accum == 1:
-            grads, loss_sum, weight = micro(0, jax.tree_util.tree_map(lambda x: x[0], batch))
+            grads, loss_sum, weight, sums = micro(0, jax.tree_util.tree_map(lambda x: x[0], batch))
         else:  # sum gradients of summed losses, divide once: k micro-batches == one big batch
 
             def body(carry, xs):
                 out = micro(*xs)
                 return jax.tree_util.tree_map(jnp.add, carry, out), None
 
-            zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params), jnp.float32(0), jnp.float32(0))
-            (grads, loss_sum, weight), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), batch))
+            first = jax.tree_util.tree_map(lambda x: x[0], batch)
+            sums = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(micro, 0, first)[3])  # {}: LM
+            zeros = (
+                jax.tree_util.tree_map(jnp.zeros_like, state.params),
+                jnp.float32(0),
+                jnp.float32(0),
+                sums,
+            )
+            (grads, loss_sum, weight, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), batch))
         grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        metrics.update({name: s / weight for name, s in sums.items()})
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -103,8 +117,13 @@ def make_steps(config, task, mesh) -> Steps:
         donate_argnums=0,
     )
     eval_loss = task_loss(task, False)
+
+    def eval_sums(params, batch, frozen):  # (loss_sum, weight): what evaluations average
+        loss_sum, aux = eval_loss(params, batch, None, frozen)
+        return loss_sum, _with_sums(aux)[0]
+
     eval_step = jax.jit(
-        sharding.under_mesh(lambda p, b, f: eval_loss(p, b, None, f), mesh),
+        sharding.under_mesh(eval_sums, mesh),
         in_shardings=(param_shardings, eval_batch_sharding, frozen_shardings),
         out_shardings=rep,
     )

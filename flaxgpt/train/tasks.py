@@ -1,6 +1,7 @@
 """The trainer's tasks, one per model kind: a static table, chosen by `config.model.kind`.
 
-    task = make_task(config)   # LMTask (decoder-only GPT) or Seq2SeqTask (encoder-decoder)
+    task = make_task(config)   # LMTask (decoder-only GPT), DPOTask (its preference tuning: data.format
+                               # = pairs) or Seq2SeqTask (encoder-decoder)
 
 A task is what `Task` lists; tasks never import the trainer.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from flaxgpt.train.dpo_task import DPOTask
 from flaxgpt.train.lm_task import LMTask
 from flaxgpt.train.seq2seq_task import Seq2SeqTask
 
@@ -36,14 +38,19 @@ class Task(Protocol):
     def place_frozen(self, mesh) -> tuple[Any, Any]: ...  # LoRA: (the frozen base on mesh, its shardings)
 
 
-TASKS: dict[str, type[Task]] = {"gpt": LMTask, "seq2seq": Seq2SeqTask}
+TASKS: dict[str, type[Task]] = {"gpt": LMTask, "dpo": DPOTask, "seq2seq": Seq2SeqTask}
+
+
+def task_name(config) -> str:
+    """The TASKS key of a run: model.kind, except "dpo" for a GPT trained on preference pairs."""
+    kind = config.model.get("kind", "gpt")
+    if kind not in ("gpt", "seq2seq"):
+        raise ValueError(f"unknown model.kind {kind!r}; known: gpt, seq2seq")
+    return "dpo" if kind == "gpt" and config.data.get("format") == "pairs" else kind
 
 
 def make_task(config) -> Task:
-    kind = config.model.get("kind", "gpt")
-    if kind not in TASKS:
-        raise ValueError(f"unknown model.kind {kind!r}; known: {', '.join(TASKS)}")
-    return TASKS[kind](config)
+    return TASKS[task_name(config)](config)
 
 
 def task_loss(task, train: bool):

@@ -16,7 +16,9 @@ from flaxgpt.models.attention import (
 )
 from flaxgpt.models.layers import (
     sinusoidal_positions,
+    swiglu,
 )
+from flaxgpt.models.rope import RoPE
 
 
 def np_attention(q, k, v, mask):
@@ -112,3 +114,29 @@ def test_float64_attention_is_exact():
 def test_resolve_attention_impl_on_cpu():
     assert resolve_attention_impl("auto", jnp.bfloat16) == "xla"
     assert resolve_attention_impl("cudnn", jnp.float32) == "cudnn"
+
+
+def test_swiglu_value_and_gradient_equal_autodiff_of_the_plain_expression():
+    h = jax.random.normal(jax.random.key(0), (6, 10)) * 3.0  # columns gate | up, F = 5
+    w = jax.random.normal(jax.random.key(1), (6, 5))  # a cotangent that is not all ones
+
+    def plain(h):
+        gate, up = jnp.split(h, 2, axis=-1)
+        return jax.nn.silu(gate) * up
+
+    np.testing.assert_array_equal(swiglu(h), plain(h))
+    got = jax.grad(lambda h: jnp.sum(swiglu(h) * w))(h)
+    want = jax.grad(lambda h: jnp.sum(plain(h) * w))(h)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_matches_float64_rotate_half():
+    B, T, H, K = 2, 7, 3, 8
+    x = jax.random.normal(jax.random.key(0), (B, T, H, K))
+    pos = jnp.array([[0, 1, 2, 3, 4, 5, 6], [9, 3, 4, 5, 6, 7, 100]])
+    rope = RoPE(K, theta=10000.0)
+    angles = np.asarray(pos, np.float64)[..., None] * rope.inv_freq()  # [B, T, K/2]
+    cos, sin = (np.concatenate([f(angles)] * 2, -1)[:, :, None] for f in (np.cos, np.sin))
+    x64 = np.asarray(x, np.float64)
+    rotated_half = np.concatenate([-x64[..., K // 2 :], x64[..., : K // 2]], -1)
+    np.testing.assert_allclose(rope.apply(x, pos), x64 * cos + rotated_half * sin, atol=1e-5)

@@ -174,7 +174,7 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
         step, lambda b: KVCache.for_config(CFG, b, W), slots=3, chunk=3, max_k=8,
         prefill_chunk=8, prefix_block=4, prefix_blocks=6,
     )  # fmt: skip
-    assert engine.buckets == (8,) and engine.n_programs == 6
+    assert engine.buckets == (8,) and engine.n_programs == 7
     first = run(engine, reqs, arrive_every=2)
     hits = [engine.start_prefill(p, rows).hit for p, rows in reqs]  # a second round: what it reuses
     second = run(engine, reqs, arrive_every=2, steps=1)  # one decode step per call
@@ -193,6 +193,37 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
         assert got == toks[0, : n[0]].tolist()
 
 
+def alone(step, prompt, rows):
+    toks, n = generate(
+        step, KVCache.for_config(CFG, 1, W), np.array([prompt]), [len(prompt)],
+        max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
+        temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
+    )  # fmt: skip
+    return toks[0, : n[0]].tolist()
+
+
+def test_reply_kv_is_kept_for_the_next_turn(step):
+    """A finished request's slot offers its prompt + reply to the prefix cache (`keep`): the next
+    turn (prompt, reply, a new message) reuses the reply's blocks and decodes what generate gives."""
+    engine = Engine(
+        step, lambda b: KVCache.for_config(CFG, b, W), slots=3, chunk=3, max_k=8,
+        prefill_chunk=8, prefix_block=4, prefix_blocks=16,
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    prompt, kept, asked = rng.integers(0, CFG.vocab_size, 10).tolist(), 0, 0
+    for turn in range(3):
+        rows = RowSampling.of(Sampling(temperature=0.9, top_k=8), max_new_tokens=9, seed=turn)
+        hit = engine.start_prefill(prompt, rows).hit
+        assert hit == kept // 4 * 4 and (turn == 0 or hit > asked)  # past the last turn's prompt
+        asked = len(prompt)
+        [reply] = run(engine, [(prompt, rows)])
+        assert reply == alone(step, prompt, rows)
+        slot = 0  # run() put the request in the first free slot; it has not been reused since
+        assert engine.keep(slot, prompt + reply[:-1]) >= 1  # the reply's blocks are new
+        kept = len(prompt) + len(reply) - 1  # reused up to here next turn (past this turn's prompt)
+        prompt = prompt + reply + rng.integers(0, CFG.vocab_size, 3).tolist()
+
+
 def test_prefix_cache_lru_table():
     from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
 
@@ -206,3 +237,39 @@ def test_prefix_cache_lru_table():
     b = [50] + a[1:]
     pc.save(pc.restore(pc.match(b)[1]), pc.match(b)[2])  # 3 new blocks evict a's 3 (least recent)
     assert pc.match(a)[0] == 0 and pc.match(b)[0] == 12
+
+
+@pytest.mark.parametrize(
+    "mode,rules", [(None, "SERVE_RULES"), ("int8", "SERVE_RULES"), (None, "LOGICAL_RULES")]
+)
+def test_sharded_engine_gives_the_one_device_tokens(mode, rules):
+    """Engine(mesh=...) over the 8 CPU devices: weights split by a logical-axis rules table (serving's
+    MLP / vocabulary split, or training's FSDP; int8 ones placed by quantize_params on their abstract
+    layout), the slots cache by rows; every request gets the tokens of the one-device engine."""
+    from flax import linen as nn
+
+    from flaxgpt import sharding
+    from flaxgpt.models import gpt
+
+    mesh = sharding.make_mesh(1, 8)
+    cfg, params = CFG, init_params(CFG, jax.random.key(0))
+    boxed = gpt.abstract_params(CFG)
+    shardings = sharding.param_shardings(boxed, mesh, getattr(sharding, rules))
+    if mode:
+        cfg, params = gpt.quantize_params(CFG, params, mode)
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings
+        )
+        shardings = jax.tree.map(lambda a: a.sharding, gpt.quantize_params(CFG, abstract, mode)[1])
+    placed = jax.device_put(params, shardings)
+    w = jax.tree.leaves(placed["h_0"]["mlp"]["c_fc"]["kernel"])[0]
+    assert w.addressable_shards[0].data.size == w.size // 8  # an eighth of each weight per device
+    make = lambda b: KVCache.for_config(cfg, b, W)  # noqa: E731
+    kw = dict(slots=8, chunk=3, max_k=8, prefill_chunk=24, buckets=(24,))  # few programs to compile
+    one = Engine(gpt_step_fn(cfg, params), make, **kw)
+    many = Engine(gpt_step_fn(cfg, placed), make, mesh=mesh, **kw)
+    assert many.state.cache.k[0].sharding.shard_shape(many.state.cache.k[0].shape)[0] == 2  # a slot each
+    reqs = requests()
+    assert run(many, reqs) == run(one, reqs)
+    k = many.state.cache.k[0]  # its rows still split: the donated state kept its placement
+    assert k.sharding.is_equivalent_to(sharding.batch_sharding(mesh), k.ndim)

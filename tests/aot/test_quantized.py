@@ -1,0 +1,117 @@
+"""int8 weights ahead of time: gpt.quantize_params on abstract parameters gives the concrete tree's
+layout (and placement), and int8 sampling / serving compile for a TPU without the CPU qmatmul kernel,
+the engine over 8 chips."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import linen as nn
+
+from flaxgpt import sharding
+from flaxgpt.aot import programs
+from flaxgpt.models import gpt, quantize
+
+CFG = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=40)
+
+
+def _abstract(config, mesh):
+    boxed = gpt.abstract_params(config)
+    shardings = sharding.param_shardings(boxed, mesh)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings
+    )
+
+
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+def test_abstract_quantized_tree_is_the_concrete_layout(mode):
+    _, concrete = gpt.quantize_params(CFG, gpt.init_params(CFG, jax.random.key(0)), mode)
+    mesh = sharding.make_mesh(1, 8)
+    config, abstract = gpt.quantize_params(CFG, _abstract(CFG, mesh), mode)
+    assert not config.tie_embeddings and not config.scan_layers
+    assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
+    for a, c in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete), strict=True):
+        assert isinstance(a, jax.ShapeDtypeStruct) and (a.shape, a.dtype) == (c.shape, c.dtype)
+    assert abstract["lm_head"]["kernel"] is abstract["wte"]["embedding"]  # tied: one table
+    # placement follows the weight: c_fc kernel [embed, mlp] -> w [mlp, embed], its scales [mlp]
+    fc = abstract["h_0"]["mlp"]["c_fc"]["kernel"]
+    assert fc.w.sharding.spec == jax.P(None, "fsdp") and fc.scale.sharding.spec == jax.P(None)
+    proj = abstract["h_0"]["mlp"]["c_proj"]["kernel"]  # [mlp, embed] -> w [embed, mlp]: rows split
+    assert proj.w.sharding.spec == jax.P("fsdp", None) and proj.scale.sharding.spec == jax.P("fsdp")
+    # per device: an eighth of each split weight, the shared table once
+    nbytes = programs.per_device_bytes(abstract)
+    assert nbytes < quantize.weight_bytes(concrete) and nbytes == programs.per_device_bytes(
+        {k: v for k, v in abstract.items() if k != "lm_head"}
+    )
+
+
+def test_qmatmul_takes_the_cpu_kernel_only_for_cpu_devices():
+    pytest.importorskip("libtpu", reason="needs libtpu's abstract TPU devices")
+    from flaxgpt.aot import targets
+    from flaxgpt.kernels import qmatmul
+
+    if not qmatmul.kernel_available():
+        pytest.skip("no C++ compiler: the CPU kernel is never used")
+    args = (jnp.ones((1, 32)), jnp.ones((8, 32), jnp.int8), jnp.ones((8,)))
+    assert "ffi_call" in str(jax.make_jaxpr(qmatmul.qmatmul)(*args))  # this host's CPU
+    tpu = sharding.make_mesh(1, 8, targets.get("v5e-8").devices())
+    with jax.sharding.use_abstract_mesh(tpu.abstract_mesh):
+        assert "ffi_call" not in str(jax.make_jaxpr(qmatmul.qmatmul)(*args))
+
+
+def test_qmatmul_for_accelerators_widens_int8_to_the_activations_dtype(monkeypatch):
+    """Traced for a TPU / GPU: bfloat16 activations meet the int8 weights in bfloat16 (exact), summed in
+    float32: the product the CPU path gives in float32."""
+    import numpy as np
+
+    from flaxgpt.kernels import qmatmul, target
+
+    rs = np.random.RandomState(0)
+    x = jnp.asarray(rs.randn(3, 40), jnp.bfloat16)
+    w = jnp.asarray(rs.randint(-127, 128, (24, 40)), jnp.int8)
+    scale = jnp.asarray(rs.rand(24), jnp.float32)
+    want = np.asarray(x, np.float32) @ (np.asarray(w, np.float32) * np.asarray(scale)[:, None]).T
+    monkeypatch.setattr(target, "platform", lambda: "tpu")
+    text = str(jax.make_jaxpr(qmatmul.qmatmul)(x, w, scale))
+    assert "ffi_call" not in text and "preferred_element_type=float32" in text
+    got = np.asarray(jax.jit(qmatmul.qmatmul)(x, w, scale))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_int8_sampling_and_serving_compile_for_v5e_8(tmp_path):
+    pytest.importorskip("libtpu", reason="the TPU targets need libtpu: pip install 'jax[tpu]==<jax version>'")
+    from flaxgpt.aot import compile as aot
+    from flaxgpt.aot import targets
+    from tests.aot.test_compile import tiny
+
+    target = targets.get("v5e-8")
+    rows, mc = aot.run(
+        tiny(), target, ("sample", "serve"), quantize="int8", serve_devices=8, dump=tmp_path,
+        print_fn=lambda *_: None,
+    )  # fmt: skip
+    by = {r.program: r for r in rows}
+    assert list(by) == ["sample.prefill", "sample.decode", "serve.prefill", "serve.generate"]
+    assert by["sample.decode"].devices == 1 and by["serve.generate"].devices == 8
+    assert all(r.fits(0.1) for r in rows)
+    for path in tmp_path.iterdir():  # XLA's dequantize-and-dot, not the CPU kernel's custom call
+        assert "flaxgpt_" not in path.read_text(), path.name
+    # int8 weights: about a byte per weight; serving splits the MLP and vocabulary over the 8 chips
+    n = sum(x.size for x in jax.tree.leaves(nn.unbox(gpt.abstract_params(mc))))
+    assert by["sample.decode"].parameters < 2 * n
+    assert by["serve.generate"].parameters < 0.6 * by["sample.decode"].parameters
+    assert by["serve.generate"].collectives  # the activations move between the chips
+
+
+def test_int8_sampling_and_serving_compile_for_h100_1(tmp_path):
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    from flaxgpt.aot import compile as aot
+    from flaxgpt.aot import targets
+    from tests.aot.test_compile import tiny
+
+    rows, _ = aot.run(
+        tiny(), targets.get("h100-1"), ("sample", "serve"), quantize="int8", dump=tmp_path,
+        print_fn=lambda *_: None,
+    )  # fmt: skip
+    assert [r.program for r in rows] == ["sample.prefill", "sample.decode", "serve.prefill", "serve.generate"]
+    assert all(r.fits(0.1) for r in rows)
+    for path in tmp_path.iterdir():
+        assert "flaxgpt_" not in path.read_text(), path.name
