@@ -177,8 +177,10 @@ def test_options_compose_with_the_kv_cache(options):
     full = jax.jit(lambda p, t: GPT(config).apply({"params": p}, t))(params, tokens)
     cache = KVCache.for_config(config, batch=2, max_len=16)
     J = config.kv_heads
-    assert cache.k[0].shape == (2 * J, 16, 8)  # [B*J, S, K]: n_head / J times smaller than multi-head
-    assert sum(x.nbytes for x in cache.k + cache.v) == 2 * 2 * 2 * J * 16 * 8 * 4  # K+V, L, B, J, S, K, fp32
+    # [B*J, S, K]: n_head / J times smaller than multi-head; a window layer keeps a ring of its window
+    S = [min(config.layer_window(i) or 16, 16) for i in range(config.n_layer)]
+    assert [k.shape for k in cache.k] == [(2 * J, s, 8) for s in S]
+    assert sum(x.nbytes for x in cache.k + cache.v) == sum(2 * 2 * J * s * 8 * 4 for s in S)  # K+V, B, fp32
     step = jax.jit(lambda p, t, pos, c: GPT(config).apply({"params": p}, t, positions=pos, cache=c))
     _, cache = step(params, tokens[:, :9], jnp.broadcast_to(jnp.arange(9), (2, 9)), cache)
     last, _ = step(params, tokens[:, 9:], jnp.full((2, 1), 9), cache)
