@@ -50,7 +50,7 @@ def parse_args(argv):
     p.add_argument(
         "--prefill_chunk",
         type=int,
-        default=128,
+        default=256,
         help="prompt tokens prefilled per engine turn while others decode (0: a whole prompt at once)",
     )
     p.add_argument(

@@ -256,7 +256,7 @@ def parse(argv):
     p.add_argument(
         "--prefill_chunk",
         type=int,
-        default=128,
+        default=256,
         help="serve.py --prefill_chunk (prompt tokens per engine turn)",
     )
     p.add_argument(

@@ -220,9 +220,10 @@ def serve_programs(
     mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128, quantize=None
 ) -> list[Program]:
     """The engine's programs as serve.py runs them: a prefill chunk (its largest bucket: serve.py's
-    --prefill_chunk) into a one-row cache, and the generate step for every slot. Over several
-    `devices`: Engine(mesh=...)'s, the weights split by sharding.SERVE_RULES (MLP and vocabulary over
-    the devices), the caches by rows (slots; a one-row cache's heads)."""
+    --prefill_chunk; docs/aot.md's figures were compiled at 128) into a one-row cache, and the
+    generate step for every slot. Over several `devices`: Engine(mesh=...)'s, the weights split by
+    sharding.SERVE_RULES (MLP and vocabulary over the devices), the caches by rows (slots; a one-row
+    cache's heads)."""
     cfg, step, mesh, param_bytes = _decoding(mc, devices, quantize)
     prefill_fn, _, generate_fn = engine.programs(mesh)
     n = len(devices)
