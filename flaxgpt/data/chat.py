@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from flaxgpt.data.dataset_files import jsonl_records
+
 ROLES = ("system", "user", "assistant", "tool")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # private-use characters around each {% generation %} block's output, removed after rendering
@@ -190,18 +192,8 @@ def end_of_turn_id(tokenizer) -> int | None:
 
 def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
     """[(name, messages)] of an OpenAI-style jsonl file; name = "PATH line N" for the errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise ChatError(f'--input {path} does not exist (a .jsonl file of {{"messages": [...]}} lines)')
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        name = f"{path} line {n}"
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise ChatError(f"{name} is not JSON ({e})") from None
+    for name, record in jsonl_records(path, ChatError, 'a .jsonl file of {"messages": [...]} lines'):
         if not isinstance(record, dict) or "messages" not in record:
             raise ChatError(f'{name} has no "messages" list')
         out.append((name, check_messages(record["messages"], name)))

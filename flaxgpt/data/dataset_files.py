@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import shutil
 import sys
 import tempfile
@@ -28,6 +29,24 @@ def run_cli(main, argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def jsonl_records(path: str | Path, error=PrepareError, what: str = "a .jsonl file") -> list[tuple]:
+    """[(name, record)] of a jsonl file, blank lines skipped; name = "PATH line N" for the caller's errors.
+    A missing file or a line that is not JSON is `error`, naming it (`what`: the lines expected)."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"--input {path} does not exist ({what})")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        name = f"{path} line {n}"
+        try:
+            out.append((name, json.loads(line)))
+        except ValueError as e:
+            raise error(f"{name} is not JSON ({e})") from None
+    return out
 
 
 def token_dtype(vocab_size: int):

@@ -25,33 +25,20 @@ that leaves no room for a response) are a PrepareError naming the line; nothing 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from flaxgpt.data import chat, packing
-from flaxgpt.data.dataset_files import PrepareError
+from flaxgpt.data.dataset_files import PrepareError, jsonl_records
 
 KEYS = ("prompt", "chosen", "rejected")
 
 
 def read_pairs(path: str | Path) -> list[tuple[str, dict]]:
     """[(name, record)] of a pairs jsonl; name = "PATH line N" for the errors."""
-    path = Path(path)
-    if not path.is_file():
-        raise PrepareError(
-            f'--input {path} does not exist (a .jsonl of {{"prompt", "chosen", "rejected"}} lines)'
-        )
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        name = f"{path} line {n}"
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise PrepareError(f"{name} is not JSON ({e})") from None
+    out, what = [], 'a .jsonl of {"prompt", "chosen", "rejected"} lines'
+    for name, record in jsonl_records(path, PrepareError, what):
         if not isinstance(record, dict) or any(k not in record for k in KEYS):
             missing = [k for k in KEYS if not isinstance(record, dict) or k not in record]
             raise PrepareError(
