@@ -59,9 +59,29 @@ class RoPE:
         # (each head, q and k, forward and backward), ~8x the transcendentals, a tenth of a CPU train step
         cos_BTk, sin_BTk = jax.lax.optimization_barrier((jnp.cos(angles_BTk), jnp.sin(angles_BTk)))
         cos_BT1k, sin_BT1k = cos_BTk[:, :, None, :], sin_BTk[:, :, None, :]
-        x1, x2 = jnp.split(x_BTHK.astype(acc), 2, axis=-1)  # rotate_half: (x1, x2) -> (-x2, x1)
-        rotated = [x1 * cos_BT1k - x2 * sin_BT1k, x2 * cos_BT1k + x1 * sin_BT1k]
-        return jnp.concatenate(rotated, axis=-1).astype(x_BTHK.dtype)
+        return _rotate(x_BTHK.astype(acc), cos_BT1k, sin_BT1k).astype(x_BTHK.dtype)
+
+
+@jax.custom_vjp
+def _rotate(x_BTHK, cos_BT1k, sin_BT1k):
+    """rotate_half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1, x2 = jnp.split(x_BTHK, 2, axis=-1)
+    return jnp.concatenate([x1 * cos_BT1k - x2 * sin_BT1k, x2 * cos_BT1k + x1 * sin_BT1k], axis=-1)
+
+
+def _rotate_fwd(x_BTHK, cos_BT1k, sin_BT1k):
+    return _rotate(x_BTHK, cos_BT1k, sin_BT1k), (cos_BT1k, sin_BT1k)
+
+
+def _rotate_bwd(res, dy_BTHK):
+    # The transpose of a rotation is the rotation by minus the angle: one fused pass over dy, where
+    # autodiff's adds per half and their concatenation were separate passes (cos and sin are constants
+    # of the positions: no gradient).
+    cos_BT1k, sin_BT1k = res
+    return _rotate(dy_BTHK, cos_BT1k, -sin_BT1k), None, None
+
+
+_rotate.defvjp(_rotate_fwd, _rotate_bwd)
 
 
 def _llama3_scaling(inv_freq: np.ndarray, r: RoPE) -> np.ndarray:

@@ -140,3 +140,18 @@ def test_rope_matches_float64_rotate_half():
     x64 = np.asarray(x, np.float64)
     rotated_half = np.concatenate([-x64[..., K // 2 :], x64[..., : K // 2]], -1)
     np.testing.assert_allclose(rope.apply(x, pos), x64 * cos + rotated_half * sin, atol=1e-5)
+
+
+def test_rope_gradient_equals_the_float64_inverse_rotation():
+    # rope's custom backward rotates the cotangent by minus the angle: d/dx sum(w * R x) = R^T w
+    B, T, H, K = 2, 5, 3, 8
+    x = jax.random.normal(jax.random.key(0), (B, T, H, K))
+    w = jax.random.normal(jax.random.key(1), (B, T, H, K))
+    pos = jnp.array([[0, 1, 2, 3, 4], [9, 3, 4, 70, 6]])
+    rope = RoPE(K, theta=10000.0)
+    got = jax.grad(lambda x: jnp.sum(rope.apply(x, pos) * w))(x)
+    angles = np.asarray(pos, np.float64)[..., None, None] * rope.inv_freq()  # [B, T, 1, K/2]
+    w1, w2 = np.split(np.asarray(w, np.float64), 2, axis=-1)
+    c, s = np.cos(angles), np.sin(angles)
+    want = np.concatenate([w1 * c + w2 * s, w2 * c - w1 * s], axis=-1)
+    np.testing.assert_allclose(got, want, atol=1e-5)
