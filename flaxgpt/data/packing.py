@@ -63,7 +63,13 @@ def plan(lengths: list[int], block_size: int) -> list[list[int]]:
 
 def pack(examples, block_size: int, pad_id: int = 0) -> dict[str, np.ndarray]:
     """Examples (inputs, targets, loss_mask) -> {inputs, targets, loss_mask, segment_ids} [R, T]."""
-    rows = plan([len(x[0]) for x in examples], block_size)
+    return pack_groups([[x] for x in examples], block_size, pad_id)
+
+
+def pack_groups(groups, block_size: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """Groups of examples that share a row (a DPO pair's chosen and rejected), each example its own
+    segment, a row's groups in input order -> {inputs, targets, loss_mask, segment_ids} [R, T]."""
+    rows = plan([sum(len(x[0]) for x in group) for group in groups], block_size)
     R, T = len(rows), block_size
     out = {
         "inputs": np.full((R, T), pad_id, np.int64),
@@ -72,13 +78,13 @@ def pack(examples, block_size: int, pad_id: int = 0) -> dict[str, np.ndarray]:
         "segment_ids": np.zeros((R, T), np.int32),
     }
     for r, members in enumerate(rows):
-        t = 0
-        for s, i in enumerate(sorted(members), start=1):  # a row's examples in input order
-            inputs, targets, mask = examples[i]
-            n = len(inputs)
-            out["inputs"][r, t : t + n], out["targets"][r, t : t + n] = inputs, targets
-            out["loss_mask"][r, t : t + n], out["segment_ids"][r, t : t + n] = mask, s
-            t += n
+        t, s = 0, 1
+        for i in sorted(members):
+            for inputs, targets, mask in groups[i]:
+                n = len(inputs)
+                out["inputs"][r, t : t + n], out["targets"][r, t : t + n] = inputs, targets
+                out["loss_mask"][r, t : t + n], out["segment_ids"][r, t : t + n] = mask, s
+                t, s = t + n, s + 1
     return out
 
 

@@ -112,23 +112,7 @@ def pack_pairs(pairs, block_size: int, pad_id: int = 0) -> dict[str, np.ndarray]
     for prompt, chosen, rejected in pairs:
         c, r = ([0] * len(prompt) + [1] * len(x) for x in (chosen, rejected))
         examples.append((packing.example(prompt + chosen, c), packing.example(prompt + rejected, r)))
-    rows = packing.plan([len(c[0]) + len(r[0]) for c, r in examples], block_size)
-    R, T = len(rows), block_size
-    out = {
-        "inputs": np.full((R, T), pad_id, np.int64),
-        "targets": np.full((R, T), pad_id, np.int64),
-        "loss_mask": np.zeros((R, T), np.uint8),
-        "segment_ids": np.zeros((R, T), np.int32),
-    }
-    for r, members in enumerate(rows):
-        t, s = 0, 1
-        for i in sorted(members):
-            for inputs, targets, mask in examples[i]:  # chosen, then rejected
-                n = len(inputs)
-                out["inputs"][r, t : t + n], out["targets"][r, t : t + n] = inputs, targets
-                out["loss_mask"][r, t : t + n], out["segment_ids"][r, t : t + n] = mask, s
-                t, s = t + n, s + 1
-    return out
+    return packing.pack_groups(examples, block_size, pad_id)
 
 
 def prepare_pairs(args, tokenizer) -> tuple[dict[str, dict], dict]:
