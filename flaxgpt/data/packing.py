@@ -102,7 +102,7 @@ class PackedData:
         self.meta = read_meta(self.dir, hint)
         if self.meta.get("kind") != kind:
             held = self.meta.get("kind", "token")
-            fmt = {"packed": "packed", "pairs": "pairs"}.get(held, "tokens")
+            fmt = held if held in ("packed", "pairs") else "tokens"
             raise ValueError(
                 f"{self.dir} holds a {held} dataset, not a {kind} one; "
                 f"set --config.data.format={fmt}, or {hint}"

@@ -39,8 +39,8 @@ def read_pairs(path: str | Path) -> list[tuple[str, dict]]:
     """[(name, record)] of a pairs jsonl; name = "PATH line N" for the errors."""
     out, what = [], 'a .jsonl of {"prompt", "chosen", "rejected"} lines'
     for name, record in jsonl_records(path, PrepareError, what):
-        if not isinstance(record, dict) or any(k not in record for k in KEYS):
-            missing = [k for k in KEYS if not isinstance(record, dict) or k not in record]
+        missing = [k for k in KEYS if not isinstance(record, dict) or k not in record]
+        if missing:
             raise PrepareError(
                 f"{name} has no {', '.join(map(repr, missing))}: a pair is prompt, chosen, rejected"
             )
@@ -116,12 +116,11 @@ def pack_pairs(pairs, block_size: int, pad_id: int = 0) -> dict[str, np.ndarray]
 
 
 def prepare_pairs(args, tokenizer) -> tuple[dict[str, dict], dict]:
-    """--dataset pairs: ({split: packed rows}, meta fields); the last val_fraction of the pairs validate."""
+    """--dataset pairs (prepare.prepare_packed has checked --input and --hf_dir): ({split: packed rows},
+    meta fields); the last val_fraction of the pairs validate."""
     T = args.block_size
     if T < 4:
         raise PrepareError(f"--block_size must be >= 4, got {T}; a row holds a pair's two sequences")
-    if not args.input:
-        raise PrepareError("--dataset pairs needs --input PAIRS.jsonl and --hf_dir MODEL_DIR")
     records = read_pairs(args.input)
     if isinstance(records[0][1]["prompt"], list):
         try:

@@ -68,9 +68,7 @@ class PagedLayer:
         """Write the new keys/values at `positions_BT`, attend over each row's pages -> (y_BTHK, layer)."""
         J, P, page, K = self.k_JPpK.shape
         page_BT = jnp.take_along_axis(self.table_BM, positions_BT // page, axis=1, mode="clip")
-        slot_BT = (
-            page_BT * page + positions_BT % page
-        )  # the position's row of the pages seen as [J, P*page, K]
+        slot_BT = page_BT * page + positions_BT % page  # its row of the pages seen as [J, P*page, K]
 
         def put(buf_JPpK, new_BTJK):  # one index into [J, P*page, K]: scattering at (page, offset)
             # made TPU lay the pages out otherwise than the kernel reads them (a copy per layer and step)

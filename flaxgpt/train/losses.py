@@ -66,6 +66,19 @@ def _nll_bwd(res, g_BT):
 _nll.defvjp(_nll_fwd, _nll_bwd)
 
 
+def _by_chunk(chunk: int, *xs_BT):
+    """Arrays [B, T, ...] padded with zeros to a multiple of `chunk` positions and cut into
+    [n, B, chunk, ...]: what a scan over position chunks walks (the padding masked or cut after)."""
+    B, T = xs_BT[0].shape[:2]
+    n = -(-T // chunk)
+
+    def split(x_BT):
+        x_BT = jnp.pad(x_BT, ((0, 0), (0, n * chunk - T)) + ((0, 0),) * (x_BT.ndim - 2))
+        return jnp.swapaxes(x_BT.reshape(B, n, chunk, *x_BT.shape[2:]), 0, 1)
+
+    return tuple(map(split, xs_BT))
+
+
 def chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT=None, label_smoothing=0.0, chunk=128):
     """cross_entropy(head(hidden_BTD), ...) computed `chunk` positions at a time.
 
@@ -74,14 +87,6 @@ def chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT=None, label_smoo
     """
     B, T, D = hidden_BTD.shape
     mask_BT = jnp.ones((B, T), jnp.float32) if mask_BT is None else mask_BT.astype(jnp.float32)
-    n = -(-T // chunk)
-    pad = n * chunk - T
-    if pad:
-        hidden_BTD = jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0)))
-        targets_BT, mask_BT = jnp.pad(targets_BT, ((0, 0), (0, pad))), jnp.pad(mask_BT, ((0, 0), (0, pad)))
-
-    def by_chunk(x_BT):  # [B, n*chunk, ...] -> [n, B, chunk, ...]: the scan walks the chunks
-        return jnp.swapaxes(x_BT.reshape(B, n, chunk, *x_BT.shape[2:]), 0, 1)
 
     @jax.checkpoint  # the backward recomputes this chunk's logits: only [B, chunk, V] live at once
     def one_chunk(x_BtD, targets_Bt, mask_Bt):
@@ -92,30 +97,18 @@ def chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT=None, label_smoo
         return (carry[0] + loss_sum, carry[1] + weight), None
 
     zero = jnp.zeros((), jnp.float32)
-    (loss_sum, _), _ = jax.lax.scan(
-        body, (zero, zero), tuple(map(by_chunk, (hidden_BTD, targets_BT, mask_BT)))
-    )
+    (loss_sum, _), _ = jax.lax.scan(body, (zero, zero), _by_chunk(chunk, hidden_BTD, targets_BT, mask_BT))
     return loss_sum, jnp.sum(mask_BT)
 
 
 def chunked_token_logprobs(hidden_BTD, head, targets_BT, chunk=128):
     """token_logprobs(head(hidden_BTD), targets_BT) `chunk` positions at a time: [B, T] float32."""
     B, T, D = hidden_BTD.shape
-    n = -(-T // chunk)
-    pad = n * chunk - T
-    if pad:
-        hidden_BTD, targets_BT = (
-            jnp.pad(hidden_BTD, ((0, 0), (0, pad), (0, 0))),
-            jnp.pad(targets_BT, ((0, 0), (0, pad))),
-        )
-
-    def by_chunk(x_BT):  # [B, n*chunk, ...] -> [n, B, chunk, ...]
-        return jnp.swapaxes(x_BT.reshape(B, n, chunk, *x_BT.shape[2:]), 0, 1)
 
     @jax.checkpoint  # only one chunk's [B, chunk, V] logits live, forward and backward
     def one_chunk(_, xs):
         x_BtD, targets_Bt = xs
         return None, token_logprobs(head(x_BtD), targets_Bt)
 
-    _, logp_nBt = jax.lax.scan(one_chunk, None, (by_chunk(hidden_BTD), by_chunk(targets_BT)))
-    return jnp.swapaxes(logp_nBt, 0, 1).reshape(B, n * chunk)[:, :T]
+    _, logp_nBt = jax.lax.scan(one_chunk, None, _by_chunk(chunk, hidden_BTD, targets_BT))
+    return jnp.swapaxes(logp_nBt, 0, 1).reshape(B, -1)[:, :T]
