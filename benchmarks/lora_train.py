@@ -9,10 +9,12 @@ side trains rank-16 adapters on every linear layer (q, k, v, o, gate, up, down; 
 dropout) with AdamW (lr 1e-4, no weight decay) on the same random token batch [batch, seq], float32
 everywhere (weights, activations, matmuls, softmax, loss).
 flaxgpt: models/lora.py's apply under one jitted step (value_and_grad over the adapters only,
-optax.adamw, the state donated), as the trainer's train_step does. transformers + peft, the loop
-its users write: get_peft_model, model(input_ids, labels=input_ids).loss.backward(),
-torch.optim.AdamW over the trainable parameters, eager (not torch.compile), transformers' default
-attention (sdpa), torch's default threads (one per core, as XLA's pool).
+optax.adamw, the state donated) on one CPU device, as the trainer's train_step does with the Llama
+recipes (mesh.cpu_devices = 1), after runtime.keep_cpu_step_memory() as the trainer calls it.
+transformers + peft, the loop its users write: get_peft_model,
+model(input_ids, labels=input_ids).loss.backward(), torch.optim.AdamW over the trainable
+parameters, eager (not torch.compile), transformers' default attention (sdpa), torch's default
+threads (one per core, as XLA's pool).
 Each side runs in its own process (benchmarks/harness.py: the order alternates every round, a
 pause before each run); a run times `steps` steps after `warmup` untimed ones (flaxgpt's compile
 among them): tokens/s = batch x seq x steps / seconds. Printed: each round's ms/step, the median
@@ -64,10 +66,12 @@ def run_flaxgpt(base: str, batch: int, seq: int, warmup: int, steps: int) -> dic
     import optax
 
     sys.path.insert(0, str(ROOT))
+    from flaxgpt import runtime
     from flaxgpt.hf import gpt2 as hf
     from flaxgpt.models import lora
     from flaxgpt.train.losses import cross_entropy
 
+    runtime.keep_cpu_step_memory()  # as `train` does before it starts: steps reuse their memory
     config, params = hf.load_pretrained(base)
     spec = lora.LoraSpec.make(config, RANK, ALPHA, 0.0, "all-linear")
     adapters = lora.init_adapters(config, spec, jax.random.key(0))

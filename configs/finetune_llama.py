@@ -35,6 +35,7 @@ def get_config():
     c.model.remat = "dots"  # keep the matmul outputs, recompute the rest: long windows fit
     c.batch_size = 16  # sequences per step (16 x 1024 = 16,384 tokens)
     c.grad_accum = 2  # micro-batches of 8 sequences; raise it if memory runs out
+    c.mesh.cpu_devices = 1  # on a CPU: Llama-sized layers run faster as one device (docs/fine_tuning.md)
     c.max_iters = 100
     c.eval_interval = 25
     c.eval_iters = 20

@@ -33,6 +33,7 @@ def get_config():
     c.model.remat = "dots"  # keep the matmul outputs, recompute the rest: long rows fit
     c.batch_size = 8  # packed rows per step (8 x 2048 = 16,384 tokens, a fraction of them trained)
     c.grad_accum = 2  # micro-batches of 4 rows
+    c.mesh.cpu_devices = 1  # on a CPU: Llama-sized layers run faster as one device (docs/fine_tuning.md)
     c.max_iters = 300
     c.eval_interval = 50
     c.eval_iters = 10

@@ -24,7 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flaxgpt import sharding
+from flaxgpt import runtime, sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
@@ -362,6 +362,7 @@ def train(config, devices=None, print_fn=print) -> dict:
     check_config(config)  # every value, once, before anything is written or compiled
     sharding.maybe_initialize_distributed(config)
     sharding.configure_cpu_devices(config.mesh.cpu_devices, micro_batch(config))
+    runtime.keep_cpu_step_memory()
     with run_lock.hold(config.out_dir):
         trainer = Trainer(config, devices, print_fn)
         try:
