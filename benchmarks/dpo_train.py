@@ -77,7 +77,7 @@ def run_flaxgpt(a) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from configs import dpo_llama
-    from flaxgpt import sharding
+    from flaxgpt import runtime, sharding
     from flaxgpt.data import prepare
     from flaxgpt.train import trainer as trainer_lib
     from flaxgpt.train.config_check import check, micro_batch
@@ -97,6 +97,7 @@ def run_flaxgpt(a) -> dict:
     c.optim.weight_decay, c.optim.grad_clip, c.optim.loss_chunk = 0.0, 0.0, 0
     check(c)
     sharding.configure_cpu_devices(c.mesh.cpu_devices, micro_batch(c))
+    runtime.keep_cpu_step_memory()  # as `train` does next
     clock = {}
 
     class Timed(trainer_lib.Trainer):
