@@ -72,7 +72,7 @@ def keep_cpu_step_memory() -> bool:
     the calling thread (no async dispatch: the block comes from the main heap, not from a worker
     thread's arena, which would mmap it anyway) and keeping freed memory in that heap (no mmap for
     large blocks, no trimming of its top) makes the next step find the block where the last one left
-    it: 97 -> 68 ms a step there (docs/fine_tuning.md). Left alone on GPU and TPU (their buffers are
+    it: 97 -> 65 ms a step there (docs/fine_tuning.md). Left alone on GPU and TPU (their buffers are
     device memory; the host heap shrinks as usual), on a CPU split into several devices (their
     programs run on worker threads), and where glibc is not the allocator.
     """
@@ -81,15 +81,15 @@ def keep_cpu_step_memory() -> bool:
     import jax
     from jax._src import xla_bridge
 
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to change
+        return False
     one_device = jax.config.jax_num_cpu_devices in (-1, 1) and "device_count" not in os.environ.get(
         "XLA_FLAGS", ""
     )
     if one_device and not xla_bridge.backends_are_initialized():
         jax.config.update("jax_cpu_enable_async_dispatch", False)
     if jax.config.read("jax_cpu_enable_async_dispatch") or jax.default_backend() != "cpu":
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (macOS, musl)
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
