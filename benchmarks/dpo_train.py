@@ -3,6 +3,7 @@ same pairs, this CPU, side by side with the alternating harness.
 
     python benchmarks/dpo_train.py                        # 4 rounds, LoRA r=16 (the recipe's)
     python benchmarks/dpo_train.py --rounds 6 --pause 30 --lora_rank 0    # full fine-tuning
+    python benchmarks/dpo_train.py --torch_python VENV/bin/python   # TRL from another venv
 
 One random Llama (--layers x --dim, a byte-level BPE of --vocab tokens trained here) saved with
 transformers is the policy's start and the reference of both sides; the pairs are generated text
@@ -77,10 +78,9 @@ def run_flaxgpt(a) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from configs import dpo_llama
-    from flaxgpt import runtime, sharding
     from flaxgpt.data import prepare
     from flaxgpt.train import trainer as trainer_lib
-    from flaxgpt.train.config_check import check, micro_batch
+    from flaxgpt.train.config_check import check
 
     model, data = Path(a.dir), Path(a.dir) / f"data_{os.getpid()}"
     flags = ["--dataset", "pairs", "--input", model / "pairs.jsonl", "--hf_dir", model, "--out_dir", data]
@@ -96,8 +96,7 @@ def run_flaxgpt(a) -> dict:
     c.optim.learning_rate, c.optim.schedule, c.optim.warmup_steps = LR, "constant", 0
     c.optim.weight_decay, c.optim.grad_clip, c.optim.loss_chunk = 0.0, 0.0, 0
     check(c)
-    sharding.configure_cpu_devices(c.mesh.cpu_devices, micro_batch(c))
-    runtime.keep_cpu_step_memory()  # as `train` does next
+    trainer_lib.start_process(c)  # as `train` does
     clock = {}
 
     class Timed(trainer_lib.Trainer):
@@ -169,6 +168,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--lora_rank", type=int, default=16, help="0: full fine-tuning against a frozen copy")
+    p.add_argument("--torch_python", default=sys.executable, help="interpreter for the TRL side")
     p.add_argument("--side", choices=["flaxgpt", "trl"], help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -188,11 +188,11 @@ def main() -> None:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), a.layers, a.dim, a.vocab)
-        args = [sys.executable, __file__, *map(str, keep), "--dir", tmp, "--side"]
+        args = [__file__, *map(str, keep), "--dir", tmp, "--side"]
         env = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
         sides = [
-            harness.Side("flaxgpt", [*args, "flaxgpt"], env=env),
-            harness.Side("trl", [*args, "trl"], env=env),
+            harness.Side("flaxgpt", [sys.executable, *args, "flaxgpt"], env=env),
+            harness.Side("trl", [a.torch_python, *args, "trl"], env=env),
         ]
         what = f"Llama {a.layers} x {a.dim}, {a.pairs} pairs a step, " + (
             f"LoRA r={a.lora_rank}" if a.lora_rank else "full fine-tuning"

@@ -73,13 +73,13 @@ def run(cfg, eval_every: int, target: float, verbose: bool = False, stop: bool =
     state = t.init_state()
     val = full_val_batches(t, cfg.data.dir)
 
-    def full_val(params):
-        parts = jax.device_get([t.eval_step(params, b) for b in val])
+    def full_val(state):
+        parts = jax.device_get([t.eval_step(state.params, b, state.frozen) for b in val])
         return float(sum(p[0] for p in parts) / sum(p[1] for p in parts))
 
     batch = t.global_batch("train", 0, cfg.batch_size, micro=True)
     compile_s = t.compile(state, batch)
-    curve = [(0, 0.0, full_val(state.params))]
+    curve = [(0, 0.0, full_val(state))]
     clock, previous = 0.0, None
     t0 = time.perf_counter()
     for step in range(cfg.max_iters):
@@ -91,7 +91,7 @@ def run(cfg, eval_every: int, target: float, verbose: bool = False, stop: bool =
         if (step + 1) % eval_every == 0 or step + 1 == cfg.max_iters:
             jax.block_until_ready(state)
             clock += time.perf_counter() - t0
-            curve.append((step + 1, clock, full_val(state.params)))
+            curve.append((step + 1, clock, full_val(state)))
             if verbose:
                 print(f"  step {step + 1}: {clock:.1f} s, val {curve[-1][2]:.4f}", flush=True)
             if stop and curve[-1][2] <= target:
@@ -150,11 +150,10 @@ def main():
     p.add_argument("--json", default="")
     args = p.parse_args()
 
-    from flaxgpt import sharding
+    from flaxgpt.train.trainer import start_process
 
     recipes = args.recipes.split(",")
-    first = load_recipe(recipes[0], args.data_dir, 0, args.set)
-    sharding.configure_cpu_devices(first.mesh.cpu_devices, first.batch_size // first.grad_accum)
+    start_process(load_recipe(recipes[0], args.data_dir, 0, args.set))  # as `train` does, once
     results = {name: [] for name in recipes}
     for seed in range(args.seeds):
         for name in recipes:

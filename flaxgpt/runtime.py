@@ -76,18 +76,16 @@ def keep_cpu_step_memory() -> bool:
     device memory; the host heap shrinks as usual), on a CPU split into several devices (their
     programs run on worker threads), and where glibc is not the allocator.
     """
-    import os
-
     import jax
     from jax._src import xla_bridge
+
+    from flaxgpt.sharding import xla_flags_set_cpu_devices
 
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to change
         return False
-    one_device = jax.config.jax_num_cpu_devices in (-1, 1) and "device_count" not in os.environ.get(
-        "XLA_FLAGS", ""
-    )
+    one_device = jax.config.jax_num_cpu_devices in (-1, 1) and not xla_flags_set_cpu_devices()
     if one_device and not xla_bridge.backends_are_initialized():
         jax.config.update("jax_cpu_enable_async_dispatch", False)
     if jax.config.read("jax_cpu_enable_async_dispatch") or jax.default_backend() != "cpu":

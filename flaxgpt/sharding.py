@@ -100,13 +100,21 @@ def configure_cpu_devices(requested: int, batch_rows: int) -> int:
 
     if requested == 1 or xla_bridge.backends_are_initialized():
         return 0
-    if "JAX_NUM_CPU_DEVICES" in os.environ or "device_count" in os.environ.get("XLA_FLAGS", ""):
+    if "JAX_NUM_CPU_DEVICES" in os.environ or xla_flags_set_cpu_devices():
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = requested if requested > 1 else cpu_device_count(cores, batch_rows)
     if n > 1:
         jax.config.update("jax_num_cpu_devices", n)
     return n if n > 1 else 0
+
+
+def xla_flags_set_cpu_devices() -> bool:
+    """XLA_FLAGS names the CPU device count (--xla_force_host_platform_device_count), which wins over
+    jax_num_cpu_devices."""
+    import os
+
+    return "device_count" in os.environ.get("XLA_FLAGS", "")
 
 
 def cpu_device_count(cores: int, batch_rows: int) -> int:

@@ -39,6 +39,14 @@ from flaxgpt.train.steps import TrainState, make_steps, make_train_step  # noqa:
 from flaxgpt.train.tasks import make_task
 
 
+def start_process(config) -> None:
+    """What the process settles before JAX starts its backends: the multi-host handshake, the CPU's
+    split into devices, and (on one CPU device) steps that reuse their memory."""
+    sharding.maybe_initialize_distributed(config)
+    sharding.configure_cpu_devices(config.mesh.cpu_devices, micro_batch(config))
+    runtime.keep_cpu_step_memory()
+
+
 class Trainer:
     """Everything set up and checked before anything is written; then `run`."""
 
@@ -360,9 +368,7 @@ def train(config, devices=None, print_fn=print) -> dict:
     """Set up (all input checked), write the run files, train; returns the last metrics and state.
     Holds out_dir's lock throughout: a second run on it stops before deleting or writing anything."""
     check_config(config)  # every value, once, before anything is written or compiled
-    sharding.maybe_initialize_distributed(config)
-    sharding.configure_cpu_devices(config.mesh.cpu_devices, micro_batch(config))
-    runtime.keep_cpu_step_memory()
+    start_process(config)
     with run_lock.hold(config.out_dir):
         trainer = Trainer(config, devices, print_fn)
         try:
