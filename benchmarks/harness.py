@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 MIN_ROUNDS = 4
 RESULT = "RESULT "
-PACKAGES = ("torch", "transformers", "lm_eval", "jax", "flax")
+PACKAGES = ("torch", "transformers", "peft", "trl", "lm_eval", "jax", "flax")
 VERSIONS = (  # run under each side's interpreter: versions without importing anything heavy
     "import json, importlib.metadata as m\n"
     "def v(n):\n"

@@ -3,6 +3,7 @@
     JAX_PLATFORMS=cpu python benchmarks/lora_train.py              # 4 rounds x 20 steps, 20 s pauses
     JAX_PLATFORMS=cpu python benchmarks/lora_train.py --rounds 6 --steps 40 --layers 4 --dim 256
     JAX_PLATFORMS=cpu python benchmarks/lora_train.py --rounds 4 --pause 1 --steps 5   # a smoke run
+    JAX_PLATFORMS=cpu python benchmarks/lora_train.py --torch_python VENV/bin/python   # peft from a venv
 
 One random Llama (make_base, saved once with transformers) is the frozen base of both sides; each
 side trains rank-16 adapters on every linear layer (q, k, v, o, gate, up, down; alpha 32, no
@@ -141,6 +142,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--torch_python", default=sys.executable, help="interpreter for the peft side")
     harness.add_arguments(p)
     a = p.parse_args()
     shape = [f"--steps={a.steps}", f"--warmup={a.warmup}", f"--batch={a.batch}", f"--seq={a.seq}"]
@@ -151,10 +153,9 @@ def main() -> None:
         return harness.print_result(res)
     with tempfile.TemporaryDirectory() as tmp:
         make_base(Path(tmp), a.layers, a.dim)
+        python = {"flaxgpt": sys.executable, "torch": a.torch_python}
         sides = [
-            harness.Side(
-                name, [sys.executable, __file__, "--side", name, "--base", tmp, *shape], cwd=str(ROOT)
-            )
+            harness.Side(name, [python[name], __file__, "--side", name, "--base", tmp, *shape], cwd=str(ROOT))
             for name in SIDES
         ]
         figures = [harness.Figure("LoRA train tokens/s", "flaxgpt", "tokens_per_s", "torch", "tokens_per_s")]
