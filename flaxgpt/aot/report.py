@@ -11,7 +11,10 @@ FLOPs: XLA's cost analysis where the backend gives one (TPU; it includes remater
 flaxgpt's own count (flaxgpt.tools.summary.flops_per_token). The step-time lower bound is
 max(FLOPs / peak, bytes / HBM bandwidth), bytes being XLA's "bytes accessed" but at least every
 argument read and every output written once (decoding: the weights and the cache read per token); the
-MFU ceiling is the model's FLOPs over that bound.
+MFU ceiling is the model's FLOPs over that bound. For GPU and TPU targets the program is also costed
+kernel by kernel (flaxgpt.aot.hlo_cost: loop trips counted, each kernel its own roofline): `kernels`
+launched per call, the HBM bytes they move, and the sum of their bounds (`kernels >= ms`), which is
+what a step of loops and memory-bound kernels is measured against.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import dataclasses
 import re
 import time
 from pathlib import Path
+
+from flaxgpt.aot import hlo_cost
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
@@ -51,6 +56,9 @@ class Row:
     model_flops: float = 0.0  # per device per call
     step_s: float = 0.0
     mfu_ceiling: float = 0.0
+    kernels: int = 0  # launched per call (hlo_cost), loop trips counted
+    hbm_bytes: float = 0.0  # moved by those kernels
+    kernel_bound_s: float = 0.0  # the sum of each kernel's own roofline
 
     def fits(self, headroom: float = 0.0) -> bool:
         return not self.error and self.total <= (1 - headroom) * self.memory
@@ -156,6 +164,9 @@ def analyze(program, target, dump: str | Path | None = None) -> Row:
         memory_time = row.bytes_accessed / target.bandwidth if target.bandwidth else 0.0
         row.step_s = max(compute, memory_time)
         row.mfu_ceiling = (row.model_flops / target.peak_flops) / row.step_s if row.step_s else 0.0
+        if target.bandwidth:
+            cost = hlo_cost.estimate(hlo, target.peak_flops, target.bandwidth)
+            row.kernels, row.hbm_bytes, row.kernel_bound_s = cost.kernels, cost.hbm_bytes, cost.bound_s
     return row
 
 
@@ -192,7 +203,8 @@ def collectives_text(found: dict) -> str:
 def table(rows: list[Row], target, headroom: float = 0.0) -> str:
     """A plain-text table, one line per program, the figures per device."""
     head = ("program", "params GB", "opt GB", "temp GB", "total GB", "memory GB", "fits",
-            "kernel", "compile s", "TFLOP", "step >= ms", "MFU ceiling")  # fmt: skip
+            "kernel", "compile s", "TFLOP", "step >= ms", "MFU ceiling", "kernels", "HBM GB",
+            "kernels >= ms")  # fmt: skip
     lines = [head]
     for r in rows:
         fits = "yes" if r.fits(headroom) else ("NO: " + ("compiler: out of memory" if r.error else "too big"))
@@ -203,6 +215,9 @@ def table(rows: list[Row], target, headroom: float = 0.0) -> str:
             f"{r.flops / 1e12:.3g} ({r.flops_source})" if r.flops else "-",
             f"{r.step_s * 1e3:.3g}" if r.step_s else "-",
             pct(r.mfu_ceiling) if r.mfu_ceiling else "-",
+            f"{r.kernels:,}" if r.kernels else "-",
+            f"{r.hbm_bytes / 1e9:.4g}" if r.kernels else "-",
+            f"{r.kernel_bound_s * 1e3:.4g}" if r.kernels else "-",
         ))  # fmt: skip
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     out = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]

@@ -249,7 +249,10 @@ class Trainer:
         )
         summary = {"best_val_loss": self.resumed_best, "compile_time": 0.0}
 
-        def log(step, metrics, clock):  # blocks only on this (already finished) step's metrics
+        def log(step, metrics, clock):
+            """Blocks until step `step` is done, then writes its metrics timed over exactly the steps
+            since `clock` = (time, step) was taken (when the previous log's step was done, or after an
+            evaluation or save): the clock never assumes that dispatching a step returns before it runs."""
             m = jax.device_get(metrics)
             now = time.perf_counter()
             dt = (now - clock[0]) / max(1, step - clock[1])
@@ -266,7 +269,7 @@ class Trainer:
                     "lower the learning rate and resume"
                 )
             self.best_loss = min(self.best_loss, summary["loss"])
-            return now, step
+            return time.perf_counter(), step  # writing the line is not the next step's time
 
         # SIGTERM from here on: finish the step, save, return (processes agree every log_interval steps)
         stop = StopSignal(every=c.log_interval)
@@ -308,21 +311,26 @@ class Trainer:
         return evals
 
     def _loop(self, state, start, batch, writer, summary, log, stop):
+        """Steps start..max_iters with evaluations, saves and logs between them.
+
+        Timing: a logged step is waited for before the next one is dispatched, so each logged figure
+        spans exactly the steps it reports. (It used to be read after the next dispatch, which is right
+        only while a dispatch returns at once; on a GPU a step of thousands of kernels fills the
+        launch queue and its dispatch returns near the step's end, so every figure described the step
+        after it and the last one only a tail: 113% MFU.) Between logs, step N-1 is waited for after
+        step N is dispatched and the next batch is built while a step runs."""
         c = self.config
-        pending, previous, clock = None, None, (time.perf_counter(), start)
+        previous, clock = None, (time.perf_counter(), start)
         for step in range(start, c.max_iters + 1):  # here `step` updates are done (maybe in flight)
             evals = {}
             resumed_here = step == start > 0 and not c.eval_only  # the run that saved it evaluated
             if (step % c.eval_interval == 0 or step == c.max_iters or c.eval_only) and not resumed_here:
-                if pending:
-                    clock, pending = log(*pending, clock), None
                 evals = self._eval(step, state, writer, summary)
                 clock = (time.perf_counter(), step)
             if step > start and ((c.ckpt_interval and step % c.ckpt_interval == 0) or step == c.max_iters):
                 self.save(step, state, evals.get("val_loss"))
+                clock = (time.perf_counter(), step)  # a save is not a training step's time
             if step > start and stop.requested(step):  # preemption: save this finished step, exit 0
-                if pending:
-                    clock, pending = log(*pending, clock), None
                 self.save(step, state)
                 self._print(
                     f"{stop.received or 'stop'}: saved step {step} to {self.ckpt.directory}; "
@@ -331,20 +339,17 @@ class Trainer:
                 break
             if step == c.max_iters or c.eval_only:
                 break
-            if step > start:
-                batch = self.global_batch("train", step, c.batch_size, micro=True)
             state, metrics = self.train_step(state, batch)  # dispatched; runs while we go on
-            # wait for step N-1 while step N runs: at most two steps in flight (a deep queue of
-            # steps that all-reduce across CPU devices can starve the host's thread pool)
-            jax.block_until_ready(previous)
-            previous = metrics["loss"]
-            if pending:  # the previous log step's metrics are ready by now
-                clock, pending = log(*pending, clock), None
+            if step + 1 < c.max_iters:  # the next step's batch, built while this one runs
+                batch = self.global_batch("train", step + 1, c.batch_size, micro=True)
             if (step + 1) % c.log_interval == 0:
-                pending = (step + 1, metrics)
+                clock, previous = log(step + 1, metrics, clock), None
+            else:
+                # wait for step N-1 while step N runs: at most two steps in flight (a deep queue of
+                # steps that all-reduce across CPU devices can starve the host's thread pool)
+                jax.block_until_ready(previous)
+                previous = metrics["loss"]
             self.after_step(step + 1, state)
-        if pending:
-            log(*pending, clock)
         return state
 
 

@@ -49,8 +49,10 @@ def test_auto_resolution(monkeypatch, where, dtype, want):
 
 
 def test_accelerator_here_and_bad_name():
-    assert attention.accelerator() == "cpu"
-    assert resolve_attention_impl("auto", jnp.bfloat16) == "xla"
+    backend = jax.default_backend()  # the suite also runs on a GPU (JAX_PLATFORMS=cuda)
+    here = {"cpu": ("cpu", "xla"), "gpu": ("nvidia", "cudnn"), "tpu": ("tpu", "pallas")}[backend]
+    assert (attention.accelerator(), resolve_attention_impl("auto", jnp.bfloat16)) == here
+    assert resolve_attention_impl("auto", jnp.float32) == ("pallas" if backend == "tpu" else "xla")
     with pytest.raises(ValueError, match="unknown attention_impl 'flash'"):
         resolve_attention_impl("flash", jnp.float32)
     with pytest.raises(ValueError, match="attention_impl='flash'"):

@@ -1,0 +1,396 @@
+"""One prepared run on a lent GPU: training, decoding, the side-by-side references and the GPU tests.
+
+    python benchmarks/gpu_lease.py --out $OUT                # on one H100: every part, one table at the end
+    python benchmarks/gpu_lease.py --dry_run --out /tmp/l    # CPU, tiny shapes: checks the script itself
+    python benchmarks/gpu_lease.py --parts recipe,decode_gpt2 --out $OUT
+
+Each part runs in its own process under its own time limit (a part that fails or runs out of time
+costs its rows only), in the order of PARTS; together they fit in about 9 minutes on one H100:
+- step: flaxgpt's train step alone (benchmarks/train_throughput_gpu.py), GPT-2 124M, T 1024, batch 16
+- recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
+  metrics.jsonl (the trainer's own figures; steps after the first)
+- decode_gpt2 / decode_gpt2_graphs: greedy decoding, 16-token prompts, 256 new tokens, bf16 and int8
+  weights at batch 1 and 64; the second with XLA's command buffers (CUDA graphs) over loops and
+  conditionals (GRAPH_FLAGS)
+- decode_llama8b: the same for Llama-3-8B's shape with random weights (bf16 16 GB; int8 8 GB)
+- tests: `pytest tests/models tests/decode tests/train` on the GPU
+- nanogpt: nanoGPT's model.py (torch.compile, bf16 autocast, fused AdamW, clip 1.0), batch 16; its file
+  is carried to the lease (--nanogpt_model), never committed
+- hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache with
+  torch.compile)
+MFU is against 989 TFLOP/s (H100 SXM dense bf16) with the trainer's FLOPs per token. Results: a
+table on stdout, every row as JSON in OUT/lease.json, each part's log in OUT/<part>.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEAK = 989e12
+# XLA's command buffers over whole loops and conditionals: a decode loop is one CUDA graph
+GRAPH_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+# part -> seconds it may take (the whole run: about 9 minutes on one H100)
+PARTS = {
+    "recipe": 85,
+    "step": 45,
+    "decode_gpt2": 55,
+    "decode_gpt2_graphs": 50,
+    "decode_llama8b": 95,
+    "tests": 90,
+    "nanogpt": 70,
+    "hf_generate": 50,
+}
+
+
+def emit(**row) -> None:
+    """A result row: the parent collects every `ROW {...}` line its parts print."""
+    print("ROW " + json.dumps(row), flush=True)
+
+
+# ---------------------------------------------------------------- parts (each in its own process)
+
+
+def part_step(a) -> None:
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks/train_throughput_gpu.py"),
+        "--json",
+        str(a.out / "step.json"),
+    ]
+    cmd += ["--mode", "cpu", "--steps", "3"] if a.dry_run else ["--mode", "gpu"]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    r = json.loads((a.out / "step.json").read_text())
+    emit(
+        part="step",
+        what=f"train step, batch {r['batch_size']}, attention auto",
+        tokens_per_s=r["tokens_per_s"],
+        mfu=r["mfu"],
+        step_ms=r["step_ms"],
+        peak_gib=r["peak_memory_gib"],
+    )
+
+
+def _random_data(path: Path, vocab: str, tokens: int) -> None:
+    import numpy as np
+
+    from flaxgpt.data import prepare
+
+    tok = prepare.make_tokenizer(vocab, "abcdefghijklmnopqrstuvwxyz \n" if vocab == "char" else None)
+    rs = np.random.RandomState(0)
+    ids = rs.randint(0, tok.vocab_size, tokens)
+    prepare.write_dataset(path, ids[: tokens * 9 // 10], ids[tokens * 9 // 10 :], tok, "random", True)
+
+
+def part_recipe(a) -> None:
+    data, out = a.out / "data", a.out / "run"
+    if a.dry_run:
+        _random_data(data, "char", 200_000)
+        recipe, steps = "configs/shakespeare_char_cpu.py", 8
+        extra = ["--config.model.n_layer=2", "--config.batch_size=8", "--config.grad_accum=2"]
+    else:
+        _random_data(data, "gpt2", 20_000_000)
+        recipe, steps, extra = "configs/gpt2_124m_1gpu.py", 6, []
+    cmd = [
+        sys.executable,
+        "train.py",
+        f"--config={recipe}",
+        f"--config.data.dir={data}",
+        f"--config.out_dir={out}",
+        f"--config.max_iters={steps}",
+        "--config.log_interval=1",
+        "--config.eval_interval=100000",
+        "--config.eval_iters=1",
+        "--config.tensorboard=False",
+        "--config.plot=False",
+        *extra,
+        *a.recipe_args,
+    ]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in rows if "step_time" in r and r["step"] > 1]  # the first holds autotuning
+    import statistics
+
+    tok = statistics.median(r["tokens_per_sec"] for r in steps_)
+    mfu = [r["mfu"] for r in steps_ if r.get("mfu") is not None]
+    emit(
+        part="recipe",
+        what=f"train.py {recipe} {' '.join(a.recipe_args)}".strip(),
+        tokens_per_s=round(tok),
+        mfu=round(statistics.median(mfu), 4) if mfu else None,
+        step_ms=round(1000 * statistics.median(r["step_time"] for r in steps_), 1),
+        last_step_mfu=steps_[-1].get("mfu"),
+        wall_s=round(wall, 1),
+    )
+
+
+def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> None:
+    import jax
+    import numpy as np
+
+    from flaxgpt.decode import sampling
+    from flaxgpt.models import gpt
+    from flaxgpt.models.cache import KVCache
+
+    params = jax.jit(lambda k: gpt.init_params(cfg, k))(jax.random.key(0))  # on the device, fp32
+    prompt_len = 16
+    quantized = {mode: gpt.quantize_params(cfg, params, mode) for mode in quantize_modes}
+    del params
+    for B in batches:  # batch 1 of every weight type first: what matters most if time runs out
+        prompt = np.random.RandomState(B).randint(0, cfg.vocab_size, (B, prompt_len)).astype(np.int32)
+        W = sampling.cache_length(cfg.block_size, prompt_len, new_tokens)
+        for mode, (qcfg, qparams) in quantized.items():
+            weights = sum(x.nbytes for x in jax.tree.leaves(qparams))
+            step_fn = gpt.step_fn(qcfg, qparams)
+
+            def run(n, step_fn=step_fn, qcfg=qcfg, B=B, W=W, prompt=prompt):
+                cache = KVCache.for_config(qcfg, B, W)
+                t0 = time.perf_counter()
+                _, lens = sampling.generate(
+                    step_fn, cache, prompt, np.full(B, prompt_len), max_new_tokens=n, rng=jax.random.key(0),
+                    temperature=0,
+                )  # fmt: skip
+                assert (lens == n).all()
+                return time.perf_counter() - t0
+
+            compile_s = run(new_tokens)  # the same chunking as the timed runs: nothing left to compile
+            best = min(run(new_tokens) for _ in range(2))
+            per_step = best / new_tokens
+            emit(
+                part=a.part,
+                what=f"decode {label} {mode} batch {B}",
+                tokens_per_s=round(B * new_tokens / best),
+                ms_per_token=round(1000 * per_step, 3),
+                hbm_pct=round(100 * weights / per_step / a.bandwidth, 1),
+                weights_gb=round(weights / 1e9, 2),
+                first_run_s=round(compile_s, 1),
+            )
+
+
+def part_decode(a, model: str) -> None:
+    from flaxgpt.models.gpt import GPTConfig
+
+    if a.dry_run:
+        cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=64, block_size=128, dtype="bfloat16")
+        return _decode(a, cfg, "tiny", (1, 4), ("bf16", "int8"), 8)
+    if model == "gpt2":
+        cfg = GPTConfig.preset("gpt2", dtype="bfloat16", pad_vocab_multiple=64)
+        return _decode(a, cfg, "GPT-2 124M", (1, 64), ("bf16", "int8"), 256)
+    cfg = GPTConfig.preset("llama-3-8b", dtype="bfloat16", block_size=1024)
+    return _decode(a, cfg, "Llama-3-8B shape", (1, 64), ("bf16", "int8"), 128)
+
+
+def part_tests(a) -> None:
+    folders = (
+        ["tests/decode/test_beam_search.py"] if a.dry_run else ["tests/models", "tests/decode", "tests/train"]
+    )
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if not a.dry_run:
+        env["JAX_PLATFORMS"] = "cuda"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *folders]
+    cmd += ["-k", "beam_size_one"] if a.dry_run else ["-n", "6"]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    (a.out / "tests_output.txt").write_text(p.stdout + p.stderr)
+    tail = [x for x in p.stdout.splitlines() if x.strip()][-1:]
+    failed = [x.split(" ")[1] for x in p.stdout.splitlines() if x.startswith(("FAILED ", "ERROR "))]
+    emit(part="tests", what=" ".join(folders), result=tail[0] if tail else "", failed=failed)
+
+
+def part_nanogpt(a) -> None:
+    """nanoGPT's model.py as its train.py runs it on one GPU (compile, bf16 autocast, fused AdamW)."""
+    import importlib.util
+
+    import torch
+
+    if not a.nanogpt_model.is_file():
+        raise SystemExit(f"no nanoGPT model.py at {a.nanogpt_model}: fetch nanoGPT's, pass --nanogpt_model")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", a.nanogpt_model)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cuda = torch.cuda.is_available() and not a.dry_run
+    dev = "cuda" if cuda else "cpu"
+    if a.dry_run:
+        conf, B, steps = mod.GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64), 4, 3
+    else:
+        conf, B, steps = mod.GPTConfig(), 16, 20
+    model = mod.GPT(conf).to(dev)
+    opt = model.configure_optimizers(0.1, 6e-4, (0.9, 0.95), dev)
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        model = torch.compile(model)
+    ctx = torch.autocast(dev, dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    x, y = (torch.randint(0, conf.vocab_size, (B, conf.block_size), device=dev) for _ in range(2))
+
+    def step():
+        with ctx:
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(3):
+        step()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    dt = (time.perf_counter() - t0) / steps
+    tok = B * conf.block_size / dt
+    fpt = _flops_per_token(conf.n_layer, conf.n_head, conf.n_embd, conf.block_size, conf.vocab_size)
+    emit(
+        part="nanogpt",
+        what=f"nanoGPT model.py, torch {torch.__version__}, compile, batch {B}",
+        tokens_per_s=round(tok),
+        mfu=round(fpt * tok / PEAK, 4) if cuda else None,
+        step_ms=round(1000 * dt, 1),
+        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+    )
+
+
+def _flops_per_token(L, H, D, T, V) -> float:
+    """The trainer's count (flaxgpt.tools.summary) for a GPT-2-shaped model, so both MFUs compare."""
+    from flaxgpt.models.gpt import GPTConfig
+    from flaxgpt.tools.summary import flops_per_token
+
+    return flops_per_token(GPTConfig(vocab_size=V, n_layer=L, n_head=H, n_embd=D, block_size=T))["train"]
+
+
+def part_hf_generate(a) -> None:
+    import torch
+    import transformers
+
+    cuda = torch.cuda.is_available() and not a.dry_run
+    dev = "cuda" if cuda else "cpu"
+    if a.dry_run:
+        conf, batches, n = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256), (1,), 8
+    else:
+        conf, batches, n = transformers.GPT2Config(), (1, 64), 256
+    model = transformers.GPT2LMHeadModel(conf).to(dev, torch.bfloat16 if cuda else torch.float32).eval()
+    for cache in ("dynamic",) if a.dry_run else ("dynamic", "static"):
+        if cache == "static":
+            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        for B in batches if cache == "dynamic" else batches[:1]:
+            ids = torch.randint(0, conf.vocab_size, (B, 16), device=dev)
+            kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            if cache == "static":
+                kw["cache_implementation"] = "static"
+            with torch.no_grad():
+                model.generate(ids, **kw)  # warm-up (and compilation)
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model.generate(ids, **kw)
+                if cuda:
+                    torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            emit(
+                part="hf_generate",
+                what=f"transformers {transformers.__version__} generate GPT-2 bf16 batch {B}, "
+                f"{cache} cache" + (" + torch.compile" if cache == "static" else ""),
+                tokens_per_s=round(B * n / dt),
+                ms_per_token=round(1000 * dt / n, 3),
+            )
+
+
+# ---------------------------------------------------------------- the parent
+
+
+def run_part(a, name: str, limit: float) -> list[dict]:
+    env = dict(os.environ)
+    if name == "decode_gpt2_graphs":
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + GRAPH_FLAGS).strip()
+    if a.dry_run:
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    cmd = [
+        sys.executable,
+        __file__,
+        "--part",
+        name,
+        "--out",
+        str(a.out),
+        "--nanogpt_model",
+        str(a.nanogpt_model),
+    ]
+    cmd += ["--dry_run"] if a.dry_run else []
+    cmd += [f"--recipe_arg={x}" for x in a.recipe_args]
+    log = (a.out / f"{name}.log").open("w")
+    t0 = time.perf_counter()
+    rows, status = [], "ok"
+    try:
+        p = subprocess.run(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, timeout=limit
+        )
+        out = p.stdout
+        status = "ok" if p.returncode == 0 else f"exit {p.returncode}"
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        status = f"time limit {limit:.0f} s"
+    log.close()
+    err = [x for x in (a.out / f"{name}.log").read_text().splitlines() if x.strip()][-1:]  # stderr's last
+    with (a.out / f"{name}.log").open("a") as log:
+        log.write(out)
+    rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
+    seconds = time.perf_counter() - t0
+    if status != "ok" or not rows:
+        rows.append(dict(part=name, what=f"{status}: {err[0][:160] if err else ''}"))
+    for r in rows:
+        r["part_s"] = round(seconds, 1)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    cols = ["part", "what", "tokens_per_s", "mfu", "step_ms", "ms_per_token", "hbm_pct", "peak_gib", "result"]
+    cols = [c for c in cols if any(c in r for r in rows)]
+    fmt = lambda c, v: "" if v is None else (f"{v:.1%}" if c == "mfu" else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(fmt(c, r.get(c)).replace("|", "/") for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/gpu_lease")))
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, from: " + ", ".join(PARTS))
+    ap.add_argument("--dry_run", action="store_true", help="tiny shapes on the CPU: checks every part runs")
+    ap.add_argument("--nanogpt_model", type=Path, default=ROOT / ".lease/nanogpt_model.py")
+    ap.add_argument("--bandwidth", type=float, default=3.35e12, help="HBM bytes/s (H100 SXM)")
+    ap.add_argument("--recipe_arg", dest="recipe_args", action="append", default=[])
+    ap.add_argument("--part", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.part:  # a child: one part
+        sys.path.insert(0, str(ROOT))
+        fn = {
+            "decode_gpt2": lambda: part_decode(a, "gpt2"),
+            "decode_gpt2_graphs": lambda: part_decode(a, "gpt2"),
+            "decode_llama8b": lambda: part_decode(a, "llama8b"),
+        }.get(a.part)
+        (fn or (lambda: globals()[f"part_{a.part}"](a)))()
+        return 0
+    names = [n.strip() for n in a.parts.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        raise SystemExit(f"error: unknown parts {unknown}; choose from {', '.join(PARTS)}")
+    rows = []
+    for name in names:
+        rows += run_part(a, name, PARTS[name] * (4 if a.dry_run else 1))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+        (a.out / "lease.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n" + table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
