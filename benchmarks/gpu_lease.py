@@ -19,7 +19,8 @@ costs its rows only), in the order of PARTS; together they fit in about 9 minute
 - hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache with
   torch.compile)
 MFU is against 989 TFLOP/s (H100 SXM dense bf16) with the trainer's FLOPs per token. Results: a
-table on stdout, every row as JSON in OUT/lease.json, each part's log in OUT/<part>.log.
+table on stdout, every row as JSON in OUT/lease.json, the parts' logs in OUT/logs.txt, the test run's
+output in OUT/tests_output.txt (data, runs and logs under --work).
 """
 
 from __future__ import annotations
@@ -62,11 +63,11 @@ def part_step(a) -> None:
         sys.executable,
         str(ROOT / "benchmarks/train_throughput_gpu.py"),
         "--json",
-        str(a.out / "step.json"),
+        str(a.work / "step.json"),
     ]
     cmd += ["--mode", "cpu", "--steps", "3"] if a.dry_run else ["--mode", "gpu"]
     subprocess.run(cmd, check=True, cwd=ROOT)
-    r = json.loads((a.out / "step.json").read_text())
+    r = json.loads((a.work / "step.json").read_text())
     emit(
         part="step",
         what=f"train step, batch {r['batch_size']}, attention auto",
@@ -89,7 +90,7 @@ def _random_data(path: Path, vocab: str, tokens: int) -> None:
 
 
 def part_recipe(a) -> None:
-    data, out = a.out / "data", a.out / "run"
+    data, out = a.work / "data", a.work / "run"
     if a.dry_run:
         _random_data(data, "char", 200_000)
         recipe, steps = "configs/shakespeare_char_cpu.py", 8
@@ -320,12 +321,14 @@ def run_part(a, name: str, limit: float) -> list[dict]:
         name,
         "--out",
         str(a.out),
+        "--work",
+        str(a.work),
         "--nanogpt_model",
         str(a.nanogpt_model),
     ]
     cmd += ["--dry_run"] if a.dry_run else []
     cmd += [f"--recipe_arg={x}" for x in a.recipe_args]
-    log = (a.out / f"{name}.log").open("w")
+    log = (a.work / f"{name}.log").open("w")
     t0 = time.perf_counter()
     rows, status = [], "ok"
     try:
@@ -338,8 +341,8 @@ def run_part(a, name: str, limit: float) -> list[dict]:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         status = f"time limit {limit:.0f} s"
     log.close()
-    err = [x for x in (a.out / f"{name}.log").read_text().splitlines() if x.strip()][-1:]  # stderr's last
-    with (a.out / f"{name}.log").open("a") as log:
+    err = [x for x in (a.work / f"{name}.log").read_text().splitlines() if x.strip()][-1:]  # stderr's last
+    with (a.work / f"{name}.log").open("a") as log:
         log.write(out)
     rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
     seconds = time.perf_counter() - t0
@@ -367,9 +370,11 @@ def main(argv=None) -> int:
     ap.add_argument("--nanogpt_model", type=Path, default=ROOT / ".lease/nanogpt_model.py")
     ap.add_argument("--bandwidth", type=float, default=3.35e12, help="HBM bytes/s (H100 SXM)")
     ap.add_argument("--recipe_arg", dest="recipe_args", action="append", default=[])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/flaxgpt_gpu_lease"), help="data, runs, logs")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    a.work.mkdir(parents=True, exist_ok=True)
     if a.part:  # a child: one part
         sys.path.insert(0, str(ROOT))
         fn = {
@@ -388,6 +393,13 @@ def main(argv=None) -> int:
         rows += run_part(a, name, PARTS[name] * (4 if a.dry_run else 1))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
         (a.out / "lease.json").write_text(json.dumps(rows, indent=1) + "\n")
+        # every part's log in one file: a lease brings back only a few files
+        logs = [
+            f"===== {n}\n" + (a.work / f"{n}.log").read_text()
+            for n in names
+            if (a.work / f"{n}.log").exists()
+        ]
+        (a.out / "logs.txt").write_text("\n".join(logs))
     print("\n" + table(rows))
     return 0
 
