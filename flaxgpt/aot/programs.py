@@ -207,7 +207,7 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize=None
     )  # fmt: skip
     state = _abstract(prefill.trace().out_info[0], one)
     decode = Program(
-        "sample.decode", sampling._decode_chunk, (step, state, max_new),
+        "sample.decode", sampling._chunk_graphs, (step, state, max_new),
         {"chunk": chunk, "keep": W // 2, "sampling": how}, 1,
         flops_per_token(cfg, W)["forward"] * batch * chunk, {"parameters": param_bytes},
         f"batch {batch}, {chunk} tokens per call, cache {W}{_weights(quantize)}",

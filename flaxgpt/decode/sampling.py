@@ -30,6 +30,11 @@ every step and equals nanoGPT's crop-to-the-last-W-tokens loop. Other rows in th
 their window prefix in that pass at positions past the cache (W and on: a step_fn writes nothing
 there), so a row's tokens do not depend on its neighbours.
 
+On NVIDIA GPUs the token loop is compiled with XLA's command buffers over loops and conditionals
+(GPU_LOOP_OPTIONS, `graphs=True`): the whole loop becomes one CUDA graph. Otherwise XLA evaluates a
+while loop's condition on the host (a device-to-host copy and a wait every token) and launches each
+token's few hundred small kernels one by one: at batch 1 the GPU waits on the host, not on memory.
+
 Shape letters: B batch, P prompt buffer, T step length, W cache (window) length, V vocab,
 C chunk, N new tokens.
 """
@@ -251,8 +256,20 @@ def _slide(step_fn, keep: int, state: DecodeState, overflow_B):
     return state.replace(cache=cache, window_BW=window_BW, fill_B=fill_B)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "keep", "sampling"), donate_argnames=("state",))
-def _decode_chunk(step_fn, state: DecodeState, max_new_tokens, chunk: int, keep: int, sampling: Sampling):
+# XLA's command buffer kinds (debug option xla_gpu_enable_command_buffer) with loops and conditionals
+# added to its defaults; an option of the GPU compiler only: CPU and TPU programs ignore it
+GPU_LOOP_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+}
+
+
+def _decode_chunk(step_fn, state, max_new_tokens, chunk: int, keep: int, sampling: Sampling, graphs=True):
+    """`_chunk_graphs` or `_chunk_plain` (the token loop without GPU_LOOP_OPTIONS)."""
+    run = _chunk_graphs if graphs else _chunk_plain
+    return run(step_fn, state, max_new_tokens, chunk=chunk, keep=keep, sampling=sampling)
+
+
+def _chunk(step_fn, state: DecodeState, max_new_tokens, chunk: int, keep: int, sampling: Sampling):
     """Up to `chunk` steps of one token per unfinished row -> (state, tokens_BC).
 
     Rows whose window is full slide first (`_slide`), and the chunk ends early when another row's
@@ -295,6 +312,13 @@ def _decode_chunk(step_fn, state: DecodeState, max_new_tokens, chunk: int, keep:
     return state, out_BC
 
 
+_jit_chunk = functools.partial(
+    jax.jit, static_argnames=("chunk", "keep", "sampling"), donate_argnames=("state",)
+)
+_chunk_graphs = _jit_chunk(_chunk, compiler_options=GPU_LOOP_OPTIONS)
+_chunk_plain = _jit_chunk(_chunk)
+
+
 # ---------------------------------------------------------------- public entry points
 
 
@@ -312,6 +336,7 @@ def stream_generate(
     eos_id: int | None = None,
     keep: int | None = None,
     chunk: int = 64,
+    graphs: bool = True,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield (tokens_BC, counts_B) as they are decoded: row b's next counts[b] tokens.
 
@@ -321,6 +346,7 @@ def stream_generate(
     reuse it). temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. A row stops
     after eos_id (included in its output) or max_new_tokens. keep: tokens kept when a row's
     window fills (default W // 2; see the module docstring). chunk: decode steps per call.
+    graphs: on NVIDIA GPUs, the token loop as one CUDA graph (GPU_LOOP_OPTIONS; see the module docstring).
     """
     check_sampling_args(temperature, top_k, top_p)
     prompt_BP = jnp.asarray(prompt_BP, jnp.int32)
@@ -351,7 +377,7 @@ def stream_generate(
     yield np.asarray(first_B)[:, None], np.ones(B, np.int32)
     count = np.ones(B, np.int32)
     while not bool(np.all(state.done_B)):
-        state, out_BC = _decode_chunk(step_fn, state, max_new, chunk, keep, sampling)
+        state, out_BC = _decode_chunk(step_fn, state, max_new, chunk, keep, sampling, graphs)
         new_count = np.asarray(state.count_B)
         yield np.asarray(out_BC), new_count - count
         count = new_count
