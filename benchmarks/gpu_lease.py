@@ -4,16 +4,18 @@
     python benchmarks/gpu_lease.py --dry_run --out /tmp/l    # CPU, tiny shapes: checks the script itself
     python benchmarks/gpu_lease.py --parts recipe,decode_gpt2 --out $OUT
 
-Each part runs in its own process under its own time limit (a part that fails or runs out of time
-costs its rows only), in the order of PARTS; together they fit in about 9 minutes on one H100:
-- step: flaxgpt's train step alone (benchmarks/train_throughput_gpu.py), GPT-2 124M, T 1024, batch 16
+Each part runs in its own process group under its own time limit (a part that fails or runs out of
+time costs its rows only). PARTS holds the limits, from what each part took on an H100 on 2026-11-26;
+GROUPS the parts that fit one device call of 10 minutes (`--parts train`, then `decode`, then `tests`:
+all three need more device time than one 15-minute session has):
 - recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
   metrics.jsonl (the trainer's own figures; steps after the first)
-- decode_gpt2 / decode_gpt2_graphs: greedy decoding, 16-token prompts, 256 new tokens, bf16 and int8
-  weights at batch 1 and 64; the first with the token loop compiled plainly (`graphs=False`), the
-  second as one CUDA graph (sampling.GPU_LOOP_OPTIONS, the default)
-- decode_llama8b: the same for Llama-3-8B's shape with random weights (bf16 16 GB; int8 8 GB), 128
-  new tokens, with whichever loop was faster for GPT-2 at batch 1
+- step: flaxgpt's train step alone (benchmarks/train_throughput_gpu.py), GPT-2 124M, T 1024, batch 16
+- decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, bf16 and int8 weights at batch 1 and
+  64, the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS); decode_gpt2_plain: the same
+  without (`graphs=False`)
+- decode_llama8b: the same for Llama-3-8B's shape, random bf16 weights made on the device (16 GB;
+  int8 8 GB), 128 new tokens
 - nanogpt: nanoGPT's model.py (torch.compile, bf16 autocast, fused AdamW, clip 1.0), batch 16; its file
   is carried to the lease (--nanogpt_model), never committed
 - hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache with
@@ -38,15 +40,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PEAK = 989e12
 # part -> seconds it may take (the whole run: about 9 minutes on one H100)
+# part -> seconds it may take on one H100, from the 2026-11-26 lease (compiling included)
 PARTS = {
-    "recipe": 85,
-    "step": 45,
-    "decode_gpt2": 55,
-    "decode_gpt2_graphs": 50,
-    "decode_llama8b": 95,
+    "recipe": 90,
+    "step": 60,
     "nanogpt": 70,
-    "hf_generate": 50,
-    "tests": 90,
+    "decode_gpt2": 100,
+    "decode_gpt2_plain": 100,
+    "decode_llama8b": 240,
+    "hf_generate": 120,
+    "tests": 480,
+}
+# what one call of at most 10 minutes holds; all of it needs more than one session's 15 device minutes
+GROUPS = {
+    "train": ("recipe", "step", "nanogpt"),  # ~4 min
+    "decode": ("decode_gpt2", "decode_llama8b", "hf_generate"),  # ~8 min
+    "tests": ("tests",),  # ~8 min
 }
 
 
@@ -133,9 +142,38 @@ def part_recipe(a) -> None:
     )
 
 
+def progress(msg: str) -> None:
+    """A timestamped line on stderr (the part's log): where a part that ran out of time was."""
+    print(f"{time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+def _random_params(cfg):
+    """Random weights straight in bfloat16 on the device (no model trace, no float32 copy: an 8B
+    model's float32 parameters alone would be 32 GB): N(0, 0.02), norms' scales 1."""
+    import jax
+    import jax.numpy as jnp
+    from flax import linen as nn
+
+    from flaxgpt.models import gpt
+
+    shapes = nn.unbox(gpt.abstract_params(cfg))
+    leaves, tree = jax.tree.flatten(shapes)
+
+    @jax.jit
+    def make(key):
+        keys = jax.random.split(key, len(leaves))
+        return tree.unflatten([
+            jnp.ones(s.shape, jnp.bfloat16) if len(s.shape) == 1 else
+            (0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(jnp.bfloat16)
+            for k, s in zip(keys, leaves)
+        ])  # fmt: skip
+
+    return make(jax.random.key(0))
+
+
 def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> None:
-    graphs = os.environ.get("FLAXGPT_LEASE_GRAPHS", "1") == "1"
-    label += " (one graph)" if graphs else ""
+    graphs = a.part != "decode_gpt2_plain"
+    label += "" if graphs else " (plain loop)"
     import jax
     import numpy as np
 
@@ -143,9 +181,13 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
 
-    params = jax.jit(lambda k: gpt.init_params(cfg, k))(jax.random.key(0))  # on the device, fp32
+    progress(f"{label}: random weights")
+    params = _random_params(cfg)
     prompt_len = 16
-    quantized = {mode: gpt.quantize_params(cfg, params, mode) for mode in quantize_modes}
+    quantized = {}
+    for mode in quantize_modes:
+        progress(f"{label}: {mode} weights")
+        quantized[mode] = gpt.quantize_params(cfg, params, mode)
     del params
     for B in batches:  # batch 1 of every weight type first: what matters most if time runs out
         prompt = np.random.RandomState(B).randint(0, cfg.vocab_size, (B, prompt_len)).astype(np.int32)
@@ -164,7 +206,9 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
                 assert (lens == n).all()
                 return time.perf_counter() - t0
 
+            progress(f"{label}: {mode} batch {B}: compiling")
             compile_s = run(new_tokens)  # the same chunking as the timed runs: nothing left to compile
+            progress(f"{label}: {mode} batch {B}: timing")
             best = min(run(new_tokens) for _ in range(2))
             per_step = best / new_tokens
             emit(
@@ -186,9 +230,9 @@ def part_decode(a, model: str) -> None:
         return _decode(a, cfg, "tiny", (1, 4), ("bf16", "int8"), 8)
     if model == "gpt2":
         cfg = GPTConfig.preset("gpt2", dtype="bfloat16", pad_vocab_multiple=64)
-        return _decode(a, cfg, "GPT-2 124M", (1, 64), ("bf16", "int8"), 256)
+        return _decode(a, cfg, "GPT-2 124M", a.gpt2_batches, ("bf16", "int8"), 256)
     cfg = GPTConfig.preset("llama-3-8b", dtype="bfloat16", block_size=1024)
-    return _decode(a, cfg, "Llama-3-8B shape", (1, 64), ("bf16", "int8"), 128)
+    return _decode(a, cfg, "Llama-3-8B shape", a.llama_batches, ("bf16", "int8"), 128)
 
 
 def part_tests(a) -> None:
@@ -311,19 +355,8 @@ def part_hf_generate(a) -> None:
 # ---------------------------------------------------------------- the parent
 
 
-def _faster_loop(rows: list[dict]) -> str:
-    """ "1" when GPT-2's batch-1 bf16 decoding was faster as one graph than plain (or plain failed)."""
-    rate = lambda part: next(  # noqa: E731
-        (r["tokens_per_s"] for r in rows if r["part"] == part and "bf16 batch 1" in r["what"]), 0
-    )
-    return "1" if rate("decode_gpt2_graphs") >= rate("decode_gpt2") else "0"
-
-
-def run_part(a, name: str, limit: float, done: list[dict]) -> list[dict]:
+def run_part(a, name: str, limit: float) -> list[dict]:
     env = dict(os.environ)
-    env["FLAXGPT_LEASE_GRAPHS"] = {"decode_gpt2": "0", "decode_gpt2_graphs": "1"}.get(
-        name, _faster_loop(done)
-    )
     if a.dry_run:
         env.setdefault("JAX_PLATFORMS", "cpu")
     cmd = [
@@ -340,6 +373,8 @@ def run_part(a, name: str, limit: float, done: list[dict]) -> list[dict]:
     ]
     cmd += ["--dry_run"] if a.dry_run else []
     cmd += [f"--recipe_arg={x}" for x in a.recipe_args]
+    cmd += [f"--gpt2_batches={','.join(map(str, a.gpt2_batches))}"]
+    cmd += [f"--llama_batches={','.join(map(str, a.llama_batches))}"]
     log = (a.work / f"{name}.log").open("w")
     t0 = time.perf_counter()
     rows, status = [], "ok"
@@ -380,11 +415,19 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out/gpu_lease")))
-    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, from: " + ", ".join(PARTS))
+    ap.add_argument(
+        "--parts",
+        default="train",
+        help=f"comma-separated parts ({', '.join(PARTS)}) or groups ({', '.join(GROUPS)})",
+    )
     ap.add_argument("--dry_run", action="store_true", help="tiny shapes on the CPU: checks every part runs")
     ap.add_argument("--nanogpt_model", type=Path, default=ROOT / ".lease/nanogpt_model.py")
     ap.add_argument("--bandwidth", type=float, default=3.35e12, help="HBM bytes/s (H100 SXM)")
     ap.add_argument("--recipe_arg", dest="recipe_args", action="append", default=[])
+    batches = lambda text: tuple(int(b) for b in text.split(","))  # noqa: E731
+    ap.add_argument("--gpt2_batches", type=batches, default=(1, 64), help="decoding batch sizes")
+    ap.add_argument("--llama_batches", type=batches, default=(1, 64), help="decoding batch sizes")
+    ap.add_argument("--limit", action="append", default=[], help="PART=SECONDS: another time limit")
     ap.add_argument("--work", type=Path, default=Path("/tmp/flaxgpt_gpu_lease"), help="data, runs, logs")
     ap.add_argument("--part", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -394,18 +437,19 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(ROOT))
         fn = {
             "decode_gpt2": lambda: part_decode(a, "gpt2"),
-            "decode_gpt2_graphs": lambda: part_decode(a, "gpt2"),
+            "decode_gpt2_plain": lambda: part_decode(a, "gpt2"),
             "decode_llama8b": lambda: part_decode(a, "llama8b"),
         }.get(a.part)
         (fn or (lambda: globals()[f"part_{a.part}"](a)))()
         return 0
-    names = [n.strip() for n in a.parts.split(",") if n.strip()]
+    names = [p for n in a.parts.split(",") if n.strip() for p in GROUPS.get(n.strip(), (n.strip(),))]
     unknown = [n for n in names if n not in PARTS]
     if unknown:
         raise SystemExit(f"error: unknown parts {unknown}; choose from {', '.join(PARTS)}")
+    limits = {**PARTS, **{k: float(v) for k, v in (x.split("=") for x in a.limit)}}
     rows = []
     for name in names:
-        rows += run_part(a, name, PARTS[name] * (4 if a.dry_run else 1), rows)
+        rows += run_part(a, name, limits[name] * (4 if a.dry_run else 1))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
         (a.out / "lease.json").write_text(json.dumps(rows, indent=1) + "\n")
         # every part's log in one file: a lease brings back only a few files

@@ -203,6 +203,19 @@ def test_past_window_fake_model(keep):
         assert toks[b].tolist() == naive_greedy(fake_next, p, N, W, keep)
 
 
+def test_plain_loop_and_one_graph_loop_agree():
+    """graphs=False compiles the token loop without GPU_LOOP_OPTIONS (CUDA graphs on NVIDIA GPUs):
+    the same tokens, sampled and past the window, either way."""
+    prompt_BP, lengths = pad([[4, 1], [2, 2, 2, 2, 2, 2, 2]])
+    out = [
+        generate(fake_step, fake_cache(2, 8), prompt_BP, lengths, max_new_tokens=20, rng=jax.random.key(3),
+                 temperature=0.8, top_k=5, keep=3, chunk=6, graphs=graphs)
+        for graphs in (True, False)
+    ]  # fmt: skip
+    assert out[0][1].tolist() == out[1][1].tolist() == [20, 20]
+    assert out[0][0].tolist() == out[1][0].tolist()
+
+
 def test_eos_stops_a_row():
     prompts = [[1, 2, 3], [5, 6], [1]]
     prompt_BP, lengths = pad(prompts)

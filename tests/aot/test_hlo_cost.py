@@ -1,0 +1,108 @@
+# ruff: noqa: E501 (HLO text lines are as long as XLA prints them)
+"""flaxgpt.aot.hlo_cost: kernels counted with their loops' trip counts, in-place updates and slices
+costed by the bytes they touch, matmul FLOPs from the dot shapes, a conditional by its largest branch."""
+
+import pytest
+
+from flaxgpt.aot import hlo_cost
+
+# a hand-written optimized module: a loop of 12 trips whose body multiplies a [64, 32] slice of a
+# stacked [12, 64, 32] buffer by a [32, 16] matrix and writes the result into a stacked output in place
+HLO = """
+HloModule m
+
+%dot_computation (p0: bf16[64,32], p1: bf16[32,16]) -> bf16[64,16] {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  %p1 = bf16[32,16]{1,0} parameter(1)
+  ROOT %d = bf16[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%slice_computation (s0: bf16[12,64,32], s1: s32[]) -> bf16[64,32] {
+  %s0 = bf16[12,64,32]{2,1,0} parameter(0)
+  %s1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = bf16[1,64,32]{2,1,0} dynamic-slice(%s0, %s1, %z, %z), dynamic_slice_sizes={1,64,32}
+  ROOT %b = bf16[64,32]{1,0} bitcast(%ds)
+}
+
+%update_computation (u0: bf16[12,64,16], u1: bf16[1,64,16], u2: s32[]) -> bf16[12,64,16] {
+  %u0 = bf16[12,64,16]{2,1,0} parameter(0)
+  %u1 = bf16[1,64,16]{2,1,0} parameter(1)
+  %u2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = bf16[12,64,16]{2,1,0} dynamic-update-slice(%u0, %u1, %u2, %z, %z)
+}
+
+%body (t: (s32[], bf16[12,64,32], bf16[32,16], bf16[12,64,16])) -> (s32[], bf16[12,64,32], bf16[32,16], bf16[12,64,16]) {
+  %t = (s32[], bf16[12,64,32]{2,1,0}, bf16[32,16]{1,0}, bf16[12,64,16]{2,1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = bf16[12,64,32]{2,1,0} get-tuple-element(%t), index=1
+  %w = bf16[32,16]{1,0} get-tuple-element(%t), index=2
+  %y = bf16[12,64,16]{2,1,0} get-tuple-element(%t), index=3
+  %sl = bf16[64,32]{1,0} fusion(%x, %i), kind=kLoop, calls=%slice_computation
+  %mm = bf16[64,16]{1,0} fusion(%sl, %w), kind=kCustom, calls=%dot_computation
+  %r = bf16[1,64,16]{2,1,0} bitcast(%mm)
+  %up = bf16[12,64,16]{2,1,0} fusion(%y, %r, %i), kind=kLoop, calls=%update_computation
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  ROOT %o = (s32[], bf16[12,64,32]{2,1,0}, bf16[32,16]{1,0}, bf16[12,64,16]{2,1,0}) tuple(%n, %x, %w, %up)
+}
+
+%cond (c: (s32[], bf16[12,64,32], bf16[32,16], bf16[12,64,16])) -> pred[] {
+  %c = (s32[], bf16[12,64,32]{2,1,0}, bf16[32,16]{1,0}, bf16[12,64,16]{2,1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %k = s32[] constant(12)
+  ROOT %lt = pred[] compare(%ci, %k), direction=LT
+}
+
+%small (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %neg = f32[8]{0} negate(%a)
+}
+
+%big (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %e = f32[8]{0} exponential(%a)
+  ROOT %l = f32[8]{0} log(%e)
+}
+
+ENTRY %main (x: bf16[12,64,32], w: bf16[32,16], y: bf16[12,64,16], p: s32[], v: f32[8]) -> bf16[12,64,16] {
+  %x = bf16[12,64,32]{2,1,0} parameter(0)
+  %w = bf16[32,16]{1,0} parameter(1)
+  %y = bf16[12,64,16]{2,1,0} parameter(2)
+  %p = s32[] parameter(3)
+  %v = f32[8]{0} parameter(4)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[12,64,32]{2,1,0}, bf16[32,16]{1,0}, bf16[12,64,16]{2,1,0}) tuple(%zero, %x, %w, %y)
+  %loop = (s32[], bf16[12,64,32]{2,1,0}, bf16[32,16]{1,0}, bf16[12,64,16]{2,1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  %branch = f32[8]{0} conditional(%p, %v, %v), branch_computations={%small, %big}
+  ROOT %out = bf16[12,64,16]{2,1,0} get-tuple-element(%loop), index=3
+}
+"""
+
+
+def test_loop_trips_in_place_updates_slices_and_branches():
+    cost = hlo_cost.estimate(HLO, peak_flops=1e12, bandwidth=1e9)
+    by = {k.name: k for k in cost.by_kernel}
+    # 3 kernels x 12 trips + the loop counter's add x 12 + the largest branch's two kernels
+    assert by["mm"].count == by["sl"].count == by["up"].count == by["n"].count == 12
+    assert {"e", "l"} <= set(by) and "neg" not in by
+    assert cost.kernels == 4 * 12 + 2
+    assert by["mm"].flops == 2 * 64 * 16 * 32
+    assert cost.matmul_flops == 12 * 2 * 64 * 16 * 32
+    # the slice reads one [64, 32] layer (not the stacked 12) and writes it
+    assert by["sl"].bytes == 2 * 64 * 32 * 2 + 4
+    # the in-place update reads its [1, 64, 16] slice and writes only that
+    assert by["up"].bytes == 2 * 64 * 16 * 2 + 4
+    assert by["mm"].bytes == (64 * 32 + 32 * 16 + 64 * 16) * 2
+    # each kernel its own roofline, summed over launches: the memory-bound ones at 1 GB/s
+    assert cost.bound_s == pytest.approx(
+        sum(k.count * max(k.flops / 1e12, k.bytes / 1e9) for k in cost.by_kernel)
+    )
+    assert cost.memory_bound_s == pytest.approx(cost.bound_s)
+    assert cost.top(1)[0].name in ("mm", "sl", "up")
+
+
+def test_a_loop_of_unknown_length_counts_once():
+    hlo = HLO.replace(', backend_config={"known_trip_count":{"n":"12"}}', "")
+    assert hlo_cost.estimate(hlo, 1e12, 1e9).kernels == 4 + 2

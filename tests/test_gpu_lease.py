@@ -1,0 +1,57 @@
+"""benchmarks/gpu_lease.py on the CPU (--dry_run, tiny shapes): its parts run and report rows, a part
+that fails or runs out of time costs its own rows only, and its process group is ended with it."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_lease", ROOT / "benchmarks/gpu_lease.py")
+lease = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lease)
+
+
+def test_dry_run_parts_report_rows_and_failures(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = [sys.executable, "benchmarks/gpu_lease.py", "--dry_run", "--out", str(out), "--work", str(work)]
+    cmd += ["--parts", "recipe,decode_gpt2,nanogpt", "--nanogpt_model", str(tmp_path / "absent.py")]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads((out / "lease.json").read_text())
+    by_part = {}
+    for r in rows:
+        by_part.setdefault(r["part"], []).append(r)
+    recipe = by_part["recipe"][0]
+    assert recipe["tokens_per_s"] > 0 and recipe["step_ms"] > 0  # read back from the run's metrics.jsonl
+    decodes = {r["what"]: r for r in by_part["decode_gpt2"]}
+    assert set(decodes) == {f"decode tiny {m} batch {b}" for m in ("bf16", "int8") for b in (1, 4)}
+    assert all(r["tokens_per_s"] > 0 for r in decodes.values())
+    # the missing nanoGPT file is that part's one row, named in it; the other parts are unaffected
+    assert by_part["nanogpt"][0]["what"].startswith("exit 1: no nanoGPT model.py at")
+    assert "| recipe | train.py configs/shakespeare_char_cpu.py" in p.stdout
+    assert "===== decode_gpt2" in (out / "logs.txt").read_text()
+
+
+def test_a_part_out_of_time_is_one_row_and_leaves_nothing_running(tmp_path, monkeypatch):
+    a = lease.main.__globals__["argparse"].Namespace(
+        out=tmp_path, work=tmp_path, dry_run=True, nanogpt_model=tmp_path / "x.py", recipe_args=[],
+        gpt2_batches=(1,), llama_batches=(1,),
+    )  # fmt: skip
+    # a part whose process starts a child that would outlive it
+    script = tmp_path / "sleeper.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        'print(\'ROW {"part": "slow", "what": "started"}\', flush=True)\n'
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(lease, "__file__", str(script))
+    rows = lease.run_part(a, "slow", 3)
+    assert [r["what"] for r in rows][0] == "started"
+    assert rows[-1]["what"].startswith("time limit 3 s") and rows[-1]["part_s"] < 30
+    left = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout
+    assert not left.strip()
