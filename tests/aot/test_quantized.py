@@ -2,6 +2,8 @@
 layout (and placement), and int8 sampling / serving compile for a TPU without the CPU qmatmul kernel,
 the engine over 8 chips."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -111,7 +113,13 @@ def test_int8_sampling_and_serving_compile_for_h100_1(tmp_path):
         tiny(), targets.get("h100-1"), ("sample", "serve"), quantize="int8", dump=tmp_path,
         print_fn=lambda *_: None,
     )  # fmt: skip
-    assert [r.program for r in rows] == ["sample.prefill", "sample.decode", "serve.prefill", "serve.generate"]
+    assert [r.program for r in rows] == [
+        "sample.prefill", "sample.decode", "serve.prefill", "serve.generate", "serve.generate_paged",
+    ]  # fmt: skip
     assert all(r.fits(0.1) for r in rows)
     for path in tmp_path.iterdir():
         assert "flaxgpt_" not in path.read_text(), path.name
+    # the decoding kernels read the int8 matrices themselves (a fused computation takes s8[N, K]):
+    # no kernel widens a weight matrix to 16 bits in HBM first
+    hlo = (tmp_path / "sample.decode.h100-1.hlo.txt").read_text()
+    assert re.search(r"^%\S+ \([^)]*s8\[\d+,\d+\]", hlo, re.M)
