@@ -97,6 +97,20 @@ def load(a, source=None):
     return loader.load(a.out_dir if a.init_from == "resume" else a.init_from, step=a.step, adapter=a.adapter)
 
 
+def loaded(a) -> str:
+    """What load(a) loaded: `out/x step 2000 (the latest)`, or the weights' name."""
+    if a.init_from != "resume":
+        return a.init_from + (f" with adapter {a.adapter}" if a.adapter else "")
+    if a.step is not None:
+        return f"{a.out_dir} step {a.step}"
+    from flaxgpt.runs.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(a.out_dir, read_only=True, async_save=False)
+    step = ckpt.latest_step()
+    ckpt.close()
+    return f"{a.out_dir} step {step} (the latest)"
+
+
 def read_texts(a, kind: str) -> list[str]:
     """Non-blank lines of --prompts_file, else --start (text or FILE:path): one GPT prompt, or
     (seq2seq) one source per non-blank line."""
@@ -288,11 +302,18 @@ def main(argv=None) -> int:
     runtime.setup()
     parser = build_parser()
     a = parser.parse_args(argv)
+    from flaxgpt import extras
+
+    extras.require_hf(a.init_from, "--init_from")  # before loading anything
+    extras.require_hf(a.draft, "--draft")
+    if a.attention_png:
+        extras.require("plot", "--attention_png")
     with warnings.catch_warnings():
         warnings.simplefilter("always", UserWarning)  # every call of main() shows its own warnings
         warnings.showwarning = lambda message, *_, **__: print(f"warning: {message}", file=sys.stderr)
         try:
             run = load(a)
+            print(f"loaded {loaded(a)}", file=sys.stderr, flush=True)  # which run and step samples
             if a.chat and run.kind != "gpt":
                 raise ValueError(f"--chat needs a GPT-family model; {a.out_dir} is a {run.kind} run")
             if a.chat:

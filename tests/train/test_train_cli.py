@@ -118,7 +118,8 @@ def test_recipes_are_locked_and_complete():
 
 
 BAD = {
-    "unknown key": (["--config.optim.lerning_rate=1"], "unknown config key 'lerning_rate'"),
+    "unknown key": (["--config.optim.lerning_rate=1"], "unknown config key 'optim.lerning_rate'; did you"),
+    "flat key": (["--config.learning_rate=1"], "did you mean optim.learning_rate?"),
     "wrong type": (["--config.max_iters=lots"], "--config.max_iters=lots"),
     "no data": (["--config.data.dir=nowhere"], "flaxgpt prepare"),
     "short data": (["--config.model.block_size=8000"], "fewer than block_size + 1"),
