@@ -108,14 +108,17 @@ def parse_flags(argv):
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}; options look like --config.key=value")
-    from flaxgpt import runtime
+    from flaxgpt import extras, runtime
 
+    config = flags.FLAGS.config
+    extras.require_hf(config.init_from, "--config.init_from")  # pretrained weights: before anything loads
+    if config.get("dpo") and config.dpo.get("reference"):
+        extras.require_hf(config.dpo.reference, "--config.dpo.reference")
     # orbax logs every save at INFO (and some warnings) through absl; --verbose or --verbosity keeps its say
     verbose = flags.FLAGS.verbose or flags.FLAGS["verbosity"].present
     runtime.setup(verbosity=None if verbose else "error")
     from flaxgpt.train.trainer import train
 
-    config = flags.FLAGS.config
     try:
         train(config)
     except (ValueError, OSError, FloatingPointError) as e:  # OSError: a full disk, a missing file

@@ -6,12 +6,13 @@ is missing. Entry points check before they load anything, so a missing package i
 
 `needed_by(words)` says which extras a documented command needs (tests/test_docs.py holds the README
 to it). Checks use importlib.util.find_spec: nothing is imported. Imports nothing of flaxgpt but, for
-needed_by's `flaxgpt aot --target` lines, the target table (flaxgpt.aot.targets).
+needed_by's `flaxgpt aot --target` and `train.py` lines, the target table and the recipe loader.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shlex
 
 # extra -> the modules it provides ("a|b": either one will do); the extras of pyproject.toml
@@ -80,8 +81,6 @@ def aot_extra(target: str) -> str | None:
 
 def hf_source(init_from: str | None) -> bool:
     """--init_from names Hugging Face weights (a GPT-2 name or an HF directory), not a training run."""
-    import os
-
     if not init_from or init_from in RUN_NAMES:
         return False
     run = os.path.isfile(os.path.join(init_from, "meta.json")) or os.path.isdir(
@@ -96,8 +95,9 @@ def require_hf(init_from: str | None, what: str) -> None:
         require("hf", f"{what} {init_from}")
 
 
-def needed_by(command: str) -> list[str]:
-    """The extras a documented command line needs, in EXTRAS' order."""
+def needed_by(command: str, root: str = ".") -> list[str]:
+    """The extras a documented command line needs, in EXTRAS' order (`root`: where its paths are;
+    a train.py line's init_from is its override's or else its recipe's)."""
     words = shlex.split(command, comments=True)
     if words[:1] == ["python"]:
         words = words[1:]
@@ -111,6 +111,15 @@ def needed_by(command: str) -> list[str]:
     )
     if name in LOADERS and "--random_init" not in words and hf_source(value("--init_from")):
         need.add("hf")
+    if name == "train.py":
+        init_from = next((w.split("=", 1)[1] for w in words if w.startswith("--config.init_from=")), None)
+        if init_from is None:
+            from flaxgpt.train.config_check import load_recipe
+
+            recipe = value("--config") or "configs/shakespeare_char_cpu.py"  # train.py's default
+            init_from = load_recipe(os.path.join(root, recipe)).init_from
+        if hf_source(init_from):
+            need.add("hf")
     if name == "flaxgpt aot" and value("--target"):
         need.update(filter(None, [aot_extra(value("--target"))]))
     return [e for e in EXTRAS if e in need]
