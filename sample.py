@@ -111,6 +111,11 @@ def loaded(a) -> str:
     return f"{a.out_dir} step {step} (the latest)"
 
 
+def announce(a) -> None:
+    """Which run and step (or which weights) the output comes from, on stderr."""
+    print(f"loaded {a.loaded}", file=sys.stderr, flush=True)
+
+
 def read_texts(a, kind: str) -> list[str]:
     """Non-blank lines of --prompts_file, else --start (text or FILE:path): one GPT prompt, or
     (seq2seq) one source per non-blank line."""
@@ -145,6 +150,7 @@ def translate(a, parser, run):
     if a.attention_png:
         raise ValueError("--attention_png draws GPT self-attention; drop it for an encoder-decoder run")
     lines = read_texts(a, "seq2seq")
+    announce(a)
     for hyp in translate(*run[1:], lines, beam_size=a.beam_size, alpha=a.alpha, truncate=a.truncate):
         print(hyp)
 
@@ -170,6 +176,7 @@ def sample(a, run):
     tok = run.tokenizer
     texts = read_texts(a, "gpt")
     rows = [encode_prompt(tok, text, run.config.block_size) for text in texts for _ in range(a.num_samples)]
+    announce(a)
     if a.attention_png:  # float32 weights, before any --dtype cast
         from flaxgpt.tools.attention_map import write_attention_png
 
@@ -229,6 +236,7 @@ def chat(a, run):
     tok = run.tokenizer
     chat_lib.template_of(tok)  # a tokenizer without a template: the one-line error, before loading more
     eot = chat_lib.end_of_turn_id(tok)
+    announce(a)
     config, params, _ = loader.compact(run, dtype=a.dtype, quantize=a.quantize)[1:]
     step = gpt_step_fn(config, params)
     messages = [] if a.system is None else [{"role": "system", "content": a.system}]
@@ -313,7 +321,7 @@ def main(argv=None) -> int:
         warnings.showwarning = lambda message, *_, **__: print(f"warning: {message}", file=sys.stderr)
         try:
             run = load(a)
-            print(f"loaded {loaded(a)}", file=sys.stderr, flush=True)  # which run and step samples
+            a.loaded = loaded(a)  # said (announce) once the input is checked: an error stays one line
             if a.chat and run.kind != "gpt":
                 raise ValueError(f"--chat needs a GPT-family model; {a.out_dir} is a {run.kind} run")
             if a.chat:
