@@ -150,7 +150,6 @@ def translate(a, parser, run):
     if a.attention_png:
         raise ValueError("--attention_png draws GPT self-attention; drop it for an encoder-decoder run")
     lines = read_texts(a, "seq2seq")
-    announce(a)
     for hyp in translate(*run[1:], lines, beam_size=a.beam_size, alpha=a.alpha, truncate=a.truncate):
         print(hyp)
 
@@ -176,7 +175,6 @@ def sample(a, run):
     tok = run.tokenizer
     texts = read_texts(a, "gpt")
     rows = [encode_prompt(tok, text, run.config.block_size) for text in texts for _ in range(a.num_samples)]
-    announce(a)
     if a.attention_png:  # float32 weights, before any --dtype cast
         from flaxgpt.tools.attention_map import write_attention_png
 
@@ -187,6 +185,7 @@ def sample(a, run):
         )
         if a.max_new_tokens == 0:
             return
+    announce(a)
     config, params, _ = loader.compact(run, dtype=a.dtype, quantize=a.quantize)[1:]
     B, P = len(rows), max(map(len, rows))
     prompt_BP, lengths_B = np.zeros((B, P), np.int32), np.array([len(r) for r in rows], np.int32)
