@@ -97,6 +97,25 @@ def load(a, source=None):
     return loader.load(a.out_dir if a.init_from == "resume" else a.init_from, step=a.step, adapter=a.adapter)
 
 
+def loaded(a) -> str:
+    """What load(a) loaded: `out/x step 2000 (the latest)`, or the weights' name."""
+    if a.init_from != "resume":
+        return a.init_from + (f" with adapter {a.adapter}" if a.adapter else "")
+    if a.step is not None:
+        return f"{a.out_dir} step {a.step}"
+    from flaxgpt.runs.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(a.out_dir, read_only=True, async_save=False)
+    step = ckpt.latest_step()
+    ckpt.close()
+    return f"{a.out_dir} step {step} (the latest)"
+
+
+def announce(a) -> None:
+    """Which run and step (or which weights) the output comes from, on stderr."""
+    print(f"loaded {a.loaded}", file=sys.stderr, flush=True)
+
+
 def read_texts(a, kind: str) -> list[str]:
     """Non-blank lines of --prompts_file, else --start (text or FILE:path): one GPT prompt, or
     (seq2seq) one source per non-blank line."""
@@ -166,6 +185,7 @@ def sample(a, run):
         )
         if a.max_new_tokens == 0:
             return
+    announce(a)
     config, params, _ = loader.compact(run, dtype=a.dtype, quantize=a.quantize)[1:]
     B, P = len(rows), max(map(len, rows))
     prompt_BP, lengths_B = np.zeros((B, P), np.int32), np.array([len(r) for r in rows], np.int32)
@@ -215,6 +235,7 @@ def chat(a, run):
     tok = run.tokenizer
     chat_lib.template_of(tok)  # a tokenizer without a template: the one-line error, before loading more
     eot = chat_lib.end_of_turn_id(tok)
+    announce(a)
     config, params, _ = loader.compact(run, dtype=a.dtype, quantize=a.quantize)[1:]
     step = gpt_step_fn(config, params)
     messages = [] if a.system is None else [{"role": "system", "content": a.system}]
@@ -288,11 +309,18 @@ def main(argv=None) -> int:
     runtime.setup()
     parser = build_parser()
     a = parser.parse_args(argv)
+    from flaxgpt import extras
+
+    extras.require_hf(a.init_from, "--init_from")  # before loading anything
+    extras.require_hf(a.draft, "--draft")
+    if a.attention_png:
+        extras.require("plot", "--attention_png")
     with warnings.catch_warnings():
         warnings.simplefilter("always", UserWarning)  # every call of main() shows its own warnings
         warnings.showwarning = lambda message, *_, **__: print(f"warning: {message}", file=sys.stderr)
         try:
             run = load(a)
+            a.loaded = loaded(a)  # said (announce) once the input is checked: an error stays one line
             if a.chat and run.kind != "gpt":
                 raise ValueError(f"--chat needs a GPT-family model; {a.out_dir} is a {run.kind} run")
             if a.chat:

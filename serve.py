@@ -87,7 +87,11 @@ def parse_args(argv):
 
 def main(argv=None):
     a = parse_args(argv)
-    from flaxgpt import runtime
+    from flaxgpt import extras, runtime
+
+    extras.require("serve", "python serve.py")  # before loading anything
+    if not a.random_init:
+        extras.require_hf(a.init_from, "--init_from")
 
     runtime.setup()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")

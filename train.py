@@ -6,7 +6,11 @@
     python train.py --config configs/gpt2_124m.py                     # TPU VM or GPU node
     python train.py --config configs/shakespeare_char_cpu.py --config.max_iters=500 --config.out_dir=out/x
 
-Every option is in configs/default.py; override any with --config.section.key=value.
+Without --config, train.py uses configs/shakespeare_char_cpu.py (the quickstart's recipe) and says so.
+Every option is in configs/default.py (the model's fields in flaxgpt/models/gpt_config.py); override
+any with --config.section.key=value (a misplaced key gets its right section: did you mean ...?).
+Progress: `step N/total`, tokens/s and the time left each log_interval steps; a closing summary with
+the checkpoint and the command that samples from it. --verbose keeps absl's and orbax's log lines.
 Bad input (an unknown key, a wrong type, a nonsense value, a broken recipe file, missing data, a full
 disk, ...) is a one-line error and exit code 1; the whole config is checked before anything is written.
 Checkpoints go to out_dir/checkpoints; running the same command again resumes (init_from=auto).
@@ -24,6 +28,10 @@ from ml_collections import config_flags
 DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs/shakespeare_char_cpu.py")
 
 
+KEYS_HINT = "every key is in configs/default.py, the model's in flaxgpt/models/gpt_config.py"
+flags.DEFINE_bool("verbose", False, "keep absl's and orbax's log lines (INFO and warnings)")
+
+
 def one_line(e: BaseException) -> str:
     """ml_collections' messages carry quotes and newlines ("Did you mean ..."): flatten them."""
     msg = str(e)
@@ -31,7 +39,7 @@ def one_line(e: BaseException) -> str:
         msg = msg[1:-1]
     msg = " ".join(msg.replace("\\n", "\n").replace("\\'", "'").split())
     if isinstance(e, AttributeError | KeyError):
-        return f"unknown config key {msg} (every key is listed in configs/default.py)"
+        return f"unknown config key {msg} ({KEYS_HINT})"
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return f"no space left on device writing {e.filename or 'a file'}; free disk space and run again"
     if isinstance(e, OSError) and e.strerror:
@@ -39,10 +47,10 @@ def one_line(e: BaseException) -> str:
     return msg
 
 
-def split_recipe(argv) -> tuple[str, list[str]]:
-    """The --config file named on the command line (`--config=F` or `--config F`; default
-    DEFAULT_RECIPE) and the other arguments (`--config.key=value` overrides among them)."""
-    path, rest, i = DEFAULT_RECIPE, [], 0
+def split_recipe(argv) -> tuple[str | None, list[str]]:
+    """The --config file named on the command line (`--config=F` or `--config F`; None when there is
+    none) and the other arguments (`--config.key=value` overrides among them)."""
+    path, rest, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
         if arg.startswith(("--config=", "-config=")):
@@ -70,33 +78,47 @@ def fail(message: str):
 
 def parse_flags(argv):
     """Runs the recipe file once (one-line errors for a broken one), then applies the overrides to
-    its config, locked: a misspelt --config.lerning_rate is an error."""
-    from flaxgpt.train.config_check import ConfigError, load_recipe
+    its config, locked: a misspelt --config.lerning_rate is an error naming the key it means."""
+    from flaxgpt.train.config_check import ConfigError, load_recipe, overrides, unknown_override
 
     path, rest = split_recipe(argv)
+    if path is None and not {"--help", "-help", "--helpfull", "-h"} & set(rest):
+        print(f"no --config: using {os.path.relpath(DEFAULT_RECIPE)} (the quickstart's recipe)", flush=True)
     try:
-        recipe = load_recipe(path)
+        recipe = load_recipe(path or DEFAULT_RECIPE)
     except ConfigError as e:
         sys.exit(f"error: {e}")
+    message = unknown_override(recipe, rest)
+    if message:  # before ml_collections, whose message knows one section only
+        sys.exit(f"error: {message} ({KEYS_HINT})")
     try:  # the override flags are defined from `rest` here: a misspelt key fails already
         config_flags.DEFINE_config_dict(
             "config", recipe, "the recipe's config (--config FILE)", lock_config=True, sys_argv=rest
         )
-        return flags.FLAGS(rest)
+        parsed = flags.FLAGS(rest)
     except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError) as e:
         sys.exit(f"error: {one_line(e)}")
+    if overrides(rest).get("tensorboard", "").lower() in ("true", "1"):  # asked for: it must be there
+        from flaxgpt import extras
+
+        extras.require("tensorboard", "--config.tensorboard=True")
+    return parsed
 
 
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}; options look like --config.key=value")
-    from flaxgpt import runtime
-
-    # orbax logs every save at INFO through absl; --verbosity keeps its say
-    runtime.setup(verbosity=None if flags.FLAGS["verbosity"].present else "warning")
-    from flaxgpt.train.trainer import train
+    from flaxgpt import extras, runtime
 
     config = flags.FLAGS.config
+    extras.require_hf(config.init_from, "--config.init_from")  # pretrained weights: before anything loads
+    if config.get("dpo") and config.dpo.get("reference"):
+        extras.require_hf(config.dpo.reference, "--config.dpo.reference")
+    # orbax logs every save at INFO (and some warnings) through absl; --verbose or --verbosity keeps its say
+    verbose = flags.FLAGS.verbose or flags.FLAGS["verbosity"].present
+    runtime.setup(verbosity=None if verbose else "error")
+    from flaxgpt.train.trainer import train
+
     try:
         train(config)
     except (ValueError, OSError, FloatingPointError) as e:  # OSError: a full disk, a missing file

@@ -29,6 +29,19 @@ class QuietOrbax(logging.Filter):
         return not (record.levelno >= logging.ERROR and "/orbax/" in record.pathname + msg)
 
 
+class OneLinePluginError(logging.Filter):
+    """jax logs a PJRT plugin that cannot start (the CUDA plugin on a machine without a usable GPU)
+    as an error with its whole traceback, then runs on the CPU: keep it to one line naming the cause."""
+
+    def filter(self, record):
+        if "plugin configuration error" in record.getMessage() and record.exc_info:
+            e = record.exc_info[1]
+            cause = (str(e).strip().splitlines() or [""])[0][:160]
+            record.msg, record.args = f"{record.getMessage()}: {type(e).__name__}: {cause}", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
 def quiet_closed_loop(hook):
     """tensorstore's callbacks that finish after a failed read or save closed orbax's event loop
     report `RuntimeError: Event loop is closed` as unraisable: drop those, pass on the rest to `hook`."""
@@ -50,7 +63,10 @@ def setup(verbosity: str | None = "warning") -> None:
             logger.addFilter(QuietOrbax())
     if not getattr(sys.unraisablehook, "flaxgpt_quiet", False):
         sys.unraisablehook = quiet_closed_loop(sys.unraisablehook)
-    if verbosity is not None:
+    if verbosity is not None:  # not verbose: a plugin that cannot start is one line, not a traceback
+        bridge = logging.getLogger("jax._src.xla_bridge")
+        if not any(isinstance(f, OneLinePluginError) for f in bridge.filters):
+            bridge.addFilter(OneLinePluginError())
         from absl import logging as absl_logging
 
         absl_logging.set_verbosity(verbosity)

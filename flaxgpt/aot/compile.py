@@ -22,6 +22,7 @@ import argparse
 import sys
 import time
 
+from flaxgpt import extras
 from flaxgpt.aot import targets as targets_lib
 
 USAGE = "flaxgpt aot --config configs/<recipe>.py [--config.key=value ...] --target NAME"
@@ -52,7 +53,7 @@ def load_config(rest: list[str]):
     from absl import flags
     from ml_collections import config_flags
 
-    from flaxgpt.train.config_check import ConfigError, check, load_recipe
+    from flaxgpt.train.config_check import ConfigError, check, load_recipe, unknown_override
 
     paths = [a.split("=", 1)[1] for a in rest if a.startswith("--config=")]
     paths += [rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--config"]
@@ -62,7 +63,10 @@ def load_config(rest: list[str]):
     if unknown and unknown != [paths[-1]]:
         raise SystemExit(f"error: unexpected arguments {unknown}; usage: {USAGE}")
     try:
-        load_recipe(paths[-1])  # a broken recipe: one line (ml_collections would print a traceback)
+        recipe = load_recipe(paths[-1])  # a broken recipe: one line (ml_collections: a traceback)
+        message = unknown_override(recipe, rest)  # across sections: did you mean optim.learning_rate?
+        if message:
+            raise SystemExit(f"error: {message} (every key is listed in configs/default.py)")
         argv = ["flaxgpt aot", f"--config={paths[-1]}", *[a for a in rest if a.startswith("--config.")]]
         fv = flags.FlagValues()  # the overrides are found in sys_argv (ml_collections' default: sys.argv)
         config_flags.DEFINE_config_file(
@@ -123,6 +127,8 @@ def main(argv=None) -> int:
     if not args.target:
         raise SystemExit(f"error: no --target; targets: {', '.join(targets_lib.TARGETS)}")
     target = targets_lib.get(args.target)
+    if target.platform in extras.PLATFORM_EXTRAS:  # libtpu or the CUDA plugin, before the recipe loads
+        extras.require(extras.PLATFORM_EXTRAS[target.platform], f"flaxgpt aot --target {target.name}")
     groups = tuple(g.strip() for g in args.programs.split(",") if g.strip())
     bad = [g for g in groups if g not in ("train", "eval", "sample", "serve")]
     if bad or not groups:

@@ -159,7 +159,7 @@ def prepare_hf(
     try:
         import datasets
     except ImportError:
-        raise PrepareError("--dataset hf needs the `datasets` package: pip install 'flaxgpt[data]'") from None
+        raise PrepareError("--dataset hf needs the `datasets` package: pip install -e '.[data]'") from None
     path, config = HF_DATASETS.get(name, (name, None))
     tokenizer = make_tokenizer(tokenizer_name)
     try:

@@ -241,7 +241,7 @@ def load_hf_pairs(args):
     try:
         import datasets
     except ImportError:
-        raise PrepareError("--task hf needs the `datasets` package: pip install 'flaxgpt[data]'") from None
+        raise PrepareError("--task hf needs the `datasets` package: pip install -e '.[data]'") from None
     try:
         ds = datasets.load_dataset(args.hf_name, args.hf_config)
     except Exception as e:  # offline, unknown name: both mean "cannot get it"

@@ -141,7 +141,9 @@ def evaluate(a, kind, config, params, tokenizer) -> dict:
 
 def main(argv=None) -> dict:
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    from flaxgpt import sharding
+    from flaxgpt import extras, sharding
+
+    extras.require_hf(a.init_from, "flaxgpt eval --init_from")  # before loading anything
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     sharding.configure_cpu_devices(a.cpu_devices or cores, 1)

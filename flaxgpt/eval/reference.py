@@ -6,7 +6,7 @@
 
 lm-eval's own hellaswag and lambada_openai tasks download their data from the Hugging Face hub;
 these are the same tasks (the same prompts, `process_docs` and metrics) reading local jsonl files
-through the `json` dataset builder. Needs `pip install 'flaxgpt[eval]'` (lm-eval, accelerate).
+through the `json` dataset builder. Needs `pip install -e '.[eval]'` (lm-eval, accelerate).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.resources
 import os
 from pathlib import Path
+
+from flaxgpt import extras
 
 ENDOFTEXT = "<|endoftext|>"
 
@@ -93,6 +95,7 @@ def run_lm_eval(model_dir, tasks: dict[str, str], tasks_dir, batch_size: int = 1
     """{task: {metric: value, "loglikelihoods": per example}} from lm-eval's Hugging Face backend on CPU."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    extras.require("eval", "the lm-eval reference")
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 
+from flaxgpt import extras
 from flaxgpt.hf import files, gpt2
 
 
@@ -30,6 +31,8 @@ def main(argv=None) -> int:
     info = sub.add_parser("info", help="print the GPTConfig a GPT-2 name or a HF directory maps to")
     info.add_argument("name_or_path")
     args = parser.parse_args(argv)
+    if args.cmd == "info":
+        extras.require_hf(args.name_or_path, "flaxgpt hf info")
     try:
         if args.cmd == "export":
             from flaxgpt import loader

@@ -45,7 +45,7 @@ def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
     except ImportError as e:
         raise ImportError(
             f"loading {name_or_path!r} from the hub needs huggingface_hub: "
-            "pip install 'flaxgpt[hf]', or pass a local directory"
+            "pip install -e '.[hf]', or pass a local directory"
         ) from e
     env = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
     offline = bool(constants.HF_HUB_OFFLINE) or env

@@ -67,14 +67,14 @@ class GPTConfig:
     scan_layers: bool = False  # nn.scan over the blocks: compile time independent of depth
     remat: str = "none"  # none | full | dots | dots_no_batch | offload_dots_no_batch (see gpt._remat_policy)
     # modern decoders (Llama, Mistral, Qwen2); the defaults are GPT-2's
-    norm: str = "layernorm"  # layernorm | rmsnorm (Llama); eps is layer_norm_epsilon
+    norm: str = "layernorm"  # layernorm | rmsnorm (Llama) | rmsnorm_1p (Gemma: 1 + w); layer_norm_epsilon
     glu: bool = False  # gated MLP act(x W_gate) * (x W_up): with activation=silu, SwiGLU
     mlp_hidden: int = 0  # the MLP's hidden size F; 0 = 4 * n_embd
     n_kv_head: int = 0  # key/value heads: 0 = n_head, 1 = multi-query, else grouped-query
     qk_norm: bool = False  # normalise each head's queries and keys (with `norm`) before attention
     rope_theta: float = 10000.0  # pos_embedding=rope: base of the rotary frequencies
-    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's long-context frequency scaling)
-    rope_factor: float = 1.0  # llama3: context extension factor
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's long context) | linear (positions / factor)
+    rope_factor: float = 1.0  # llama3 / linear: context extension factor
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are scaled
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
     rope_original_max_len: int = 8192  # llama3: the pretraining context
@@ -262,3 +262,29 @@ class GPTConfig:
         if unknown:
             raise ValueError(f"unknown GPTConfig fields {sorted(unknown)}")
         return cls(**d)
+
+
+def options_table() -> str:
+    """docs/training.md's option table, one row per GPTConfig field from its own line above (name,
+    default, comment), so the docs cannot fall behind the dataclass (tests/test_docs.py compares):
+
+        python -m flaxgpt.models.gpt_config    # prints it
+    """
+    import inspect
+    import re
+
+    rows, seen = ["| option | default | what it does |", "| --- | --- | --- |"], []
+    for line in inspect.getsource(GPTConfig).splitlines():
+        m = re.match(r"    (\w+): \w+ = (.+?)  # (.+)$", line)
+        if m:
+            name, default, about = m.groups()
+            seen.append(name)
+            rows.append(f"| `{name}` | `{default}` | {about.replace('|', '/')} |")
+    missing = [f.name for f in dataclasses.fields(GPTConfig) if f.name not in seen]
+    if missing:
+        raise ValueError(f"GPTConfig fields without a `name: type = default  # comment` line: {missing}")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(options_table())

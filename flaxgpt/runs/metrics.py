@@ -3,7 +3,11 @@
 MFU = achieved FLOP/s / peak FLOP/s, with the training FLOPs per token of tools.summary.flops_per_token
 (nanoGPT's / PaLM appendix B's 6 N + 12 L H Q T; the trainer multiplies it by the tokens per step).
 The peak is per device (config.peak_flops, or a guess from the device kind) times the device count.
-On CPU there is no meaningful peak, so MFU is reported as n/a.
+On CPU there is no meaningful peak, so MFU is left out of the console lines.
+
+The console shows progress as the field's tools do: `step 250/2000 | loss ... | 17,512 tok/s | 43.9 ms |
+1m16s left` (the time left is the steps left times the row's step_time: evaluations not counted), and
+`closing_lines` sums a run up at its end (steps, time, best val loss, checkpoint, the sample command).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import time
 from pathlib import Path
 
 import jax
+
+from flaxgpt.extras import install_command
 
 # bf16 dense peak FLOP/s per device (per chip for TPU), matched against jax's device_kind
 PEAK_FLOPS = {
@@ -48,10 +54,16 @@ class MetricsWriter:
     """Writes on process 0 only: one JSON object per line, TensorBoard scalars, a console line."""
 
     def __init__(
-        self, out_dir: str | Path, tensorboard: bool = True, enabled: bool | None = None, print_fn=print
+        self,
+        out_dir: str | Path,
+        tensorboard: bool = True,
+        enabled: bool | None = None,
+        print_fn=print,
+        total_steps: int | None = None,
     ):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.print = print_fn
+        self.total_steps = total_steps  # the console's `step N/total` and time left
         self.jsonl = None
         self.tb = None
         if not self.enabled:
@@ -64,8 +76,11 @@ class MetricsWriter:
                 from tensorboardX import SummaryWriter
 
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"))
-            except ImportError:
+            except ImportError:  # optional: said once, the run goes on
                 self.tb = None
+                self.print(
+                    f"no TensorBoard events: tensorboardX is not installed ({install_command('tensorboard')})"
+                )
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -78,7 +93,7 @@ class MetricsWriter:
                 # a diverged run: the trainer reports it; tensorboardX would only warn
                 if k not in ("step", "time") and isinstance(v, int | float) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
-        self.print(format_line(row))
+        self.print(format_line(row, self.total_steps))
 
     def close(self) -> None:
         """Closes the files. A failure here (a full disk) is never the news: the save that failed
@@ -102,9 +117,21 @@ def _plain(v):
     return round(v, 6) if isinstance(v, float) else v
 
 
-def format_line(row: dict) -> str:
-    """`step 250 | loss 1.8123 | lr 9.6e-04 | 17,512 tok/s | 43.9 ms | mfu n/a`, or an eval line."""
-    parts = [f"step {row['step']:>6}"]
+def duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_line(row: dict, total: int | None = None) -> str:
+    """`step 250/2000 | loss 1.8123 | lr 9.6e-04 | 17,512 tok/s | 43.9 ms | 1m16s left`, or an eval
+    line. Without `total`: `step    250` and no time left; MFU only where a peak is known."""
+    width = len(str(total)) if total else 6
+    parts = [f"step {row['step']:>{width}}" + (f"/{total}" if total else "")]
     if "val_loss" in row:
         if "train_loss" in row:  # a task may evaluate val only (speedrun shards)
             parts.append(f"train loss {row['train_loss']:.4f}")
@@ -127,6 +154,23 @@ def format_line(row: dict) -> str:
         parts.append(f"{row['tokens_per_sec']:,.0f} tok/s")
     if "step_time" in row:
         parts.append(f"{1000 * row['step_time']:.1f} ms")
-    if "mfu" in row:
-        parts.append("mfu n/a" if row["mfu"] is None else f"mfu {100 * row['mfu']:.1f}%")
+    if row.get("mfu") is not None:
+        parts.append(f"mfu {100 * row['mfu']:.1f}%")
+    if total and "step_time" in row and row["step"] < total:
+        parts.append(f"{duration((total - row['step']) * row['step_time'])} left")
     return " | ".join(parts)
+
+
+def closing_lines(steps: int, seconds: float, best_val_loss: float, checkpoint, out_dir) -> list[str]:
+    """The end of a run, `done: 2000 steps in 4m12s | best val loss 1.9053 | checkpoint
+    out/x/checkpoints/2000`, and the command that samples from it."""
+    parts = [f"done: {steps} steps in {duration(seconds)}"]
+    if math.isfinite(best_val_loss):
+        parts.append(f"best val loss {best_val_loss:.4f}")
+    if checkpoint and Path(checkpoint).is_absolute() and Path(checkpoint).is_relative_to(Path.cwd()):
+        checkpoint = Path(checkpoint).relative_to(Path.cwd())  # as the user named out_dir, usually
+    parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint saved")
+    lines = [" | ".join(parts)]
+    if checkpoint:
+        lines.append(f"sample from it: python sample.py --out_dir {out_dir}")
+    return lines

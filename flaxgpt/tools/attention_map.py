@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from flaxgpt import extras
 from flaxgpt.hf.files import GPT2_NAMES
 from flaxgpt.models import gpt
 
@@ -104,7 +105,7 @@ def save_attention_png(weights_LHTT, labels, layers, heads, path, title: str | N
         import matplotlib
         from matplotlib.figure import Figure  # no pyplot: no global backend, safe inside train loops
     except ImportError:
-        raise ImportError("attention maps need matplotlib: pip install 'flaxgpt[plot]'") from None
+        raise ImportError(f"attention maps need matplotlib: {extras.install_command('plot')}") from None
     w = np.asarray(weights_LHTT)
     L, H, T, _ = w.shape
     layers = parse_indices(layers, L, "layer")
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> np.ndarray:
     p.add_argument("--out", default="attention.png", help="PNG to write")
     p.add_argument("--seed", type=int, default=0, help="seed of a random init")
     args, rest = p.parse_known_args(argv)
+    extras.require("plot", "flaxgpt attention-map")
+    extras.require_hf(args.init_from, "flaxgpt attention-map --init_from")
     try:
         config, params, tokenizer = _load(args, parse_overrides(rest, gpt.GPTConfig))
         w = write_attention_png(config, params, tokenizer, args.prompt, args.layers, args.heads, args.out)

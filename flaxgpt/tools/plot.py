@@ -8,7 +8,7 @@ benchmark tasks' accuracies (and perplexities, log scale) when the run logged co
 Lines of metrics.jsonl are JSON objects; keys the run did not log are skipped,
 so a file with only a loss still plots. In a training loop call
 `plot_metrics(out_dir, out_dir / "metrics.png")`; it never touches pyplot's
-global state. Needs matplotlib (pip install 'flaxgpt[plot]').
+global state. Needs matplotlib (pip install -e '.[plot]').
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import math
 import os
 import sys
 from pathlib import Path
+
+from flaxgpt import extras
 
 # the names each series may have been logged under (first match wins); flaxgpt's trainer writes
 # per-step rows {"loss", "lr", "tokens_per_sec", ...} and eval rows {"train_loss", "val_loss", ...}
@@ -88,7 +90,7 @@ def plot_metrics(out_dir_or_file, png_path=None) -> str:
     try:
         from matplotlib.figure import Figure  # no pyplot: no global backend, safe inside train loops
     except ImportError:
-        raise ImportError("plots need matplotlib: pip install 'flaxgpt[plot]'") from None
+        raise ImportError(f"plots need matplotlib: {extras.install_command('plot')}") from None
     series = read_metrics(out_dir_or_file)
     src = Path(out_dir_or_file)
     if png_path is None:
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("run", help="a run directory (holding metrics.jsonl) or a metrics.jsonl file")
     p.add_argument("--out", default=None, help="PNG path (default: metrics.png in the run directory)")
     args = p.parse_args(argv)
+    extras.require("plot", "flaxgpt plot")
     try:
         path = plot_metrics(args.run, args.out)
     except (FileNotFoundError, ImportError) as e:

@@ -226,3 +226,78 @@ def load_recipe(path: str):
             "(start from configs/default.py)"
         )
     return config
+
+
+def flat_keys(config, prefix: str = "") -> list[str]:
+    """Every dotted key of a config: `batch_size`, `optim.learning_rate`, `model.n_layer`, ..."""
+    out = []
+    for k in config.keys():
+        v = config[k]
+        if isinstance(v, ml_collections.ConfigDict):
+            out += flat_keys(v, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def suggest_key(config, key: str) -> str | None:
+    """The existing key a misspelt or misplaced `key` most likely means, across sections:
+    `learning_rate` -> `optim.learning_rate` (nanoGPT's flat spelling), `optim.lerning_rate` ->
+    `optim.learning_rate`, `n_layr` -> `model.n_layer`; None when nothing is close."""
+    import difflib
+
+    keys = flat_keys(config)
+    leaf = key.rpartition(".")[2]
+    same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
+    if same_leaf:
+        return same_leaf[0]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    if close:
+        return close[0]
+    leaves = {k.rpartition(".")[2]: k for k in reversed(keys)}
+    close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
+    return leaves[close[0]] if close else None
+
+
+def overrides(argv) -> dict[str, str]:
+    """{dotted key: value} of the `--config.key=value` arguments (value "" when not given with =)."""
+    out = {}
+    for arg in argv:
+        if arg.startswith(("--config.", "-config.")):
+            key, _, value = arg.split("config.", 1)[1].partition("=")
+            out[key] = value
+    return out
+
+
+def unknown_override(config, argv) -> str | None:
+    """`unknown config key 'learning_rate'; did you mean optim.learning_rate?` for the first
+    --config.key override that names no key of `config`, or None when every key exists."""
+    keys = set(flat_keys(config))
+    for key in overrides(argv):
+        if key not in keys and not any(k.startswith(key + ".") for k in keys):
+            near = suggest_key(config, key)
+            return f"unknown config key {key!r}" + (f"; did you mean {near}?" if near else "")
+    return None
+
+
+def schedule_note(config, schedule) -> str | None:
+    """One line when max_iters cuts the learning-rate schedule short (the run ends inside the warmup,
+    or before a cosine / wsd decay reaches min_lr), with the lr the last step gets; else None.
+    `schedule(step) -> lr` is the run's own (train.optim.make_schedule's)."""
+    o, end = config.optim, config.max_iters
+    if end <= 0 or config.get("eval_only"):
+        return None
+    last = float(schedule(end - 1))
+    if end < o.warmup_steps:
+        return (
+            f"note: max_iters {end} ends inside the warmup (optim.warmup_steps {o.warmup_steps}): the "
+            f"learning rate reaches {last:.2e} of {o.learning_rate:g}"
+        )
+    decay = o.decay_steps or end
+    if o.schedule in ("cosine", "wsd") and decay > end:
+        return (
+            f"note: max_iters {end} stops before the learning-rate decay ends (optim.decay_steps {decay}): "
+            f"the last step's lr is {last:.2e}, not min_lr {o.min_lr:g}; "
+            f"--config.optim.decay_steps={end} fits it to the run"
+        )
+    return None

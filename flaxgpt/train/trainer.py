@@ -30,10 +30,10 @@ from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
 from flaxgpt.runs import checkpoint as ckpt_lib
 from flaxgpt.runs import checksum, run_dir, run_lock
-from flaxgpt.runs.metrics import MetricsWriter, peak_flops_per_device
+from flaxgpt.runs.metrics import MetricsWriter, closing_lines, peak_flops_per_device
 from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import check as check_config
-from flaxgpt.train.config_check import micro_batch
+from flaxgpt.train.config_check import micro_batch, schedule_note
 from flaxgpt.train.preemption import StopSignal
 from flaxgpt.train.steps import TrainState, make_steps, make_train_step  # noqa: F401 (re-exported)
 from flaxgpt.train.tasks import make_task
@@ -234,8 +234,8 @@ class Trainer:
 
     def run(self, state: TrainState) -> dict:
         c = self.config
-        writer = MetricsWriter(c.out_dir, c.tensorboard, self.is_main, self.print)
-        start = int(jax.device_get(state.step))
+        writer = MetricsWriter(c.out_dir, c.tensorboard, self.is_main, self.print, total_steps=c.max_iters)
+        start, t0 = int(jax.device_get(state.step)), time.perf_counter()
         peak = peak_flops_per_device(c.peak_flops)
         flops_per_step = self.flops_per_token * self.tokens_per_step
         self._print(
@@ -288,6 +288,13 @@ class Trainer:
                 stop.close()
                 writer.close()
         summary["state"] = state
+        end, latest = int(jax.device_get(state.step)), self.ckpt.latest_step()
+        if end > start:  # the closing summary: steps, time, best val loss, checkpoint, how to sample
+            where = None if latest is None else self.ckpt.directory / str(latest)
+            for line in closing_lines(
+                end - start, time.perf_counter() - t0, summary["best_val_loss"], where, c.out_dir
+            ):
+                self._print(line)
         return summary
 
     def _eval(self, step, state, writer, summary) -> dict:
@@ -376,6 +383,9 @@ def train(config, devices=None, print_fn=print) -> dict:
     start_process(config)
     with run_lock.hold(config.out_dir):
         trainer = Trainer(config, devices, print_fn)
+        note = schedule_note(config, trainer.schedule)  # max_iters cuts the warmup or the decay short
+        if note:
+            trainer._print(note)
         try:
             state = trainer.init_state()
             trainer.write_run_files()

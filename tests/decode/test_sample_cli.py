@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,7 @@ def test_cli_subprocess_and_missing_checkpoint(run_dir, tmp_path):
         [*cmd, "--out_dir", str(run_dir)], env=env, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0 and r.stdout.startswith("abc") and len(r.stdout) == 3 + 12 + 1, r.stderr
+    assert re.search(rf"^loaded {re.escape(str(run_dir))} step \d+ \(the latest\)$", r.stderr, re.M), r.stderr
     r = subprocess.run(
         [*cmd, "--out_dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
     )

@@ -2,6 +2,7 @@
 
 import errno
 import json
+import sys
 
 import pytest
 
@@ -23,3 +24,46 @@ def test_close_on_a_full_disk_is_quiet(tmp_path):
     assert file_writer.event_writer._closed
     w.close()  # and again (TensorBoard's own exit path): a no-op
     file_writer.event_writer.flush()  # a closed event file no longer touches the disk
+
+
+def test_progress_lines_show_step_of_total_and_the_time_left():
+    from flaxgpt.runs.metrics import duration, format_line
+
+    row = {
+        "step": 250,
+        "loss": 1.81234,
+        "lr": 9.6e-4,
+        "tokens_per_sec": 17512.0,
+        "step_time": 0.0439,
+        "mfu": None,
+    }
+    assert (
+        format_line(row, 2000)
+        == "step  250/2000 | loss 1.8123 | lr 9.60e-04 | 17,512 tok/s | 43.9 ms | 1m17s left"
+    )
+    assert format_line({**row, "step": 2000}, 2000).endswith("43.9 ms")  # the last step: nothing left
+    assert format_line({**row, "mfu": 0.412}).endswith("43.9 ms | mfu 41.2%")  # no total: no time left
+    assert format_line({"step": 15, "train_loss": 3.6, "val_loss": 3.65}, 30).startswith("eval step 15/30 |")
+    assert [duration(s) for s in (0.4, 42, 185, 7620)] == ["0s", "42s", "3m05s", "2h07m"]
+
+
+def test_the_closing_summary_names_the_checkpoint_and_the_sample_command():
+    from flaxgpt.runs.metrics import closing_lines
+
+    done, how = closing_lines(2000, 252.4, 1.90531, "out/x/checkpoints/2000", "out/x")
+    assert done == "done: 2000 steps in 4m12s | best val loss 1.9053 | checkpoint out/x/checkpoints/2000"
+    assert how == "sample from it: python sample.py --out_dir out/x"
+    assert closing_lines(5, 3, float("inf"), None, "out/x") == ["done: 5 steps in 3s | no checkpoint saved"]
+
+
+def test_missing_tensorboardx_is_said_once_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # an import of it fails
+    lines = []
+    w = MetricsWriter(tmp_path, tensorboard=True, enabled=True, print_fn=lines.append, total_steps=10)
+    w.write(1, {"loss": 2.5, "step_time": 0.5})
+    w.close()
+    assert w.tb is None and lines[0] == (
+        "no TensorBoard events: tensorboardX is not installed (pip install -e '.[tensorboard]')"
+    )
+    assert lines[1] == "step  1/10 | loss 2.5000 | 500.0 ms | 4s left" and len(lines) == 2
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.5

@@ -75,5 +75,5 @@ def test_clear_errors(tmp_path, capsys, monkeypatch):
     assert "no metrics file at" in capsys.readouterr().err
     write_run(tmp_path, steps=2)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were not installed
-    with pytest.raises(ImportError, match=r"pip install 'flaxgpt\[plot\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[plot\]'"):
         plot.plot_metrics(tmp_path)

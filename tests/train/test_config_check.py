@@ -124,3 +124,55 @@ def test_train_cli_broken_recipe_is_one_line(tmp_path):
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "NoneType" in lines[0], r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "key, near",
+    [
+        ("learning_rate", "optim.learning_rate"),  # nanoGPT's flat spelling: the key's section
+        ("optim.lerning_rate", "optim.learning_rate"),
+        ("n_layr", "model.n_layer"),
+        ("model.n_layr", "model.n_layer"),
+        ("warmup_iters", "optim.warmup_steps"),
+        ("zzzz", None),
+    ],
+)
+def test_an_unknown_key_suggests_the_closest_across_sections(key, near):
+    c = recipe("shakespeare_char_cpu")
+    assert config_check.suggest_key(c, key) == near
+    msg = config_check.unknown_override(c, [f"--config.{key}=1", "--config.max_iters=5"])
+    assert msg.startswith(f"unknown config key {key!r}") and (near is None or f"did you mean {near}?" in msg)
+    assert (
+        config_check.unknown_override(c, ["--config.optim.learning_rate=1", "--config.model.rope_theta=5"])
+        is None
+    )
+
+
+def test_a_max_iters_that_cuts_the_schedule_short_is_noted():
+    from flaxgpt.train.optim import make_schedule
+
+    def note(**overrides):
+        c = recipe("shakespeare_char_cpu_modern")  # wsd: warmup 20, decay 400, lr 2e-3
+        c.unlock()
+        for key, value in overrides.items():
+            section, _, leaf = key.rpartition("__")
+            (c[section] if section else c)[leaf] = value
+        o = c.optim
+        sched = make_schedule(o.schedule, o.learning_rate, o.warmup_steps, o.decay_steps or c.max_iters,
+                              o.min_lr, o.cooldown_frac)  # fmt: skip
+        return config_check.schedule_note(c, sched)
+
+    assert note() is None  # the recipe as written: the schedule ends with the run
+    msg = note(max_iters=50)
+    assert msg.startswith(
+        "note: max_iters 50 stops before the learning-rate decay ends (optim.decay_steps 400)"
+    )
+    assert "the last step's lr is 2.00e-03" in msg and msg.endswith(
+        "--config.optim.decay_steps=50 fits it to the run"
+    )
+    msg = note(max_iters=10)  # inside the warmup: said first
+    assert (
+        msg.startswith("note: max_iters 10 ends inside the warmup (optim.warmup_steps 20)")
+        and "\n" not in msg
+    )
+    assert note(max_iters=50, optim__decay_steps=0) is None

@@ -89,10 +89,29 @@ def test_train_end_to_end(tmp_path, data_dir):
     assert config["model"]["n_embd"] == 32 and config["max_iters"] == 6
     assert json.loads((out / "meta.json").read_text()) == json.loads((data_dir / "meta.json").read_text())
     assert "val loss" in r.stdout and "tok/s" in r.stdout
+    # 6 steps of the recipe's 100 warmup steps: said once, at the start
+    (note,) = [line for line in r.stdout.splitlines() if line.startswith("note: ")]
+    assert note.startswith("note: max_iters 6 ends inside the warmup (optim.warmup_steps 100)"), note
+    # progress as step N/total with the time left, then the closing summary naming the checkpoint
+    assert re.search(r"^step 2/6 \| loss .* \| \d+s left$", r.stdout, re.M), r.stdout
+    assert "mfu" not in r.stdout.lower().replace("mfu n/a (", "")  # no per-line "mfu n/a" on CPU
+    done = [line for line in r.stdout.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith("done: 6 steps in ") and "best val loss" in done[0]
+    assert done[0].endswith("checkpoint out/checkpoints/6"), done  # relative to the working directory
+    assert r.stdout.rstrip().endswith(f"sample from it: python sample.py --out_dir {out}")
     # a checkpoint at the end (the recipe's ckpt_interval is 0), the plot, no absl INFO lines from orbax
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["6"]
     assert (out / "metrics.png").stat().st_size > 0
     assert not re.search(r"^I\d{4} ", r.stderr, re.M), r.stderr[-2000:]
+
+
+def test_without_config_it_names_the_recipe_it_uses(tmp_path):
+    r = run([str(ROOT / "train.py"), "--config.max_iters=lots"], tmp_path)
+    assert r.stdout.startswith("no --config: using ") and "shakespeare_char_cpu.py" in r.stdout
+    assert r.returncode == 1 and "--config.max_iters=lots" in r.stderr
+    help_text = run([str(ROOT / "train.py"), "--help"], tmp_path).stdout
+    assert "Without --config, train.py uses configs/shakespeare_char_cpu.py" in help_text
+    assert "no --config: using" not in help_text
 
 
 def test_recipes_are_locked_and_complete():
@@ -118,7 +137,8 @@ def test_recipes_are_locked_and_complete():
 
 
 BAD = {
-    "unknown key": (["--config.optim.lerning_rate=1"], "unknown config key 'lerning_rate'"),
+    "unknown key": (["--config.optim.lerning_rate=1"], "unknown config key 'optim.lerning_rate'; did you"),
+    "flat key": (["--config.learning_rate=1"], "did you mean optim.learning_rate?"),
     "wrong type": (["--config.max_iters=lots"], "--config.max_iters=lots"),
     "no data": (["--config.data.dir=nowhere"], "flaxgpt prepare"),
     "short data": (["--config.model.block_size=8000"], "fewer than block_size + 1"),
