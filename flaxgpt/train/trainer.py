@@ -4,7 +4,7 @@
 
 Model-specific parts live in a task object (flaxgpt.train.tasks: `LMTask` for the GPT, `Seq2SeqTask` for
 the encoder-decoder), chosen by `config.model.kind`: model config, parameters, loss, batches and
-extra eval metrics. MFU counts FLOPs with flaxgpt.tools.summary.flops_per_token, as `summary` prints them.
+extra eval metrics. MFU counts FLOPs with flaxgpt.models.flops.flops_per_token, as `summary` prints them.
 
 Checkpoints (flaxgpt.runs.checkpoint) live in out_dir/checkpoints: `Trainer.init_state` restores the
 latest one (init_from auto | resume) onto `restore_target`, the loop saves every ckpt_interval steps,
@@ -28,10 +28,10 @@ from flaxgpt import runtime, sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
+from flaxgpt.models.flops import flops_per_token
 from flaxgpt.runs import checkpoint as ckpt_lib
 from flaxgpt.runs import checksum, run_dir, run_lock
 from flaxgpt.runs.metrics import MetricsWriter, peak_flops_per_device
-from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import check as check_config
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.preemption import StopSignal
@@ -299,7 +299,7 @@ class Trainer:
         writer.write(step, {**evals, "best_val_loss": summary["best_val_loss"]})
         if self.is_main and self.config.get("plot", False) and not getattr(self, "_no_plot", False):
             try:
-                from flaxgpt.tools.plot import plot_metrics
+                from flaxgpt.runs.plot import plot_metrics
 
                 plot_metrics(self.config.out_dir)
             except ImportError as e:  # matplotlib is optional: say so once, keep training
