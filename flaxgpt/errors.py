@@ -1,5 +1,6 @@
-"""One-line errors on the command line: every flaxgpt command (sample.py, train.py's run, `flaxgpt
-prepare`, `eval`, `hf`, `peft`, ...) runs its main through `run_cli`, so bad input reads
+"""One-line errors on the command line: sample.py, train.py's run, `flaxgpt prepare`, `prepare-seq2seq`,
+`eval`, `hf`, `peft` and `python -m flaxgpt.data.fineweb` run their main through `run_cli`, so bad input
+reads
 
     error: data/x/meta.json cannot be read (FileNotFoundError); prepare the dataset first
 
