@@ -1,5 +1,4 @@
-"""Tools for seeing inside: the model summary (parameters, memory, FLOPs), training-curve plots and
-attention maps.
+"""Tools for seeing inside: the model summary (parameters, memory, FLOPs) and attention maps.
 
 May import: flaxgpt.train (recipes: config_check.load_recipe), flaxgpt.loader, flaxgpt.runs,
 flaxgpt.hf, flaxgpt.models, flaxgpt.data. The trainer imports no tool: FLOPs are counted in

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from flaxgpt.models import registry as models
-from flaxgpt.models.flops import flops_of, parameter_counts
+from flaxgpt.models.flops import flops_of, flops_per_token, parameter_counts  # noqa: F401 (summary.flops_per_token)
 from flaxgpt.train.config_check import load_recipe
 
 MB = 2**20

@@ -4,7 +4,7 @@
 
 Model-specific parts live in a task object (flaxgpt.train.tasks: `LMTask` for the GPT, `Seq2SeqTask` for
 the encoder-decoder), chosen by `config.model.kind`: model config, parameters, loss, batches and
-extra eval metrics. MFU counts FLOPs with flaxgpt.models.flops.flops_per_token, as `summary` prints them.
+extra eval metrics. MFU counts FLOPs with flaxgpt.tools.summary.flops_per_token, as `summary` prints them.
 
 Checkpoints (flaxgpt.runs.checkpoint) live in out_dir/checkpoints: `Trainer.init_state` restores the
 latest one (init_from auto | resume) onto `restore_target`, the loop saves every ckpt_interval steps,
