@@ -303,8 +303,19 @@ def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
     return tokens_BN, n_B
 
 
+def run_command(a, parser) -> None:
+    run = load(a)
+    a.loaded = loaded(a)  # said (announce) once the input is checked: an error stays one line
+    if a.chat and run.kind != "gpt":
+        raise ValueError(f"--chat needs a GPT-family model; {a.out_dir} is a {run.kind} run")
+    if a.chat:
+        chat(a, run)
+    else:
+        translate(a, parser, run) if run.kind == "seq2seq" else sample(a, run)
+
+
 def main(argv=None) -> int:
-    from flaxgpt import runtime
+    from flaxgpt import errors, runtime
 
     runtime.setup()
     parser = build_parser()
@@ -318,19 +329,8 @@ def main(argv=None) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("always", UserWarning)  # every call of main() shows its own warnings
         warnings.showwarning = lambda message, *_, **__: print(f"warning: {message}", file=sys.stderr)
-        try:
-            run = load(a)
-            a.loaded = loaded(a)  # said (announce) once the input is checked: an error stays one line
-            if a.chat and run.kind != "gpt":
-                raise ValueError(f"--chat needs a GPT-family model; {a.out_dir} is a {run.kind} run")
-            if a.chat:
-                chat(a, run)
-            else:
-                translate(a, parser, run) if run.kind == "seq2seq" else sample(a, run)
-        except (OSError, ValueError, ImportError) as e:  # CheckpointError and RunError are ValueErrors
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    return 0
+        # bad input (CheckpointError and RunError are ValueErrors) is one line, exit status 1
+        return errors.run_cli(lambda _: run_command(a, parser))
 
 
 if __name__ == "__main__":

@@ -63,15 +63,15 @@ def split_recipe(argv) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def fail(message: str):
-    """The run stopped with `message` (one line): print it last and exit 1.
+def fail():
+    """The run stopped with a one-line error, already printed (errors.run_cli): exit 1 right away.
 
     The trainer has closed its files, checkpointer and lock on the way out; what is left are orbax's
     background threads and finalizers, which can report the failure the line already names again
     while Python shuts down (after a full disk: `ImportError: sys.meta_path is None`). Ending the
     process here keeps the one line the last thing on screen.
     """
-    print(message, file=sys.stderr, flush=True)
+    sys.stderr.flush()
     sys.stdout.flush()
     os._exit(1)
 
@@ -108,7 +108,7 @@ def parse_flags(argv):
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}; options look like --config.key=value")
-    from flaxgpt import extras, runtime
+    from flaxgpt import errors, extras, runtime
 
     config = flags.FLAGS.config
     extras.require_hf(config.init_from, "--config.init_from")  # pretrained weights: before anything loads
@@ -119,10 +119,11 @@ def main(argv):
     runtime.setup(verbosity=None if verbose else "error")
     from flaxgpt.train.trainer import train
 
-    try:
-        train(config)
-    except (ValueError, OSError, FloatingPointError) as e:  # OSError: a full disk, a missing file
-        fail(f"error: {one_line(e)}")
+    try:  # OSError: a full disk, a missing file
+        if errors.run_cli(
+            lambda _: train(config), errors=(ValueError, OSError, FloatingPointError), describe=one_line
+        ):
+            fail()
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops, like SIGTERM)
         sys.exit("error: interrupted before the run could save; run the same command to resume")
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the configs/ package
-
+import harness  # noqa: E402, F401  (first: the benchmarks' one sys.path rule, see harness.py)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

@@ -15,6 +15,11 @@ ms/iter against 43 ms when it ran first, which made a 1.17x median look like 1.5
     print(report.table())
 
 A side's argv may be a function of the round (seeds: `lambda r: [..., f"--seed={r}"]`).
+
+The benchmarks' one sys.path rule lives here: each benchmark runs as `python benchmarks/NAME.py`, so
+Python puts benchmarks/ first on sys.path and its first import, `import harness`, finds this file;
+importing it puts the repository root next (this checkout's flaxgpt and configs/, not an installed
+copy). No benchmark edits sys.path itself. Starting serve.py for a benchmark: serve_process.py.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))  # after benchmarks/: this checkout's flaxgpt and configs/
 
 MIN_ROUNDS = 4
 RESULT = "RESULT "

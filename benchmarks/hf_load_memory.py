@@ -1,4 +1,4 @@
-"""Host memory of flaxgpt.hf.gpt2.load_pretrained: the peak extra anonymous RSS over the file size.
+"""Host memory of flaxgpt.hf.pretrained.load_pretrained: the peak extra anonymous RSS over the file size.
 
     python benchmarks/hf_load_memory.py                    # gpt2 (124M), gpt2-medium (350M), both layouts
     python benchmarks/hf_load_memory.py --sizes gpt2-xl    # 6.4 GB of disk and ~7 GB of RAM
@@ -18,7 +18,7 @@ import tempfile
 CHILD = r"""
 import json, sys, threading, time
 import jax, jax.numpy as jnp
-from flaxgpt.hf import gpt2 as hf
+from flaxgpt.hf import pretrained as hf
 
 def anon():
     for line in open("/proc/self/status"):

@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,9 +28,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import harness  # noqa: E402
+import harness  # noqa: E402  (first: the benchmarks' one sys.path rule, see harness.py)
+import serve_process  # noqa: E402
 
 from benchmarks.serve_soak import write_tiny_run  # noqa: E402
 
@@ -64,24 +61,8 @@ async def conversation(c, url, system, rng, a, ttfts):
 def run_side(a, cache_tokens: int, run_dir: str) -> list[float]:
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, str(ROOT / "serve.py"), "--out_dir", run_dir, "--port", str(port)]
-    cmd += ["--slots", str(a.clients), "--prefix_cache_tokens", str(cache_tokens), *a.serve_args.split()]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve.py exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+    cmd = ["--out_dir", run_dir, "--slots", str(a.clients), "--prefix_cache_tokens", str(cache_tokens)]
+    with serve_process.running([*cmd, *a.serve_args.split()]) as (url, _):
         rng = np.random.default_rng(a.seed)
         system = "".join(rng.choice(LETTERS, 200))
         ttfts: list[float] = []
@@ -98,9 +79,6 @@ def run_side(a, cache_tokens: int, run_dir: str) -> list[float]:
 
         asyncio.run(main())
         return ttfts
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
 
 
 def main(argv=None):

@@ -27,8 +27,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,8 +34,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import harness  # noqa: E402
+import harness  # noqa: E402  (first: the benchmarks' one sys.path rule, see harness.py)
+import serve_process  # noqa: E402
 
 
 def make_requests(a):
@@ -79,12 +77,6 @@ def summary(name, wall, records):
 # ---------------------------------------------------------------- the server side
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _client(url, queue, records, t0):
     import httpx
 
@@ -107,16 +99,7 @@ async def _client(url, queue, records, t0):
 
 
 def run_server_side(a, reqs):
-    port = free_port()
-    cmd = [
-        sys.executable,
-        str(ROOT / "serve.py"),
-        "--init_from",
-        "gpt2",
-        "--random_init",
-        "--port",
-        str(port),
-    ]
+    cmd = ["--init_from", "gpt2", "--random_init"]
     cmd += [
         "--slots",
         str(a.slots),
@@ -128,22 +111,8 @@ def run_server_side(a, reqs):
         "256",
     ]
     cmd += ["--prefill_chunk", str(a.prefill_chunk if a.side == "serve" else 0)]  # serve_whole: 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import httpx
-
-        t = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve.py exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
+    t = time.perf_counter()
+    with serve_process.running(cmd) as (url, _):
         print(f"serve: ready after {time.perf_counter() - t:.0f} s (load + compile)", file=sys.stderr)
         records, queue = [], list(reqs)
         t0 = time.perf_counter()
@@ -155,9 +124,6 @@ def run_server_side(a, reqs):
         prefill = f"prefill chunks of {a.prefill_chunk}" if a.side == "serve" else "whole prompts"
         name = f"serve ({prefill}, slots {a.slots}, {a.clients} clients)"
         return summary(name, time.perf_counter() - t0, records)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=120)
 
 
 # ---------------------------------------------------------------- one at a time

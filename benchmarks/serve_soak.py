@@ -18,10 +18,7 @@ import argparse
 import asyncio
 import collections
 import json
-import os
-import socket
 import string
-import subprocess
 import sys
 import tempfile
 import time
@@ -152,23 +149,12 @@ def main(argv=None):
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    import httpx
+    import harness  # noqa: F401  the benchmarks' sys.path rule (here, not at the top: tests import soak)
+    import serve_process
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tiny_run(Path(tmp))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [
-            sys.executable,
-            str(ROOT / "serve.py"),
-            "--out_dir",
-            tmp,
-            "--port",
-            str(port),
-            "--model_name",
-            "tiny",
-        ]
+        cmd = ["--out_dir", tmp, "--model_name", "tiny"]
         cmd += [
             "--slots",
             str(a.slots),
@@ -180,26 +166,13 @@ def main(argv=None):
             "4096",
         ]
         cmd += ["--api_key", "sk-soak"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            for _ in range(600):
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
+        with serve_process.running(cmd, env={"JAX_PLATFORMS": "cpu"}) as (url, proc):
             asyncio.run(soak(url, requests=32, clients=8, seed=a.seed + 1, api_key="sk-soak"))  # warm-up
             before = _rss_mb(proc.pid)
             out = asyncio.run(
                 soak(url, requests=a.requests, clients=a.clients, seed=a.seed, api_key="sk-soak")
             )
             after = _rss_mb(proc.pid)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=120)
     ok = not out["failures"] and out["health"].get("busy") == 0 and out["after"] == 200
     print(
         f"{a.requests} requests from {a.clients} clients in {out['wall_s']:.1f} s: statuses "

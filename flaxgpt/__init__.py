@@ -26,8 +26,8 @@ _OWNERS = {
     "beam_search": "flaxgpt.decode.beam_search",
     "load": "flaxgpt.loader",
     "Run": "flaxgpt.loader",
-    "load_pretrained": "flaxgpt.hf.peft",  # GPT-2 / Llama-family weights, a PEFT adapter merged if given
-    "export_pretrained": "flaxgpt.hf.gpt2",
+    "load_pretrained": "flaxgpt.loader",  # GPT-2 / Llama-family weights, a PEFT adapter merged if given
+    "export_pretrained": "flaxgpt.hf.pretrained",
     "setup": "flaxgpt.runtime",
 }
 _RENAMED = {"gpt_step_fn": ("flaxgpt.models.gpt", "step_fn")}

@@ -10,6 +10,8 @@ sample.py and serve.py at the top of the repository).
 COMMANDS is a static table of "module:function"; a command's module is imported only when it runs,
 so `flaxgpt --help` imports no jax. Each function takes the arguments after the command and returns
 an exit status (or a result, which means 0); each module also runs as `python -m <module>`.
+
+May import: flaxgpt.runtime (the commands' modules only by name, through COMMANDS).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ COMMANDS = {
     "prepare": ("flaxgpt.data.prepare:cli", "tokenize a corpus into train.bin, val.bin and meta.json"),
     "prepare-seq2seq": ("flaxgpt.data.prepare_seq2seq:cli", "source/target pairs for the encoder-decoder"),
     "eval": ("flaxgpt.eval.evaluate:cli", "perplexity, HellaSwag, LAMBADA or translation scores of a model"),
-    "hf": ("flaxgpt.hf.cli:main", "Hugging Face weights: export a run, or info on a model's config"),
-    "peft": ("flaxgpt.hf.peft:main", "LoRA adapters: export a run's as PEFT, or merge one into its base"),
+    "hf": ("flaxgpt.hf_cli:main", "Hugging Face weights: export a run, or info on a model's config"),
+    "peft": ("flaxgpt.hf_cli:peft_main", "LoRA adapters: export a run's as PEFT, or merge one into its base"),
     "summary": ("flaxgpt.tools.summary:main", "parameters, memory and FLOPs of a model config"),
-    "plot": ("flaxgpt.tools.plot:main", "draw a run's metrics.jsonl as a PNG"),
+    "plot": ("flaxgpt.runs.plot:main", "draw a run's metrics.jsonl as a PNG"),
     "attention-map": ("flaxgpt.tools.attention_map:main", "draw a model's attention weights for a prompt"),
     "aot": ("flaxgpt.aot.compile:main", "compile a recipe ahead of time for its target and check its memory"),
 }

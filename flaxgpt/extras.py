@@ -4,16 +4,16 @@ is missing. Entry points check before they load anything, so a missing package i
     extras.require("serve", "python serve.py")
     # error: python serve.py needs the serve extra (starlette is not installed): pip install -e '.[serve]'
 
-`needed_by(words)` says which extras a documented command needs (tests/test_docs.py holds the README
-to it). Checks use importlib.util.find_spec: nothing is imported. Imports nothing of flaxgpt but, for
-needed_by's `flaxgpt aot --target` and `train.py` lines, the target table and the recipe loader.
+COMMANDS says which extras each documented command needs (tests/readme_extras.py reads the README's
+command lines with it). Checks use importlib.util.find_spec: nothing is imported.
+
+May import: nothing of flaxgpt (every folder may import it).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import shlex
 
 # extra -> the modules it provides ("a|b": either one will do); the extras of pyproject.toml
 EXTRAS = {
@@ -72,13 +72,6 @@ def require(extra: str, what: str) -> None:
         raise SystemExit(message(extra, what, module))
 
 
-def aot_extra(target: str) -> str | None:
-    """tpu-aot or gpu-aot for a `flaxgpt aot --target` name (None: the host CPU)."""
-    from flaxgpt.aot import targets
-
-    return PLATFORM_EXTRAS.get(targets.get(target).platform)
-
-
 def hf_source(init_from: str | None) -> bool:
     """--init_from names Hugging Face weights (a GPT-2 name or an HF directory), not a training run."""
     if not init_from or init_from in RUN_NAMES:
@@ -93,33 +86,3 @@ def require_hf(init_from: str | None, what: str) -> None:
     """require("hf") when `init_from` names Hugging Face weights (what loads them: `what`)."""
     if hf_source(init_from):
         require("hf", f"{what} {init_from}")
-
-
-def needed_by(command: str, root: str = ".") -> list[str]:
-    """The extras a documented command line needs, in EXTRAS' order (`root`: where its paths are;
-    a train.py line's init_from is its override's or else its recipe's)."""
-    words = shlex.split(command, comments=True)
-    if words[:1] == ["python"]:
-        words = words[1:]
-    if not words:
-        return []
-    name = " ".join(words[:2]) if words[0] == "flaxgpt" and len(words) > 1 else words[0]
-    need = set(COMMANDS.get(name, ()))
-    value = lambda flag: (
-        next((w.split("=", 1)[1] for w in words if w.startswith(flag + "=")), None)
-        or next((words[i + 1] for i, w in enumerate(words[:-1]) if w == flag), None)
-    )
-    if name in LOADERS and "--random_init" not in words and hf_source(value("--init_from")):
-        need.add("hf")
-    if name == "train.py":
-        init_from = next((w.split("=", 1)[1] for w in words if w.startswith("--config.init_from=")), None)
-        if init_from is None:
-            from flaxgpt.train.config_check import load_recipe
-
-            recipe = value("--config") or "configs/shakespeare_char_cpu.py"  # train.py's default
-            init_from = load_recipe(os.path.join(root, recipe)).init_from
-        if hf_source(init_from):
-            need.add("hf")
-    if name == "flaxgpt aot" and value("--target"):
-        need.update(filter(None, [aot_extra(value("--target"))]))
-    return [e for e in EXTRAS if e in need]

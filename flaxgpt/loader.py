@@ -5,42 +5,27 @@
     run = flaxgpt.load("gpt2", quantize="int8")                   # GPT-2 from the HF cache or the hub
     run = flaxgpt.load("path/to/SmolLM2-135M")                    # a GPT-2 or Llama-family HF directory
     kind, config, params, tokenizer = run                         # Run: "gpt" | "seq2seq"
+    config, params = flaxgpt.load_pretrained("base", adapter="adapter_dir", quantize="int8")
+    run = loader.init("gpt2", dtype="bfloat16")                   # a preset's random weights
 
-sample.py, serve.py, `flaxgpt eval` and `flaxgpt hf export` load through `load`; `compact` is the one
-place that casts (`dtype`) and then quantizes (`quantize`). Bad input is a one-line ValueError / OSError.
+sample.py, serve.py, `flaxgpt eval`, `flaxgpt hf export`, `flaxgpt attention-map` and
+`flaxgpt summary --run` load through `load`; `compact` is the one place that casts (`dtype`) and then
+quantizes (`quantize`). A LoRA run (runs.lora_run) is its base's weights with its adapters merged, as
+is pretrained weights plus a PEFT `adapter`. Bad input is a one-line ValueError / OSError.
+
+May import: flaxgpt.runs, flaxgpt.hf, flaxgpt.models, flaxgpt.data.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from flaxgpt.runs.run_dir import Run
+from flaxgpt.runs.run_dir import Run, is_run_dir, require_run
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-def is_run_dir(source) -> bool:
-    """A flaxgpt training run: meta.json or checkpoints/, or a config.json with a `model` entry
-    (a Hugging Face config.json has `model_type` instead)."""
-    path = Path(source)
-    if (path / "meta.json").is_file() or (path / "checkpoints").is_dir():
-        return True
-    try:
-        return "model" in json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-
-
-def require_run(source) -> None:
-    """A one-line RunError unless `source` is a training run's directory: where the user named a run
-    (--out_dir), before `load`, which would look a missing directory's name up on the hub."""
-    from flaxgpt.runs.run_dir import HINT, RunError
-
-    if not is_run_dir(source):
-        what = "is not a training run" if Path(source).is_dir() else "is not a directory"
-        raise RunError(f"{source} {what}; {HINT}")
+# GPTConfig fields a LoRA run's base is read with: the layout its adapters were trained on
+BASE_LAYOUT = ("scan_layers", "pad_vocab_multiple", "param_dtype", "block_size")
 
 
 def load(
@@ -50,6 +35,7 @@ def load(
     dtype: str | None = None,
     quantize: str | None = None,
     adapter: str | None = None,
+    overrides: dict | None = None,
 ) -> Run:
     """The model at `source` as a Run(kind, config, params, tokenizer), params on one local device.
 
@@ -59,23 +45,19 @@ def load(
     is bound by reading weights); `quantize` ("int8" | "bf16", GPT models) then gives weight-only
     quantized weights that decode through the quantized matmuls. `adapter`: a PEFT LoRA directory
     merged into pretrained weights; a LoRA run's directory loads its base with its own adapters merged.
+    `overrides`: GPTConfig fields that do not change the weights (attention_impl, remat, ...): a run's
+    replace its saved ones, a Hugging Face checkpoint's are checked by its family's config mapping.
     """
-    from flaxgpt.models.quantize import check_mode
-
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
-    if quantize is not None:
-        check_mode(quantize)  # before reading any weights
-    from flaxgpt.hf import peft
-
+    _check(dtype, quantize)
+    overrides = overrides or {}
     if is_run_dir(source):
-        from flaxgpt.runs import run_dir
-
         if adapter is not None:
             raise ValueError(f"adapter={adapter} goes with pretrained weights; the run {source} has its own")
-        run = (
-            peft.load_lora_run(source, step) if peft.lora_section(source) else run_dir.load_run(source, step)
-        )
+        run = _load_run(source, step)
+        try:
+            run = run._replace(config=dataclasses.replace(run.config, **overrides))
+        except TypeError:
+            raise ValueError(f"{sorted(overrides)} are not fields of {source}'s {run.kind} model") from None
     else:
         if step is not None:
             raise ValueError(f"step={step} applies to a training run; {source} is pretrained weights")
@@ -84,12 +66,68 @@ def load(
                 f"{source} is neither a flaxgpt training run (config.json, meta.json, checkpoints/) nor "
                 "a Hugging Face model directory (config.json, model.safetensors)"
             )
-        from flaxgpt.hf import gpt2 as hf
+        from flaxgpt.hf import pretrained
 
-        config, params = peft.load_pretrained(str(source), adapter=adapter)
-        run = Run("gpt", config, params, hf.load_tokenizer(str(source)))
+        config, params = load_pretrained(str(source), adapter=adapter, **overrides)
+        run = Run("gpt", config, params, pretrained.load_tokenizer(str(source)))
     if quantize is not None and run.kind != "gpt":
         raise ValueError(f"{source} holds a {run.kind} model; quantize applies to GPT models")
+    return compact(run, dtype=dtype, quantize=quantize)
+
+
+def _check(dtype, quantize) -> None:
+    """Bad settings, named before any weight is read."""
+    from flaxgpt.models.quantize import check_mode
+
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+    if quantize is not None:
+        check_mode(quantize)
+
+
+def _load_run(source, step) -> Run:
+    """A run directory's checkpoint; a LoRA run's adapters merged into the base they were trained on."""
+    from flaxgpt.runs import lora_run, run_dir
+
+    if not lora_run.lora_section(source):
+        return run_dir.load_run(source, step)
+    from flaxgpt.hf import pretrained
+    from flaxgpt.models import lora
+
+    lr = lora_run.read_lora_run(source, step)
+    _, base = pretrained.load_pretrained(lr.base, **{f: getattr(lr.config, f) for f in BASE_LAYOUT})
+    return Run("gpt", lr.config, lora.merge(lr.config, lr.spec, base, lr.adapters), lr.tokenizer)
+
+
+def load_pretrained(name_or_path: str, *, adapter: str | None = None, quantize: str | None = None, **kw):
+    """GPT-2 or Llama-family weights -> (GPTConfig, params) of a plain GPT (flaxgpt.load_pretrained),
+    with a PEFT `adapter` directory merged into the base (W + scale A B) before any `quantize`.
+    `kw`: flaxgpt.hf.pretrained.load_pretrained's (layout, dtype, free GPTConfig fields)."""
+    _check(None, quantize)
+    from flaxgpt.hf import peft, pretrained
+
+    config, params = pretrained.load_pretrained(name_or_path, **kw)
+    if adapter is not None:
+        from flaxgpt.models import lora
+
+        spec, adapters = peft.load_adapter(adapter, config)
+        params = lora.merge(config, spec, params, adapters)
+    run = compact(Run("gpt", config, params, None), quantize=quantize)
+    return run.config, run.params
+
+
+def init(config, *, seed: int = 0, tokenizer=None, dtype: str | None = None, quantize: str | None = None):
+    """A GPT with random weights as a Run: `config` a GPTConfig or a preset's name, `tokenizer` by
+    default GPT-2's; cast and quantized as `load`'s. For load tests and attention maps without a download."""
+    _check(dtype, quantize)
+    import jax
+
+    from flaxgpt.data import tokenizers
+    from flaxgpt.models import gpt
+
+    config = gpt.GPTConfig.preset(config) if isinstance(config, str) else config
+    params = jax.jit(lambda key: gpt.init_params(config, key))(jax.random.key(seed))
+    run = Run("gpt", config, params, tokenizer or tokenizers.get_tokenizer("gpt2"))
     return compact(run, dtype=dtype, quantize=quantize)
 
 
@@ -116,4 +154,14 @@ def with_dtype(run: Run, dtype: str) -> Run:
     return run._replace(config=config, params=params)
 
 
-__all__ = ["DTYPES", "Run", "compact", "is_run_dir", "load", "require_run", "with_dtype"]
+__all__ = [
+    "DTYPES",
+    "Run",
+    "compact",
+    "init",
+    "is_run_dir",
+    "load",
+    "load_pretrained",
+    "require_run",
+    "with_dtype",
+]

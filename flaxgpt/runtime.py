@@ -7,6 +7,8 @@ Importing a flaxgpt module changes nothing global; `setup()` is where the quieti
 lines that carry nothing for the user, tensorstore's unraisable "Event loop is closed" stragglers, and
 absl's verbosity (orbax logs every save and load at INFO through absl). `keep_cpu_step_memory()` is
 the trainer's: how XLA:CPU's per-step buffers are allocated.
+
+May import: flaxgpt.sharding.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ them onto the mesh axes ("data", "fsdp"): with fsdp > 1, every "embed" axis is s
 fsdp devices (ZeRO-3: parameters, gradients and optimizer state sharded, gathered per layer by
 XLA); everything else is replicated. Batches are split over all devices on their batch axis.
 SERVE_RULES place the weights for decoding over several devices (the MLP and vocabulary split).
+
+May import: nothing of flaxgpt.
 """
 
 from __future__ import annotations

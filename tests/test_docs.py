@@ -11,6 +11,8 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from tests import readme_extras
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPTS = ("train.py", "sample.py", "serve.py")
@@ -246,7 +248,7 @@ def test_every_readme_command_names_the_extras_it_needs():
     assert len(lines) > 10
     errors, used = [], set()
     for n, line, cmds in lines:
-        need = {e for c in cmds for e in extras.needed_by(c, str(ROOT))}
+        need = {e for c in cmds for e in readme_extras.needed_by(c, str(ROOT))}
         m = re.search(r"#\s*\[([\w,-]+)\]", line)
         named = set(m.group(1).split(",")) if m else set()
         used |= need
@@ -264,11 +266,14 @@ def test_every_readme_command_names_the_extras_it_needs():
 
 
 def test_the_extras_checker_catches_mistakes():
-    from flaxgpt import extras
 
-    assert extras.needed_by("python serve.py --init_from gpt2", str(ROOT)) == ["serve", "hf"]
-    assert extras.needed_by("python train.py --config configs/finetune_shakespeare.py", str(ROOT)) == ["hf"]
-    assert extras.needed_by("python train.py --config configs/shakespeare_char_cpu.py", str(ROOT)) == []
+    assert readme_extras.needed_by("python serve.py --init_from gpt2", str(ROOT)) == ["serve", "hf"]
+    assert readme_extras.needed_by("python train.py --config configs/finetune_shakespeare.py", str(ROOT)) == [
+        "hf"
+    ]
+    assert (
+        readme_extras.needed_by("python train.py --config configs/shakespeare_char_cpu.py", str(ROOT)) == []
+    )
 
 
 def test_the_model_option_table_is_gptconfigs_own():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flaxgpt import extras
+from tests import readme_extras
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,10 +59,11 @@ def script(name):
 
 
 def test_every_entry_point_checks_before_loading(monkeypatch, tmp_path):
+    from flaxgpt import hf_cli
     from flaxgpt.aot import compile as aot
     from flaxgpt.eval import evaluate, reference
-    from flaxgpt.hf import cli as hf_cli
-    from flaxgpt.tools import attention_map, plot
+    from flaxgpt.runs import plot
+    from flaxgpt.tools import attention_map
 
     data = tmp_path / "hellaswag.jsonl"
     data.write_text("")
@@ -120,12 +122,12 @@ def test_a_script_without_its_extra_is_one_line_and_exit_1(tmp_path, argv, block
 
 
 def test_needed_by_reads_a_command_line():
-    assert extras.needed_by("python serve.py --init_from gpt2 --slots 16") == ["serve", "hf"]
-    assert extras.needed_by("python serve.py --init_from gpt2 --random_init") == ["serve"]
-    assert extras.needed_by("python sample.py --out_dir out/x --start hi") == []
-    assert extras.needed_by("python sample.py --init_from=gpt2-medium --draft gpt2") == ["hf"]
-    assert extras.needed_by("flaxgpt aot --config configs/gpt2_124m.py --target v5e-8") == ["tpu-aot"]
-    assert extras.needed_by("flaxgpt aot --config configs/gpt2_124m.py --target h100-8") == ["gpu-aot"]
-    assert extras.needed_by("flaxgpt eval --init_from gpt2 --task hellaswag --data x") == ["hf"]
-    assert extras.needed_by("flaxgpt plot out/x  # metrics.png") == ["plot"]
-    assert extras.needed_by("python train.py --config configs/shakespeare_char_cpu.py") == []
+    assert readme_extras.needed_by("python serve.py --init_from gpt2 --slots 16") == ["serve", "hf"]
+    assert readme_extras.needed_by("python serve.py --init_from gpt2 --random_init") == ["serve"]
+    assert readme_extras.needed_by("python sample.py --out_dir out/x --start hi") == []
+    assert readme_extras.needed_by("python sample.py --init_from=gpt2-medium --draft gpt2") == ["hf"]
+    assert readme_extras.needed_by("flaxgpt aot --config configs/gpt2_124m.py --target v5e-8") == ["tpu-aot"]
+    assert readme_extras.needed_by("flaxgpt aot --config configs/gpt2_124m.py --target h100-8") == ["gpu-aot"]
+    assert readme_extras.needed_by("flaxgpt eval --init_from gpt2 --task hellaswag --data x") == ["hf"]
+    assert readme_extras.needed_by("flaxgpt plot out/x  # metrics.png") == ["plot"]
+    assert readme_extras.needed_by("python train.py --config configs/shakespeare_char_cpu.py") == []

@@ -1,6 +1,8 @@
-"""Imports flow one way: no cycle among flaxgpt's modules, counting imports inside functions too."""
+"""Imports flow one way: no cycle among flaxgpt's modules, and every import (inside functions too)
+within what its folder's "May import:" line allows; the allowed arrows themselves never run back up."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flaxgpt"
@@ -110,9 +112,64 @@ def test_the_http_layer_imports_no_model():
         assert not [m for m in graph[http] if m.startswith("flaxgpt.models")], http
 
 
-def test_every_folder_says_what_lives_there():
-    for init in PACKAGE.glob("*/__init__.py"):
-        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert "may import" in doc.lower(), (
-            f"{init}: the docstring says what lives here and what it may import"
-        )
+def unit_of(module: str) -> str:
+    """A folder (flaxgpt.hf) or a top-level module (flaxgpt.loader): what a "May import:" line covers."""
+    return ".".join(module.split(".")[:2])
+
+
+def allowed_imports(doc: str) -> set[str] | None:
+    """The flaxgpt names in a docstring's "May import:" sentence (up to its first full stop); an empty
+    set for "nothing of flaxgpt"; None when the docstring has no such line."""
+    m = re.search(r"May import:(.*?)\.(?:\s|$)", doc, re.S)
+    return None if m is None else set(re.findall(r"flaxgpt(?:\.\w+)+", m.group(1)))
+
+
+def contracts() -> dict[str, set[str]]:
+    """Each folder (its __init__.py) and top-level module -> the names it may import."""
+    out = {}
+    for path in [*PACKAGE.glob("*/__init__.py"), *PACKAGE.glob("*.py")]:
+        if path == PACKAGE / "__init__.py":  # the owner table: names, imported by importlib on use
+            continue
+        allowed = allowed_imports(ast.get_docstring(ast.parse(path.read_text())) or "")
+        assert allowed is not None, f"{path}: the docstring says what lives here and what it may import"
+        out[unit_of(module_name(path))] = allowed
+    return out
+
+
+def outside(module: str, imported: str, allowed: set[str]) -> bool:
+    """`module` importing `imported` breaks its unit's contract `allowed`."""
+    if unit_of(imported) == unit_of(module):
+        return False
+    return not any(imported == name or imported.startswith(name + ".") for name in allowed)
+
+
+def test_allowed_imports_are_parsed():
+    assert allowed_imports("Models.\n\nMay import: nothing of flaxgpt.\n") == set()
+    doc = "May import: flaxgpt.models, flaxgpt.data.chat (templates). Not flaxgpt.train.\n"
+    assert allowed_imports(doc) == {"flaxgpt.models", "flaxgpt.data.chat"}
+    assert allowed_imports("Tools.") is None
+    assert outside("flaxgpt.serve.server", "flaxgpt.data.tokenizers", {"flaxgpt.data.chat"})
+    assert not outside("flaxgpt.serve.server", "flaxgpt.data.chat", {"flaxgpt.data.chat"})
+    assert not outside("flaxgpt.hf.gpt2", "flaxgpt.hf.files", set())
+
+
+def test_every_import_is_one_its_folder_may_make():
+    """Function-level imports count: an import hidden in a function to dodge a loop is a loop."""
+    rules, graph = contracts(), import_graph()
+    broken = [
+        f"{module} imports {imported} (may import: {', '.join(sorted(rules[unit_of(module)])) or 'nothing'})"
+        for module, imports in sorted(graph.items())
+        if module != "flaxgpt"
+        for imported in sorted(imports)
+        if outside(module, imported, rules[unit_of(module)])
+    ]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_allowed_arrows_never_run_back_up():
+    """The folders and top-level modules form layers: no cycle among the "May import:" lines."""
+    rules = contracts()
+    arrows = {unit: {unit_of(name) for name in allowed} - {unit} for unit, allowed in rules.items()}
+    cycle = find_cycle(arrows)
+    assert cycle is None, "the may-import lines allow a loop: " + " -> ".join(cycle)
+    assert "flaxgpt.tools" not in arrows["flaxgpt.train"] and "flaxgpt.hf" not in arrows["flaxgpt.data"]

@@ -116,7 +116,7 @@ def test_hub_names_fail_at_once_offline(tmp_path, monkeypatch, capsys):
     pytest.importorskip("huggingface_hub")
     from huggingface_hub import constants
 
-    from flaxgpt.hf import cli as hf_cli
+    from flaxgpt import hf_cli
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # whatever another test in this process set

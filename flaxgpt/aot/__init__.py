@@ -5,5 +5,6 @@ and a roofline report. `flaxgpt aot --config configs/<recipe>.py --target v5e-8`
 targets (named topologies and their specs), programs (the programs, built from flaxgpt's own code),
 report (memory, HLO and cost analysis -> rows), compile (the command line).
 
-May import: flaxgpt.train, flaxgpt.models, flaxgpt.decode, flaxgpt.serve, flaxgpt.tools, flaxgpt.sharding.
+May import: flaxgpt.train, flaxgpt.serve, flaxgpt.decode, flaxgpt.hf, flaxgpt.models, flaxgpt.sharding,
+flaxgpt.extras.
 """

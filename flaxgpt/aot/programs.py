@@ -38,9 +38,9 @@ from flaxgpt.decode import sampling
 from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import KVCache
+from flaxgpt.models.flops import flops_per_token
 from flaxgpt.serve import engine
 from flaxgpt.serve.paged import PagedKVCache, paged_impl
-from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS
 from flaxgpt.train.steps import make_steps
@@ -91,7 +91,7 @@ def model_config(config, vocab_size: int = 0):
         name = name.removesuffix(suffix) if name.removesuffix(suffix) in gpt.GPTConfig.PRESETS else name
     name = name.removeprefix("meta-") if name.removeprefix("meta-") in gpt.GPTConfig.PRESETS else name
     if (Path(init_from) / "config.json").is_file():  # a Hugging Face directory: its config.json, no weights
-        from flaxgpt.hf import gpt2 as hf
+        from flaxgpt.hf import pretrained as hf
 
         pretrained = dataclasses.replace(hf.read_config(init_from), **kept)
         return pretrained, f"{init_from}/config.json"

@@ -8,7 +8,7 @@ optimized HLO) and `compiled.cost_analysis()`.
 Collectives are counted in the program text: one inside a loop (scan over layers or micro-batches)
 counts once, though it runs every iteration; bytes are the per-device result size of each.
 FLOPs: XLA's cost analysis where the backend gives one (TPU; it includes rematerialized work), else
-flaxgpt's own count (flaxgpt.tools.summary.flops_per_token). The step-time lower bound is
+flaxgpt's own count (flaxgpt.models.flops.flops_per_token). The step-time lower bound is
 max(FLOPs / peak, bytes / HBM bandwidth), bytes being XLA's "bytes accessed" but at least every
 argument read and every output written once (decoding: the weights and the cache read per token); the
 MFU ceiling is the model's FLOPs over that bound. For GPU and TPU targets the program is also costed

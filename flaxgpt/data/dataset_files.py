@@ -8,7 +8,6 @@ import contextlib
 import errno
 import json
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,16 +18,6 @@ TEXT_SUFFIXES = (".txt", ".md", ".text")
 
 class PrepareError(Exception):
     """Bad input: the message says what is wrong and how to fix it."""
-
-
-def run_cli(main, argv=None) -> int:
-    """A prepare command's `main(argv)` with its PrepareError as one line on stderr (exit status 1)."""
-    try:
-        main(argv)
-    except PrepareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def jsonl_records(path: str | Path, error=PrepareError, what: str = "a .jsonl file") -> list[tuple]:

@@ -341,7 +341,6 @@ def main(argv=None):
 if __name__ == "__main__":
     import sys
 
-    try:
-        main()
-    except ShardError as e:
-        sys.exit(f"error: {e}")
+    from flaxgpt import errors
+
+    sys.exit(errors.run_cli(main, errors=(ShardError,)))

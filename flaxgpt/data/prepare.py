@@ -38,12 +38,12 @@ from pathlib import Path
 
 import numpy as np
 
+from flaxgpt import errors
 from flaxgpt.data.dataset_files import (
     TEXT_SUFFIXES,
     PrepareError,
     read_text,
     read_utf8,
-    run_cli,
     token_dtype,
     write_tokens,
     writing,
@@ -127,7 +127,7 @@ def make_tokenizer(name: str, text: str | None = None):
         return CharTokenizer.from_text(text)
     if name == "gpt2":
         return get_tokenizer(name)
-    from flaxgpt.hf.tokenizer import HFTokenizer  # a model directory or its tokenizer.json
+    from flaxgpt.data.hf_tokenizer import HFTokenizer  # a model directory or its tokenizer.json
 
     try:
         return HFTokenizer(name)
@@ -426,7 +426,7 @@ def main(argv=None) -> dict:
 
 def cli(argv=None) -> int:
     """`flaxgpt prepare`."""
-    return run_cli(main, argv)
+    return errors.run_cli(main, argv, errors=(PrepareError,))
 
 
 if __name__ == "__main__":

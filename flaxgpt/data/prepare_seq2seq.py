@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flaxgpt.data.dataset_files import PrepareError, read_utf8, run_cli, token_dtype, writing
+from flaxgpt import errors
+from flaxgpt.data.dataset_files import PrepareError, read_utf8, token_dtype, writing
 from flaxgpt.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, CharTokenizer, Seq2SeqTokenizer, get_tokenizer
 
 TASKS = ("reverse", "numbers", "tsv", "files", "hf")
@@ -294,7 +295,7 @@ def main(argv=None) -> dict:
 
 def cli(argv=None) -> int:
     """`flaxgpt prepare-seq2seq`."""
-    return run_cli(main, argv)
+    return errors.run_cli(main, argv, errors=(PrepareError,))
 
 
 if __name__ == "__main__":

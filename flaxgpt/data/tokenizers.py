@@ -146,7 +146,7 @@ def from_meta(meta: dict) -> Tokenizer:
     if kind == "seq2seq":
         return Seq2SeqTokenizer.from_meta(meta)
     if kind == "hf":  # a Hugging Face model's tokenizer.json (flaxgpt.data.prepare --tokenizer PATH)
-        from flaxgpt.hf.tokenizer import HFTokenizer
+        from flaxgpt.data.hf_tokenizer import HFTokenizer
 
         return HFTokenizer(meta["path"])
     raise ValueError(f"unknown tokenizer kind {kind!r} in meta.json; expected char, tiktoken, seq2seq or hf")

@@ -2,6 +2,6 @@
 search and speculative decoding all take a `step_fn(tokens, positions, cache) -> (logits, cache)`;
 translate is the encoder-decoder's use of beam search.
 
-May import: sampling, beam_search and speculative nothing of flaxgpt but each other; translate also
-flaxgpt.models and flaxgpt.runs.
+May import: flaxgpt.models, flaxgpt.loader (translate only: the encoder-decoder and its runs).
+sampling, beam_search and speculative import nothing of flaxgpt but each other (tests/test_imports.py).
 """

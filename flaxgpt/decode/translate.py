@@ -19,9 +19,9 @@ import warnings
 import jax
 import numpy as np
 
+from flaxgpt import loader
 from flaxgpt.decode.beam_search import beam_search
 from flaxgpt.models import seq2seq
-from flaxgpt.runs import run_dir
 
 
 @functools.partial(
@@ -118,8 +118,9 @@ def translate(
 
 
 def translate_run(out_dir, lines, *, step: int | None = None, **options) -> list[str]:
-    """`translate` with the model, weights and tokenizer of a seq2seq training run."""
-    run = run_dir.load_run(out_dir, step)
+    """`translate` with the model, weights and tokenizer of a seq2seq training run (flaxgpt.load)."""
+    loader.require_run(out_dir)
+    run = loader.load(out_dir, step=step)
     if run.kind != "seq2seq":
         raise ValueError(f"{out_dir} holds a {run.kind!r} model, not an encoder-decoder ('seq2seq') run")
     return translate(run.config, run.params, run.tokenizer, lines, **options)

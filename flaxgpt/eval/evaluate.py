@@ -95,17 +95,14 @@ def load(a):
     if kind == "gpt":  # the compute dtype; weights stay as loaded (scores in float32 either way)
         config = dataclasses.replace(config, dtype=a.dtype)
     if a.init_from:
-        from flaxgpt.hf import gpt2 as hf
+        from flaxgpt.hf.files import resolve
 
-        check_tokenizer(tokenizer, config.vocab_size, a.init_from, hf.resolve(a.init_from))
+        check_tokenizer(tokenizer, config.vocab_size, a.init_from, resolve(a.init_from))
         return kind, config, params, tokenizer, None
-    from flaxgpt.runs.checkpoint import Checkpointer
+    from flaxgpt.runs.run_dir import checkpoint_step
 
-    ckpt = Checkpointer(a.out_dir, read_only=True, async_save=False)
-    step = a.step if a.step is not None else ckpt.latest_step()
-    ckpt.close()
     check_tokenizer(tokenizer, config.vocab_size, a.out_dir)
-    return kind, config, params, tokenizer, step
+    return kind, config, params, tokenizer, checkpoint_step(a.out_dir, a.step)
 
 
 def evaluate(a, kind, config, params, tokenizer) -> dict:
@@ -166,15 +163,11 @@ def main(argv=None) -> dict:
 
 
 def cli(argv=None) -> int:
+    """`flaxgpt eval`: main with bad input as one line (CheckpointError and RunError are ValueErrors)."""
+    from flaxgpt import errors
     from flaxgpt.data.dataset_files import PrepareError
-    from flaxgpt.runs.checkpoint import CheckpointError
 
-    try:
-        main(argv)
-    except (ValueError, OSError, PrepareError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return errors.run_cli(main, argv, errors=(ValueError, OSError, PrepareError))
 
 
 if __name__ == "__main__":

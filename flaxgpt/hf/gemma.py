@@ -1,7 +1,8 @@
 """Gemma 2 and Gemma 3 (text) config.json <-> GPTConfig, and their key tables.
 
-The weights load and export through flaxgpt/hf/llama.py (one loop for every rotary family);
-this module says how Gemma's config.json reads as GPTConfig fields and how its tensors are named.
+Gemma's entries in the family table (flaxgpt.hf.families). The weights load and export through
+flaxgpt.hf.rotary (one loop for every rotary family); this module says how Gemma's config.json
+reads as GPTConfig fields and how its tensors are named.
 Gemma is a Llama-style decoder plus: norms scaled by (1 + w) (norm="rmsnorm_1p"), a norm after
 the attention and after the MLP (post_norms), GeGLU (activation="gelu", glu), embeddings times
 sqrt(D) (embed_scale), heads of their own width (head_size), logits scaled by
@@ -14,6 +15,10 @@ Mind the names: Gemma's post_attention_layernorm is the norm on the attention's 
 """
 
 from __future__ import annotations
+
+from flaxgpt.hf import files as hf_files
+from flaxgpt.hf.llama import ARCH_FIELDS
+from flaxgpt.models.gpt_config import GPTConfig
 
 GEMMA2_LAYER_KEYS = {  # HF name in layer i -> (flaxgpt path in h_{i}, part of a fused tensor)
     "input_layernorm.weight": (("ln_1", "scale"), None),  # [D]
@@ -32,11 +37,6 @@ GEMMA3_LAYER_KEYS = {
     **GEMMA2_LAYER_KEYS,
     "self_attn.q_norm.weight": (("attn", "q_norm", "scale"), None),  # [K]
     "self_attn.k_norm.weight": (("attn", "k_norm", "scale"), None),  # [K]
-}
-# model_type -> (architecture, layer keys); llama.py wraps them in its Family
-FAMILIES = {
-    "gemma2": ("Gemma2ForCausalLM", GEMMA2_LAYER_KEYS),
-    "gemma3_text": ("Gemma3ForCausalLM", GEMMA3_LAYER_KEYS),
 }
 REQUIRED = (
     "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads head_dim "
@@ -94,11 +94,8 @@ def _rope_fields(hf: dict, model_type: str) -> dict:
     return out
 
 
-def config_from_hf(hf: dict, arch_fields, **fields):
+def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
     """A Gemma 2 / Gemma 3 text config.json (as a dict) -> GPTConfig; `fields` set the free fields."""
-    from flaxgpt.hf import files as hf_files
-    from flaxgpt.models.gpt_config import GPTConfig
-
     model_type = hf["model_type"]
     missing = [key for key in REQUIRED if hf.get(key) is None]
     if missing:
@@ -119,7 +116,7 @@ def config_from_hf(hf: dict, arch_fields, **fields):
             "fix config.json (a window covers at most the context)"
         )
     block_size = hf_files.checked_block_size(
-        model_type, unsupported, fields, arch_fields, max_len, "max_position_embeddings"
+        model_type, unsupported, fields, ARCH_FIELDS, max_len, "max_position_embeddings"
     )
     softcaps = {
         key: float(hf.get(key) or 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")
@@ -154,7 +151,7 @@ def config_from_hf(hf: dict, arch_fields, **fields):
     )
 
 
-def config_to_hf(config, model_type: str, special_ids: dict | None = None) -> dict:
+def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict | None = None) -> dict:
     """GPTConfig -> a Gemma 2 / Gemma 3 text config.json (transformers 5's format)."""
     c = config
     need = dict(
@@ -180,7 +177,7 @@ def config_to_hf(config, model_type: str, special_ids: dict | None = None) -> di
         rope = glob
     scalar = c.query_pre_attn_scalar or c.head_dim
     return {
-        "architectures": [FAMILIES[model_type][0]],
+        "architectures": [family.architecture],
         "model_type": model_type,
         "vocab_size": c.vocab_size,
         "hidden_size": c.n_embd,

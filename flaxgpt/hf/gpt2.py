@@ -1,29 +1,16 @@
-"""GPT-2 weights from and to Hugging Face: an explicit key table, a shape check per tensor.
+"""GPT-2 in the family table (flaxgpt.hf.families): its key table, its config.json both ways, and
+the weight loop for its layout.
 
-    config, params = load_pretrained("gpt2")            # hub or its cache (needs huggingface_hub)
-    config, params = load_pretrained("path/to/dir")     # config.json + model.safetensors
-    export_pretrained(config, params, "out/hf")         # then GPT2LMHeadModel.from_pretrained("out/hf")
-
-
-`flaxgpt hf export` and `flaxgpt hf info` are flaxgpt.hf.cli.
 GPT-2 stores its Linear layers as Conv1D, whose weight is [in, out]: the same layout as
 a flax Dense kernel, so blocks copy without transposes. Only an untied lm_head
-(torch Linear, [out, in]) is transposed. Finding and opening the files: flaxgpt.hf.files.
-load_pretrained, export and info also take Llama, Mistral and Qwen2 (their key tables are in
-flaxgpt.hf.llama), choosing by config.json's model_type (export: by the GPTConfig).
-
-Export never writes into a training run's directory (one with config.json and checkpoints/ or
-meta.json, or anything inside one), and replaces an existing non-empty directory's files only with
---overwrite (`overwrite=True`); each file is written to a temporary name and renamed when complete.
+(torch Linear, [out, in]) is transposed. Finding and opening the files: flaxgpt.hf.files;
+loading and exporting any family by its model_type: flaxgpt.hf.pretrained.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +18,9 @@ import numpy as np
 from flax import linen as nn
 
 from flaxgpt.hf import files as hf_files
-from flaxgpt.hf.files import CONFIG_FILE, WEIGHTS_FILE, get_path, open_tensors, resolve, set_path
-from flaxgpt.models.gpt import GPTConfig, abstract_params, quantize_params, unstack_layers
+from flaxgpt.hf.files import get_path, open_tensors, set_path
+from flaxgpt.models.gpt import GPTConfig, abstract_params, unstack_layers
 from flaxgpt.models.layers import sinusoidal_positions
-from flaxgpt.models.quantize import check_mode
 
 # flaxgpt activation <-> transformers ACT2FN name
 ACT_TO_HF = {"gelu": "gelu_new", "gelu_exact": "gelu", "relu": "relu"}
@@ -74,7 +60,7 @@ BUFFER_RE = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 # ---------------------------------------------------------------- configs
 
 
-def config_from_hf(hf: dict, **fields) -> GPTConfig:
+def config_from_hf(hf: dict, family=None, **fields) -> GPTConfig:
     """A GPT-2 config.json (as a dict) -> GPTConfig; `fields` set the non-architecture fields."""
     if hf.get("model_type") != "gpt2":
         raise ValueError(f"not a GPT-2 config: model_type is {hf.get('model_type')!r}, expected 'gpt2'")
@@ -104,8 +90,32 @@ def config_from_hf(hf: dict, **fields) -> GPTConfig:
     )
 
 
-def config_to_hf(config: GPTConfig) -> dict:
-    """GPTConfig -> GPT-2 config.json. Everything a GPTConfig describes maps (see export_pretrained)."""
+# fields of GPTConfig whose other values GPT-2 cannot hold: name -> the value(s) it can
+GPT2_EXPRESSIBLE = {
+    "pos_embedding": ("learned", "sinusoidal"),
+    "activation": ("gelu", "gelu_exact", "relu"),
+    "norm": "layernorm",
+    "qk_norm": False,
+    "logit_softcap": 0.0,
+    "glu": False,
+    "unet_skips": False,
+    "value_embeds": 0,
+}
+
+
+def config_to_hf(config: GPTConfig, model_type: str = "gpt2", family=None, special_ids=None) -> dict:
+    """GPTConfig -> GPT-2 config.json: no bias -> zero biases, sinusoidal positions -> a wpe table
+    holding the same encoding, an untied head -> tie_word_embeddings=False; what GPT-2 has no
+    equivalent for (GPT2_EXPRESSIBLE) is a one-line error."""
+    beyond = [  # options GPT-2's format has no equivalent for (zero_init_proj is only an init)
+        f"{name}={getattr(config, name)!r}"
+        for name, plain in GPT2_EXPRESSIBLE.items()
+        if getattr(config, name, plain) not in (plain if isinstance(plain, tuple) else (plain,))
+    ]
+    if beyond:
+        raise ValueError(
+            f"a GPT-2 checkpoint cannot express {', '.join(beyond)}; export a model without them"
+        )
     eos = 50256 if config.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, only with its tokenizer
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -135,61 +145,18 @@ def config_to_hf(config: GPTConfig) -> dict:
 # ---------------------------------------------------------------- import
 
 
-def llama_family(hf: dict):
-    """flaxgpt.hf.llama when config.json is a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 text
-    one, None for GPT-2; any other model_type is a one-line error listing the supported ones."""
-    from flaxgpt.hf import llama as hf_llama
-
-    model_type = hf.get("model_type")
-    if model_type == "gpt2":
-        return None
-    if model_type not in hf_llama.FAMILIES:
-        supported = ", ".join(["gpt2", *hf_llama.FAMILIES])
-        raise ValueError(f"model_type {model_type!r} is not supported; supported: {supported}")
-    return hf_llama
-
-
-def read_config(name_or_path: str, cache_dir: str | None = None) -> GPTConfig:
-    """The GPTConfig of a GPT-2 name or a Hugging Face directory, from its config.json alone (no weights)."""
-    with open(os.path.join(resolve(name_or_path, cache_dir), CONFIG_FILE)) as fh:
-        hf = json.load(fh)
-    family = llama_family(hf)
-    return family.config_from_hf(hf) if family else config_from_hf(hf)
-
-
-def load_pretrained(
-    name_or_path: str,
+def load_gpt2(
+    directory: str,
+    hf: dict,
+    family=None,
     *,
-    scan_layers: bool = False,
-    pad_vocab_multiple: int = 1,
-    param_dtype: str = "float32",
-    cache_dir: str | None = None,
-    quantize: str | None = None,
+    scan_layers=False,
+    pad_vocab_multiple=1,
+    param_dtype="float32",
     **overrides,
 ):
-    """GPT-2 or Llama-family weights -> (GPTConfig, params) for `GPT(config).apply(...)`.
-
-    `name_or_path`: a directory with config.json + model.safetensors (or the index and its
-    shards), or a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the HF cache or
-    downloaded. config.json's model_type picks the key table: gpt2 here, llama / mistral / qwen2
-    in hf_llama.py.
-    `overrides`: GPTConfig fields that do not change the architecture (dtype, dropout,
-    block_size <= n_positions, attention_impl, remat).
-    `quantize`: "int8" or "bf16" weights for decoding with `gpt.step_fn` (`gpt.quantize_params`).
-    """
-    if quantize is not None:
-        check_mode(quantize)  # before reading any weights
-    directory = resolve(name_or_path, cache_dir)
-    cfg_file = os.path.join(directory, CONFIG_FILE)
-    if not os.path.exists(cfg_file):
-        raise FileNotFoundError(
-            f"no {CONFIG_FILE} in {directory}; a GPT-2 directory holds {CONFIG_FILE} and {WEIGHTS_FILE}"
-        )
-    with open(cfg_file) as fh:
-        hf = json.load(fh)
-    if llama_family(hf):
-        kw = dict(scan_layers=scan_layers, pad_vocab_multiple=pad_vocab_multiple, param_dtype=param_dtype)
-        return llama_family(hf).load_llama(directory, hf, **kw, **overrides)
+    """A GPT-2 directory (its config.json already read into `hf`) -> (GPTConfig, params).
+    `overrides`: GPTConfig fields that do not change the architecture (block_size <= n_positions...)."""
     config = config_from_hf(
         hf,
         scan_layers=scan_layers,
@@ -236,70 +203,17 @@ def load_pretrained(
                 for i in range(L):
                     x = hf_files.read(table, f"h.{i}.{key}", shape, dtype)
                     set_path(params, (f"h_{i}",) + path, jax.device_put(x))
-    if quantize is not None:
-        return quantize_params(config, params, quantize)
     return config, params
-
-
-def load_tokenizer(name_or_path: str, cache_dir: str | None = None):
-    """The tokenizer of a pretrained model: GPT-2's BPE (shipped with flaxgpt, offline) for GPT-2,
-    the directory's tokenizer.json for a Llama-family model (an error when it has none)."""
-    from flaxgpt.data import tokenizers
-    from flaxgpt.hf.tokenizer import TOKENIZER_FILE, HFTokenizer
-
-    directory = resolve(name_or_path, cache_dir)
-    with open(os.path.join(directory, CONFIG_FILE)) as fh:
-        model_type = json.load(fh).get("model_type")
-    if model_type == "gpt2":
-        return tokenizers.get_tokenizer("gpt2")
-    if not os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
-        raise FileNotFoundError(f"no {TOKENIZER_FILE} in {directory}; a {model_type} model needs its own")
-    return HFTokenizer(directory)
 
 
 # ---------------------------------------------------------------- export
 
 
-def _as_config(config) -> GPTConfig:
-    """A GPTConfig, or a run's `model` section (config.json: GPTConfig fields + "kind")."""
-    from flaxgpt.models import registry as models
-
-    kind = models.kind_of(config) if dataclasses.is_dataclass(config) else dict(config).get("kind", "gpt")
-    if kind != "gpt":
-        raise ValueError(f"only GPT models export to GPT-2; this checkpoint is kind={kind!r}")
-    return config if isinstance(config, GPTConfig) else models.config_from(config, saved=True)
-
-
-# fields of GPTConfig whose other values GPT-2 cannot hold: name -> the value(s) it can
-GPT2_EXPRESSIBLE = {
-    "pos_embedding": ("learned", "sinusoidal"),
-    "activation": ("gelu", "gelu_exact", "relu"),
-    "norm": "layernorm",
-    "qk_norm": False,
-    "logit_softcap": 0.0,
-    "glu": False,
-    "unet_skips": False,
-    "value_embeds": 0,
-}
-
-
-def export_state(config, params) -> tuple[dict, dict]:
-    """(config.json dict, {HF name: float32 numpy array}) for a flaxgpt GPT.
-
-    Every GPTConfig maps onto GPT-2: no bias -> zero biases, sinusoidal positions -> a
-    wpe table holding the same encoding, activations -> their ACT2FN names, an untied
-    head -> tie_word_embeddings=False.
-    """
-    config = _as_config(config)
-    beyond = [  # options GPT-2's format has no equivalent for (zero_init_proj is only an init)
-        f"{name}={getattr(config, name)!r}"
-        for name, plain in GPT2_EXPRESSIBLE.items()
-        if getattr(config, name, plain) not in (plain if isinstance(plain, tuple) else (plain,))
-    ]
-    if beyond:
-        raise ValueError(
-            f"a GPT-2 checkpoint cannot express {', '.join(beyond)}; export a model without them"
-        )
+def export_state(
+    config, params, model_type: str = "gpt2", family=None, special_ids=None
+) -> tuple[dict, dict]:
+    """(config.json dict, {HF name: float32 numpy array}) for a flaxgpt GPT GPT-2 expresses."""
+    hf = config_to_hf(config)  # refuses what GPT-2 cannot express
     params = nn.unbox(params)
     if config.scan_layers:
         params = unstack_layers(params, config.n_layer)
@@ -337,55 +251,4 @@ def export_state(config, params) -> tuple[dict, dict]:
     for i in range(config.n_layer):
         for key, path in BLOCK_KEYS.items():
             tensors[f"transformer.h.{i}.{key}"] = get((f"h_{i}",) + path, get_path(block_shapes, path).shape)
-    return config_to_hf(config), tensors
-
-
-def _is_run(directory: Path) -> bool:
-    """A flaxgpt training run: config.json beside checkpoints/ or meta.json."""
-    return (directory / "config.json").is_file() and (
-        (directory / "checkpoints").is_dir() or (directory / "meta.json").is_file()
-    )
-
-
-def check_export_target(to, overwrite: bool = False, run=None) -> None:
-    """Refuses, in one line, to export into the training run `run`, into any training run's directory
-    (or below it), into a file, or into an existing non-empty directory unless `overwrite`."""
-    target = Path(to).resolve()
-    if run is not None and Path(run).resolve() in (target, *target.parents):
-        where = "is" if Path(run).resolve() == target else "is inside"
-        raise ValueError(f"--to {to} {where} the training run being exported; export to another directory")
-    for directory in (target, *target.parents):
-        if _is_run(directory):
-            where = "is" if directory == target else f"is inside {directory},"
-            raise ValueError(f"{to} {where} a flaxgpt training run; export to a directory outside it")
-    if target.exists() and not target.is_dir():
-        raise FileExistsError(f"{to} is a file, not a directory; choose another --to")
-    if not overwrite and target.is_dir() and any(target.iterdir()):
-        raise FileExistsError(
-            f"{to} exists and is not empty; pass --overwrite to replace its {CONFIG_FILE} and "
-            f"{WEIGHTS_FILE}, or choose another --to"
-        )
-
-
-def export_pretrained(config, params, out_dir: str, overwrite: bool = False, tokenizer=None) -> str:
-    """Write out_dir/config.json + model.safetensors for transformers.GPT2LMHeadModel.from_pretrained,
-    or, for a model with rotary positions, the Llama-family model that expresses it (hf_llama.py,
-    with the tokenizer's files when `tokenizer` is the model's own tokenizer.json).
-    Refuses a training run's directory, and an existing non-empty out_dir unless `overwrite`."""
-    from safetensors.numpy import save_file
-
-    check_export_target(out_dir, overwrite)
-    config = _as_config(config)
-    if config.pos_embedding == "rope":
-        from flaxgpt.hf import llama as hf_llama
-
-        return hf_llama.export_llama(config, params, out_dir, tokenizer=tokenizer)
-    hf, tensors = export_state(config, params)
-    os.makedirs(out_dir, exist_ok=True)
-    weights, config_file = os.path.join(out_dir, WEIGHTS_FILE), os.path.join(out_dir, CONFIG_FILE)
-    save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
-    with open(config_file + ".tmp", "w") as fh:
-        json.dump(hf, fh, indent=2)
-    os.replace(weights + ".tmp", weights)  # a failed export leaves no half-written file behind
-    os.replace(config_file + ".tmp", config_file)
-    return out_dir
+    return hf, tensors

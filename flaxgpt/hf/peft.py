@@ -1,10 +1,10 @@
 """Hugging Face PEFT LoRA adapters both ways, and merging one into its base.
 
     spec, adapters = load_adapter("adapter_dir", config)     # adapter_config.json + adapter_model.safetensors
-    config, params = flaxgpt.load_pretrained("base_dir", adapter="adapter_dir")   # merged
     export_adapter(config, spec, adapters, "out/adapter", base="base_dir")       # peft loads it
-    flaxgpt peft merge --base base_dir --adapter adapter_dir --to merged_dir
-    flaxgpt peft export --out_dir out/lora_llama --to out/lora_llama_adapter
+
+Merged into its base by flaxgpt.load_pretrained("base_dir", adapter="adapter_dir") (flaxgpt.loader);
+`flaxgpt peft merge` and `flaxgpt peft export` are flaxgpt.hf_cli.
 
 PEFT names one adapter per torch module: lora_A.weight [r, in] and lora_B.weight [out, r] (torch
 layout, also for GPT-2's Conv1D); flaxgpt's are A [in, r] and B [r, out] at the Dense they adapt
@@ -14,7 +14,6 @@ below is the whole mapping; every tensor is shape-checked against the base's con
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -25,9 +24,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from flaxgpt.hf import files as hf_files
-from flaxgpt.hf import gpt2 as hf_gpt2
 from flaxgpt.models import lora
-from flaxgpt.models.gpt import GPTConfig, quantize_params, stack_layers, unstack_layers
+from flaxgpt.models.gpt import GPTConfig, stack_layers, unstack_layers
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -167,100 +165,3 @@ def export_adapter(config: GPTConfig, spec: lora.LoraSpec, adapters, out_dir: st
     os.replace(tmp, os.path.join(out_dir, ADAPTER_WEIGHTS))
     hf_files.write_json(hf, os.path.join(out_dir, ADAPTER_CONFIG))
     return out_dir
-
-
-def load_pretrained(name_or_path: str, *, adapter: str | None = None, quantize: str | None = None, **kw):
-    """hf.gpt2.load_pretrained, with a PEFT `adapter` directory merged into the base (W + scale A B)
-    before any `quantize`: (config, params) of a plain GPT (flaxgpt.load_pretrained)."""
-    if adapter is None:
-        return hf_gpt2.load_pretrained(name_or_path, quantize=quantize, **kw)
-    config, base = hf_gpt2.load_pretrained(name_or_path, **kw)
-    spec, adapters = load_adapter(adapter, config)
-    params = lora.merge(config, spec, base, adapters)
-    if quantize is not None:
-        return quantize_params(config, params, quantize)
-    return config, params
-
-
-def lora_section(out_dir) -> dict | None:
-    """The `lora` section of a run's config.json when the run trained LoRA adapters (rank > 0)."""
-    path = os.path.join(out_dir, "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        section = json.load(fh).get("lora") or {}
-    return section if section.get("rank") else None
-
-
-def _lora_run(out_dir, step=None):
-    """(config, spec, adapters, base directory, extra) of a LoRA run's checkpoint `step` (default latest)."""
-    from flaxgpt.models import registry as models
-    from flaxgpt.runs import checkpoint
-
-    adapters, extra = checkpoint.load_for_inference(out_dir, step, with_extra=True)
-    cfg = extra.get("config") or {}
-    c, config = cfg.get("lora") or lora_section(out_dir), models.config_from(cfg["model"], saved=True)
-    spec = lora.LoraSpec.make(config, c["rank"], c["alpha"], c["dropout"], c["targets"])
-    return config, spec, adapters, cfg["init_from"], extra
-
-
-def load_lora_run(out_dir, step=None, *, quantize: str | None = None):
-    """A LoRA run as a run_dir.Run: its base (init_from) with the checkpoint's adapters merged."""
-    from flaxgpt.data import tokenizers
-    from flaxgpt.runs.run_dir import Run
-
-    config, spec, adapters, base_dir, extra = _lora_run(out_dir, step)
-    layout = {
-        f: getattr(config, f) for f in ("scan_layers", "pad_vocab_multiple", "param_dtype", "block_size")
-    }
-    _, base = hf_gpt2.load_pretrained(base_dir, **layout)
-    params = lora.merge(config, spec, base, adapters)
-    if quantize is not None:
-        config, params = quantize_params(config, params, quantize)
-    with open(os.path.join(out_dir, "meta.json")) as fh:
-        tok_meta = (extra.get("meta") or {}).get("tokenizer") or json.load(fh)["tokenizer"]
-    return Run("gpt", config, params, tokenizers.from_meta(tok_meta))
-
-
-def export_run_adapter(out_dir, to: str, step=None) -> str:
-    """A LoRA run's adapters (checkpoint `step`, default the latest) as a PEFT adapter directory."""
-    if lora_section(out_dir) is None:
-        raise ValueError(f"{out_dir} is not a LoRA run (its config.json has no lora.rank > 0)")
-    hf_gpt2.check_export_target(to, run=out_dir)
-    config, spec, adapters, base_dir, _ = _lora_run(out_dir, step)
-    return export_adapter(config, spec, adapters, to, base=base_dir)
-
-
-def merge_to(base_dir: str, adapter_dir: str, to: str, overwrite: bool = False) -> str:
-    """Write base + adapter as a plain Hugging Face model directory (config, safetensors, tokenizer)."""
-    hf_gpt2.check_export_target(to, overwrite)
-    config, params = load_pretrained(base_dir, adapter=adapter_dir)
-    has_tokenizer = os.path.isfile(os.path.join(base_dir, "tokenizer.json"))
-    tokenizer = hf_gpt2.load_tokenizer(base_dir) if config.glu and has_tokenizer else None
-    return hf_gpt2.export_pretrained(config, params, to, overwrite=True, tokenizer=tokenizer)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="flaxgpt peft", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("merge", help="base + PEFT adapter -> a plain Hugging Face model directory")
-    m.add_argument("--base", required=True, help="the base model directory (config.json + safetensors)")
-    m.add_argument("--adapter", required=True, help="the PEFT adapter directory")
-    m.add_argument("--to", required=True, help="the new model directory")
-    m.add_argument("--overwrite", action="store_true")
-    e = sub.add_parser("export", help="a LoRA run's adapter -> a PEFT adapter directory")
-    e.add_argument("--out_dir", required=True, help="the LoRA training run")
-    e.add_argument("--to", required=True, help="the adapter directory to write")
-    args = p.parse_args(argv)
-    try:
-        if args.cmd == "merge":
-            print(f"wrote {merge_to(args.base, args.adapter, args.to, args.overwrite)}")
-        else:
-            print(f"wrote {export_run_adapter(args.out_dir, args.to)}")
-    except (ValueError, OSError) as e:
-        raise SystemExit(f"error: {e}") from None
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,7 +9,7 @@ Parameter names are GPT-2's (wte, wpe, h_0 ... h_{L-1}, ln_1, attn/c_attn, attn/
 ln_2, mlp/c_fc, mlp/c_proj, ln_f, lm_head), so importing OpenAI's weights is a
 name-for-name copy. The same module is a Llama / Mistral / Qwen2 decoder with the options of
 the second block of GPTConfig (RoPE, RMSNorm, SwiGLU, grouped-query attention, ...; presets
-"smollm2-135m", "llama-3.2-1b", ...); their weights map onto these names in hf_llama.py.
+"smollm2-135m", "llama-3.2-1b", ...); their weights map onto these names by flaxgpt.hf.families.
 With `scan_layers` the blocks live stacked under `h` with a leading [L] axis;
 `stack_layers` / `unstack_layers` convert between the layouts.
 

@@ -1,6 +1,6 @@
 """Training metrics: metrics.jsonl, TensorBoard events, console lines, tokens/s and MFU.
 
-MFU = achieved FLOP/s / peak FLOP/s, with the training FLOPs per token of tools.summary.flops_per_token
+MFU = achieved FLOP/s / peak FLOP/s, with the training FLOPs per token of models.flops.flops_per_token
 (nanoGPT's / PaLM appendix B's 6 N + 12 L H Q T; the trainer multiplies it by the tokens per step).
 The peak is per device (config.peak_flops, or a guess from the device kind) times the device count.
 On CPU there is no meaningful peak, so MFU is left out of the console lines.

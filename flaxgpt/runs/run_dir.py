@@ -4,6 +4,7 @@
     changed = check_resume(extra, step, model_config, meta)   # before a resume writes anything
     run = load_run("out/shakespeare_char")              # Run(kind, config, params, tokenizer)
     run = load_run("out/reverse", step=2000)            # (flaxgpt.load: also a dtype, quantized weights)
+    is_run_dir(path), require_run(path)                 # the one rule for "a training run's directory"
 
 out_dir/ holds config.json (the resolved run config; its "model" entry is `models.section_of` of the
 model config: "kind" plus every field), meta.json (copied from the data directory: the tokenizer),
@@ -44,6 +45,26 @@ class Run(NamedTuple):
     config: Any  # GPTConfig | TransformerConfig
     params: Any
     tokenizer: Any  # a tokenizers.Tokenizer; Seq2SeqTokenizer for "seq2seq"
+
+
+def is_run_dir(source) -> bool:
+    """The one rule for "is this a flaxgpt training run?": meta.json or checkpoints/, or a config.json
+    with a `model` entry (a Hugging Face config.json has `model_type` instead)."""
+    path = Path(source)
+    if (path / "meta.json").is_file() or (path / "checkpoints").is_dir():
+        return True
+    try:
+        return "model" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def require_run(source) -> None:
+    """A one-line RunError unless `source` is a training run's directory: where the user named a run
+    (--out_dir), before flaxgpt.load, which would look a missing directory's name up on the hub."""
+    if not is_run_dir(source):
+        what = "is not a training run" if Path(source).is_dir() else "is not a directory"
+        raise RunError(f"{source} {what}; {HINT}")
 
 
 def _write_atomic(path: Path, text: str):
@@ -149,15 +170,33 @@ def _read(path: Path) -> dict:
         raise RunError(f"{path} cannot be read ({why}); {HINT}") from None
 
 
-def load_run(out_dir, step: int | None = None) -> Run:
-    """The run in `out_dir` at checkpoint `step` (default: the latest), params on one local device,
-    as saved (flaxgpt.load casts and quantizes)."""
+def model_section(out_dir) -> dict:
+    """config.json's `model` entry (`models.section_of` the model config), one-line RunErrors."""
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise RunError(f"{out_dir} is not a directory; {HINT}")
     section = _read(out_dir / "config.json").get("model")
     if not isinstance(section, dict):
         raise RunError(f"{out_dir / 'config.json'} has no 'model' entry; is it a flaxgpt run config?")
+    return section
+
+
+def checkpoint_step(out_dir, step: int | None = None) -> int | None:
+    """The checkpoint step `load_run(out_dir, step)` reads: `step`, or the latest one."""
+    if step is not None:
+        return step
+    ckpt = checkpoint.Checkpointer(out_dir, read_only=True, async_save=False)
+    try:
+        return ckpt.latest_step()
+    finally:
+        ckpt.close()
+
+
+def load_run(out_dir, step: int | None = None) -> Run:
+    """The run in `out_dir` at checkpoint `step` (default: the latest), params on one local device,
+    as saved (flaxgpt.load casts and quantizes)."""
+    out_dir = Path(out_dir)
+    section = model_section(out_dir)
     tok_meta = _read(out_dir / "meta.json").get("tokenizer")
     if not tok_meta:
         raise RunError(

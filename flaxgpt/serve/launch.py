@@ -25,21 +25,12 @@ def load(
 
     from flaxgpt import loader
 
+    dtype = None if dtype == "float32" else dtype
     if random_init:  # random weights of a preset's shape: load tests without a download
-        import jax
-
-        from flaxgpt.data import tokenizers
-        from flaxgpt.models import gpt
-
-        config = gpt.GPTConfig.preset(init_from)
-        run = loader.Run(
-            "gpt", config, gpt.init_params(config, jax.random.key(0)), tokenizers.get_tokenizer("gpt2")
-        )
-        return loader.compact(run, dtype=None if dtype == "float32" else dtype, quantize=quantize), init_from
+        return loader.init(init_from, dtype=dtype, quantize=quantize), init_from
     if not init_from:
         loader.require_run(out_dir)
     source = init_from or out_dir
-    dtype = None if dtype == "float32" else dtype
     run = loader.load(source, step=step, dtype=dtype, quantize=quantize, adapter=adapter)
     if run.kind != "gpt":
         raise SystemExit(f"error: {source} holds a {run.kind!r} model; the server serves GPT models")

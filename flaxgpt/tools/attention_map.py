@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import sys
 from pathlib import Path
 
@@ -169,16 +168,8 @@ def write_attention_png(
 # ----------------------------------------------------------------------------- command line
 
 
-def _load_run(out_dir: str, overrides: dict):
-    from flaxgpt.runs.run_dir import load_run  # lazy: orbax is slow to import
-
-    run = load_run(out_dir)
-    if run.kind != "gpt":
-        raise ValueError(f"{out_dir} holds an encoder-decoder; attention maps are drawn for GPT runs only")
-    return dataclasses.replace(run.config, **overrides), run.params, run.tokenizer
-
-
-def _load_random(args, overrides: dict):
+def _random(args, overrides: dict):
+    """The config and tokenizer of --init_from random: --config's model section or --preset."""
     from flaxgpt.data.tokenizers import CharTokenizer, get_tokenizer
     from flaxgpt.models.registry import config_from
     from flaxgpt.train.config_check import load_recipe
@@ -188,42 +179,37 @@ def _load_random(args, overrides: dict):
     else:
         config = gpt.GPTConfig.preset(args.preset or "gpt2", **overrides)
     if config.vocab_size >= 50257:
-        tokenizer = get_tokenizer("gpt2")
-    else:  # a small random model: spell the prompt in its own characters
-        tokenizer = CharTokenizer.from_text(args.prompt)
-        if tokenizer.vocab_size > config.vocab_size:
-            raise ValueError(
-                f"the prompt has {tokenizer.vocab_size} distinct characters but the model's "
-                f"vocab_size is {config.vocab_size}; use a shorter prompt"
-            )
-    params = jax.jit(lambda key: gpt.init_params(config, key))(jax.random.key(args.seed))
-    return config, params, tokenizer
-
-
-def _is_run_config(path: Path) -> bool:
-    """A flaxgpt run's config.json has a "model" entry; a GPT-2 (HF) one has "model_type"."""
-    try:
-        return "model" in json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
+        return config, get_tokenizer("gpt2")
+    # a small random model: spell the prompt in its own characters
+    tokenizer = CharTokenizer.from_text(args.prompt)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(
+            f"the prompt has {tokenizer.vocab_size} distinct characters but the model's "
+            f"vocab_size is {config.vocab_size}; use a shorter prompt"
+        )
+    return config, tokenizer
 
 
 def _load(args, overrides: dict):
-    """(GPTConfig, params, tokenizer): a run directory, imported HF weights, or a random init."""
+    """(GPTConfig, params, tokenizer): a run directory or HF weights (flaxgpt.load), or a random init."""
+    from flaxgpt import loader
+
     source = Path(args.init_from)
     if args.init_from == "random":
-        return _load_random(args, overrides)
-    if (source / "checkpoints").is_dir() or _is_run_config(source / "config.json"):
-        return _load_run(args.init_from, overrides)
-    if args.init_from in GPT2_NAMES or (source / "config.json").is_file():
-        from flaxgpt.hf.gpt2 import load_pretrained, load_tokenizer  # a hub name or a local HF directory
-
-        config, params = load_pretrained(args.init_from, **overrides)
-        return config, params, load_tokenizer(args.init_from)
-    raise ValueError(
-        f"--init_from {args.init_from!r} is neither a training run (no checkpoints/ in it), a Hugging "
-        f"Face directory, a GPT-2 name ({', '.join(GPT2_NAMES)}), nor 'random'"
-    )
+        config, tokenizer = _random(args, overrides)
+        run = loader.init(config, seed=args.seed, tokenizer=tokenizer)
+    elif loader.is_run_dir(source) or args.init_from in GPT2_NAMES or (source / "config.json").is_file():
+        run = loader.load(args.init_from, overrides=overrides)
+    else:
+        raise ValueError(
+            f"--init_from {args.init_from!r} is neither a training run (no checkpoints/ in it), a Hugging "
+            f"Face directory, a GPT-2 name ({', '.join(GPT2_NAMES)}), nor 'random'"
+        )
+    if run.kind != "gpt":
+        raise ValueError(
+            f"{args.init_from} holds an encoder-decoder; attention maps are drawn for GPT runs only"
+        )
+    return run.config, run.params, run.tokenizer
 
 
 def main(argv: list[str] | None = None) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Training: the trainer loop and its jitted step, the tasks (GPT and encoder-decoder), losses,
 optimizers, preemption and the config check.
 
-May import: flaxgpt.models, flaxgpt.data, flaxgpt.runs, flaxgpt.eval, flaxgpt.decode, flaxgpt.sharding.
+May import: flaxgpt.models, flaxgpt.data, flaxgpt.runs, flaxgpt.hf (init_from pretrained weights),
+flaxgpt.eval, flaxgpt.decode, flaxgpt.sharding, flaxgpt.runtime, flaxgpt.errors.
 """

@@ -10,7 +10,7 @@ rows' loss_mask tokens and attention stays inside each example's segment).
 init_from = auto | resume | scratch builds the model from the recipe's `model` section
 (models.config_from); a GPT-2 name or directory takes the architecture and weights from that
 checkpoint and only the recipe's run-time fields (models.RUNTIME_FIELDS) from the recipe; so does a Llama,
-Mistral or Qwen2 directory (hf.load_pretrained dispatches on its config.json's model_type).
+Mistral or Qwen2 directory (hf.pretrained.load_pretrained dispatches on its config.json's model_type).
 
 With `lora.rank` > 0 the pretrained weights become the frozen base (`frozen`, in lora.base_dtype) and
 the trained parameters are LoRA adapters only (flaxgpt/models/lora.py): `loss(adapters, ..., frozen=base)`.
@@ -27,7 +27,7 @@ from flax import linen as nn
 from flaxgpt import sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.data import fineweb, packing
-from flaxgpt.hf import gpt2 as hf
+from flaxgpt.hf import pretrained as hf
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy

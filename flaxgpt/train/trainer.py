@@ -28,10 +28,10 @@ from flaxgpt import runtime, sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
+from flaxgpt.models.flops import flops_per_token
 from flaxgpt.runs import checkpoint as ckpt_lib
 from flaxgpt.runs import checksum, run_dir, run_lock
 from flaxgpt.runs.metrics import MetricsWriter, closing_lines, peak_flops_per_device
-from flaxgpt.tools.summary import flops_per_token
 from flaxgpt.train.config_check import check as check_config
 from flaxgpt.train.config_check import micro_batch, schedule_note
 from flaxgpt.train.preemption import StopSignal
@@ -309,7 +309,7 @@ class Trainer:
         writer.write(step, {**evals, "best_val_loss": summary["best_val_loss"]})
         if self.is_main and self.config.get("plot", False) and not getattr(self, "_no_plot", False):
             try:
-                from flaxgpt.tools.plot import plot_metrics
+                from flaxgpt.runs.plot import plot_metrics
 
                 plot_metrics(self.config.out_dir)
             except ImportError as e:  # matplotlib is optional: say so once, keep training

@@ -16,7 +16,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from flaxgpt.data import chat
-from flaxgpt.hf.tokenizer import HFTokenizer
+from flaxgpt.data.hf_tokenizer import HFTokenizer
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "

@@ -89,7 +89,7 @@ def test_long_and_empty_prompts_warn(run_dir, capsys):
 
 
 def test_init_from_gpt2_directory_and_empty_prompt(tmp_path, capsys):
-    from flaxgpt.hf.gpt2 import export_pretrained
+    from flaxgpt.hf.pretrained import export_pretrained
 
     cfg = GPTConfig(block_size=32, n_layer=1, n_head=2, n_embd=16)  # GPT-2's vocabulary, tiny body
     export_pretrained(cfg, init_params(cfg, jax.random.key(1)), str(tmp_path / "hf"))

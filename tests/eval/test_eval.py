@@ -261,7 +261,7 @@ def test_translation_bleu_and_exact_match_of_a_seq2seq_run(tmp_path, capsys):
 
 
 def test_training_evaluator_reads_once_and_scores(files):
-    from flaxgpt.hf import gpt2 as hf
+    from flaxgpt.hf import pretrained as hf
 
     root, _ = files
     config, params = hf.load_pretrained(str(root / "model"))

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ pac
 from configs import default  # noqa: E402
 from flaxgpt.data import prepare  # noqa: E402
 from flaxgpt.eval import tasks as eval_tasks  # noqa: E402
-from flaxgpt.tools import plot  # noqa: E402
+from flaxgpt.runs import plot  # noqa: E402
 from flaxgpt.train import trainer  # noqa: E402
 
 TEXT = "".join(f"Pigs: {i % 7} little pigs went To market and {i % 5} stayed home.\n" for i in range(200))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flaxgpt.data import chat, packing, prepare
-from flaxgpt.hf.tokenizer import HFTokenizer
+from flaxgpt.data.hf_tokenizer import HFTokenizer
 from tests.data.test_chat import make_chat_dir
 from tests.hf.test_llama import make_hf_model, torch_greedy
 

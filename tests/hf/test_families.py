@@ -17,8 +17,9 @@ import pytest
 import torch
 import transformers
 
-from flaxgpt.hf import gpt2 as hf
+from flaxgpt.hf import families
 from flaxgpt.hf import llama as hf_llama
+from flaxgpt.hf import pretrained as hf
 from flaxgpt.models.gpt import GPTConfig
 from tests.hf.test_llama import flax_greedy, flax_logits, raises_one_line, ref_logits, torch_greedy
 
@@ -87,7 +88,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(family, tm
     params = jax.tree_util.tree_map(lambda x: x * 1.1, params)  # not the file we read
     hf.export_pretrained(config, params, str(tmp_path))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
-    assert type(model).__name__ == hf_llama.FAMILIES[model_type].architecture
+    assert type(model).__name__ == families.FAMILIES[model_type].architecture
     np.testing.assert_allclose(
         ref_logits(model, TOKENS), flax_logits(config, params, TOKENS), atol=1e-4, rtol=0
     )
@@ -188,7 +189,7 @@ def test_presets_have_the_published_shapes_and_parameter_counts(name):
 
     total, hf_config = PUBLISHED[name]
     preset = GPTConfig.preset(name)
-    mapped = hf_llama.config_from_hf(hf_config)
+    mapped = families.config_from_hf(hf_config)
     fields = hf_llama.ARCH_FIELDS + ("block_size",)
     assert {f: getattr(mapped, f) for f in fields} == {f: getattr(preset, f) for f in fields}
     assert summary.summarize(preset)["totals"]["total"] == total
@@ -207,7 +208,7 @@ def test_config_errors_name_the_values():
     with pytest.raises(ValueError, match="attn_softcap must be >= 0"):
         GPTConfig(**base, attn_softcap=-1.0)
     with pytest.raises(ValueError, match="gemma2 needs norm='rmsnorm_1p', this model has 'rmsnorm'"):
-        hf_llama.config_to_hf(GPTConfig.preset("qwen3-0.6b"), "gemma2")
+        families.config_to_hf(GPTConfig.preset("qwen3-0.6b"), "gemma2")
 
 
 def test_speculative_decoding_past_the_window_gives_the_greedy_tokens(family):

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_finetune_gemma3_loss_goes_down_then_export(tmp_path):
     import jax
 
-    from flaxgpt.hf import cli as hf_cli
+    from flaxgpt import hf_cli
     from flaxgpt.runs.run_dir import load_run
     from tests.hf.test_llama import flax_logits
 

@@ -18,10 +18,10 @@ import transformers
 from flax import linen as nn
 from safetensors.numpy import load_file, save_file
 
+from flaxgpt import hf_cli
 from flaxgpt.decode.sampling import generate
-from flaxgpt.hf import cli as hf_cli
 from flaxgpt.hf import files as hf_files
-from flaxgpt.hf import gpt2 as hf
+from flaxgpt.hf import pretrained as hf
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import GPT, GPTConfig, abstract_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
@@ -241,10 +241,10 @@ def test_hub_names_offline(small, tmp_path, monkeypatch):
 
 def test_info_cli_and_package_names(small, capsys):
     import flaxgpt
-    from flaxgpt.hf import peft
+    from flaxgpt import loader
 
     # flaxgpt.load_pretrained is hf.load_pretrained with an optional PEFT `adapter` merged in
-    assert flaxgpt.load_pretrained is peft.load_pretrained
+    assert flaxgpt.load_pretrained is loader.load_pretrained
     assert flaxgpt.export_pretrained is hf.export_pretrained
     directory, _, _ = small
     assert hf_cli.main(["info", directory]) == 0

@@ -17,10 +17,11 @@ import torch
 import transformers
 from flax import linen as nn
 
+from flaxgpt import hf_cli
 from flaxgpt.decode.sampling import generate
-from flaxgpt.hf import cli as hf_cli
-from flaxgpt.hf import gpt2 as hf
+from flaxgpt.hf import families
 from flaxgpt.hf import llama as hf_llama
+from flaxgpt.hf import pretrained as hf
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import GPT, GPTConfig
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
@@ -143,10 +144,10 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(family, tm
     model_type, directory, _ = family
     config, params = hf.load_pretrained(directory, scan_layers=True, pad_vocab_multiple=64)
     params = jax.tree_util.tree_map(lambda x: x * 1.1, params)  # not the file we read
-    hf_llama.export_llama(config, params, str(tmp_path), model_type, max_shard_bytes=100_000)
+    hf.write(config, params, str(tmp_path), model_type, max_shard_bytes=100_000)
     assert os.path.exists(tmp_path / "model.safetensors.index.json")
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
-    assert type(model).__name__ == hf_llama.FAMILIES[model_type].architecture
+    assert type(model).__name__ == families.FAMILIES[model_type].architecture
     np.testing.assert_allclose(ref_logits(model), flax_logits(config, params), atol=1e-4, rtol=0)
     prompt = [int(t) for t in TOKENS[1, :4]]
     assert torch_greedy(model, prompt, 10) == flax_greedy(config, params, prompt, 10)
@@ -233,13 +234,13 @@ def test_bad_input_is_one_line_errors(family, tmp_path):
 def test_export_refuses_what_the_family_cannot_express():
     config = GPTConfig.preset("smollm2-135m", qk_norm=True)
     with pytest.raises(ValueError, match="llama needs qk_norm=False, this model has True"):
-        hf_llama.config_to_hf(config, "llama")
+        families.config_to_hf(config, "llama")
     with pytest.raises(ValueError, match="qwen2 needs qkv_bias=True"):
-        hf_llama.config_to_hf(GPTConfig.preset("smollm2-135m"), "qwen2")
-    with pytest.raises(
-        ValueError, match="cannot export model_type 'gpt2'; Llama-family types: llama, mistral, qwen2"
-    ):
-        hf_llama.config_to_hf(GPTConfig.preset("smollm2-135m"), "gpt2")
+        families.config_to_hf(GPTConfig.preset("smollm2-135m"), "qwen2")
+    with pytest.raises(ValueError, match="a GPT-2 checkpoint cannot express pos_embedding='rope'"):
+        families.config_to_hf(GPTConfig.preset("smollm2-135m"), "gpt2")
+    with pytest.raises(ValueError, match="cannot export model_type 'gemma'; supported: gpt2, llama, mistral"):
+        families.config_to_hf(GPTConfig.preset("smollm2-135m"), "gemma")
 
 
 # the published config.json files (architecture entries) and parameter counts of well-known models
@@ -297,7 +298,7 @@ def test_presets_have_the_published_shapes_and_parameter_counts(name):
 
     total, hf_config = PUBLISHED[name]
     preset = GPTConfig.preset(name)
-    mapped = hf_llama.config_from_hf(hf_config)
+    mapped = families.config_from_hf(hf_config)
     assert {f: getattr(mapped, f) for f in hf_llama.ARCH_FIELDS} == {
         f: getattr(preset, f) for f in hf_llama.ARCH_FIELDS
     }

@@ -16,8 +16,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from flaxgpt.data import prepare, tokenizers
-from flaxgpt.hf import gpt2 as hf
-from flaxgpt.hf.tokenizer import HFTokenizer
+from flaxgpt.data.hf_tokenizer import HFTokenizer
+from flaxgpt.hf import pretrained as hf
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -129,7 +129,7 @@ def test_finetune_with_fsdp_then_export_back(llama_dir, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     saved = json.loads((tmp_path / "run/config.json").read_text())["model"]
     assert (saved["n_kv_head"], saved["pos_embedding"], saved["scan_layers"]) == (2, "rope", True)
-    from flaxgpt.hf import cli as hf_cli
+    from flaxgpt import hf_cli
 
     assert hf_cli.main(["export", "--out_dir", str(tmp_path / "run"), "--to", str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf/tokenizer.json").is_file()

@@ -19,7 +19,7 @@ import transformers
 from flaxgpt.decode.beam_search import beam_search
 from flaxgpt.decode.sampling import Sampling, generate
 from flaxgpt.decode.speculative import speculative_generate
-from flaxgpt.hf import gpt2 as hf
+from flaxgpt.hf import pretrained as hf
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import init_params, step_fn
 from flaxgpt.serve import launch

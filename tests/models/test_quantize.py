@@ -61,7 +61,7 @@ def _imported_gpt2(tmp_path):
     import torch
     import transformers
 
-    from flaxgpt.hf import gpt2 as hf
+    from flaxgpt.hf import pretrained as hf
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=500, n_positions=64)
@@ -78,9 +78,11 @@ def test_imported_gpt2_logits_and_greedy(tmp_path, mode, max_dev, min_agree):
     config, params = _imported_gpt2(tmp_path)
     tokens = jnp.asarray(np.random.RandomState(1).randint(0, 500, (4, 48)), jnp.int32)
     ref = np.asarray(GPT(config).apply({"params": params}, tokens))
-    from flaxgpt.hf import gpt2 as hf
+    import flaxgpt
 
-    qconfig, qparams = hf.load_pretrained(str(tmp_path), quantize=mode)  # = quantize_params(config, params)
+    qconfig, qparams = flaxgpt.load_pretrained(
+        str(tmp_path), quantize=mode
+    )  # = quantize_params(config, params)
     step = step_fn(qconfig, qparams)
     positions = jnp.broadcast_to(jnp.arange(48), (4, 48))
     got, _ = jax.jit(step)(tokens, positions, KVCache.for_config(qconfig, 4, 64))

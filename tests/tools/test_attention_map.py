@@ -120,7 +120,7 @@ def test_cli_from_a_run_directory(params, tmp_path):
 
 
 def test_cli_from_imported_gpt2_weights(params, tmp_path):
-    from flaxgpt.hf.gpt2 import export_pretrained
+    from flaxgpt.hf.pretrained import export_pretrained
 
     export_pretrained(CFG, params, str(tmp_path / "hf"))  # a GPT-2 directory (config + safetensors)
     out = tmp_path / "attn.png"

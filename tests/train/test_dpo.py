@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ pac
 
 from configs import dpo_llama  # noqa: E402
 from flaxgpt.data import preference, prepare  # noqa: E402
+from flaxgpt.data.hf_tokenizer import HFTokenizer  # noqa: E402
 from flaxgpt.hf import peft as hf_peft  # noqa: E402
-from flaxgpt.hf.tokenizer import HFTokenizer  # noqa: E402
 from flaxgpt.train import trainer as trainer_lib  # noqa: E402
 from flaxgpt.train.config_check import ConfigError  # noqa: E402
 from tests.data.test_chat import make_chat_dir  # noqa: E402
@@ -223,10 +223,12 @@ def test_equals_trl(model_dir, tmp_path, case):
             {k.replace(".default.weight", ".weight"): v for k, v in p.items()} for p in (trl_p0, trl_p1)
         )
     else:
-        from flaxgpt.hf import llama as hf_llama
+        from flaxgpt.hf import families
 
+        llama = families.FAMILIES["llama"]
         ours_p0, ours_p1 = (
-            hf_llama.export_state(cfg, jax.tree.map(np.asarray, p))[1] for p in (before, state.params)
+            llama.export_state(cfg, jax.tree.map(np.asarray, p), "llama", llama)[1]
+            for p in (before, state.params)
         )
     assert set(ours_p1) == set(trl_p1), sorted(set(ours_p1) ^ set(trl_p1))[:4]
     moved = {k: np.asarray(ours_p1[k]) - np.asarray(ours_p0[k]) for k in ours_p1}

@@ -15,8 +15,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ package
 
 from configs import lora_llama  # noqa: E402
+from flaxgpt import hf_cli, loader  # noqa: E402
 from flaxgpt.data import prepare  # noqa: E402
-from flaxgpt.hf import peft as hf_peft  # noqa: E402
 from flaxgpt.runs import checkpoint as ckpt_lib  # noqa: E402
 from flaxgpt.train import trainer  # noqa: E402
 from flaxgpt.train.config_check import ConfigError  # noqa: E402
@@ -135,8 +135,8 @@ def test_train_py_end_to_end_then_peft_loads_the_adapter(dirs, tmp_path):
     ]
     r = run([str(ROOT / "train.py"), f"--config={ROOT}/configs/lora_llama.py", *flags], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert hf_peft.main(["export", "--out_dir", str(out), "--to", str(adapter)]) == 0
-    lora_run = hf_peft.load_lora_run(str(out))  # what sample.py --out_dir loads: base + adapters merged
+    assert hf_cli.peft_main(["export", "--out_dir", str(out), "--to", str(adapter)]) == 0
+    lora_run = loader.load(str(out))  # what sample.py --out_dir loads: base + adapters merged
     base = transformers.AutoModelForCausalLM.from_pretrained(dirs / "llama")
     tokens = TOKENS[:, :16]  # the run's block_size
     want = ref_logits(peft.PeftModel.from_pretrained(base, adapter).eval(), tokens)

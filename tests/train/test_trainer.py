@@ -105,7 +105,7 @@ def test_tiny_model_overfits_a_short_text(data_dir):
 
 
 def test_init_from_a_gpt2_directory(data_dir, tmp_path, one_device):
-    from flaxgpt.hf import gpt2 as hf
+    from flaxgpt.hf import pretrained as hf
 
     _, state, t = one_device  # export the reference run's trained weights, then start from them
     hf.export_pretrained(t.task.model_config, jax.device_get(state.params), str(tmp_path / "gpt2dir"))

@@ -71,7 +71,7 @@ def read_metrics(path) -> dict[str, tuple[list[float], list[float]]]:
             record = json.loads(line)
         except json.JSONDecodeError:
             # the last line of a run that is still writing may be cut short
-            print(f"flaxgpt.tools.plot: skipping unreadable line {lineno} of {path}", file=sys.stderr)
+            print(f"flaxgpt.runs.plot: skipping unreadable line {lineno} of {path}", file=sys.stderr)
             continue
         step = next((record[k] for k in STEP_KEYS if k in record), lineno)
         for key in filter(_is_task_series, record):

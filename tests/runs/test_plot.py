@@ -1,4 +1,4 @@
-"""flaxgpt.tools.plot: metrics.jsonl -> a valid PNG of loss, learning rate and tokens/s."""
+"""flaxgpt.runs.plot: metrics.jsonl -> a valid PNG of loss, learning rate and tokens/s."""
 
 import json
 import sys
@@ -6,8 +6,8 @@ import sys
 import matplotlib.image
 import pytest
 
+from flaxgpt.runs import plot
 from flaxgpt.runs.metrics import MetricsWriter
-from flaxgpt.tools import plot
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

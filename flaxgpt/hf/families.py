@@ -1,0 +1,100 @@
+"""The family table: one entry per Hugging Face model_type, saying how its checkpoint maps onto
+flaxgpt's GPT. Adding a family (Mixtral, Qwen3-MoE, ...) is one entry here, with its key table and
+config mapping in a module of its own.
+
+    family = family_for(hf_config)          # config.json's model_type -> its Family (one-line error if none)
+    model_type = family_of(gpt_config)      # the model_type that expresses a GPTConfig (export)
+    config = config_from_hf(hf_config)      # config.json -> GPTConfig, through the family's mapping
+
+Each Family holds: `architecture` (config.json's architectures[0]), `layer_keys` (HF name in layer i ->
+flaxgpt path in h_{i} and the part of a fused tensor it fills), `config_from_hf(hf, family, **fields)`
+and `config_to_hf(config, model_type, family, special_ids)` (the config mapping both ways), `load`
+and `export_state` (the weight loop for the family's layout: flaxgpt.hf.gpt2's or flaxgpt.hf.rotary's),
+and the flags its mapping reads (`qkv_bias`, `qk_norm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from flaxgpt.hf import gemma, gpt2, llama, rotary
+from flaxgpt.models.gpt_config import GPTConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    architecture: str
+    layer_keys: dict
+    config_from_hf: Callable  # (config.json dict, Family, **free GPTConfig fields) -> GPTConfig
+    config_to_hf: Callable  # (GPTConfig, model_type, Family, special ids | None) -> config.json dict
+    load: Callable  # (directory, config.json dict, Family, **layout) -> (GPTConfig, params)
+    export_state: Callable  # (GPTConfig, params, model_type, Family, special ids) -> (config.json, tensors)
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's queries and keys
+
+
+def _rotary(architecture, layer_keys, mapping, **flags) -> Family:
+    return Family(
+        architecture,
+        layer_keys,
+        mapping.config_from_hf,
+        mapping.config_to_hf,
+        rotary.load_rotary,
+        rotary.export_state,
+        **flags,
+    )
+
+
+FAMILIES = {
+    "gpt2": Family(
+        "GPT2LMHeadModel",
+        gpt2.BLOCK_KEYS,
+        gpt2.config_from_hf,
+        gpt2.config_to_hf,
+        gpt2.load_gpt2,
+        gpt2.export_state,
+    ),
+    "llama": _rotary("LlamaForCausalLM", llama.LLAMA_LAYER_KEYS, llama),
+    "mistral": _rotary("MistralForCausalLM", llama.LLAMA_LAYER_KEYS, llama),
+    "qwen2": _rotary("Qwen2ForCausalLM", llama.QWEN2_LAYER_KEYS, llama, qkv_bias=True),
+    "qwen3": _rotary("Qwen3ForCausalLM", llama.QWEN3_LAYER_KEYS, llama, qk_norm=True),
+    "gemma2": _rotary("Gemma2ForCausalLM", gemma.GEMMA2_LAYER_KEYS, gemma),
+    "gemma3_text": _rotary("Gemma3ForCausalLM", gemma.GEMMA3_LAYER_KEYS, gemma, qk_norm=True),
+}
+
+
+def family_for(hf: dict) -> Family:
+    """The Family of a config.json (as a dict); an unknown model_type is a one-line error listing the
+    supported ones."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def family_of(config: GPTConfig) -> str:
+    """The model_type that expresses a GPTConfig: GPT-2 for learned or sinusoidal positions; for
+    rotary ones Gemma has post-norms (Gemma 3 QK-norm too), Qwen3 QK-norm, Qwen2 qkv biases,
+    Mistral a window, else Llama."""
+    if config.pos_embedding != "rope":
+        return "gpt2"
+    if config.post_norms:
+        return "gemma3_text" if config.qk_norm else "gemma2"
+    if config.qk_norm:
+        return "qwen3"
+    return "qwen2" if config.qkv_bias else "mistral" if config.sliding_window else "llama"
+
+
+def config_from_hf(hf: dict, **fields) -> GPTConfig:
+    """config.json (as a dict) -> GPTConfig through its family's mapping; `fields` set the free fields."""
+    family = family_for(hf)
+    return family.config_from_hf(hf, family, **fields)
+
+
+def config_to_hf(config: GPTConfig, model_type: str, special_ids: dict | None = None) -> dict:
+    """GPTConfig -> the config.json of `model_type`; a config that family cannot express is an error."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"cannot export model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
+    family = FAMILIES[model_type]
+    return family.config_to_hf(config, model_type, family, special_ids)

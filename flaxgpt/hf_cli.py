@@ -1,0 +1,114 @@
+"""`flaxgpt hf` and `flaxgpt peft`: models and adapters written as Hugging Face / PEFT directories.
+
+    flaxgpt hf export --out_dir out/run --to out/hf     # a training run -> HF directory
+    flaxgpt hf export --out_dir out/run --to out/hf --step 2000 --overwrite
+    flaxgpt hf info gpt2                                 # the GPTConfig a checkpoint maps to
+    flaxgpt hf info path/to/Llama-3.2-1B                 # any family of flaxgpt.hf.families
+    flaxgpt peft merge --base base_dir --adapter adapter_dir --to merged_dir
+    flaxgpt peft export --out_dir out/lora_llama --to out/lora_llama_adapter
+
+A run is loaded with flaxgpt.load and written with flaxgpt.hf.pretrained.export_pretrained (a GPT-2,
+or for a model with rotary positions the family that expresses it). Bad input is one line.
+
+May import: flaxgpt.loader, flaxgpt.hf, flaxgpt.runs, flaxgpt.errors, flaxgpt.extras, flaxgpt.runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from flaxgpt import errors, extras, loader
+from flaxgpt.hf import files, peft, pretrained
+from flaxgpt.runs import lora_run
+
+
+def export_run(out_dir, to: str, step=None, overwrite: bool = False) -> str:
+    """A training run's checkpoint `step` (default the latest) as a Hugging Face directory."""
+    pretrained.check_export_target(to, overwrite, run=out_dir)  # before loading anything
+    loader.require_run(out_dir)
+    run = loader.load(out_dir, step=step)
+    tok = run.tokenizer if getattr(run.tokenizer, "file", None) else None  # a model's tokenizer.json
+    return pretrained.export_pretrained(run.config, run.params, to, overwrite=overwrite, tokenizer=tok)
+
+
+def export_run_adapter(out_dir, to: str, step=None) -> str:
+    """A LoRA run's adapters (checkpoint `step`, default the latest) as a PEFT adapter directory."""
+    if lora_run.lora_section(out_dir) is None:
+        raise ValueError(f"{out_dir} is not a LoRA run (its config.json has no lora.rank > 0)")
+    pretrained.check_export_target(to, run=out_dir)
+    lr = lora_run.read_lora_run(out_dir, step)
+    return peft.export_adapter(lr.config, lr.spec, lr.adapters, to, base=lr.base)
+
+
+def merge_to(base_dir: str, adapter_dir: str, to: str, overwrite: bool = False) -> str:
+    """Write base + adapter as a plain Hugging Face model directory (config, safetensors, tokenizer)."""
+    pretrained.check_export_target(to, overwrite)
+    config, params = loader.load_pretrained(base_dir, adapter=adapter_dir)
+    has_tokenizer = os.path.isfile(os.path.join(base_dir, "tokenizer.json"))
+    tokenizer = pretrained.load_tokenizer(base_dir) if config.glu and has_tokenizer else None
+    return pretrained.export_pretrained(config, params, to, overwrite=True, tokenizer=tokenizer)
+
+
+def _hf(args) -> None:
+    if args.cmd == "info":
+        print(json.dumps(pretrained.read_config(args.name_or_path).to_dict(), indent=2))
+        return
+    export_run(args.out_dir, args.to, args.step, args.overwrite)
+    with open(os.path.join(args.to, files.CONFIG_FILE)) as fh:
+        arch = json.load(fh)["architectures"][0]
+    print(
+        f"wrote {args.to} ({arch}); load it with "
+        f"transformers.AutoModelForCausalLM.from_pretrained({args.to!r})"
+    )
+
+
+def main(argv=None) -> int:
+    """`flaxgpt hf`."""
+    parser = argparse.ArgumentParser(
+        prog="flaxgpt hf", description="Hugging Face weights from the command line"
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="write a training run as a Hugging Face GPT-2 / Llama-family dir")
+    ex.add_argument("--out_dir", required=True, help="flaxgpt training run directory")
+    ex.add_argument("--to", required=True, help="directory to write config.json + model.safetensors into")
+    ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    ex.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --to")
+    info = sub.add_parser("info", help="print the GPTConfig a GPT-2 name or a HF directory maps to")
+    info.add_argument("name_or_path")
+    args = parser.parse_args(argv)
+    if args.cmd == "info":
+        extras.require_hf(args.name_or_path, "flaxgpt hf info")
+    return errors.run_cli(lambda _: _hf(args))
+
+
+def _peft(args) -> None:
+    if args.cmd == "merge":
+        print(f"wrote {merge_to(args.base, args.adapter, args.to, args.overwrite)}")
+    else:
+        print(f"wrote {export_run_adapter(args.out_dir, args.to)}")
+
+
+def peft_main(argv=None) -> int:
+    """`flaxgpt peft`."""
+    p = argparse.ArgumentParser(prog="flaxgpt peft", description="LoRA adapters both ways, and merged")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("merge", help="base + PEFT adapter -> a plain Hugging Face model directory")
+    m.add_argument("--base", required=True, help="the base model directory (config.json + safetensors)")
+    m.add_argument("--adapter", required=True, help="the PEFT adapter directory")
+    m.add_argument("--to", required=True, help="the new model directory")
+    m.add_argument("--overwrite", action="store_true")
+    e = sub.add_parser("export", help="a LoRA run's adapter -> a PEFT adapter directory")
+    e.add_argument("--out_dir", required=True, help="the LoRA training run")
+    e.add_argument("--to", required=True, help="the adapter directory to write")
+    args = p.parse_args(argv)
+    return errors.run_cli(lambda _: _peft(args), errors=(ValueError, OSError))
+
+
+if __name__ == "__main__":
+    from flaxgpt import runtime
+
+    runtime.setup()
+    sys.exit(main())
