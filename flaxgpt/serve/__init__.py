@@ -2,7 +2,8 @@
 cache (block KV reused across prompts), the scheduler thread, the OpenAI request/response layer, the
 Starlette HTTP app with its operations middleware (API key, limits, access log) and Prometheus metrics.
 
-May import: flaxgpt.decode (the row sampling), flaxgpt.data.chat (chat templates). The HTTP layer
+May import: flaxgpt.decode (the decode loop and row sampling), flaxgpt.models' cache kinds (models.cache,
+models.paged: the engine and the prefix cache), flaxgpt.data.chat (chat templates). The HTTP layer
 (server, openai_api, scheduler, middleware, metrics) imports no model module; building an engine for a
 model happens in launch.
 """
