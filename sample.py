@@ -185,7 +185,8 @@ def sample(a, run):
         )
         if a.max_new_tokens == 0:
             return
-    announce(a)
+    if not a.draft:  # with a draft: once the draft is checked against the target (speculate)
+        announce(a)
     config, params, _ = loader.compact(run, dtype=a.dtype, quantize=a.quantize)[1:]
     B, P = len(rows), max(map(len, rows))
     prompt_BP, lengths_B = np.zeros((B, P), np.int32), np.array([len(r) for r in rows], np.int32)
@@ -285,6 +286,7 @@ def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
         target_tokenizer=run.tokenizer.to_meta(),
         draft_tokenizer=draft.tokenizer.to_meta(),
     )
+    announce(a)
     dconfig, dparams, _ = loader.compact(draft, dtype=a.dtype, quantize=a.quantize)[1:]
     B, P = prompt_BP.shape
     need = a.max_new_tokens + a.draft_tokens + 1

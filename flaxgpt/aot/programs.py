@@ -6,12 +6,12 @@
 
 - train: flaxgpt.train.steps.make_steps' train step (micro-batches, optimizer, donation, shardings) on
   the recipe's (data, fsdp) mesh over all the target's devices; eval: its eval step (one micro-batch).
-- sample (GPT): flaxgpt.decode.sampling's prefill (a full-window prompt) and decode chunk over
+- sample (GPT): flaxgpt.decode.sampling's prefill (a full-window prompt) and decode loop over
   gpt.step_fn and a KVCache, on one device, as sample.py runs (batch 1, temperature 0.8, top-k 200).
 - serve (GPT): flaxgpt.serve.engine's prefill (the largest prompt bucket) and generate step for all
   `slots` slots (chunk 4), on one device as flaxgpt.serve.launch runs it, or over `serve_devices`
   devices (Engine(mesh=...): weights split by sharding.SERVE_RULES, caches by rows); on one device
-  also the generate step over a paged slots cache (flaxgpt.serve.paged: JAX's Pallas paged-attention
+  also the generate step over a paged slots cache (flaxgpt.models.paged: JAX's Pallas paged-attention
   kernel on TPU and GPU).
 - sample and serve take int8 / bf16 weights (`quantize`): gpt.quantize_params on the abstract
   parameters gives their layout and placement. Both are traced under their mesh (one device of the
@@ -39,8 +39,8 @@ from flaxgpt.models import gpt
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.flops import flops_per_token
+from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.serve import engine
-from flaxgpt.serve.paged import PagedKVCache, paged_impl
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS
 from flaxgpt.train.steps import make_steps
@@ -193,22 +193,22 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize=None
     one = sharding.replicated(mesh)
     W = P = cfg.block_size
     cache = _abstract(jax.eval_shape(lambda: KVCache.for_config(cfg, batch, W)), one)
-    rng = _abstract(jax.eval_shape(lambda: jax.random.key(0)), one)
+    how = sampling.Sampling(temperature=0.8, top_k=200)  # sample.py's defaults (settings are arrays)
+    rows = _abstract(jax.eval_shape(lambda: sampling.Rows.same(jax.random.key(0), batch, how, 1)), one)
     prompt = jax.ShapeDtypeStruct((batch, P), jnp.int32, sharding=one)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one)
-    max_new = _scalar(jnp.int32, mesh)
-    how = sampling.Sampling(temperature=0.8, top_k=200)  # sample.py's defaults
-    args = (step, cache, prompt, lengths, rng, max_new)
+    args = (step, cache, prompt, lengths, rows)
     # traced under the target's one-device mesh: kernels (attention, qmatmul) chosen for its device
     prefill = Program(
-        "sample.prefill", sampling._prefill, args, {"sampling": how}, 1,
+        "sample.prefill", sampling._prefill, args, {"max_k": 256}, 1,
         flops_per_token(cfg, P)["forward"] * batch * P, {"parameters": param_bytes},
         f"batch {batch}, prompt {P}, cache {W}{_weights(quantize)}", mesh=mesh,
     )  # fmt: skip
     state = _abstract(prefill.trace().out_info[0], one)
+    stop = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=one)
     decode = Program(
-        "sample.decode", sampling._chunk_graphs, (step, state, max_new),
-        {"chunk": chunk, "keep": W // 2, "sampling": how}, 1,
+        "sample.decode", sampling.decode_chunk, (step, state, stop),
+        {"chunk": chunk, "keep": W // 2, "max_k": 256}, 1,
         flops_per_token(cfg, W)["forward"] * batch * chunk, {"parameters": param_bytes},
         f"batch {batch}, {chunk} tokens per call, cache {W}{_weights(quantize)}",
         chunk * (param_bytes + per_device_bytes(cache)), mesh=mesh,

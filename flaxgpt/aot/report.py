@@ -95,7 +95,7 @@ def attention_kernel(hlo: str) -> str:
     if "__cudnn$fmha" in hlo:
         return "cudnn flash"
     if "tpu_custom_call" in hlo:  # Pallas on TPU compiles to Mosaic custom calls
-        if "paged" in hlo:  # JAX's paged-attention kernel (flaxgpt.serve.paged)
+        if "paged" in hlo:  # JAX's paged-attention kernel (flaxgpt.models.paged)
             return "pallas paged (mosaic)"
         names = set(re.findall(r'"?kernel_name"?\s*[:=]\s*\\?"?([\w.]+)', hlo))
         splash = any("splash" in n or "flash" in n for n in names) or "splash" in hlo

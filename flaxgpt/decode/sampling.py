@@ -13,11 +13,12 @@ model can skip its head elsewhere, and need not write the padding after idx_B.
 Prompts are right-padded and delimited by their lengths (never by a token id: GPT-2's token 0 is "!").
 
 How it runs: one jitted prefill writes all prompts at once and samples each row's first token;
-then a jitted `lax.while_loop` decodes one token per row per step at per-row positions, `chunk`
-steps per call, with the whole state (cache included) donated so the buffers are updated in
-place. Shapes depend only on (batch, prompt buffer, cache length, chunk), never on
-`max_new_tokens`, so any length runs without recompiling; `stream_generate` yields each chunk
-as it arrives.
+then a jitted `lax.while_loop` (`decode_chunk`, the serving engine's step too) decodes one token per
+row per step at per-row positions, with per-row keys and settings (`Rows`: row b's token i is drawn
+with fold_in(fold_in(rng, b), i)), `chunk` steps per call, with the whole state (cache included)
+donated so the buffers are updated in place. Shapes depend only on (batch, prompt buffer, cache
+length, chunk), never on `max_new_tokens` or the settings, so any length runs without
+recompiling; `stream_generate` yields each chunk as it arrives (PAD past a row's new tokens).
 
 Beyond the window (W = cache length, at most block_size): learned positions cannot slide, so
 when a row has W tokens in its cache and must feed one more, its window is rebuilt from its
@@ -105,8 +106,8 @@ def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B):
 @struct.dataclass
 class Sampling:
     """How a token is chosen from logits: temperature (0 = greedy), top_k (0 = off), top_p (1 = off),
-    eos_id (None = none). Static and hashable: part of a compiled decoder's key (generate, speculative);
-    the serving engine carries the same settings as per-row arrays (serve.engine.RowSampling)."""
+    eos_id (None = none). Static and hashable: part of a compiled decoder's key (speculative); the
+    decode loop carries the same settings as per-row arrays (`Rows`), for generate and the engine."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -154,12 +155,6 @@ def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, max_k: in
     return jnp.where(greedy_B, greedy(logits_BV), drawn_B)
 
 
-def row_keys(rng, step, batch: int):
-    """Row b's key for selection step `step`: fold_in(fold_in(rng, b), step). A request served
-    alone, or as choice b of a serving request (flaxgpt/serve/engine.py), draws with the same keys."""
-    return jax.vmap(lambda b: jax.random.fold_in(jax.random.fold_in(rng, b), step))(jnp.arange(batch))
-
-
 def sample_logits(rng, logits_BV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
     """One token per row: greedy when temperature == 0, else temperature, then top-k, then top-p
     (select_rows with these settings on every row; row b draws with fold_in(rng, b))."""
@@ -183,62 +178,60 @@ def check_sampling_args(temperature: float, top_k: int, top_p: float):
         raise ValueError(f"top_k must be >= 0 (0 = no top-k), got {top_k}")
 
 
-# ---------------------------------------------------------------- the decode state and loop
+# ---------------------------------------------------------------- the decode loop (generate's, the engine's)
+
+PAD = -1  # an output column a row did not fill (no token id is negative)
+
+
+@struct.dataclass
+class Rows:
+    """Each row's decoding settings as arrays [B], so one compiled program serves any values. Row b's
+    token i is drawn with fold_in(key_B[b], i); generate gives row b the key fold_in(rng, b), and the
+    serving engine a request's choice b fold_in(key(seed), b): the same tokens for the same seed."""
+
+    key_B: jax.Array  # typed PRNG keys
+    temperature_B: jax.Array  # f32, 0 = greedy
+    top_k_B: jax.Array  # i32, 0 = off
+    top_p_B: jax.Array  # f32 in (0, 1], 1 = off
+    max_new_B: jax.Array  # i32 >= 1: new tokens at most
+    eos_B: jax.Array  # i32, -1 = none
+
+    @classmethod
+    def same(cls, rng, batch: int, s: Sampling, max_new) -> Rows:
+        """`batch` rows with the settings `s` and max_new; row b's key fold_in(rng, b)."""
+        full = lambda x, dtype: jnp.full((batch,), x, dtype)  # noqa: E731
+        return cls(
+            key_B=jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(batch)),
+            temperature_B=full(s.temperature, jnp.float32),
+            top_k_B=full(s.top_k, jnp.int32),
+            top_p_B=full(s.top_p, jnp.float32),
+            max_new_B=full(max_new, jnp.int32),
+            eos_B=full(-1 if s.eos_id is None else s.eos_id, jnp.int32),
+        )
+
+
+def next_tokens(rows: Rows, count_B, logits_BV, max_k: int = 256):
+    """Row b's token number count_B[b] (0 = the prefill's), drawn with fold_in(key_B[b], count_B[b])."""
+    keys_B = jax.vmap(jax.random.fold_in)(rows.key_B, count_B)
+    return select_rows(keys_B, logits_BV, rows.temperature_B, rows.top_k_B, rows.top_p_B, max_k=max_k)
+
+
+def finished(rows: Rows, tok_B, count_B):
+    """The stop rules: a row ends after its EOS (included) or its max_new-th token."""
+    return (tok_B == rows.eos_B) | (count_B >= rows.max_new_B)
 
 
 @struct.dataclass
 class DecodeState:
-    cache: object  # whatever the step_fn reads and writes (a KVCache for the GPT)
-    window_BW: jax.Array  # tokens at each cache position (to re-prefill from)
-    fill_B: jax.Array  # tokens written in the cache; the pending token goes at this position
-    last_B: jax.Array  # the latest sampled token, not yet fed
-    count_B: jax.Array  # new tokens produced so far
-    done_B: jax.Array  # hit EOS or max_new_tokens
-    step: jax.Array  # scalar: selection steps taken (folds into the rng)
-    rng: jax.Array
+    """Every row's decoding state (row b of each array is row b of the cache)."""
 
-
-def _select(s: Sampling, rng, step, logits_BV):
-    """Row b draws with fold_in(fold_in(rng, b), step): the serving engine's keys for choice b."""
-    if s.temperature == 0:
-        return greedy(logits_BV)
-    B = logits_BV.shape[0]
-    full = lambda x, dtype: jnp.full((B,), x, dtype)  # noqa: E731
-    return select_rows(
-        row_keys(rng, step, B),
-        logits_BV,
-        full(s.temperature, jnp.float32),
-        full(s.top_k, jnp.int32),
-        full(s.top_p, jnp.float32),
-    )
-
-
-def _is_eos(s: Sampling, tok_B):
-    return jnp.zeros(tok_B.shape, bool) if s.eos_id is None else tok_B == s.eos_id
-
-
-@functools.partial(jax.jit, static_argnames=("sampling",), donate_argnames=("cache",))
-def _prefill(step_fn, cache, prompt_BP, lengths_B, rng, max_new_tokens, sampling: Sampling):
-    B, P = prompt_BP.shape
-    W = cache.max_len
-    positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
-    logits_B1V, cache = step_fn(prompt_BP, positions_BP, cache, logits_at=lengths_B - 1)
-    logits_BV = logits_B1V[:, 0]
-    first_B = _select(sampling, rng, 0, logits_BV)
-    window_BW = jnp.zeros((B, W), jnp.int32).at[:, :P].set(prompt_BP)
-    count_B = jnp.ones((B,), jnp.int32)
-    done_B = _is_eos(sampling, first_B) | (count_B >= max_new_tokens)
-    state = DecodeState(
-        cache=cache,
-        window_BW=window_BW,
-        fill_B=lengths_B,
-        last_B=first_B,
-        count_B=count_B,
-        done_B=done_B,
-        step=jnp.int32(1),
-        rng=rng,
-    )
-    return state, first_B
+    cache: object  # whatever the step_fn reads and writes (models.cache: any kind)
+    last_B: jax.Array  # the latest sampled token, not yet fed; it goes at position fill_B
+    fill_B: jax.Array  # tokens written in the cache
+    count_B: jax.Array  # new tokens produced so far (also the next token's key index)
+    done_B: jax.Array  # finished (or, in the engine, a free slot): idles, its outputs dropped
+    rows: Rows
+    window_BW: jax.Array | None = None  # tokens at each cache position (to re-prefill from); None: no slide
 
 
 def _slide(step_fn, keep: int, state: DecodeState, overflow_B):
@@ -263,60 +256,84 @@ GPU_LOOP_OPTIONS = {
 }
 
 
-def _decode_chunk(step_fn, state, max_new_tokens, chunk: int, keep: int, sampling: Sampling, graphs=True):
-    """`_chunk_graphs` or `_chunk_plain` (the token loop without GPU_LOOP_OPTIONS)."""
-    run = _chunk_graphs if graphs else _chunk_plain
-    return run(step_fn, state, max_new_tokens, chunk=chunk, keep=keep, sampling=sampling)
+def _overflowing(state: DecodeState, W: int) -> jax.Array:
+    """Rows still decoding whose window is full: they must slide before feeding another token."""
+    return ~state.done_B & (state.fill_B >= W)
 
 
-def _chunk(step_fn, state: DecodeState, max_new_tokens, chunk: int, keep: int, sampling: Sampling):
-    """Up to `chunk` steps of one token per unfinished row -> (state, tokens_BC).
+def _decode_chunk(step_fn, state: DecodeState, stop_B, chunk: int, keep: int = 0, max_k: int = 256):
+    """Up to `chunk` steps of one token per unfinished row -> (state, tokens_BC, PAD where a row made
+    none). stop_B: rows to stop now (the engine's released slots). keep: with state.window_BW, a row
+    whose window is full restarts it from its last `keep` tokens (generate); 0: rows never slide (the
+    engine: every request fits its window). The one decode step of `generate` and the serving engine.
 
-    Rows whose window is full slide first (`_slide`), and the chunk ends early when another row's
-    window fills: the slide is never a conditional inside the token loop, where it made XLA keep a
-    copy of every layer's cache and copy it back after each token's cache write (on an H100, 24
-    copies of the whole cache and 25 extra kernels per GPT-2 token)."""
-    B, W = state.window_BW.shape
+    Full rows slide first (`_slide`), and the chunk ends early when another row's window fills: the
+    slide is never a conditional inside the token loop, where it made XLA keep a copy of every
+    layer's cache and copy it back after each token's cache write (on an H100, 24 copies of the
+    whole cache and 25 extra kernels per GPT-2 token)."""
+    B = state.last_B.shape[0]
+    W = state.cache.max_len
     rows_B = jnp.arange(B)
-    overflow_B = ~state.done_B & (state.fill_B >= W)
-    state = jax.lax.cond(
-        jnp.any(overflow_B), functools.partial(_slide, step_fn, keep), lambda s, _: s, state, overflow_B
-    )
+    state = state.replace(done_B=state.done_B | stop_B)
+    if keep:
+        slide = functools.partial(_slide, step_fn, keep)
+        overflow_B = _overflowing(state, W)
+        state = jax.lax.cond(jnp.any(overflow_B), slide, lambda s, _: s, state, overflow_B)
 
     def cond(carry):
         state, _, j = carry
-        active_B = ~state.done_B
-        return (j < chunk) & jnp.any(active_B) & ~jnp.any(active_B & (state.fill_B >= W))
+        go_on = (j < chunk) & jnp.any(~state.done_B)
+        return go_on & ~jnp.any(_overflowing(state, W)) if keep else go_on
 
     def body(carry):
         state, out_BC, j = carry
         active_B = ~state.done_B
         pos_B = jnp.minimum(state.fill_B, W - 1)  # finished rows idle at a valid position
         logits_B1V, cache = step_fn(state.last_B[:, None], pos_B[:, None], state.cache)
-        tok_B = _select(sampling, state.rng, state.step, logits_B1V[:, -1])
+        tok_B = next_tokens(state.rows, state.count_B, logits_B1V[:, -1], max_k)
         count_B = state.count_B + active_B
+        if keep:
+            state = state.replace(window_BW=state.window_BW.at[rows_B, pos_B].set(state.last_B))
         state = state.replace(
             cache=cache,
-            window_BW=state.window_BW.at[rows_B, pos_B].set(state.last_B),
-            fill_B=state.fill_B + active_B,
             last_B=jnp.where(active_B, tok_B, state.last_B),
+            fill_B=state.fill_B + active_B,
             count_B=count_B,
-            done_B=state.done_B | _is_eos(sampling, tok_B) | (count_B >= max_new_tokens),
-            step=state.step + 1,
+            done_B=state.done_B | (active_B & finished(state.rows, tok_B, count_B)),
         )
-        out_BC = out_BC.at[:, j].set(jnp.where(active_B, tok_B, 0))
-        return state, out_BC, j + 1
+        return state, out_BC.at[:, j].set(jnp.where(active_B, tok_B, PAD)), j + 1
 
-    out_BC = jnp.zeros((B, chunk), jnp.int32)
+    out_BC = jnp.full((B, chunk), PAD, jnp.int32)
     state, out_BC, _ = jax.lax.while_loop(cond, body, (state, out_BC, jnp.int32(0)))
     return state, out_BC
 
 
 _jit_chunk = functools.partial(
-    jax.jit, static_argnames=("chunk", "keep", "sampling"), donate_argnames=("state",)
+    jax.jit, static_argnames=("chunk", "keep", "max_k"), donate_argnames=("state",)
 )
-_chunk_graphs = _jit_chunk(_chunk, compiler_options=GPU_LOOP_OPTIONS)
-_chunk_plain = _jit_chunk(_chunk)
+# decode_chunk: the token loop as one CUDA graph on NVIDIA GPUs; decode_chunk_plain without
+# GPU_LOOP_OPTIONS (the same program elsewhere)
+decode_chunk = _jit_chunk(_decode_chunk, compiler_options=GPU_LOOP_OPTIONS)
+decode_chunk_plain = _jit_chunk(_decode_chunk)
+
+
+@functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("cache",))
+def _prefill(step_fn, cache, prompt_BP, lengths_B, rows: Rows, max_k: int = 256):
+    B, P = prompt_BP.shape
+    positions_BP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    logits_B1V, cache = step_fn(prompt_BP, positions_BP, cache, logits_at=lengths_B - 1)
+    first_B = next_tokens(rows, jnp.zeros((B,), jnp.int32), logits_B1V[:, 0], max_k)
+    count_B = jnp.ones((B,), jnp.int32)
+    state = DecodeState(
+        cache=cache,
+        last_B=first_B,
+        fill_B=lengths_B,
+        count_B=count_B,
+        done_B=finished(rows, first_B, count_B),
+        rows=rows,
+        window_BW=jnp.zeros((B, cache.max_len), jnp.int32).at[:, :P].set(prompt_BP),
+    )
+    return state, first_B
 
 
 # ---------------------------------------------------------------- public entry points
@@ -341,9 +358,9 @@ def stream_generate(
     """Yield (tokens_BC, counts_B) as they are decoded: row b's next counts[b] tokens.
 
     prompt_BP: right-padded prompts, prompt_lengths_B: their lengths (1..P). cache: an empty
-    cache (a KVCache for the GPT: anything with `max_len` and `batch` that step_fn accepts)
-    whose length W (<= the model's block_size) is the context window; it is donated (do not
-    reuse it). temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. A row stops
+    cache (any models.cache kind for the GPT: anything with `max_len` and `batch` that step_fn
+    accepts) whose length W (<= the model's block_size) is the context window; it is donated (do
+    not reuse it). temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. A row stops
     after eos_id (included in its output) or max_new_tokens. keep: tokens kept when a row's
     window fills (default W // 2; see the module docstring). chunk: decode steps per call.
     graphs: on NVIDIA GPUs, the token loop as one CUDA graph (GPU_LOOP_OPTIONS; see the module docstring).
@@ -372,15 +389,19 @@ def stream_generate(
         return
     sampling = Sampling(float(temperature), int(top_k), float(top_p), eos_id)
     step_fn = step_fn if isinstance(step_fn, jax.tree_util.Partial) else jax.tree_util.Partial(step_fn)
-    max_new = jnp.int32(max_new_tokens)
-    state, first_B = _prefill(step_fn, cache, prompt_BP, jnp.asarray(lengths), rng, max_new, sampling)
+    rows = _same_rows(rng, B, sampling, max_new_tokens)
+    state, first_B = _prefill(step_fn, cache, prompt_BP, jnp.asarray(lengths), rows)
     yield np.asarray(first_B)[:, None], np.ones(B, np.int32)
-    count = np.ones(B, np.int32)
+    count, go_on_B = np.ones(B, np.int32), np.zeros(B, bool)
     while not bool(np.all(state.done_B)):
-        state, out_BC = _decode_chunk(step_fn, state, max_new, chunk, keep, sampling, graphs)
+        run = decode_chunk if graphs else decode_chunk_plain
+        state, out_BC = run(step_fn, state, go_on_B, chunk, keep)
         new_count = np.asarray(state.count_B)
         yield np.asarray(out_BC), new_count - count
         count = new_count
+
+
+_same_rows = jax.jit(Rows.same, static_argnums=1)  # the settings traced: one compile per batch
 
 
 def generate(

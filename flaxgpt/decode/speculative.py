@@ -21,7 +21,8 @@ distributed exactly as under p.
 
 Rows advance at their own pace (per-row positions in both caches). Cache entries a row wrote
 past its accepted tokens are garbage that it overwrites before attending to them (a cache whose
-sliding-window layers keep rings must let a row take back k positions: `cache.rewind` >= k). The
+sliding-window layers keep rings must let a row take back k positions: `cache.rewind` >= k; every
+cache kind of models/cache.py says its `rewind`). The
 window does not slide: prompt + max_new_tokens + k + 1 must fit in both caches.
 
 Shape letters: B batch, P prompt buffer, k draft tokens per round, V vocab, N new tokens.
@@ -240,7 +241,7 @@ def speculative_generate(
                 f"slide the window and needs prompt {P} + max_new_tokens {max_new_tokens} + "
                 f"draft_tokens {k} + 1 = {need}"
             )
-        rewind = getattr(cache, "rewind", None)  # None: a row may go back any number of positions
+        rewind = cache.rewind  # the cache interface's: None, a row may go back any number of positions
         if rewind is not None and rewind < k:
             raise ValueError(
                 f"the {name} cache lets a row take back {rewind} written positions (its sliding-window "

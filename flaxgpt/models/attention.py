@@ -17,7 +17,6 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from flaxgpt.kernels import target
-from flaxgpt.models.cache import EMPTY
 from flaxgpt.models.layers import norm, normal_init, zeros_init
 from flaxgpt.models.rope import RoPE
 
@@ -141,16 +140,6 @@ def attend(
     return jnp.einsum("bhts,bshk->bthk", probs_BHTS.astype(v_BSHK.dtype), v_BSHK)
 
 
-def write_cache(buf_NSK: jax.Array, new_BTHK: jax.Array, pos_BT: jax.Array) -> jax.Array:
-    """Scatter new keys or values into one layer's [B*H, S, K] buffer at per-row positions.
-
-    One scatter: a donated buffer is updated in place.
-    """
-    B, T, H, K = new_BTHK.shape
-    rows_B1H = (jnp.arange(B)[:, None] * H + jnp.arange(H))[:, None, :]  # buffer row of (b, h)
-    return buf_NSK.at[rows_B1H, pos_BT[:, :, None]].set(new_BTHK.astype(buf_NSK.dtype))
-
-
 def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None, scale=0.0, softcap=0.0) -> jax.Array:
     """Attention over a KVCache layer ([B*J, S, K] keys and values, as they lie) -> [B, T, H, K].
 
@@ -179,52 +168,14 @@ def attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow=None, scale=0.0, softcap=
     return jnp.swapaxes(y_BHTK, 1, 2).astype(q_BTHK.dtype)
 
 
-def ring_attend(q_BTHK, k_BTJK, v_BTJK, pos_BT, ring, window: int, real_BT=None, **attend_kw):
-    """A sliding-window layer's call over its ring buffer (k, v [B*J, R, K], pos [B, R]: see
-    cache.KVCache) -> (y_BTHK, the updated ring). The mask comes from the positions the slots hold.
-
-    One token per row (decoding) is written first and attends over the ring as it lies. Longer calls
-    (prefills, speculative verification) attend over [the ring as it was | their own keys], slots
-    holding positions this call rewrites hidden, then write their last R real tokens: a prompt longer
-    than the ring goes in one call. `real_BT` (default all): False on padding, which is never written
-    (the GPT marks a prefill's tokens after logits_at and positions past the cache's length).
-    """
-    k_NRK, v_NRK, pos_BR = ring
-    B, T, J, K = k_BTJK.shape
-    R = pos_BR.shape[1]
-    real_BT = jnp.ones((B, T), bool) if real_BT is None else real_BT
-    # each row's last R real tokens (contiguous positions: distinct slots); R = past the ring, dropped
-    last_B1 = jnp.max(jnp.where(real_BT, pos_BT, -1), axis=1, keepdims=True)
-    slot_BT = jnp.where(real_BT & (pos_BT > last_B1 - R), pos_BT % R, R)
-    rows_B1J = (jnp.arange(B)[:, None] * J + jnp.arange(J))[:, None, :]
-
-    def write(buf_NRK, new_BTJK):
-        return buf_NRK.at[rows_B1J, slot_BT[:, :, None]].set(new_BTJK.astype(buf_NRK.dtype), mode="drop")
-
-    new_ring = (write(k_NRK, k_BTJK), write(v_NRK, v_BTJK))
-    new_ring += (pos_BR.at[jnp.arange(B)[:, None], slot_BT].set(pos_BT, mode="drop"),)
-    if T == 1:  # the slot written held position p - R, outside p's window
-        k_NSK, v_NSK, key_pos_BS = new_ring
-    else:
-        first_B1 = jnp.min(jnp.where(real_BT, pos_BT, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
-        to_NTK = lambda x: jnp.swapaxes(x, 1, 2).reshape(B * J, T, K).astype(k_NRK.dtype)  # noqa: E731
-        k_NSK = jnp.concatenate([k_NRK, to_NTK(k_BTJK)], axis=1)  # S = R + T
-        v_NSK = jnp.concatenate([v_NRK, to_NTK(v_BTJK)], axis=1)
-        old_BR = jnp.where(pos_BR >= first_B1, EMPTY, pos_BR)  # positions this call writes again
-        key_pos_BS = jnp.concatenate([old_BR, jnp.where(real_BT, pos_BT, EMPTY)], axis=1)
-    q_BT1, key_B1S = pos_BT[:, :, None], key_pos_BS[:, None, :]
-    mask_BHTS = ((key_B1S <= q_BT1) & (key_B1S > q_BT1 - window))[:, None]
-    return attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, **attend_kw), new_ring
-
-
 class SelfAttention(nn.Module):
     """Multi-head self-attention with one fused qkv projection (GPT-2's c_attn).
 
     Without a cache it attends over `x` itself (causal, or bidirectional with a
-    padding mask). With `kv` (this layer's own (k, v) buffers, [B*J, S, K] each, see
-    cache.KVCache) it writes its new keys and values at `positions`, attends over the
-    buffers, masked to positions <= each query's own, and returns the updated pair; a window
-    layer's ring (k, v, pos) goes through `ring_attend` (`real_BT`: False on a prefill's padding).
+    padding mask). With `kv` (this layer's cache.KVLayer: contiguous, ring or paged) the layer
+    writes the new keys and values at `positions` and attends, masked to positions <= each
+    query's own (and within the window), and the updated layer comes back (`real_BT`: False on a
+    prefill's padding, which a ring never takes in).
 
     Options of modern decoders: `n_kv_head` J < H key/value heads (grouped-query attention,
     Ainslie et al. 2023; J = 1 is multi-query), which also shrinks the cache H / J times;
@@ -292,21 +243,11 @@ class SelfAttention(nn.Module):
         sow = None
         if self.is_mutable_collection("intermediates"):
             sow = lambda p: self.sow("intermediates", "attn_weights", p)  # noqa: E731
-        if hasattr(kv, "attend"):  # a paged cache layer (flaxgpt/serve/paged.py) writes and attends itself
+        if kv is not None:  # a cache layer (models/cache.py: contiguous, ring or paged) writes and attends
             y_BTHK, kv = kv.attend(
-                q_BTHK, k_BTJK, v_BTJK, positions_BT, self.scale, self.softcap, self.window
-            )
-        elif isinstance(kv, tuple) and len(kv) == 3:  # a window layer's ring buffer (cache.KVCache)
-            y_BTHK, kv = ring_attend(
-                q_BTHK, k_BTJK, v_BTJK, positions_BT, kv, self.window, real_BT,
+                q_BTHK, k_BTJK, v_BTJK, positions_BT, window=self.window, real_BT=real_BT,
                 sow=sow, scale=self.scale, softcap=self.softcap,
             )  # fmt: skip
-        elif kv is not None:  # decoding: per-row query positions, the XLA path with an explicit mask
-            k_NSK = write_cache(kv[0], k_BTJK, positions_BT)
-            v_NSK = write_cache(kv[1], v_BTJK, positions_BT)
-            kv = (k_NSK, v_NSK)
-            mask_BHTS = causal_mask(positions_BT, k_NSK.shape[1], self.window)
-            y_BTHK = attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, sow, self.scale, self.softcap)
         else:
             is_causal = False
             if self.causal:

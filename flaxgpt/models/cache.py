@@ -1,27 +1,43 @@
-"""The decoding caches: fixed-size buffers allocated once per generation, one entry per layer.
+"""The decoding caches: one interface (`Cache`) that every kind of KV cache implements.
 
-A cache is a plain pytree passed into the model and handed back, so `jit` sees arrays and the
-decoders can donate the buffers (updated in place rather than copied). Each block receives its
-own layer's entry and returns it; the decoders only ever call `take_rows` (beam search follows
-its beams with it) and read `max_len` / `batch`.
+A cache is a pytree passed into the model and handed back, so `jit` sees arrays and the decoders can
+donate the buffers (updated in place rather than copied). Every kind answers the same calls, and code
+picks a kind's behaviour by calling them (the layer kinds by their type), never by probing attributes:
 
-KVCache (self-attention): one buffer per layer, [batch * heads, max_len, head_dim] each (row
-b * H + h is head h of sequence b). Heads before positions: a decoding step reads a layer's keys
-as B*H matrices [S, K] as they lie (with [B, S, H, K] XLA transposes every layer's keys and
-values on every step). An array per layer: the attention reads it in place (a slice of one
-stacked [L, ...] buffer is copied out first on CPU, 24 copies of the cache per GPT-2 step).
-Batch and heads merged: at batch 1 a [1, H, S, K] buffer reaches the attention as [H, S, K],
-and XLA then updates it twice, copying it each time.
+  max_len, batch, rewind    positions per row, rows, positions a row may take back (None: any)
+  layer(i), with_layers     layer i's KVLayer, whose `attend` the attention block calls (the kind
+                            writes the call's keys and values and attends over its own layout), and
+                            the cache holding the layers the blocks return
+  take_rows(rows_R)         the cache of those rows in that order (beam search follows its beams)
+  insert_row(row, slot)     a one-row KVCache (a prefill's) copied into row `slot` (the serving engine)
+  row(slot)                 row `slot` as a one-row contiguous KVCache (the prefix cache reads it)
+  has_rings                 some layer keeps only its window (a prefix cache cannot be served from it)
 
-Sliding-window layers (Mistral, Gemma 2 / 3) keep only their window: a ring buffer of R = W +
+The kinds of layer storage, all behind `KVLayer.attend(q, k, v, positions, ...) -> (y, layer)`:
+
+ContiguousLayer (KVCache): [batch * heads, max_len, head_dim] keys and values (row b * J + j is
+key/value head j of sequence b), position p at index p. Heads before positions: a decoding step reads
+a layer's keys as B*J matrices [S, K] as they lie (with [B, S, J, K] XLA transposes every layer's keys
+and values on every step). An array per layer: the attention reads it in place (a slice of one stacked
+[L, ...] buffer is copied out first on CPU, 24 copies of the cache per GPT-2 step). Batch and heads
+merged: at batch 1 a [1, J, S, K] buffer reaches the attention as [J, S, K], and XLA then updates it
+twice, copying it each time.
+
+RingLayer (KVCache, sliding-window layers: Mistral, Gemma 2 / 3): only the window, a ring of R = W +
 `rewind` slots, [batch * heads, R, head_dim], position p in slot p % R, and `pos` [batch, R] the
 position each slot holds (EMPTY: none), so memory stays bounded however long a generation runs and
-the attention masks by stored positions (models/attention.py, `ring_attend`). A call's tokens at or
-after the first position it writes replace what the ring held there (a row may go back and write
-again: speculative decoding, the sampler's re-prefill), so a row may take back at most `rewind` of
-the positions it wrote (`rewind` slots keep what they would otherwise lose). Layers with a window
-as long as the cache, or none, keep a full-length buffer and `pos` None. Padding written at
-positions past `max_len`, or marked by a prefill's `logits_at`, never enters a ring.
+the mask comes from the stored positions. A call's tokens at or after the first position it writes
+replace what the ring held there (a row may go back and write again: speculative decoding, the
+sampler's re-prefill), so a row may take back at most `rewind` of the positions it wrote (`rewind`
+slots keep what they would otherwise lose). Layers with a window as long as the cache, or none, keep a
+contiguous buffer. Padding written at positions past `max_len`, or marked by a prefill's `logits_at`
+(`real_BT` False), never enters a ring.
+
+PagedLayer (PagedKVCache, models/paged.py): pages of `page` positions in a pool, read through a block
+table per row; the layout of JAX's Pallas paged-attention kernels.
+
+No kind writes anything at positions >= its max_len (a scatter drops them): the sampler's re-prefill
+feeds other rows there.
 
 Seq2SeqCache (encoder-decoder): the decoder's KVCache plus each layer's cross-attention keys and
 values of the source, [rows, S, H, K], one row per decoded row (a source repeated once per beam),
@@ -32,19 +48,133 @@ rows stay with their sources (beam search's beams always do) those arrays need n
 
 from __future__ import annotations
 
+import abc
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from flaxgpt.models.attention import attend_cached, causal_mask
+
 EMPTY = -(2**30)  # the position of a ring slot never written: outside every query's window
 
 
+class KVLayer(abc.ABC):
+    """One layer's share of a cache: what its attention block hands the new keys and values to."""
+
+    @abc.abstractmethod
+    def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
+        """Write the call's keys/values at `positions_BT` and attend to the keys each query may see
+        (key position <= its own, within `window`) -> (y_BTHK, this layer updated). `real_BT`: False
+        on padding (a ring never takes it in); attend_kw: sow, scale, softcap (attend_cached's)."""
+
+
+class Cache(abc.ABC):
+    """The interface of every KV cache kind (see the module docstring)."""
+
+    rewind = None  # positions a row may take back (None: any); a kind with rings says how many
+
+    @property
+    @abc.abstractmethod
+    def max_len(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def batch(self) -> int: ...
+
+    @property
+    def has_rings(self) -> bool:
+        return False
+
+    @abc.abstractmethod
+    def layer(self, i: int) -> KVLayer: ...
+
+    @abc.abstractmethod
+    def with_layers(self, layers) -> Cache: ...
+
+    @abc.abstractmethod
+    def take_rows(self, rows_R: jax.Array) -> Cache: ...
+
+    @abc.abstractmethod
+    def insert_row(self, row: KVCache, slot) -> Cache: ...
+
+    @abc.abstractmethod
+    def row(self, slot) -> KVCache: ...
+
+
+def write_cache(buf_NSK: jax.Array, new_BTJK: jax.Array, pos_BT: jax.Array) -> jax.Array:
+    """Scatter new keys or values into one layer's [B*J, S, K] buffer at per-row positions.
+
+    One scatter: a donated buffer is updated in place; positions >= S are dropped.
+    """
+    B, T, J, K = new_BTJK.shape
+    rows_B1J = (jnp.arange(B)[:, None] * J + jnp.arange(J))[:, None, :]  # buffer row of (b, j)
+    return buf_NSK.at[rows_B1J, pos_BT[:, :, None]].set(new_BTJK.astype(buf_NSK.dtype))
+
+
 @struct.dataclass
-class KVCache:
-    k: tuple[jax.Array, ...]  # L x [B*H, S, K]; a window layer's ring: [B*H, R, K]
-    v: tuple[jax.Array, ...]  # L x [B*H, S, K]
-    n_head: int = struct.field(pytree_node=False)  # heads stored (the key/value heads): B*H rows
-    pos: tuple = ()  # L x ([B, R] int32 positions a ring holds, or None: a full-length buffer)
+class ContiguousLayer(KVLayer):
+    k: jax.Array  # [B*J, S, K]
+    v: jax.Array  # [B*J, S, K]
+
+    def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
+        layer = ContiguousLayer(
+            write_cache(self.k, k_BTJK, positions_BT), write_cache(self.v, v_BTJK, positions_BT)
+        )
+        mask_BHTS = causal_mask(positions_BT, layer.k.shape[1], window)
+        return attend_cached(q_BTHK, layer.k, layer.v, mask_BHTS, **attend_kw), layer
+
+
+@struct.dataclass
+class RingLayer(KVLayer):
+    k: jax.Array  # [B*J, R, K]
+    v: jax.Array  # [B*J, R, K]
+    pos: jax.Array  # [B, R] int32: the position each slot holds (EMPTY: none)
+
+    def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
+        """One token per row (decoding) is written first and attends over the ring as it lies. Longer
+        calls (prefills, speculative verification) attend over [the ring as it was | their own keys],
+        slots holding positions this call rewrites hidden, then write their last R real tokens: a
+        prompt longer than the ring goes in one call."""
+        pos_BT = positions_BT
+        B, T, J, K = k_BTJK.shape
+        R = self.pos.shape[1]
+        real_BT = jnp.ones((B, T), bool) if real_BT is None else real_BT
+        # each row's last R real tokens (contiguous positions: distinct slots); R = past the ring, dropped
+        last_B1 = jnp.max(jnp.where(real_BT, pos_BT, -1), axis=1, keepdims=True)
+        slot_BT = jnp.where(real_BT & (pos_BT > last_B1 - R), pos_BT % R, R)
+        rows_B1J = (jnp.arange(B)[:, None] * J + jnp.arange(J))[:, None, :]
+
+        def write(buf_NRK, new_BTJK):
+            return buf_NRK.at[rows_B1J, slot_BT[:, :, None]].set(new_BTJK.astype(buf_NRK.dtype), mode="drop")
+
+        new = RingLayer(
+            write(self.k, k_BTJK),
+            write(self.v, v_BTJK),
+            self.pos.at[jnp.arange(B)[:, None], slot_BT].set(pos_BT, mode="drop"),
+        )
+        if T == 1:  # the slot written held position p - R, outside p's window
+            k_NSK, v_NSK, key_pos_BS = new.k, new.v, new.pos
+        else:
+            first_B1 = jnp.min(jnp.where(real_BT, pos_BT, jnp.iinfo(jnp.int32).max), axis=1, keepdims=True)
+            to_NTK = lambda x: jnp.swapaxes(x, 1, 2).reshape(B * J, T, K).astype(self.k.dtype)  # noqa: E731
+            k_NSK = jnp.concatenate([self.k, to_NTK(k_BTJK)], axis=1)  # S = R + T
+            v_NSK = jnp.concatenate([self.v, to_NTK(v_BTJK)], axis=1)
+            old_BR = jnp.where(self.pos >= first_B1, EMPTY, self.pos)  # positions this call writes again
+            key_pos_BS = jnp.concatenate([old_BR, jnp.where(real_BT, pos_BT, EMPTY)], axis=1)
+        q_BT1, key_B1S = pos_BT[:, :, None], key_pos_BS[:, None, :]
+        mask_BHTS = ((key_B1S <= q_BT1) & (key_B1S > q_BT1 - window))[:, None]
+        return attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, **attend_kw), new
+
+
+@struct.dataclass
+class KVCache(Cache):
+    """Contiguous and ring layers (see the module docstring), one buffer pair per layer."""
+
+    k: tuple[jax.Array, ...]  # L x [B*J, S, K]; a window layer's ring: [B*J, R, K]
+    v: tuple[jax.Array, ...]  # L x [B*J, S, K]
+    n_head: int = struct.field(pytree_node=False)  # heads stored (the key/value heads): B*J rows
+    pos: tuple = ()  # L x ([B, R] int32 positions a ring holds, or None: a contiguous buffer)
     length: int = struct.field(pytree_node=False, default=0)  # S, positions covered; 0 = k[0]'s
     rewind: int | None = struct.field(
         pytree_node=False, default=None
@@ -100,22 +230,20 @@ class KVCache:
     def has_rings(self) -> bool:
         return any(p is not None for p in self.pos)
 
-    def layer(self, i: int) -> tuple:
-        """Layer i's buffers, what its attention block reads and returns: (k, v), [B*H, S, K] each,
-        or a ring's (k, v, pos)."""
+    def layer(self, i: int) -> KVLayer:
+        """Layer i's buffers, what its attention block reads and returns."""
         if self.pos and self.pos[i] is not None:
-            return self.k[i], self.v[i], self.pos[i]
-        return self.k[i], self.v[i]
+            return RingLayer(self.k[i], self.v[i], self.pos[i])
+        return ContiguousLayer(self.k[i], self.v[i])
 
-    def with_layers(self, kv_layers) -> KVCache:
-        """This cache holding the blocks' returned buffers ((k, v) or a ring's (k, v, pos)); a paged
-        cache has its own (serve/paged.py)."""
-        pos = tuple(kv[2] if len(kv) == 3 else None for kv in kv_layers)
-        return self.replace(k=tuple(kv[0] for kv in kv_layers), v=tuple(kv[1] for kv in kv_layers), pos=pos)
+    def with_layers(self, layers) -> KVCache:
+        """This cache holding the blocks' returned layers."""
+        pos = tuple(x.pos if isinstance(x, RingLayer) else None for x in layers)
+        return self.replace(k=tuple(x.k for x in layers), v=tuple(x.v for x in layers), pos=pos)
 
     @classmethod
     def from_layers(cls, kv_layers, n_head: int) -> KVCache:
-        """A full-length cache made of (k, v) pairs, one per layer (a paged slot's row, serve/paged.py)."""
+        """A contiguous cache made of (k, v) pairs, one per layer (a paged row, models/paged.py)."""
         k, v = tuple(k for k, _ in kv_layers), tuple(v for _, v in kv_layers)
         return cls(k=k, v=v, n_head=n_head, pos=(None,) * len(k), length=k[0].shape[1])  # as for_config's
 
@@ -129,6 +257,17 @@ class KVCache:
 
         pos = tuple(None if p is None else jnp.take(p, rows_R, axis=0) for p in self.pos)
         return self.replace(k=tuple(map(take, self.k)), v=tuple(map(take, self.v)), pos=pos)
+
+    def insert_row(self, row: KVCache, slot) -> KVCache:
+        """A one-row cache of the same layout copied into row `slot`."""
+
+        def put(buf, x):  # each leaf is [batch * rows_per_seq, ...]: sequence b is a block of rows
+            return jax.lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), slot * x.shape[0], axis=0)
+
+        return jax.tree_util.tree_map(put, self, row)
+
+    def row(self, slot) -> KVCache:
+        return self.take_rows(jnp.reshape(slot, (1,)))
 
 
 @struct.dataclass

@@ -37,7 +37,7 @@ from flaxgpt.models.layers import MLP, norm, normal_init, ones_init, sinusoidal_
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
 
-    `kv` is this layer's own (k, v) cache buffers (or None); the block returns them updated.
+    `kv` is this layer's cache.KVLayer (or None); the block returns it updated.
     """
 
     config: GPTConfig
@@ -99,7 +99,7 @@ class Block(nn.Module):
 
 
 class ScannedBlock(nn.Module):
-    """Block in nn.scan's (carry, xs) -> (carry, ys) form: xs and ys are the layer's (k, v);
+    """Block in nn.scan's (carry, xs) -> (carry, ys) form: xs and ys are the layer's KVLayer;
     the carry holds the segment ids (or None) beside the positions."""
 
     config: GPTConfig
@@ -240,7 +240,7 @@ class GPT(nn.Module):
     def _blocks(
         self, x_BTD, positions_BT, kv_layers, deterministic: bool, tokens_BT=None, seg_BT=None, real_BT=None
     ):
-        """The n_layer blocks; kv_layers (or None) holds each layer's (k, v), handed to its block."""
+        """The n_layer blocks; kv_layers (or None) holds each layer's cache.KVLayer, handed to its block."""
         c = self.config
         if c.scan_layers:
             # the layers' buffers are the scan's xs and ys, stacked [L, ...] (a copy each way;
@@ -259,7 +259,7 @@ class GPT(nn.Module):
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )(c, deterministic, name="h")((x_BTD, positions_BT, seg_BT, real_BT), stacked)
             if stacked is not None:
-                kv_layers = [tuple(x[i] for x in stacked) for i in range(c.n_layer)]
+                kv_layers = [jax.tree_util.tree_map(lambda x, i=i: x[i], stacked) for i in range(c.n_layer)]
             return x_BTD, kv_layers
         block_cls = Block
         if c.remat != "none":

@@ -206,7 +206,7 @@ class DecoderLayer(_LayerBase):
         return self.cross.project_kv(memory_BSD)
 
     def __call__(self, x_BTD, positions_BT, kv, memory, src_lengths_B):
-        """kv: this layer's (k, v) self-attention cache buffers or None (returned updated);
+        """kv: this layer's self-attention cache.KVLayer or None (returned updated);
         memory: the encoder output [B, S, D], or this layer's projected (k, v) from the cache."""
         pre = self.config.pre_ln
         new_kv = kv

@@ -22,9 +22,10 @@ full blocks are kept for later requests, and when a request ends (`keep`) the fu
 prompt and reply, read from its slot: a conversation's next turn reuses its whole history.
 Between `generate` calls the other slots keep their rows.
 Every slot decodes at its own position with its own sampling settings and key, all as arrays of
-the one jitted step, so requests come and go without recompiling. Free and finished slots idle
-(they feed their last token at their last position and their outputs are dropped). A request must
-fit its window: prompt + max_new_tokens <= W.
+the one jitted step, so requests come and go without recompiling: the step is `generate`'s own
+(decode.sampling.decode_chunk: per-row keys, stop rules and padding in one place). Free and
+finished slots idle (they feed their last token at their last position and their outputs are
+dropped). A request must fit its window: prompt + max_new_tokens <= W.
 
 Exactness: a row's computation depends only on that row (per-row positions, keys, settings; no
 cross-row reductions), and a position's keys and values only on the tokens up to it, so a request
@@ -47,10 +48,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from flaxgpt import sharding
-from flaxgpt.decode.sampling import Sampling, select_rows
+from flaxgpt.decode.sampling import (
+    GPU_LOOP_OPTIONS,
+    DecodeState,
+    Rows,
+    Sampling,
+    decode_chunk,
+    finished,
+    next_tokens,
+)
 from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
 
 
@@ -79,17 +87,19 @@ class RowSampling(NamedTuple):
             eos=np.int32(-1 if s.eos_id is None else s.eos_id),
         )
 
-
-@struct.dataclass
-class SlotState:
-    """The decode state of every slot (row b of each array belongs to slot b)."""
-
-    cache: object  # the slots cache, batch B
-    last_B: jax.Array  # the latest sampled token, fed at position fill_B next
-    fill_B: jax.Array  # tokens in the row's cache
-    count_B: jax.Array  # tokens produced so far (also the key's fold-in index)
-    done_B: jax.Array  # finished or free: idles
-    rows: RowSampling  # each field [B]
+    def device_rows(self) -> Rows:
+        """This request as one row of the decode loop's settings (traced): key fold_in(key(seed), stream),
+        the key `generate(rng=key(seed))` gives its row `stream`."""
+        one = lambda x: jnp.reshape(jnp.asarray(x), (1,))  # noqa: E731
+        key = jax.random.fold_in(jax.random.key(self.seed), self.stream)
+        return Rows(
+            key_B=jnp.reshape(key, (1,)),
+            temperature_B=one(self.temperature),
+            top_k_B=one(self.top_k),
+            top_p_B=one(self.top_p),
+            max_new_B=one(self.max_new),
+            eos_B=one(self.eos),
+        )
 
 
 class Prefix(NamedTuple):
@@ -99,15 +109,7 @@ class Prefix(NamedTuple):
     first: jax.Array  # [] the first new token
     length: jax.Array  # [] prompt length
     done: jax.Array  # [] the first token already finished it (EOS, or max_new 1)
-    rows: RowSampling  # each field [1]
-
-
-def _next_tokens(rows: RowSampling, count_B, logits_BV, max_k: int):
-    def key(seed, stream, i):  # sampling.row_keys of generate(rng=key(seed)) for row `stream`
-        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), stream), i)
-
-    keys_B = jax.vmap(key)(rows.seed, rows.stream, count_B)
-    return select_rows(keys_B, logits_BV, rows.temperature, rows.top_k, rows.top_p, max_k=max_k)
+    rows: Rows  # each field [1]
 
 
 @functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("cache",))
@@ -119,27 +121,19 @@ def _prefill(step_fn, cache, chunk_1P, start, size, rows: RowSampling, max_k: in
     # are overwritten by the next chunk or by decoding before any query can see them
     positions_1P = start + jnp.arange(P, dtype=jnp.int32)[None]
     logits_11V, cache = step_fn(chunk_1P, positions_1P, cache, logits_at=jnp.reshape(size - 1, (1,)))
-    logits_1V = logits_11V[:, 0]
-    rows = jax.tree_util.tree_map(lambda x: jnp.asarray(x)[None], rows)
-    first = _next_tokens(rows, jnp.zeros((1,), jnp.int32), logits_1V, max_k)[0]
-    done = (first == rows.eos[0]) | (rows.max_new[0] <= 1)
-    return Prefix(cache, first, start + size, done, rows)
+    rows_1 = rows.device_rows()
+    first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), logits_11V[:, 0], max_k)
+    done_1 = finished(rows_1, first_1, jnp.ones((1,), jnp.int32))
+    return Prefix(cache, first_1[0], start + size, done_1[0], rows_1)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _insert(state: SlotState, prefix: Prefix, slot) -> SlotState:
-    def put_row(buf, row):  # cache leaves are [batch * rows_per_seq, ...]: seq b is a block of rows
-        return jax.lax.dynamic_update_slice_in_dim(buf, row.astype(buf.dtype), slot * row.shape[0], axis=0)
-
+def _insert(state: DecodeState, prefix: Prefix, slot) -> DecodeState:
     def put(x_B, v):
         return x_B.at[slot].set(jnp.reshape(v, ()))
 
-    if hasattr(state.cache, "insert_row"):  # a paged slots cache (flaxgpt/serve/paged.py)
-        cache = state.cache.insert_row(prefix.cache, slot)
-    else:
-        cache = jax.tree_util.tree_map(put_row, state.cache, prefix.cache)
-    return SlotState(
-        cache=cache,
+    return state.replace(
+        cache=state.cache.insert_row(prefix.cache, slot),  # any cache kind copies a one-row cache in
         last_B=put(state.last_B, prefix.first),
         fill_B=put(state.fill_B, prefix.length),
         count_B=put(state.count_B, 1),
@@ -148,56 +142,21 @@ def _insert(state: SlotState, prefix: Prefix, slot) -> SlotState:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "max_k"), donate_argnames=("state",))
-def _generate(step_fn, state: SlotState, stop_B, chunk: int, max_k: int):
-    """Up to `chunk` steps of one token per busy slot -> (state, tokens_BC)."""
-    B = state.last_B.shape[0]
-    state = state.replace(done_B=state.done_B | stop_B)
-
-    def cond(carry):
-        state, _, j = carry
-        return (j < chunk) & ~jnp.all(state.done_B)
-
-    def body(carry):
-        s, out_BC, j = carry
-        active_B = ~s.done_B
-        logits_B1V, cache = step_fn(s.last_B[:, None], s.fill_B[:, None], s.cache)
-        tok_B = _next_tokens(s.rows, s.count_B, logits_B1V[:, -1], max_k)
-        count_B = s.count_B + active_B
-        finished_B = (tok_B == s.rows.eos) | (count_B >= s.rows.max_new)
-        s = s.replace(
-            cache=cache,
-            last_B=jnp.where(active_B, tok_B, s.last_B),
-            fill_B=s.fill_B + active_B,
-            count_B=count_B,
-            done_B=s.done_B | (active_B & finished_B),
-        )
-        return s, out_BC.at[:, j].set(jnp.where(active_B, tok_B, -1)), j + 1
-
-    out_BC = jnp.full((B, chunk), -1, jnp.int32)
-    state, out_BC, _ = jax.lax.while_loop(cond, body, (state, out_BC, jnp.int32(0)))
-    return state, out_BC
-
-
 def programs(mesh=None):
-    """(prefill, insert, generate) jitted: the functions above, or for `mesh` the same traced under
-    it (sharding.under_mesh with SERVE_RULES: kernels chosen for its devices)."""
+    """(prefill, insert, generate) jitted: the functions above and the decode loop's step
+    (decode.sampling.decode_chunk), or for `mesh` the same traced under it (sharding.under_mesh with
+    SERVE_RULES: kernels chosen for its devices)."""
     if mesh is None:
-        return _prefill, _insert, _generate
+        return _prefill, _insert, decode_chunk
     under = lambda f: sharding.under_mesh(f.__wrapped__, mesh, sharding.SERVE_RULES)  # noqa: E731
     return tuple(
-        jax.jit(under(f), static_argnames=static, donate_argnames=donated)
-        for f, static, donated in (
-            (_prefill, ("max_k",), ("cache",)),
-            (_insert, (), ("state",)),
-            (_generate, ("chunk", "max_k"), ("state",)),
+        jax.jit(under(f), static_argnames=static, donate_argnames=donated, compiler_options=options)
+        for f, static, donated, options in (
+            (_prefill, ("max_k",), ("cache",), None),
+            (_insert, (), ("state",), None),
+            (decode_chunk, ("chunk", "keep", "max_k"), ("state",), GPU_LOOP_OPTIONS),
         )
     )
-
-
-@jax.jit
-def _paged_row(cache, slot):
-    return cache.row(slot)
 
 
 def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -212,17 +171,16 @@ def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
     return (*out, max_len)
 
 
-def empty_slots(cache, slots: int) -> SlotState:
+def empty_slots(cache, slots: int) -> DecodeState:
     """The state of `slots` free slots over an empty slots cache (batch `slots`)."""
-    rows = RowSampling.of(max_new_tokens=1)
     zeros = lambda dtype: jnp.zeros((slots,), dtype)  # noqa: E731
-    return SlotState(
+    return DecodeState(
         cache=cache,
         last_B=zeros(jnp.int32),
         fill_B=zeros(jnp.int32),
         count_B=zeros(jnp.int32),
         done_B=jnp.ones((slots,), bool),  # every slot starts free
-        rows=jax.tree_util.tree_map(lambda x: jnp.stack([jnp.asarray(x)] * slots), rows),
+        rows=Rows.same(jax.random.key(0), slots, Sampling(), 1),
     )
 
 
@@ -266,7 +224,7 @@ class Engine:
         """make_cache(batch) -> an empty cache (all with the same length W, the request window).
         prefill_chunk: the most prompt tokens one prefill call runs (default W: a prompt in one
         call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off);
-        slots_cache: the slots cache if not make_cache(slots), e.g. a serve.paged.PagedKVCache (decoding
+        slots_cache: the slots cache if not make_cache(slots), e.g. a models.paged.PagedKVCache (decoding
         reads each slot's pages through its block table; prefills still fill a contiguous one-row cache).
         mesh: run over its devices: the programs traced under it, every cache and slot array split
         by rows (sharding.row_shardings: slots; a one-row cache's heads); the weights stay where
@@ -298,7 +256,7 @@ class Engine:
             (lambda: jax.device_put(make_cache(1), device)) if mesh is None else (lambda: make_cache(1))
         )
         self.prefix_cache = None
-        if prefix_blocks and getattr(cache, "has_rings", False):
+        if prefix_blocks and cache.has_rings:
             raise ValueError(
                 "the prefix cache keeps every position's keys and values; this model's sliding-window "
                 "layers keep only their window (ring buffers): serve it without a prefix cache"
@@ -375,9 +333,7 @@ class Engine:
         if self.prefix_cache is None:
             return 0
         digests = block_digests(tokens, self.prefix_cache.block)[: self.prefix_cache.M]
-        if hasattr(self.state.cache, "row"):  # paged: the slot's pages as a contiguous row first
-            return self.prefix_cache.save(_paged_row(self.state.cache, np.int32(slot)), digests)
-        return self.prefix_cache.save(self.state.cache, digests, row=slot)
+        return self.prefix_cache.save(self.state.cache, digests, row=slot)  # any kind: read by cache.row
 
     def release(self, slot: int):
         """Stop decoding `slot` before its end (cancelled, or a stop string): from the next generate."""

@@ -12,9 +12,12 @@ computed it. A block is named by a chain digest, sha256(previous digest + its to
 matches only when every token before it matches too. A prompt reuses at most its first n - 1
 tokens' KV (the last token's logits must be computed), in whole blocks.
 
-Storage is one pool per cache leaf, [capacity, R, block, ...] (R rows per sequence: the KV heads),
-written and read by two jitted programs (save, restore) whose block lists are fixed-length [M]
-arrays (M = W // block, the row's blocks; unused entries point past the pool: a save drops them).
+Storage is the paged cache kind's pool (models/paged.py, `PagedKVCache.pool`): a block is a page of
+`block` positions, [J, capacity, block, K] per layer, written from a row (`write_pages`) and read into a
+one-row contiguous cache (`read_into`) by two jitted programs (save, restore) whose block lists are
+fixed-length [M] arrays (M = W // block, the row's blocks; unused entries point past the pool: a save
+drops them). A save reads its row through the cache interface (`cache.row(slot)`), so it takes a
+prefilled row or any kind of slots cache alike.
 The table is LRU: a hit moves a block to the back, a new block evicts from the front when the
 pool is full. Evicting a block another request matched earlier is harmless: `restore` already
 copied it into that request's own cache.
@@ -27,8 +30,10 @@ import functools
 import hashlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from flaxgpt.models.cache import KVCache
+from flaxgpt.models.paged import PagedKVCache
 
 
 def block_digests(tokens, block: int) -> list[bytes]:
@@ -41,44 +46,31 @@ def block_digests(tokens, block: int) -> list[bytes]:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("block",), donate_argnames=("pool",))
-def _save(pool, cache, row, ids_M, block: int):
-    def put(pool_NRL, buf_BRS):  # L = the block's positions and what follows them in a leaf
-        R, M = pool_NRL.shape[1], ids_M.shape[0]
-        row_RS = jax.lax.dynamic_slice_in_dim(buf_BRS, row * R, R, axis=0)  # sequence `row`'s rows
-        blocks = row_RS[:, : M * block].reshape(R, M, block, *row_RS.shape[2:])
-        return pool_NRL.at[ids_M].set(jnp.moveaxis(blocks, 1, 0).astype(pool_NRL.dtype), mode="drop")
-
-    return jax.tree_util.tree_map(put, pool, cache)
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _save(pool: PagedKVCache, cache, row, ids_M) -> PagedKVCache:
+    return pool.write_pages(cache.row(row), ids_M)
 
 
-@functools.partial(jax.jit, static_argnames=("block",))
-def _restore(pool, empty, ids_M, block: int):
-    def take(pool_NRL, row_RS):
-        blocks = jnp.take(pool_NRL, ids_M, axis=0, mode="clip")  # [M, R, block, ...]
-        R, M = row_RS.shape[0], ids_M.shape[0]
-        rows = jnp.moveaxis(blocks, 0, 1).reshape(R, M * block, *row_RS.shape[2:])
-        # positions past the hit hold other blocks' KV (finite): the prefill and decoding write
-        # every position before any query can see it
-        return row_RS.at[:, : M * block].set(rows.astype(row_RS.dtype))
-
-    return jax.tree_util.tree_map(take, pool, empty)
+@jax.jit
+def _restore(pool: PagedKVCache, empty: KVCache, ids_M) -> KVCache:
+    # positions past the hit hold other blocks' KV (finite): the prefill and decoding write
+    # every position before any query can see it
+    return pool.read_into(empty, ids_M)
 
 
 class PrefixCache:
-    def __init__(self, empty_row, *, block: int, capacity: int):
-        """empty_row: an empty one-row cache (the pytree `restore` returns); capacity in blocks."""
-        leaves = jax.tree_util.tree_leaves(empty_row)
-        W = leaves[0].shape[1]
+    def __init__(self, empty_row: KVCache, *, block: int, capacity: int):
+        """empty_row: an empty one-row contiguous cache (what `restore` returns); capacity in blocks."""
+        W = empty_row.max_len
         if block < 1 or capacity < 1 or W < block:
             raise ValueError(
                 f"prefix cache: block {block} and capacity {capacity} must be >= 1 and block <= window {W}"
             )
+        if empty_row.has_rings:
+            raise ValueError("the prefix cache keeps every position's keys and values; rings keep a window")
         self.block, self.capacity, self.M = block, capacity, W // block
         self.empty = empty_row
-        self.pool = jax.tree_util.tree_map(
-            lambda x: jnp.zeros((capacity, x.shape[0], block, *x.shape[2:]), x.dtype), empty_row
-        )
+        self.pool = PagedKVCache.pool(empty_row, pages=capacity, page=block)
         self.table: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU first
         self.free = list(range(capacity - 1, -1, -1))
         self.bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.pool))
@@ -106,11 +98,12 @@ class PrefixCache:
         return hits * self.block, ids_M, digests
 
     def restore(self, ids_M):
-        return _restore(self.pool, self.empty, ids_M, block=self.block)
+        return _restore(self.pool, self.empty, ids_M)
 
     def save(self, cache, digests: list[bytes], first: int = 0, row: int = 0):
         """Keep blocks first.. of row `row` of a cache (a prefilled one-row cache, or a slot of the
-        slots cache after decoding) that are not already kept; digests: the row's full blocks."""
+        slots cache after decoding: any cache kind) that are not already kept; digests: the row's
+        full blocks."""
         ids_M = np.full(self.M, self.capacity, np.int32)
         new = 0
         for j, d in enumerate(digests[: self.capacity]):  # never evict a block this loop added
@@ -122,5 +115,5 @@ class PrefixCache:
             self.table[d] = ids_M[j] = self.free.pop()
             new += 1
         if new:
-            self.pool = _save(self.pool, cache, np.int32(row), ids_M, block=self.block)
+            self.pool = _save(self.pool, cache, np.int32(row), ids_M)
         return new

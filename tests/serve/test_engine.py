@@ -4,11 +4,11 @@ import jax
 import numpy as np
 import pytest
 
-from flaxgpt.decode.sampling import Sampling, generate
+from flaxgpt.decode.sampling import Sampling, generate, select_rows
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
-from flaxgpt.serve.engine import Engine, RowSampling, prompt_buckets, select_rows
+from flaxgpt.serve.engine import Engine, RowSampling, prompt_buckets
 
 W = 64
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=W, vocab_size=40)

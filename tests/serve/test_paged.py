@@ -7,8 +7,8 @@ from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
+from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.serve.engine import Engine, RowSampling
-from flaxgpt.serve.paged import PagedKVCache, paged_impl
 
 W = 32
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=W, vocab_size=40, n_kv_head=2)
@@ -53,22 +53,3 @@ def test_paged_engine_decodes_what_the_contiguous_engine_does():
                     del owner[s]
         outs.append(out)
     assert outs[0] == outs[1]
-
-
-def test_paged_layer_reads_any_block_table():
-    """Pages in any order (a shuffled table): each step's attention equals the contiguous cache's."""
-    from flaxgpt.models.attention import attend_cached, causal_mask, write_cache
-
-    rng = np.random.default_rng(1)
-    B, J, H, K, page, M = 2, 2, 4, 8, 4, 3
-    layer = PagedKVCache.for_slots(CFG, B, page * M, page=page).layer(0)
-    layer = layer.replace(table_BM=rng.permutation(B * M).astype(np.int32).reshape(B, M))
-    k_NSK = v_NSK = jax.numpy.zeros((B * J, page * M, K))
-    for t in range(page * M):
-        k, v = (rng.standard_normal((B, 1, J, K)).astype(np.float32) for _ in range(2))
-        q = rng.standard_normal((B, 1, H, K)).astype(np.float32)
-        pos_B1 = np.array([[t], [max(t - 3, 0)]], np.int32)  # rows at different positions
-        y, layer = layer.attend(q, k, v, pos_B1)
-        k_NSK, v_NSK = write_cache(k_NSK, k, pos_B1), write_cache(v_NSK, v, pos_B1)
-        want = attend_cached(q, k_NSK, v_NSK, causal_mask(pos_B1, page * M))
-        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)

@@ -1,15 +1,21 @@
-"""A paged KV cache for the engine's slots: keys and values in pages, read through per-slot block tables.
+"""The paged kind of KV cache (models/cache.py's interface): keys and values in pages, read through
+per-row block tables.
 
     cache = PagedKVCache.for_slots(config, 16, 1024, page=16, impl=paged_impl("tpu", config.head_dim))
     engine = Engine(step_fn, make_cache, slots=16, slots_cache=cache)   # prefills stay contiguous
+    tokens_BN, lengths_B = sampling.generate(step_fn, cache, ...)       # any decoder takes it too
 
 Layout: per layer, k and v as [J, P, page, K] (J key/value heads, P pages in the pool, page
 positions each), the layout of JAX's Pallas paged-attention kernels, with a table [B, M] of the
 page holding each slot's m-th block of `page` positions (M = max_len / page). Position s of slot b
-lies at page table[b, s // page], offset s % page. Here the table is the identity (slot b owns pages
-b*M .. b*M + M - 1), so a slot's pages are as many as its window; but it is an array the step reads,
-not a constant, so pages could be shared between slots (a prefix cache's blocks read in place, as
-vLLM does) without recompiling.
+lies at page table[b, s // page], offset s % page; positions >= S are not written. Here the table is
+the identity (slot b owns pages b*M .. b*M + M - 1), so a slot's pages are as many as its window; but
+it is an array the step reads, not a constant, so pages could be shared between slots without
+recompiling. `take_rows` copies pages' contents (each page belongs to one row).
+
+A pool with no rows of its own (`PagedKVCache.pool`) is the prefix cache's block store
+(serve/prefix_cache.py): blocks are pages, written from and read into one-row contiguous caches
+(`write_pages`, `read_into`) by the block ids the prefix cache keeps.
 
 The model sees this cache through the step_fn protocol: `layer(i)` hands each attention a
 PagedLayer, whose `attend` writes the step's new keys and values into their pages and attends over
@@ -36,7 +42,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from flaxgpt.models.attention import attend_cached, causal_mask
-from flaxgpt.models.cache import KVCache
+from flaxgpt.models.cache import Cache, KVCache, KVLayer
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
 
@@ -55,8 +61,16 @@ def _largest_divisor(n: int, most: int) -> int:
     return max(d for d in range(1, min(n, most) + 1) if n % d == 0)
 
 
+def gather_rows(buf_JPpK, table_BM):
+    """Each table row's pages in order, laid out as a contiguous cache's buffer: [B*J, M*page, K]."""
+    J, _, page, K = buf_JPpK.shape
+    B, M = table_BM.shape
+    x_JBMpK = jnp.take(buf_JPpK, table_BM, axis=1, mode="clip")
+    return jnp.transpose(x_JBMpK, (1, 0, 2, 3, 4)).reshape(B * J, M * page, K)
+
+
 @struct.dataclass
-class PagedLayer:
+class PagedLayer(KVLayer):
     """One layer's pages and the rows' block table: what an attention block receives and returns."""
 
     k_JPpK: jax.Array
@@ -64,11 +78,13 @@ class PagedLayer:
     table_BM: jax.Array
     impl: str = struct.field(pytree_node=False)
 
-    def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, scale=0.0, softcap=0.0, window=0):
+    def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
         """Write the new keys/values at `positions_BT`, attend over each row's pages -> (y_BTHK, layer)."""
         J, P, page, K = self.k_JPpK.shape
+        S = self.table_BM.shape[1] * page
         page_BT = jnp.take_along_axis(self.table_BM, positions_BT // page, axis=1, mode="clip")
-        slot_BT = page_BT * page + positions_BT % page  # its row of the pages seen as [J, P*page, K]
+        # its row of the pages seen as [J, P*page, K]; positions past the row: P*page, dropped
+        slot_BT = jnp.where(positions_BT < S, page_BT * page + positions_BT % page, P * page)
 
         def put(buf_JPpK, new_BTJK):  # one index into [J, P*page, K]: scattering at (page, offset)
             # made TPU lay the pages out otherwise than the kernel reads them (a copy per layer and step)
@@ -80,8 +96,9 @@ class PagedLayer:
 
         layer = self.replace(k_JPpK=put(self.k_JPpK, k_BTJK), v_JPpK=put(self.v_JPpK, v_BTJK))
         B, T, H, _ = q_BTHK.shape
-        if self.impl == "xla" or T > 1 or window:
-            return layer._attend_xla(q_BTHK, positions_BT, scale, softcap, window), layer
+        if self.impl == "xla" or T > 1 or window or attend_kw.get("sow") is not None:
+            return layer._attend_xla(q_BTHK, positions_BT, window, attend_kw), layer
+        scale, softcap = attend_kw.get("scale", 0.0), attend_kw.get("softcap", 0.0)
         q_BHK = (q_BTHK[:, 0] * (scale or 1 / math.sqrt(K))).astype(q_BTHK.dtype)  # the kernels do not scale
         lengths_B = (positions_BT[:, 0] + 1).astype(jnp.int32)
         cap = softcap or None
@@ -107,23 +124,16 @@ class PagedLayer:
 
     def rows_NSK(self):
         """Each row's pages in order as the contiguous cache lays them out: ([B*J, S, K], [B*J, S, K])."""
+        return gather_rows(self.k_JPpK, self.table_BM), gather_rows(self.v_JPpK, self.table_BM)
 
-        def gather(buf_JPpK):
-            J, _, page, K = buf_JPpK.shape
-            B, M = self.table_BM.shape
-            x_JBMpK = jnp.take(buf_JPpK, self.table_BM, axis=1, mode="clip")
-            return jnp.transpose(x_JBMpK, (1, 0, 2, 3, 4)).reshape(B * J, M * page, K)
-
-        return gather(self.k_JPpK), gather(self.v_JPpK)
-
-    def _attend_xla(self, q_BTHK, positions_BT, scale, softcap, window):
+    def _attend_xla(self, q_BTHK, positions_BT, window, attend_kw):
         k_NSK, v_NSK = self.rows_NSK()
         mask_BHTS = causal_mask(positions_BT, k_NSK.shape[1], window)
-        return attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, None, scale, softcap)
+        return attend_cached(q_BTHK, k_NSK, v_NSK, mask_BHTS, **attend_kw)
 
 
 @struct.dataclass
-class PagedKVCache:
+class PagedKVCache(Cache):
     k: tuple[jax.Array, ...]  # L x [J, P, page, K]
     v: tuple[jax.Array, ...]  # L x [J, P, page, K]
     table_BM: jax.Array  # [B, M] int32: the page of each row's m-th block
@@ -144,6 +154,16 @@ class PagedKVCache:
         table = jnp.arange(slots * M, dtype=jnp.int32).reshape(slots, M)
         return cls(k=zeros(), v=zeros(), table_BM=table, n_head=J, impl=impl)
 
+    @classmethod
+    def pool(cls, row: KVCache, pages: int, page: int) -> PagedKVCache:
+        """`pages` empty pages of `page` positions for rows laid out as `row` (a one-row contiguous
+        cache), with no rows of their own: the prefix cache's block store."""
+        J, K, M = row.n_head, row.k[0].shape[2], row.max_len // page
+        zeros = lambda bufs: tuple(jnp.zeros((J, pages, page, K), x.dtype) for x in bufs)  # noqa: E731
+        return cls(
+            k=zeros(row.k), v=zeros(row.v), table_BM=jnp.zeros((0, M), jnp.int32), n_head=J, impl="xla"
+        )
+
     @property
     def max_len(self) -> int:
         return self.table_BM.shape[1] * self.k[0].shape[2]
@@ -155,23 +175,54 @@ class PagedKVCache:
     def layer(self, i: int) -> PagedLayer:
         return PagedLayer(self.k[i], self.v[i], self.table_BM, self.impl)
 
-    def with_layers(self, kv_layers) -> PagedKVCache:
+    def with_layers(self, layers) -> PagedKVCache:
         """The cache made of the attention blocks' returned PagedLayers."""
-        return self.replace(k=tuple(x.k_JPpK for x in kv_layers), v=tuple(x.v_JPpK for x in kv_layers))
+        return self.replace(k=tuple(x.k_JPpK for x in layers), v=tuple(x.v_JPpK for x in layers))
 
-    def insert_row(self, row: KVCache, slot) -> PagedKVCache:
-        """Copy a one-row contiguous cache (a prefill's) into slot `slot`'s pages."""
-        pages_M = self.table_BM[slot]
-        M, page = self.table_BM.shape[1], self.k[0].shape[2]
+    def take_rows(self, rows_R: jax.Array) -> PagedKVCache:
+        """Row r's pages take the contents of row rows_R[r]'s (as many rows as the cache has)."""
+        if rows_R.shape != (self.batch,):
+            raise ValueError(f"a paged cache of {self.batch} rows cannot take {rows_R.shape} rows")
+        src_BM = jnp.take(self.table_BM, rows_R, axis=0)
+
+        def move(buf_JPpK):
+            return buf_JPpK.at[:, self.table_BM].set(jnp.take(buf_JPpK, src_BM, axis=1))
+
+        return self.replace(k=tuple(map(move, self.k)), v=tuple(map(move, self.v)))
+
+    def write_pages(self, row: KVCache, pages_M) -> PagedKVCache:
+        """Positions 0 .. M*page - 1 of a one-row contiguous cache into pages `pages_M` [M]
+        (entries past the pool are dropped)."""
+        if row.has_rings:
+            raise ValueError("a paged cache keeps every position: it cannot take a row of ring buffers")
+        page, M = self.k[0].shape[2], pages_M.shape[0]
 
         def put(buf_JPpK, row_JSK):
             J, _, K = row_JSK.shape
-            return buf_JPpK.at[:, pages_M].set(row_JSK.reshape(J, M, page, K).astype(buf_JPpK.dtype))
+            blocks_JMpK = row_JSK[:, : M * page].reshape(J, M, page, K)
+            return buf_JPpK.at[:, pages_M].set(blocks_JMpK.astype(buf_JPpK.dtype), mode="drop")
 
         return self.replace(k=tuple(map(put, self.k, row.k)), v=tuple(map(put, self.v, row.v)))
 
+    def read_into(self, row: KVCache, pages_M) -> KVCache:
+        """A one-row contiguous cache whose positions 0 .. M*page - 1 are pages `pages_M` [M] (ids
+        past the pool read the last page), the rest `row`'s."""
+        table_1M = jnp.asarray(pages_M)[None]
+
+        def put(row_JSK, buf_JPpK):
+            x_JSK = gather_rows(buf_JPpK, table_1M)
+            return row_JSK.at[:, : x_JSK.shape[1]].set(x_JSK.astype(row_JSK.dtype))
+
+        return row.replace(k=tuple(map(put, row.k, self.k)), v=tuple(map(put, row.v, self.v)))
+
+    def insert_row(self, row: KVCache, slot) -> PagedKVCache:
+        """Copy a one-row contiguous cache (a prefill's) into slot `slot`'s pages."""
+        return self.write_pages(row, self.table_BM[slot])
+
     def row(self, slot) -> KVCache:
         """Slot `slot`'s keys and values as a one-row contiguous cache (for the prefix cache)."""
-        one = PagedKVCache(self.k, self.v, self.table_BM[slot][None], self.n_head, self.impl)
-        kv = [one.layer(i).rows_NSK() for i in range(len(self.k))]
+        table_1M = self.table_BM[slot][None]
+        kv = [
+            (gather_rows(k, table_1M), gather_rows(v, table_1M)) for k, v in zip(self.k, self.v, strict=True)
+        ]
         return KVCache.from_layers(kv, self.n_head)

@@ -1,0 +1,48 @@
+"""The paged cache kind: its layers read any block table, and write nothing past a row's positions."""
+
+import jax
+import numpy as np
+
+from flaxgpt.models.attention import attend_cached, causal_mask
+from flaxgpt.models.cache import write_cache
+from flaxgpt.models.gpt import GPTConfig
+from flaxgpt.models.paged import PagedKVCache
+
+CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=40, n_kv_head=2)
+
+
+def test_paged_layer_reads_any_block_table():
+    """Pages in any order (a shuffled table): each step's attention equals the contiguous cache's."""
+    rng = np.random.default_rng(1)
+    B, J, H, K, page, M = 2, 2, 4, 8, 4, 3
+    layer = PagedKVCache.for_slots(CFG, B, page * M, page=page).layer(0)
+    layer = layer.replace(table_BM=rng.permutation(B * M).astype(np.int32).reshape(B, M))
+    k_NSK = v_NSK = jax.numpy.zeros((B * J, page * M, K))
+    for t in range(page * M):
+        k, v = (rng.standard_normal((B, 1, J, K)).astype(np.float32) for _ in range(2))
+        q = rng.standard_normal((B, 1, H, K)).astype(np.float32)
+        pos_B1 = np.array([[t], [max(t - 3, 0)]], np.int32)  # rows at different positions
+        y, layer = layer.attend(q, k, v, pos_B1)
+        k_NSK, v_NSK = write_cache(k_NSK, k, pos_B1), write_cache(v_NSK, v, pos_B1)
+        want = attend_cached(q, k_NSK, v_NSK, causal_mask(pos_B1, page * M))
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+def test_nothing_is_written_past_a_row_and_rows_move_with_their_pages():
+    """Positions >= max_len are dropped (the sampler's re-prefill feeds other rows there), and
+    take_rows copies pages' contents, as the contiguous cache copies rows."""
+    rng = np.random.default_rng(2)
+    J, H, K, page = 2, 4, 8, 4
+    cache = PagedKVCache.for_slots(CFG, 2, 2 * page, page=page)  # 2 rows of 8 positions
+    k, v = (rng.standard_normal((2, 2, J, K)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((2, 2, H, K)).astype(np.float32)
+    pos_BT = np.array([[6, 8], [7, 9]], np.int32)  # 8 and 9: past each row
+    _, layer = cache.layer(0).attend(q, k, v, pos_BT)
+    cache = cache.with_layers([layer, cache.layer(1)])
+    rows_k = np.asarray(cache.row(0).k[0]), np.asarray(cache.row(1).k[0])  # [J, 8, K] each
+    for b, (p, _) in enumerate(pos_BT):
+        np.testing.assert_array_equal(rows_k[b][:, p], k[b, 0])
+        assert np.count_nonzero(np.delete(rows_k[b], p, axis=1)) == 0  # nothing else written
+    swapped = cache.take_rows(jax.numpy.array([1, 0]))
+    np.testing.assert_array_equal(swapped.row(0).k[0], rows_k[1])
+    np.testing.assert_array_equal(swapped.row(1).k[0], rows_k[0])

@@ -1,0 +1,47 @@
+"""The serving engine over every kind of slots cache (models.cache: contiguous, ring, paged) gives a
+request the tokens `generate` gives it: one decode loop (decode.sampling.decode_chunk), the same keys."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from flaxgpt.decode.sampling import Sampling, generate
+from flaxgpt.serve.engine import Engine, RowSampling
+from tests.decode.test_cache_kinds import KINDS, PROMPTS, SAMPLED, make_cache, model_steps
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return model_steps()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_engine_gives_one_request_what_generate_gives(steps, kind):
+    """One request at a time into a 2-slot engine over each kind of slots cache (the prefills' rows
+    contiguous or rings, as make_cache gives), greedy and temperature / top-k / top-p with a seed:
+    generate(rng=key(seed)) gives the same tokens (one decode loop: the same keys, stop rules)."""
+    W = 32
+    make = functools.partial(make_cache, "contiguous" if kind == "paged" else kind, W=W)
+    engine = Engine(
+        steps[0], lambda b: make(b), slots=2, chunk=4, max_k=16, prefill_chunk=16,
+        slots_cache=make_cache("paged", 2, W) if kind == "paged" else None,
+    )  # fmt: skip
+    prompt = PROMPTS[1].tolist()
+    for i, settings in enumerate([dict(temperature=0.0), SAMPLED, dict(temperature=1.3, top_p=0.7)]):
+        rows = RowSampling.of(Sampling(**settings), max_new_tokens=14, seed=10 + i)
+        prefix = engine.prefill(prompt, rows)
+        got = [int(prefix.first)]
+        engine.insert(prefix, i % 2)
+        while True:
+            toks, new, done = engine.generate()
+            got += toks[i % 2, : new[i % 2]].tolist()
+            assert (toks[i % 2, new[i % 2] :] == -1).all()  # the loop's padding past a row's tokens
+            if done[i % 2]:
+                break
+        want, n = generate(
+            steps[0], make_cache(kind, 1, W), np.array([prompt]), [len(prompt)], max_new_tokens=14,
+            rng=jax.random.key(10 + i), **settings,
+        )  # fmt: skip
+        assert got == want[0, : n[0]].tolist() and len(got) == 14
