@@ -20,7 +20,8 @@ all three need more device time than one 15-minute session has):
   is carried to the lease (--nanogpt_model), never committed
 - hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache with
   torch.compile)
-- tests: `pytest tests/models tests/decode tests/train` on the GPU (last: it takes whatever time is left)
+- tests: `pytest tests/models tests/decode tests/train` (--test_paths) on the GPU (last: it takes whatever
+  time is left); tests marked `devices(8)` skip on one GPU
 MFU is against 989 TFLOP/s (H100 SXM dense bf16) with the trainer's FLOPs per token. Results: a
 table on stdout, every row as JSON in OUT/lease.json, the parts' logs in OUT/logs.txt, the test run's
 output in OUT/tests_output.txt (data, runs and logs under --work).
@@ -236,9 +237,7 @@ def part_decode(a, model: str) -> None:
 
 
 def part_tests(a) -> None:
-    folders = (
-        ["tests/decode/test_beam_search.py"] if a.dry_run else ["tests/models", "tests/decode", "tests/train"]
-    )
+    folders = ["tests/decode/test_beam_search.py"] if a.dry_run else a.test_paths.split()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     if not a.dry_run:
         env["JAX_PLATFORMS"] = "cuda"
@@ -375,6 +374,7 @@ def run_part(a, name: str, limit: float) -> list[dict]:
     cmd += [f"--recipe_arg={x}" for x in a.recipe_args]
     cmd += [f"--gpt2_batches={','.join(map(str, a.gpt2_batches))}"]
     cmd += [f"--llama_batches={','.join(map(str, a.llama_batches))}"]
+    cmd += [f"--test_paths={a.test_paths}"]
     log = (a.work / f"{name}.log").open("w")
     t0 = time.perf_counter()
     rows, status = [], "ok"
@@ -427,6 +427,7 @@ def main(argv=None) -> int:
     batches = lambda text: tuple(int(b) for b in text.split(","))  # noqa: E731
     ap.add_argument("--gpt2_batches", type=batches, default=(1, 64), help="decoding batch sizes")
     ap.add_argument("--llama_batches", type=batches, default=(1, 64), help="decoding batch sizes")
+    ap.add_argument("--test_paths", default="tests/models tests/decode tests/train", help="what tests runs")
     ap.add_argument("--limit", action="append", default=[], help="PART=SECONDS: another time limit")
     ap.add_argument("--work", type=Path, default=Path("/tmp/flaxgpt_gpu_lease"), help="data, runs, logs")
     ap.add_argument("--part", help=argparse.SUPPRESS)

@@ -1,6 +1,9 @@
-"""8 simulated CPU devices for every test, set before JAX starts."""
+"""8 simulated CPU devices for every test, set before JAX starts; `@pytest.mark.devices(n)` for a test
+that needs n devices (always there on the CPU; on one GPU such a test is skipped, saying why)."""
 
 import os
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
@@ -14,3 +17,17 @@ if os.environ["JAX_PLATFORMS"].split(",")[0] not in ("cpu", ""):  # read, not as
     # the tests check float32 math against float64 references; GPUs (and TPUs) run float32 matmuls
     # at reduced precision by default (TF32 on an H100: ~3e-4 relative), which is a speed setting
     jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "devices(n): needs n devices (the CPU simulates 8)")
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("devices")
+    if marker is not None:
+        import jax
+
+        need, have = marker.args[0], jax.device_count()
+        if have < need:
+            pytest.skip(f"needs {need} devices; this {jax.default_backend()} backend has {have}")

@@ -155,6 +155,7 @@ def test_pallas_matches_xla_bf16_and_only_on_its_path(monkeypatch):
     np.testing.assert_allclose(last[:, 0], full[:, 5], atol=1e-5)
 
 
+@pytest.mark.devices(8)
 def test_pallas_on_several_tpu_chips_needs_a_mesh(monkeypatch):
     monkeypatch.setattr(pallas_attention.target, "platform", lambda: "tpu")
     assert not pallas_attention.fits(128, 128, 8)  # 8 devices, no mesh context: XLA's path
@@ -165,6 +166,7 @@ def test_pallas_on_several_tpu_chips_needs_a_mesh(monkeypatch):
         assert not pallas_attention.fits(128, 128, 4)  # rows cannot be split over 8 devices
 
 
+@pytest.mark.devices(8)
 def test_pallas_under_a_mesh_runs_per_device_rows():
     mesh = Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "fsdp"))
     rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))

@@ -14,6 +14,8 @@ from configs import default  # noqa: E402
 from flaxgpt.data import prepare  # noqa: E402
 from flaxgpt.train import trainer  # noqa: E402
 
+pytestmark = pytest.mark.devices(8)  # every mesh here spans 8 devices
+
 TEXT = "".join(f"the {i % 9} quick foxes jumped over {i % 4} lazy dogs.\n" for i in range(200))
 STEPS = 3
 

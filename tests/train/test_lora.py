@@ -81,12 +81,14 @@ def test_trains_resumes_exactly_and_checkpoints_only_the_adapters(dirs, tmp_path
     assert adapter_values == sum(x.size for x in jax.tree_util.tree_leaves(one["state"].params))
 
 
+@pytest.mark.devices(2)
 def test_int8_base_trains(dirs, tmp_path):
     quiet_train(tiny(dirs, tmp_path / "q", **{"lora.base_dtype": "int8", "mesh.fsdp": 2}), jax.devices()[:2])
     seen = losses(tmp_path / "q")
     assert np.all(np.isfinite(seen)) and seen[-1] < seen[0] - 0.3, seen
 
 
+@pytest.mark.devices(8)
 def test_fsdp_on_8_devices_equals_one_device(dirs, tmp_path):
     def steps(cfg, devices):
         t = trainer.Trainer(cfg, devices=devices, print_fn=lambda *a: None)

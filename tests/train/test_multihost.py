@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the configs/ package
 
@@ -79,6 +81,7 @@ def reference_losses(cfg) -> list[float]:
     return losses
 
 
+@pytest.mark.devices(8)  # the one-process reference
 def test_two_processes_train_like_one(tmp_path):
     import numpy as np
 

@@ -110,6 +110,7 @@ def test_divergence_stops_at_the_last_good_checkpoint_and_init_from_errors(data_
     t.close()
 
 
+@pytest.mark.devices(8)
 def test_restore_onto_other_device_counts(data_dir, tmp_path):  # noqa: F811
     kw = dict(max_iters=6, eval_interval=100, eval_iters=1, ckpt_interval=4, keep_checkpoints=5)
     # saved by 8 devices, 2-way data x 4-way FSDP: every parameter is split into shards

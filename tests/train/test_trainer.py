@@ -75,6 +75,7 @@ def test_one_step_on_a_fixed_batch_lowers_the_loss(one_device):
     assert int(state.step) == 3
 
 
+@pytest.mark.devices(8)
 def test_one_device_and_eight_devices_agree(data_dir, one_device):
     assert jax.device_count() == 8
     one = one_device[0]
@@ -130,6 +131,7 @@ def test_init_from_a_gpt2_directory(data_dir, tmp_path, one_device):
     assert f"resumed from {cfg.out_dir}/checkpoints/5" in printed and int(out["state"].step) == 7
 
 
+@pytest.mark.devices(8)
 def test_sharding_errors(data_dir):
     with pytest.raises(ValueError, match="not divisible by the 8 data-parallel devices"):
         trainer.Trainer(tiny_config(data_dir, batch_size=12))
