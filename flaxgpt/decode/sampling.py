@@ -211,7 +211,11 @@ class Rows:
 
 
 def next_tokens(rows: Rows, count_B, logits_BV, max_k: int = 256):
-    """Row b's token number count_B[b] (0 = the prefill's), drawn with fold_in(key_B[b], count_B[b])."""
+    """Row b's token number count_B[b] (0 = the prefill's), drawn with fold_in(key_B[b], count_B[b]).
+    max_k 0: every row is greedy (generate knows it when it traces): the argmax alone, without the
+    keys, the filters' conditionals and the float32 copy of the logits a mixed batch needs."""
+    if max_k == 0:
+        return greedy(logits_BV)
     keys_B = jax.vmap(jax.random.fold_in)(rows.key_B, count_B)
     return select_rows(keys_B, logits_BV, rows.temperature_B, rows.top_k_B, rows.top_p_B, max_k=max_k)
 
@@ -390,12 +394,13 @@ def stream_generate(
     sampling = Sampling(float(temperature), int(top_k), float(top_p), eos_id)
     step_fn = step_fn if isinstance(step_fn, jax.tree_util.Partial) else jax.tree_util.Partial(step_fn)
     rows = _same_rows(rng, B, sampling, max_new_tokens)
-    state, first_B = _prefill(step_fn, cache, prompt_BP, jnp.asarray(lengths), rows)
+    max_k = 0 if sampling.temperature == 0 else 256  # greedy: the argmax alone (next_tokens)
+    state, first_B = _prefill(step_fn, cache, prompt_BP, jnp.asarray(lengths), rows, max_k=max_k)
     yield np.asarray(first_B)[:, None], np.ones(B, np.int32)
     count, go_on_B = np.ones(B, np.int32), np.zeros(B, bool)
     while not bool(np.all(state.done_B)):
         run = decode_chunk if graphs else decode_chunk_plain
-        state, out_BC = run(step_fn, state, go_on_B, chunk, keep)
+        state, out_BC = run(step_fn, state, go_on_B, chunk, keep, max_k)
         new_count = np.asarray(state.count_B)
         yield np.asarray(out_BC), new_count - count
         count = new_count
