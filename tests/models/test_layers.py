@@ -111,7 +111,10 @@ def test_float64_attention_is_exact():
         np.testing.assert_allclose(attend_cached(q, k_NSK, v_NSK, mask), want, rtol=0, atol=1e-12)
 
 
-def test_resolve_attention_impl_on_cpu():
+def test_resolve_attention_impl_on_cpu(monkeypatch):
+    from flaxgpt.models import attention
+
+    monkeypatch.setattr(attention, "accelerator", lambda: "cpu")  # the tests may run on a GPU
     assert resolve_attention_impl("auto", jnp.bfloat16) == "xla"
     assert resolve_attention_impl("cudnn", jnp.float32) == "cudnn"
 
