@@ -20,6 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flaxgpt.hf import families  # noqa: E402
+from flaxgpt.hf import peft as hf_peft  # noqa: E402
 from flaxgpt.hf.pretrained import load_pretrained  # noqa: E402
 from flaxgpt.train import grpo_task  # noqa: E402
 from tests.data.test_chat import make_chat_dir  # noqa: E402
@@ -29,6 +30,7 @@ LR = 0.5  # plain SGD: a parameter's change is -LR * its gradient
 G, C = 3, 6  # completions a prompt, completion tokens at most (TRL's max_completion_length)
 PROMPTS = [[20, 21, 22, 23], [30, 31, 32, 33]]  # equal lengths: TRL left-pads, positions would shift
 EOS = 2  # make_chat_dir's <|eot_id|>
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def completions():
@@ -54,6 +56,9 @@ CASES = {  # name -> TRL GRPOConfig options (ours: the same names); *_iter2: a s
     "cispo_iter2": dict(loss_type="cispo", num_iterations=2, epsilon_high=1.001),
     "sapo_iter2": dict(loss_type="sapo", num_iterations=2),
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
+    "lora_dapo_beta_iter2": dict(
+        loss_type="dapo", beta=0.1, num_iterations=2, lora_rank=4
+    ),  # ref: adapters off
 }
 OURS = {f.name for f in dataclasses.fields(grpo_task.GRPOOptions)}
 METRICS = {"kl": "kl", "entropy": "entropy", "clip_low": "clip_ratio/low_mean",
@@ -68,9 +73,11 @@ def model_dir(tmp_path_factory):
     return directory
 
 
-def trl_side(directory, tmp_path, options):
+def trl_side(directory, tmp_path, options, rank):
     """TRL's per-token log-probs, inputs, loss and metrics, and the trained tensors, before and after
-    each SGD step (num_iterations of them on the same completions)."""
+    each SGD step (num_iterations of them on the same completions); LoRA: PEFT's fresh adapter
+    (random A, B = 0) saved to tmp_path / "adapter", our start too."""
+    import peft
     import torch
     import transformers
     from datasets import Dataset
@@ -92,8 +99,9 @@ def trl_side(directory, tmp_path, options):
         return [table[tuple(c)] for c in completion_ids]
 
     rows = [{"prompt": f"p{i // G}"} for i in range(len(REWARDS))]
+    lora = peft.LoraConfig(r=rank, lora_alpha=8.0, target_modules=LLAMA_TARGETS) if rank else None
     trainer = GRPOTrainer(model=model, reward_funcs=fixed_reward, args=args, processing_class=tok,
-                          train_dataset=Dataset.from_list(rows))  # fmt: skip
+                          train_dataset=Dataset.from_list(rows), peft_config=lora)  # fmt: skip
     completion_ids = completions()
     texts = tok.batch_decode(completion_ids)
     prompt_ids = [PROMPTS[i // G] for i in range(len(REWARDS))]
@@ -101,12 +109,15 @@ def trl_side(directory, tmp_path, options):
     trainer._generate = lambda prompts: (prompt_ids, completion_ids, None, texts, None, {}, None, None)
     trainer.current_gradient_accumulation_steps = 1
     model = trainer.model
+    if rank:
+        model.save_pretrained(str(tmp_path / "adapter"))
     model.train()
     inputs = trainer._generate_and_score_completions(rows)
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
 
-    def trained():
-        return {k: v.detach().numpy().copy() for k, v in model.named_parameters() if v.requires_grad}
+    def trained():  # in Hugging Face's names (PEFT's, less the adapter's name)
+        named = model.named_parameters()
+        return {k.replace(".default.", "."): v.detach().numpy().copy() for k, v in named if v.requires_grad}
 
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     mask = torch.cat([inputs["prompt_mask"], torch.ones_like(inputs["completion_mask"])], 1)
@@ -127,16 +138,26 @@ def trl_side(directory, tmp_path, options):
     return {k: v.numpy() if hasattr(v, "numpy") else v for k, v in inputs.items()}, steps
 
 
-def hf_state(cfg, params):
-    llama = families.FAMILIES["llama"]
-    return llama.export_state(cfg, jax.tree.map(np.asarray, params), "llama", llama)[1]
+def hf_state(cfg, params, spec, where):
+    """The trained tensors in Hugging Face's names: the model's, or PEFT's adapter's."""
+    if spec is None:
+        llama = families.FAMILIES["llama"]
+        return llama.export_state(cfg, jax.tree.map(np.asarray, params), "llama", llama)[1]
+    from safetensors.numpy import load_file
+
+    hf_peft.export_adapter(cfg, spec, jax.tree.map(np.asarray, params), str(where))
+    return load_file(str(where / "adapter_model.safetensors"))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_equals_trl(model_dir, tmp_path, case):
-    options = CASES[case]
-    inputs, trl_steps = trl_side(model_dir, tmp_path, options)
+    options = dict(CASES[case])
+    rank = options.pop("lora_rank", 0)
+    inputs, trl_steps = trl_side(model_dir, tmp_path, options, rank)
     cfg, params = load_pretrained(str(model_dir))
+    spec, frozen = None, None
+    if rank:  # params: TRL's fresh adapters; frozen: the base
+        frozen, (spec, params) = params, hf_peft.load_adapter(str(tmp_path / "adapter"), cfg)
     ours = {k: v for k, v in options.items() if k in OURS}
     opts = grpo_task.GRPOOptions(max_completion_length=C, **ours)
     adv, _ = grpo_task.group_advantages(REWARDS, G, options.get("scale_rewards", "group"))
@@ -147,16 +168,16 @@ def test_equals_trl(model_dir, tmp_path, case):
         cut = grpo_task.truncated(completions(), [EOS])
         assert cut.tolist() == [False, True, False, True, False, False]
         batch["loss_mask"] = batch["loss_mask"] * ~cut[:, None]
-    reference = jax.tree.map(jnp.array, params) if opts.beta else None
-    task = grpo_task.GRPOTask(cfg, opts, reference=reference)
-    logps = jax.jit(lambda p, b: task.token_logps(p, b)[0])
+    reference = jax.tree.map(jnp.array, params) if opts.beta and not rank else None  # a frozen copy
+    task = grpo_task.GRPOTask(cfg, opts, lora_spec=spec, reference=reference)
+    logps = jax.jit(lambda p, b: task.token_logps(p, b, frozen)[0])
     if opts.beta:
-        batch["ref_logp"] = jax.jit(task.reference_logps)(batch)
+        batch["ref_logp"] = jax.jit(task.reference_logps)(batch, frozen)
     if options.get("num_iterations", 1) > 1:  # the old policy's: taken once, kept for every iteration
         batch["old_logp"] = logps(params, batch)
 
     def loss_fn(p, b):
-        loss_sum, (weight, sums) = task.loss(p, b, None, False)
+        loss_sum, (weight, sums) = task.loss(p, b, None, False, frozen)
         return loss_sum / weight, {k: v / weight for k, v in sums.items()}
 
     grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
@@ -182,7 +203,7 @@ def test_equals_trl(model_dir, tmp_path, case):
                 value = trl["metrics"][trl_name]  # relative for the KL: a big step's is large
                 diffs[f"{name}{i}"] = abs(float(metrics[name]) - value) / max(1.0, abs(value))
         new = jax.tree.map(lambda p, g: p - LR * g, params, grads)
-        p0, p1 = hf_state(cfg, params), hf_state(cfg, new)
+        p0, p1 = hf_state(cfg, params, spec, tmp_path / "p0"), hf_state(cfg, new, spec, tmp_path / "p1")
         assert set(p1) == set(trl["after"]), sorted(set(p1) ^ set(trl["after"]))[:4]
         moved = {k: np.asarray(p1[k]) - np.asarray(p0[k]) for k in p1}
         diffs[f"step{i}"] = max(
