@@ -47,7 +47,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxgpt.decode import sampling
 from flaxgpt.models import gpt, lora
+from flaxgpt.models.cache import KVCache
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
 SCALES = ("group", "batch", "none")  # scale_rewards
@@ -160,6 +162,30 @@ def rollout_batch(prompt_ids, completion_ids, T: int, advantages=None, pad: int 
     if advantages is not None:
         batch["advantages"] = np.asarray(advantages, np.float32).reshape(N)
     return batch
+
+
+def sample_groups(model_config, params, prompt_ids, group_size: int, *, rng, max_new_tokens: int,
+                  temperature: float = 1.0, top_p: float = 1.0, eos_id=None):  # fmt: skip
+    """G completions of each prompt sampled from `params` (full weights; LoRA: merged) by flaxgpt's
+    decode loop (decode.sampling.generate, one cache row each) -> N = prompts x G token lists,
+    prompt-major (completion n is prompt n // G's), each ending with eos_id when it stopped there."""
+    prompts = [list(p) for p in prompt_ids for _ in range(group_size)]
+    N, P = len(prompts), max(len(p) for p in prompts)
+    W = sampling.cache_length(model_config.block_size, P, max_new_tokens)
+    if P + max_new_tokens > model_config.block_size:
+        raise ValueError(
+            f"a prompt of {P} tokens + max_completion_length {max_new_tokens} > block_size "
+            f"{model_config.block_size}"
+        )
+    prompt_NP = np.zeros((N, P), np.int32)
+    for i, p in enumerate(prompts):
+        prompt_NP[i, : len(p)] = p
+    cache = KVCache.for_config(model_config, batch=N, max_len=W)
+    tokens_NM, lengths_N = sampling.generate(
+        gpt.step_fn(model_config, params), cache, prompt_NP, [len(p) for p in prompts],
+        max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_p=top_p, eos_id=eos_id,
+    )  # fmt: skip
+    return prompts, [tokens_NM[i, : lengths_N[i]].tolist() for i in range(N)]
 
 
 # ---------------------------------------------------------------- log-probs and the objective

@@ -6,6 +6,7 @@ num_iterations = 2: the old policy's log-probs kept) for each loss type and opti
 downloaded."""
 
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -138,6 +139,13 @@ def trl_side(directory, tmp_path, options, rank):
     return {k: v.numpy() if hasattr(v, "numpy") else v for k, v in inputs.items()}, steps
 
 
+@functools.cache
+def logps_program(cfg, temperature, spec):
+    """The policy's per-token log-probs, jitted once for the cases that share them (compiles are slow)."""
+    task = grpo_task.GRPOTask(cfg, grpo_task.GRPOOptions(temperature=temperature), lora_spec=spec)
+    return jax.jit(lambda p, b, frozen: task.token_logps(p, b, frozen)[0])
+
+
 def hf_state(cfg, params, spec, where):
     """The trained tensors in Hugging Face's names: the model's, or PEFT's adapter's."""
     if spec is None:
@@ -170,9 +178,9 @@ def test_equals_trl(model_dir, tmp_path, case):
         batch["loss_mask"] = batch["loss_mask"] * ~cut[:, None]
     reference = jax.tree.map(jnp.array, params) if opts.beta and not rank else None  # a frozen copy
     task = grpo_task.GRPOTask(cfg, opts, lora_spec=spec, reference=reference)
-    logps = jax.jit(lambda p, b: task.token_logps(p, b, frozen)[0])
+    logps = functools.partial(logps_program(cfg, opts.temperature, spec), frozen=frozen)
     if opts.beta:
-        batch["ref_logp"] = jax.jit(task.reference_logps)(batch, frozen)
+        batch["ref_logp"] = task.reference_logps(batch, frozen)
     if options.get("num_iterations", 1) > 1:  # the old policy's: taken once, kept for every iteration
         batch["old_logp"] = logps(params, batch)
 
