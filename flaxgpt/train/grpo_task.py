@@ -1,6 +1,7 @@
 """GRPO (Shao et al. 2024) and its variants: the policy-gradient objective on scored completions, as
 TRL 1.16's GRPOTrainer computes it, over flaxgpt's model call (full fine-tuning or LoRA).
 
+    prompts, completions = sample_groups(model_config, params, prompt_ids, G, rng=key, max_new_tokens=64)
     adv_N, zero_std_N = group_advantages(rewards_N, G, scale="group")   # N = prompts x G, grouped
     batch = rollout_batch(prompt_ids, completion_ids, T)                # one completion a row
     task = GRPOTask(model_config, GRPOOptions(loss_type="dapo", beta=0.04), lora_spec=None)
