@@ -1,0 +1,317 @@
+"""GRPO (Shao et al. 2024) and its variants: the policy-gradient objective on scored completions, as
+TRL 1.16's GRPOTrainer computes it, over flaxgpt's model call (full fine-tuning or LoRA).
+
+    prompts, completions = sample_groups(model_config, params, prompt_ids, G, rng=key, max_new_tokens=64)
+    adv_N, zero_std_N = group_advantages(rewards_N, G, scale="group")   # N = prompts x G, grouped
+    batch = rollout_batch(prompt_ids, completion_ids, T)                # one completion a row
+    task = GRPOTask(model_config, GRPOOptions(loss_type="dapo", beta=0.04), lora_spec=None)
+    logp_BT, entropy_BT = task.token_logps(params, batch, frozen)       # the policy's, on the completions
+    batch["ref_logp"] = task.reference_logps(batch, frozen)             # beta > 0: LoRA off / frozen copy
+    loss_sum, (weight, sums) = task.loss(params, batch, rng, train=True, frozen=frozen)
+
+A batch row is a prompt then its completion, right-padded; `inputs` / `targets` are the row shifted by
+one, `loss_mask` is 1 on the completion's tokens (targets), `advantages` one value a row. The
+old policy's log-probs (`old_logp`, num_iterations > 1: taken once after the rollout and kept while
+the same completions are trained on again) and the reference's (`ref_logp`) are optional batch
+fields; without `old_logp` the ratio is against the detached current log-probs (1, with the
+gradient of the plain policy gradient), as TRL does with num_iterations = 1.
+
+The objective per completion token t (ratio r = pi / pi_old, A the row's advantage):
+- grpo, dr_grpo, dapo, bnpo, luspo: -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A), r capped at
+  delta when set (two-sided clipping); cispo: -min(r, epsilon_high) (no gradient) A log pi;
+  sapo: -sigmoid(tau (r - 1)) 4 / tau A, tau = sapo_temperature_pos if A > 0 else _neg;
+- importance_sampling_level sequence (GSPO): r = exp(mean over the completion of log r), one a row;
+- beta > 0 adds beta k3, k3 = exp(ref - logp) - (ref - logp) - 1, times r (TRL's
+  use_bias_correction_kl, its default);
+- top_entropy_quantile < 1 keeps only tokens whose entropy reaches that quantile of the batch's.
+How the token losses are averaged is what tells the loss types apart, written as (sum, weight) so
+that the train step's sum over micro-batches divided by the summed weight is the step's loss:
+- grpo, sapo: each completion's token mean, averaged over completions (weight: completions);
+- bnpo, dapo, cispo: the sum over every completion token, over their number (weight: tokens);
+- dr_grpo: the sum over tokens, over completions x max_completion_length (a constant);
+- luspo: each completion's token sum, averaged over completions.
+With one micro-batch this is TRL's loss exactly; with several, TRL's grpo / bnpo / dr_grpo average
+the micro-batches' losses, this averages over the whole step.
+
+Metrics (token means over the completions, sequence level: means over rows): clip_low, clip_high,
+clip_region (the ratio outside the clip range on the side that matters for A's sign), kl,
+entropy, completion_length (completion tokens a row, after mask_truncated_completions).
+
+Shape letters: B rows (completions), T positions, N completions of a step (prompts x G), G group size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxgpt.decode import sampling
+from flaxgpt.models import gpt, lora
+from flaxgpt.models.cache import KVCache
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
+SCALES = ("group", "batch", "none")  # scale_rewards
+LEVELS = ("token", "sequence")  # importance_sampling_level
+STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOOptions:
+    """The objective's settings; names and defaults are TRL 1.16's GRPOConfig's."""
+
+    loss_type: str = "dapo"
+    epsilon: float = 0.2  # the clip range's low side: r >= 1 - epsilon
+    epsilon_high: float | None = None  # its high side (DAPO's clip-higher); None: epsilon
+    delta: float | None = None  # cap on r in the unclipped term (two-sided clipping); None: off
+    beta: float = 0.0  # weight of the k3 KL against the reference; 0: no reference at all
+    importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio a completion
+    max_completion_length: int = 512  # dr_grpo's constant normalizer
+    temperature: float = 1.0  # the sampling temperature: log-probs are of logits / temperature
+    top_entropy_quantile: float = 1.0  # < 1: train only on the highest-entropy tokens
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"grpo.loss_type={self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
+        if self.importance_sampling_level not in LEVELS:
+            raise ValueError(
+                f"grpo.importance_sampling_level={self.importance_sampling_level!r}; choose one of "
+                f"{', '.join(LEVELS)}"
+            )
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"grpo.top_entropy_quantile={self.top_entropy_quantile} is not in (0, 1]")
+        if self.temperature <= 0:
+            raise ValueError(f"grpo.temperature={self.temperature} must be > 0")
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+# ---------------------------------------------------------------- rewards -> advantages
+
+
+def _nanstd(x, axis=None):
+    """Bessel-corrected standard deviation ignoring NaN (TRL's nanstd): NaN for fewer than 2 values."""
+    n = np.sum(~np.isnan(x), axis=axis)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        var = np.nanmean((x - np.nanmean(x, axis=axis, keepdims=True)) ** 2, axis=axis) * n / (n - 1)
+    return np.where(n > 1, np.sqrt(var), np.nan)
+
+
+def group_advantages(rewards_N, group_size: int, scale: str = "group"):
+    """(advantages [N], zero_std [N]) of rewards [N] laid out as N // G groups of G completions of one
+    prompt: the reward less its group's mean, over the group's (scale group) or the step's (batch)
+    standard deviation + 1e-4, or not scaled (none). A NaN reward (unscorable) is left out of the
+    statistics and gets advantage 0. zero_std: the group's rewards are all equal (logged: no signal)."""
+    if scale not in SCALES:
+        raise ValueError(f"grpo.scale_rewards={scale!r}; choose one of {', '.join(SCALES)}")
+    G = int(group_size)
+    if G < 2:
+        raise ValueError(
+            f"grpo.num_generations={G}: a group needs >= 2 completions (G = 1: every advantage is 0)"
+        )
+    r_N = np.asarray(rewards_N, np.float64)
+    if r_N.ndim != 1 or r_N.size % G:
+        raise ValueError(f"{r_N.size} rewards are not groups of num_generations={G}")
+    r_PG = r_N.reshape(-1, G)
+    with np.errstate(invalid="ignore"):
+        mean_N = np.repeat(np.nanmean(r_PG, axis=1), G)
+    if scale == "batch":
+        std_N = np.full_like(r_N, _nanstd(r_N) if r_N.size > 1 else 0.0)
+    else:  # "none" still reports which groups carry no signal
+        std_N = np.repeat(_nanstd(r_PG, axis=1), G)
+    adv_N = r_N - mean_N
+    if scale != "none":
+        adv_N = adv_N / (std_N + STD_EPS)
+    zero_std_N = np.isclose(std_N, 0.0)
+    return np.nan_to_num(adv_N, nan=0.0).astype(np.float32), zero_std_N
+
+
+def truncated(completion_ids, eos_ids) -> np.ndarray:
+    """[N] bool: the completion did not end with an end-of-sequence token (it hit the length limit).
+    mask_truncated_completions zeroes these rows' loss_mask, as TRL does (EOS ids include its pad)."""
+    eos = set(int(e) for e in np.atleast_1d(eos_ids))
+    return np.array([len(ids) == 0 or int(ids[-1]) not in eos for ids in completion_ids], bool)
+
+
+def rollout_batch(prompt_ids, completion_ids, T: int, advantages=None, pad: int = 0) -> dict:
+    """Rows of prompt + completion, right-padded to T + 1 tokens and split into inputs / targets [N, T];
+    loss_mask [N, T] marks the completion's targets. A row longer than T + 1 is an error naming it."""
+    N = len(prompt_ids)
+    if len(completion_ids) != N:
+        raise ValueError(f"{N} prompts but {len(completion_ids)} completions")
+    tokens = np.full((N, T + 1), pad, np.int32)
+    mask = np.zeros((N, T), np.float32)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
+        n = len(p) + len(c)
+        if n > T + 1:
+            raise ValueError(
+                f"row {i}: prompt {len(p)} + completion {len(c)} tokens > block_size + 1 = {T + 1}"
+            )
+        if not len(p):
+            raise ValueError(
+                f"row {i}: an empty prompt (the first completion token needs a position before it)"
+            )
+        tokens[i, :n] = np.concatenate([np.asarray(p, np.int32), np.asarray(c, np.int32)])
+        mask[i, len(p) - 1 : n - 1] = 1.0  # target j is token j + 1: the completion starts at len(p)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+    if advantages is not None:
+        batch["advantages"] = np.asarray(advantages, np.float32).reshape(N)
+    return batch
+
+
+def sample_groups(model_config, params, prompt_ids, group_size: int, *, rng, max_new_tokens: int,
+                  temperature: float = 1.0, top_p: float = 1.0, eos_id=None):  # fmt: skip
+    """G completions of each prompt sampled from `params` (full weights; LoRA: merged) by flaxgpt's
+    decode loop (decode.sampling.generate, one cache row each) -> N = prompts x G token lists,
+    prompt-major (completion n is prompt n // G's), each ending with eos_id when it stopped there."""
+    prompts = [list(p) for p in prompt_ids for _ in range(group_size)]
+    N, P = len(prompts), max(len(p) for p in prompts)
+    W = sampling.cache_length(model_config.block_size, P, max_new_tokens)
+    if P + max_new_tokens > model_config.block_size:
+        raise ValueError(
+            f"a prompt of {P} tokens + max_completion_length {max_new_tokens} > block_size "
+            f"{model_config.block_size}"
+        )
+    prompt_NP = np.zeros((N, P), np.int32)
+    for i, p in enumerate(prompts):
+        prompt_NP[i, : len(p)] = p
+    cache = KVCache.for_config(model_config, batch=N, max_len=W)
+    tokens_NM, lengths_N = sampling.generate(
+        gpt.step_fn(model_config, params), cache, prompt_NP, [len(p) for p in prompts],
+        max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_p=top_p, eos_id=eos_id,
+    )  # fmt: skip
+    return prompts, [tokens_NM[i, : lengths_N[i]].tolist() for i in range(N)]
+
+
+# ---------------------------------------------------------------- log-probs and the objective
+
+
+def completion_logps(logits_BTV, targets_BT, temperature: float = 1.0):
+    """(log p(target) [B, T], entropy [B, T]) of softmax(logits / temperature), in float32."""
+    logits_BTV = logits_BTV.astype(jnp.float32) / temperature
+    logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
+    logp_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    entropy_BT = -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
+    return logp_BT, entropy_BT
+
+
+def _entropy_mask(entropy_BT, mask_BT, quantile: float):
+    """1 where a completion token's entropy is at least the (1 - quantile) quantile of the batch's."""
+    values = jnp.where(mask_BT > 0, jax.lax.stop_gradient(entropy_BT), jnp.nan)
+    threshold = jnp.nanquantile(values, 1.0 - quantile)  # linear interpolation, as torch.quantile
+    return ((entropy_BT >= threshold) & (mask_BT > 0)).astype(jnp.float32)
+
+
+def grpo_loss(logp_BT, mask_BT, advantages_B, opts: GRPOOptions, old_logp_BT=None, ref_logp_BT=None,
+              entropy_BT=None):  # fmt: skip
+    """(loss_sum, weight, metrics): the loss is loss_sum / weight (see the module docstring)."""
+    mask_BT = mask_BT.astype(jnp.float32)
+    adv_B1 = advantages_B.astype(jnp.float32)[:, None]
+    old_BT = jax.lax.stop_gradient(logp_BT) if old_logp_BT is None else old_logp_BT
+    log_ratio_BT = logp_BT - old_BT
+    n_B1 = jnp.maximum(mask_BT.sum(-1, keepdims=True), 1.0)
+    if opts.importance_sampling_level == "sequence":
+        log_w = jnp.sum(log_ratio_BT * mask_BT, -1, keepdims=True) / n_B1  # [B, 1]
+    else:
+        log_w = log_ratio_BT  # [B, T]
+    ratio = jnp.exp(log_w)
+    metrics, kl_BT = {}, None
+    if opts.beta:  # k3, importance-corrected by the uncapped ratio (TRL's use_bias_correction_kl default)
+        d_BT = ref_logp_BT - logp_BT
+        kl_BT = (jnp.exp(d_BT) - d_BT - 1) * ratio
+        metrics["kl"] = _masked_mean(jax.lax.stop_gradient(kl_BT), mask_BT)
+    lo, hi = 1.0 - opts.epsilon, 1.0 + opts.eps_high
+    if opts.loss_type == "cispo":
+        loss = -jax.lax.stop_gradient(jnp.minimum(ratio, opts.eps_high)) * adv_B1 * logp_BT
+    elif opts.loss_type == "sapo":
+        tau = jnp.where(adv_B1 > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg)
+        loss = -jax.nn.sigmoid(tau * (ratio - 1)) * 4 / tau * adv_B1
+    else:
+        clipped = jnp.clip(ratio, lo, hi)
+        # capped for the clip metrics too, as TRL's (its KL above keeps the uncapped ratio)
+        ratio = ratio if opts.delta is None else jnp.minimum(ratio, opts.delta)
+        loss = -jnp.minimum(ratio * adv_B1, clipped * adv_B1)
+    if entropy_BT is not None and opts.top_entropy_quantile < 1.0:
+        loss = loss * _entropy_mask(entropy_BT, mask_BT, opts.top_entropy_quantile)
+    if kl_BT is not None:
+        loss = loss + opts.beta * kl_BT
+    B = mask_BT.shape[0]
+    if opts.loss_type in ("grpo", "sapo"):
+        loss_sum, weight = jnp.sum(jnp.sum(loss * mask_BT, -1) / n_B1[:, 0]), float(B)
+    elif opts.loss_type == "dr_grpo":
+        loss_sum, weight = jnp.sum(loss * mask_BT), B * opts.max_completion_length
+    elif opts.loss_type == "luspo":
+        loss_sum, weight = jnp.sum(loss * mask_BT), B
+    else:  # bnpo, dapo, cispo: a token mean over the step
+        loss_sum, weight = jnp.sum(loss * mask_BT), jnp.maximum(jnp.sum(mask_BT), 1.0)
+    if opts.loss_type not in ("cispo", "sapo"):
+        r = jax.lax.stop_gradient(ratio)
+        low, high = (r < lo) & (adv_B1 < 0), (r > hi) & (adv_B1 > 0)
+        for name, x in (("clip_low", low), ("clip_high", high), ("clip_region", low | high)):
+            metrics[name] = _masked_mean(x.astype(jnp.float32), mask_BT)
+    if entropy_BT is not None:
+        metrics["entropy"] = _masked_mean(jax.lax.stop_gradient(entropy_BT), mask_BT)
+    metrics["completion_length"] = jnp.mean(mask_BT.sum(-1))
+    return loss_sum, jnp.float32(weight), metrics
+
+
+def _masked_mean(x, mask_BT):
+    """A token mean over the completions; [B, 1] (one value a row: sequence level) is a row mean."""
+    if x.shape[-1] == 1:
+        return jnp.mean(x)
+    return jnp.sum(x * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
+
+
+# ---------------------------------------------------------------- the task: the model call
+
+
+class GRPOTask:
+    """GRPO's loss over flaxgpt's GPT: full fine-tuning (params are the model's; the reference a
+    frozen copy) or LoRA (params are the adapters, `frozen` the base; the reference is the base with
+    the adapters off). loss(params, batch, rng, train, frozen) -> (loss_sum, (weight, metric sums)),
+    the contract of train.steps (metrics are scaled by the weight, so the step's division gives them)."""
+
+    def __init__(self, model_config: gpt.GPTConfig, opts: GRPOOptions, lora_spec=None, reference=None):
+        self.model_config, self.opts, self.lora = model_config, opts, lora_spec
+        self.model = gpt.GPT(model_config)
+        self.reference = reference  # full fine-tuning with beta > 0: the frozen copy's parameters
+        if opts.beta and lora_spec is None and reference is None:
+            raise ValueError("grpo.beta > 0 needs a reference: LoRA (the base) or a frozen copy of the start")
+
+    def _logits(self, params, batch, rng, train: bool, frozen):
+        if self.lora is not None:  # params {}: the base alone (the reference)
+            return lora.apply(self.model_config, self.lora, frozen, params, batch["inputs"],
+                              deterministic=not train, rng=rng)  # fmt: skip
+        return self.model.apply(
+            {"params": params},
+            batch["inputs"],
+            deterministic=not train,
+            rngs={"dropout": rng} if train else None,
+        )
+
+    def token_logps(self, params, batch, frozen=None, rng=None, train: bool = False):
+        """(logp_BT, entropy_BT) of the batch's targets under the policy (temperature-scaled)."""
+        logits_BTV = self._logits(params, batch, rng, train, frozen)
+        return completion_logps(logits_BTV, batch["targets"], self.opts.temperature)
+
+    def reference_logps(self, batch, frozen=None):
+        """The reference's log-probs [B, T], no gradient: LoRA's base alone, or the frozen copy."""
+        if self.lora is not None:
+            logp_BT, _ = self.token_logps({}, batch, frozen)
+        else:
+            logp_BT, _ = self.token_logps(self.reference, batch)
+        return jax.lax.stop_gradient(logp_BT)
+
+    def loss(self, params, batch, rng, train: bool, frozen=None):
+        logp_BT, entropy_BT = self.token_logps(params, batch, frozen, rng, train)
+        loss_sum, weight, metrics = grpo_loss(
+            logp_BT, batch["loss_mask"], batch["advantages"], self.opts,
+            old_logp_BT=batch.get("old_logp"), ref_logp_BT=batch.get("ref_logp"), entropy_BT=entropy_BT,
+        )  # fmt: skip
+        return loss_sum, (weight, {k: v * weight for k, v in metrics.items()})
