@@ -10,7 +10,8 @@ GROUPS the parts that fit one device call of 10 minutes (`--parts train`, then `
 all three need more device time than one 15-minute session has):
 - recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
   metrics.jsonl (the trainer's own figures; steps after the first)
-- step: flaxgpt's train step alone (benchmarks/train_throughput_gpu.py), GPT-2 124M, T 1024, batch 16
+- step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu`), GPT-2 124M, T 1024,
+  batch 16
 - decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, bf16 and int8 weights at batch 1 and
   64, the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS); decode_gpt2_plain: the same
   without (`graphs=False`)
@@ -69,13 +70,8 @@ def emit(**row) -> None:
 
 
 def part_step(a) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks/train_throughput_gpu.py"),
-        "--json",
-        str(a.work / "step.json"),
-    ]
-    cmd += ["--mode", "cpu", "--steps", "3"] if a.dry_run else ["--mode", "gpu"]
+    cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--json", str(a.work / "step.json")]
+    cmd += ["--step", "cpu", "--steps", "3"] if a.dry_run else ["--step", "gpu"]
     subprocess.run(cmd, check=True, cwd=ROOT)
     r = json.loads((a.work / "step.json").read_text())
     emit(
