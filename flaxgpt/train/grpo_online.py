@@ -115,12 +115,10 @@ class GRPOOnlineTask(LMTask):
         self.objective = grpo_task.GRPOTask(self.model_config, self.opts, self.lora, self.reference)
         self.rewards = rewards.Rewards.make(list(g.reward_funcs), list(g.reward_weights) or None)
         self.names = reward_names(g.reward_funcs)
-        self.placed_frozen = None  # LoRA's base as the steps placed it (place_frozen)
         self._logps = jax.jit(lambda p, b, f: self.objective.token_logps(p, b, f)[0])
 
     def place_frozen(self, mesh):
         frozen, shardings = super().place_frozen(mesh)
-        self.placed_frozen = frozen
         if self.reference is not None and not isinstance(
             jax.tree.leaves(self.reference)[0], jax.ShapeDtypeStruct
         ):
@@ -204,14 +202,14 @@ class GRPOOnlineTask(LMTask):
         info["rollout_time"] = time.perf_counter() - t0
         return batch, info
 
-    def evaluate(self, params) -> dict:
+    def evaluate(self, params, frozen=None) -> dict:
         """Mean reward of one completion sampled (fixed key) for each of the first eval_prompts
         held-out prompts: val_reward and val_rewards/<name> per function."""
         rows = self.data.splits["val"][: self.eval_prompts]
         if not rows:
             return {}
         rng = jax.random.key(self.seed + 1)
-        _, completion_ids, texts = self.sample(params, self.placed_frozen, rows, 1, rng)
+        _, completion_ids, texts = self.sample(params, frozen, rows, 1, rng)
         total_N, per_NK = self.score(rows, 1, texts, completion_ids)
         out = {"val_reward": float(np.nanmean(total_N))}
         out.update({f"val_rewards/{n}": float(np.nanmean(per_NK[:, k])) for k, n in enumerate(self.names)})

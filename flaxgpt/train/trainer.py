@@ -188,7 +188,8 @@ class Trainer:
             sums[split] = parts
         fetched = jax.device_get(sums)
         out = {f"{s}_loss": float(sum(p[0] for p in v) / sum(p[1] for p in v)) for s, v in fetched.items()}
-        out.update(self.task.evaluate(params))  # the task's own metrics (seq2seq: accuracy, BLEU)
+        # the task's own metrics (seq2seq: accuracy, BLEU; GRPO: held-out rewards, sampled with LoRA's base)
+        out.update(self.task.evaluate(params, frozen) if self.online else self.task.evaluate(params))
         return out
 
     def write_run_files(self) -> Path | None:

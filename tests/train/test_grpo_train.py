@@ -1,8 +1,8 @@
 """GRPO through the trainer: `flaxgpt prepare --dataset prompts` (files, one-line errors naming the
-line, nothing written), train.py --config configs/grpo_toy.py on tiny shapes (rollouts, rewards and
-the update logged per step into metrics.jsonl, held-out val_reward at evaluations, num_iterations
-reusing a rollout), sample.py loading the run, and bad GRPO settings failing in one line before
-anything is written."""
+line, nothing written), configs/grpo_toy.py through trainer.train on tiny shapes (rollouts, rewards
+and the update logged per step into metrics.jsonl, held-out val_reward at evaluations, num_iterations
+reusing a rollout), sample.py loading the run, LoRA with beta on a tiny Llama's chat prompts, and bad
+GRPO settings failing in one line before anything is written."""
 
 import json
 import sys
@@ -60,25 +60,31 @@ def test_prepare_prompts_and_bad_lines(tmp_path):
 
 
 def toy_data(tmp_path) -> Path:
-    grpo_toy.write_prompts(tmp_path / "toy.jsonl", n=60)
+    grpo_toy.write_prompts(tmp_path / "toy.jsonl", n=80)  # 8 held out: eval batches = rollout batches
     return prep(tmp_path, [json.loads(x) for x in (tmp_path / "toy.jsonl").read_text().splitlines()])
 
 
-def test_recipe_trains_logs_rewards_then_sample(tmp_path):
-    """train.py --config configs/grpo_toy.py, 3 steps of 2 prompts x G 4 (num_iterations 2: steps 1
-    and 3 sample, step 2 reuses step 1's completions): every per-step GRPO field is logged."""
-    from tests.train.test_train_cli import ROOT, run
+def tiny_run(config, data, out, **over):
+    config.data.dir, config.out_dir = str(data), str(out)
+    config.tensorboard = config.plot = False
+    for key, value in over.items():
+        section, _, name = key.rpartition(".")
+        (config[section] if section else config)[name] = value
+    trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
+    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
-    d = toy_data(tmp_path)
-    overrides = {
-        "data.dir": d, "out_dir": tmp_path / "run", "max_iters": 3, "batch_size": 8, "eval_interval": 3,
-        "grpo.num_generations": 4, "grpo.eval_prompts": 8, "grpo.num_iterations": 2, "model.n_layer": 1,
-        "grpo.mask_truncated_completions": True,
+
+def test_recipe_trains_logs_rewards_then_sample(tmp_path, capsys):
+    """configs/grpo_toy.py through trainer.train (train.py's path), 3 steps of 2 prompts x G 4
+    (num_iterations 2: steps 1 and 3 sample, step 2 reuses step 1's completions): every per-step
+    GRPO field is logged; sample.py loads the run."""
+    import sample
+
+    over = {
+        "max_iters": 3, "batch_size": 8, "eval_interval": 3, "model.n_layer": 1, "grpo.num_generations": 4,
+        "grpo.eval_prompts": 8, "grpo.num_iterations": 2, "grpo.mask_truncated_completions": True,
     }  # fmt: skip
-    flags = [f"--config.{k}={v}" for k, v in overrides.items()]
-    r = run([str(ROOT / "train.py"), f"--config={ROOT}/configs/grpo_toy.py", *flags], tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    lines = tiny_run(grpo_toy.get_config(), toy_data(tmp_path), tmp_path / "run", **over)
     steps = [x for x in lines if "reward" in x]
     assert [x["step"] for x in steps] == [1, 2, 3]
     fields = ("reward_std", "rewards/copy_reward/mean", "rewards/copy_reward/std", "frac_reward_zero_std")
@@ -90,9 +96,49 @@ def test_recipe_trains_logs_rewards_then_sample(tmp_path):
     assert steps[1]["reward"] == steps[0]["reward"]  # the same rollout, trained on twice
     evals = [x for x in lines if "val_reward" in x]
     assert [x["step"] for x in evals] == [0, 3] and "val_rewards/copy_reward" in evals[0]
-    args = [str(ROOT / "sample.py"), "--out_dir", str(tmp_path / "run"), "--start", "abc>"]
-    r = run([*args, "--max_new_tokens", "4", "--temperature", "0"], tmp_path)
-    assert r.returncode == 0 and r.stdout.startswith("abc>"), r.stderr[-2000:]
+    capsys.readouterr()
+    args = [
+        "--out_dir",
+        str(tmp_path / "run"),
+        "--start",
+        "abc>",
+        "--max_new_tokens",
+        "4",
+        "--temperature",
+        "0",
+    ]
+    assert sample.main(args) == 0
+    assert capsys.readouterr().out.startswith("abc>")
+
+
+def test_lora_with_beta_on_chat_prompts(tmp_path):
+    """A tiny Llama with LoRA, chat prompts (its template), beta > 0 (the reference: the base, adapters
+    off): the KL is 0 while the adapters are zero, > 0 after an update."""
+    from tests.data.test_chat import make_chat_dir
+    from tests.hf.test_llama import make_hf_model
+
+    model = tmp_path / "llama"
+    make_hf_model("llama", str(model))
+    make_chat_dir(model, "llama3")
+    records = [{"prompt": [{"role": "user", "content": f"what is {i}"}], "answer": str(i)} for i in range(8)]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = ["--dataset", "prompts", "--input", str(src), "--hf_dir", str(model), "--val_fraction", "0.5"]
+    prepare.main([*args, "--out_dir", str(tmp_path / "d")])
+    c = grpo_toy.get_config()
+    c.init_from = str(model)
+    c.model.block_size, c.model.dtype, c.model.remat, c.model.scan_layers = 32, "float32", "none", False
+    over = {
+        "lora.rank": 4, "lora.alpha": 8.0, "lora.base_dtype": "float32", "grpo.num_generations": 2,
+        "batch_size": 4, "max_iters": 2, "eval_interval": 2, "grpo.beta": 0.04,
+        "grpo.reward_funcs": ("answer", "length=3"), "grpo.reward_weights": (1.0, 0.5),
+        "grpo.eval_prompts": 4,  # a rollout's 4 rows: one compiled sampler
+    }  # fmt: skip
+    lines = tiny_run(c, tmp_path / "d", tmp_path / "run", **over)
+    steps = [x for x in lines if "reward" in x]
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl"] > 0
+    assert all(k in steps[0] for k in ("rewards/answer/mean", "rewards/length/std"))
+    assert [x["step"] for x in lines if "val_reward" in x] == [0, 2]
 
 
 def test_bad_grpo_settings_fail_in_one_line_and_write_nothing(tmp_path):
@@ -108,12 +154,7 @@ def test_bad_grpo_settings_fail_in_one_line_and_write_nothing(tmp_path):
         "grpo.beta=0.1 needs a reference": {"grpo.beta": 0.1},
     }
     for message, over in cases.items():
-        config = grpo_toy.get_config()
-        config.data.dir, config.out_dir = str(d), str(tmp_path / "never")
-        for key, value in over.items():
-            section, _, name = key.rpartition(".")
-            (config[section] if section else config)[name] = value
         with pytest.raises((ConfigError, ValueError)) as e:
-            trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
+            tiny_run(grpo_toy.get_config(), d, tmp_path / "never", **over)
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert not (tmp_path / "never").exists()
