@@ -23,6 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.dir = "data/shakespeare_char"  # folder with train.bin, val.bin, meta.json (flaxgpt.data.prepare)
     # tokens (train.bin/val.bin, random windows) | shards (speedrun *.bin, in order) | packed (chat SFT)
     # | pairs (DPO preference pairs: flaxgpt prepare --dataset pairs; the `dpo` section below)
+    # | prompts (GRPO: flaxgpt prepare --dataset prompts; the `grpo` section below)
     c.data.format = "tokens"
     c.data.align_to_bos = False  # shards: every training window starts at a document's first token
     c.data.val_tokens = 10_485_760  # shards: the fixed val set, the first this many val tokens
@@ -80,6 +81,29 @@ def get_config() -> ml_collections.ConfigDict:
     c.dpo.loss = "sigmoid"  # sigmoid (DPO) | ipo (IPO, per-token averaged log-ratios as TRL)
     c.dpo.label_smoothing = 0.0  # sigmoid: conservative DPO, the probability a label is flipped; < 0.5
     c.dpo.reference = ""  # full fine-tuning: the reference's HF directory ("" = init_from's weights)
+
+    # GRPO (data.format = prompts, flaxgpt/train/grpo_online.py): each step samples num_generations
+    # completions of batch_size // num_generations prompts from the current weights, scores them with
+    # the rewards and trains on the group-normalised advantages. Names and defaults are TRL 1.16's.
+    c.grpo = ml_collections.ConfigDict()
+    c.grpo.num_generations = 8  # G: completions a prompt (>= 2); batch_size counts completions
+    c.grpo.max_completion_length = 256  # sampled tokens a completion at most (prompt + this <= block_size)
+    c.grpo.temperature = 1.0  # sampling temperature (log-probs are of the same softened distribution)
+    c.grpo.top_p = 1.0  # nucleus sampling of the rollouts; 1 = off
+    # how token losses are averaged: dapo | grpo | dr_grpo | bnpo | cispo | sapo | luspo (docs/grpo.md)
+    c.grpo.loss_type = "dapo"
+    c.grpo.scale_rewards = "group"  # advantages over the group's std | batch (the step's) | none
+    c.grpo.epsilon = 0.2  # the ratio's clip range starts at 1 - epsilon
+    c.grpo.epsilon_high = -1.0  # ... and ends at 1 + epsilon_high (DAPO's clip-higher); -1 = epsilon
+    c.grpo.delta = 0.0  # two-sided clipping: the unclipped ratio capped at delta (> 1); 0 = off
+    c.grpo.beta = 0.0  # weight of the k3 KL to the reference (LoRA: the base; else init_from's weights)
+    c.grpo.num_iterations = 1  # optimizer steps on each rollout (> 1: the sampling policy's logps kept)
+    c.grpo.importance_sampling_level = "token"  # token | sequence (GSPO: one ratio a completion)
+    c.grpo.mask_truncated_completions = False  # completions that hit max_completion_length train nothing
+    # rewards (flaxgpt/train/rewards.py): answer | format=REGEX | length=N | module:function
+    c.grpo.reward_funcs = ("answer",)
+    c.grpo.reward_weights = ()  # one weight a reward; () = all 1
+    c.grpo.eval_prompts = 64  # held-out (val) prompts sampled once each at an evaluation: val_reward
 
     c.out_dir = "out"  # run directory: config.json, meta.json, metrics.jsonl, checkpoints
     c.seed = 1337  # parameter init, dropout and batch sampling all derive from it

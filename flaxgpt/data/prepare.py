@@ -9,6 +9,8 @@
         --block_size 2048 --out_dir data/chat      # packed chat SFT rows (see docs/chat.md)
     flaxgpt prepare --dataset pairs --input pairs.jsonl --hf_dir path/to/model \
         --block_size 1024 --out_dir data/dpo       # DPO preference pairs (see docs/dpo.md)
+    flaxgpt prepare --dataset prompts --input prompts.jsonl --hf_dir path/to/model \
+        --block_size 1024 --out_dir data/grpo      # GRPO prompts and reward fields (see docs/grpo.md)
     flaxgpt prepare --dataset text --input docs/ --pack --block_size 1024 \
         --tokenizer gpt2 --out_dir data/docs       # one segment per file, packed
 
@@ -325,14 +327,19 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--dataset",
         required=True,
-        choices=["shakespeare_char", "shakespeare", "text", "hf", "fineweb", "chat", "pairs"],
+        choices=["shakespeare_char", "shakespeare", "text", "hf", "fineweb", "chat", "pairs", "prompts"],
         help="shakespeare_char (char tokens), shakespeare (default gpt2 BPE), text, hf, "
         "fineweb (speedrun token shards), chat (OpenAI-style jsonl conversations, packed), "
-        "pairs (DPO: jsonl of prompt, chosen, rejected)",
+        "pairs (DPO: jsonl of prompt, chosen, rejected), prompts (GRPO: jsonl of prompt and reward fields)",
     )
-    p.add_argument("--hf_dir", help="chat, pairs: the model directory (tokenizer.json, chat template)")
     p.add_argument(
-        "--block_size", type=int, default=0, help="chat, pairs / --pack: the row length (the model's)"
+        "--hf_dir", help="chat, pairs, prompts: the model directory (tokenizer.json, chat template)"
+    )
+    p.add_argument(
+        "--block_size",
+        type=int,
+        default=0,
+        help="chat, pairs / --pack: the row length (the model's); prompts: refuse longer prompts",
     )
     p.add_argument("--pack", action="store_true", help="--dataset text: one segment per file, packed rows")
     p.add_argument("--truncate", action="store_true", help="chat: cut a conversation longer than a row")
@@ -380,6 +387,10 @@ def main(argv=None) -> dict:
     if args.num_proc < 1:
         raise PrepareError(f"--num_proc must be >= 1, got {args.num_proc}")
     tok = args.tokenizer or ("char" if args.dataset == "shakespeare_char" else "gpt2")
+    if args.dataset == "prompts":  # GRPO: prompts to sample from, fields the rewards read
+        from flaxgpt.data import prompts
+
+        return prompts.prepare_prompts(args, make_tokenizer)
     if args.dataset in ("chat", "pairs") or (args.dataset == "text" and args.pack):
         return prepare_packed(args)
     if args.dataset == "fineweb":

@@ -4,7 +4,8 @@
     flaxgpt plot out/shakespeare_char --out curves.png
 
 Three panels against the step: train and val loss, learning rate, tokens/s; a fourth with the
-benchmark tasks' accuracies (and perplexities, log scale) when the run logged config.eval_tasks.
+benchmark tasks' accuracies (and perplexities, log scale) when the run logged config.eval_tasks; one
+of GRPO's rewards (each step's rollout, and val_reward on held-out prompts) when it logged them.
 Lines of metrics.jsonl are JSON objects; keys the run did not log are skipped,
 so a file with only a loss still plots. In a training loop call
 `plot_metrics(out_dir, out_dir / "metrics.png")`; it never touches pyplot's
@@ -33,6 +34,7 @@ SERIES = {
 }
 LOSS_LABELS = {"train_loss": "train (step)", "train_eval_loss": "train (eval)", "val_loss": "val"}
 STEP_KEYS = ("step", "iter", "iteration")
+REWARDS = {"reward": "train (rollout)", "val_reward": "val (held out)"}  # GRPO (train.grpo_online)
 
 
 def _series_keys(name: str, record: dict) -> tuple[str, ...]:
@@ -74,9 +76,10 @@ def read_metrics(path) -> dict[str, tuple[list[float], list[float]]]:
             print(f"flaxgpt.runs.plot: skipping unreadable line {lineno} of {path}", file=sys.stderr)
             continue
         step = next((record[k] for k in STEP_KEYS if k in record), lineno)
-        for key in filter(_is_task_series, record):
+        extra = [k for k in record if _is_task_series(k) or k in REWARDS]
+        for key in extra:
             series.setdefault(key, ([], []))
-        for name in [*SERIES, *filter(_is_task_series, record)]:
+        for name in [*SERIES, *extra]:
             keys = _series_keys(name, record) if name in SERIES else (name,)
             value = next((record[k] for k in keys if k in record), None)
             if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
@@ -95,11 +98,24 @@ def plot_metrics(out_dir_or_file, png_path=None) -> str:
     src = Path(out_dir_or_file)
     if png_path is None:
         png_path = (src if src.is_dir() else src.parent) / "metrics.png"
-    tasks = sorted(k for k in series if k not in SERIES and series[k][1])
-    fig = Figure(figsize=(20 if tasks else 15, 4.2), layout="constrained")
-    ax_loss, ax_lr, ax_tps, *ax_tasks = fig.subplots(1, 4 if tasks else 3)
+    tasks = sorted(k for k in series if k not in SERIES and k not in REWARDS and series[k][1])
+    rewards = [k for k in REWARDS if series.get(k, ((), ()))[1]]
+    panels = 3 + bool(tasks) + bool(rewards)
+    fig = Figure(figsize=(5 * panels, 4.2), layout="constrained")
+    ax_loss, ax_lr, ax_tps, *ax_more = fig.subplots(1, panels)
     if tasks:
-        _plot_tasks(ax_tasks[0], series, tasks)
+        _plot_tasks(ax_more.pop(0), series, tasks)
+    if rewards:
+        ax = ax_more.pop(0)
+        for name in rewards:
+            evals = name == "val_reward"  # few points: mark each
+            ax.plot(*series[name], label=REWARDS[name], marker="o" if evals else None, markersize=3)
+        ax.set_title(
+            f"reward (last val {series['val_reward'][1][-1]:.3f})" if "val_reward" in rewards else "reward"
+        )
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
     for name, label in LOSS_LABELS.items():
         steps, values = series[name]
         if values:

@@ -12,6 +12,7 @@ The model section is also mapped through models.config_from, so the model config
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -137,6 +138,8 @@ def check(config) -> None:
             )
     if config.get("data") and config.data.get("format") == "pairs":
         _check_dpo(config)
+    if config.get("data") and config.data.get("format") == "prompts":
+        _check_grpo(config)
     if "model" not in config:
         raise ConfigError("the run config has no `model` section (start from configs/default.py)")
     for key in ("dtype", "param_dtype"):
@@ -178,6 +181,71 @@ def _check_dpo(config) -> None:
         )
     if config.model.get("kind", "gpt") != "gpt":
         raise ConfigError("data.format=pairs (DPO) trains a decoder-only model (model.kind gpt)")
+
+
+def _check_grpo(config) -> None:
+    """data.format = prompts: a group of >= 2, known loss and options, rewards that load, batches of
+    whole groups, and prompts + completions that fit the window (the prepared data's longest prompt)."""
+    g = config.get("grpo")
+    if g is None:
+        raise ConfigError(
+            "data.format=prompts trains GRPO but the config has no `grpo` section (configs/default.py)"
+        )
+    from flaxgpt.train import grpo_task, rewards  # (here: load_recipe stays light)
+
+    G = g.num_generations
+    if G < 2:
+        raise ConfigError(
+            f"--config.grpo.num_generations={G}: a group needs >= 2 completions (G = 1: every advantage is 0)"
+        )
+    choices = {
+        "loss_type": grpo_task.LOSS_TYPES,
+        "scale_rewards": grpo_task.SCALES,
+        "importance_sampling_level": grpo_task.LEVELS,
+    }
+    for key, allowed in choices.items():
+        if g[key] not in allowed:
+            raise ConfigError(f"--config.grpo.{key}={g[key]!r}; choose one of {', '.join(allowed)}")
+    for key, low in (("max_completion_length", 1), ("num_iterations", 1), ("eval_prompts", 0)):
+        if g[key] < low:
+            raise ConfigError(f"--config.grpo.{key}={g[key]} must be >= {low}")
+    if g.temperature <= 0 or not 0 < g.top_p <= 1 or g.epsilon < 0 or g.beta < 0:
+        raise ConfigError(
+            f"--config.grpo: temperature {g.temperature} must be > 0, top_p {g.top_p} in (0, 1], "
+            f"epsilon {g.epsilon} and beta {g.beta} >= 0"
+        )
+    if g.delta and g.delta <= 1:
+        raise ConfigError(f"--config.grpo.delta={g.delta} caps the ratio: > 1, or 0 for off")
+    if config.batch_size % G or micro_batch(config) % G:
+        raise ConfigError(
+            f"batch_size {config.batch_size} (completions) and batch_size // grad_accum must be multiples "
+            f"of grpo.num_generations {G}: a micro-batch holds whole groups"
+        )
+    try:
+        funcs = [rewards.make_reward(spec) for spec in g.reward_funcs]
+        rewards.Rewards(funcs, list(g.reward_weights) or None)
+    except ValueError as e:
+        raise ConfigError(f"--config.grpo.reward_funcs: {e}") from None
+    if (
+        g.beta
+        and not (config.get("lora") and config.lora.rank)
+        and config.init_from in ("auto", "resume", "scratch")
+    ):
+        raise ConfigError(
+            f"grpo.beta={g.beta} needs a reference: LoRA (the base) or init_from a pretrained model "
+            f"(its weights), not init_from={config.init_from!r}"
+        )
+    meta = Path(config.data.dir) / "meta.json"  # the window: the longest prompt + a whole completion
+    try:
+        longest = int(json.loads(meta.read_text()).get("max_prompt_tokens", 0))
+    except (OSError, ValueError):
+        return  # no dataset yet: the task names it when it opens the data
+    T = config.model.get("block_size", 0)
+    if T and longest + g.max_completion_length > T:
+        raise ConfigError(
+            f"{config.data.dir} has a prompt of {longest} tokens: + grpo.max_completion_length "
+            f"{g.max_completion_length} > model.block_size {T}; shorten either or raise block_size"
+        )
 
 
 def micro_batch(config) -> int:

@@ -1,9 +1,12 @@
 """The trainer's tasks, one per model kind: a static table, chosen by `config.model.kind`.
 
     task = make_task(config)   # LMTask (decoder-only GPT), DPOTask (its preference tuning: data.format
-                               # = pairs) or Seq2SeqTask (encoder-decoder)
+                               # = pairs), GRPOOnlineTask (RL on prompts: data.format = prompts) or
+                               # Seq2SeqTask (encoder-decoder)
 
-A task is what `Task` lists; tasks never import the trainer.
+A task is what `Task` lists; tasks never import the trainer. An `online` task (GRPO) also has
+`rollout(params, frozen, step, n_rows, process_index) -> (host batch, metrics)`: its train batches are
+sampled from the current weights, so the trainer asks for each one after the previous update.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from flaxgpt.train.dpo_task import DPOTask
+from flaxgpt.train.grpo_online import GRPOOnlineTask
 from flaxgpt.train.lm_task import LMTask
 from flaxgpt.train.seq2seq_task import Seq2SeqTask
 
@@ -38,15 +42,17 @@ class Task(Protocol):
     def place_frozen(self, mesh) -> tuple[Any, Any]: ...  # LoRA: (the frozen base on mesh, its shardings)
 
 
-TASKS: dict[str, type[Task]] = {"gpt": LMTask, "dpo": DPOTask, "seq2seq": Seq2SeqTask}
+TASKS: dict[str, type[Task]] = {"gpt": LMTask, "dpo": DPOTask, "grpo": GRPOOnlineTask, "seq2seq": Seq2SeqTask}
 
 
 def task_name(config) -> str:
-    """The TASKS key of a run: model.kind, except "dpo" for a GPT trained on preference pairs."""
+    """The TASKS key of a run: model.kind, except "dpo" for a GPT trained on preference pairs and "grpo"
+    for one trained on prompts."""
     kind = config.model.get("kind", "gpt")
     if kind not in ("gpt", "seq2seq"):
         raise ValueError(f"unknown model.kind {kind!r}; known: gpt, seq2seq")
-    return "dpo" if kind == "gpt" and config.data.get("format") == "pairs" else kind
+    tuning = {"pairs": "dpo", "prompts": "grpo"}.get(config.data.get("format"))
+    return tuning if kind == "gpt" and tuning else kind
 
 
 def make_task(config) -> Task:

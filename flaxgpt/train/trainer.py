@@ -14,6 +14,9 @@ model or the tokenizer is refused: run_dir.check_resume) and the loss of its own
 batch, so the checkpoint named after a NaN is one whose loss was finite and not exploding.
 LoRA (lora.rank > 0): `params` are the adapters, `frozen` the base (FSDP-sharded, never checkpointed).
 `train` holds out_dir's lock (flaxgpt.runs.run_lock) from before anything is written until it returns.
+An `online` task (GRPO, flaxgpt.train.grpo_online) samples each step's batch from the weights the
+previous step made (`train_batch`), reusing one rollout for grpo.num_iterations steps; its rollout's
+metrics and the update's own time are logged with the step.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class Trainer:
         self.eval_batch_sharding = steps.eval_batch_sharding
         self.train_step, self.eval_step = steps.train_step, steps.eval_step
         self.frozen = steps.frozen
+        self.online = getattr(self.task, "online", False)  # GRPO: batches sampled from the weights
+        self.batch_info, self._rollout = {}, None  # the last batch's metrics; an online task's batch
         self.tokens_per_step = config.batch_size * self.task.tokens_per_row
         # training FLOPs per token, the figure `flaxgpt summary` prints (for MFU)
         self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
@@ -157,6 +162,20 @@ class Trainer:
             return data_lib.to_global(local, self.train_batch_sharding, batch_axis=1)
         return data_lib.to_global(local, self.eval_batch_sharding)
 
+    def train_batch(self, step: int, state: TrainState):
+        """Step `step`'s batch: the task's data, or (online) completions sampled from `state`'s
+        weights, one rollout every num_iterations steps (and on the first step of a run)."""
+        if not self.online:
+            return self.global_batch("train", step, self.config.batch_size, micro=True)
+        if self._rollout is not None and step % self.task.num_iterations:
+            self.batch_info = {**self.batch_info, "rollout_time": 0.0}  # the same completions again
+            return self._rollout
+        n = self.config.batch_size // jax.process_count()
+        local, self.batch_info = self.task.rollout(state.params, state.frozen, step, n, jax.process_index())
+        local = data_lib.split_micro(local, self.config.grad_accum)
+        self._rollout = data_lib.to_global(local, self.train_batch_sharding, batch_axis=1)
+        return self._rollout
+
     def evaluate(self, params, frozen) -> dict:
         """Mean loss over eval_iters fixed batches of each split (results fetched once at the end)."""
         sums = {}
@@ -169,7 +188,8 @@ class Trainer:
             sums[split] = parts
         fetched = jax.device_get(sums)
         out = {f"{s}_loss": float(sum(p[0] for p in v) / sum(p[1] for p in v)) for s, v in fetched.items()}
-        out.update(self.task.evaluate(params))  # the task's own metrics (seq2seq: accuracy, BLEU)
+        # the task's own metrics (seq2seq: accuracy, BLEU; GRPO: held-out rewards, sampled with LoRA's base)
+        out.update(self.task.evaluate(params, frozen) if self.online else self.task.evaluate(params))
         return out
 
     def write_run_files(self) -> Path | None:
@@ -201,7 +221,9 @@ class Trainer:
             "loss": loss if np.isfinite(loss) else None,
             "best_loss": self.best_loss if np.isfinite(self.best_loss) else None,
         }
-        self.ckpt.save(step, state.replace(frozen=None), extra=extra, val_loss=val_loss, good=_healthy(extra))
+        # an online task's loss (GRPO's) is ~0 and may be negative: no measure of health; finite weights are
+        good = self.online or _healthy(extra)
+        self.ckpt.save(step, state.replace(frozen=None), extra=extra, val_loss=val_loss, good=good)
         self.best_loss = min(self.best_loss, _finite_or_inf(loss))
 
     def last_good(self) -> str:
@@ -274,7 +296,7 @@ class Trainer:
         # SIGTERM from here on: finish the step, save, return (processes agree every log_interval steps)
         stop = StopSignal(every=c.log_interval)
         try:
-            batch = self.global_batch("train", start, c.batch_size, micro=True)
+            batch = self.train_batch(start, state) if start < c.max_iters else None
             if start >= c.max_iters and not c.eval_only:
                 self._print(f"{c.out_dir} is at step {start}: raise --config.max_iters to train further")
             if start < c.max_iters:
@@ -346,8 +368,12 @@ class Trainer:
                 break
             if step == c.max_iters or c.eval_only:
                 break
+            t0 = time.perf_counter()
             state, metrics = self.train_step(state, batch)  # dispatched; runs while we go on
-            if step + 1 < c.max_iters:  # the next step's batch, built while this one runs
+            if self.online:  # the next batch needs this step's weights: nothing to overlap with
+                jax.block_until_ready(metrics)
+                metrics = {**metrics, **self.batch_info, "update_time": time.perf_counter() - t0}
+            elif step + 1 < c.max_iters:  # the next step's batch, built while this one runs
                 batch = self.global_batch("train", step + 1, c.batch_size, micro=True)
             if (step + 1) % c.log_interval == 0:
                 clock, previous = log(step + 1, metrics, clock), None
@@ -356,6 +382,8 @@ class Trainer:
                 # steps that all-reduce across CPU devices can starve the host's thread pool)
                 jax.block_until_ready(previous)
                 previous = metrics["loss"]
+            if self.online and step + 1 < c.max_iters:  # sampled from the weights this step made
+                batch = self.train_batch(step + 1, state)
             self.after_step(step + 1, state)
         return state
 

@@ -1,4 +1,4 @@
-"""flaxgpt.runs.plot: metrics.jsonl -> a valid PNG of loss, learning rate and tokens/s."""
+"""flaxgpt.runs.plot: metrics.jsonl -> a valid PNG of loss, learning rate, tokens/s (and GRPO's rewards)."""
 
 import json
 import sys
@@ -57,6 +57,18 @@ def test_cli_writes_a_png(tmp_path, capsys):
     assert f"wrote {tmp_path / 'metrics.png'}" in capsys.readouterr().out
     assert_png(tmp_path / "metrics.png", 1500, 420)  # figsize (15, 4.2) at 100 dpi
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_grpo_rewards_get_a_panel(tmp_path):
+    w = MetricsWriter(tmp_path, tensorboard=False, enabled=True, print_fn=lambda *a: None)
+    for step in range(1, 5):
+        w.write(step, {"loss": -0.1, "lr": 1e-3, "reward": step / 10, "rewards/f/mean": 0.0})
+    w.write(4, {"val_reward": 0.5})
+    w.close()
+    s = plot.read_metrics(tmp_path)
+    assert s["reward"] == ([1.0, 2.0, 3.0, 4.0], [0.1, 0.2, 0.3, 0.4]) and s["val_reward"] == ([4.0], [0.5])
+    plot.plot_metrics(tmp_path, tmp_path / "p.png")
+    assert_png(tmp_path / "p.png", 2000, 420)  # a fourth panel: the rewards
 
 
 def test_missing_keys_still_plot(tmp_path):

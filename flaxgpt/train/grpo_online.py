@@ -1,0 +1,221 @@
+"""GRPO as a trainer task (data.format = prompts): each step's batch is sampled from the current
+weights, scored and turned into advantages; the jitted train step then runs GRPOTask's loss on it.
+
+    task = GRPOOnlineTask(config)     # config: configs/grpo_toy.py (its `grpo` section), data from
+                                      # flaxgpt prepare --dataset prompts (flaxgpt.data.prompts)
+    batch, info = task.rollout(params, frozen, step, n_rows, process_index)   # host arrays, metrics
+    loss_sum, (weight, sums) = task.loss(params, batch, rng, train=True, frozen=frozen)
+    task.evaluate(params)             # {"val_reward": ...}: one sampled completion a held-out prompt
+
+A rollout: batch_size // G prompts of the step (PromptData.batch), G completions each sampled by
+grpo_task.sample_groups (LoRA: from the base with the adapters merged, the policy's own weights),
+decoded, scored by the rewards (flaxgpt.train.rewards), group-normalised advantages, and rows of
+prompt + completion (grpo_task.rollout_batch). With num_iterations > 1 the sampling policy's log-probs
+(old_logp) are taken once and the same rollout trains that many optimizer steps; with beta > 0 the
+reference's (ref_logp: LoRA's base with the adapters off, else a copy of init_from's weights) are
+taken at the rollout too, as TRL takes both at generation time.
+
+The trainer (flaxgpt.train.trainer) asks `online` tasks for their batch after each update (it cannot
+be built while the step runs: it needs its weights) and logs `info` with the step: reward (mean),
+reward_std (the mean of the groups' std, TRL's), rewards/<name>/mean and /std per function,
+frac_reward_zero_std, completions/mean_length, completions/clipped_ratio (hit the length limit),
+rollout_time; the loss adds clip_*, kl, entropy, completion_length (grpo_task).
+Shape letters: N completions of a step (prompts x G), G group size, T positions.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import numpy as np
+from flax import linen as nn
+
+from flaxgpt import sharding
+from flaxgpt.data import prompts as prompts_lib
+from flaxgpt.data import tokenizers
+from flaxgpt.models import gpt, lora
+from flaxgpt.models import registry as models
+from flaxgpt.train import grpo_task, rewards
+from flaxgpt.train.lm_task import FRESH_STARTS, LMTask, load_pretrained
+
+
+def reward_names(specs) -> list[str]:
+    """Short metric names of reward specs: format=... -> format, mod:fn -> fn (repeats numbered)."""
+    names = []
+    for spec in specs:
+        name = spec.partition("=")[0].rpartition(":")[2] or spec
+        names.append(name if name not in names else f"{name}_{len(names)}")
+    return names
+
+
+class GRPOOnlineTask(LMTask):
+    """GRPO on a prompts dataset; the model, LoRA and parameters are LMTask's, the loss GRPOTask's."""
+
+    formats = ("prompts",)
+    online = True  # the trainer takes each batch from rollout(), after the previous update
+    splits = ()  # no loss to evaluate on fixed batches: evaluations sample the held-out prompts
+
+    def __init__(self, config):
+        g = config.grpo
+        self.format, self.shards = "prompts", False
+        self.data = prompts_lib.PromptData(config.data.dir)
+        self.data_dir = self.data.dir
+        self.pretrained = None
+        recipe = models.config_from(config.model, self.data.vocab_size)
+        if config.init_from in FRESH_STARTS:
+            self.model_config = recipe
+        else:
+            self.model_config, self.pretrained = load_pretrained(config.init_from, recipe)
+        self.data.check(self.model_config.block_size, self.model_config.vocab_size, g.max_completion_length)
+        self.tokenizer = tokenizers.from_meta(self.data.meta["tokenizer"])
+        self._set_model(config, self.model_config)
+
+    @classmethod
+    def without_data(cls, config, model_config: gpt.GPTConfig) -> GRPOOnlineTask:
+        """The task's model and loss as shapes, no prompts read (flaxgpt.aot compiles its train step;
+        the rollout is not one of the programs compiled)."""
+        task = cls.__new__(cls)
+        task.format, task.shards = "prompts", False
+        task.data = task.data_dir = task.tokenizer = None
+        needs_start = (config.get("lora") and config.lora.rank) or config.grpo.beta
+        task.pretrained = nn.unbox(gpt.abstract_params(model_config)) if needs_start else None
+        task._set_model(config, model_config)
+        return task
+
+    def _set_model(self, config, model_config: gpt.GPTConfig) -> None:
+        g = config.grpo
+        start = self.pretrained  # init_from's weights: the reference when beta > 0 without LoRA
+        super()._set_model(config, model_config)
+        if self.lora is not None and config.lora.base_dtype == "int8":
+            raise ValueError(
+                "GRPO with lora.base_dtype=int8: rollouts sample from the base with the adapters merged, "
+                "which an int8 base cannot hold; use bfloat16 or float32"
+            )
+        self.G, self.num_iterations = int(g.num_generations), int(g.num_iterations)
+        self.max_new, self.temperature, self.top_p = int(g.max_completion_length), g.temperature, g.top_p
+        self.scale, self.eval_prompts = g.scale_rewards, g.eval_prompts
+        self.mask_truncated = g.mask_truncated_completions
+        self.opts = grpo_task.GRPOOptions(
+            loss_type=g.loss_type,
+            epsilon=g.epsilon,
+            epsilon_high=None if g.epsilon_high < 0 else g.epsilon_high,
+            delta=g.delta or None,
+            beta=g.beta,
+            importance_sampling_level=g.importance_sampling_level,
+            max_completion_length=self.max_new,
+            temperature=g.temperature,
+        )
+        # full fine-tuning with beta > 0: init_from's weights, a copy (the policy's start is donated)
+        self.reference = None
+        if g.beta and self.lora is None:
+            abstract = isinstance(jax.tree.leaves(start)[0], jax.ShapeDtypeStruct)
+            self.reference = start if abstract else jax.tree.map(lambda x: np.array(x, copy=True), start)
+        self.objective = grpo_task.GRPOTask(self.model_config, self.opts, self.lora, self.reference)
+        self.rewards = rewards.Rewards.make(list(g.reward_funcs), list(g.reward_weights) or None)
+        self.names = reward_names(g.reward_funcs)
+        self._logps = jax.jit(lambda p, b, f: self.objective.token_logps(p, b, f)[0])
+
+    def place_frozen(self, mesh):
+        frozen, shardings = super().place_frozen(mesh)
+        if self.reference is not None and not isinstance(
+            jax.tree.leaves(self.reference)[0], jax.ShapeDtypeStruct
+        ):
+            ref_shardings = sharding.param_shardings(gpt.abstract_params(self.model_config), mesh)
+            self.reference = jax.device_put(self.reference, ref_shardings)
+        return frozen, shardings
+
+    def batch_shapes(self, n_rows: int) -> dict:
+        T = self.model_config.block_size
+        shapes = {
+            **super().batch_shapes(n_rows),
+            "loss_mask": ((n_rows, T), "float32"),
+            "advantages": ((n_rows,), "float32"),
+        }
+        if self.num_iterations > 1:
+            shapes["old_logp"] = ((n_rows, T), "float32")
+        if self.opts.beta:
+            shapes["ref_logp"] = ((n_rows, T), "float32")
+        return shapes
+
+    def batch(self, split: str, step: int, n_rows: int, process_index: int) -> dict:
+        """The trainer's fixed batch (a checkpoint's recorded loss): no completion token, loss 0."""
+        return {k: np.zeros(shape, dtype) for k, (shape, dtype) in self.batch_shapes(n_rows).items()}
+
+    def loss(self, params, batch, rng, train: bool, frozen=None):
+        return self.objective.loss(params, batch, rng, train, frozen)
+
+    def policy_weights(self, params, frozen):
+        """The weights rollouts sample from: the parameters, or LoRA's base with the adapters merged."""
+        if self.lora is None:
+            return params
+        return _merge(self.model_config, self.lora, frozen, params)
+
+    def sample(self, params, frozen, rows, group_size: int, rng):
+        """(prompt ids, completion ids, completion texts) of group_size completions a row, prompt-major."""
+        prompt_ids, completion_ids = grpo_task.sample_groups(
+            self.model_config, self.policy_weights(params, frozen), [r["ids"] for r in rows], group_size,
+            rng=rng, max_new_tokens=self.max_new, temperature=self.temperature, top_p=self.top_p,
+            eos_id=self.data.eos_id,
+        )  # fmt: skip
+        eos = self.data.eos_id  # the text a reward reads ends before the end-of-sequence token
+        texts = [self.tokenizer.decode(c[:-1] if c and c[-1] == eos else c) for c in completion_ids]
+        return prompt_ids, completion_ids, texts
+
+    def score(self, rows, group_size: int, texts, completion_ids):
+        """(total [N], per function [N, K]) of completions, row n // group_size's."""
+        rows_N = [r for r in rows for _ in range(group_size)]
+        names = [f"prompt {r['prompt']!r}" for r in rows_N]
+        return self.rewards(
+            [r["prompt"] for r in rows_N], texts, [r["fields"] for r in rows_N], completion_ids, names
+        )
+
+    def rollout(self, params, frozen, step: int, n_rows: int, process_index: int = 0):
+        """(host batch of n_rows completions for `step`, metrics of the rollout)."""
+        t0 = time.perf_counter()
+        G = self.G
+        rows = self.data.batch("train", step * jax.process_count() + process_index, n_rows // G, self.seed)
+        rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), process_index)
+        prompt_ids, completion_ids, texts = self.sample(params, frozen, rows, G, rng)
+        total_N, per_NK = self.score(rows, G, texts, completion_ids)
+        adv_N, zero_std_N = grpo_task.group_advantages(total_N, G, self.scale)
+        batch = grpo_task.rollout_batch(prompt_ids, completion_ids, self.model_config.block_size, adv_N)
+        cut_N = grpo_task.truncated(completion_ids, [self.data.eos_id])
+        if self.mask_truncated:  # TRL: a completion cut by the length limit teaches nothing
+            batch["loss_mask"][cut_N] = 0.0
+        if self.num_iterations > 1:  # the sampling policy's, kept while this rollout trains
+            batch["old_logp"] = np.asarray(self._logps(params, batch, frozen))
+        if self.opts.beta:
+            reference = {} if self.lora is not None else self.reference  # LoRA: adapters off
+            batch["ref_logp"] = np.asarray(self._logps(reference, batch, frozen))
+        info = {
+            "reward": float(np.nanmean(total_N)),
+            "reward_std": float(np.nanmean(np.nanstd(total_N.reshape(-1, G), axis=1, ddof=1))),
+            "frac_reward_zero_std": float(np.mean(zero_std_N)),
+            "completions/mean_length": float(np.mean([len(c) for c in completion_ids])),
+            "completions/clipped_ratio": float(np.mean(cut_N)),
+        }
+        for k, name in enumerate(self.names):
+            info[f"rewards/{name}/mean"] = float(np.nanmean(per_NK[:, k]))
+            info[f"rewards/{name}/std"] = float(np.nanstd(per_NK[:, k], ddof=1))
+        info["rollout_time"] = time.perf_counter() - t0
+        return batch, info
+
+    def evaluate(self, params, frozen=None) -> dict:
+        """Mean reward of one completion sampled (fixed key) for each of the first eval_prompts
+        held-out prompts: val_reward and val_rewards/<name> per function."""
+        rows = self.data.splits["val"][: self.eval_prompts]
+        if not rows:
+            return {}
+        rng = jax.random.key(self.seed + 1)
+        _, completion_ids, texts = self.sample(params, frozen, rows, 1, rng)
+        total_N, per_NK = self.score(rows, 1, texts, completion_ids)
+        out = {"val_reward": float(np.nanmean(total_N))}
+        out.update({f"val_rewards/{n}": float(np.nanmean(per_NK[:, k])) for k, n in enumerate(self.names)})
+        return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _merge(model_config, spec, base, adapters):
+    return lora.merge(model_config, spec, base, adapters)

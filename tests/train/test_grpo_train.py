@@ -1,0 +1,160 @@
+"""GRPO through the trainer: `flaxgpt prepare --dataset prompts` (files, one-line errors naming the
+line, nothing written), configs/grpo_toy.py through trainer.train on tiny shapes (rollouts, rewards
+and the update logged per step into metrics.jsonl, held-out val_reward at evaluations, num_iterations
+reusing a rollout), sample.py loading the run, LoRA with beta on a tiny Llama's chat prompts, and bad
+GRPO settings failing in one line before anything is written."""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ package
+
+from configs import grpo_toy  # noqa: E402
+from flaxgpt.data import prepare  # noqa: E402
+from flaxgpt.train import trainer as trainer_lib  # noqa: E402
+from flaxgpt.train.config_check import ConfigError  # noqa: E402
+
+
+def prep(tmp_path, records, *extra) -> Path:
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = [
+        "--dataset",
+        "prompts",
+        "--input",
+        str(src),
+        "--tokenizer",
+        "char",
+        "--out_dir",
+        str(tmp_path / "d"),
+    ]
+    prepare.main([*args, *extra])
+    return tmp_path / "d"
+
+
+def test_prepare_prompts_and_bad_lines(tmp_path):
+    good = [{"prompt": "ab>", "answer": "ab"}, {"prompt": "ca>", "answer": "ca", "n": 2}, {"prompt": "b>"}]
+    d = prep(tmp_path, good, "--val_fraction", "0.34")
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["kind"] == "prompts" and meta["train_examples"] == 2 and meta["val_examples"] == 1
+    assert meta["max_prompt_tokens"] == 3 and meta["tokenizer"]["chars"][meta["eos_id"]] == "\n"
+    rows = [json.loads(x) for x in (d / "train.prompts.jsonl").read_text().splitlines()]
+    assert rows[1]["fields"] == {"answer": "ca", "n": 2} and len(rows[1]["ids"]) == 3
+    cases = {
+        "line 2 has no 'prompt'": [good[0], {"answer": "x"}],
+        "line 1: the prompt is empty": [{"prompt": " "}, *good],
+        "line 2: the prompt must be text": [good[0], {"prompt": 3}],
+        "line 1 prompt: message 0 has role 'robot'": [{"prompt": [{"role": "robot", "content": "x"}]}],
+        "line 2: the prompt has 9 tokens, leaving no room": [good[0], {"prompt": "abababab>"}, good[1]],
+    }
+    for i, (message, records) in enumerate(cases.items()):
+        case = tmp_path / f"case{i}"
+        case.mkdir()
+        with pytest.raises(prepare.PrepareError, match=f"prompts.jsonl {message}") as e:
+            prep(case, records, "--block_size", "8")
+        assert "\n" not in str(e.value) and [p.name for p in case.iterdir()] == ["prompts.jsonl"]
+
+
+def toy_data(tmp_path) -> Path:
+    grpo_toy.write_prompts(tmp_path / "toy.jsonl", n=80)  # 8 held out: eval batches = rollout batches
+    return prep(tmp_path, [json.loads(x) for x in (tmp_path / "toy.jsonl").read_text().splitlines()])
+
+
+def tiny_run(config, data, out, **over):
+    config.data.dir, config.out_dir = str(data), str(out)
+    config.tensorboard = config.plot = False
+    for key, value in over.items():
+        section, _, name = key.rpartition(".")
+        (config[section] if section else config)[name] = value
+    trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
+    return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_recipe_trains_logs_rewards_then_sample(tmp_path, capsys):
+    """configs/grpo_toy.py through trainer.train (train.py's path), 3 steps of 2 prompts x G 4
+    (num_iterations 2: steps 1 and 3 sample, step 2 reuses step 1's completions): every per-step
+    GRPO field is logged; sample.py loads the run."""
+    import sample
+
+    over = {
+        "max_iters": 3, "batch_size": 8, "eval_interval": 3, "model.n_layer": 1, "grpo.num_generations": 4,
+        "grpo.eval_prompts": 8, "grpo.num_iterations": 2, "grpo.mask_truncated_completions": True,
+    }  # fmt: skip
+    lines = tiny_run(grpo_toy.get_config(), toy_data(tmp_path), tmp_path / "run", **over)
+    steps = [x for x in lines if "reward" in x]
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    fields = ("reward_std", "rewards/copy_reward/mean", "rewards/copy_reward/std", "frac_reward_zero_std")
+    fields += ("completion_length", "completions/clipped_ratio", "clip_region", "entropy", "update_time")
+    for x in steps:
+        assert all(k in x for k in fields), sorted(x)
+        assert 0 <= x["reward"] <= 1 and x["update_time"] > 0
+    assert steps[0]["rollout_time"] > 0 and steps[1]["rollout_time"] == 0.0 and steps[2]["rollout_time"] > 0
+    assert steps[1]["reward"] == steps[0]["reward"]  # the same rollout, trained on twice
+    evals = [x for x in lines if "val_reward" in x]
+    assert [x["step"] for x in evals] == [0, 3] and "val_rewards/copy_reward" in evals[0]
+    capsys.readouterr()
+    args = [
+        "--out_dir",
+        str(tmp_path / "run"),
+        "--start",
+        "abc>",
+        "--max_new_tokens",
+        "4",
+        "--temperature",
+        "0",
+    ]
+    assert sample.main(args) == 0
+    assert capsys.readouterr().out.startswith("abc>")
+
+
+def test_lora_with_beta_on_chat_prompts(tmp_path):
+    """A tiny Llama with LoRA, chat prompts (its template), beta > 0 (the reference: the base, adapters
+    off): the KL is 0 while the adapters are zero, > 0 after an update."""
+    from tests.data.test_chat import make_chat_dir
+    from tests.hf.test_llama import make_hf_model
+
+    model = tmp_path / "llama"
+    make_hf_model("llama", str(model))
+    make_chat_dir(model, "llama3")
+    records = [{"prompt": [{"role": "user", "content": f"what is {i}"}], "answer": str(i)} for i in range(8)]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = ["--dataset", "prompts", "--input", str(src), "--hf_dir", str(model), "--val_fraction", "0.5"]
+    prepare.main([*args, "--out_dir", str(tmp_path / "d")])
+    c = grpo_toy.get_config()
+    c.init_from = str(model)
+    c.model.block_size, c.model.dtype, c.model.remat, c.model.scan_layers = 32, "float32", "none", False
+    over = {
+        "lora.rank": 4, "lora.alpha": 8.0, "lora.base_dtype": "float32", "grpo.num_generations": 2,
+        "batch_size": 4, "max_iters": 2, "eval_interval": 2, "grpo.beta": 0.04,
+        "grpo.reward_funcs": ("answer", "length=3"), "grpo.reward_weights": (1.0, 0.5),
+        "grpo.eval_prompts": 4,  # a rollout's 4 rows: one compiled sampler
+    }  # fmt: skip
+    lines = tiny_run(c, tmp_path / "d", tmp_path / "run", **over)
+    steps = [x for x in lines if "reward" in x]
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl"] > 0
+    assert all(k in steps[0] for k in ("rewards/answer/mean", "rewards/length/std"))
+    assert [x["step"] for x in lines if "val_reward" in x] == [0, 2]
+
+
+def test_bad_grpo_settings_fail_in_one_line_and_write_nothing(tmp_path):
+    d = toy_data(tmp_path)
+    cases = {
+        "grpo.num_generations=1: a group needs >= 2": {"grpo.num_generations": 1},
+        "grpo.loss_type='ppo'; choose one of grpo,": {"grpo.loss_type": "ppo"},
+        "reward 'oops': choose answer, format=REGEX": {"grpo.reward_funcs": ("oops",)},
+        "reward no_such_module:f: cannot load it": {"grpo.reward_funcs": ("no_such_module:f",)},
+        "reward length=ten: the length limit 'ten' is not an integer": {"grpo.reward_funcs": ("length=ten",)},
+        "a prompt of 4 tokens: + grpo.max_completion_length 4 > model.block_size 6": {"model.block_size": 6},
+        "must be multiples of grpo.num_generations 8": {"batch_size": 12},
+        "grpo.beta=0.1 needs a reference": {"grpo.beta": 0.1},
+    }
+    for message, over in cases.items():
+        with pytest.raises((ConfigError, ValueError)) as e:
+            tiny_run(grpo_toy.get_config(), d, tmp_path / "never", **over)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert not (tmp_path / "never").exists()
