@@ -27,6 +27,7 @@ LOGICAL_RULES = (
     ("vocab", None),
     ("heads", None),
     ("mlp", None),
+    ("expert", None),  # stacked expert weights [E, ...] (models/moe.py): whole on each device
     ("layers", None),
 )
 
@@ -42,6 +43,7 @@ SERVE_RULES = (
     ("vocab", "fsdp"),
     ("heads", None),
     ("mlp", "fsdp"),
+    ("expert", None),
     ("layers", None),
 )
 
