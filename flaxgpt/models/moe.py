@@ -7,8 +7,8 @@
 A softmax router scores E experts per token and each token goes to its top k; the k weights are
 renormalised to sum to 1 when `norm_topk_prob` (Mixtral always; Qwen3-MoE by its flag). Dropless:
 the N*k (token, expert) assignments are sorted by expert and each expert's contiguous run of rows is
-one group of `jax.lax.ragged_dot` (a grouped matmul), so an expert computes only its own tokens and
-no token is dropped for capacity. Expert weights are stacked [E, ...] (logical axis "expert").
+one group of a grouped matmul (`grouped_matmul`), so an expert computes only its own tokens and no
+token is dropped for capacity. Expert weights are stacked [E, ...] (logical axis "expert").
 
 Each sparse layer sows into the "router" collection what the losses need: the fraction of the
 assignments each expert got and its mean router probability (transformers' load_balancing_loss_func
@@ -84,7 +84,7 @@ class MoE(nn.Module):
             (E, F, D),
             self.param_dtype,
         )
-        h_AF2 = jax.lax.ragged_dot(x_AD, w_fc.astype(self.dtype), group_sizes_E)
+        h_AF2 = grouped_matmul(x_AD, w_fc.astype(self.dtype), group_sizes_E)
         if self.glu and self.activation == "silu":
             h_AF = swiglu(h_AF2)
         elif self.glu:
@@ -92,7 +92,7 @@ class MoE(nn.Module):
             h_AF = activation_fn(self.activation)(gate_AF) * up_AF
         else:
             h_AF = activation_fn(self.activation)(h_AF2)
-        y_AD = jax.lax.ragged_dot(h_AF, w_proj.astype(self.dtype), group_sizes_E)
+        y_AD = grouped_matmul(h_AF, w_proj.astype(self.dtype), group_sizes_E)
 
         # back to token order (a gather by the inverse permutation, not a scatter-add), then the
         # weighted sum over each token's C experts
@@ -113,6 +113,46 @@ class MoE(nn.Module):
         self.sow(ROUTER, "prob", jnp.mean(probs_NE, axis=0))
         z_N = jax.nn.logsumexp(logits_NE.astype(jnp.float32), axis=-1)
         self.sow(ROUTER, "z", jnp.mean(jnp.square(z_N)))
+
+
+def grouped_matmul(x_AD, w_EDF, group_sizes_E):
+    """Rows sorted by group [A, D] times their group's matrix [E, D, F] -> [A, F]: rows
+    starts_e .. starts_e + group_sizes_E[e] - 1 use w_EDF[e].
+
+    GPU and TPU lower `jax.lax.ragged_dot` to a grouped-matmul kernel; XLA on CPU has none, and jax's
+    fallback there runs every row through every group's matrix and masks (E times the FLOPs), so the
+    CPU runs `tiled_grouped_matmul` instead (the branch is chosen when the program is lowered).
+    """
+    return jax.lax.platform_dependent(
+        x_AD, w_EDF, group_sizes_E, cpu=tiled_grouped_matmul, default=jax.lax.ragged_dot
+    )
+
+
+def tiled_grouped_matmul(x_AD, w_EDF, group_sizes_E):
+    """grouped_matmul in tiles of b rows: each tile is multiplied by the matrix of every group it
+    overlaps and keeps that group's rows. Tiles of ~A/E rows make at most (tiles + E - 1) ~ 2E visits,
+    ~2A rows of work in all (the whole-matrix fallback: E*A)."""
+    A, D = x_AD.shape
+    E, _, F = w_EDF.shape
+    b = max(1, -(-A // E))  # rows per tile
+    n_tiles = -(-A // b)
+    V = n_tiles + E - 1  # visits: consecutive groups share at most one tile
+    ends_E = jnp.cumsum(group_sizes_E)
+    starts_E = ends_E - group_sizes_E
+    spans_E = jnp.where(group_sizes_E > 0, (ends_E - 1) // b - starts_E // b + 1, 0)  # tiles per group
+    v_V = jnp.arange(V)
+    group_V = jnp.repeat(jnp.arange(E), spans_E, total_repeat_length=V)
+    tile_V = starts_E[group_V] // b + v_V - (jnp.cumsum(spans_E) - spans_E)[group_V]
+    tile_V = jnp.clip(tile_V, 0, n_tiles - 1)
+    rows_Vb = tile_V[:, None] * b + jnp.arange(b)  # each visit's row indices
+    keep_Vb = (rows_Vb >= starts_E[group_V, None]) & (rows_Vb < ends_E[group_V, None])
+    keep_Vb &= (v_V < jnp.sum(spans_E))[:, None]  # visits past the last group's tile do nothing
+    x_TbD = jnp.pad(x_AD, ((0, n_tiles * b - A), (0, 0))).reshape(n_tiles, b, D)
+    y_VbF = jnp.einsum("vbd,vdf->vbf", x_TbD[tile_V], w_EDF[group_V])
+    y_VbF = jnp.where(keep_Vb[..., None], y_VbF, 0)
+    # each row is kept by exactly one visit: the sum adds zeros to it, exactly
+    y_TbF = jnp.zeros((n_tiles, b, F), y_VbF.dtype).at[tile_V].add(y_VbF)
+    return y_TbF.reshape(n_tiles * b, F)[:A]
 
 
 def _collect(tree, name: str) -> list:
