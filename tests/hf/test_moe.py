@@ -86,10 +86,9 @@ def test_import_logits_greedy_tokens_and_aux_loss_match_transformers(family):
     assert np.isfinite(float(z)) and float(z) > 0
 
 
-def test_export_loads_in_transformers_with_the_same_logits_and_tokens(family, tmp_path):
+def test_export_loads_in_transformers_with_the_same_logits(family, tmp_path):
     model_type, directory, _ = family
-    # Mixtral's layers are all sparse: scanned, its experts are stacked [L, E, ...] (and decoding
-    # unstacks them into the config the import test compiled for)
+    # Mixtral's layers are all sparse: scanned, its experts are stacked [L, E, ...]
     config, params = hf.load_pretrained(directory, scan_layers=model_type == "mixtral")
     params = jax.tree_util.tree_map(lambda x: x * 1.1, params)  # not the file we read
     assert families.family_of(config) == model_type
@@ -102,8 +101,6 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(family, tm
     np.testing.assert_allclose(
         ref_logits(model, TOKENS), flax_logits(config, params, TOKENS), atol=1e-4, rtol=0
     )
-    prompt = [int(t) for t in TOKENS[1, :4]]
-    assert torch_greedy(model, prompt, 8) == flax_greedy(config, params, prompt, 8)
 
 
 def test_missing_expert_tensor_is_one_line_and_nothing_is_written(family, tmp_path):
