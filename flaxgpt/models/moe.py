@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.sharding import PartitionSpec as P
 
 from flaxgpt.models.layers import Dtype, activation_fn, normal_init, swiglu
 
@@ -49,7 +50,6 @@ class MoE(nn.Module):
     def __call__(self, x_BTD):
         E, C, F, D = self.num_experts, self.experts_per_token, self.hidden, x_BTD.shape[-1]
         x_ND = x_BTD.reshape(-1, D)
-        N = x_ND.shape[0]
         logits_NE = nn.Dense(
             E,
             use_bias=False,
@@ -65,13 +65,6 @@ class MoE(nn.Module):
             weights_NC = weights_NC / jnp.sum(weights_NC, axis=-1, keepdims=True)
         self._sow_statistics(logits_NE, probs_NE, experts_NC)
 
-        # sort the assignments by expert: each expert's rows are then one contiguous group
-        experts_A = experts_NC.reshape(-1)
-        order_A = jnp.argsort(experts_A, stable=True)
-        tokens_A = order_A // C  # the token each sorted assignment came from
-        group_sizes_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
-        x_AD = x_ND[tokens_A].astype(self.dtype)
-
         w_fc = self.param(
             "experts_fc",
             normal_init(0.02, ("expert", "embed", "mlp")),
@@ -84,23 +77,20 @@ class MoE(nn.Module):
             (E, F, D),
             self.param_dtype,
         )
-        h_AF2 = grouped_matmul(x_AD, w_fc.astype(self.dtype), group_sizes_E)
-        if self.glu and self.activation == "silu":
-            h_AF = swiglu(h_AF2)
-        elif self.glu:
-            gate_AF, up_AF = jnp.split(h_AF2, 2, axis=-1)
-            h_AF = activation_fn(self.activation)(gate_AF) * up_AF
-        else:
-            h_AF = activation_fn(self.activation)(h_AF2)
-        y_AD = grouped_matmul(h_AF, w_proj.astype(self.dtype), group_sizes_E)
-
-        # back to token order (a gather by the inverse permutation, not a scatter-add), then the
-        # weighted sum over each token's C experts
-        inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(N * C))
-        y_NCD = y_AD[inverse_A].reshape(N, C, D)
-        y_ND = jnp.einsum("ncd,nc->nd", y_NCD, weights_NC.astype(y_NCD.dtype))
+        args = (x_ND.astype(self.dtype), weights_NC, experts_NC, w_fc.astype(self.dtype))
+        args += (w_proj.astype(self.dtype), self._expert_mlp)
+        y_ND = expert_parallel(*args) if expert_axis_size() > 1 else mix_experts(*args)
         y_BTD = y_ND.reshape(x_BTD.shape)
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
+
+    def _expert_mlp(self, h_AF2):
+        """An expert's activation on its first matmul's output: [A, 2F] (glu) or [A, F] -> [A, F]."""
+        if self.glu and self.activation == "silu":
+            return swiglu(h_AF2)
+        if self.glu:
+            gate_AF, up_AF = jnp.split(h_AF2, 2, axis=-1)
+            return activation_fn(self.activation)(gate_AF) * up_AF
+        return activation_fn(self.activation)(h_AF2)
 
     def _sow_statistics(self, logits_NE, probs_NE, experts_NC):
         """This layer's share of the router losses (see router_losses), when "router" is mutable."""
@@ -113,6 +103,59 @@ class MoE(nn.Module):
         self.sow(ROUTER, "prob", jnp.mean(probs_NE, axis=0))
         z_N = jax.nn.logsumexp(logits_NE.astype(jnp.float32), axis=-1)
         self.sow(ROUTER, "z", jnp.mean(jnp.square(z_N)))
+
+
+def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0):
+    """sum_c weights_NC[n, c] * expert_{experts_NC[n, c]}(x_ND[n]) -> [N, D], over the experts held
+    here: w_fc [E_l, D, 2F or F], w_proj [E_l, F, D] are experts first .. first + E_l - 1 (all of them
+    on one device); assignments to other experts add nothing (another device adds them)."""
+    N, C = experts_NC.shape
+    E_l = w_fc.shape[0]
+    local_A = experts_NC.reshape(-1) - first  # this device's expert index, or out of [0, E_l)
+    held_A = (local_A >= 0) & (local_A < E_l)
+    # sort the assignments by expert, the ones held elsewhere last: each expert's rows are then one
+    # contiguous group, and rows past the groups are not computed
+    order_A = jnp.argsort(jnp.where(held_A, local_A, E_l), stable=True)
+    group_sizes_E = jnp.bincount(jnp.where(held_A, local_A, E_l), length=E_l + 1)[:E_l].astype(jnp.int32)
+    x_AD = x_ND[order_A // C]  # the token each sorted assignment came from
+    y_AD = grouped_matmul(act(grouped_matmul(x_AD, w_fc, group_sizes_E)), w_proj, group_sizes_E)
+    # back to token order (a gather by the inverse permutation, not a scatter-add), then the
+    # weighted sum over each token's C experts
+    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(N * C))
+    y_NCD = jnp.where(held_A.reshape(N, C, 1), y_AD[inverse_A].reshape(N, C, -1), 0)
+    return jnp.einsum("ncd,nc->nd", y_NCD, weights_NC.astype(y_NCD.dtype))
+
+
+EXPERT_AXIS = "expert"  # the mesh axis that splits the experts (flaxgpt.sharding.make_mesh)
+
+
+def expert_axis_size() -> int:
+    """Devices on the "expert" axis of the mesh being traced for (1: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or EXPERT_AXIS not in mesh.axis_names else mesh.shape[EXPERT_AXIS]
+
+
+def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act):
+    """mix_experts with the experts split over the mesh's "expert" axis (E / n per device) and the
+    tokens over every axis: each device gathers the tokens of its expert group (all-gather), runs
+    them through its own experts only, and the partial outputs are summed back onto the devices that
+    hold each token (reduce-scatter). Expert weights arrive whole in D and F (FSDP gathers them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n, E = mesh.shape[EXPERT_AXIS], w_fc.shape[0]
+    if E % n:
+        raise ValueError(f"num_experts {E} is not divisible by the {n} devices of the expert mesh axis")
+    rows, experts = P(tuple(mesh.axis_names)), P(EXPERT_AXIS)
+
+    def local(x_ND, weights_NC, experts_NC, w_fc, w_proj):
+        gather = lambda a: jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)  # noqa: E731
+        first = jax.lax.axis_index(EXPERT_AXIS) * (E // n)
+        y_ND = mix_experts(gather(x_ND), gather(weights_NC), gather(experts_NC), w_fc, w_proj, act, first)
+        return jax.lax.psum_scatter(y_ND, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+
+    specs = (rows, rows, rows, experts, experts)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows)(
+        x_ND, weights_NC, experts_NC, w_fc, w_proj
+    )
 
 
 def grouped_matmul(x_AD, w_EDF, group_sizes_E):

@@ -11,7 +11,7 @@ import pytest
 from flax import linen as nn
 
 from flaxgpt.models import flops
-from flaxgpt.models.gpt import GPT, GPTConfig, init_params, stack_layers
+from flaxgpt.models.gpt import GPT, GPTConfig, abstract_params, init_params, stack_layers
 from flaxgpt.models.moe import ROUTER, MoE, grouped_matmul, router_losses
 from flaxgpt.tools import summary
 
@@ -142,3 +142,42 @@ def test_presets_total_and_active_parameters_equal_transformers(preset, model_ty
     assert f["n_matmul"] == s["totals"]["active"] - s["parts"]["token embeddings"]
     assert flops.flops_per_token(GPTConfig.preset(preset))["n_matmul"] == f["n_matmul"]
     assert "active per token" in summary.format_summary(s)
+
+
+def test_expert_parallel_on_8_devices_equals_one_device():
+    """Experts split over an "expert" mesh axis of 4 (2 each), parameters over fsdp 2: the loss (with
+    the router losses) and every gradient equal one device's; an axis that does not divide the
+    experts is a one-line error."""
+    from flaxgpt import sharding
+
+    assert jax.device_count() == 8
+    config = GPTConfig(**{**TINY, "num_experts": 8, "n_layer": 2})
+    params = init_params(config, jax.random.key(0))
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (8, 8)))
+
+    def loss(p, t):
+        logits, state = GPT(config).apply({"params": p}, t, mutable=[ROUTER])
+        aux, z = router_losses(state[ROUTER], config.num_experts)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux + z
+
+    one = jax.jit(jax.value_and_grad(loss))(params, tokens)
+    mesh = sharding.make_mesh(data=1, fsdp=2, expert=4)
+    shardings = sharding.param_shardings(abstract_params(config), mesh)
+    assert shardings["h_0"]["mlp"]["experts_fc"].spec[0] == "expert"
+    step = jax.jit(
+        sharding.under_mesh(jax.value_and_grad(loss), mesh),
+        in_shardings=(shardings, sharding.batch_sharding(mesh)),
+    )
+    traced = jax.make_jaxpr(sharding.under_mesh(loss, mesh))(params, tokens)
+    assert "shard_map" in str(traced)  # models/moe.py's expert_parallel, not a replicated computation
+    many = step(jax.device_put(params, shardings), jax.device_put(tokens, sharding.batch_sharding(mesh)))
+    np.testing.assert_allclose(many[0], one[0], rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(many[1]), jax.tree_util.tree_leaves(one[1])):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    with pytest.raises(ValueError, match="mesh.expert 3 does not divide the 8 devices"):
+        sharding.make_mesh(expert=3)
+    four = GPTConfig(**{**TINY, "n_layer": 2})  # 4 experts on an expert axis of 8
+    with pytest.raises(ValueError, match=r"experts_fc'\] dim 4 is not .* 8 devices .* mesh.expert") as e:
+        sharding.param_shardings(abstract_params(four), sharding.make_mesh(data=1, expert=8))
+    assert "\n" not in str(e.value)
