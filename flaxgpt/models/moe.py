@@ -8,7 +8,9 @@ A softmax router scores E experts per token and each token goes to its top k; th
 renormalised to sum to 1 when `norm_topk_prob` (Mixtral always; Qwen3-MoE by its flag). Dropless:
 the N*k (token, expert) assignments are sorted by expert and each expert's contiguous run of rows is
 one group of a grouped matmul (`grouped_matmul`), so an expert computes only its own tokens and no
-token is dropped for capacity. Expert weights are stacked [E, ...] (logical axis "expert").
+token is dropped for capacity. Expert weights are stacked [E, ...] (logical axis "expert"); on a
+mesh with an "expert" axis they are split over it and the tokens visit their experts' devices
+(`expert_parallel`).
 
 Each sparse layer sows into the "router" collection what the losses need: the fraction of the
 assignments each expert got and its mean router probability (transformers' load_balancing_loss_func
@@ -114,7 +116,7 @@ def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | ja
     local_A = experts_NC.reshape(-1) - first  # this device's expert index, or out of [0, E_l)
     held_A = (local_A >= 0) & (local_A < E_l)
     # sort the assignments by expert, the ones held elsewhere last: each expert's rows are then one
-    # contiguous group, and rows past the groups are not computed
+    # contiguous group, and the rows past the groups belong to none (their output is dropped below)
     order_A = jnp.argsort(jnp.where(held_A, local_A, E_l), stable=True)
     group_sizes_E = jnp.bincount(jnp.where(held_A, local_A, E_l), length=E_l + 1)[:E_l].astype(jnp.int32)
     x_AD = x_ND[order_A // C]  # the token each sorted assignment came from
@@ -193,7 +195,7 @@ def tiled_grouped_matmul(x_AD, w_EDF, group_sizes_E):
     x_TbD = jnp.pad(x_AD, ((0, n_tiles * b - A), (0, 0))).reshape(n_tiles, b, D)
     y_VbF = jnp.einsum("vbd,vdf->vbf", x_TbD[tile_V], w_EDF[group_V])
     y_VbF = jnp.where(keep_Vb[..., None], y_VbF, 0)
-    # each row is kept by exactly one visit: the sum adds zeros to it, exactly
+    # each row is kept by at most one visit (rows past the groups by none): the sum adds only zeros to it
     y_TbF = jnp.zeros((n_tiles, b, F), y_VbF.dtype).at[tile_V].add(y_VbF)
     return y_TbF.reshape(n_tiles * b, F)[:A]
 
