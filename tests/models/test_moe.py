@@ -102,6 +102,12 @@ def test_bad_configs_are_one_line():
         with pytest.raises(ValueError, match=match) as e:
             GPTConfig(**{**TINY, **change})
         assert "\n" not in str(e.value)
+    # LoRA adapts a mixture of experts' attention only: its sparse layers have no dense MLP
+    from flaxgpt.models import lora
+
+    assert lora.LoraSpec.make(GPTConfig(**TINY), 4, 8.0).targets == ("q", "k", "v", "o")
+    with pytest.raises(ValueError, match="this mixture-of-experts model has no gate; choose from q, k, v, o"):
+        lora.LoraSpec.make(GPTConfig(**TINY), 4, 8.0, targets="q,gate")
     # config.json stores mlp_only_layers as a list: it comes back a tuple (the config stays hashable)
     assert hash(GPTConfig.from_dict({**GPTConfig(**TINY).to_dict(), "mlp_only_layers": [1]}))
 
