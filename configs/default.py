@@ -58,6 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # data-parallel devices; -1 = all devices left after fsdp
     c.mesh.fsdp = 1  # devices that shard parameters and optimizer state (ZeRO-3 style)
+    c.mesh.expert = 1  # mixture of experts: devices that split the experts (expert parallelism)
     c.mesh.cpu_devices = 0  # CPU: split the host into this many devices; 0 = one per core (if batch divides)
 
     c.distributed = ml_collections.ConfigDict()

@@ -5,6 +5,9 @@ them onto the mesh axes ("data", "fsdp"): with fsdp > 1, every "embed" axis is s
 fsdp devices (ZeRO-3: parameters, gradients and optimizer state sharded, gathered per layer by
 XLA); everything else is replicated. Batches are split over all devices on their batch axis.
 SERVE_RULES place the weights for decoding over several devices (the MLP and vocabulary split).
+A mixture of experts may add an "expert" axis (make_mesh(..., expert=n)): the stacked expert weights
+are split over it by their "expert" axis, and each token visits the devices of its experts
+(models/moe.py: expert_parallel); rules_for(mesh) is the table for such a mesh.
 
 May import: nothing of flaxgpt.
 """
@@ -20,6 +23,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp")
+EXPERT_AXIS = "expert"  # the third axis of a mesh that splits a mixture of experts' experts
 BATCH_AXES = ("data", "fsdp")  # the batch is split over every device
 LOGICAL_RULES = (
     ("batch", BATCH_AXES),
@@ -27,6 +31,7 @@ LOGICAL_RULES = (
     ("vocab", None),
     ("heads", None),
     ("mlp", None),
+    ("expert", None),  # stacked expert weights [E, ...] (models/moe.py): whole on each device
     ("layers", None),
 )
 
@@ -42,6 +47,7 @@ SERVE_RULES = (
     ("vocab", "fsdp"),
     ("heads", None),
     ("mlp", "fsdp"),
+    ("expert", None),
     ("layers", None),
 )
 
@@ -124,9 +130,16 @@ def cpu_device_count(cores: int, batch_rows: int) -> int:
     return max(d for d in range(1, cores + 1) if batch_rows % d == 0)
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
-    """A ("data", "fsdp") mesh over `devices` (default: all); -1 on one axis means the rest."""
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None, expert: int = 1) -> Mesh:
+    """A ("data", "fsdp") mesh over `devices` (default: all); -1 on one axis means the rest. With
+    expert > 1, a ("data", "fsdp", "expert") mesh: data x fsdp groups of `expert` devices."""
     devices = list(jax.devices() if devices is None else devices)
+    if expert != 1:
+        if expert < 1 or len(devices) % expert:
+            raise ValueError(f"mesh.expert {expert} does not divide the {len(devices)} devices")
+        groups = make_mesh(data, fsdp, devices[: len(devices) // expert])
+        shape = (*groups.devices.shape, expert)
+        return Mesh(np.asarray(devices).reshape(shape), (*MESH_AXES, EXPERT_AXIS))
     n = len(devices)
     if data == -1 and fsdp == -1:
         raise ValueError("only one of mesh.data and mesh.fsdp may be -1")
@@ -142,6 +155,15 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None) -> Mesh:
     return Mesh(np.asarray(devices).reshape(data, fsdp), MESH_AXES)
 
 
+def rules_for(mesh, rules=LOGICAL_RULES):
+    """`rules` for `mesh`: as they are, or for a mesh with an "expert" axis, rows split over it too
+    and expert weights split by it."""
+    if EXPERT_AXIS not in mesh.axis_names:
+        return rules
+    table = {"batch": tuple(mesh.axis_names), "expert": EXPERT_AXIS}
+    return tuple((name, table.get(name, axes)) for name, axes in rules)
+
+
 def under_mesh(fn, mesh: Mesh, rules=LOGICAL_RULES):
     """fn, traced with `mesh` as the mesh context (jax.sharding.use_abstract_mesh inside the jit)
     and `rules` as flax's axis rules (LOGICAL_RULES; decoding: SERVE_RULES): attention_impl="auto"
@@ -151,7 +173,10 @@ def under_mesh(fn, mesh: Mesh, rules=LOGICAL_RULES):
 
     @functools.wraps(fn)  # jit reads fn's signature through it (static and donated argument names)
     def traced(*args, **kwargs):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), nn.logical_axis_rules(rules):
+        with (
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+            nn.logical_axis_rules(rules_for(mesh, rules)),
+        ):
             return fn(*args, **kwargs)
 
     return traced
@@ -159,7 +184,7 @@ def under_mesh(fn, mesh: Mesh, rules=LOGICAL_RULES):
 
 def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
     """Rows split over every device; `leading_axes` unsplit axes before them (micro-batches)."""
-    return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), BATCH_AXES))
+    return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), tuple(mesh.axis_names)))
 
 
 def row_shardings(tree, mesh: Mesh):
@@ -186,7 +211,7 @@ def check_batch(batch_rows: int, mesh: Mesh, what: str = "batch_size") -> None:
 def param_shardings(abstract_boxed_params, mesh: Mesh, rules=LOGICAL_RULES):
     """NamedShardings for the (unboxed) parameter tree, from the boxed abstract parameters."""
     specs = nn.get_partition_spec(abstract_boxed_params)
-    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules_for(mesh, rules))
     _check_divisible(nn.unbox(abstract_boxed_params), shardings, mesh)
     return shardings
 
@@ -201,7 +226,8 @@ def _check_divisible(abstract_params, shardings, mesh: Mesh) -> None:
                 name = jax.tree_util.keystr(path)
                 raise ValueError(
                     f"parameter {name} dim {dim} is not divisible by the {size} devices of "
-                    f"mesh axes {axes}; choose mesh.fsdp dividing the model dims"
+                    f"mesh axes {axes}; choose mesh.{'expert' if EXPERT_AXIS in axes else 'fsdp'} "
+                    "dividing the model dims"
                 )
 
 

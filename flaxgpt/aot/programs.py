@@ -131,7 +131,9 @@ def _batch(shapes: dict, sharding_, leading=()):
 def train_programs(config, mc, devices, groups) -> list[Program]:
     name = task_name(config) if models.kind_of(mc) == "gpt" else "seq2seq"
     task = TASKS[name].without_data(config, mc)
-    mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
+    mesh = sharding.make_mesh(
+        config.mesh.data, config.mesh.fsdp, devices, expert=config.mesh.get("expert", 1)
+    )
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
     steps = make_steps(config, task, mesh)

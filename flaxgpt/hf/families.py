@@ -1,5 +1,5 @@
 """The family table: one entry per Hugging Face model_type, saying how its checkpoint maps onto
-flaxgpt's GPT. Adding a family (Mixtral, Qwen3-MoE, ...) is one entry here, with its key table and
+flaxgpt's GPT. Adding a family (DeepSeek, ...) is one entry here, with its key table and
 config mapping in a module of its own.
 
     family = family_for(hf_config)          # config.json's model_type -> its Family (one-line error if none)
@@ -10,7 +10,8 @@ Each Family holds: `architecture` (config.json's architectures[0]), `layer_keys`
 flaxgpt path in h_{i} and the part of a fused tensor it fills), `config_from_hf(hf, family, **fields)`
 and `config_to_hf(config, model_type, family, special_ids)` (the config mapping both ways), `load`
 and `export_state` (the weight loop for the family's layout: flaxgpt.hf.gpt2's or flaxgpt.hf.rotary's),
-and the flags its mapping reads (`qkv_bias`, `qk_norm`).
+and the flags its mapping reads (`qkv_bias`, `qk_norm`); a mixture of experts' family also its
+`sparse_keys` (the router and per-expert tensors of its sparse layers).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from flaxgpt.hf import gemma, gpt2, llama, rotary
+from flaxgpt.hf import gemma, gpt2, llama, moe, rotary
 from flaxgpt.models.gpt_config import GPTConfig
 
 
@@ -32,6 +33,9 @@ class Family:
     export_state: Callable  # (GPTConfig, params, model_type, Family, special ids) -> (config.json, tensors)
     qkv_bias: bool = False  # Qwen2: biases on q, k and v
     qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head's queries and keys
+    # mixtures of experts: a sparse layer's MLP tensors ("{e}" = each expert), replacing layer_keys'
+    # MLP entries in that layer (flaxgpt.hf.moe); None: the family has no experts
+    sparse_keys: dict | None = None
 
 
 def _rotary(architecture, layer_keys, mapping, **flags) -> Family:
@@ -61,6 +65,16 @@ FAMILIES = {
     "qwen3": _rotary("Qwen3ForCausalLM", llama.QWEN3_LAYER_KEYS, llama, qk_norm=True),
     "gemma2": _rotary("Gemma2ForCausalLM", gemma.GEMMA2_LAYER_KEYS, gemma),
     "gemma3_text": _rotary("Gemma3ForCausalLM", gemma.GEMMA3_LAYER_KEYS, gemma, qk_norm=True),
+    "mixtral": _rotary(
+        "MixtralForCausalLM", llama.LLAMA_LAYER_KEYS, moe, sparse_keys=moe.MIXTRAL_SPARSE_KEYS
+    ),
+    "qwen3_moe": _rotary(
+        "Qwen3MoeForCausalLM",
+        llama.QWEN3_LAYER_KEYS,
+        moe,
+        qk_norm=True,
+        sparse_keys=moe.QWEN3_MOE_SPARSE_KEYS,
+    ),
 }
 
 
@@ -75,10 +89,12 @@ def family_for(hf: dict) -> Family:
 
 def family_of(config: GPTConfig) -> str:
     """The model_type that expresses a GPTConfig: GPT-2 for learned or sinusoidal positions; for
-    rotary ones Gemma has post-norms (Gemma 3 QK-norm too), Qwen3 QK-norm, Qwen2 qkv biases,
-    Mistral a window, else Llama."""
+    rotary ones a mixture of experts is Qwen3-MoE with QK-norm, else Mixtral; Gemma has post-norms
+    (Gemma 3 QK-norm too), Qwen3 QK-norm, Qwen2 qkv biases, Mistral a window, else Llama."""
     if config.pos_embedding != "rope":
         return "gpt2"
+    if config.num_experts:
+        return "qwen3_moe" if config.qk_norm else "mixtral"
     if config.post_norms:
         return "gemma3_text" if config.qk_norm else "gemma2"
     if config.qk_norm:

@@ -157,7 +157,7 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
     need = dict(
         pos_embedding="rope", norm="rmsnorm_1p", activation="gelu", glu=True, bias=False, qkv_bias=False,
         post_norms=True, embed_scale=True, qk_norm=model_type == "gemma3_text", unet_skips=False,
-        value_embeds=0,
+        value_embeds=0, num_experts=0,
     )  # fmt: skip
     if model_type == "gemma2":
         need.update(rope_local_theta=0.0, rope_scaling="none")

@@ -100,6 +100,7 @@ GPT2_EXPRESSIBLE = {
     "glu": False,
     "unet_skips": False,
     "value_embeds": 0,
+    "num_experts": 0,
 }
 
 

@@ -41,6 +41,7 @@ QWEN3_LAYER_KEYS = {
 
 
 ROPE_TYPES = ("default", "llama3")  # rope_scaling types flaxgpt implements
+WINDOWED = ("mistral", "mixtral")  # the families whose config.json's sliding_window is the attention's
 # GPTConfig fields a checkpoint fixes; the others (dropout, dtype, remat, block_size, ...) are free
 ARCH_FIELDS = tuple(
     "vocab_size n_layer n_head n_kv_head n_embd mlp_hidden pos_embedding norm activation glu "
@@ -104,7 +105,7 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
     block_size = hf_files.checked_block_size(
         model_type, unsupported, fields, ARCH_FIELDS, max_len, "max_position_embeddings"
     )
-    window = hf.get("sliding_window") if model_type == "mistral" else None
+    window = hf.get("sliding_window") if model_type in WINDOWED else None
     return GPTConfig(
         vocab_size=hf["vocab_size"],
         block_size=block_size,
@@ -149,8 +150,9 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         "embed_scale": False,
         "unet_skips": False,
         "value_embeds": 0,
+        "num_experts": 0,  # mixtures of experts: flaxgpt.hf.moe
     }
-    if model_type != "mistral":
+    if model_type not in WINDOWED:
         need["sliding_window"] = 0
     for field, value in need.items():
         if getattr(c, field) != value:
@@ -185,8 +187,8 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         "dtype": "float32",
         **(special_ids or {}),
     }
-    if model_type == "mistral":
+    if model_type in WINDOWED:
         hf["sliding_window"] = c.sliding_window or None
-    if model_type in ("qwen2", "qwen3"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         hf["use_sliding_window"] = False
     return hf

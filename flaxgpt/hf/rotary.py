@@ -1,5 +1,7 @@
-"""The weight loop of every rotary family (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3): a
-Hugging Face checkpoint -> flaxgpt params and back, driven by a families.Family's key table.
+"""The weight loop of every rotary family (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Mixtral,
+Qwen3-MoE): a Hugging Face checkpoint -> flaxgpt params and back, driven by a families.Family's key
+table (and in a mixture of experts' sparse layers by its sparse_keys: each expert's tensors fill
+that expert's slice of the stacked [E, ...] weights).
 
 flaxgpt fuses q | k | v into c_attn and gate | up into c_fc (one matmul each), so several Hugging
 Face tensors fill column ranges of one kernel. torch Linear weights are [out, in] and become
@@ -31,10 +33,11 @@ HEAD_KEY = "lm_head.weight"  # [V, D] torch Linear; flaxgpt's lm_head kernel is 
 # ---------------------------------------------------------------- fused columns
 
 
-def _columns(config: GPTConfig, part: str | None) -> slice:
-    """The columns (last axis) of a fused flaxgpt tensor that a Hugging Face part fills."""
-    HK, JK, F = config.n_head * config.head_dim, config.kv_heads * config.head_dim, config.mlp_hidden
-    F = F or 4 * config.n_embd
+def _columns(config: GPTConfig, part: str | None, F: int = 0) -> slice:
+    """The columns (last axis) of a fused flaxgpt tensor that a Hugging Face part fills (gate / up:
+    of an MLP of hidden size F, by default the dense MLP's)."""
+    HK, JK = config.n_head * config.head_dim, config.kv_heads * config.head_dim
+    F = F or config.mlp_hidden or 4 * config.n_embd
     return {
         None: slice(None),
         "q": slice(0, HK),
@@ -43,6 +46,33 @@ def _columns(config: GPTConfig, part: str | None) -> slice:
         "gate": slice(0, F),
         "up": slice(F, 2 * F),
     }[part]
+
+
+def _part(leaf, config: GPTConfig, part):
+    """The view of a flaxgpt leaf that one Hugging Face tensor fills: `part` is a fused part (see
+    _columns), or (e, part) for expert e of a stacked [E, ...] expert tensor."""
+    if isinstance(part, tuple):
+        e, part = part
+        return leaf[e][..., _columns(config, part, config.expert_mlp_hidden)]
+    return leaf[..., _columns(config, part)]
+
+
+def layer_keys(family, config: GPTConfig, i: int) -> dict:
+    """HF name in layer i -> (flaxgpt path in h_{i}, part): the family's layer_keys, with a sparse
+    layer's MLP entries replaced by its router and one entry per expert tensor (part (e, part))."""
+    if not config.layer_is_sparse(i):
+        return family.layer_keys
+    if family.sparse_keys is None:
+        raise ValueError(
+            f"{family.architecture} has no experts; this model has num_experts={config.num_experts}"
+        )
+    keys = {name: entry for name, entry in family.layer_keys.items() if entry[0][0] != "mlp"}
+    for name, (path, part) in family.sparse_keys.items():
+        if "{e}" not in name:
+            keys[name] = (path, part)
+            continue
+        keys.update({name.format(e=e): (path, (e, part)) for e in range(config.num_experts)})
+    return keys
 
 
 def _by_path(layer_keys: dict) -> dict:
@@ -72,7 +102,8 @@ def load_rotary(
     shapes = nn.unbox(abstract_params(flat))
     dtype, L, D, PV = jnp.dtype(param_dtype), config.n_layer, config.n_embd, config.padded_vocab_size
     with hf_files.open_tensors(directory) as table:
-        expected = set(TOP_KEYS) | {f"model.layers.{i}.{k}" for i in range(L) for k in family.layer_keys}
+        keys = [layer_keys(family, config, i) for i in range(L)]
+        expected = set(TOP_KEYS) | {f"model.layers.{i}.{k}" for i in range(L) for k in keys[i]}
         if not config.tie_embeddings:
             expected.add(HEAD_KEY)
         what = f"{directory} is not a {hf['model_type']} checkpoint for its config"
@@ -86,14 +117,18 @@ def load_rotary(
             w_VD = hf_files.read(table, HEAD_KEY, (config.vocab_size, D), dtype)
             params["lm_head"] = {"kernel": hf_files.aligned_copy(w_VD.T, dtype, (D, PV))}
         params = jax.tree_util.tree_map(jax.device_put, params)
-        for path, sources in _by_path(family.layer_keys).items():
-            shape = get_path(shapes["h_0"], path).shape
+        # a leaf at a time over the layers that have it (dense and sparse layers' MLPs differ;
+        # scan_layers needs every layer alike, see GPTConfig)
+        by_path = [_by_path(k) for k in keys]
+        for path in dict.fromkeys(p for layer in by_path for p in layer):
+            layers = [i for i in range(L) if path in by_path[i]]
+            shape = get_path(shapes[f"h_{layers[0]}"], path).shape
             # one host buffer per leaf (stacked [L, ...] for scan_layers), filled one tensor at a time
             stacked = hf_files.aligned_empty((L, *shape), dtype) if scan_layers else None
-            for i in range(L):
+            for i in layers:
                 leaf = stacked[i] if scan_layers else hf_files.aligned_empty(shape, dtype)
-                for name, part in sources:
-                    cols = leaf[..., _columns(config, part)]
+                for name, part in by_path[i][path]:
+                    cols = _part(leaf, config, part)
                     hf_shape = cols.shape[::-1]  # torch Linear [out, in]; a 1-D tensor as is
                     cols[...] = hf_files.read(table, f"model.layers.{i}.{name}", hf_shape, dtype).T
                 if not scan_layers:
@@ -132,7 +167,7 @@ def export_state(config: GPTConfig, params, model_type: str, family, special_ids
     if not config.tie_embeddings:
         tensors[HEAD_KEY] = np.ascontiguousarray(get(("lm_head", "kernel"), (D, PV))[:, :V].T)
     for i in range(config.n_layer):
-        for name, (path, part) in family.layer_keys.items():
-            x = get((f"h_{i}",) + path, get_path(shapes["h_0"], path).shape)[..., _columns(config, part)]
+        for name, (path, part) in layer_keys(family, config, i).items():
+            x = _part(get((f"h_{i}",) + path, get_path(shapes[f"h_{i}"], path).shape), config, part)
             tensors[f"model.layers.{i}.{name}"] = np.ascontiguousarray(x.T)
     return hf, tensors

@@ -9,7 +9,8 @@ FLOPs per token follow nanoGPT / PaLM (Appendix B): a matmul with N weights cost
 sum, 4*L*H*Q*T forward (Q head dim, T sequence length, the full square counted,
 not just the causal half). Training = 6N + 12*L*H*Q*T, forward = 2N + 4*L*H*Q*T,
 with N the weights that take part in matmuls: all parameters but the position
-embeddings and, when the head is untied, the token-embedding lookup. For the
+embeddings and, when the head is untied, the token-embedding lookup. In a mixture of experts N
+counts the active weights: a token's k experts of E in each sparse layer (and the router). For the
 encoder-decoder the figures are per target token with a source of the same length,
 and L counts encoder layers plus twice the decoder layers (self- and cross-attention).
 """
@@ -68,6 +69,16 @@ def parameter_counts(params) -> dict[str, int]:
     return counts
 
 
+def inactive_expert_params(c) -> int:
+    """The expert weights a token does not use: E - k experts' in each sparse layer (0: dense)."""
+    if models.kind_of(c) != "gpt" or not c.num_experts:
+        return 0
+    F = c.expert_mlp_hidden
+    per_expert = c.n_embd * (2 * F if c.glu else F) + F * c.n_embd  # experts_fc + experts_proj
+    sparse = sum(c.layer_is_sparse(i) for i in range(c.n_layer))
+    return sparse * (c.num_experts - c.experts_per_token) * per_expert
+
+
 def flops_per_token(model_config, seq_len: int | None = None) -> dict:
     """Forward and training FLOPs per (target) token at sequence length seq_len (default block_size):
     {"forward", "train", "seq_len", "n_matmul", "attention_layers"}."""
@@ -80,6 +91,7 @@ def flops_of(c, parts: dict, seq_len: int | None) -> dict:
     # a lookup is free: the token matrices cost FLOPs only where one is the (tied) head
     n_matmul = sum(parts.values()) - parts["position embeddings"]
     n_matmul -= 0 if c.tie_embeddings else parts["token embeddings"]
+    n_matmul -= inactive_expert_params(c)  # a token runs through k of the E experts
     # encoder-decoder, per target token with a source as long: every encoder layer attends
     # over S, every decoder layer over T (self) and over S (cross)
     is_gpt = models.kind_of(c) == "gpt"

@@ -10,6 +10,7 @@ ln_2, mlp/c_fc, mlp/c_proj, ln_f, lm_head), so importing OpenAI's weights is a
 name-for-name copy. The same module is a Llama / Mistral / Qwen2 decoder with the options of
 the second block of GPTConfig (RoPE, RMSNorm, SwiGLU, grouped-query attention, ...; presets
 "smollm2-135m", "llama-3.2-1b", ...); their weights map onto these names by flaxgpt.hf.families.
+With `num_experts` a block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen3-MoE).
 With `scan_layers` the blocks live stacked under `h` with a leading [L] axis;
 `stack_layers` / `unstack_layers` convert between the layouts.
 
@@ -32,6 +33,7 @@ from flaxgpt.models.attention import SelfAttention
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt_config import LLAMA_STYLE, REMAT_POLICIES, GPTConfig  # noqa: F401  (flaxgpt.models.gpt.GPTConfig)
 from flaxgpt.models.layers import MLP, norm, normal_init, ones_init, sinusoidal_positions
+from flaxgpt.models.moe import ROUTER, MoE
 
 
 class Block(nn.Module):
@@ -81,18 +83,27 @@ class Block(nn.Module):
         if c.post_norms:  # Gemma: normalise the branch's output too (its post_attention_layernorm)
             h_BTD = ln("post_attn_ln")(h_BTD)
         x_BTD = x_BTD + h_BTD
-        h_BTD = MLP(
-            hidden=c.mlp_hidden or 4 * c.n_embd,
+        shared = dict(
             activation=c.activation,
             glu=c.glu,
-            use_bias=c.bias,
             dropout=c.resid_dropout,
             out_init_std=out_std,
             dtype=dtype,
             param_dtype=pdtype,
             deterministic=self.deterministic,
             name="mlp",
-        )(ln("ln_2")(x_BTD))
+        )
+        if c.layer_is_sparse(self.layer):  # a mixture of experts (Mixtral, Qwen3-MoE): models/moe.py
+            mlp = MoE(
+                c.num_experts,
+                c.experts_per_token,
+                c.expert_mlp_hidden,
+                norm_topk_prob=c.norm_topk_prob,
+                **shared,
+            )
+        else:
+            mlp = MLP(hidden=c.mlp_hidden or 4 * c.n_embd, use_bias=c.bias, **shared)
+        h_BTD = mlp(ln("ln_2")(x_BTD))
         if c.post_norms:  # Gemma's post_feedforward_layernorm
             h_BTD = ln("post_mlp_ln")(h_BTD)
         return x_BTD + h_BTD, kv
@@ -253,7 +264,7 @@ class GPT(nn.Module):
                 scan_cls = nn.remat(ScannedBlock, policy=_remat_policy(c.remat), prevent_cse=False)
             (x_BTD, _, _, _), stacked = nn.scan(
                 scan_cls,
-                variable_axes={"params": 0, "intermediates": 0, "lora": 0},  # lora: models/lora.py
+                variable_axes={"params": 0, "intermediates": 0, "lora": 0, ROUTER: 0},  # lora: models/lora.py
                 split_rngs={"params": True, "dropout": True},
                 length=c.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},

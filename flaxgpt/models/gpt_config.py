@@ -92,6 +92,15 @@ class GPTConfig:
     zero_init_proj: bool = False  # attention and MLP output projections (and an untied head) start at 0
     unet_skips: bool = False  # U-net: block L-1-i also gets block i's output, times a learned weight
     value_embeds: int = 0  # N extra token tables mixed into the values of the first N and last N blocks
+    # mixture of experts (Mixtral, Qwen3-MoE; models/moe.py): sparse layers route each token to k of E MLPs
+    num_experts: int = 0  # E expert MLPs in each sparse layer (no biases); 0 = every layer dense
+    experts_per_token: int = 2  # k, the experts each token is sent to (top-k of the router's softmax)
+    expert_hidden: int = 0  # each expert's hidden size; 0 = mlp_hidden (Mixtral's intermediate_size)
+    norm_topk_prob: bool = True  # the k weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's flag)
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % this == 0 (Qwen3-MoE); else dense
+    mlp_only_layers: tuple = ()  # layers kept dense whatever decoder_sparse_step says (Qwen3-MoE)
+    router_aux_loss_coef: float = 0.001  # training: loss += this x the load-balancing loss (transformers')
+    router_z_loss_coef: float = 0.0  # training: loss += this x mean logsumexp(router logits)^2 (ST-MoE)
 
     def __post_init__(self):
         # resolved here, so the stored rates are the real ones (what config.json records)
@@ -140,6 +149,30 @@ class GPTConfig:
                 raise ValueError(f"{field} must be >= 0 (0 = off), got {getattr(self, field)}")
         if self.pos_embedding == "rope":
             self.rope  # noqa: B018 -- RoPE checks its own arguments
+        self._check_experts()
+
+    def _check_experts(self):
+        # a JSON list (config.json) becomes a tuple: the config stays hashable (jit caches on it)
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        for field in ("num_experts", "expert_hidden", "router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if not self.num_experts:
+            return
+        k, E = self.experts_per_token, self.num_experts
+        if not 1 <= k <= E:
+            raise ValueError(
+                f"experts_per_token {k} must be in [1, num_experts {E}]: lower experts_per_token "
+                "or raise num_experts"
+            )
+        sparse = [self.layer_is_sparse(i) for i in range(self.n_layer)]
+        if self.scan_layers and not all(sparse):
+            raise ValueError(
+                "decoder_sparse_step / mlp_only_layers make dense layers among sparse ones; "
+                "they need scan_layers=False"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -157,6 +190,17 @@ class GPTConfig:
         if self.pos_embedding == "rope" and self.rope_local_theta and self.layer_window(i):
             return RoPE(self.head_dim, self.rope_local_theta)
         return self.rope
+
+    def layer_is_sparse(self, i: int) -> bool:
+        """Layer i's MLP is a mixture of experts (Qwen3-MoE's rule; every layer for Mixtral)."""
+        return bool(
+            self.num_experts and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def expert_mlp_hidden(self) -> int:
+        """Each expert's hidden size F."""
+        return self.expert_hidden or self.mlp_hidden or 4 * self.n_embd
 
     @property
     def kv_heads(self) -> int:
@@ -225,6 +269,16 @@ class GPTConfig:
         "gemma-3-4b-text": dict(
             GEMMA3_STYLE, vocab_size=262208, block_size=131072, n_layer=34, n_head=8, n_kv_head=4,
             n_embd=2560, mlp_hidden=10240, sliding_window=1024, rope_scaling="linear", rope_factor=8.0,
+        ),
+        # mixtures of experts: 8 experts top-2 (Mixtral), 128 experts top-8 (Qwen3-MoE)
+        "mixtral-8x7b": dict(
+            LLAMA_STYLE, vocab_size=32000, block_size=32768, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+            mlp_hidden=14336, rope_theta=1000000.0, tie_embeddings=False, num_experts=8, experts_per_token=2,
+            router_aux_loss_coef=0.02,
+        ),
+        "qwen3-30b-a3b": dict(
+            QWEN3_STYLE, n_layer=48, n_head=32, n_kv_head=4, n_embd=2048, mlp_hidden=6144,
+            tie_embeddings=False, num_experts=128, experts_per_token=8, expert_hidden=768,
         ),
     }
     # fmt: on

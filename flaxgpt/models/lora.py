@@ -58,12 +58,15 @@ SITES = {
 }
 LLAMA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 GPT2_TARGETS = ("qkv", "o", "up", "down")
+MLP_TARGETS = ("gate", "up", "down")
 BASE_DTYPES = ("float32", "bfloat16", "int8")
 
 
 def model_targets(config: GPTConfig) -> tuple[str, ...]:
-    """The targets a model has: PEFT's modules of its Hugging Face family."""
-    return LLAMA_TARGETS if config.glu else GPT2_TARGETS
+    """The targets a model has: PEFT's modules of its Hugging Face family; of a mixture of experts only
+    the attention's (its sparse layers have no dense MLP, and experts are not adapted)."""
+    have = LLAMA_TARGETS if config.glu else GPT2_TARGETS
+    return tuple(t for t in have if t not in MLP_TARGETS) if config.num_experts else have
 
 
 def _columns(config: GPTConfig, target: str) -> tuple[int, int]:
@@ -124,7 +127,9 @@ def resolve_targets(config: GPTConfig, targets) -> tuple[str, ...]:
         targets = have if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
     unknown = [t for t in targets if t not in have]
     if unknown or not targets:
-        family = "Llama-family" if config.glu else "GPT-2-style"
+        family = (
+            "mixture-of-experts" if config.num_experts else "Llama-family" if config.glu else "GPT-2-style"
+        )
         raise ValueError(
             f"lora targets {list(targets)}: this {family} model has no {', '.join(unknown) or 'targets'}; "
             f"choose from {', '.join(have)} or all-linear"

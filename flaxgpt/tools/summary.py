@@ -22,7 +22,12 @@ import sys
 from pathlib import Path
 
 from flaxgpt.models import registry as models
-from flaxgpt.models.flops import flops_of, flops_per_token, parameter_counts  # noqa: F401 (summary.flops_per_token)
+from flaxgpt.models.flops import (  # noqa: F401 (summary.flops_per_token)
+    flops_of,
+    flops_per_token,
+    inactive_expert_params,
+    parameter_counts,
+)
 from flaxgpt.train.config_check import load_recipe
 
 MB = 2**20
@@ -46,6 +51,7 @@ def summarize(model_config, seq_len: int | None = None) -> dict:
         "without_embeddings": total - pos - parts["token embeddings"] - parts["head"],
         "tied_head": total if c.tie_embeddings else total - extra_when_untied,
         "untied_head": total + extra_when_untied if c.tie_embeddings else total,
+        "active": total - inactive_expert_params(c),  # a mixture of experts: a token's k experts of E
     }
     memory = {}
     for dtype, nbytes in DTYPE_BYTES.items():
@@ -114,6 +120,13 @@ def format_summary(s: dict) -> str:
         f"{'  without any embeddings':<36}{t['without_embeddings']:>16,}   (Kaplan et al.'s N, ~12*L*D^2)",
         f"{'  with the head tied':<36}{t['tied_head']:>16,}",
         f"{'  with the head untied':<36}{t['untied_head']:>16,}",
+    ]
+    if is_gpt and c.get("num_experts"):
+        k, E = c["experts_per_token"], c["num_experts"]
+        lines.append(
+            f"{'active per token':<36}{t['active']:>16,}   ({k} of {E} experts in each sparse layer)"
+        )
+    lines += [
         "",
         f"memory (MB = 2^20 bytes){'float32':>18}{'bfloat16':>12}",
     ]

@@ -120,6 +120,13 @@ def check(config) -> None:
             raise ConfigError(f"--config.mesh.{axis}={size!r} must be an integer")
         if size != -1 and size < 1:
             raise ConfigError(f"--config.mesh.{axis}={size} must be >= 1, or -1 for all devices left")
+    expert = _get(config, "mesh.expert")
+    if expert is not None and (
+        isinstance(expert, bool) or not isinstance(expert, int | np.integer) or expert < 1
+    ):
+        raise ConfigError(
+            f"--config.mesh.expert={expert!r} must be an integer >= 1 (devices splitting the experts)"
+        )
     if _get(config, "mesh.data") == -1 and _get(config, "mesh.fsdp") == -1:
         raise ConfigError("only one of --config.mesh.data and --config.mesh.fsdp may be -1")
     if _get(config, "lora.rank"):

@@ -14,6 +14,10 @@ Mistral or Qwen2 directory (hf.pretrained.load_pretrained dispatches on its conf
 
 With `lora.rank` > 0 the pretrained weights become the frozen base (`frozen`, in lora.base_dtype) and
 the trained parameters are LoRA adapters only (flaxgpt/models/lora.py): `loss(adapters, ..., frozen=base)`.
+
+A mixture of experts (model.num_experts > 0) trains on the loss + router_aux_loss_coef x the load-balancing
+loss + router_z_loss_coef x the z-loss (models/moe.py), logged as router_aux and router_z; evaluations and
+LoRA runs use the language-model loss alone.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from flaxgpt import sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.data import fineweb, packing
 from flaxgpt.hf import pretrained as hf
-from flaxgpt.models import gpt, lora
+from flaxgpt.models import gpt, lora, moe
 from flaxgpt.models import registry as models
 from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
 
@@ -137,29 +141,54 @@ class LMTask:
     def forward(self, params, batch, rng, train: bool, frozen=None):
         """(out, head): the model on batch["inputs"] (segment ids when packed). out is the logits
         [B, T, V], or with loss_chunk the hidden states [B, T, D] and head(hidden_BtD) -> logits."""
+        out, head, _ = self.forward_with_router(params, batch, rng, train, frozen)
+        return out, head
+
+    def forward_with_router(self, params, batch, rng, train: bool, frozen=None):
+        """(out, head, router): forward's, and a mixture of experts' sown "router" statistics
+        (models/moe.py; None for a dense model or with LoRA)."""
         kw = dict(
             deterministic=not train, segment_ids_BT=batch.get("segment_ids"), hidden=bool(self.loss_chunk)
         )
+        router = None
         if self.lora is not None:  # params are the adapters; the base is not differentiated
             spec, tokens_BT = self.lora, batch["inputs"]
             out = lora.apply(self.model_config, spec, frozen, params, tokens_BT, rng=rng, **kw)
         else:
+            mutable = [moe.ROUTER] if self.model_config.num_experts else False
             out = self.model.apply(
-                {"params": params}, batch["inputs"], rngs={"dropout": rng} if train else None, **kw
+                {"params": params},
+                batch["inputs"],
+                rngs={"dropout": rng} if train else None,
+                mutable=mutable,
+                **kw,
             )
+            if mutable:
+                out, router = out[0], out[1][moe.ROUTER]
         if not self.loss_chunk:
-            return out, None
-        return out, functools.partial(
-            gpt.head_logits, self.model_config, params if self.lora is None else frozen
+            return out, None, router
+        return (
+            out,
+            functools.partial(gpt.head_logits, self.model_config, params if self.lora is None else frozen),
+            router,
         )
 
     def loss(self, params, batch, rng, train: bool, frozen=None):
-        out, head = self.forward(params, batch, rng, train, frozen)
+        out, head, router = self.forward_with_router(params, batch, rng, train, frozen)
         targets_BT, mask_BT = batch["targets"], batch.get("loss_mask")
         if head is None:
-            return cross_entropy(out, targets_BT, mask_BT, self.label_smoothing)
-        # the [B, T, V] float32 logits never exist: the head runs one chunk of positions at a time
-        return chunked_cross_entropy(out, head, targets_BT, mask_BT, self.label_smoothing, self.loss_chunk)
+            loss_sum, weight = cross_entropy(out, targets_BT, mask_BT, self.label_smoothing)
+        else:  # the [B, T, V] float32 logits never exist: the head runs one chunk of positions at a time
+            loss_sum, weight = chunked_cross_entropy(
+                out, head, targets_BT, mask_BT, self.label_smoothing, self.loss_chunk
+            )
+        if router is None or not train:  # evaluations compare the language-model loss alone
+            return loss_sum, weight
+        # the router losses are means over the batch: times the weight, as the summed loss is
+        c = self.model_config
+        aux, z = moe.router_losses(router, c.num_experts)
+        loss_sum = loss_sum + (c.router_aux_loss_coef * aux + c.router_z_loss_coef * z) * weight
+        return loss_sum, (weight, {"router_aux": aux * weight, "router_z": z * weight})
 
     def batch(self, split: str, step: int, n_rows: int, process_index: int):
         """Train batches follow the step; eval batch i of a split is the same at every evaluation."""

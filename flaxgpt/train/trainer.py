@@ -57,7 +57,8 @@ class Trainer:
         self.config, self.print = config, print_fn
         self.micro_rows = micro_batch(config)
         self.task = make_task(config)
-        self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices)
+        expert = config.mesh.get("expert", 1)
+        self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices, expert=expert)
         sharding.check_batch(self.micro_rows, self.mesh, "batch_size // grad_accum")
         if self.micro_rows % jax.process_count():
             raise ValueError(

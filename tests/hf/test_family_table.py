@@ -3,7 +3,7 @@ goes both ways (no weights: config.json dicts alone)."""
 
 import pytest
 
-from flaxgpt.hf import families, gemma, gpt2, llama, rotary
+from flaxgpt.hf import families, gemma, gpt2, llama, moe, rotary
 from flaxgpt.models.gpt import GPTConfig
 
 # a preset per family: the model_type that expresses it
@@ -15,6 +15,8 @@ PRESETS = {
     "qwen3-0.6b": "qwen3",
     "gemma-2-2b": "gemma2",
     "gemma-3-1b": "gemma3_text",
+    "mixtral-8x7b": "mixtral",
+    "qwen3-30b-a3b": "qwen3_moe",
 }
 
 
@@ -24,10 +26,11 @@ def test_every_family_is_one_entry():
         assert families.family_for({"model_type": model_type}) is family
         assert family.architecture.endswith(("ForCausalLM", "LMHeadModel"))
         mapping = gpt2 if model_type == "gpt2" else gemma if model_type.startswith("gemma") else llama
+        mapping = moe if family.sparse_keys else mapping
         assert family.config_from_hf is mapping.config_from_hf and family.config_to_hf is mapping.config_to_hf
         assert family.load is (gpt2.load_gpt2 if model_type == "gpt2" else rotary.load_rotary)
-    with pytest.raises(ValueError, match="model_type 'mixtral' is not supported; supported: gpt2, llama"):
-        families.family_for({"model_type": "mixtral"})
+    with pytest.raises(ValueError, match="model_type 'deepseek_v3' is not supported; supported: gpt2, llama"):
+        families.family_for({"model_type": "deepseek_v3"})
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

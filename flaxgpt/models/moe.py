@@ -1,0 +1,226 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE) and its router losses.
+
+    y_BTD = MoE(config)(x_BTD)              # a sparse layer's MLP (gpt.Block picks it per layer)
+    logits, state = GPT(config).apply(v, tokens, mutable=["router"])
+    aux, z = router_losses(state["router"], config.num_experts)
+
+A softmax router scores E experts per token and each token goes to its top k; the k weights are
+renormalised to sum to 1 when `norm_topk_prob` (Mixtral always; Qwen3-MoE by its flag). Dropless:
+the N*k (token, expert) assignments are sorted by expert and each expert's contiguous run of rows is
+one group of a grouped matmul (`grouped_matmul`), so an expert computes only its own tokens and no
+token is dropped for capacity. Expert weights are stacked [E, ...] (logical axis "expert"); on a
+mesh with an "expert" axis they are split over it and the tokens visit their experts' devices
+(`expert_parallel`).
+
+Each sparse layer sows into the "router" collection what the losses need: the fraction of the
+assignments each expert got and its mean router probability (transformers' load_balancing_loss_func
+averages both over the layers before multiplying them), and the mean squared logsumexp of the router
+logits (ST-MoE's z-loss).
+
+Shape letters: N tokens (B*T), D model dim, E experts, C experts per token (top-k),
+A = N*C assignments, F each expert's hidden size (see layers.py for the rest).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+from flaxgpt.models.layers import Dtype, activation_fn, normal_init, swiglu
+
+ROUTER = "router"  # the collection the sparse layers sow their statistics into
+
+
+class MoE(nn.Module):
+    """Router + E expert MLPs (D -> F -> D, gated when `glu`), each token through its top C."""
+
+    num_experts: int
+    experts_per_token: int
+    hidden: int
+    activation: str = "silu"
+    glu: bool = True
+    norm_topk_prob: bool = True
+    dropout: float = 0.0
+    out_init_std: float = 0.02
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        E, C, F, D = self.num_experts, self.experts_per_token, self.hidden, x_BTD.shape[-1]
+        x_ND = x_BTD.reshape(-1, D)
+        logits_NE = nn.Dense(
+            E,
+            use_bias=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=normal_init(0.02, ("embed", None)),
+            name="router",
+        )(x_ND)
+        # fp32 softmax and top-k, as transformers: bf16 ties would pick different experts
+        probs_NE = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)
+        weights_NC, experts_NC = jax.lax.top_k(probs_NE, C)
+        if self.norm_topk_prob:
+            weights_NC = weights_NC / jnp.sum(weights_NC, axis=-1, keepdims=True)
+        self._sow_statistics(logits_NE, probs_NE, experts_NC)
+
+        w_fc = self.param(
+            "experts_fc",
+            normal_init(0.02, ("expert", "embed", "mlp")),
+            (E, D, 2 * F if self.glu else F),
+            self.param_dtype,
+        )
+        w_proj = self.param(
+            "experts_proj",
+            normal_init(self.out_init_std, ("expert", "mlp", "embed")),
+            (E, F, D),
+            self.param_dtype,
+        )
+        args = (x_ND.astype(self.dtype), weights_NC, experts_NC, w_fc.astype(self.dtype))
+        args += (w_proj.astype(self.dtype), self._expert_mlp)
+        y_ND = expert_parallel(*args) if expert_axis_size() > 1 else mix_experts(*args)
+        y_BTD = y_ND.reshape(x_BTD.shape)
+        return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
+
+    def _expert_mlp(self, h_AF2):
+        """An expert's activation on its first matmul's output: [A, 2F] (glu) or [A, F] -> [A, F]."""
+        if self.glu and self.activation == "silu":
+            return swiglu(h_AF2)
+        if self.glu:
+            gate_AF, up_AF = jnp.split(h_AF2, 2, axis=-1)
+            return activation_fn(self.activation)(gate_AF) * up_AF
+        return activation_fn(self.activation)(h_AF2)
+
+    def _sow_statistics(self, logits_NE, probs_NE, experts_NC):
+        """This layer's share of the router losses (see router_losses), when "router" is mutable."""
+        if not self.is_mutable_collection(ROUTER):
+            return
+        N, C = experts_NC.shape
+        # the assignments count as transformers' histc counts them: C per token, no gradient
+        counts_E = jnp.bincount(experts_NC.reshape(-1), length=self.num_experts)
+        self.sow(ROUTER, "load", counts_E.astype(jnp.float32) / N)
+        self.sow(ROUTER, "prob", jnp.mean(probs_NE, axis=0))
+        z_N = jax.nn.logsumexp(logits_NE.astype(jnp.float32), axis=-1)
+        self.sow(ROUTER, "z", jnp.mean(jnp.square(z_N)))
+
+
+def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0):
+    """sum_c weights_NC[n, c] * expert_{experts_NC[n, c]}(x_ND[n]) -> [N, D], over the experts held
+    here: w_fc [E_l, D, 2F or F], w_proj [E_l, F, D] are experts first .. first + E_l - 1 (all of them
+    on one device); assignments to other experts add nothing (another device adds them)."""
+    N, C = experts_NC.shape
+    E_l = w_fc.shape[0]
+    local_A = experts_NC.reshape(-1) - first  # this device's expert index, or out of [0, E_l)
+    held_A = (local_A >= 0) & (local_A < E_l)
+    # sort the assignments by expert, the ones held elsewhere last: each expert's rows are then one
+    # contiguous group, and the rows past the groups belong to none (their output is dropped below)
+    order_A = jnp.argsort(jnp.where(held_A, local_A, E_l), stable=True)
+    group_sizes_E = jnp.bincount(jnp.where(held_A, local_A, E_l), length=E_l + 1)[:E_l].astype(jnp.int32)
+    x_AD = x_ND[order_A // C]  # the token each sorted assignment came from
+    y_AD = grouped_matmul(act(grouped_matmul(x_AD, w_fc, group_sizes_E)), w_proj, group_sizes_E)
+    # back to token order (a gather by the inverse permutation, not a scatter-add), then the
+    # weighted sum over each token's C experts
+    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(N * C))
+    y_NCD = jnp.where(held_A.reshape(N, C, 1), y_AD[inverse_A].reshape(N, C, -1), 0)
+    return jnp.einsum("ncd,nc->nd", y_NCD, weights_NC.astype(y_NCD.dtype))
+
+
+EXPERT_AXIS = "expert"  # the mesh axis that splits the experts (flaxgpt.sharding.make_mesh)
+
+
+def expert_axis_size() -> int:
+    """Devices on the "expert" axis of the mesh being traced for (1: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or EXPERT_AXIS not in mesh.axis_names else mesh.shape[EXPERT_AXIS]
+
+
+def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act):
+    """mix_experts with the experts split over the mesh's "expert" axis (E / n per device) and the
+    tokens over every axis: each device gathers the tokens of its expert group (all-gather), runs
+    them through its own experts only, and the partial outputs are summed back onto the devices that
+    hold each token (reduce-scatter). Expert weights arrive whole in D and F (FSDP gathers them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n, E = mesh.shape[EXPERT_AXIS], w_fc.shape[0]
+    if E % n:
+        raise ValueError(f"num_experts {E} is not divisible by the {n} devices of the expert mesh axis")
+    rows, experts = P(tuple(mesh.axis_names)), P(EXPERT_AXIS)
+
+    def local(x_ND, weights_NC, experts_NC, w_fc, w_proj):
+        gather = lambda a: jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)  # noqa: E731
+        first = jax.lax.axis_index(EXPERT_AXIS) * (E // n)
+        y_ND = mix_experts(gather(x_ND), gather(weights_NC), gather(experts_NC), w_fc, w_proj, act, first)
+        return jax.lax.psum_scatter(y_ND, EXPERT_AXIS, scatter_dimension=0, tiled=True)
+
+    specs = (rows, rows, rows, experts, experts)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows)(
+        x_ND, weights_NC, experts_NC, w_fc, w_proj
+    )
+
+
+def grouped_matmul(x_AD, w_EDF, group_sizes_E):
+    """Rows sorted by group [A, D] times their group's matrix [E, D, F] -> [A, F]: rows
+    starts_e .. starts_e + group_sizes_E[e] - 1 use w_EDF[e].
+
+    GPU and TPU lower `jax.lax.ragged_dot` to a grouped-matmul kernel; XLA on CPU has none, and jax's
+    fallback there runs every row through every group's matrix and masks (E times the FLOPs), so the
+    CPU runs `tiled_grouped_matmul` instead (the branch is chosen when the program is lowered).
+    """
+    return jax.lax.platform_dependent(
+        x_AD, w_EDF, group_sizes_E, cpu=tiled_grouped_matmul, default=jax.lax.ragged_dot
+    )
+
+
+def tiled_grouped_matmul(x_AD, w_EDF, group_sizes_E):
+    """grouped_matmul in tiles of b rows: each tile is multiplied by the matrix of every group it
+    overlaps and keeps that group's rows. Tiles of ~A/E rows make at most (tiles + E - 1) ~ 2E visits,
+    ~2A rows of work in all (the whole-matrix fallback: E*A)."""
+    A, D = x_AD.shape
+    E, _, F = w_EDF.shape
+    b = max(1, -(-A // E))  # rows per tile
+    n_tiles = -(-A // b)
+    V = n_tiles + E - 1  # visits: consecutive groups share at most one tile
+    ends_E = jnp.cumsum(group_sizes_E)
+    starts_E = ends_E - group_sizes_E
+    spans_E = jnp.where(group_sizes_E > 0, (ends_E - 1) // b - starts_E // b + 1, 0)  # tiles per group
+    v_V = jnp.arange(V)
+    group_V = jnp.repeat(jnp.arange(E), spans_E, total_repeat_length=V)
+    tile_V = starts_E[group_V] // b + v_V - (jnp.cumsum(spans_E) - spans_E)[group_V]
+    tile_V = jnp.clip(tile_V, 0, n_tiles - 1)
+    rows_Vb = tile_V[:, None] * b + jnp.arange(b)  # each visit's row indices
+    keep_Vb = (rows_Vb >= starts_E[group_V, None]) & (rows_Vb < ends_E[group_V, None])
+    keep_Vb &= (v_V < jnp.sum(spans_E))[:, None]  # visits past the last group's tile do nothing
+    x_TbD = jnp.pad(x_AD, ((0, n_tiles * b - A), (0, 0))).reshape(n_tiles, b, D)
+    y_VbF = jnp.einsum("vbd,vdf->vbf", x_TbD[tile_V], w_EDF[group_V])
+    y_VbF = jnp.where(keep_Vb[..., None], y_VbF, 0)
+    # each row is kept by at most one visit (rows past the groups by none): the sum adds only zeros to it
+    y_TbF = jnp.zeros((n_tiles, b, F), y_VbF.dtype).at[tile_V].add(y_VbF)
+    return y_TbF.reshape(n_tiles * b, F)[:A]
+
+
+def _collect(tree, name: str) -> list:
+    """Every array sown under `name` anywhere in the "router" collection (scanned layers: [L, ...])."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _collect(value, name)
+        elif key == name:
+            out += list(value)  # sow keeps a tuple of the values sown
+    return out
+
+
+def router_losses(router_vars, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(load-balancing loss, z-loss) of a forward pass's sown "router" collection.
+
+    The load-balancing loss is transformers' router_aux_loss (load_balancing_loss_func): the
+    assignment fractions and mean probabilities each averaged over the sparse layers, then
+    E * sum_e fraction_e * prob_e (C when the load is uniform). The z-loss is the layers' mean.
+    """
+    E = num_experts
+    load_LE = jnp.concatenate([x.reshape(-1, E) for x in _collect(router_vars, "load")])
+    prob_LE = jnp.concatenate([x.reshape(-1, E) for x in _collect(router_vars, "prob")])
+    z_L = jnp.concatenate([x.reshape(-1) for x in _collect(router_vars, "z")])
+    aux = E * jnp.sum(jnp.mean(load_LE, axis=0) * jnp.mean(prob_LE, axis=0))
+    return aux, jnp.mean(z_L)

@@ -1,0 +1,35 @@
+"""A mixture of experts compiled for a TPU v5e-8 (libtpu's abstract devices, no TPU): the grouped matmul
+is TPU's ragged-dot kernel (the CPU's tiled path is not taken there), and the train step compiles over
+an fsdp 2 x expert 4 mesh."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import SingleDeviceSharding
+
+from flaxgpt.aot import compile as aot
+from flaxgpt.aot import targets
+from flaxgpt.models.moe import grouped_matmul
+from tests.aot.test_compile import tiny
+
+pytest.importorskip("libtpu", reason="the TPU targets need libtpu: pip install 'jax[tpu]==<jax version>'")
+
+MOE = dict(
+    model__pos_embedding="rope", model__norm="rmsnorm", model__activation="silu", model__glu=True,
+    model__bias=False, model__num_experts=8, model__experts_per_token=2, model__expert_hidden=64,
+)  # fmt: skip
+
+
+def test_the_grouped_matmul_is_tpus_ragged_dot():
+    on = SingleDeviceSharding(targets.get("v5e-1").devices()[0])
+    shapes = [((256, 128), jnp.bfloat16), ((8, 128, 256), jnp.bfloat16), ((8,), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=on) for shape, dtype in shapes]
+    hlo = jax.jit(grouped_matmul).trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+    assert "ragged-dot" in hlo
+
+
+def test_expert_parallel_train_step_compiles_for_v5e_8():
+    config = tiny(mesh__fsdp=2, mesh__expert=4, **MOE)
+    (train,) = aot.run(config, targets.get("v5e-8"), ("train",), print_fn=lambda *_: None)[0]
+    assert train.devices == 8 and train.total > 0
+    assert {"all-gather", "reduce-scatter"} <= set(train.collectives)

@@ -1,0 +1,189 @@
+"""The mixture-of-experts MLP: equal to every expert run on every token and mixed by the top-k
+weights; gradients flow to the router; scanned layers agree; the presets' total and active
+parameters equal transformers' models; FLOPs count the active weights; bad configs are one line."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+from flaxgpt.models import flops
+from flaxgpt.models.gpt import GPT, GPTConfig, abstract_params, init_params, stack_layers
+from flaxgpt.models.moe import ROUTER, MoE, grouped_matmul, router_losses
+from flaxgpt.tools import summary
+
+TINY = dict(
+    GPTConfig.PRESETS["smollm2-135m"], vocab_size=64, block_size=16, n_layer=3, n_head=4, n_kv_head=2,
+    n_embd=32, mlp_hidden=48, num_experts=4, experts_per_token=2, expert_hidden=24,
+)  # fmt: skip
+X = jax.random.normal(jax.random.key(1), (2, 8, 32))
+
+
+def dense_reference(p, x_BTD, k, renormalise):
+    """Every expert on every token, then each token's top-k outputs mixed: what MoE must equal."""
+    x = x_BTD.reshape(-1, x_BTD.shape[-1])
+    probs = jax.nn.softmax(x @ p["router"]["kernel"], axis=-1)
+    w, idx = jax.lax.top_k(probs, k)
+    w = w / w.sum(-1, keepdims=True) if renormalise else w
+    gate, up = jnp.split(jnp.einsum("nd,edf->enf", x, p["experts_fc"]), 2, axis=-1)
+    y_END = jnp.einsum("enf,efd->end", jax.nn.silu(gate) * up, p["experts_proj"])
+    picked = jnp.take_along_axis(y_END.transpose(1, 0, 2), idx[..., None], axis=1)  # [N, k, D]
+    return jnp.einsum("nkd,nk->nd", picked, w).reshape(x_BTD.shape)
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+def test_moe_equals_every_expert_mixed_by_the_top_k_weights(renormalise):
+    moe = MoE(num_experts=4, experts_per_token=2, hidden=24, norm_topk_prob=renormalise)
+    p = nn.unbox(moe.init(jax.random.key(0), X)["params"])
+    p = jax.tree_util.tree_map(lambda w: w * 10, p)  # a peaked router: the experts really differ
+    np.testing.assert_allclose(moe.apply({"params": p}, X), dense_reference(p, X, 2, renormalise), atol=1e-5)
+    # gradients (router included) equal the dense reference's
+    loss = lambda f: lambda p: jnp.sum(jnp.sin(f(p)))  # noqa: E731
+    g = jax.grad(loss(lambda p: moe.apply({"params": p}, X)))(p)
+    g_ref = jax.grad(loss(lambda p: dense_reference(p, X, 2, renormalise)))(p)
+    for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(g_ref)):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    assert float(jnp.abs(g["router"]["kernel"]).max()) > 0
+
+
+def test_grouped_matmul_equals_ragged_dot_without_every_row_through_every_expert():
+    """Uneven and empty groups, forward and gradients; on CPU the program's matmul has ~2A rows, not
+    the E*A of ragged_dot's CPU fallback."""
+    rng = np.random.RandomState(0)
+    gm = jax.jit(jax.value_and_grad(lambda x, w, g: jnp.sum(jnp.sin(grouped_matmul(x, w, g))), (0, 1)))
+    ref = jax.value_and_grad(lambda x, w, g: jnp.sum(jnp.sin(jax.lax.ragged_dot(x, w, g))), (0, 1))
+    for A, E in [(2, 4), (37, 5), (64, 8)]:
+        sizes = jnp.asarray(rng.multinomial(A, rng.dirichlet(np.full(E, 0.3))), jnp.int32)
+        x, w = jnp.asarray(rng.randn(A, 6), jnp.float32), jnp.asarray(rng.randn(E, 6, 3), jnp.float32)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(gm(x, w, sizes)), jax.tree_util.tree_leaves(ref(x, w, sizes))
+        ):
+            np.testing.assert_allclose(a, b, atol=1e-4)
+    if jax.default_backend() == "cpu":
+        A, E = 256, 8
+        hlo = (
+            jax.jit(grouped_matmul).lower(jnp.ones((A, 32)), jnp.ones((E, 32, 48)), jnp.full(E, 32)).compile()
+        )
+        (dot,) = [line for line in hlo.as_text().splitlines() if " dot(" in line]
+        rows = np.prod([int(n) for n in dot.split("[", 1)[1].split("]", 1)[0].split(",")][:-1])
+        assert rows <= 2 * A
+
+
+def test_dense_layers_among_sparse_ones_and_scanned_layers():
+    config = GPTConfig(**TINY, decoder_sparse_step=2, mlp_only_layers=(2,))
+    assert [config.layer_is_sparse(i) for i in range(3)] == [False, True, False]
+    params = init_params(config, jax.random.key(0))
+    assert set(params["h_0"]["mlp"]) == {"c_fc", "c_proj"}
+    assert params["h_1"]["mlp"]["experts_fc"].shape == (4, 32, 48)
+
+    every = GPTConfig(**TINY)  # every layer sparse: scan_layers stacks the experts [L, E, ...]
+    params = init_params(every, jax.random.key(0))
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 8)))
+    out, state = GPT(every).apply({"params": params}, tokens, mutable=[ROUTER])
+    scanned = dataclasses.replace(every, scan_layers=True)
+    out_s, state_s = GPT(scanned).apply({"params": stack_layers(params, 3)}, tokens, mutable=[ROUTER])
+    np.testing.assert_allclose(out_s, out, atol=1e-5)
+    for a, b in zip(router_losses(state_s[ROUTER], 4), router_losses(state[ROUTER], 4)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_bad_configs_are_one_line():
+    cases = {
+        r"experts_per_token 5 must be in \[1, num_experts 4\]: lower experts_per_token or raise": dict(
+            experts_per_token=5
+        ),
+        "they need scan_layers=False": dict(mlp_only_layers=(0,), scan_layers=True),
+        "decoder_sparse_step must be >= 1, got 0": dict(decoder_sparse_step=0),
+    }
+    for match, change in cases.items():
+        with pytest.raises(ValueError, match=match) as e:
+            GPTConfig(**{**TINY, **change})
+        assert "\n" not in str(e.value)
+    # LoRA adapts a mixture of experts' attention only: its sparse layers have no dense MLP
+    from flaxgpt.models import lora
+
+    assert lora.LoraSpec.make(GPTConfig(**TINY), 4, 8.0).targets == ("q", "k", "v", "o")
+    with pytest.raises(ValueError, match="this mixture-of-experts model has no gate; choose from q, k, v, o"):
+        lora.LoraSpec.make(GPTConfig(**TINY), 4, 8.0, targets="q,gate")
+    # config.json stores mlp_only_layers as a list: it comes back a tuple (the config stays hashable)
+    assert hash(GPTConfig.from_dict({**GPTConfig(**TINY).to_dict(), "mlp_only_layers": [1]}))
+
+
+def transformers_counts(model_type):
+    """(total, active) parameters of transformers' model for the preset's published config, built
+    on the meta device (no memory): active = total less E - k experts' weights per sparse layer."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if model_type == "mixtral":  # mistralai/Mixtral-8x7B-v0.1's config.json
+        cfg = transformers.MixtralConfig(
+            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        cls = transformers.MixtralForCausalLM
+    else:  # Qwen/Qwen3-30B-A3B's config.json
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+            num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+        )  # fmt: skip
+        cls = transformers.Qwen3MoeForCausalLM
+    with torch.device("meta"):
+        model = cls(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    E, k = cfg.num_local_experts if model_type == "mixtral" else cfg.num_experts, cfg.num_experts_per_tok
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return total, total - experts * (E - k) // E
+
+
+@pytest.mark.parametrize("preset,model_type", [("mixtral-8x7b", "mixtral"), ("qwen3-30b-a3b", "qwen3_moe")])
+def test_presets_total_and_active_parameters_equal_transformers(preset, model_type):
+    s = summary.summarize(GPTConfig.preset(preset))
+    assert (s["totals"]["total"], s["totals"]["active"]) == transformers_counts(model_type)
+    # FLOPs count the active matmul weights: all but the untied embedding lookup and idle experts
+    f = s["flops"]
+    assert f["n_matmul"] == s["totals"]["active"] - s["parts"]["token embeddings"]
+    assert flops.flops_per_token(GPTConfig.preset(preset))["n_matmul"] == f["n_matmul"]
+    assert "active per token" in summary.format_summary(s)
+
+
+def test_expert_parallel_on_8_devices_equals_one_device():
+    """Experts split over an "expert" mesh axis of 4 (2 each), parameters over fsdp 2: the loss (with
+    the router losses) and every gradient equal one device's; an axis that does not divide the
+    experts is a one-line error."""
+    from flaxgpt import sharding
+
+    assert jax.device_count() == 8
+    config = GPTConfig(**{**TINY, "num_experts": 8, "n_layer": 2})
+    params = init_params(config, jax.random.key(0))
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (8, 8)))
+
+    def loss(p, t):
+        logits, state = GPT(config).apply({"params": p}, t, mutable=[ROUTER])
+        aux, z = router_losses(state[ROUTER], config.num_experts)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux + z
+
+    one = jax.jit(jax.value_and_grad(loss))(params, tokens)
+    mesh = sharding.make_mesh(data=1, fsdp=2, expert=4)
+    shardings = sharding.param_shardings(abstract_params(config), mesh)
+    assert shardings["h_0"]["mlp"]["experts_fc"].spec[0] == "expert"
+    step = jax.jit(
+        sharding.under_mesh(jax.value_and_grad(loss), mesh),
+        in_shardings=(shardings, sharding.batch_sharding(mesh)),
+    )
+    traced = jax.make_jaxpr(sharding.under_mesh(loss, mesh))(params, tokens)
+    assert "shard_map" in str(traced)  # models/moe.py's expert_parallel, not a replicated computation
+    many = step(jax.device_put(params, shardings), jax.device_put(tokens, sharding.batch_sharding(mesh)))
+    np.testing.assert_allclose(many[0], one[0], rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(many[1]), jax.tree_util.tree_leaves(one[1])):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    with pytest.raises(ValueError, match="mesh.expert 3 does not divide the 8 devices"):
+        sharding.make_mesh(expert=3)
+    four = GPTConfig(**{**TINY, "n_layer": 2})  # 4 experts on an expert axis of 8
+    with pytest.raises(ValueError, match=r"experts_fc'\] dim 4 is not .* 8 devices .* mesh.expert") as e:
+        sharding.param_shardings(abstract_params(four), sharding.make_mesh(data=1, expert=8))
+    assert "\n" not in str(e.value)
