@@ -307,7 +307,8 @@ class GPTConfig:
         return cls.preset("gpt2-xl", **kw)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as config.json holds them (a tuple as a list: what json reads back)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, d: dict) -> GPTConfig:

@@ -147,7 +147,7 @@ def test_sigterm_saves_exits_0_and_the_next_start_resumes(data_dir, tmp_path):  
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        m = re.match(r"step\s+(\d+) \|", line)
+        m = re.match(r"step\s+(\d+)(?:/\d+)? \|", line)  # "step 3/5000 | ..."
         if m and int(m.group(1)) >= 3:
             proc.send_signal(signal.SIGTERM)
             break
