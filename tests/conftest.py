@@ -1,5 +1,6 @@
-"""8 simulated CPU devices for every test, set before JAX starts; `@pytest.mark.devices(n)` for a test
-that needs n devices (always there on the CPU; on one GPU such a test is skipped, saying why)."""
+"""8 simulated CPU devices for every test, set before JAX starts; compiled programs dropped after each
+file; `@pytest.mark.devices(n)` for a test that needs n devices (always there on the CPU; on one GPU
+such a test is skipped, saying why)."""
 
 import os
 
@@ -10,6 +11,11 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+if os.environ["JAX_PLATFORMS"].split(",")[0] in ("cpu", ""):
+    # tiny models: compiling costs more than running, and LLVM's optimization passes were ~40% of a
+    # training test's time; XLA's graph passes (fusion, memory planning) still run. Inherited by the
+    # train.py / serve.py processes tests start.
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 if os.environ["JAX_PLATFORMS"].split(",")[0] not in ("cpu", ""):  # read, not asked: JAX stays unstarted
     import jax
@@ -17,6 +23,17 @@ if os.environ["JAX_PLATFORMS"].split(",")[0] not in ("cpu", ""):  # read, not as
     # the tests check float32 math against float64 references; GPUs (and TPUs) run float32 matmuls
     # at reduced precision by default (TF32 on an H100: ~3e-4 relative), which is a speed setting
     jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Every compiled CPU program keeps its machine code in its own memory mappings until JAX drops it:
+    a worker running hundreds of test files reached Linux's limit (vm.max_map_count, 65,530) and
+    segfaulted inside XLA. Programs are shared within a file, never across files."""
+    yield
+    import jax
+
+    jax.clear_caches()
 
 
 def pytest_configure(config):
