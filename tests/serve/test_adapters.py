@@ -58,25 +58,29 @@ def dirs(tmp_path_factory):
     return root
 
 
-def merged_tokens(root, name, prompt) -> list[int]:
-    """The reference: greedy tokens of the adapter merged into the base (None: the base alone)."""
+def merged_tokens(root, name) -> list[list[int]]:
+    """The reference: greedy tokens of the adapter merged into the base (None: the base alone), each
+    prompt a row of one batch (rows are independent)."""
     config, params = flaxgpt.load_pretrained(str(root / "base"), adapter=name and str(root / name))
-    cache = KVCache.for_config(config, 1, W)
+    prompt_BP = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
+    for b, p in enumerate(PROMPTS):
+        prompt_BP[b, : len(p)] = p
     out, _ = generate(
-        step_fn(config, params), cache, np.asarray([prompt], np.int32), [len(prompt)],
-        max_new_tokens=N, rng=jax.random.key(0), temperature=0.0,
+        step_fn(config, params), KVCache.for_config(config, len(PROMPTS), W), prompt_BP,
+        [len(p) for p in PROMPTS], max_new_tokens=N, rng=jax.random.key(0), temperature=0.0,
     )  # fmt: skip
-    return out[0].tolist()
+    return out.tolist()
 
 
 @pytest.fixture(scope="module")
 def reference(dirs):
-    cases = [(name, i) for name in (None, *ADAPTERS) for i in range(len(PROMPTS))]
-    return {(name, i): merged_tokens(dirs, name, PROMPTS[i]) for name, i in cases}
+    """(adapter name or None, prompt index) -> the merged model's tokens."""
+    return {(name, i): out for name in (None, *ADAPTERS) for i, out in enumerate(merged_tokens(dirs, name))}
 
 
-def test_the_adapters_change_the_tokens(reference):
-    """Else every comparison below would pass with adapters ignored."""
+def test_the_adapters_change_the_tokens(server, reference):
+    """Else every comparison below would pass with adapters ignored. (`server` first: serve.py starts
+    compiling now, while the tests before the end-to-end one run.)"""
     for i in range(len(PROMPTS)):
         assert len({tuple(reference[name, i]) for name in (None, *ADAPTERS)}) == 4, i
 
@@ -109,8 +113,8 @@ def test_engine_rows_of_different_adapters_match_merged(dirs, reference):
     config, params = flaxgpt.load_pretrained(str(dirs / "base"))
     named = [(n, str(dirs / n)) for n in ("a1", "a2", "a3")]
     sched = launch.scheduler_for(
-        config, params, None, slots=4, max_len=W, prefix_cache_tokens=0, adapters=named, max_adapters=2,
-        max_lora_rank=8,
+        config, params, None, slots=4, max_len=W, prefill_chunk=16, prefix_cache_tokens=0,
+        adapters=named, max_adapters=2, max_lora_rank=8,
     )  # fmt: skip
     engine, pool = sched.engine, sched.adapters
     rows = RowSampling.of(Sampling(temperature=0.0), max_new_tokens=N)
@@ -153,13 +157,20 @@ def test_engine_rows_of_different_adapters_match_merged(dirs, reference):
 
 @pytest.fixture(scope="module")
 def server(dirs):
+    """serve.py started (not yet waited for) with a1 and a2 in two adapter slots."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     cmd = [sys.executable, str(ROOT / "serve.py"), "--init_from", str(dirs / "base"), "--port", str(port)]
     cmd += ["--adapter", f"a1={dirs / 'a1'}", "--adapter", f"a2={dirs / 'a2'}", "--model_name", "base"]
     cmd += ["--max_adapters", "2", "--max_lora_rank", "8", "--max_len", str(W), "--slots", "4"]
+    cmd += ["--prefill_chunk", "16"]  # one prompt bucket: one prefill program to compile
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    yield proc, f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def wait_healthy(proc, url):
     for _ in range(600):  # compiling on a loaded 2-core machine: at most 5 minutes
         if proc.poll() is not None:
             pytest.fail(f"server exited {proc.returncode}:\n{proc.stdout.read()}")
@@ -172,13 +183,11 @@ def server(dirs):
     else:
         proc.kill()
         pytest.fail("server not healthy after 300 s")
-    yield url
-    proc.kill()
-    proc.wait(timeout=30)
 
 
 def test_served_adapters_match_merged_and_load_unload_at_run_time(dirs, reference, server):
-    url = server
+    proc, url = server
+    wait_healthy(proc, url)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
     tok = HFTokenizer(str(dirs / "base"))
 
