@@ -33,6 +33,9 @@ slots keep what they would otherwise lose). Layers with a window as long as the 
 contiguous buffer. Padding written at positions past `max_len`, or marked by a prefill's `logits_at`
 (`real_BT` False), never enters a ring.
 
+AdapterCache: any kind with each row's LoRA adapter slot beside it (models/multi_lora.py reads it), moved
+with the row by take_rows and insert_row.
+
 PagedLayer (PagedKVCache, models/paged.py): pages of `page` positions in a pool, read through a block
 table per row; the layout of JAX's Pallas paged-attention kernels.
 
