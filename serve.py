@@ -4,7 +4,9 @@
     python serve.py --init_from gpt2 --slots 8 --port 8000             # GPT-2 weights (HF cache or download)
     python serve.py --init_from gpt2 --random_init                     # GPT-2's shape, random weights
     python serve.py --init_from gpt2 --quantize int8                   # int8 weights: faster decoding
-    python serve.py --init_from path/to/SmolLM2-135M --adapter path/to/peft_adapter   # base + LoRA
+    python serve.py --init_from path/to/SmolLM2-135M --adapter path/to/peft_adapter   # base + LoRA merged
+    python serve.py --init_from path/to/SmolLM2-135M --adapter sql=adapters/sql --adapter chat=out/lora_run
+        # many LoRA adapters, unmerged: a request's "model" picks one ("sql", "chat" or the base's name)
     curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "ROMEO:", "max_tokens": 50, "temperature": 0.8, "top_k": 200}'
 
@@ -14,7 +16,8 @@ SIGTERM drains: running requests finish, new ones get 503, then the process exit
 Operations (docs/serving_ops.md): --api_key (or $FLAXGPT_API_KEY), GET /metrics (Prometheus), one
 access-log line per request on stderr, --max_tokens and --max_body_bytes limits (400 / 413);
 prompts sharing a prefix reuse its KV (--prefix_cache_tokens), long prompts are prefilled in
-chunks of --prefill_chunk tokens between decode steps.
+chunks of --prefill_chunk tokens between decode steps. LoRA adapters (--adapter NAME=DIR,
+--max_adapters, POST /v1/load_lora_adapter and /v1/unload_lora_adapter): docs/serving_ops.md.
 """
 
 from __future__ import annotations
@@ -30,7 +33,21 @@ def parse_args(argv):
     p.add_argument("--out_dir", default=None, help="a training run's directory")
     p.add_argument("--init_from", default=None, help="GPT-2 weights: gpt2, gpt2-medium, ... or a directory")
     p.add_argument("--random_init", action="store_true", help="with --init_from PRESET: random weights")
-    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory merged into --init_from")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        help="NAME=DIR: a LoRA adapter (PEFT directory or LoRA run) served unmerged as model NAME "
+        "(repeatable); DIR alone: a PEFT adapter merged into --init_from",
+    )
+    p.add_argument(
+        "--max_adapters",
+        type=int,
+        default=None,
+        help="adapters resident on the device at once (default 4 with NAME=DIR adapters, else 0: none, "
+        "and none loadable at run time); the rest wait in host memory",
+    )
+    p.add_argument("--max_lora_rank", type=int, default=16, help="the highest adapter rank a slot holds")
     p.add_argument(
         "--step", type=int, default=None, help="checkpoint step of --out_dir (default: the latest)"
     )
@@ -75,8 +92,22 @@ def parse_args(argv):
         p.error("give exactly one of --out_dir RUN and --init_from NAME")
     if a.random_init and not a.init_from:
         p.error("--random_init needs --init_from PRESET (e.g. gpt2)")
+    merged = [x for x in a.adapter if "=" not in x]
+    a.adapters = [tuple(x.split("=", 1)) for x in a.adapter if "=" in x]  # (name, directory)
+    if len(merged) > 1:
+        p.error("one --adapter DIR is merged into the base; serve several as --adapter NAME=DIR")
+    a.adapter = merged[0] if merged else None
     if a.adapter and (not a.init_from or a.random_init):
         p.error("--adapter DIR goes with --init_from BASE (a LoRA run's --out_dir merges its own)")
+    names = [n for n, _ in a.adapters]
+    if any(not n or not d for n, d in a.adapters) or len(set(names)) != len(names):
+        p.error(f"--adapter NAME=DIR: names must be non-empty and distinct, got {names}")
+    if a.max_adapters is None:
+        a.max_adapters = 4 if a.adapters else 0
+    if a.max_adapters < 0 or a.max_lora_rank < 1 or (a.adapters and not a.max_adapters):
+        p.error("--max_adapters must be >= 1 with --adapter NAME=DIR (and >= 0), --max_lora_rank >= 1")
+    if a.max_adapters and a.quantize:
+        p.error("adapters are served over float weights: --quantize does not go with --max_adapters")
     for name in ("prefill_chunk", "prefix_cache_tokens"):
         if getattr(a, name) < 0:
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
@@ -120,6 +151,9 @@ def main(argv=None):
         prefill_chunk=a.prefill_chunk or None,
         prefix_cache_tokens=a.prefix_cache_tokens,
         prefix_block=a.prefix_block,
+        adapters=a.adapters,
+        max_adapters=a.max_adapters,
+        max_lora_rank=a.max_lora_rank,
     )
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(

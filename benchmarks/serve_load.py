@@ -3,6 +3,7 @@
     python benchmarks/serve_load.py                                   # 64 requests, 16 clients, GPT-2 124M
     python benchmarks/serve_load.py --requests 4 --clients 2 --min_new 4 --max_new 12 --skip_hf --pause 1
     python benchmarks/serve_load.py --prefill_ab --pause 10   # chunked prefill vs whole prompts, ~12 min
+    python benchmarks/serve_load.py --adapters 8 --pause 10   # the load over 8 LoRA adapters vs the base
 
 GPT-2 124M with random weights (no download), fp32, on 127.0.0.1. Requests: token-id prompts of
 random lengths in [--min_prompt, --max_prompt], outputs in [--min_new, --max_new] tokens (decoded
@@ -14,6 +15,10 @@ before each run, at least 4 rounds; the table shows medians over rounds):
   hf         the same with transformers' GPT2LMHeadModel.generate (batch 1, torch CPU)
 With --prefill_ab the sides are instead serve.py with whole-prompt prefills (--prefill_chunk 0,
 the engine before chunked prefill) and with --prefill_chunk N (its default), same load.
+With --adapters K the sides are serve.py without adapters (every request on the base) and serve.py
+with K random all-linear LoRA adapters of rank --lora_rank (PEFT directories written by the side
+itself; --max_adapters K: all resident), request i naming adapter i % K; both without the prefix
+cache (the adapter server has none), same load.
 Figures: generated tokens / wall time; time to first token (serve: from sending the request,
 queueing included; one at a time: from the start of its own generation); inter-token latency per
 request = (last token time - first token time) / (tokens - 1), p50 and p99 over requests.
@@ -24,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,7 +117,46 @@ def run_server_side(a, reqs):
         "--max_queue",
         "256",
     ]
-    cmd += ["--prefill_chunk", str(a.prefill_chunk if a.side == "serve" else 0)]  # serve_whole: 0
+    if a.side in ("serve_base", "serve_adapters"):
+        cmd += ["--prefill_chunk", str(a.prefill_chunk), "--prefix_cache_tokens", "0"]
+    else:
+        cmd += ["--prefill_chunk", str(a.prefill_chunk if a.side == "serve" else 0)]  # serve_whole: 0
+    with contextlib.ExitStack() as stack:
+        if a.side == "serve_adapters":
+            root = stack.enter_context(tempfile.TemporaryDirectory())
+            names = write_adapters(root, a.adapters, a.lora_rank)
+            cmd += [f"--adapter={n}={root}/{n}" for n in names]
+            cmd += ["--max_adapters", str(a.adapters), "--max_lora_rank", str(a.lora_rank)]
+            reqs = [{**r, "model": names[i % len(names)]} for i, r in enumerate(reqs)]
+        return _serve_and_load(a, cmd, reqs)
+
+
+def write_adapters(root, k: int, rank: int) -> list[str]:
+    """k PEFT adapters for GPT-2's shape (all-linear, random A and B: every one changes the model)."""
+    import jax
+
+    from flaxgpt.hf import peft
+    from flaxgpt.models import lora
+    from flaxgpt.models.gpt import GPTConfig
+
+    config = GPTConfig.preset("gpt2")
+    spec = lora.LoraSpec.make(config, rank, 2.0 * rank)
+    names = [f"lora{i}" for i in range(k)]
+    for i, name in enumerate(names):
+        adapters = lora.init_adapters(config, spec, jax.random.key(i))
+        adapters = jax.tree_util.tree_map_with_path(  # B random too (init gives zeros)
+            lambda path, x, i=i: (
+                x
+                if path[-1].key.endswith("_a")
+                else 0.01 * jax.random.normal(jax.random.key(1000 + i), x.shape)
+            ),
+            adapters,
+        )
+        peft.export_adapter(config, spec, adapters, f"{root}/{name}", base="gpt2")
+    return names
+
+
+def _serve_and_load(a, cmd, reqs):
     t = time.perf_counter()
     with serve_process.running(cmd) as (url, _):
         print(f"serve: ready after {time.perf_counter() - t:.0f} s (load + compile)", file=sys.stderr)
@@ -121,7 +167,11 @@ def run_server_side(a, reqs):
             await asyncio.gather(*[_client(url, queue, records, t0) for _ in range(a.clients)])
 
         asyncio.run(main())
-        prefill = f"prefill chunks of {a.prefill_chunk}" if a.side == "serve" else "whole prompts"
+        prefill = f"prefill chunks of {a.prefill_chunk}" if a.side != "serve_whole" else "whole prompts"
+        if a.side in ("serve_base", "serve_adapters"):
+            prefill = (
+                "the base" if a.side == "serve_base" else f"{a.adapters} LoRA adapters, rank {a.lora_rank}"
+            )
         name = f"serve ({prefill}, slots {a.slots}, {a.clients} clients)"
         return summary(name, time.perf_counter() - t0, records)
 
@@ -230,11 +280,21 @@ def parse(argv):
         action="store_true",
         help="two serve.py sides instead: --prefill_chunk 0 (whole prompts: the old engine) and N",
     )
+    p.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        help="two serve.py sides instead: every request on the base, and requests spread over K adapters",
+    )
+    p.add_argument("--lora_rank", type=int, default=8, help="the adapters' rank (--adapters)")
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the transformers side")
     harness.add_arguments(p)
     p.add_argument(
-        "--side", default=None, choices=["serve", "serve_whole", "flaxgpt", "hf"], help=argparse.SUPPRESS
+        "--side",
+        default=None,
+        choices=["serve", "serve_whole", "serve_base", "serve_adapters", "flaxgpt", "hf"],
+        help=argparse.SUPPRESS,
     )
     a = p.parse_args(argv)
     for lo, hi in (("min_prompt", "max_prompt"), ("min_new", "max_new")):
@@ -247,7 +307,8 @@ def main(argv=None):
     a = parse(argv)
     reqs = make_requests(a)
     if a.side:
-        run = {"serve": run_server_side, "serve_whole": run_server_side, "flaxgpt": run_flaxgpt_side}
+        run = {s: run_server_side for s in ("serve", "serve_whole", "serve_base", "serve_adapters")}
+        run["flaxgpt"] = run_flaxgpt_side
         result = {**run, "hf": run_hf_side}[a.side](a, reqs)
         return harness.print_result(result)
     load = f"{a.requests} requests, {a.clients} clients, slots {a.slots}"
@@ -257,6 +318,8 @@ def main(argv=None):
     env = {"PYTHONPATH": str(ROOT)}
     if a.prefill_ab:
         return prefill_ab(a, args, env)
+    if a.adapters:
+        return adapters_ab(a, args, env)
     sides = [
         harness.Side("one at a time", [sys.executable, __file__, *args, "--side", "flaxgpt"], env=env),
         harness.Side("serve.py", [sys.executable, __file__, *args, "--side", "serve"], env=env),
@@ -289,6 +352,24 @@ def prefill_ab(a, args, env):
         harness.Figure("TTFT p99 (lower: > 1x)", chunked, "ttft_p99", whole, "ttft_p99", **lower),
         harness.Figure("ITL p50 (lower: > 1x)", chunked, "itl_p50", whole, "itl_p50", **lower),
         harness.Figure("ITL p99 (lower: > 1x)", chunked, "itl_p99", whole, "itl_p99", **lower),
+    ]
+    report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    print_medians(report, sides)
+
+
+def adapters_ab(a, args, env):
+    """serve.py on the base alone against serve.py with the load spread over --adapters adapters."""
+    base, spread = "base", f"{a.adapters} adapters"
+    sides = [
+        harness.Side(base, [sys.executable, __file__, *args, "--side", "serve_base"], env=env),
+        harness.Side(spread, [sys.executable, __file__, *args, "--side", "serve_adapters"], env=env),
+    ]
+    lower = dict(higher_is_better=False)
+    figures = [
+        harness.Figure("tok/s (adapters / base)", spread, "tok_s", base, "tok_s"),
+        harness.Figure("TTFT p50 (lower: > 1x)", spread, "ttft_p50", base, "ttft_p50", **lower),
+        harness.Figure("ITL p50 (lower: > 1x)", spread, "itl_p50", base, "itl_p50", **lower),
+        harness.Figure("ITL p99 (lower: > 1x)", spread, "itl_p99", base, "itl_p99", **lower),
     ]
     report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
     print_medians(report, sides)

@@ -6,12 +6,14 @@
     run = flaxgpt.load("path/to/SmolLM2-135M")                    # a GPT-2 or Llama-family HF directory
     kind, config, params, tokenizer = run                         # Run: "gpt" | "seq2seq"
     config, params = flaxgpt.load_pretrained("base", adapter="adapter_dir", quantize="int8")
+    spec, adapters = loader.load_adapter("adapter_dir or a LoRA run", config)   # unmerged
     run = loader.init("gpt2", dtype="bfloat16")                   # a preset's random weights
 
 sample.py, serve.py, `flaxgpt eval`, `flaxgpt hf export`, `flaxgpt attention-map` and
 `flaxgpt summary --run` load through `load`; `compact` is the one place that casts (`dtype`) and then
 quantizes (`quantize`). A LoRA run (runs.lora_run) is its base's weights with its adapters merged, as
-is pretrained weights plus a PEFT `adapter`. Bad input is a one-line ValueError / OSError.
+is pretrained weights plus a PEFT `adapter`; `load_adapter` reads either kind of adapter unmerged (a
+server applies many per batch row: models.multi_lora). Bad input is a one-line ValueError / OSError.
 
 May import: flaxgpt.runs, flaxgpt.hf, flaxgpt.models, flaxgpt.data.
 """
@@ -116,6 +118,29 @@ def load_pretrained(name_or_path: str, *, adapter: str | None = None, quantize: 
     return run.config, run.params
 
 
+def load_adapter(source: str, config):
+    """A LoRA adapter for the base `config`, unmerged -> (LoraSpec, adapters in the h_0.. layout): a PEFT
+    adapter directory (hf.peft) or a LoRA run's directory (its latest adapters, runs.lora_run). A
+    one-line ValueError / OSError when it is neither or does not fit the base (shapes, targets)."""
+    from flaxgpt.hf import peft
+    from flaxgpt.models import lora
+    from flaxgpt.models.gpt import unstack_layers
+
+    flat = dataclasses.replace(config, scan_layers=False)
+    if not is_run_dir(source):
+        return peft.load_adapter(source, flat)
+    from flaxgpt.runs import lora_run
+
+    if not lora_run.lora_section(source):
+        raise ValueError(f"{source} is a training run without LoRA adapters")
+    lr = lora_run.read_lora_run(source)
+    adapters = unstack_layers(lr.adapters, lr.config.n_layer) if lr.config.scan_layers else lr.adapters
+    s = lr.spec  # its columns again for this base: a target the base lacks is an error here
+    spec = lora.LoraSpec.make(flat, s.rank, s.alpha, s.dropout, s.targets, s.rslora)
+    lora.check_adapters(flat, spec, adapters, what=f"{source}:")
+    return spec, adapters
+
+
 def init(config, *, seed: int = 0, tokenizer=None, dtype: str | None = None, quantize: str | None = None):
     """A GPT with random weights as a Run: `config` a GPTConfig or a preset's name, `tokenizer` by
     default GPT-2's; cast and quantized as `load`'s. For load tests and attention maps without a download."""
@@ -161,6 +186,7 @@ __all__ = [
     "init",
     "is_run_dir",
     "load",
+    "load_adapter",
     "load_pretrained",
     "require_run",
     "with_dtype",

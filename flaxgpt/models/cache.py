@@ -33,6 +33,9 @@ slots keep what they would otherwise lose). Layers with a window as long as the 
 contiguous buffer. Padding written at positions past `max_len`, or marked by a prefill's `logits_at`
 (`real_BT` False), never enters a ring.
 
+AdapterCache: any kind with each row's LoRA adapter slot beside it (models/multi_lora.py reads it), moved
+with the row by take_rows and insert_row.
+
 PagedLayer (PagedKVCache, models/paged.py): pages of `page` positions in a pool, read through a block
 table per row; the layout of JAX's Pallas paged-attention kernels.
 
@@ -268,6 +271,54 @@ class KVCache(Cache):
 
     def row(self, slot) -> KVCache:
         return self.take_rows(jnp.reshape(slot, (1,)))
+
+
+@struct.dataclass
+class AdapterCache(Cache):
+    """Any cache kind with each row's adapter slot (models/multi_lora.py: 0 = no adapter). The index
+    lives with the row's keys and values, so it follows the row wherever the decoders and the engine
+    move rows (a prefill's one-row cache inserted into a slot, beam search's take_rows) while they
+    still see only step_fn(tokens, positions, cache); the multi-LoRA step_fn reads it and unwraps."""
+
+    inner: Cache
+    adapter_B: jax.Array  # [batch] int32
+
+    @classmethod
+    def wrap(cls, inner: Cache, adapter: int = 0) -> AdapterCache:
+        return cls(inner, jnp.full((inner.batch,), adapter, jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.inner.max_len
+
+    @property
+    def batch(self) -> int:
+        return self.inner.batch
+
+    @property
+    def rewind(self):
+        return self.inner.rewind
+
+    @property
+    def has_rings(self) -> bool:
+        return self.inner.has_rings
+
+    def layer(self, i: int) -> KVLayer:
+        return self.inner.layer(i)
+
+    def with_layers(self, layers) -> AdapterCache:
+        return self.replace(inner=self.inner.with_layers(layers))
+
+    def take_rows(self, rows_R: jax.Array) -> AdapterCache:
+        return AdapterCache(self.inner.take_rows(rows_R), jnp.take(self.adapter_B, rows_R, axis=0))
+
+    def insert_row(self, row: AdapterCache, slot) -> AdapterCache:
+        """A one-row AdapterCache (a prefill's) into row `slot`: its keys, values and adapter."""
+        adapter_B = self.adapter_B.at[slot].set(jnp.reshape(row.adapter_B, ()))
+        return AdapterCache(self.inner.insert_row(row.inner, slot), adapter_B)
+
+    def row(self, slot) -> KVCache:
+        return self.inner.row(slot)
 
 
 @struct.dataclass

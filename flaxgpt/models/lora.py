@@ -217,18 +217,25 @@ def _add_adapters(module: nn.Dense, spec: LoraSpec, x, y, parts):
     """y + x A B * scale for each (target, start, stop) of `parts` (in column order) on its columns of y.
 
     The adapters of one Dense (q, k, v of c_attn; gate, up of c_fc) share one x @ [A_q | A_k | A_v]
-    (x read once), the scale goes on those r columns rather than the N output columns, and the deltas
-    join y in one concatenation: one pass over y where an `.at[].add` per adapter took one each.
+    (x read once), and the scale goes on those r columns rather than the N output columns.
     """
     r = spec.rank
     names = [t for t, _, _ in parts]
     a_KR = jnp.concatenate([module.get_variable("lora", f"{t}_a") for t in names], axis=-1)  # R = P r
     xa_NR = (x.astype(jnp.float32) @ a_KR) * spec.scale
+    deltas = [
+        xa_NR[..., i * r : (i + 1) * r] @ module.get_variable("lora", f"{t}_b") for i, t in enumerate(names)
+    ]
+    return join_deltas(y, parts, deltas)
+
+
+def join_deltas(y, parts, deltas):
+    """y with each delta added on its (target, start, stop) columns of `parts` (in column order): the
+    deltas join y in one concatenation, one pass over y where an `.at[].add` per adapter took one each."""
     out, at = [], 0
-    for i, (t, start, stop) in enumerate(parts):
+    for (_, start, stop), delta in zip(parts, deltas, strict=True):
         if start > at:  # columns no adapter writes (e.g. k when only q and v are targets)
             out.append(y[..., at:start])
-        delta = xa_NR[..., i * r : (i + 1) * r] @ module.get_variable("lora", f"{t}_b")
         out.append(y[..., start:stop] + delta.astype(y.dtype))
         at = stop
     if at < y.shape[-1]:

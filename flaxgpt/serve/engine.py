@@ -33,6 +33,13 @@ decodes the tokens `generate` gives it alone with the same cache length, key and
 its prompt was split into chunks or taken from the prefix cache (up to float rounding of matmuls
 of other shapes).
 
+Many LoRA adapters (models.multi_lora): the caches are AdapterCaches, whose rows carry their adapter
+slot; `start_prefill(..., adapter=slot)` tags a request's one-row cache and `insert` copies the tag
+with its keys and values, so rows of different adapters decode in one step. The stacked adapter
+weights are step_fn's (a Partial's) arguments: an adapter swapped into a slot (serve.adapters; its
+write, from serve.launch) replaces `engine.step_fn` with one over the written stack (same shapes: no
+recompile). The prefix cache is off (its blocks know no adapter).
+
 Compiled programs: one prefill per prompt bucket, one insert, generate for `chunk` steps and for
 one step (+ the prefix cache's restore, and its save from a one-row cache and from the slots
 cache): len(buckets) + 3 (+ 3).
@@ -59,6 +66,7 @@ from flaxgpt.decode.sampling import (
     finished,
     next_tokens,
 )
+from flaxgpt.models.cache import AdapterCache
 from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
 
 
@@ -261,6 +269,9 @@ class Engine:
                 "the prefix cache keeps every position's keys and values; this model's sliding-window "
                 "layers keep only their window (ring buffers): serve it without a prefix cache"
             )
+        if prefix_blocks and isinstance(cache, AdapterCache):
+            # its blocks are keyed by tokens alone, and a row's keys and values depend on its adapter
+            raise ValueError("the prefix cache does not tell adapters apart: serve adapters without it")
         if prefix_blocks:
             self.prefix_cache = PrefixCache(self._new_row(), block=prefix_block, capacity=prefix_blocks)
             if mesh is None:
@@ -282,8 +293,10 @@ class Engine:
                 return b
         raise ValueError(f"prompt of {n} tokens is longer than the context window of {self.max_len} tokens")
 
-    def start_prefill(self, prompt_ids, rows: RowSampling) -> PrefillJob:
-        """Check the request and take its cached prefix (if any): run the rest with prefill_step."""
+    def start_prefill(self, prompt_ids, rows: RowSampling, adapter: int = 0) -> PrefillJob:
+        """Check the request and take its cached prefix (if any): run the rest with prefill_step.
+        adapter: the adapter slot its rows decode with (caches of kind models.cache.AdapterCache;
+        0: none), carried by its one-row cache into its slot."""
         n = len(prompt_ids)
         if n < 1:
             raise ValueError("the prompt is empty; start it with an end-of-text token")
@@ -292,6 +305,14 @@ class Engine:
                 f"prompt ({n} tokens) + max_new_tokens ({int(rows.max_new)}) exceeds the context "
                 f"window of {self.max_len} tokens"
             )
+        if adapter:
+            cache = self._new_row()
+            if not isinstance(cache, AdapterCache):
+                raise ValueError(
+                    f"adapter slot {adapter}: this engine's caches carry no adapter (AdapterCache)"
+                )
+            tag_1 = jax.device_put(np.full((1,), adapter, np.int32), cache.adapter_B.sharding)
+            return PrefillJob(prompt_ids, rows, cache.replace(adapter_B=tag_1), 0, None)
         if self.prefix_cache is None:
             return PrefillJob(prompt_ids, rows, self._new_row(), 0, None)
         hit, ids_M, digests = self.prefix_cache.match(prompt_ids)
@@ -312,9 +333,9 @@ class Engine:
             self.prefix_cache.save(prefix.cache, job.digests, first=job.hit // self.prefix_cache.block)
         return prefix
 
-    def prefill(self, prompt_ids, rows: RowSampling) -> Prefix:
+    def prefill(self, prompt_ids, rows: RowSampling, adapter: int = 0) -> Prefix:
         """Run the prompt through the model alone; the first new token is in `prefix.first`."""
-        job = self.start_prefill(prompt_ids, rows)
+        job = self.start_prefill(prompt_ids, rows, adapter)
         while (prefix := self.prefill_step(job)) is None:
             pass
         return prefix

@@ -50,10 +50,16 @@ def scheduler_for(
     prefill_chunk=None,
     prefix_cache_tokens=0,
     prefix_block=16,
+    adapters=(),
+    max_adapters=0,
+    max_lora_rank=16,
 ) -> Scheduler:
     """The engine (a window of max_len, default block_size) and its thread, not started.
     prefill_chunk: prompt tokens per prefill call (None: a whole prompt); prefix_cache_tokens: the
-    prefix cache's budget in positions (0: off), rounded down to blocks of prefix_block."""
+    prefix cache's budget in positions (0: off), rounded down to blocks of prefix_block.
+    adapters: (name, directory) LoRA adapters served unmerged (a PEFT directory or a LoRA run), with
+    max_adapters of them resident at once, each of rank <= max_lora_rank (max_adapters 0: no adapters,
+    none loadable later); the scheduler's `adapters` is then their AdapterPool."""
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
     from flaxgpt.serve.engine import Engine
@@ -65,6 +71,16 @@ def scheduler_for(
             "prefix cache off: this model's sliding-window layers keep ring buffers of their window"
         )
         prefix_cache_tokens = 0
+    if max_adapters and prefix_cache_tokens:
+        logging.getLogger("flaxgpt.serve").warning(
+            "prefix cache off: its blocks are keyed by tokens alone, and LoRA adapters change the KV"
+        )
+        prefix_cache_tokens = 0
+    if max_adapters:
+        return _with_adapters(
+            config, params, tokenizer, adapters, max_adapters, max_lora_rank, W,
+            slots=slots, chunk=chunk, prefill_chunk=prefill_chunk, max_queue=max_queue, max_tokens=max_tokens,
+        )  # fmt: skip
     engine = Engine(
         gpt.step_fn(config, params),
         lambda b: KVCache.for_config(config, b, W),
@@ -75,3 +91,39 @@ def scheduler_for(
         prefix_blocks=prefix_cache_tokens // prefix_block,
     )
     return Scheduler(engine, tokenizer, max_queue=max_queue, max_tokens=max_tokens)
+
+
+def _with_adapters(
+    config, params, tokenizer, adapters, max_adapters, rank, W, *, max_queue, max_tokens, **kw
+):
+    """The engine over models.multi_lora's step (max_adapters + 1 slots: 0 is the base) and an
+    AdapterPool whose writes go into its stack, the named adapters loaded (on the host)."""
+    import jax
+    import numpy as np
+
+    from flaxgpt import loader
+    from flaxgpt.models.cache import AdapterCache, KVCache
+    from flaxgpt.models.multi_lora import MultiLora
+    from flaxgpt.serve.adapters import AdapterPool
+    from flaxgpt.serve.engine import Engine
+
+    multi = MultiLora(config, params, slots=max_adapters + 1, rank=rank)
+    stack = [multi.empty_stack()]  # the resident adapters: written in place, the engine's step over it
+    zeros = jax.tree_util.tree_map(lambda x_S: np.zeros(x_S.shape[1:], np.float32), stack[0])
+    engine = Engine(
+        multi.step_fn(stack[0]), lambda b: AdapterCache.wrap(KVCache.for_config(config, b, W)), **kw
+    )
+
+    def read(path):
+        spec, tree = loader.load_adapter(str(path), config)
+        return multi.slot_weights(spec, tree, what=str(path))
+
+    def write(slot, weights):  # the engine thread, between steps: the old stack's buffers are donated
+        stack[0] = multi.write(stack[0], slot, weights)
+        engine.step_fn = multi.step_fn(stack[0])
+
+    write(1, zeros)  # compiled now, not at the first swap
+    pool = AdapterPool(read, write, slots=max_adapters + 1)
+    for name, path in adapters:
+        pool.load(name, path)
+    return Scheduler(engine, tokenizer, max_queue=max_queue, max_tokens=max_tokens, adapters=pool)

@@ -34,8 +34,10 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def error_json(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_json(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code=None
+) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass

@@ -21,6 +21,10 @@ slot's KV (prompt and reply) to the prefix cache (`engine.keep`) before the slot
 completion_tokens)` or `Failed(message)`; callers in an event loop hand it over with
 loop.call_soon_threadsafe. Nothing a sequence does can stop the thread: errors fail the
 sequences involved and the loop goes on.
+
+With LoRA adapters (serve/adapters.py) a waiting sequence starts only when its adapter is resident
+or can be swapped into a slot no running sequence holds; until then later sequences of other
+adapters (or the base) go first. A sequence holds its adapter's slot until it ends.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class Sequence:
     cancelled: bool = False
     finished: bool = False
     submitted: float = 0.0  # perf_counter at submit (time to first token counts the queue)
+    adapter: object = None  # an adapters.Adapter (None: the base)
+    adapter_slot: int = 0  # the engine's adapter slot it holds while it runs
     last_at: float | None = None  # when its latest tokens were handed over
 
     def cancel(self):
@@ -109,10 +115,12 @@ class Scheduler:
         eos_id: int | None = None,
         max_queue: int = 64,
         max_tokens: int | None = None,
+        adapters=None,
     ):
-        """max_tokens: the most new tokens one sequence may ask for (None: the window's limit)."""
+        """max_tokens: the most new tokens one sequence may ask for (None: the window's limit);
+        adapters: the AdapterPool (serve/adapters.py) whose slots the sequences' adapters decode in."""
         self.engine, self.tokenizer, self.eos_id, self.max_queue = engine, tokenizer, eos_id, max_queue
-        self.max_tokens = max_tokens
+        self.max_tokens, self.adapters = max_tokens, adapters
         self.pending: collections.deque[Sequence] = collections.deque()
         self.active: dict[int, Sequence] = {}  # slot -> sequence (prefilling or decoding)
         self.prefilling: dict[int, object] = {}  # slot -> its PrefillJob (None: not started), oldest first
@@ -219,10 +227,9 @@ class Scheduler:
                 free = [s for s in range(self.engine.slots) if s not in self.active]
                 if not free or not self.pending:
                     break
-                seq = self.pending.popleft()
-                if seq.cancelled:
-                    self._count("cancelled")
-                    continue
+                seq = self._take_pending()
+                if seq is None:  # every waiting sequence's adapter waits for a slot
+                    break
                 self.active[free[0]] = seq  # reserved before the prefill: submit counts it busy
                 self.prefilling[free[0]] = None  # started when its turn comes (below)
         if len(self.active) > len(self.prefilling):  # others decode: as many chunks as prefills, oldest
@@ -231,6 +238,26 @@ class Scheduler:
                     self._prefill_once(next(iter(self.prefilling)))
         while self.prefilling:  # nobody decodes (a burst): oldest first, each to its end
             self._prefill_once(next(iter(self.prefilling)))
+
+    def _take_pending(self) -> Sequence | None:
+        """The oldest waiting sequence whose adapter is resident or can be swapped in now (its adapter
+        slot then held), else None; cancelled sequences on the way are dropped. (Under self.lock.)"""
+        for seq in list(self.pending):
+            if seq.cancelled:
+                self.pending.remove(seq)
+                self._count("cancelled")
+                continue
+            try:
+                slot = 0 if seq.adapter is None else self.adapters.acquire(seq.adapter)
+            except Exception as e:  # a failed device write: this sequence fails, the others go on
+                self.pending.remove(seq)
+                self._fail(None, seq, e)
+                continue
+            if slot is not None:
+                self.pending.remove(seq)
+                seq.adapter_slot = slot
+                return seq
+        return None
 
     def _prefill_once(self, slot: int):
         """One prefill chunk of the sequence in `slot`; its first token once the prompt is in."""
@@ -243,7 +270,8 @@ class Scheduler:
         try:
             if job is None:  # matched against the prefix cache only now: a burst of prompts with one
                 # system prompt reuses the blocks the first of them just saved
-                job = self.prefilling[slot] = self.engine.start_prefill(seq.prompt_ids, seq.rows)
+                job = self.engine.start_prefill(seq.prompt_ids, seq.rows, adapter=seq.adapter_slot)
+                self.prefilling[slot] = job
                 if self.metrics is not None:
                     self.metrics.admitted(len(seq.prompt_ids), job.hit)
             prefix = self.engine.prefill_step(job)
@@ -312,11 +340,12 @@ class Scheduler:
         except Exception as e:
             self._fail(slot, seq, e)
 
-    def _fail(self, slot: int, seq: Sequence, e: BaseException):
+    def _fail(self, slot: int | None, seq: Sequence, e: BaseException):
         log.error("sequence failed: %s", "".join(traceback.format_exception_only(e)).strip())
         seq.finished = True
         self._count("failed")
-        self._free(slot, release=True)
+        if slot is not None:  # None: it never had a slot
+            self._free(slot, release=True)
         try:
             seq.emit(Failed(str(e)))
         except Exception:
@@ -326,4 +355,6 @@ class Scheduler:
         if release:
             self.engine.release(slot)
         with self.lock:
-            self.active.pop(slot, None)
+            seq = self.active.pop(slot, None)
+        if seq is not None and seq.adapter is not None:  # its adapter's slot may now be swapped or emptied
+            self.adapters.release(seq.adapter_slot)

@@ -6,7 +6,9 @@
 Routes: POST /v1/completions (text or token-id prompts; stream as server-sent events ending with `data:
 [DONE]`), POST /v1/chat/completions (messages through the model's chat template, each choice stopped at
 the template's end-of-turn token; streamed the same way), GET /v1/models, GET /health (503 while
-compiling or draining), GET /metrics (Prometheus, flaxgpt/serve/metrics.py). Every request goes through
+compiling or draining), GET /metrics (Prometheus, flaxgpt/serve/metrics.py); with LoRA adapters
+(serve/adapters.py) POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), a request's
+`model` naming the base or an adapter (else 404 listing the models). Every request goes through
 flaxgpt/serve/middleware.py (API key, body size limit, access log, request counter). The handlers only
 translate: parse and validate (flaxgpt/serve/openai_api.py), submit sequences to the Scheduler, and turn
 its events into JSON. The event loop never runs XLA; the engine thread never touches HTTP. Bad input is
@@ -49,8 +51,10 @@ from flaxgpt.serve.scheduler import (
 log = logging.getLogger("flaxgpt.serve")
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param=None, headers=None):
-    return JSONResponse(api.error_json(message, kind, param), status_code=status, headers=headers)
+def _error(
+    status: int, message: str, kind: str = "invalid_request_error", param=None, headers=None, code=None
+):
+    return JSONResponse(api.error_json(message, kind, param, code), status_code=status, headers=headers)
 
 
 def _sse(obj) -> str:
@@ -83,9 +87,57 @@ def create_app(
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok", "slots": sched.engine.slots, "busy": sched.busy, **sched.stats})
 
+    pool = sched.adapters  # LoRA adapters (serve/adapters.py), None when the server has no slots for them
+
+    def model_names() -> list[str]:
+        return [model] + (pool.names() if pool is not None else [])
+
     async def models(request: Request):
-        card = {"id": model, "object": "model", "created": created, "owned_by": "flaxgpt"}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [{"id": model, "object": "model", "created": created, "owned_by": "flaxgpt"}]
+        for name in model_names()[1:]:
+            cards.append(
+                {"id": name, "object": "model", "created": created, "owned_by": "flaxgpt", "parent": model}
+            )
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def load_adapter(request: Request):
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: read off the event loop."""
+        if pool is None:
+            return _error(
+                400, "this server has no adapter slots: start it with --max_adapters N or --adapter"
+            )
+        try:
+            body = json.loads(await request.body())
+            name, path = body["lora_name"], body["lora_path"]
+            if not (isinstance(name, str) and name and isinstance(path, str) and path):
+                raise ValueError("lora_name and lora_path must be non-empty strings")
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+            return _error(400, f"the body must be JSON with lora_name and lora_path: {e}")
+        if name == model:
+            return _error(400, f"{name!r} is the base model's name", param="lora_name")
+        try:
+            await asyncio.to_thread(pool.load, name, path)
+        except Exception as e:  # not an adapter, or not one for this base: nothing was loaded
+            return _error(400, f"adapter {name!r} not loaded: {e}", param="lora_path")
+        log.info("loaded LoRA adapter %s from %s", name, path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload_adapter(request: Request):
+        """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: its running requests finish first."""
+        try:
+            name = json.loads(await request.body())["lora_name"]
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+            return _error(400, f"the body must be JSON with lora_name: {e}")
+        try:
+            if pool is None or not isinstance(name, str):
+                raise KeyError(name)
+            pool.unload(name)
+        except KeyError:
+            return _error(
+                404, f"no adapter named {name!r} is loaded", param="lora_name", code="model_not_found"
+            )
+        log.info("unloaded LoRA adapter %s", name)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     end_of_turn: list = []  # the chat template's end-of-turn id, found at the first chat request
 
@@ -105,8 +157,16 @@ def create_app(
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"the body is not valid JSON: {e}")
+        name = body.get("model", model) if isinstance(body, dict) else model
+        adapter = None if name == model or pool is None or not isinstance(name, str) else pool.get(name)
+        if name != model and adapter is None:  # OpenAI's answer to a model it does not have
+            available = ", ".join(model_names())
+            return _error(
+                404, f"the model {name!r} does not exist; this server serves {available}", param="model",
+                code="model_not_found",
+            )  # fmt: skip
         try:
-            req = parse(body, model=model, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len)
+            req = parse(body, model=name, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len)
         except api.BadRequest as e:
             return _error(400, str(e), param=e.param)
         loop = asyncio.get_running_loop()
@@ -119,7 +179,7 @@ def create_app(
                 rows = RowSampling.of(sampling, max_new_tokens=req.max_tokens, seed=req.seed, stream=j)
                 index = i * req.n + j
                 emit = lambda ev, index=index: loop.call_soon_threadsafe(events.put_nowait, (index, ev))  # noqa: E731
-                seqs.append(Sequence(ids, rows, stop=req.stop, emit=emit))
+                seqs.append(Sequence(ids, rows, stop=req.stop, emit=emit, adapter=adapter))
         try:
             sched.submit(*seqs)
         except TooManySequences as e:  # or TooManyTokens (max_tokens over the server's limit)
@@ -132,12 +192,12 @@ def create_app(
         cid = api.new_id()
         inflight.add(cid)  # a drain waits until every response is sent, not only generated
         if req.stream:
-            stream = _stream(events, seqs, cid, model, prompt_tokens, req.include_usage, inflight, chunk_json)
+            stream = _stream(events, seqs, cid, name, prompt_tokens, req.include_usage, inflight, chunk_json)
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         try:
-            return await _collect(request, events, seqs, cid, model, prompt_tokens, whole_json)
+            return await _collect(request, events, seqs, cid, name, prompt_tokens, whole_json)
         finally:
             inflight.discard(cid)
 
@@ -151,6 +211,8 @@ def create_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/load_lora_adapter", load_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_adapter, methods=["POST"]),
     ]
 
     async def not_found(request, exc):

@@ -170,7 +170,6 @@ def test_stop_strings_and_openai_client_streaming(server):
         ({"prompt": "ab", "n": 0}, "'n'"),
         ({"prompt": 5}, "prompt"),
         ({"prompt": [1, 999]}, "token ids"),
-        ({"prompt": "ab", "model": "gpt-4"}, "unknown model"),
         ({"prompt": "ab", "stream": "yes"}, "stream"),
         ({"prompt": "ab", "stop": [1]}, "stop"),
         ({"prompt": "ab", "logprobs": 3}, "logprobs"),
@@ -185,6 +184,17 @@ def test_bad_input_is_400(server, body, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_listing_the_models(server):
+    _, url = server
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "ab", "model": "gpt-4"}, timeout=30)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert (
+        err["code"] == "model_not_found"
+        and "'gpt-4' does not exist; this server serves tiny" in err["message"]
+    )
 
 
 def test_malformed_json_and_unknown_route(server):

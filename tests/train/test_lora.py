@@ -17,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ pac
 from configs import lora_llama  # noqa: E402
 from flaxgpt import hf_cli, loader  # noqa: E402
 from flaxgpt.data import prepare  # noqa: E402
+from flaxgpt.models.cache import AdapterCache, KVCache  # noqa: E402
+from flaxgpt.models.multi_lora import MultiLora  # noqa: E402
 from flaxgpt.runs import checkpoint as ckpt_lib  # noqa: E402
 from flaxgpt.train import trainer  # noqa: E402
 from flaxgpt.train.config_check import ConfigError  # noqa: E402
@@ -145,6 +147,15 @@ def test_train_py_end_to_end_then_peft_loads_the_adapter(dirs, tmp_path):
     assert np.abs(flax_logits(lora_run.config, lora_run.params, tokens) - want).max() < 1e-4
     plain = ref_logits(transformers.AutoModelForCausalLM.from_pretrained(dirs / "llama"), tokens)
     assert np.abs(want - plain).max() > 1e-3  # the adapters trained: not the base model
+    # unmerged, as serve.py --adapter NAME=RUN serves the run: slot 1 of models.multi_lora's stack
+    config, base = loader.load_pretrained(str(dirs / "llama"))
+    spec, adapters = loader.load_adapter(str(out), config)
+    multi = MultiLora(config, base, slots=2, rank=spec.rank)
+    stack = multi.write(multi.empty_stack(), 1, multi.slot_weights(spec, adapters))
+    cache = AdapterCache.wrap(KVCache.for_config(config, len(tokens), tokens.shape[1]), adapter=1)
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    logits, _ = jax.jit(lambda s, t: multi.step_fn(s)(t, positions, cache))(stack, tokens)
+    assert np.abs(np.asarray(logits) - want).max() < 1e-4
 
 
 @pytest.mark.parametrize(

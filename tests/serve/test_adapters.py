@@ -1,0 +1,238 @@
+"""Many LoRA adapters in one server, never merged: a tiny random Llama directory (with a tokenizer.json)
+and random PEFT adapters made with peft (non-zero B: each changes the tokens). Rows of different
+adapters decode in one engine step and give, each, the greedy tokens of its adapter merged into the
+base (flaxgpt.load_pretrained(base, adapter=...)); serve.py with --adapter NAME=DIR serves them to the
+openai client, loads and unloads adapters at run time, and answers bad names and bad loads."""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx
+import jax
+import numpy as np
+import openai
+import pytest
+import transformers
+
+import flaxgpt
+from flaxgpt.data.hf_tokenizer import HFTokenizer
+from flaxgpt.decode.sampling import Sampling, generate
+from flaxgpt.models.cache import KVCache
+from flaxgpt.models.gpt import step_fn
+from flaxgpt.serve import launch
+from flaxgpt.serve.adapters import AdapterPool
+from flaxgpt.serve.engine import RowSampling
+from tests.hf.test_llama import make_hf_model
+from tests.hf.test_llama_cli import make_tokenizer
+from tests.hf.test_peft import LLAMA_TARGETS, make_adapter
+from tests.serve.test_serve import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+W, N = 32, 10  # the window; new tokens per request
+PROMPTS = [[1, 17, 42, 99, 5], [1, 250, 3, 77], [1, 8, 8, 160, 200, 31], [1, 64]]
+ADAPTERS = {  # name -> (peft target_modules, rank, alpha, extra LoraConfig fields)
+    "a1": (LLAMA_TARGETS, 4, 8.0, {}),
+    "a2": (["q_proj", "v_proj"], 8, 4.0, {"use_rslora": True}),
+    "a3": (["gate_proj", "up_proj", "down_proj", "o_proj"], 2, 16.0, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    make_hf_model("llama", root / "base")
+    make_tokenizer(str(root / "base"))
+    for name, (targets, r, alpha, extra) in ADAPTERS.items():
+        base = transformers.AutoModelForCausalLM.from_pretrained(root / "base")  # peft changes its model
+        make_adapter(base, root / name, targets, r=r, alpha=alpha, **extra)
+    # bad adapters: one for a narrower Llama (shapes), one on the LM head (a module flaxgpt never adapts)
+    make_adapter(make_hf_model("llama", root / "other", hidden_size=32), root / "other_base", ["q_proj"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "base")
+    make_adapter(base, root / "head", ["q_proj", "lm_head"])
+    return root
+
+
+def merged_tokens(root, name) -> list[list[int]]:
+    """The reference: greedy tokens of the adapter merged into the base (None: the base alone), each
+    prompt a row of one batch (rows are independent)."""
+    config, params = flaxgpt.load_pretrained(str(root / "base"), adapter=name and str(root / name))
+    prompt_BP = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
+    for b, p in enumerate(PROMPTS):
+        prompt_BP[b, : len(p)] = p
+    out, _ = generate(
+        step_fn(config, params), KVCache.for_config(config, len(PROMPTS), W), prompt_BP,
+        [len(p) for p in PROMPTS], max_new_tokens=N, rng=jax.random.key(0), temperature=0.0,
+    )  # fmt: skip
+    return out.tolist()
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    """(adapter name or None, prompt index) -> the merged model's tokens."""
+    return {(name, i): out for name in (None, *ADAPTERS) for i, out in enumerate(merged_tokens(dirs, name))}
+
+
+def test_the_adapters_change_the_tokens(server, reference):
+    """Else every comparison below would pass with adapters ignored. (`server` first: serve.py starts
+    compiling now, while the tests before the end-to-end one run.)"""
+    for i in range(len(PROMPTS)):
+        assert len({tuple(reference[name, i]) for name in (None, *ADAPTERS)}) == 4, i
+
+
+def test_pool_swaps_least_recently_used_and_unload_waits_for_holders():
+    writes = []
+    pool = AdapterPool(lambda path: f"w:{path}", lambda slot, w: writes.append((slot, w)), slots=3)
+    x, y, z = (pool.load(n, n) for n in "xyz")
+    assert pool.acquire(None) == 0 and pool.acquire(x) == 1 and pool.acquire(y) == 2
+    assert pool.acquire(z) is None  # both slots held by running requests: z waits
+    pool.release(1)
+    assert pool.acquire(x) == 1 and writes == [(1, "w:x"), (2, "w:y")]  # resident: no write
+    pool.release(1), pool.release(1), pool.release(2)
+    assert pool.acquire(z) == 2  # y used less recently than x: evicted
+    assert writes[-1] == (2, "w:z") and pool.resident_names() == [None, "x", "z"]
+    pool.unload("z")  # held: keeps its slot, gone for new requests
+    assert pool.get("z") is None and pool.resident_names()[2] == "z"
+    pool.release(2)
+    assert pool.resident_names() == [None, "x", None]
+    with pytest.raises(ValueError, match="already loaded"):
+        pool.load("x", "again")
+    with pytest.raises(KeyError):
+        pool.unload("z")
+
+
+def test_engine_rows_of_different_adapters_match_merged(dirs, reference):
+    """One engine, four slots: a1, the base, a2 and a1 again decode together; then a3, not resident
+    (two adapter slots, both held), swaps in once a2's request ends, and a1 unloaded mid-request
+    still finishes its rows with a1."""
+    config, params = flaxgpt.load_pretrained(str(dirs / "base"))
+    named = [(n, str(dirs / n)) for n in ("a1", "a2", "a3")]
+    sched = launch.scheduler_for(
+        config, params, None, slots=4, max_len=W, prefill_chunk=16, prefix_cache_tokens=0,
+        adapters=named, max_adapters=2, max_lora_rank=8,
+    )  # fmt: skip
+    engine, pool = sched.engine, sched.adapters
+    rows = RowSampling.of(Sampling(temperature=0.0), max_new_tokens=N)
+    got, held = {}, {}
+
+    def start(b, name, i):
+        slot = pool.acquire(pool.get(name) if name else None)
+        assert slot is not None, name
+        prefix = engine.prefill(PROMPTS[i], rows, adapter=slot)
+        engine.insert(prefix, b)
+        got[b], held[b] = (name, i, [int(prefix.first)]), slot
+
+    def run_until_done():
+        while True:
+            tokens_BC, new_B, done_B = engine.generate()
+            for b, (_, _, out) in got.items():
+                out += tokens_BC[b, : new_B[b]].tolist()
+            if done_B.all():
+                return
+
+    for b, (name, i) in enumerate([("a1", 0), (None, 1), ("a2", 2), ("a1", 3)]):
+        start(b, name, i)
+    assert pool.acquire(pool.get("a3")) is None  # a1 and a2 hold both adapter slots
+    pool.unload("a1")  # its two requests keep their slot
+    run_until_done()
+    for name, i, out in got.values():
+        assert out == reference[name, i], (name, i)
+    for b in range(4):
+        pool.release(held[b])
+    assert pool.resident_names() == [None, None, "a2"]  # a1's slot emptied once its requests ended
+    got.clear()
+    start(0, "a3", 0)  # into a1's emptied slot
+    start(1, "a2", 1)  # still resident
+    start(2, None, 2)
+    run_until_done()
+    for name, i, out in got.values():
+        assert out == reference[name, i], (name, i)
+    assert pool.swaps == 3  # a1, a2, a3: each written once
+
+
+@pytest.fixture(scope="module")
+def server(dirs):
+    """serve.py started (not yet waited for) with a1 and a2 in two adapter slots."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    cmd = [sys.executable, str(ROOT / "serve.py"), "--init_from", str(dirs / "base"), "--port", str(port)]
+    cmd += ["--adapter", f"a1={dirs / 'a1'}", "--adapter", f"a2={dirs / 'a2'}", "--model_name", "base"]
+    cmd += ["--max_adapters", "2", "--max_lora_rank", "8", "--max_len", str(W), "--slots", "4"]
+    cmd += ["--prefill_chunk", "16"]  # one prompt bucket: one prefill program to compile
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield proc, f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait(timeout=30)
+
+
+def wait_healthy(proc, url):
+    for _ in range(600):  # compiling on a loaded 2-core machine: at most 5 minutes
+        if proc.poll() is not None:
+            pytest.fail(f"server exited {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("server not healthy after 300 s")
+
+
+def test_served_adapters_match_merged_and_load_unload_at_run_time(dirs, reference, server):
+    proc, url = server
+    wait_healthy(proc, url)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    tok = HFTokenizer(str(dirs / "base"))
+
+    def complete(name, i):
+        r = client.completions.create(
+            model=name or "base",
+            prompt=PROMPTS[i],
+            max_tokens=N,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert r.model == (name or "base")
+        return r.choices[0].text
+
+    def check(cases):
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            texts = list(pool.map(lambda c: complete(*c), cases))
+        for (name, i), text in zip(cases, texts, strict=True):
+            assert text == tok.decode(reference[name, i]), (name, i)
+
+    assert [m.id for m in client.models.list().data] == ["base", "a1", "a2"]
+    check([("a1", 0), (None, 1), ("a2", 2), ("a1", 3), ("a2", 0), (None, 3)])
+
+    load = lambda **body: httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)  # noqa: E731
+    unload = lambda **body: httpx.post(f"{url}/v1/unload_lora_adapter", json=body, timeout=60)  # noqa: E731
+    assert load(lora_name="a3", lora_path=str(dirs / "a3")).status_code == 200
+    # a3 evicts the least recently used of a1 and a2, and the next a1 or a2 swaps back in
+    check([("a3", 1), ("a3", 2), (None, 0)])
+    check([("a1", 2), ("a2", 1), ("a3", 3)])
+    assert unload(lora_name="a2").status_code == 200
+    assert [m.id for m in client.models.list().data] == ["base", "a1", "a3"]
+
+    for name in ("a2", "nope"):
+        with pytest.raises(openai.NotFoundError) as e:
+            complete(name, 0)
+        assert e.value.body["code"] == "model_not_found" and "base, a1, a3" in e.value.body["message"]
+    bad = {
+        "a1": str(dirs / "a2"),  # the name is taken
+        "b1": str(dirs / "other_base"),  # shapes of another base
+        "b2": str(dirs / "head"),  # lm_head: the base has no such target
+        "b3": str(dirs / "missing"),
+    }
+    for name, path in bad.items():
+        r = load(lora_name=name, lora_path=path)
+        assert r.status_code == 400 and r.json()["error"]["message"], (name, r.text)
+    assert unload(lora_name="nope").status_code == 404
+    assert [m.id for m in client.models.list().data] == ["base", "a1", "a3"]
+    check([(None, 2), ("a1", 1), ("a3", 0)])  # still serving, nothing half-loaded
