@@ -8,7 +8,6 @@ import concurrent.futures
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,7 +30,7 @@ from flaxgpt.serve.engine import RowSampling
 from tests.hf.test_llama import make_hf_model
 from tests.hf.test_llama_cli import make_tokenizer
 from tests.hf.test_peft import LLAMA_TARGETS, make_adapter
-from tests.serve.test_serve import free_port
+from tests.serve.test_serve import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 W, N = 32, 10  # the window; new tokens per request
@@ -168,21 +167,6 @@ def server(dirs):
     yield proc, f"http://127.0.0.1:{port}"
     proc.kill()
     proc.wait(timeout=30)
-
-
-def wait_healthy(proc, url):
-    for _ in range(600):  # compiling on a loaded 2-core machine: at most 5 minutes
-        if proc.poll() is not None:
-            pytest.fail(f"server exited {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server not healthy after 300 s")
 
 
 def test_served_adapters_match_merged_and_load_unload_at_run_time(dirs, reference, server):

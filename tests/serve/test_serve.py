@@ -37,6 +37,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(proc, url):
+    """Until serve.py answers /health; a server that exits or stays silent fails the test."""
+    for _ in range(600):  # compiling on a loaded 2-core machine: at most 5 minutes
+        if proc.poll() is not None:
+            pytest.fail(f"server exited {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    pytest.fail("server not healthy after 300 s")
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
@@ -52,18 +67,7 @@ def server(tmp_path_factory):
     cmd += ["--slots", "2", "--max_queue", "1", "--model_name", "tiny"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):  # compiling on a loaded 2-core machine: at most 5 minutes
-        if proc.poll() is not None:
-            pytest.fail(f"server exited {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("server not healthy after 300 s")
+    wait_healthy(proc, url)
     yield proc, url
     if proc.poll() is None:
         proc.kill()
