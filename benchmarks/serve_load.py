@@ -18,7 +18,8 @@ the engine before chunked prefill) and with --prefill_chunk N (its default), sam
 With --adapters K the sides are serve.py without adapters (every request on the base) and serve.py
 with K random all-linear LoRA adapters of rank --lora_rank (PEFT directories written by the side
 itself; --max_adapters K: all resident), request i naming adapter i % K; both without the prefix
-cache (the adapter server has none), same load.
+cache (the adapter server has none), same load; and, unless --skip_hf, transformers + peft with the
+same K adapters loaded (PeftModel.load_adapter), one request at a time, set_adapter per request.
 Figures: generated tokens / wall time; time to first token (serve: from sending the request,
 queueing included; one at a time: from the start of its own generation); inter-token latency per
 request = (last token time - first token time) / (tokens - 1), p50 and p99 over requests.
@@ -213,10 +214,45 @@ def run_flaxgpt_side(a, reqs):
 def run_hf_side(a, reqs):
     import torch
     import transformers
-    from transformers.generation.streamers import BaseStreamer
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
+    one = _hf_one(transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval())
+    one({"prompt": reqs[0]["prompt"], "max_tokens": 4, "seed": 0})  # warm up
+    name = f"transformers {transformers.__version__} (torch {torch.__version__}) generate one at a time"
+    return _sequential(name, reqs, one)
+
+
+def run_hf_peft_side(a, reqs):
+    """transformers + peft, one request at a time, the adapter of each request switched in first
+    (PeftModel.set_adapter over all K adapters loaded: the way one process serves many with peft)."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
+    with tempfile.TemporaryDirectory() as root:
+        names = write_adapters(root, a.adapters, a.lora_rank)  # the serve side's adapters, same seeds
+        model = peft.PeftModel.from_pretrained(base, f"{root}/{names[0]}", adapter_name=names[0])
+        for n in names[1:]:
+            model.load_adapter(f"{root}/{n}", adapter_name=n)
+    model.eval()
+    one_hf = _hf_one(model)
+
+    def one(req, i=[0]):  # noqa: B006  (request i names adapter i % K, as on the serve side)
+        model.set_adapter(names[i[0] % len(names)])
+        i[0] += 1
+        return one_hf(req)
+
+    one_hf({"prompt": reqs[0]["prompt"], "max_tokens": 4, "seed": 0})  # warm up
+    versions = f"transformers {transformers.__version__}, peft {peft.__version__}, torch {torch.__version__}"
+    return _sequential(f"{versions}: {a.adapters} adapters, one request at a time", reqs, one)
+
+
+def _hf_one(model):
+    """One request through a torch model's generate: (start time, each new token's time)."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
 
     class Clock(BaseStreamer):
         def __init__(self):
@@ -234,15 +270,13 @@ def run_hf_side(a, reqs):
         torch.manual_seed(req["seed"])
         with torch.no_grad():
             model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=req["max_tokens"],
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=req["max_tokens"],
                 min_new_tokens=req["max_tokens"], do_sample=True, temperature=1.0, top_k=50,
                 pad_token_id=50256, streamer=clock,
             )  # fmt: skip
         return start, clock.times[1:]  # the first put() is the prompt
 
-    one({"prompt": reqs[0]["prompt"], "max_tokens": 4, "seed": 0})  # warm up
-    name = f"transformers {transformers.__version__} (torch {torch.__version__}) generate one at a time"
-    return _sequential(name, reqs, one)
+    return one
 
 
 def _sequential(name, reqs, one):
@@ -293,7 +327,7 @@ def parse(argv):
     p.add_argument(
         "--side",
         default=None,
-        choices=["serve", "serve_whole", "serve_base", "serve_adapters", "flaxgpt", "hf"],
+        choices=["serve", "serve_whole", "serve_base", "serve_adapters", "flaxgpt", "hf", "hf_peft"],
         help=argparse.SUPPRESS,
     )
     a = p.parse_args(argv)
@@ -309,7 +343,7 @@ def main(argv=None):
     if a.side:
         run = {s: run_server_side for s in ("serve", "serve_whole", "serve_base", "serve_adapters")}
         run["flaxgpt"] = run_flaxgpt_side
-        result = {**run, "hf": run_hf_side}[a.side](a, reqs)
+        result = {**run, "hf": run_hf_side, "hf_peft": run_hf_peft_side}[a.side](a, reqs)
         return harness.print_result(result)
     load = f"{a.requests} requests, {a.clients} clients, slots {a.slots}"
     lengths = f"prompts {a.min_prompt}-{a.max_prompt}, outputs {a.min_new}-{a.max_new} tokens"
@@ -371,6 +405,12 @@ def adapters_ab(a, args, env):
         harness.Figure("ITL p50 (lower: > 1x)", spread, "itl_p50", base, "itl_p50", **lower),
         harness.Figure("ITL p99 (lower: > 1x)", spread, "itl_p99", base, "itl_p99", **lower),
     ]
+    if not a.skip_hf:
+        peft_side = "transformers + peft"
+        sides.append(harness.Side(peft_side, [a.torch_python, __file__, *args, "--side", "hf_peft"], env=env))
+        figures.append(
+            harness.Figure("tok/s (adapters / transformers + peft)", spread, "tok_s", peft_side, "tok_s")
+        )
     report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
     print_medians(report, sides)
 
