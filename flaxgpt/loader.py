@@ -152,9 +152,8 @@ def load_adapter(source: str, config):
     return spec, adapters
 
 
-def init(
-    config, *, seed: int = 0, tokenizer=None, dtype: str | None = None, quantize: str | None = None, place=None
-):
+def init(config, *, seed: int = 0, tokenizer=None, dtype: str | None = None, quantize: str | None = None,
+         place=None):  # fmt: skip
     """A GPT with random weights as a Run: `config` a GPTConfig or a preset's name, `tokenizer` by
     default GPT-2's; cast and quantized as `load`'s, placed by `place` (the same weights on any mesh).
     For load tests and attention maps without a download."""
@@ -165,7 +164,8 @@ def init(
     from flaxgpt.models import gpt
 
     config = gpt.GPTConfig.preset(config) if isinstance(config, str) else config
-    placed = {} if place is None or place.mesh is None else {"out_shardings": place.shardings(gpt.abstract_params(config))}
+    shardings = None if place is None else place.shardings(gpt.abstract_params(config))
+    placed = {} if shardings is None else {"out_shardings": shardings}  # None: one device, as before
     params = jax.jit(lambda key: gpt.init_params(config, key), **placed)(jax.random.key(seed))
     run = Run("gpt", config, params, tokenizer or tokenizers.get_tokenizer("gpt2"))
     return compact(run, dtype=dtype, quantize=quantize)

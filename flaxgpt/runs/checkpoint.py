@@ -401,13 +401,14 @@ class Checkpointer:
         only its slices)."""
         step = self._resolve_step(step)
         sharding = sharding or _local_sharding()
-        placed = None if isinstance(sharding, jax.sharding.Sharding) else dict(state_tree.named_leaves(sharding))
+        one = isinstance(sharding, jax.sharding.Sharding)
+        placed = None if one else dict(state_tree.named_leaves(sharding))
 
         def of(name):
             if placed is None:
                 return sharding
             if name not in placed:
-                raise CheckpointError(f"checkpoint step {step} holds {path}/{name}, which its model does not have")
+                raise CheckpointError(f"checkpoint step {step} holds {path}/{name}, a leaf its model lacks")
             return placed[name]
 
         flat = {

@@ -32,7 +32,9 @@ V = 304
 
 
 def env():
-    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "JAX_NUM_CPU_DEVICES": "8"}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""} | {
+        "JAX_NUM_CPU_DEVICES": "8"
+    }
 
 
 def serve_cmd(directory, *args):
@@ -106,7 +108,8 @@ def test_a_mesh_that_does_not_fit_is_one_line_at_start_up(llama):
         "--mesh 3 does not divide this model: ['lm_head']['kernel'] has 304 along the axis serving "
         "splits (MLP hidden size, vocabulary); serve it over a --mesh that divides 304"
     )
-    r = subprocess.run(serve_cmd(llama, "--mesh", "16"), env=env(), capture_output=True, text=True, timeout=120)
+    cmd = serve_cmd(llama, "--mesh", "16")
+    r = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         "error: --mesh 16 asks for 16 devices; this cpu backend has 8: use --mesh 1..8"
     ], r.stderr[-3000:]
