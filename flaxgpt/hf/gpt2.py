@@ -173,7 +173,8 @@ def load_gpt2(
     shapes = nn.unbox(abstract_params(flat))  # the HF shapes: unpadded vocab, all n_positions rows
     dtype = jnp.dtype(param_dtype)
     L = config.n_layer
-    put = (place or sharding.Placement()).putter(lambda: abstract_params(config))  # a bad mesh: now
+    # over a mesh its shardings are made here: a mesh that does not divide the model fails before any read
+    put = (place or sharding.Placement()).putter(lambda: abstract_params(config))
 
     with open_tensors(directory) as table:
         expected = set(TOP_KEYS) | {f"h.{i}.{k}" for i in range(L) for k in BLOCK_KEYS}

@@ -103,7 +103,8 @@ def load_rotary(
     flat = dataclasses.replace(config, scan_layers=False, pad_vocab_multiple=1)
     shapes = nn.unbox(abstract_params(flat))
     dtype, L, D, PV = jnp.dtype(param_dtype), config.n_layer, config.n_embd, config.padded_vocab_size
-    put = (place or sharding.Placement()).putter(lambda: abstract_params(config))  # a bad mesh: now
+    # over a mesh its shardings are made here: a mesh that does not divide the model fails before any read
+    put = (place or sharding.Placement()).putter(lambda: abstract_params(config))
     with hf_files.open_tensors(directory) as table:
         keys = [layer_keys(family, config, i) for i in range(L)]
         expected = set(TOP_KEYS) | {f"model.layers.{i}.{k}" for i in range(L) for k in keys[i]}
