@@ -4,6 +4,8 @@
     python serve.py --init_from gpt2 --slots 8 --port 8000             # GPT-2 weights (HF cache or download)
     python serve.py --init_from gpt2 --random_init                     # GPT-2's shape, random weights
     python serve.py --init_from gpt2 --quantize int8                   # int8 weights: faster decoding
+    python serve.py --init_from path/to/Meta-Llama-3-8B --dtype bfloat16 --mesh 8 --slots 16 \
+        --max_len 8192 --prefill_chunk 128       # split over 8 devices (a v5e-8): docs/serving_ops.md
     python serve.py --init_from path/to/SmolLM2-135M --adapter path/to/peft_adapter   # base + LoRA merged
     python serve.py --init_from path/to/SmolLM2-135M --adapter sql=adapters/sql --adapter chat=out/lora_run
         # many LoRA adapters, unmerged: a request's "model" picks one ("sql", "chat" or the base's name)
@@ -60,6 +62,14 @@ def parse_args(argv):
     )
     p.add_argument("--slots", type=int, default=8, help="requests decoded together (rows of the KV cache)")
     p.add_argument(
+        "--mesh",
+        type=int,
+        default=1,
+        help="devices the model is split over (a data 1 x fsdp N mesh, flaxgpt aot --serve_devices N's): "
+        "each loads only its slices of the MLP and vocabulary weights (sharding.SERVE_RULES) and holds "
+        "slots / N of the KV cache (default 1: one device)",
+    )
+    p.add_argument(
         "--max_len", type=int, default=None, help="context window per request (default block_size)"
     )
     p.add_argument("--chunk", type=int, default=4, help="decode steps between admitting new requests")
@@ -108,6 +118,10 @@ def parse_args(argv):
         p.error("--max_adapters must be >= 1 with --adapter NAME=DIR (and >= 0), --max_lora_rank >= 1")
     if a.max_adapters and a.quantize:
         p.error("adapters are served over float weights: --quantize does not go with --max_adapters")
+    if a.mesh < 1:
+        p.error(f"--mesh must be >= 1 (devices), got {a.mesh}")
+    if a.mesh > 1 and a.max_adapters:
+        p.error("LoRA adapters are served on one device: --mesh goes without NAME=DIR adapters")
     for name in ("prefill_chunk", "prefix_cache_tokens"):
         if getattr(a, name) < 0:
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
@@ -129,6 +143,7 @@ def main(argv=None):
     logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)  # and its access log, a line per request
     from flaxgpt.serve import launch, server
 
+    mesh = launch.serving_mesh(a.mesh, a.slots)  # more devices than there are: one line, nothing loaded
     run, name = launch.load(
         a.out_dir,
         a.init_from,
@@ -137,6 +152,7 @@ def main(argv=None):
         random_init=a.random_init,
         quantize=a.quantize,
         adapter=a.adapter,
+        mesh=mesh,
     )
     config, tok = run.config, run.tokenizer
     sched = launch.scheduler_for(
@@ -154,6 +170,7 @@ def main(argv=None):
         adapters=a.adapters,
         max_adapters=a.max_adapters,
         max_lora_rank=a.max_lora_rank,
+        mesh=mesh,
     )
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(
@@ -183,4 +200,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from flaxgpt import errors
+
+    sys.exit(errors.run_cli(main))  # bad input found at start-up (a mesh that does not fit): one line

@@ -8,12 +8,17 @@
     config, params = flaxgpt.load_pretrained("base", adapter="adapter_dir", quantize="int8")
     spec, adapters = loader.load_adapter("adapter_dir or a LoRA run", config)   # unmerged
     run = loader.init("gpt2", dtype="bfloat16")                   # a preset's random weights
+    run = flaxgpt.load("path/to/Llama", place=sharding.Placement(mesh))   # split over a mesh as it loads
 
 sample.py, serve.py, `flaxgpt eval`, `flaxgpt hf export`, `flaxgpt attention-map` and
 `flaxgpt summary --run` load through `load`; `compact` is the one place that casts (`dtype`) and then
 quantizes (`quantize`). A LoRA run (runs.lora_run) is its base's weights with its adapters merged, as
 is pretrained weights plus a PEFT `adapter`; `load_adapter` reads either kind of adapter unmerged (a
 server applies many per batch row: models.multi_lora). Bad input is a one-line ValueError / OSError.
+`place` (a sharding.Placement, built by the caller) is where every leaf goes as it loads: by default
+whole onto one device; over a mesh each device receives only its slices (Hugging Face files read a
+tensor at a time on the host, a run's checkpoint restored by orbax into the shardings, random weights
+initialized by a jit with those out_shardings), and casting and quantizing keep the placement.
 
 May import: flaxgpt.runs, flaxgpt.hf, flaxgpt.models, flaxgpt.data.
 """
@@ -38,6 +43,7 @@ def load(
     quantize: str | None = None,
     adapter: str | None = None,
     overrides: dict | None = None,
+    place=None,
 ) -> Run:
     """The model at `source` as a Run(kind, config, params, tokenizer), params on one local device.
 
@@ -49,13 +55,14 @@ def load(
     merged into pretrained weights; a LoRA run's directory loads its base with its own adapters merged.
     `overrides`: GPTConfig fields that do not change the weights (attention_impl, remat, ...): a run's
     replace its saved ones, a Hugging Face checkpoint's are checked by its family's config mapping.
+    `place`: a sharding.Placement (default: one device); see the module docstring.
     """
     _check(dtype, quantize)
     overrides = overrides or {}
     if is_run_dir(source):
         if adapter is not None:
             raise ValueError(f"adapter={adapter} goes with pretrained weights; the run {source} has its own")
-        run = _load_run(source, step)
+        run = _load_run(source, step, place)
         try:
             run = run._replace(config=dataclasses.replace(run.config, **overrides))
         except TypeError:
@@ -70,7 +77,10 @@ def load(
             )
         from flaxgpt.hf import pretrained
 
-        config, params = load_pretrained(str(source), adapter=adapter, **overrides)
+        if dtype is not None and adapter is None and "param_dtype" not in overrides:
+            # read straight into the dtype: a float32 copy first would hold twice the weights
+            overrides = {**overrides, "param_dtype": dtype}
+        config, params = load_pretrained(str(source), adapter=adapter, place=place, **overrides)
         run = Run("gpt", config, params, pretrained.load_tokenizer(str(source)))
     if quantize is not None and run.kind != "gpt":
         raise ValueError(f"{source} holds a {run.kind} model; quantize applies to GPT models")
@@ -87,17 +97,18 @@ def _check(dtype, quantize) -> None:
         check_mode(quantize)
 
 
-def _load_run(source, step) -> Run:
+def _load_run(source, step, place=None) -> Run:
     """A run directory's checkpoint; a LoRA run's adapters merged into the base they were trained on."""
     from flaxgpt.runs import lora_run, run_dir
 
     if not lora_run.lora_section(source):
-        return run_dir.load_run(source, step)
+        return run_dir.load_run(source, step, place)
     from flaxgpt.hf import pretrained
     from flaxgpt.models import lora
 
     lr = lora_run.read_lora_run(source, step)
-    _, base = pretrained.load_pretrained(lr.base, **{f: getattr(lr.config, f) for f in BASE_LAYOUT})
+    layout = {f: getattr(lr.config, f) for f in BASE_LAYOUT}
+    _, base = pretrained.load_pretrained(lr.base, place=place, **layout)
     return Run("gpt", lr.config, lora.merge(lr.config, lr.spec, base, lr.adapters), lr.tokenizer)
 
 
@@ -141,9 +152,11 @@ def load_adapter(source: str, config):
     return spec, adapters
 
 
-def init(config, *, seed: int = 0, tokenizer=None, dtype: str | None = None, quantize: str | None = None):
+def init(config, *, seed: int = 0, tokenizer=None, dtype: str | None = None, quantize: str | None = None,
+         place=None):  # fmt: skip
     """A GPT with random weights as a Run: `config` a GPTConfig or a preset's name, `tokenizer` by
-    default GPT-2's; cast and quantized as `load`'s. For load tests and attention maps without a download."""
+    default GPT-2's; cast and quantized as `load`'s, placed by `place` (the same weights on any mesh).
+    For load tests and attention maps without a download."""
     _check(dtype, quantize)
     import jax
 
@@ -151,7 +164,9 @@ def init(config, *, seed: int = 0, tokenizer=None, dtype: str | None = None, qua
     from flaxgpt.models import gpt
 
     config = gpt.GPTConfig.preset(config) if isinstance(config, str) else config
-    params = jax.jit(lambda key: gpt.init_params(config, key))(jax.random.key(seed))
+    shardings = None if place is None else place.shardings(gpt.abstract_params(config))
+    placed = {} if shardings is None else {"out_shardings": shardings}  # None: one device, as before
+    params = jax.jit(lambda key: gpt.init_params(config, key), **placed)(jax.random.key(seed))
     run = Run("gpt", config, params, tokenizer or tokenizers.get_tokenizer("gpt2"))
     return compact(run, dtype=dtype, quantize=quantize)
 

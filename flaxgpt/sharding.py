@@ -8,6 +8,8 @@ SERVE_RULES place the weights for decoding over several devices (the MLP and voc
 A mixture of experts may add an "expert" axis (make_mesh(..., expert=n)): the stacked expert weights
 are split over it by their "expert" axis, and each token visits the devices of its experts
 (models/moe.py: expert_parallel); rules_for(mesh) is the table for such a mesh.
+Loading weights goes through one seam, Placement: every loader puts each leaf from host memory with
+it, whole onto the default device (Placement()) or straight into a mesh's slices (`put`).
 
 May import: nothing of flaxgpt.
 """
@@ -50,6 +52,40 @@ SERVE_RULES = (
     ("expert", None),
     ("layers", None),
 )
+
+
+def put(x, sharding=None) -> jax.Array:
+    """A host array onto devices: whole onto the default device (sharding None: one device), else
+    straight into `sharding`'s slices, each device receiving only its own (a weight split 8 ways puts
+    an eighth on each device, never the whole on any one)."""
+    if sharding is None:
+        return jax.device_put(x)
+    return jax.make_array_from_callback(np.shape(x), sharding, lambda index: x[index])
+
+
+class Placement:
+    """Where a model's weights go as they load, leaf by leaf from host memory: whole onto the default
+    device (`Placement()`, what one device does), or split over `mesh` by a logical-axis `rules` table
+    (serving: SERVE_RULES), each device receiving only its slices. Every loader takes one
+    (flaxgpt.loader: Hugging Face files, run directories, random weights)."""
+
+    def __init__(self, mesh: Mesh | None = None, rules=SERVE_RULES):
+        self.mesh, self.rules = mesh, rules
+
+    def shardings(self, abstract_boxed_params):
+        """The (unboxed) parameter tree's NamedShardings, None on one device; a mesh that does not
+        divide a parameter's split dimension is a one-line ValueError (before any weight is read)."""
+        if self.mesh is None:
+            return None
+        return param_shardings(abstract_boxed_params, self.mesh, self.rules)
+
+    def putter(self, abstract_boxed_params):
+        """put(path, x) -> jax.Array: the host leaf at `path` (a tuple of dict keys) of the parameters
+        onto its devices. `abstract_boxed_params`: a function giving them (called over a mesh only)."""
+        if self.mesh is None:
+            return lambda path, x: put(x)
+        shardings = self.shardings(abstract_boxed_params())
+        return lambda path, x: put(x, functools.reduce(lambda t, k: t[k], path, shardings))
 
 
 def maybe_initialize_distributed(config) -> None:
@@ -216,6 +252,19 @@ def param_shardings(abstract_boxed_params, mesh: Mesh, rules=LOGICAL_RULES):
     return shardings
 
 
+class IndivisibleError(ValueError):
+    """A parameter dimension the mesh axes splitting it do not divide (one line; its fields let an
+    entry point name its own flag)."""
+
+    def __init__(self, parameter: str, dim: int, devices: int, axes: tuple):
+        self.parameter, self.dim, self.devices, self.axes = parameter, dim, devices, axes
+        flag = "expert" if EXPERT_AXIS in axes else "fsdp"
+        super().__init__(
+            f"parameter {parameter} dim {dim} is not divisible by the {devices} devices of mesh axes "
+            f"{axes}; choose mesh.{flag} dividing the model dims"
+        )
+
+
 def _check_divisible(abstract_params, shardings, mesh: Mesh) -> None:
     flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
     for (path, leaf), sharding in zip(flat, jax.tree_util.tree_leaves(shardings)):
@@ -223,12 +272,7 @@ def _check_divisible(abstract_params, shardings, mesh: Mesh) -> None:
             axes = (axes,) if isinstance(axes, str) else (axes or ())
             size = int(np.prod([mesh.shape[a] for a in axes]))
             if dim % size:
-                name = jax.tree_util.keystr(path)
-                raise ValueError(
-                    f"parameter {name} dim {dim} is not divisible by the {size} devices of "
-                    f"mesh axes {axes}; choose mesh.{'expert' if EXPERT_AXIS in axes else 'fsdp'} "
-                    "dividing the model dims"
-                )
+                raise IndivisibleError(jax.tree_util.keystr(path), dim, size, axes)
 
 
 def state_shardings(abstract_state, params_abstract, params_shardings, mesh: Mesh):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import flaxgpt
-from flaxgpt import loader
+from flaxgpt import loader, sharding
 from flaxgpt.data.tokenizers import CharTokenizer
 from flaxgpt.models import gpt, quantize
 from flaxgpt.models.cache import KVCache
@@ -89,3 +89,48 @@ def test_bad_sources_are_one_line(tmp_path, run_dir, hf_dir):
     with pytest.raises(RunError, match=r"empty is not a training run; point out_dir"):
         loader.require_run(tmp_path / "empty")
     loader.require_run(run_dir[0])
+
+
+def _placed_like_serve_rules(run, one, mesh) -> set[str]:
+    """Asserts every leaf of `run` sits in SERVE_RULES' sharding over `mesh`, each device holding one
+    slice of that sharding's shape, with the one-device load's values -> the leaves that are split."""
+    want = sharding.param_shardings(gpt.abstract_params(run.config), mesh, sharding.SERVE_RULES)
+    leaves = jax.tree_util.tree_leaves_with_path(run.params)
+    split = set()
+    for (path, x), s, y in zip(leaves, jax.tree.leaves(want), jax.tree.leaves(one.params), strict=True):
+        name = jax.tree_util.keystr(path)
+        assert x.sharding.is_equivalent_to(s, x.ndim), name
+        shard = s.shard_shape(x.shape)
+        assert [sh.data.shape for sh in x.addressable_shards] == [shard] * mesh.size, name
+        split |= {name} if shard != x.shape else set()
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+    return split
+
+
+@pytest.mark.devices(8)
+def test_placed_over_a_mesh_each_device_gets_only_its_slices(run_dir, hf_dir):
+    """flaxgpt.load / loader.init with place=Placement(mesh): Hugging Face files, a run's checkpoint
+    and random weights land split as SERVE_RULES say (MLP and vocabulary over the devices: an eighth
+    of each such weight per device, never the whole), with the one-device values; int8 quantizing
+    keeps the split; a mesh that does not divide the vocabulary is a one-line error."""
+    eight, two = sharding.make_mesh(1, 8), sharding.make_mesh(1, 2, jax.devices()[:2])
+    mlp_and_vocab = {"['h_0']['mlp']['c_fc']['kernel']", "['h_0']['mlp']['c_proj']['kernel']"}
+    mlp_and_vocab |= {"['wte']['embedding']", "['h_0']['mlp']['c_fc']['bias']"}
+    many = flaxgpt.load(hf_dir[0], place=sharding.Placement(eight))
+    assert mlp_and_vocab <= _placed_like_serve_rules(many, flaxgpt.load(hf_dir[0]), eight)
+    many = flaxgpt.load(run_dir[0], place=sharding.Placement(two))  # vocabulary 10: 2 devices
+    assert mlp_and_vocab <= _placed_like_serve_rules(many, flaxgpt.load(run_dir[0]), two)
+    cfg = gpt.GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    many = loader.init(cfg, place=sharding.Placement(eight))
+    assert mlp_and_vocab <= _placed_like_serve_rules(many, loader.init(cfg), eight)
+
+    one = flaxgpt.load(hf_dir[0], quantize="int8")
+    many = flaxgpt.load(hf_dir[0], quantize="int8", place=sharding.Placement(eight))
+    jax.tree.map(
+        lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), many.params, one.params
+    )
+    for w in (many.params["h_0"]["mlp"]["c_fc"]["kernel"].w, many.params["lm_head"]["kernel"].w):
+        assert w.dtype == jnp.int8 and w.addressable_shards[0].data.shape[0] * 8 == w.shape[0]
+
+    with pytest.raises(sharding.IndivisibleError, match=r"^parameter \['wte'\]\['embedding'\] dim 10 is not"):
+        flaxgpt.load(run_dir[0], place=sharding.Placement(eight))

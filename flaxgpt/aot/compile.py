@@ -10,7 +10,8 @@
 Overrides are train.py's (`--config.section.key=value`, the recipe locked). For each program (train,
 eval, sample = prefill + decode, serve = prefill + generate) one line, figures per device: parameters,
 optimizer state, temporaries and the total against the target's memory, the attention kernel,
-compile time, FLOPs, the roofline step-time bound and MFU ceiling; then its collectives. Exit 1 when
+compile time, FLOPs, the roofline step-time bound and MFU ceiling; then its collectives; with serve,
+the serve.py command that runs the compiled programs (`serve_command`). Exit 1 when
 a program does not fit (with --headroom F: within (1 - F) of the memory). --dump DIR writes the
 optimized HLO of each program. TPU targets need libtpu (`pip install "jax[tpu]==<jax version>"`),
 GPU ones the CUDA plugin (`pip install "jax[cuda12]==<jax version>"`); no accelerator is needed.
@@ -137,8 +138,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --headroom {args.headroom} must be in [0, 1)")
     config, path = load_config(rest)
     t0 = time.perf_counter()
-    rows, _ = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,
-                  quantize=args.quantize, serve_devices=args.serve_devices, dump=args.dump)  # fmt: skip
+    rows, mc = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,
+                   quantize=args.quantize, serve_devices=args.serve_devices, dump=args.dump)  # fmt: skip
     from flaxgpt.aot import report
 
     print(
@@ -147,12 +148,38 @@ def main(argv=None) -> int:
         f"in {time.perf_counter() - t0:.1f} s"
     )
     print(report.table(rows, target, args.headroom))
+    if any(r.program.startswith("serve.") for r in rows):
+        settings = dict(
+            slots=args.slots, max_len=args.max_len, quantize=args.quantize, devices=args.serve_devices
+        )
+        print(f"serve.py running these programs: {serve_command(config, mc, **settings)}")
     misfits = [r.program for r in rows if not r.fits(args.headroom)]
     if misfits:
         verb = "does" if len(misfits) == 1 else "do"
         print(f"error: {', '.join(misfits)} {verb} not fit {target.name}", file=sys.stderr)
         return 1
     return 0
+
+
+def serve_command(config, mc, *, slots: int, max_len: int, quantize=None, devices: int = 1) -> str:
+    """The serve.py command whose engine runs the serve programs compiled for these settings: the
+    recipe's weights (init_from, or its run directory) in their dtype, the slots, window and prefill
+    chunk (128: programs.serve_programs'), weight-only `quantize`, over `devices` (--mesh: the same
+    data 1 x fsdp N mesh and SERVE_RULES)."""
+    from flaxgpt.aot import programs as programs_lib
+
+    init_from = config.get("init_from", "auto")
+    source = (
+        f"--out_dir {config.out_dir}"
+        if init_from in programs_lib.FRESH_STARTS
+        else f"--init_from {init_from}"
+    )
+    W = min(max_len or mc.block_size, mc.block_size)
+    cmd = (
+        f"python serve.py {source} --dtype {mc.param_dtype} --slots {slots} --max_len {W} --prefill_chunk 128"
+    )
+    cmd += f" --quantize {quantize}" if quantize else ""
+    return cmd + (f" --mesh {devices}" if devices > 1 else "")
 
 
 def targets_table() -> str:

@@ -272,3 +272,11 @@ def set_path(tree: dict, path: tuple, value) -> None:
     for k in path[:-1]:
         tree = tree.setdefault(k, {})
     tree[path[-1]] = value
+
+
+def put_tree(put, tree: dict, path: tuple = ()) -> dict:
+    """Every host leaf of a nested dict through put(path, x) (a sharding.Placement's putter)."""
+    return {
+        k: put_tree(put, v, (*path, k)) if isinstance(v, dict) else put((*path, k), v)
+        for k, v in tree.items()
+    }

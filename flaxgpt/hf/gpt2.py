@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from flaxgpt import sharding
 from flaxgpt.hf import files as hf_files
-from flaxgpt.hf.files import get_path, open_tensors, set_path
+from flaxgpt.hf.files import get_path, open_tensors, put_tree, set_path
 from flaxgpt.models.gpt import GPTConfig, abstract_params, unstack_layers
 from flaxgpt.models.layers import sinusoidal_positions
 
@@ -154,9 +155,11 @@ def load_gpt2(
     scan_layers=False,
     pad_vocab_multiple=1,
     param_dtype="float32",
+    place=None,
     **overrides,
 ):
-    """A GPT-2 directory (its config.json already read into `hf`) -> (GPTConfig, params).
+    """A GPT-2 directory (its config.json already read into `hf`) -> (GPTConfig, params), each leaf
+    put onto its devices by `place` (a sharding.Placement; default: the default device).
     `overrides`: GPTConfig fields that do not change the architecture (block_size <= n_positions...)."""
     config = config_from_hf(
         hf,
@@ -170,6 +173,8 @@ def load_gpt2(
     shapes = nn.unbox(abstract_params(flat))  # the HF shapes: unpadded vocab, all n_positions rows
     dtype = jnp.dtype(param_dtype)
     L = config.n_layer
+    # over a mesh its shardings are made here: a mesh that does not divide the model fails before any read
+    put = (place or sharding.Placement()).putter(lambda: abstract_params(config))
 
     with open_tensors(directory) as table:
         expected = set(TOP_KEYS) | {f"h.{i}.{k}" for i in range(L) for k in BLOCK_KEYS}
@@ -179,8 +184,9 @@ def load_gpt2(
         # a tied file may still carry lm_head; the attention-mask buffers are not weights
         hf_files.check_names(table, expected, what, optional={"lm_head.weight"}, ignore=BUFFER_RE)
         params: dict = {}
-        # host numpy work in 64-byte-aligned buffers, then one device_put per leaf, which on CPU
-        # adopts such a buffer without a copy: no per-shape compiles, host memory ~ model size
+        # host numpy work in 64-byte-aligned buffers, then one put per leaf (a device_put on one
+        # device, which on CPU adopts such a buffer without a copy): no per-shape compiles, host
+        # memory ~ model size
         for name, path in TOP_KEYS.items():
             set_path(params, path, hf_files.read(table, name, get_path(shapes, path).shape, dtype))
         params["wpe"]["embedding"] = params["wpe"]["embedding"][: config.block_size]
@@ -191,19 +197,19 @@ def load_gpt2(
             # torch Linear: [out, in]
             w_VD = hf_files.read(table, "lm_head.weight", (config.vocab_size, D), dtype)
             params["lm_head"] = {"kernel": hf_files.aligned_copy(w_VD.T, dtype, (D, PV))}
-        params = jax.tree_util.tree_map(jax.device_put, params)
+        params = put_tree(put, params)
         for key, path in BLOCK_KEYS.items():
             shape = get_path(shapes["h_0"], path).shape
             if scan_layers:  # one [L, ...] host buffer per leaf kind, filled layer by layer
                 stacked = hf_files.aligned_empty((L, *shape), dtype)
                 for i in range(L):
                     stacked[i] = hf_files.read(table, f"h.{i}.{key}", shape, dtype)
-                set_path(params, ("h", "block") + path, jax.device_put(stacked))
+                set_path(params, ("h", "block") + path, put(("h", "block") + path, stacked))
                 del stacked
             else:
                 for i in range(L):
                     x = hf_files.read(table, f"h.{i}.{key}", shape, dtype)
-                    set_path(params, (f"h_{i}",) + path, jax.device_put(x))
+                    set_path(params, (f"h_{i}",) + path, put((f"h_{i}",) + path, x))
     return config, params
 
 

@@ -57,6 +57,7 @@ def load_pretrained(
     pad_vocab_multiple: int = 1,
     param_dtype: str = "float32",
     cache_dir: str | None = None,
+    place=None,
     **overrides,
 ):
     """A Hugging Face checkpoint -> (GPTConfig, params) for `GPT(config).apply(...)`, as stored.
@@ -64,7 +65,9 @@ def load_pretrained(
     `name_or_path`: a directory with config.json + model.safetensors (or the index and its shards),
     or a hub name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) found in the HF cache or downloaded.
     `overrides`: GPTConfig fields that do not change the architecture (dtype, dropout,
-    block_size <= the checkpoint's context, attention_impl, remat).
+    block_size <= the checkpoint's context, attention_impl, remat). `place`: a sharding.Placement,
+    where each leaf goes from host memory (default: whole onto the default device; over a mesh each
+    device reads only its slices).
     """
     directory = resolve(name_or_path, cache_dir)
     if not os.path.exists(os.path.join(directory, CONFIG_FILE)):
@@ -74,7 +77,7 @@ def load_pretrained(
     hf = _read_hf_config(directory)
     family = families.family_for(hf)
     layout = dict(scan_layers=scan_layers, pad_vocab_multiple=pad_vocab_multiple, param_dtype=param_dtype)
-    return family.load(directory, hf, family, **layout, **overrides)
+    return family.load(directory, hf, family, **layout, place=place, **overrides)
 
 
 def load_tokenizer(name_or_path: str, cache_dir: str | None = None):

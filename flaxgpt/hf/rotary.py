@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from flaxgpt import sharding
 from flaxgpt.hf import files as hf_files
-from flaxgpt.hf.files import get_path, set_path
+from flaxgpt.hf.files import get_path, put_tree, set_path
 from flaxgpt.models.gpt import GPTConfig, abstract_params, unstack_layers
 
 TOP_KEYS = {
@@ -87,9 +88,10 @@ def _by_path(layer_keys: dict) -> dict:
 
 
 def load_rotary(
-    directory, hf, family, *, scan_layers=False, pad_vocab_multiple=1, param_dtype="float32", **kw
+    directory, hf, family, *, scan_layers=False, pad_vocab_multiple=1, param_dtype="float32", place=None, **kw
 ):
-    """A rotary family's directory (its config.json already read into `hf`) -> (GPTConfig, params)."""
+    """A rotary family's directory (its config.json already read into `hf`) -> (GPTConfig, params),
+    each leaf put onto its devices by `place` (a sharding.Placement; default: the default device)."""
     config = family.config_from_hf(
         hf,
         family,
@@ -101,6 +103,8 @@ def load_rotary(
     flat = dataclasses.replace(config, scan_layers=False, pad_vocab_multiple=1)
     shapes = nn.unbox(abstract_params(flat))
     dtype, L, D, PV = jnp.dtype(param_dtype), config.n_layer, config.n_embd, config.padded_vocab_size
+    # over a mesh its shardings are made here: a mesh that does not divide the model fails before any read
+    put = (place or sharding.Placement()).putter(lambda: abstract_params(config))
     with hf_files.open_tensors(directory) as table:
         keys = [layer_keys(family, config, i) for i in range(L)]
         expected = set(TOP_KEYS) | {f"model.layers.{i}.{k}" for i in range(L) for k in keys[i]}
@@ -116,7 +120,7 @@ def load_rotary(
         if not config.tie_embeddings:
             w_VD = hf_files.read(table, HEAD_KEY, (config.vocab_size, D), dtype)
             params["lm_head"] = {"kernel": hf_files.aligned_copy(w_VD.T, dtype, (D, PV))}
-        params = jax.tree_util.tree_map(jax.device_put, params)
+        params = put_tree(put, params)
         # a leaf at a time over the layers that have it (dense and sparse layers' MLPs differ;
         # scan_layers needs every layer alike, see GPTConfig)
         by_path = [_by_path(k) for k in keys]
@@ -132,9 +136,9 @@ def load_rotary(
                     hf_shape = cols.shape[::-1]  # torch Linear [out, in]; a 1-D tensor as is
                     cols[...] = hf_files.read(table, f"model.layers.{i}.{name}", hf_shape, dtype).T
                 if not scan_layers:
-                    set_path(params, (f"h_{i}",) + path, jax.device_put(leaf))
+                    set_path(params, (f"h_{i}",) + path, put((f"h_{i}",) + path, leaf))
             if scan_layers:
-                set_path(params, ("h", "block") + path, jax.device_put(stacked))
+                set_path(params, ("h", "block") + path, put(("h", "block") + path, stacked))
     return config, params
 
 

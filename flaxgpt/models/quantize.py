@@ -58,18 +58,37 @@ class QuantizedWeight:
         return self.w.nbytes + self.scale.nbytes
 
 
-def quantize_rows(w_NK, mode: str) -> QuantizedWeight:
+def quantize_rows(w_NK, mode: str, sharding=None) -> QuantizedWeight:
     """One scale per row (output channel): symmetric int8, or bfloat16 with scale 1. A
-    jax.ShapeDtypeStruct gives the layout alone (`abstract_rows`)."""
+    jax.ShapeDtypeStruct gives the layout alone (`abstract_rows`). Weights split over a mesh (a
+    NamedSharding: w_NK's own, or `sharding` for a host array) come back split the same way, the
+    scales as their rows: quantized on the host a weight at a time, each device receiving its slices."""
     if isinstance(w_NK, jax.ShapeDtypeStruct):
         return abstract_rows(w_NK, mode)
+    sharding = sharding or getattr(w_NK, "sharding", None)
     w_NK = np.asarray(w_NK, np.float32)
+    if not isinstance(sharding, NamedSharding):
+        if check_mode(mode) == "bf16":
+            return QuantizedWeight(jnp.asarray(w_NK, jnp.bfloat16), jnp.ones(w_NK.shape[0], jnp.float32))
+        q_NK, scale_N = _int8_rows(w_NK)
+        return QuantizedWeight(jnp.asarray(q_NK), jnp.asarray(scale_N))
     if check_mode(mode) == "bf16":
-        return QuantizedWeight(jnp.asarray(w_NK, jnp.bfloat16), jnp.ones(w_NK.shape[0], jnp.float32))
+        q_NK, scale_N = w_NK.astype(jnp.bfloat16), np.ones(w_NK.shape[0], np.float32)
+    else:
+        q_NK, scale_N = _int8_rows(w_NK)
+    layout = abstract_rows(jax.ShapeDtypeStruct(w_NK.shape, w_NK.dtype, sharding=sharding), mode)
+    return jax.tree.map(
+        lambda x, a: jax.make_array_from_callback(x.shape, a.sharding, lambda index: x[index]),
+        QuantizedWeight(q_NK, scale_N),
+        layout,
+    )
+
+
+def _int8_rows(w_NK: np.ndarray):
     absmax_N = np.abs(w_NK).max(axis=1)
     scale_N = np.where(absmax_N > 0, absmax_N / 127.0, 1.0).astype(np.float32)  # all-zero rows: any scale
     q_NK = np.clip(np.rint(w_NK / scale_N[:, None]), -127, 127).astype(np.int8)
-    return QuantizedWeight(jnp.asarray(q_NK), jnp.asarray(scale_N))
+    return q_NK, scale_N
 
 
 def abstract_rows(w_NK: jax.ShapeDtypeStruct, mode: str) -> QuantizedWeight:
@@ -83,13 +102,14 @@ def abstract_rows(w_NK: jax.ShapeDtypeStruct, mode: str) -> QuantizedWeight:
 
 
 def _transposed(x):
-    if not isinstance(x, jax.ShapeDtypeStruct):
-        return np.asarray(x).T
-    sharding = x.sharding
+    """x.T: a host array, a ShapeDtypeStruct, or a host array and its (transposed) NamedSharding."""
+    sharding = getattr(x, "sharding", None)
     if isinstance(sharding, NamedSharding):  # the spec padded to the rank, then reversed
         spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
         sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[::-1]))
-    return jax.ShapeDtypeStruct(x.shape[::-1], x.dtype, sharding=sharding)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape[::-1], x.dtype, sharding=sharding), None
+    return np.asarray(x).T, sharding if isinstance(sharding, NamedSharding) else None
 
 
 def quantize_tree(params, mode: str):
@@ -102,7 +122,8 @@ def quantize_tree(params, mode: str):
             if isinstance(value, dict):
                 out[name] = visit(value)
             elif name == "kernel" and np.ndim(value) == 2:
-                out[name] = quantize_rows(_transposed(value), mode)
+                w_NK, sharding = _transposed(value)
+                out[name] = quantize_rows(w_NK, mode, sharding)
             else:
                 out[name] = value
         return out

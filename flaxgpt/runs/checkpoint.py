@@ -396,11 +396,23 @@ class Checkpointer:
         return self._restore_tree(step, abstract_params, path, self._raw_extra(step), partial=True)
 
     def abstract_params(self, step: int | None = None, path: str = "params", sharding=None):
-        """ShapeDtypeStructs of the saved `path` subtree, placed on `sharding` (default: one local device)."""
+        """ShapeDtypeStructs of the saved `path` subtree, placed on `sharding` (default: one local device;
+        a tree of shardings like the subtree: each leaf on its own, orbax then reading on each device
+        only its slices)."""
         step = self._resolve_step(step)
         sharding = sharding or _local_sharding()
+        one = isinstance(sharding, jax.sharding.Sharding)
+        placed = None if one else dict(state_tree.named_leaves(sharding))
+
+        def of(name):
+            if placed is None:
+                return sharding
+            if name not in placed:
+                raise CheckpointError(f"checkpoint step {step} holds {path}/{name}, a leaf its model lacks")
+            return placed[name]
+
         flat = {
-            k[len(path) + 1 :]: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+            k[len(path) + 1 :]: jax.ShapeDtypeStruct(shape, dtype, sharding=of(k[len(path) + 1 :]))
             for k, (shape, dtype) in self.saved_shapes(step).items()
             if k.startswith(path + "/")
         }
@@ -424,7 +436,8 @@ def _good_step(metrics) -> float:
 def load_for_inference(
     out_dir, step: int | None = None, *, params_path: str = "params", sharding=None, with_extra=False
 ):
-    """Only the params of a run's checkpoint (default: the latest), on one local device (CPU is fine);
+    """Only the params of a run's checkpoint (default: the latest), on one local device (CPU is fine)
+    or on `sharding` (one for every leaf, or a tree of them like the params);
     with `with_extra`, (params, extra): extra["step"] is the step loaded, extra["config"] / ["meta"]
     the run config and data meta it was trained with (flaxgpt.runs.run_dir.load_run uses them).
 

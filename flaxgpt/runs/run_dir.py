@@ -192,8 +192,9 @@ def checkpoint_step(out_dir, step: int | None = None) -> int | None:
         ckpt.close()
 
 
-def load_run(out_dir, step: int | None = None) -> Run:
-    """The run in `out_dir` at checkpoint `step` (default: the latest), params on one local device,
+def load_run(out_dir, step: int | None = None, place=None) -> Run:
+    """The run in `out_dir` at checkpoint `step` (default: the latest), params on one local device
+    or, with `place` (a sharding.Placement over a mesh), restored straight into each device's slices;
     as saved (flaxgpt.load casts and quantizes)."""
     out_dir = Path(out_dir)
     section = model_section(out_dir)
@@ -203,8 +204,10 @@ def load_run(out_dir, step: int | None = None) -> Run:
             f"{out_dir / 'meta.json'} has no 'tokenizer' entry; copy the data directory's meta.json "
             "into the run directory"
         )
-    models.config_from(section, saved=True)  # a config.json that does not map is named before loading weights
-    params, extra = checkpoint.load_for_inference(out_dir, step, with_extra=True)
+    # a config.json that does not map (or a mesh that does not divide it) is named before loading weights
+    saved = models.config_from(section, saved=True)
+    shardings = place.shardings(models.abstract_params(saved)) if place is not None else None
+    params, extra = checkpoint.load_for_inference(out_dir, step, sharding=shardings, with_extra=True)
     # the model and tokenizer this checkpoint was trained with (older checkpoints: config.json, meta.json)
     section = (extra.get("config") or {}).get("model") or section
     tok_meta = (extra.get("meta") or {}).get("tokenizer") or tok_meta

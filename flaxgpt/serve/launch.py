@@ -1,5 +1,7 @@
 """What serve.py builds before the HTTP layer starts: the model (a run, pretrained weights or a preset's
-random weights) and an engine thread over it. The HTTP layer (server.py) never imports a model."""
+random weights) and an engine thread over it, on one device or over a mesh (serving_mesh: the weights
+split by sharding.SERVE_RULES as they load, the KV cache by slots). The HTTP layer (server.py) never
+imports a model."""
 
 from __future__ import annotations
 
@@ -17,21 +19,30 @@ def load(
     random_init=False,
     quantize=None,
     adapter=None,
+    mesh=None,
 ):
     """-> (Run, model name) from a run directory, pretrained weights (flaxgpt.load), or a preset's
     random weights; `dtype` and `quantize` ("int8" | "bf16") as flaxgpt.load (cast, then quantize);
-    `adapter`: a PEFT LoRA directory merged into init_from's weights (a LoRA run merges its own)."""
+    `adapter`: a PEFT LoRA directory merged into init_from's weights (a LoRA run merges its own);
+    `mesh` (serving_mesh): each weight loaded straight into its devices' slices by SERVE_RULES."""
     from pathlib import Path
 
-    from flaxgpt import loader
+    from flaxgpt import loader, sharding
 
     dtype = None if dtype == "float32" else dtype
-    if random_init:  # random weights of a preset's shape: load tests without a download
-        return loader.init(init_from, dtype=dtype, quantize=quantize), init_from
-    if not init_from:
-        loader.require_run(out_dir)
-    source = init_from or out_dir
-    run = loader.load(source, step=step, dtype=dtype, quantize=quantize, adapter=adapter)
+    place = sharding.Placement(mesh, sharding.SERVE_RULES) if mesh is not None else None
+    try:
+        if random_init:  # random weights of a preset's shape: load tests without a download
+            return loader.init(init_from, dtype=dtype, quantize=quantize, place=place), init_from
+        if not init_from:
+            loader.require_run(out_dir)
+        source = init_from or out_dir
+        run = loader.load(source, step=step, dtype=dtype, quantize=quantize, adapter=adapter, place=place)
+    except sharding.IndivisibleError as e:
+        raise ValueError(
+            f"--mesh {e.devices} does not divide this model: {e.parameter} has {e.dim} along the axis "
+            f"serving splits (MLP hidden size, vocabulary); serve it over a --mesh that divides {e.dim}"
+        ) from None
     if run.kind != "gpt":
         raise SystemExit(f"error: {source} holds a {run.kind!r} model; the server serves GPT models")
     return run, Path(init_from).name if init_from else Path(out_dir).resolve().name
@@ -53,13 +64,16 @@ def scheduler_for(
     adapters=(),
     max_adapters=0,
     max_lora_rank=16,
+    mesh=None,
 ) -> Scheduler:
     """The engine (a window of max_len, default block_size) and its thread, not started.
     prefill_chunk: prompt tokens per prefill call (None: a whole prompt); prefix_cache_tokens: the
     prefix cache's budget in positions (0: off), rounded down to blocks of prefix_block.
     adapters: (name, directory) LoRA adapters served unmerged (a PEFT directory or a LoRA run), with
     max_adapters of them resident at once, each of rank <= max_lora_rank (max_adapters 0: no adapters,
-    none loadable later); the scheduler's `adapters` is then their AdapterPool."""
+    none loadable later); the scheduler's `adapters` is then their AdapterPool.
+    mesh (serving_mesh, params placed over it by `load`): the engine's programs run over its devices,
+    the KV cache split by slots (slots must divide by its devices)."""
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
     from flaxgpt.serve.engine import Engine
@@ -76,6 +90,8 @@ def scheduler_for(
             "prefix cache off: its blocks are keyed by tokens alone, and LoRA adapters change the KV"
         )
         prefix_cache_tokens = 0
+    if max_adapters and mesh is not None:
+        raise ValueError("LoRA adapters are served on one device: drop --mesh or the NAME=DIR adapters")
     if max_adapters:
         return _with_adapters(
             config, params, tokenizer, adapters, max_adapters, max_lora_rank, W,
@@ -89,8 +105,33 @@ def scheduler_for(
         prefill_chunk=prefill_chunk,
         prefix_block=prefix_block,
         prefix_blocks=prefix_cache_tokens // prefix_block,
+        mesh=mesh,
     )
     return Scheduler(engine, tokenizer, max_queue=max_queue, max_tokens=max_tokens)
+
+
+def serving_mesh(devices: int, slots: int):
+    """serve.py --mesh N: the (data 1, fsdp N) mesh over the first N devices, the one `flaxgpt aot
+    --serve_devices N` compiles for; None for N = 1 (one device). A one-line ValueError when this
+    machine has fewer devices or the slots do not split evenly over them."""
+    import jax
+
+    from flaxgpt import sharding
+
+    if devices == 1:
+        return None
+    have = jax.devices()
+    if devices < 1 or devices > len(have):
+        raise ValueError(
+            f"--mesh {devices} asks for {devices} devices; this {jax.default_backend()} backend has "
+            f"{len(have)}: use --mesh 1..{len(have)}"
+        )
+    if slots % devices:  # else row_shardings would keep a whole copy of the cache on every device
+        raise ValueError(
+            f"--slots {slots} is not divisible by --mesh {devices}: each device holds its own slots' "
+            f"KV cache; use a multiple of {devices}"
+        )
+    return sharding.make_mesh(1, devices, have[:devices])
 
 
 def _with_adapters(

@@ -182,3 +182,21 @@ def test_decoding_programs_with_int8_weights_and_window_rings():
     full, int8 = run(None), run("int8")
     assert {"sample.prefill", "sample.decode", "serve.prefill", "serve.generate"} <= set(int8)
     assert int8["serve.generate"].parameters < full["serve.generate"].parameters / 2
+
+
+def test_the_serve_command_runs_the_compiled_serving_programs():
+    """flaxgpt aot --programs serve ends with the serve.py command of the same weights, dtype, slots,
+    window, prefill chunk (128, as compiled), quantization and devices (--mesh N: --serve_devices N's)."""
+    from flaxgpt.models.gpt import GPTConfig
+
+    mc = GPTConfig(block_size=8192, param_dtype="bfloat16")
+    c = tiny(init_from="path/to/Meta-Llama-3-8B")
+    assert aot.serve_command(c, mc, slots=16, max_len=0, devices=8) == (
+        "python serve.py --init_from path/to/Meta-Llama-3-8B --dtype bfloat16 --slots 16 --max_len 8192 "
+        "--prefill_chunk 128 --mesh 8"
+    )
+    c = tiny(out_dir="out/run")  # trained from scratch: its run directory
+    assert aot.serve_command(c, GPTConfig(block_size=1024), slots=8, max_len=4096, quantize="int8") == (
+        "python serve.py --out_dir out/run --dtype float32 --slots 8 --max_len 1024 --prefill_chunk 128 "
+        "--quantize int8"
+    )
