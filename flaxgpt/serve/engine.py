@@ -118,6 +118,7 @@ class Prefix(NamedTuple):
     length: jax.Array  # [] prompt length
     done: jax.Array  # [] the first token already finished it (EOS, or max_new 1)
     rows: Rows  # each field [1]
+    logits: jax.Array  # [V] the prompt's last position's: `fork` draws another request's first token
 
 
 @functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("cache",))
@@ -132,7 +133,15 @@ def _prefill(step_fn, cache, chunk_1P, start, size, rows: RowSampling, max_k: in
     rows_1 = rows.device_rows()
     first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), logits_11V[:, 0], max_k)
     done_1 = finished(rows_1, first_1, jnp.ones((1,), jnp.int32))
-    return Prefix(cache, first_1[0], start + size, done_1[0], rows_1)
+    return Prefix(cache, first_1[0], start + size, done_1[0], rows_1, logits_11V[0, 0])
+
+
+@functools.partial(jax.jit, static_argnames=("max_k",))
+def _fork(logits_V, rows: RowSampling, max_k: int):
+    """(first, done, rows) of another request on the same prompt: its first token from the logits."""
+    rows_1 = rows.device_rows()
+    first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), logits_V[None], max_k)
+    return first_1[0], finished(rows_1, first_1, jnp.ones((1,), jnp.int32))[0], rows_1
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -339,6 +348,18 @@ class Engine:
         while (prefix := self.prefill_step(job)) is None:
             pass
         return prefix
+
+    def fork(self, prefix: Prefix, rows: RowSampling) -> Prefix:
+        """The prefilled prompt of `prefix` for another request (n completions of one prompt: GRPO's
+        group) without a second prefill: the same one-row cache, its own settings and first token
+        (drawn as a prefill with `rows` draws it). A prefix is not consumed by insert: both go in."""
+        if int(rows.max_new) + int(prefix.length) > self.max_len:
+            raise ValueError(
+                f"prompt ({int(prefix.length)} tokens) + max_new_tokens ({int(rows.max_new)}) exceeds "
+                f"the context window of {self.max_len} tokens"
+            )
+        first, done, rows_1 = _fork(prefix.logits, rows, max_k=self.max_k)
+        return prefix._replace(first=first, done=done, rows=rows_1)
 
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant is gone)."""
