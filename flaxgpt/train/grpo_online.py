@@ -10,8 +10,9 @@ weights, scored and turned into advantages; the jitted train step then runs GRPO
 A rollout: batch_size // G prompts of the step (PromptData.batch), G completions each sampled from
 the policy's current weights by the serving engine (grpo.rollout = engine: grpo_rollout, LoRA's
 adapters unmerged over any base, int8 included) or by grpo_task.sample_groups (generate: LoRA's
-adapters merged into the base), the same tokens for the same seed (rollout_seed), decoded, scored by the rewards (flaxgpt.train.rewards), group-normalised advantages, and rows of
-prompt + completion (grpo_task.rollout_batch). With num_iterations > 1 the sampling policy's log-probs
+adapters merged into the base), the same tokens for the same seed (rollout_seed), decoded,
+scored by the rewards (flaxgpt.train.rewards), group-normalised advantages, and rows of prompt +
+completion (grpo_task.rollout_batch). With num_iterations > 1 the sampling policy's log-probs
 (old_logp) are taken once and the same rollout trains that many optimizer steps; with beta > 0 the
 reference's (ref_logp: LoRA's base with the adapters off, else a copy of init_from's weights) are
 taken at the rollout too, as TRL takes both at generation time.
