@@ -33,6 +33,9 @@ from flaxgpt.models.cache import KVCache
 from flaxgpt.serve.engine import Engine, RowSampling
 
 
+CHUNK = 8  # decode steps a generate call: fewer host round trips; a freed slot waits at most this
+
+
 class EngineRollouts:
     """A serving engine kept for a run's rollouts; see the module docstring."""
 
@@ -45,7 +48,7 @@ class EngineRollouts:
         slots: int,
         max_len: int,
         lora_spec: lora.LoraSpec | None = None,
-        chunk: int = 8,
+        chunk: int = CHUNK,
     ):
         self.config, self.sampling, self.lora = model_config, sampling, lora_spec
         self.max_new, self.slots, self.max_len, self.chunk = int(max_new_tokens), slots, max_len, chunk
