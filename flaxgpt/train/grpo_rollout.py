@@ -32,7 +32,6 @@ from flaxgpt.models import gpt, lora
 from flaxgpt.models.cache import KVCache
 from flaxgpt.serve.engine import Engine, RowSampling
 
-
 CHUNK = 8  # decode steps a generate call: fewer host round trips; a freed slot waits at most this
 
 
