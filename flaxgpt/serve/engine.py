@@ -352,12 +352,8 @@ class Engine:
     def fork(self, prefix: Prefix, rows: RowSampling) -> Prefix:
         """The prefilled prompt of `prefix` for another request (n completions of one prompt: GRPO's
         group) without a second prefill: the same one-row cache, its own settings and first token
-        (drawn as a prefill with `rows` draws it). A prefix is not consumed by insert: both go in."""
-        if int(rows.max_new) + int(prefix.length) > self.max_len:
-            raise ValueError(
-                f"prompt ({int(prefix.length)} tokens) + max_new_tokens ({int(rows.max_new)}) exceeds "
-                f"the context window of {self.max_len} tokens"
-            )
+        (drawn as a prefill with `rows` draws it). A prefix is not consumed by insert: both go in.
+        rows.max_new must fit the window as the prefill's did (not checked here: no wait on the device)."""
         first, done, rows_1 = _fork(prefix.logits, rows, max_k=self.max_k)
         return prefix._replace(first=first, done=done, rows=rows_1)
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import collections
 
+import jax
+
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.models.cache import KVCache
@@ -75,30 +77,28 @@ class EngineRollouts:
         n // G's), each ending with the EOS id when it stopped there (grpo_task.sample_groups')."""
         engine, G = self._engine(weights), int(group_size)
         N = len(prompt_ids) * G
-        out: list[list[int]] = [[] for _ in range(N)]
+        firsts, rest = [None] * N, [[] for _ in range(N)]  # first tokens stay on the device till the end
         waiting = collections.deque(range(N))
         free = list(range(self.slots))[::-1]
         owner: dict[int, int] = {}  # slot -> the completion decoding there
         prefix = None  # the prefill of the prompt whose completions are being started
         while waiting or owner:
-            while waiting and free:
+            while waiting and free:  # no host wait here: prefill, fork and insert queue on the device
                 n = waiting.popleft()
                 rows = RowSampling.of(self.sampling, max_new_tokens=self.max_new, seed=seed, stream=n)
                 if n % G == 0:  # a prompt's first completion: its one prefill
                     prefix = first = engine.prefill(prompt_ids[n // G], rows)
                 else:
                     first = engine.fork(prefix, rows)
-                out[n].append(int(first.first))
-                if not bool(first.done):  # done already (EOS first, or one token): no slot needed
-                    slot = free.pop()
-                    engine.insert(first, slot)
-                    owner[slot] = n
-            if not owner:
-                continue
+                firsts[n] = first.first
+                slot = free.pop()  # one done at its first token (EOS) idles there one generate call
+                engine.insert(first, slot)
+                owner[slot] = n
             tokens_BC, new_B, done_B = engine.generate()
             for slot, n in list(owner.items()):
-                out[n] += tokens_BC[slot, : new_B[slot]].tolist()
+                rest[n] += tokens_BC[slot, : new_B[slot]].tolist()
                 if done_B[slot]:  # its slot goes to the next completion waiting
                     free.append(slot)
                     del owner[slot]
+        out = [[int(f), *r] for f, r in zip(jax.device_get(firsts), rest, strict=True)]
         return [list(p) for p in prompt_ids for _ in range(G)], out
