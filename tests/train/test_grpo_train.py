@@ -182,6 +182,13 @@ def test_bad_grpo_settings_fail_in_one_line_and_write_nothing(tmp_path):
         "a prompt of 4 tokens: + grpo.max_completion_length 4 > model.block_size 6": {"model.block_size": 6},
         "must be multiples of grpo.num_generations 8": {"batch_size": 12},
         "grpo.beta=0.1 needs a reference": {"grpo.beta": 0.1},
+        "grpo.rollout='vllm'; choose one of engine, generate": {"grpo.rollout": "vllm"},
+        "grpo.rollout=generate samples from the base with the adapters merged, which an int8": {
+            "grpo.rollout": "generate",
+            "lora.rank": 4,
+            "lora.base_dtype": "int8",
+            "init_from": "gpt2",
+        },  # fmt: skip
     }
     for message, over in cases.items():
         with pytest.raises((ConfigError, ValueError)) as e:
