@@ -280,22 +280,19 @@ def rollout_programs(config, mc, devices) -> list[Program]:
     (a step's completions), a window of block_size, over the policy's weights: the parameters, or
     with LoRA the base in lora.base_dtype and the adapters unmerged (models.lora.step_fn)."""
     cfg, step, mesh, param_bytes = _decoding(mc, devices[:1])
-    if config.get("lora") and config.lora.rank:
+    if config.get("lora") and config.lora.rank:  # as GRPOOnlineTask: the same spec, base and dtype
         c, one = config.lora, sharding.replicated(mesh)
         spec = lora.LoraSpec.make(cfg, c.rank, c.alpha, c.dropout, c.targets)
         base = _abstract(lora.quantize_base(nn.unbox(gpt.abstract_params(cfg)), c.base_dtype), one)
         adapters = _abstract(jax.eval_shape(lambda: lora.init_adapters(cfg, spec, jax.random.key(0))), one)
         step, param_bytes = lora.step_fn(cfg, spec, base, adapters), per_device_bytes((base, adapters))
-    W = cfg.block_size
+    W, chunk = cfg.block_size, min(config.grpo.max_completion_length, grpo_rollout.CHUNK)
     progs = serve_programs(
-        mc, devices[:1], slots=config.batch_size, max_len=W, chunk=grpo_rollout.CHUNK, prefill_chunk=W,
+        mc, devices[:1], slots=config.batch_size, max_len=W, chunk=chunk, prefill_chunk=W,
         decoding=(cfg, step, mesh, param_bytes),
     )[:2]  # fmt: skip
-    what = (
-        f"LoRA r {config.lora.rank} over a {config.lora.base_dtype} base"
-        if config.get("lora") and config.lora.rank
-        else "the parameters"
-    )
+    lora_on = config.get("lora") and config.lora.rank
+    what = f"LoRA r {config.lora.rank} over a {config.lora.base_dtype} base" if lora_on else "the parameters"
     return [
         dataclasses.replace(p, name=p.name.replace("serve.", "rollout."), note=f"{p.note}; {what}")
         for p in progs

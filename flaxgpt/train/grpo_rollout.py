@@ -34,7 +34,9 @@ from flaxgpt.models import gpt, lora
 from flaxgpt.models.cache import KVCache
 from flaxgpt.serve.engine import Engine, RowSampling
 
-CHUNK = 8  # decode steps a generate call: fewer host round trips; a freed slot waits at most this
+# decode steps a generate call at most: a whole completion where it fits (one host round trip; the
+# loop stops early when every slot is done), as generate's chunk; a freed slot waits out the call
+CHUNK = 256
 
 
 class EngineRollouts:
@@ -49,10 +51,11 @@ class EngineRollouts:
         slots: int,
         max_len: int,
         lora_spec: lora.LoraSpec | None = None,
-        chunk: int = CHUNK,
+        chunk: int | None = None,
     ):
         self.config, self.sampling, self.lora = model_config, sampling, lora_spec
-        self.max_new, self.slots, self.max_len, self.chunk = int(max_new_tokens), slots, max_len, chunk
+        self.max_new, self.slots, self.max_len = int(max_new_tokens), slots, max_len
+        self.chunk = chunk or min(self.max_new, CHUNK)
         # as generate: greedy rows take the argmax alone, sampled ones the top 256 candidates
         self.max_k = 0 if sampling.temperature == 0 else 256
         self.engine: Engine | None = None  # built at the first call, with its first weights
