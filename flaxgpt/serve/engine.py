@@ -159,6 +159,29 @@ def _insert(state: DecodeState, prefix: Prefix, slot) -> DecodeState:
     )
 
 
+@functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("state",))
+def _insert_group(state: DecodeState, prefix: Prefix, rows: RowSampling, slots_R, max_k: int):
+    """The prefilled prompt into slots slots_R [R], request r with the settings rows[r] (fields [R]):
+    each first token drawn from the prefill's logits, as fork's."""
+    R = slots_R.shape[0]
+    rows_R = jax.tree_util.tree_map(lambda x: x[:, 0], jax.vmap(RowSampling.device_rows)(rows))
+    logits_RV = jnp.broadcast_to(prefix.logits, (R, prefix.logits.shape[-1]))
+    first_R = next_tokens(rows_R, jnp.zeros((R,), jnp.int32), logits_RV, max_k)
+    cache = state.cache
+    for r in range(R):  # R copies of the one row (R is the group size: small, static)
+        cache = cache.insert_row(prefix.cache, slots_R[r])
+    put = lambda x_B, v_R: x_B.at[slots_R].set(v_R)  # noqa: E731
+    state = state.replace(
+        cache=cache,
+        last_B=put(state.last_B, first_R),
+        fill_B=put(state.fill_B, jnp.full((R,), prefix.length)),
+        count_B=put(state.count_B, jnp.ones((R,), jnp.int32)),
+        done_B=put(state.done_B, finished(rows_R, first_R, jnp.ones((R,), jnp.int32))),
+        rows=jax.tree_util.tree_map(put, state.rows, rows_R),
+    )
+    return state, first_R
+
+
 def programs(mesh=None):
     """(prefill, insert, generate) jitted: the functions above and the decode loop's step
     (decode.sampling.decode_chunk), or for `mesh` the same traced under it (sharding.under_mesh with
@@ -356,6 +379,20 @@ class Engine:
         rows.max_new must fit the window as the prefill's did (not checked here: no wait on the device)."""
         first, done, rows_1 = _fork(prefix.logits, rows, max_k=self.max_k)
         return prefix._replace(first=first, done=done, rows=rows_1)
+
+    def insert_group(self, prefix: Prefix, rows: list[RowSampling], slots: list[int]) -> jax.Array:
+        """fork + insert for several requests on one prompt in one call (GRPO's G completions): request
+        r takes slot slots[r] with rows[r]. -> their first tokens [R] (on the device). One compiled
+        program per group size; over a mesh use fork and insert."""
+        if len(rows) != len(slots) or not rows:
+            raise ValueError(f"{len(rows)} requests for {len(slots)} slots")
+        stacked = RowSampling(*(np.stack(f) for f in zip(*rows, strict=True)))
+        self.state, first_R = _insert_group(
+            self.state, prefix, stacked, np.asarray(slots, np.int32), max_k=self.max_k
+        )
+        self._count[slots] = 1
+        self._stop[slots] = False
+        return first_R
 
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant is gone)."""

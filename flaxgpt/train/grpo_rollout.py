@@ -75,6 +75,9 @@ class EngineRollouts:
         self.engine.step_fn = step_fn  # a jit argument: this step's weights, no recompile
         return self.engine
 
+    def _rows(self, n: int, seed: int) -> RowSampling:
+        return RowSampling.of(self.sampling, max_new_tokens=self.max_new, seed=seed, stream=n)
+
     def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
         """(prompts, completion ids): N = prompts x G token lists, prompt-major (completion n is prompt
         n // G's), each ending with the EOS id when it stopped there (grpo_task.sample_groups')."""
@@ -87,8 +90,18 @@ class EngineRollouts:
         prefix = None  # the prefill of the prompt whose completions are being started
         while waiting or owner:
             while waiting and free:  # no host wait here: prefill, fork and insert queue on the device
-                n = waiting.popleft()
-                rows = RowSampling.of(self.sampling, max_new_tokens=self.max_new, seed=seed, stream=n)
+                n = waiting[0]
+                if G > 1 and n % G == 0 and len(free) >= G:  # the whole group: one prefill, one insert
+                    group = [waiting.popleft() for _ in range(G)]
+                    slots = [free.pop() for _ in range(G)]
+                    rows = [self._rows(m, seed) for m in group]
+                    prefix = engine.prefill(prompt_ids[n // G], rows[0])
+                    first_G = engine.insert_group(prefix, rows, slots)
+                    firsts[n : n + G] = [(first_G, g) for g in range(G)]
+                    owner.update(zip(slots, group, strict=True))
+                    continue
+                waiting.popleft()
+                rows = self._rows(n, seed)
                 if n % G == 0:  # a prompt's first completion: its one prefill
                     prefix = first = engine.prefill(prompt_ids[n // G], rows)
                 else:
@@ -103,5 +116,7 @@ class EngineRollouts:
                 if done_B[slot]:  # its slot goes to the next completion waiting
                     free.append(slot)
                     del owner[slot]
-        out = [[int(f), *r] for f, r in zip(jax.device_get(firsts), rest, strict=True)]
+        host = jax.device_get([f[0] if isinstance(f, tuple) else f for f in firsts])  # one wait
+        firsts = [h[f[1]] if isinstance(f, tuple) else h for h, f in zip(host, firsts, strict=True)]
+        out = [[int(f), *r] for f, r in zip(firsts, rest, strict=True)]
         return [list(p) for p in prompt_ids for _ in range(G)], out
