@@ -11,9 +11,10 @@ engine's step_fn is a Partial over the weights, replaced at each call (serve.lau
 stack the same way): new weights every step, the engine's programs compiled once.
 
 Continuous batching: completions take the engine's `slots` as they free up (one that ends at EOS
-frees its slot for the next at the following `generate`); a prompt is prefilled once and its other
-G - 1 completions are `Engine.fork`s of that prefill (its one-row cache inserted into G slots, each
-first token drawn with its own key).
+frees its slot for the next after the `generate` call it ended in); a prompt is prefilled once, and
+its G completions take that one-row cache into G slots, each first token drawn from the prefill's
+logits with its own key: `Engine.insert_group` (one call) when G slots are free, else
+`Engine.fork` + `insert` one at a time. Nothing waits on the device until a `generate` call ends.
 
 Keys: completion n (prompt n // G's) decodes with RowSampling(seed=s, stream=n), the key
 fold_in(key(s), n) that `generate(rng=key(s))` gives its row n, so the tokens are those of
