@@ -6,6 +6,8 @@
     job = engine.start_prefill(prompt_ids, rows)   # or in chunks: prefill_step until it is done
     while (prefix := engine.prefill_step(job)) is None: ...   # (decode steps may run in between)
     tokens_BC, new_B, done_B = engine.generate()   # up to `chunk` tokens for every busy slot
+    engine.insert(engine.fork(prefix, other_rows), slot=5)     # the same prompt for another request
+    first_R = engine.insert_group(prefix, [rows_a, rows_b], [6, 7])   # or several in one call
 
 The interface is JetStream's (prefill, insert into a slot, generate for all slots); the scheduler
 (flaxgpt/serve/scheduler.py) decides who goes where and when. Like `sampling.generate`, the engine sees
