@@ -91,6 +91,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.grpo.max_completion_length = 256  # sampled tokens a completion at most (prompt + this <= block_size)
     c.grpo.temperature = 1.0  # sampling temperature (log-probs are of the same softened distribution)
     c.grpo.top_p = 1.0  # nucleus sampling of the rollouts; 1 = off
+    # who samples: engine (serve.engine, continuous batching; LoRA unmerged, any base) | generate (merged)
+    c.grpo.rollout = "engine"
     # how token losses are averaged: dapo | grpo | dr_grpo | bnpo | cispo | sapo | luspo (docs/grpo.md)
     c.grpo.loss_type = "dapo"
     c.grpo.scale_rewards = "group"  # advantages over the group's std | batch (the step's) | none

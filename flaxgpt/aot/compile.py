@@ -8,7 +8,8 @@
     flaxgpt aot --list                       # the targets
 
 Overrides are train.py's (`--config.section.key=value`, the recipe locked). For each program (train,
-eval, sample = prefill + decode, serve = prefill + generate) one line, figures per device: parameters,
+eval, sample = prefill + decode, serve = prefill + generate, rollout = GRPO's engine prefill +
+generate) one line, figures per device: parameters,
 optimizer state, temporaries and the total against the target's memory, the attention kernel,
 compile time, FLOPs, the roofline step-time bound and MFU ceiling; then its collectives; with serve,
 the serve.py command that runs the compiled programs (`serve_command`). Exit 1 when
@@ -26,6 +27,8 @@ import time
 from flaxgpt import extras
 from flaxgpt.aot import targets as targets_lib
 
+# programs.GROUPS, named here too: flaxgpt.aot.programs imports jax, which must wait for the target
+GROUPS = ("train", "eval", "sample", "serve", "rollout")  # rollout: GRPO recipes only
 USAGE = "flaxgpt aot --config configs/<recipe>.py [--config.key=value ...] --target NAME"
 
 
@@ -33,7 +36,7 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="flaxgpt aot", usage=USAGE, description=__doc__.splitlines()[0])
     p.add_argument("--target", help=f"one of {', '.join(targets_lib.TARGETS)}")
     p.add_argument(
-        "--programs", default="train,eval,sample,serve", help="comma-separated: train,eval,sample,serve"
+        "--programs", default=",".join(GROUPS), help=f"comma-separated: {','.join(GROUPS)} (rollout: GRPO's)"
     )
     p.add_argument("--dump", default=None, help="write each program's optimized HLO here")
     p.add_argument("--slots", type=int, default=8, help="serve: the engine's slots")
@@ -86,7 +89,7 @@ def load_config(rest: list[str]):
     return config, paths[-1]
 
 
-def run(config, target, groups=("train", "eval", "sample", "serve"), *, slots=8, max_len=0, vocab_size=0,
+def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0,
         quantize=None, serve_devices=1, dump=None, mc=None, print_fn=print):  # fmt: skip
     """Compile every program of `groups` for `target` -> (report rows, model config)."""
     devices = target.devices()  # first: the plugin's environment is set before jax starts it
@@ -131,9 +134,9 @@ def main(argv=None) -> int:
     if target.platform in extras.PLATFORM_EXTRAS:  # libtpu or the CUDA plugin, before the recipe loads
         extras.require(extras.PLATFORM_EXTRAS[target.platform], f"flaxgpt aot --target {target.name}")
     groups = tuple(g.strip() for g in args.programs.split(",") if g.strip())
-    bad = [g for g in groups if g not in ("train", "eval", "sample", "serve")]
+    bad = [g for g in groups if g not in GROUPS]
     if bad or not groups:
-        raise SystemExit(f"error: --programs {args.programs!r}: choose from train, eval, sample, serve")
+        raise SystemExit(f"error: --programs {args.programs!r}: choose from {', '.join(GROUPS)}")
     if not 0 <= args.headroom < 1:
         raise SystemExit(f"error: --headroom {args.headroom} must be in [0, 1)")
     config, path = load_config(rest)

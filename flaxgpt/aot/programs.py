@@ -13,6 +13,9 @@
   devices (Engine(mesh=...): weights split by sharding.SERVE_RULES, caches by rows); on one device
   also the generate step over a paged slots cache (flaxgpt.models.paged: JAX's Pallas paged-attention
   kernel on TPU and GPU).
+- rollout (GRPO recipes, grpo.rollout = engine): the engine's prefill and generate step as the
+  trainer's rollouts run them (train.grpo_rollout): batch_size slots over the policy's weights
+  (LoRA: adapters unmerged over the base in lora.base_dtype, int8 included), on one device.
 - sample and serve take int8 / bf16 weights (`quantize`): gpt.quantize_params on the abstract
   parameters gives their layout and placement. Both are traced under their mesh (one device of the
   target's, or the serving mesh), so the kernels are the target's (no CPU qmatmul custom call).
@@ -35,24 +38,26 @@ from flax import linen as nn
 
 from flaxgpt import sharding
 from flaxgpt.decode import sampling
-from flaxgpt.models import gpt
+from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.flops import flops_per_token
 from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.serve import engine
+from flaxgpt.train import grpo_rollout
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS
 from flaxgpt.train.steps import make_steps
 from flaxgpt.train.tasks import TASKS, task_name
 
-GROUPS = ("train", "eval", "sample", "serve")
+GROUPS = ("train", "eval", "sample", "serve", "rollout")  # rollout: GRPO recipes only
 DEFAULT_VOCAB = 50257  # GPT-2's BPE: the vocabulary assumed when neither the recipe nor its data says
 
 
 @dataclasses.dataclass
 class Program:
     name: str  # train | eval | sample.prefill | sample.decode | serve.prefill | serve.generate[_paged]
+    # | rollout.prefill | rollout.generate
     jitted: Any  # flaxgpt's own jax.jit-wrapped function
     args: tuple  # abstract arguments (ShapeDtypeStructs with shardings; pytrees of them)
     kwargs: dict  # static arguments
@@ -219,14 +224,15 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize=None
 
 
 def serve_programs(
-    mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128, quantize=None
-) -> list[Program]:
+    mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128, quantize=None,
+    decoding=None,
+) -> list[Program]:  # fmt: skip
     """The engine's programs as serve.py runs them: a prefill chunk (its largest bucket: serve.py's
     --prefill_chunk; docs/aot.md's figures were compiled at 128) into a one-row cache, and the
     generate step for every slot. Over several `devices`: Engine(mesh=...)'s, the weights split by
     sharding.SERVE_RULES (MLP and vocabulary over the devices), the caches by rows (slots; a one-row
-    cache's heads)."""
-    cfg, step, mesh, param_bytes = _decoding(mc, devices, quantize)
+    cache's heads). decoding: _decoding's (config, step_fn, mesh, parameter bytes) if not the GPT's own."""
+    cfg, step, mesh, param_bytes = decoding or _decoding(mc, devices, quantize)
     prefill_fn, _, generate_fn = engine.programs(mesh)
     n = len(devices)
     W = min(max_len or cfg.block_size, cfg.block_size)
@@ -268,6 +274,31 @@ def serve_programs(
     return [prefill, generate, generate_paged]
 
 
+def rollout_programs(config, mc, devices) -> list[Program]:
+    """GRPO's rollouts (data.format = prompts, grpo.rollout = engine) as train.grpo_rollout runs them:
+    the engine's prefill (a whole window's prompt) and generate step on one device, batch_size slots
+    (a step's completions), a window of block_size, over the policy's weights: the parameters, or
+    with LoRA the base in lora.base_dtype and the adapters unmerged (models.lora.step_fn)."""
+    cfg, step, mesh, param_bytes = _decoding(mc, devices[:1])
+    if config.get("lora") and config.lora.rank:  # as GRPOOnlineTask: the same spec, base and dtype
+        c, one = config.lora, sharding.replicated(mesh)
+        spec = lora.LoraSpec.make(cfg, c.rank, c.alpha, c.dropout, c.targets)
+        base = _abstract(lora.quantize_base(nn.unbox(gpt.abstract_params(cfg)), c.base_dtype), one)
+        adapters = _abstract(jax.eval_shape(lambda: lora.init_adapters(cfg, spec, jax.random.key(0))), one)
+        step, param_bytes = lora.step_fn(cfg, spec, base, adapters), per_device_bytes((base, adapters))
+    W, chunk = cfg.block_size, min(config.grpo.max_completion_length, grpo_rollout.CHUNK)
+    progs = serve_programs(
+        mc, devices[:1], slots=config.batch_size, max_len=W, chunk=chunk, prefill_chunk=W,
+        decoding=(cfg, step, mesh, param_bytes),
+    )[:2]  # fmt: skip
+    lora_on = config.get("lora") and config.lora.rank
+    what = f"LoRA r {config.lora.rank} over a {config.lora.base_dtype} base" if lora_on else "the parameters"
+    return [
+        dataclasses.replace(p, name=p.name.replace("serve.", "rollout."), note=f"{p.note}; {what}")
+        for p in progs
+    ]
+
+
 def build(
     config, devices, groups=GROUPS, mc=None, slots: int = 8, max_len: int = 0, quantize=None, serve_devices=1
 ) -> list[Program]:
@@ -282,4 +313,7 @@ def build(
             if not 1 <= serve_devices <= len(devices):
                 raise ValueError(f"--serve_devices {serve_devices} must be in [1, {len(devices)}]")
             out += serve_programs(mc, devices[:serve_devices], slots, max_len, quantize=quantize)
+        grpo = config.data.get("format") == "prompts" and config.grpo.get("rollout", "generate") == "engine"
+        if "rollout" in groups and grpo:
+            out += rollout_programs(config, mc, devices)
     return out

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from flaxgpt.models.gpt import GPT, GPTConfig
+from flaxgpt.models.gpt import GPT, GPTConfig, unstack_layers
 from flaxgpt.models.quantize import QuantizedWeight, quantize_rows
 
 # target -> (the Dense it adapts inside a block, the Dense's name); columns come from `_columns`
@@ -282,6 +282,34 @@ def apply(
             rngs=None if rng is None else {"dropout": rng},
             **kw,
         )
+
+
+@functools.cache
+def _apply_with_cache(config: GPTConfig, spec: LoraSpec):
+    model, intercept = GPT(config), _interceptor(spec, deterministic=True)
+
+    def apply(base, adapters, tokens_BT, positions_BT, cache, logits_at=None):
+        with nn.intercept_methods(intercept):
+            return model.apply(
+                {"params": base, "lora": adapters},
+                tokens_BT,
+                positions=positions_BT,
+                cache=cache,
+                logits_at=logits_at,
+            )
+
+    return apply
+
+
+def step_fn(config: GPTConfig, spec: LoraSpec, base, adapters) -> jax.tree_util.Partial:
+    """The GPT with its adapters added, unmerged, as a decoder's step_fn (gpt.step_fn's contract):
+    any base quantize_base gives (int8 too, which `merge` cannot hold). Base and adapters are the
+    Partial's jit arguments: new weights each call, one compiled program (GRPO's rollouts)."""
+    if config.scan_layers:  # decode unrolled: each layer reads its own cache buffer in place
+        base, adapters = unstack_layers(base, config.n_layer), unstack_layers(adapters, config.n_layer)
+        config = dataclasses.replace(config, scan_layers=False)
+    config = dataclasses.replace(config, remat="none")  # no gradients here
+    return jax.tree_util.Partial(_apply_with_cache(config, spec), base, adapters)
 
 
 # ---------------------------------------------------------------- base and merge

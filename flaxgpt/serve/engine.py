@@ -6,6 +6,8 @@
     job = engine.start_prefill(prompt_ids, rows)   # or in chunks: prefill_step until it is done
     while (prefix := engine.prefill_step(job)) is None: ...   # (decode steps may run in between)
     tokens_BC, new_B, done_B = engine.generate()   # up to `chunk` tokens for every busy slot
+    engine.insert(engine.fork(prefix, other_rows), slot=5)     # the same prompt for another request
+    first_R = engine.insert_group(prefix, [rows_a, rows_b], [6, 7])   # or several in one call
 
 The interface is JetStream's (prefill, insert into a slot, generate for all slots); the scheduler
 (flaxgpt/serve/scheduler.py) decides who goes where and when. Like `sampling.generate`, the engine sees
@@ -118,6 +120,7 @@ class Prefix(NamedTuple):
     length: jax.Array  # [] prompt length
     done: jax.Array  # [] the first token already finished it (EOS, or max_new 1)
     rows: Rows  # each field [1]
+    logits: jax.Array  # [V] the prompt's last position's: `fork` draws another request's first token
 
 
 @functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("cache",))
@@ -132,7 +135,15 @@ def _prefill(step_fn, cache, chunk_1P, start, size, rows: RowSampling, max_k: in
     rows_1 = rows.device_rows()
     first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), logits_11V[:, 0], max_k)
     done_1 = finished(rows_1, first_1, jnp.ones((1,), jnp.int32))
-    return Prefix(cache, first_1[0], start + size, done_1[0], rows_1)
+    return Prefix(cache, first_1[0], start + size, done_1[0], rows_1, logits_11V[0, 0])
+
+
+@functools.partial(jax.jit, static_argnames=("max_k",))
+def _fork(logits_V, rows: RowSampling, max_k: int):
+    """(first, done, rows) of another request on the same prompt: its first token from the logits."""
+    rows_1 = rows.device_rows()
+    first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), logits_V[None], max_k)
+    return first_1[0], finished(rows_1, first_1, jnp.ones((1,), jnp.int32))[0], rows_1
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -148,6 +159,29 @@ def _insert(state: DecodeState, prefix: Prefix, slot) -> DecodeState:
         done_B=put(state.done_B, prefix.done),
         rows=jax.tree_util.tree_map(put, state.rows, prefix.rows),
     )
+
+
+@functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("state",))
+def _insert_group(state: DecodeState, prefix: Prefix, rows: RowSampling, slots_R, max_k: int):
+    """The prefilled prompt into slots slots_R [R], request r with the settings rows[r] (fields [R]):
+    each first token drawn from the prefill's logits, as fork's."""
+    R = slots_R.shape[0]
+    rows_R = jax.tree_util.tree_map(lambda x: x[:, 0], jax.vmap(RowSampling.device_rows)(rows))
+    logits_RV = jnp.broadcast_to(prefix.logits, (R, prefix.logits.shape[-1]))
+    first_R = next_tokens(rows_R, jnp.zeros((R,), jnp.int32), logits_RV, max_k)
+    cache = state.cache
+    for r in range(R):  # R copies of the one row (R is the group size: small, static)
+        cache = cache.insert_row(prefix.cache, slots_R[r])
+    put = lambda x_B, v_R: x_B.at[slots_R].set(v_R)  # noqa: E731
+    state = state.replace(
+        cache=cache,
+        last_B=put(state.last_B, first_R),
+        fill_B=put(state.fill_B, jnp.full((R,), prefix.length)),
+        count_B=put(state.count_B, jnp.ones((R,), jnp.int32)),
+        done_B=put(state.done_B, finished(rows_R, first_R, jnp.ones((R,), jnp.int32))),
+        rows=jax.tree_util.tree_map(put, state.rows, rows_R),
+    )
+    return state, first_R
 
 
 def programs(mesh=None):
@@ -339,6 +373,28 @@ class Engine:
         while (prefix := self.prefill_step(job)) is None:
             pass
         return prefix
+
+    def fork(self, prefix: Prefix, rows: RowSampling) -> Prefix:
+        """The prefilled prompt of `prefix` for another request (n completions of one prompt: GRPO's
+        group) without a second prefill: the same one-row cache, its own settings and first token
+        (drawn as a prefill with `rows` draws it). A prefix is not consumed by insert: both go in.
+        rows.max_new must fit the window as the prefill's did (not checked here: no wait on the device)."""
+        first, done, rows_1 = _fork(prefix.logits, rows, max_k=self.max_k)
+        return prefix._replace(first=first, done=done, rows=rows_1)
+
+    def insert_group(self, prefix: Prefix, rows: list[RowSampling], slots: list[int]) -> jax.Array:
+        """fork + insert for several requests on one prompt in one call (GRPO's G completions): request
+        r takes slot slots[r] with rows[r]. -> their first tokens [R] (on the device). One compiled
+        program per group size; over a mesh use fork and insert."""
+        if len(rows) != len(slots) or not rows:
+            raise ValueError(f"{len(rows)} requests for {len(slots)} slots")
+        stacked = RowSampling(*(np.stack(f) for f in zip(*rows, strict=True)))
+        self.state, first_R = _insert_group(
+            self.state, prefix, stacked, np.asarray(slots, np.int32), max_k=self.max_k
+        )
+        self._count[slots] = 1
+        self._stop[slots] = False
+        return first_R
 
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant is gone)."""

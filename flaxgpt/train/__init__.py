@@ -2,5 +2,6 @@
 optimizers, preemption and the config check.
 
 May import: flaxgpt.models, flaxgpt.data, flaxgpt.runs, flaxgpt.hf (init_from pretrained weights),
-flaxgpt.eval, flaxgpt.decode, flaxgpt.sharding, flaxgpt.runtime, flaxgpt.errors.
+flaxgpt.eval, flaxgpt.decode, flaxgpt.serve (GRPO's rollouts by the engine), flaxgpt.sharding,
+flaxgpt.runtime, flaxgpt.errors.
 """

@@ -210,6 +210,15 @@ def _check_grpo(config) -> None:
         "scale_rewards": grpo_task.SCALES,
         "importance_sampling_level": grpo_task.LEVELS,
     }
+    rollout = g.get("rollout", "generate")  # a run saved before the field: generate's rollouts
+    if rollout not in grpo_task.ROLLOUTS:
+        raise ConfigError(f"--config.grpo.rollout={rollout!r}; choose one of {', '.join(grpo_task.ROLLOUTS)}")
+    if rollout == "generate" and config.get("lora") and config.lora.rank:
+        if config.lora.base_dtype == "int8":
+            raise ConfigError(
+                "grpo.rollout=generate samples from the base with the adapters merged, which an int8 "
+                "base (lora.base_dtype) cannot hold: use grpo.rollout=engine (adapters unmerged)"
+            )
     for key, allowed in choices.items():
         if g[key] not in allowed:
             raise ConfigError(f"--config.grpo.{key}={g[key]!r}; choose one of {', '.join(allowed)}")

@@ -7,10 +7,12 @@ weights, scored and turned into advantages; the jitted train step then runs GRPO
     loss_sum, (weight, sums) = task.loss(params, batch, rng, train=True, frozen=frozen)
     task.evaluate(params)             # {"val_reward": ...}: one sampled completion a held-out prompt
 
-A rollout: batch_size // G prompts of the step (PromptData.batch), G completions each sampled by
-grpo_task.sample_groups (LoRA: from the base with the adapters merged, the policy's own weights),
-decoded, scored by the rewards (flaxgpt.train.rewards), group-normalised advantages, and rows of
-prompt + completion (grpo_task.rollout_batch). With num_iterations > 1 the sampling policy's log-probs
+A rollout: batch_size // G prompts of the step (PromptData.batch), G completions each sampled from
+the policy's current weights by the serving engine (grpo.rollout = engine: grpo_rollout, LoRA's
+adapters unmerged over any base, int8 included) or by grpo_task.sample_groups (generate: LoRA's
+adapters merged into the base), the same tokens for the same seed (rollout_seed), decoded,
+scored by the rewards (flaxgpt.train.rewards), group-normalised advantages, and rows of prompt +
+completion (grpo_task.rollout_batch). With num_iterations > 1 the sampling policy's log-probs
 (old_logp) are taken once and the same rollout trains that many optimizer steps; with beta > 0 the
 reference's (ref_logp: LoRA's base with the adapters off, else a copy of init_from's weights) are
 taken at the rollout too, as TRL takes both at generation time.
@@ -35,10 +37,18 @@ from flax import linen as nn
 from flaxgpt import sharding
 from flaxgpt.data import prompts as prompts_lib
 from flaxgpt.data import tokenizers
+from flaxgpt.decode import sampling
+from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
-from flaxgpt.train import grpo_task, rewards
+from flaxgpt.train import grpo_rollout, grpo_task, rewards
 from flaxgpt.train.lm_task import FRESH_STARTS, LMTask, load_pretrained
+
+
+def rollout_seed(seed: int, step: int, process_index: int) -> int:
+    """The u32 seed of a step's rollout on a process (step -1: evaluations): an engine request's
+    seed is a number (serve.engine.RowSampling), so generate's rollouts take key(seed) too."""
+    return int(np.random.SeedSequence([seed % 2**32, step + 1, process_index]).generate_state(1)[0])
 
 
 def reward_names(specs) -> list[str]:
@@ -88,10 +98,11 @@ class GRPOOnlineTask(LMTask):
         g = config.grpo
         start = self.pretrained  # init_from's weights: the reference when beta > 0 without LoRA
         super()._set_model(config, model_config)
-        if self.lora is not None and config.lora.base_dtype == "int8":
+        self.rollout_by = g.get("rollout", "generate")  # a run saved before the field: generate
+        if self.lora is not None and config.lora.base_dtype == "int8" and self.rollout_by == "generate":
             raise ValueError(
-                "GRPO with lora.base_dtype=int8: rollouts sample from the base with the adapters merged, "
-                "which an int8 base cannot hold; use bfloat16 or float32"
+                "grpo.rollout=generate samples from the base with the adapters merged, which an int8 "
+                "base (lora.base_dtype) cannot hold: use grpo.rollout=engine (adapters unmerged)"
             )
         self.G, self.num_iterations = int(g.num_generations), int(g.num_iterations)
         self.max_new, self.temperature, self.top_p = int(g.max_completion_length), g.temperature, g.top_p
@@ -116,6 +127,17 @@ class GRPOOnlineTask(LMTask):
         self.rewards = rewards.Rewards.make(list(g.reward_funcs), list(g.reward_weights) or None)
         self.names = reward_names(g.reward_funcs)
         self._logps = jax.jit(lambda p, b, f: self.objective.token_logps(p, b, f)[0])
+        self.engine = None
+        if self.rollout_by == "engine":  # one engine for the run: slots for a step's completions
+            longest = self.data.max_prompt_tokens if self.data is not None else model_config.block_size
+            self.engine = grpo_rollout.EngineRollouts(
+                model_config,
+                Sampling(temperature=g.temperature, top_p=g.top_p, eos_id=self._eos()),
+                max_new_tokens=self.max_new,
+                slots=max(config.batch_size // jax.process_count(), 1),
+                max_len=sampling.cache_length(model_config.block_size, longest, self.max_new),
+                lora_spec=self.lora,
+            )
 
     def place_frozen(self, mesh):
         frozen, shardings = super().place_frozen(mesh)
@@ -146,19 +168,29 @@ class GRPOOnlineTask(LMTask):
     def loss(self, params, batch, rng, train: bool, frozen=None):
         return self.objective.loss(params, batch, rng, train, frozen)
 
+    def _eos(self):
+        return None if self.data is None else self.data.eos_id
+
     def policy_weights(self, params, frozen):
-        """The weights rollouts sample from: the parameters, or LoRA's base with the adapters merged."""
+        """The weights generate's rollouts sample from: the parameters, or LoRA's base with the adapters
+        merged (the engine's take LoRA's (base, adapters) unmerged)."""
         if self.lora is None:
             return params
         return _merge(self.model_config, self.lora, frozen, params)
 
-    def sample(self, params, frozen, rows, group_size: int, rng):
-        """(prompt ids, completion ids, completion texts) of group_size completions a row, prompt-major."""
-        prompt_ids, completion_ids = grpo_task.sample_groups(
-            self.model_config, self.policy_weights(params, frozen), [r["ids"] for r in rows], group_size,
-            rng=rng, max_new_tokens=self.max_new, temperature=self.temperature, top_p=self.top_p,
-            eos_id=self.data.eos_id,
-        )  # fmt: skip
+    def sample(self, params, frozen, rows, group_size: int, seed: int):
+        """(prompt ids, completion ids, completion texts) of group_size completions a row, prompt-major;
+        completion n drawn with the key fold_in(key(seed), n) by the engine or by generate alike."""
+        ids = [r["ids"] for r in rows]
+        if self.engine is not None:
+            weights = params if self.lora is None else (frozen, params)
+            prompt_ids, completion_ids = self.engine.sample(weights, ids, group_size, seed=seed)
+        else:
+            prompt_ids, completion_ids = grpo_task.sample_groups(
+                self.model_config, self.policy_weights(params, frozen), ids, group_size,
+                rng=jax.random.key(seed), max_new_tokens=self.max_new, temperature=self.temperature,
+                top_p=self.top_p, eos_id=self.data.eos_id,
+            )  # fmt: skip
         eos = self.data.eos_id  # the text a reward reads ends before the end-of-sequence token
         texts = [self.tokenizer.decode(c[:-1] if c and c[-1] == eos else c) for c in completion_ids]
         return prompt_ids, completion_ids, texts
@@ -176,8 +208,8 @@ class GRPOOnlineTask(LMTask):
         t0 = time.perf_counter()
         G = self.G
         rows = self.data.batch("train", step * jax.process_count() + process_index, n_rows // G, self.seed)
-        rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), step), process_index)
-        prompt_ids, completion_ids, texts = self.sample(params, frozen, rows, G, rng)
+        seed = rollout_seed(self.seed, step, process_index)
+        prompt_ids, completion_ids, texts = self.sample(params, frozen, rows, G, seed)
         total_N, per_NK = self.score(rows, G, texts, completion_ids)
         adv_N, zero_std_N = grpo_task.group_advantages(total_N, G, self.scale)
         batch = grpo_task.rollout_batch(prompt_ids, completion_ids, self.model_config.block_size, adv_N)
@@ -208,8 +240,7 @@ class GRPOOnlineTask(LMTask):
         rows = self.data.splits["val"][: self.eval_prompts]
         if not rows:
             return {}
-        rng = jax.random.key(self.seed + 1)
-        _, completion_ids, texts = self.sample(params, frozen, rows, 1, rng)
+        _, completion_ids, texts = self.sample(params, frozen, rows, 1, rollout_seed(self.seed, -1, 0))
         total_N, per_NK = self.score(rows, 1, texts, completion_ids)
         out = {"val_reward": float(np.nanmean(total_N))}
         out.update({f"val_rewards/{n}": float(np.nanmean(per_NK[:, k])) for k, n in enumerate(self.names)})

@@ -55,6 +55,7 @@ from flaxgpt.models.cache import KVCache
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
 SCALES = ("group", "batch", "none")  # scale_rewards
 LEVELS = ("token", "sequence")  # importance_sampling_level
+ROLLOUTS = ("engine", "generate")  # grpo.rollout: the serving engine (grpo_rollout) | sample_groups
 STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 
 

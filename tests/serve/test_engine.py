@@ -76,6 +76,38 @@ def test_staggered_requests_equal_each_alone_and_generate(step):
         assert got == toks[0, : n[0]].tolist()
 
 
+def test_one_prefill_serves_several_requests_by_fork_and_insert_group(step):
+    """A prompt prefilled once, then given to 3 requests with their own settings and lengths (GRPO's
+    group: train/grpo_rollout.py): by fork + insert, and by insert_group in one call, each decodes
+    the tokens it decodes prefilled alone."""
+    reqs = requests()
+    prompt, rows = reqs[1][0], [r for _, r in reqs[1:4]]  # sampled: plain, top-k, nucleus
+    alone = run(new_engine(step, slots=3), [(prompt, r) for r in rows])
+
+    for grouped in (False, True):
+        engine = new_engine(step, slots=3)
+        prefix = engine.prefill(prompt, rows[0])
+        out = {s: [] for s in range(3)}
+        if grouped:
+            firsts = engine.insert_group(prefix, rows, [2, 0, 1])  # request r in slot (r + 2) % 3
+            slot_of = [2, 0, 1]
+        else:
+            forks = [prefix] + [engine.fork(prefix, r) for r in rows[1:]]
+            for s, f in enumerate(forks):
+                engine.insert(f, s)
+            firsts, slot_of = [f.first for f in forks], [0, 1, 2]
+        busy = True
+        while busy:
+            tokens_BC, new_B, done_B = engine.generate()
+            for s in range(3):
+                out[s] += tokens_BC[s, : new_B[s]].tolist()
+            busy = not all(done_B)
+        got = [[int(firsts[r]), *out[slot_of[r]]] for r in range(3)]
+        assert got == alone, grouped
+    with pytest.raises(ValueError, match="2 requests for 1 slots"):
+        engine.insert_group(prefix, rows[:2], [0])
+
+
 def test_eos_release_and_bad_requests(step):
     engine = new_engine(step, slots=3)
     GREEDY = Sampling(temperature=0)

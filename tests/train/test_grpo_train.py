@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ package
@@ -111,34 +112,63 @@ def test_recipe_trains_logs_rewards_then_sample(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("abc>")
 
 
-def test_lora_with_beta_on_chat_prompts(tmp_path):
-    """A tiny Llama with LoRA, chat prompts (its template), beta > 0 (the reference: the base, adapters
-    off): the KL is 0 while the adapters are zero, > 0 after an update."""
+@pytest.fixture(scope="module")
+def llama_prompts(tmp_path_factory):
+    """A tiny random Llama (HF directory, llama3 chat template) and chat prompts prepared with it."""
     from tests.data.test_chat import make_chat_dir
     from tests.hf.test_llama import make_hf_model
 
-    model = tmp_path / "llama"
+    tmp = tmp_path_factory.mktemp("llama_prompts")
+    model = tmp / "llama"
     make_hf_model("llama", str(model))
     make_chat_dir(model, "llama3")
     records = [{"prompt": [{"role": "user", "content": f"what is {i}"}], "answer": str(i)} for i in range(8)]
-    src = tmp_path / "p.jsonl"
+    src = tmp / "p.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
     args = ["--dataset", "prompts", "--input", str(src), "--hf_dir", str(model), "--val_fraction", "0.5"]
-    prepare.main([*args, "--out_dir", str(tmp_path / "d")])
+    prepare.main([*args, "--out_dir", str(tmp / "d")])
+    return model, tmp / "d"
+
+
+def llama_recipe(model):
     c = grpo_toy.get_config()
     c.init_from = str(model)
     c.model.block_size, c.model.dtype, c.model.remat, c.model.scan_layers = 32, "float32", "none", False
+    return c
+
+
+def test_qlora_with_beta_on_chat_prompts(tmp_path, llama_prompts):
+    """A tiny Llama with LoRA over its int8-quantized base (QLoRA; the engine's rollouts add the
+    adapters unmerged), chat prompts (its template), beta > 0 (the reference: the int8 base, adapters
+    off): the KL is 0 while the adapters are zero, > 0 after an update."""
+    model, data = llama_prompts
     over = {
-        "lora.rank": 4, "lora.alpha": 8.0, "lora.base_dtype": "float32", "grpo.num_generations": 2,
+        "lora.rank": 4, "lora.alpha": 8.0, "lora.base_dtype": "int8", "grpo.num_generations": 2,
         "batch_size": 4, "max_iters": 2, "eval_interval": 2, "grpo.beta": 0.04,
         "grpo.reward_funcs": ("answer", "length=3"), "grpo.reward_weights": (1.0, 0.5),
         "grpo.eval_prompts": 4,  # a rollout's 4 rows: one compiled sampler
     }  # fmt: skip
-    lines = tiny_run(c, tmp_path / "d", tmp_path / "run", **over)
+    lines = tiny_run(llama_recipe(model), data, tmp_path / "run", **over)
     steps = [x for x in lines if "reward" in x]
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl"] > 0
+    assert all(np.isfinite(x["loss"]) for x in steps)
     assert all(k in steps[0] for k in ("rewards/answer/mean", "rewards/length/std"))
     assert [x["step"] for x in lines if "val_reward" in x] == [0, 2]
+
+
+def test_full_fine_tuning_with_beta(tmp_path, llama_prompts):
+    """Full fine-tuning with beta > 0: the reference is a copy of init_from's weights (the policy's
+    start is donated to the train step), so the KL is 0 at the first step and > 0 after an update."""
+    model, data = llama_prompts
+    over = {
+        "grpo.num_generations": 2, "batch_size": 4, "max_iters": 2, "eval_interval": 2, "grpo.beta": 0.04,
+        "grpo.eval_prompts": 0, "grpo.reward_funcs": ("length=3",), "optim.learning_rate": 3e-2,
+    }  # fmt: skip
+    lines = tiny_run(llama_recipe(model), data, tmp_path / "run", **over)
+    steps = [x for x in lines if "reward" in x]
+    assert [x["step"] for x in steps] == [1, 2]
+    assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl"] > 0
+    assert all(np.isfinite(x["loss"]) for x in steps)
 
 
 def test_bad_grpo_settings_fail_in_one_line_and_write_nothing(tmp_path):
@@ -152,6 +182,13 @@ def test_bad_grpo_settings_fail_in_one_line_and_write_nothing(tmp_path):
         "a prompt of 4 tokens: + grpo.max_completion_length 4 > model.block_size 6": {"model.block_size": 6},
         "must be multiples of grpo.num_generations 8": {"batch_size": 12},
         "grpo.beta=0.1 needs a reference": {"grpo.beta": 0.1},
+        "grpo.rollout='vllm'; choose one of engine, generate": {"grpo.rollout": "vllm"},
+        "grpo.rollout=generate samples from the base with the adapters merged, which an int8": {
+            "grpo.rollout": "generate",
+            "lora.rank": 4,
+            "lora.base_dtype": "int8",
+            "init_from": "gpt2",
+        },  # fmt: skip
     }
     for message, over in cases.items():
         with pytest.raises((ConfigError, ValueError)) as e:

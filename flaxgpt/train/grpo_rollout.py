@@ -1,0 +1,123 @@
+"""GRPO's rollouts by the serving engine (grpo.rollout = "engine"): the G completions of each prompt
+decoded by flaxgpt.serve.engine.Engine from the current weights, in the training process.
+
+    rollouts = EngineRollouts(model_config, Sampling(temperature=1.0, eos_id=eos), max_new_tokens=64,
+                              slots=128, max_len=W, lora_spec=spec)
+    prompts, completion_ids = rollouts.sample(weights, prompt_ids, G, seed=s)
+
+weights: the policy's parameters, or with LoRA (base, adapters): the adapters are added unmerged
+(models.lora.step_fn), so an int8 base (lora.base_dtype = int8, QLoRA-style) rolls out too. The
+engine's step_fn is a Partial over the weights, replaced at each call (serve.launch swaps its adapter
+stack the same way): new weights every step, the engine's programs compiled once.
+
+Continuous batching: completions take the engine's `slots` as they free up (one that ends at EOS
+frees its slot for the next after the `generate` call it ended in); a prompt is prefilled once, and
+its G completions take that one-row cache into G slots, each first token drawn from the prefill's
+logits with its own key: `Engine.insert_group` (one call) when G slots are free, else
+`Engine.fork` + `insert` one at a time. Nothing waits on the device until a `generate` call ends.
+
+Keys: completion n (prompt n // G's) decodes with RowSampling(seed=s, stream=n), the key
+fold_in(key(s), n) that `generate(rng=key(s))` gives its row n, so the tokens are those of
+grpo_task.sample_groups(..., rng=jax.random.key(s)) (up to float rounding of the other shapes: the
+engine prefills one prompt at a time, padded to its bucket).
+
+Shape letters: N completions (prompts x G), G group size, B slots, C decode steps a generate call.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+
+from flaxgpt.decode.sampling import Sampling
+from flaxgpt.models import gpt, lora
+from flaxgpt.models.cache import KVCache
+from flaxgpt.serve.engine import Engine, RowSampling
+
+# decode steps a generate call at most: a whole completion where it fits (one host round trip; the
+# loop stops early when every slot is done), as generate's chunk; a freed slot waits out the call
+CHUNK = 256
+
+
+class EngineRollouts:
+    """A serving engine kept for a run's rollouts; see the module docstring."""
+
+    def __init__(
+        self,
+        model_config: gpt.GPTConfig,
+        sampling: Sampling,
+        *,
+        max_new_tokens: int,
+        slots: int,
+        max_len: int,
+        lora_spec: lora.LoraSpec | None = None,
+        chunk: int | None = None,
+    ):
+        self.config, self.sampling, self.lora = model_config, sampling, lora_spec
+        self.max_new, self.slots, self.max_len = int(max_new_tokens), slots, max_len
+        self.chunk = chunk or min(self.max_new, CHUNK)
+        # as generate: greedy rows take the argmax alone, sampled ones the top 256 candidates
+        self.max_k = 0 if sampling.temperature == 0 else 256
+        self.engine: Engine | None = None  # built at the first call, with its first weights
+
+    def step_fn(self, weights):
+        """The decoders' step_fn over these weights: params, or LoRA's (base, adapters) unmerged."""
+        if self.lora is None:
+            return gpt.step_fn(self.config, weights)
+        base, adapters = weights
+        return lora.step_fn(self.config, self.lora, base, adapters)
+
+    def _engine(self, weights) -> Engine:
+        step_fn = self.step_fn(weights)
+        if self.engine is None:
+            make_cache = lambda b: KVCache.for_config(self.config, b, self.max_len)  # noqa: E731
+            self.engine = Engine(step_fn, make_cache, slots=self.slots, chunk=self.chunk, max_k=self.max_k)
+        self.engine.step_fn = step_fn  # a jit argument: this step's weights, no recompile
+        return self.engine
+
+    def _rows(self, n: int, seed: int) -> RowSampling:
+        return RowSampling.of(self.sampling, max_new_tokens=self.max_new, seed=seed, stream=n)
+
+    def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
+        """(prompts, completion ids): N = prompts x G token lists, prompt-major (completion n is prompt
+        n // G's), each ending with the EOS id when it stopped there (grpo_task.sample_groups')."""
+        engine, G = self._engine(weights), int(group_size)
+        N = len(prompt_ids) * G
+        firsts, rest = [None] * N, [[] for _ in range(N)]  # first tokens stay on the device till the end
+        waiting = collections.deque(range(N))
+        free = list(range(self.slots))[::-1]
+        owner: dict[int, int] = {}  # slot -> the completion decoding there
+        prefix = None  # the prefill of the prompt whose completions are being started
+        while waiting or owner:
+            while waiting and free:  # no host wait here: prefill, fork and insert queue on the device
+                n = waiting[0]
+                if G > 1 and n % G == 0 and len(free) >= G:  # the whole group: one prefill, one insert
+                    group = [waiting.popleft() for _ in range(G)]
+                    slots = [free.pop() for _ in range(G)]
+                    rows = [self._rows(m, seed) for m in group]
+                    prefix = engine.prefill(prompt_ids[n // G], rows[0])
+                    first_G = engine.insert_group(prefix, rows, slots)
+                    firsts[n : n + G] = [(first_G, g) for g in range(G)]
+                    owner.update(zip(slots, group, strict=True))
+                    continue
+                waiting.popleft()
+                rows = self._rows(n, seed)
+                if n % G == 0:  # a prompt's first completion: its one prefill
+                    prefix = first = engine.prefill(prompt_ids[n // G], rows)
+                else:
+                    first = engine.fork(prefix, rows)
+                firsts[n] = first.first
+                slot = free.pop()  # one done at its first token (EOS) idles there one generate call
+                engine.insert(first, slot)
+                owner[slot] = n
+            tokens_BC, new_B, done_B = engine.generate()
+            for slot, n in list(owner.items()):
+                rest[n] += tokens_BC[slot, : new_B[slot]].tolist()
+                if done_B[slot]:  # its slot goes to the next completion waiting
+                    free.append(slot)
+                    del owner[slot]
+        host = jax.device_get([f[0] if isinstance(f, tuple) else f for f in firsts])  # one wait
+        firsts = [h[f[1]] if isinstance(f, tuple) else h for h, f in zip(host, firsts, strict=True)]
+        out = [[int(f), *r] for f, r in zip(firsts, rest, strict=True)]
+        return [list(p) for p in prompt_ids for _ in range(G)], out

@@ -1,0 +1,35 @@
+"""flaxgpt aot on a GRPO recipe (configs/grpo_toy.py, tiny): the rollout's engine programs (prefill,
+generate for batch_size slots) compile and are reported, over the policy's parameters or, with LoRA,
+the adapters unmerged over an int8 base."""
+
+from configs import grpo_toy
+from flaxgpt.aot import compile as aot
+from flaxgpt.aot import targets
+
+
+def toy(**kw):
+    c = grpo_toy.get_config()
+    c.data.dir = "/nonexistent"  # never read: the vocabulary is the recipe's
+    c.model.vocab_size, c.model.n_layer, c.batch_size = 16, 1, 16
+    for k, v in kw.items():
+        section, _, key = k.rpartition("__")
+        (c[section] if section else c)[key] = v
+    return c
+
+
+def test_a_grpo_recipe_reports_its_rollout_programs():
+    target = targets.get("cpu")
+    assert "rollout" in aot.GROUPS  # flaxgpt aot's default: a GRPO recipe reports its train step and these
+    rows, _ = aot.run(toy(), target, ("rollout",), print_fn=lambda *_: None)
+    assert [r.program for r in rows] == ["rollout.prefill", "rollout.generate"]
+    full = rows[1]
+    assert full.parameters > 0 and full.total > full.parameters and "16 slots" in full.note
+    over = {"lora__rank": 4, "lora__alpha": 8.0, "lora__base_dtype": "int8"}
+    rows, _ = aot.run(toy(**over), target, ("rollout",), print_fn=lambda *_: None)
+    assert [r.program for r in rows] == ["rollout.prefill", "rollout.generate"]
+    qlora = rows[1]
+    assert "int8 base" in qlora.note and qlora.parameters < full.parameters  # int8 blocks, float32 adapters
+    generate_only = toy(grpo__rollout="generate")  # generate's rollouts: no engine program
+    assert [
+        r.program for r in aot.run(generate_only, target, ("train", "rollout"), print_fn=lambda *_: None)[0]
+    ] == ["train"]

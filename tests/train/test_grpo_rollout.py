@@ -1,0 +1,67 @@
+"""GRPO's rollouts by the serving engine (train/grpo_rollout.py): the tokens of decode.sampling.generate
+for the same seed (sampled, top-p, EOS; prompts of different lengths; fewer slots than completions),
+one prefill a prompt, new weights without a recompile; LoRA's adapters unmerged equal to the merged
+model's rollouts."""
+
+import jax
+import pytest
+
+from flaxgpt.decode import sampling
+from flaxgpt.decode.sampling import Sampling
+from flaxgpt.models import gpt, lora
+from flaxgpt.serve.engine import Engine
+from flaxgpt.train import grpo_task
+from flaxgpt.train.grpo_rollout import EngineRollouts
+
+CFG = gpt.GPTConfig(vocab_size=16, block_size=16, n_layer=1, n_head=2, n_embd=32)
+PROMPTS = [[1, 2, 3], [4, 5], [6, 8, 9, 11, 12], [10]]  # lengths 3, 2, 5, 1
+G, MAX_NEW, EOS = 4, 6, 3
+SETTINGS = Sampling(temperature=1.0, top_p=0.9, eos_id=EOS)
+
+
+def by_generate(weights, seed):
+    return grpo_task.sample_groups(
+        CFG, weights, PROMPTS, G, rng=jax.random.key(seed), max_new_tokens=MAX_NEW,
+        temperature=SETTINGS.temperature, top_p=SETTINGS.top_p, eos_id=EOS,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def params():
+    return gpt.init_params(CFG, jax.random.key(1))
+
+
+def test_engine_rollouts_are_generates_tokens(params, monkeypatch):
+    """16 completions through 5 slots (a completion ending at EOS frees its slot for the next): the
+    tokens generate(rng=key(seed)) samples, each prompt prefilled once; new weights, no recompile."""
+    prefills, real = [], Engine.prefill
+
+    def counted(self, prompt_ids, rows, adapter=0):
+        prefills.append(list(prompt_ids))
+        return real(self, prompt_ids, rows, adapter)
+
+    monkeypatch.setattr(Engine, "prefill", counted)
+    rollouts = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=5, max_len=16)
+    rows, got = rollouts.sample(params, PROMPTS, G, seed=7)
+    want_rows, want = by_generate(params, 7)
+    assert rows == want_rows and got == want
+    assert prefills == PROMPTS  # G completions forked from one prefill
+    lengths = [len(c) for c in got]
+    assert min(lengths) < MAX_NEW and max(lengths) == MAX_NEW and any(c[-1] == EOS for c in got)
+    compiled = sampling.decode_chunk._cache_size()
+    moved = jax.tree.map(lambda x: x * 1.5, params)  # the next step's weights
+    assert rollouts.sample(moved, PROMPTS, G, seed=8)[1] == by_generate(moved, 8)[1]
+    assert sampling.decode_chunk._cache_size() == compiled
+
+
+def test_lora_unmerged_rollouts_are_the_merged_models(params):
+    """Adapters added unmerged (models.lora.step_fn: what lets the base be int8, tested through the
+    trainer in test_grpo_train) sample the merged model's tokens over a float32 base."""
+    spec = lora.LoraSpec.make(CFG, rank=4, alpha=8.0)
+    leaves, tree = jax.tree.flatten(lora.init_adapters(CFG, spec, jax.random.key(2)))
+    keys = jax.random.split(jax.random.key(3), len(leaves))  # B is zeros at init: make them count
+    adapters = tree.unflatten([x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+    rollouts = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=5, max_len=16, lora_spec=spec)
+    got = rollouts.sample((params, adapters), PROMPTS, G, seed=7)[1]
+    assert got == by_generate(lora.merge(CFG, spec, params, adapters), 7)[1]
+    assert got != by_generate(params, 7)[1]  # the adapters change what is sampled
