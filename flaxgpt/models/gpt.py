@@ -93,12 +93,14 @@ class Block(nn.Module):
             deterministic=self.deterministic,
             name="mlp",
         )
-        if c.layer_is_sparse(self.layer):  # a mixture of experts (Mixtral, Qwen3-MoE): models/moe.py
+        if c.layer_is_sparse(self.layer):  # a mixture of experts (Mixtral, Qwen2/3-MoE): models/moe.py
             mlp = MoE(
                 c.num_experts,
                 c.experts_per_token,
                 c.expert_mlp_hidden,
                 norm_topk_prob=c.norm_topk_prob,
+                shared_hidden=c.shared_expert_hidden,
+                shared_gate=c.shared_expert_gate,
                 **shared,
             )
         else:

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE) and its router losses.
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE) and its router losses.
 
     y_BTD = MoE(config)(x_BTD)              # a sparse layer's MLP (gpt.Block picks it per layer)
     logits, state = GPT(config).apply(v, tokens, mutable=["router"])
@@ -10,7 +10,8 @@ the N*k (token, expert) assignments are sorted by expert and each expert's conti
 one group of a grouped matmul (`grouped_matmul`), so an expert computes only its own tokens and no
 token is dropped for capacity. Expert weights are stacked [E, ...] (logical axis "expert"); on a
 mesh with an "expert" axis they are split over it and the tokens visit their experts' devices
-(`expert_parallel`).
+(`expert_parallel`). Qwen2-MoE adds a shared expert, a dense MLP every token goes through, its
+output scaled per token by sigmoid(x . w) (`shared_gate`), to the routed experts' sum.
 
 Each sparse layer sows into the "router" collection what the losses need: the fraction of the
 assignments each expert got and its mean router probability (transformers' load_balancing_loss_func
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from flaxgpt.models.layers import Dtype, activation_fn, normal_init, swiglu
+from flaxgpt.models.layers import MLP, Dtype, activation_fn, normal_init, swiglu
 
 ROUTER = "router"  # the collection the sparse layers sow their statistics into
 
@@ -44,6 +45,8 @@ class MoE(nn.Module):
     norm_topk_prob: bool = True
     dropout: float = 0.0
     out_init_std: float = 0.02
+    shared_hidden: int = 0  # a shared expert MLP every token goes through (Qwen2-MoE); 0 = none
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) per token
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     deterministic: bool = True
@@ -82,8 +85,31 @@ class MoE(nn.Module):
         args = (x_ND.astype(self.dtype), weights_NC, experts_NC, w_fc.astype(self.dtype))
         args += (w_proj.astype(self.dtype), self._expert_mlp)
         y_ND = expert_parallel(*args) if expert_axis_size() > 1 else mix_experts(*args)
+        if self.shared_hidden:
+            y_ND = y_ND + self._shared_expert(x_ND)
         y_BTD = y_ND.reshape(x_BTD.shape)
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
+
+    def _shared_expert(self, x_ND):
+        """The shared expert (a dense MLP of hidden size shared_hidden) on every token [N, D] -> [N, D],
+        times sigmoid of its gate when `shared_gate`."""
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        y_ND = MLP(
+            self.shared_hidden,
+            activation=self.activation,
+            glu=self.glu,
+            use_bias=False,
+            out_init_std=self.out_init_std,
+            name="shared_expert",
+            **kw,
+        )(x_ND)
+        if not self.shared_gate:
+            return y_ND
+        gate = nn.Dense(
+            1, use_bias=False, kernel_init=normal_init(0.02, ("embed", None)), name="shared_expert_gate", **kw
+        )
+        # fp32 sigmoid, as the router's softmax
+        return jax.nn.sigmoid(gate(x_ND).astype(jnp.float32)).astype(y_ND.dtype) * y_ND
 
     def _expert_mlp(self, h_AF2):
         """An expert's activation on its first matmul's output: [A, 2F] (glu) or [A, F] -> [A, F]."""

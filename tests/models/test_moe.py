@@ -124,6 +124,14 @@ def transformers_counts(model_type):
             tie_word_embeddings=False,
         )  # fmt: skip
         cls = transformers.MixtralForCausalLM
+    elif model_type == "qwen2_moe":  # Qwen/Qwen1.5-MoE-A2.7B's config.json
+        cfg = transformers.Qwen2MoeConfig(
+            vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+            num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        cls = transformers.Qwen2MoeForCausalLM
     else:  # Qwen/Qwen3-30B-A3B's config.json
         cfg = transformers.Qwen3MoeConfig(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -135,11 +143,14 @@ def transformers_counts(model_type):
         model = cls(cfg)
     total = sum(p.numel() for p in model.parameters())
     E, k = cfg.num_local_experts if model_type == "mixtral" else cfg.num_experts, cfg.num_experts_per_tok
-    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)  # not shared
     return total, total - experts * (E - k) // E
 
 
-@pytest.mark.parametrize("preset,model_type", [("mixtral-8x7b", "mixtral"), ("qwen3-30b-a3b", "qwen3_moe")])
+@pytest.mark.parametrize(
+    "preset,model_type",
+    [("mixtral-8x7b", "mixtral"), ("qwen3-30b-a3b", "qwen3_moe"), ("qwen1.5-moe-a2.7b", "qwen2_moe")],
+)
 def test_presets_total_and_active_parameters_equal_transformers(preset, model_type):
     s = summary.summarize(GPTConfig.preset(preset))
     assert (s["totals"]["total"], s["totals"]["active"]) == transformers_counts(model_type)
