@@ -112,6 +112,42 @@ def test_bad_configs_are_one_line():
     assert hash(GPTConfig.from_dict({**GPTConfig(**TINY).to_dict(), "mlp_only_layers": [1]}))
 
 
+def test_int8_experts_decode_close_to_float():
+    """int8 weights for decoding: the stacked experts (and a Qwen2-MoE shared expert, a dense MLP)
+    per expert and output channel, the routers left float32; logits within 2% of the float model's
+    range and the same greedy tokens."""
+    from flaxgpt.decode.sampling import generate
+    from flaxgpt.models import quantize
+    from flaxgpt.models.cache import KVCache
+    from flaxgpt.models.gpt import quantize_params, step_fn
+
+    config = GPTConfig(**{**TINY, "n_layer": 2}, shared_expert_hidden=16, shared_expert_gate=True)
+    # x3: peaked logits (no greedy ties), yet not so large that rounding anywhere flips a route
+    params = jax.tree_util.tree_map(lambda x: x * 3, init_params(config, jax.random.key(3)))
+    qconfig, qparams = quantize_params(config, params, "int8")
+    fc, w = qparams["h_0"]["mlp"]["experts_fc"], np.asarray(params["h_0"]["mlp"]["experts_fc"])
+    assert fc.w.dtype == jnp.int8 and fc.w.shape == (4, 32, 48) and fc.scale.shape == (4, 48)
+    # each expert's output channel: error at most half its own step, max |w[e, :, f]| / 254
+    back = np.asarray(fc.w, np.float32) * np.asarray(fc.scale)[:, None, :]
+    assert np.all(np.abs(back - w) <= np.abs(w).max(axis=1, keepdims=True) / 254 * 1.0001)
+    assert not quantize.is_quantized(qparams["h_0"]["mlp"]["router"])
+    assert quantize.is_quantized(qparams["h_0"]["mlp"]["shared_expert"])
+
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 8)))
+    want = GPT(config).apply({"params": params}, tokens)
+    got = quantize.intercepted(GPT(qconfig).apply)({"params": qparams}, tokens)
+    assert float(jnp.max(jnp.abs(got - want))) < 0.02 * float(jnp.max(want) - jnp.min(want))
+    prompt = np.asarray(tokens[:, :5])
+    greedy = dict(max_new_tokens=10, rng=jax.random.key(0), temperature=0)
+    float_tokens, _ = generate(
+        step_fn(config, params), KVCache.for_config(config, 2, 16), prompt, [5, 3], **greedy
+    )
+    int8_tokens, _ = generate(
+        step_fn(qconfig, qparams), KVCache.for_config(qconfig, 2, 16), prompt, [5, 3], **greedy
+    )
+    np.testing.assert_array_equal(int8_tokens, float_tokens)
+
+
 def transformers_counts(model_type):
     """(total, active) parameters of transformers' model for the preset's published config, built
     on the meta device (no memory): active = total less E - k experts' weights per sparse layer."""
