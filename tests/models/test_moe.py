@@ -132,6 +132,10 @@ def test_int8_experts_decode_close_to_float():
     assert np.all(np.abs(back - w) <= np.abs(w).max(axis=1, keepdims=True) / 254 * 1.0001)
     assert not quantize.is_quantized(qparams["h_0"]["mlp"]["router"])
     assert quantize.is_quantized(qparams["h_0"]["mlp"]["shared_expert"])
+    # the abstract layout (what flaxgpt aot compiles int8 decoding with) is the same tree
+    layout = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+    abstract = quantize_params(config, nn.unbox(abstract_params(config)), "int8")[1]
+    assert layout(abstract) == layout(qparams)
 
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 8)))
     want = GPT(config).apply({"params": params}, tokens)
