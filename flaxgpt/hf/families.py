@@ -68,6 +68,13 @@ FAMILIES = {
     "mixtral": _rotary(
         "MixtralForCausalLM", llama.LLAMA_LAYER_KEYS, moe, sparse_keys=moe.MIXTRAL_SPARSE_KEYS
     ),
+    "qwen2_moe": _rotary(
+        "Qwen2MoeForCausalLM",
+        llama.QWEN2_LAYER_KEYS,
+        moe,
+        qkv_bias=True,
+        sparse_keys=moe.QWEN2_MOE_SPARSE_KEYS,
+    ),
     "qwen3_moe": _rotary(
         "Qwen3MoeForCausalLM",
         llama.QWEN3_LAYER_KEYS,
@@ -89,12 +96,15 @@ def family_for(hf: dict) -> Family:
 
 def family_of(config: GPTConfig) -> str:
     """The model_type that expresses a GPTConfig: GPT-2 for learned or sinusoidal positions; for
-    rotary ones a mixture of experts is Qwen3-MoE with QK-norm, else Mixtral; Gemma has post-norms
+    rotary ones a mixture of experts is Qwen3-MoE with QK-norm, Qwen2-MoE with a shared expert or qkv
+    biases, else Mixtral; Gemma has post-norms
     (Gemma 3 QK-norm too), Qwen3 QK-norm, Qwen2 qkv biases, Mistral a window, else Llama."""
     if config.pos_embedding != "rope":
         return "gpt2"
     if config.num_experts:
-        return "qwen3_moe" if config.qk_norm else "mixtral"
+        if config.qk_norm:
+            return "qwen3_moe"
+        return "qwen2_moe" if config.shared_expert_hidden or config.qkv_bias else "mixtral"
     if config.post_norms:
         return "gemma3_text" if config.qk_norm else "gemma2"
     if config.qk_norm:

@@ -1,15 +1,17 @@
-"""Mixtral and Qwen3-MoE in the family table (flaxgpt.hf.families): their sparse layers' key tables and
-their config.json both ways.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE in the family table (flaxgpt.hf.families): their sparse layers' key
+tables and their config.json both ways.
 
-Both are the Llama (Mixtral) or Qwen3 (Qwen3-MoE) decoder whose MLP is a mixture of experts in the
-sparse layers (flaxgpt/models/moe.py). Published checkpoints, and transformers 5's save_pretrained
+Each is the Llama (Mixtral), Qwen2 (Qwen2-MoE) or Qwen3 (Qwen3-MoE) decoder whose MLP is a mixture of
+experts in the sparse layers (flaxgpt/models/moe.py); Qwen2-MoE's also has a shared expert with a
+sigmoid gate (mlp.shared_expert.*, mlp.shared_expert_gate: flaxgpt's mlp/shared_expert, a dense MLP,
+and mlp/shared_expert_gate). Published checkpoints, and transformers 5's save_pretrained
 (which fuses the experts in memory but writes them one by one), store each expert's projections as
 tensors of their own: Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2 (gate / up / down) and
-block_sparse_moe.gate (the router), Qwen3-MoE's mlp.experts.{e}.gate_proj / up_proj / down_proj and
-mlp.gate. flaxgpt.hf.rotary stacks them into experts_fc [E, D, 2F] (gate | up) and experts_proj
-[E, F, D]; Qwen3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) keep Qwen3's MLP keys.
+block_sparse_moe.gate (the router), Qwen2-MoE's and Qwen3-MoE's mlp.experts.{e}.gate_proj / up_proj /
+down_proj and mlp.gate. flaxgpt.hf.rotary stacks them into experts_fc [E, D, 2F] (gate | up) and experts_proj
+[E, F, D]; Qwen2/3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) keep the dense MLP keys.
 
-Shape letters: D n_embd, E experts, F each expert's hidden size.
+Shape letters: D n_embd, E experts, F each expert's hidden size, S the shared expert's.
 """
 
 from __future__ import annotations
@@ -33,18 +35,27 @@ QWEN3_MOE_SPARSE_KEYS = {
     "mlp.experts.{e}.up_proj.weight": (("mlp", "experts_fc"), "up"),  # [F, D]
     "mlp.experts.{e}.down_proj.weight": (("mlp", "experts_proj"), None),  # [D, F]
 }
+# Qwen2-MoE: Qwen3-MoE's experts and router, and a shared expert (a dense MLP) with its sigmoid gate
+QWEN2_MOE_SPARSE_KEYS = {
+    **QWEN3_MOE_SPARSE_KEYS,
+    "mlp.shared_expert.gate_proj.weight": (("mlp", "shared_expert", "c_fc", "kernel"), "gate"),  # [S, D]
+    "mlp.shared_expert.up_proj.weight": (("mlp", "shared_expert", "c_fc", "kernel"), "up"),  # [S, D]
+    "mlp.shared_expert.down_proj.weight": (("mlp", "shared_expert", "c_proj", "kernel"), None),  # [D, S]
+    "mlp.shared_expert_gate.weight": (("mlp", "shared_expert_gate", "kernel"), None),  # [1, D]
+}
 # GPTConfig fields of the experts that a checkpoint fixes (beside llama.ARCH_FIELDS)
 MOE_FIELDS = ("num_experts", "experts_per_token", "expert_hidden", "norm_topk_prob")
-MOE_FIELDS += ("decoder_sparse_step", "mlp_only_layers")
+MOE_FIELDS += ("decoder_sparse_step", "mlp_only_layers", "shared_expert_hidden", "shared_expert_gate")
 
 
 def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
-    """A Mixtral or Qwen3-MoE config.json (as a dict) -> GPTConfig; `fields` set the free fields."""
+    """A Mixtral, Qwen2-MoE or Qwen3-MoE config.json (as a dict) -> GPTConfig; `fields` set the free
+    fields."""
     model_type = hf.get("model_type")
     fixed = [f for f in fields if f in MOE_FIELDS]
     if fixed:
         raise ValueError(f"{fixed[0]} is fixed by the pretrained checkpoint and cannot be overridden")
-    qwen = model_type == "qwen3_moe"
+    qwen = model_type in ("qwen2_moe", "qwen3_moe")
     E = hf.get("num_experts") if qwen else hf.get("num_local_experts")
     E = E or hf.get("num_local_experts")  # transformers 5 writes Qwen3-MoE's num_experts under this name
     if not E or "num_experts_per_tok" not in hf:
@@ -52,6 +63,10 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
     if hf.get("router_jitter_noise"):
         raise ValueError(
             f"{model_type} config with router_jitter_noise={hf['router_jitter_noise']!r} is not supported"
+        )
+    if model_type == "qwen2_moe" and not hf.get("qkv_bias", True):
+        raise ValueError(
+            "qwen2_moe config with qkv_bias=False is not supported (Qwen2's q, k, v have biases)"
         )
     experts = dict(
         num_experts=E,
@@ -65,19 +80,32 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
             decoder_sparse_step=hf.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
         )
+    if model_type == "qwen2_moe":
+        if not hf.get("shared_expert_intermediate_size"):
+            raise ValueError("qwen2_moe config.json has no shared_expert_intermediate_size")
+        experts.update(shared_expert_hidden=hf["shared_expert_intermediate_size"], shared_expert_gate=True)
     return llama.config_from_hf(hf, family, **{**experts, **fields})
 
 
 def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict | None = None) -> dict:
-    """GPTConfig -> the config.json of Mixtral or Qwen3-MoE; a config it cannot express is an error."""
+    """GPTConfig -> the config.json of Mixtral, Qwen2-MoE or Qwen3-MoE; a config it cannot express is an
+    error."""
     c = config
     need = {"num_experts": c.num_experts or 1}  # any number of experts, but some
     if model_type == "mixtral":  # every layer sparse, weights always renormalised
         need.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+    if model_type == "qwen2_moe" and not (c.shared_expert_hidden and c.shared_expert_gate):
+        raise ValueError(
+            f"qwen2_moe needs a gated shared expert (shared_expert_hidden > 0, shared_expert_gate=True), "
+            f"this model has {c.shared_expert_hidden}, {c.shared_expert_gate}"
+        )
+    if model_type != "qwen2_moe":
+        need.update(shared_expert_hidden=0, shared_expert_gate=False)
     for field, value in need.items():
         if getattr(c, field) != value:
             raise ValueError(f"{model_type} needs {field}={value!r}, this model has {getattr(c, field)!r}")
-    hf = llama.config_to_hf(dataclasses.replace(c, num_experts=0), model_type, family, special_ids)
+    dense = dataclasses.replace(c, num_experts=0, shared_expert_hidden=0, shared_expert_gate=False)
+    hf = llama.config_to_hf(dense, model_type, family, special_ids)
     hf.update(
         num_experts_per_tok=c.experts_per_token,
         router_aux_loss_coef=c.router_aux_loss_coef,
@@ -95,4 +123,6 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
             decoder_sparse_step=c.decoder_sparse_step,
             mlp_only_layers=list(c.mlp_only_layers),
         )
+    if model_type == "qwen2_moe":
+        hf.update(shared_expert_intermediate_size=c.shared_expert_hidden, qkv_bias=True)
     return hf

@@ -1,5 +1,5 @@
 """The weight loop of every rotary family (Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, Mixtral,
-Qwen3-MoE): a Hugging Face checkpoint -> flaxgpt params and back, driven by a families.Family's key
+Qwen2-MoE, Qwen3-MoE): a Hugging Face checkpoint -> flaxgpt params and back, driven by a families.Family's key
 table (and in a mixture of experts' sparse layers by its sparse_keys: each expert's tensors fill
 that expert's slice of the stacked [E, ...] weights).
 
@@ -34,11 +34,12 @@ HEAD_KEY = "lm_head.weight"  # [V, D] torch Linear; flaxgpt's lm_head kernel is 
 # ---------------------------------------------------------------- fused columns
 
 
-def _columns(config: GPTConfig, part: str | None, F: int = 0) -> slice:
-    """The columns (last axis) of a fused flaxgpt tensor that a Hugging Face part fills (gate / up:
-    of an MLP of hidden size F, by default the dense MLP's)."""
+def _columns(config: GPTConfig, part: str | None, width: int) -> slice:
+    """The columns (last axis, `width` of them) of a fused flaxgpt tensor that a Hugging Face part
+    fills: q / k / v of c_attn, or gate / up, the halves of a gated MLP's [D, 2F] (the dense MLP's, an
+    expert's or the shared expert's)."""
     HK, JK = config.n_head * config.head_dim, config.kv_heads * config.head_dim
-    F = F or config.mlp_hidden or 4 * config.n_embd
+    F = width // 2
     return {
         None: slice(None),
         "q": slice(0, HK),
@@ -54,8 +55,8 @@ def _part(leaf, config: GPTConfig, part):
     _columns), or (e, part) for expert e of a stacked [E, ...] expert tensor."""
     if isinstance(part, tuple):
         e, part = part
-        return leaf[e][..., _columns(config, part, config.expert_mlp_hidden)]
-    return leaf[..., _columns(config, part)]
+        leaf = leaf[e]
+    return leaf[..., _columns(config, part, leaf.shape[-1])]
 
 
 def layer_keys(family, config: GPTConfig, i: int) -> dict:

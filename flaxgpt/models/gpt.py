@@ -93,12 +93,14 @@ class Block(nn.Module):
             deterministic=self.deterministic,
             name="mlp",
         )
-        if c.layer_is_sparse(self.layer):  # a mixture of experts (Mixtral, Qwen3-MoE): models/moe.py
+        if c.layer_is_sparse(self.layer):  # a mixture of experts (Mixtral, Qwen2/3-MoE): models/moe.py
             mlp = MoE(
                 c.num_experts,
                 c.experts_per_token,
                 c.expert_mlp_hidden,
                 norm_topk_prob=c.norm_topk_prob,
+                shared_hidden=c.shared_expert_hidden,
+                shared_gate=c.shared_expert_gate,
                 **shared,
             )
         else:
@@ -444,16 +446,19 @@ def step_fn(config: GPTConfig, params) -> jax.tree_util.Partial:
 def quantize_params(config: GPTConfig, params, mode: str):
     """Weight-only int8 (per-output-channel scales) or bf16 weights for decoding -> (config, params).
 
-    Dense kernels and the token embedding are quantized (see flaxgpt/models/quantize.py); wpe, LayerNorms
-    and biases stay float32. A tied head becomes an untied lm_head sharing the quantized table (its
-    rows are the head's output channels), so the decode-time head is one quantized matmul.
+    Dense kernels, a mixture of experts' stacked expert weights (per expert) and the token embedding
+    are quantized (see flaxgpt/models/quantize.py); wpe, LayerNorms, biases and routers stay float32.
+    A tied head becomes an untied lm_head sharing the quantized table (its rows are the head's output
+    channels), so the decode-time head is one quantized matmul.
     """
     quantize.check_mode(mode)
     if config.scan_layers:
         params = unstack_layers(params, config.n_layer)
     params = dict(params)
     table = quantize.quantize_rows(params.pop("wte")["embedding"], mode)
-    qparams = quantize.quantize_tree(params, mode)
+    # a mixture of experts' stacked experts are quantized per expert; its routers stay float32: the
+    # top-k is discrete (rounding the [D, E] router would change which experts run), and they are small
+    qparams = quantize.quantize_tree(params, mode, stacked=("experts_fc", "experts_proj"), keep=("router",))
     qparams["wte"] = {"embedding": table}
     if config.tie_embeddings:
         qparams["lm_head"] = {"kernel": table}  # the same arrays: one copy in memory

@@ -99,6 +99,8 @@ class GPTConfig:
     norm_topk_prob: bool = True  # the k weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's flag)
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % this == 0 (Qwen3-MoE); else dense
     mlp_only_layers: tuple = ()  # layers kept dense whatever decoder_sparse_step says (Qwen3-MoE)
+    shared_expert_hidden: int = 0  # a sparse layer's always-active shared expert MLP (Qwen2-MoE); 0 = none
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x . w) (Qwen2-MoE)
     router_aux_loss_coef: float = 0.001  # training: loss += this x the load-balancing loss (transformers')
     router_z_loss_coef: float = 0.0  # training: loss += this x mean logsumexp(router logits)^2 (ST-MoE)
 
@@ -157,9 +159,18 @@ class GPTConfig:
         for field in ("num_experts", "expert_hidden", "router_aux_loss_coef", "router_z_loss_coef"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")
+        if self.shared_expert_hidden < 0:
+            raise ValueError(f"shared_expert_hidden must be >= 0 (0 = none), got {self.shared_expert_hidden}")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if self.shared_expert_gate and not self.shared_expert_hidden:
+            raise ValueError("shared_expert_gate needs a shared expert: set shared_expert_hidden > 0")
         if not self.num_experts:
+            if self.shared_expert_hidden:
+                raise ValueError(
+                    f"shared_expert_hidden {self.shared_expert_hidden} needs num_experts > 0 (a shared "
+                    "expert sits beside routed ones); a dense model's MLP size is mlp_hidden"
+                )
             return
         k, E = self.experts_per_token, self.num_experts
         if not 1 <= k <= E:
@@ -270,7 +281,8 @@ class GPTConfig:
             GEMMA3_STYLE, vocab_size=262208, block_size=131072, n_layer=34, n_head=8, n_kv_head=4,
             n_embd=2560, mlp_hidden=10240, sliding_window=1024, rope_scaling="linear", rope_factor=8.0,
         ),
-        # mixtures of experts: 8 experts top-2 (Mixtral), 128 experts top-8 (Qwen3-MoE)
+        # mixtures of experts: 8 experts top-2 (Mixtral), 128 experts top-8 (Qwen3-MoE), 60 experts top-4
+        # and a gated shared expert (Qwen1.5-MoE, a Qwen2-MoE)
         "mixtral-8x7b": dict(
             LLAMA_STYLE, vocab_size=32000, block_size=32768, n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
             mlp_hidden=14336, rope_theta=1000000.0, tie_embeddings=False, num_experts=8, experts_per_token=2,
@@ -279,6 +291,12 @@ class GPTConfig:
         "qwen3-30b-a3b": dict(
             QWEN3_STYLE, n_layer=48, n_head=32, n_kv_head=4, n_embd=2048, mlp_hidden=6144,
             tie_embeddings=False, num_experts=128, experts_per_token=8, expert_hidden=768,
+        ),
+        "qwen1.5-moe-a2.7b": dict(
+            LLAMA_STYLE, qkv_bias=True, vocab_size=151936, block_size=8192, n_layer=24, n_head=16,
+            n_kv_head=16, n_embd=2048, mlp_hidden=5632, rope_theta=1000000.0, layer_norm_epsilon=1e-6,
+            tie_embeddings=False, num_experts=60, experts_per_token=4, expert_hidden=1408,
+            norm_topk_prob=False, shared_expert_hidden=5632, shared_expert_gate=True,
         ),
     }
     # fmt: on

@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE) and its router losses.
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE) and its router losses.
 
     y_BTD = MoE(config)(x_BTD)              # a sparse layer's MLP (gpt.Block picks it per layer)
     logits, state = GPT(config).apply(v, tokens, mutable=["router"])
@@ -10,7 +10,8 @@ the N*k (token, expert) assignments are sorted by expert and each expert's conti
 one group of a grouped matmul (`grouped_matmul`), so an expert computes only its own tokens and no
 token is dropped for capacity. Expert weights are stacked [E, ...] (logical axis "expert"); on a
 mesh with an "expert" axis they are split over it and the tokens visit their experts' devices
-(`expert_parallel`).
+(`expert_parallel`). Qwen2-MoE adds a shared expert, a dense MLP every token goes through, its
+output scaled per token by sigmoid(x . w) (`shared_gate`), to the routed experts' sum.
 
 Each sparse layer sows into the "router" collection what the losses need: the fraction of the
 assignments each expert got and its mean router probability (transformers' load_balancing_loss_func
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from flaxgpt.models.layers import Dtype, activation_fn, normal_init, swiglu
+from flaxgpt.models.layers import MLP, Dtype, activation_fn, normal_init, swiglu
+from flaxgpt.models.quantize import QuantizedWeight
 
 ROUTER = "router"  # the collection the sparse layers sow their statistics into
 
@@ -44,6 +46,8 @@ class MoE(nn.Module):
     norm_topk_prob: bool = True
     dropout: float = 0.0
     out_init_std: float = 0.02
+    shared_hidden: int = 0  # a shared expert MLP every token goes through (Qwen2-MoE); 0 = none
+    shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) per token
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     deterministic: bool = True
@@ -79,11 +83,35 @@ class MoE(nn.Module):
             (E, F, D),
             self.param_dtype,
         )
-        args = (x_ND.astype(self.dtype), weights_NC, experts_NC, w_fc.astype(self.dtype))
-        args += (w_proj.astype(self.dtype), self._expert_mlp)
+        # quantized stacks (models/quantize.py: int8 or bf16 decoding) stay compact until the matmul
+        cast = lambda w: w if isinstance(w, QuantizedWeight) else w.astype(self.dtype)  # noqa: E731
+        args = (x_ND.astype(self.dtype), weights_NC, experts_NC, cast(w_fc), cast(w_proj), self._expert_mlp)
         y_ND = expert_parallel(*args) if expert_axis_size() > 1 else mix_experts(*args)
+        if self.shared_hidden:
+            y_ND = y_ND + self._shared_expert(x_ND)
         y_BTD = y_ND.reshape(x_BTD.shape)
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
+
+    def _shared_expert(self, x_ND):
+        """The shared expert (a dense MLP of hidden size shared_hidden) on every token [N, D] -> [N, D],
+        times sigmoid of its gate when `shared_gate`."""
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        y_ND = MLP(
+            self.shared_hidden,
+            activation=self.activation,
+            glu=self.glu,
+            use_bias=False,
+            out_init_std=self.out_init_std,
+            name="shared_expert",
+            **kw,
+        )(x_ND)
+        if not self.shared_gate:
+            return y_ND
+        gate = nn.Dense(
+            1, use_bias=False, kernel_init=normal_init(0.02, ("embed", None)), name="shared_expert_gate", **kw
+        )
+        # fp32 sigmoid, as the router's softmax
+        return jax.nn.sigmoid(gate(x_ND).astype(jnp.float32)).astype(y_ND.dtype) * y_ND
 
     def _expert_mlp(self, h_AF2):
         """An expert's activation on its first matmul's output: [A, 2F] (glu) or [A, F] -> [A, F]."""
@@ -109,18 +137,22 @@ class MoE(nn.Module):
 
 def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0):
     """sum_c weights_NC[n, c] * expert_{experts_NC[n, c]}(x_ND[n]) -> [N, D], over the experts held
-    here: w_fc [E_l, D, 2F or F], w_proj [E_l, F, D] are experts first .. first + E_l - 1 (all of them
-    on one device); assignments to other experts add nothing (another device adds them)."""
+    here: w_fc [E_l, D, 2F or F], w_proj [E_l, F, D] (float or quantized: expert_matmul) are experts
+    first .. first + E_l - 1 (all of them on one device); assignments to other experts add nothing
+    (another device adds them)."""
     N, C = experts_NC.shape
-    E_l = w_fc.shape[0]
+    E_l = experts_held(w_fc)
     local_A = experts_NC.reshape(-1) - first  # this device's expert index, or out of [0, E_l)
     held_A = (local_A >= 0) & (local_A < E_l)
     # sort the assignments by expert, the ones held elsewhere last: each expert's rows are then one
     # contiguous group, and the rows past the groups belong to none (their output is dropped below)
-    order_A = jnp.argsort(jnp.where(held_A, local_A, E_l), stable=True)
-    group_sizes_E = jnp.bincount(jnp.where(held_A, local_A, E_l), length=E_l + 1)[:E_l].astype(jnp.int32)
+    group_A = jnp.where(held_A, local_A, E_l)
+    order_A = jnp.argsort(group_A, stable=True)
+    group_sizes_E = jnp.bincount(group_A, length=E_l + 1)[:E_l].astype(jnp.int32)
     x_AD = x_ND[order_A // C]  # the token each sorted assignment came from
-    y_AD = grouped_matmul(act(grouped_matmul(x_AD, w_fc, group_sizes_E)), w_proj, group_sizes_E)
+    expert_A = jnp.minimum(group_A[order_A], E_l - 1)  # each sorted row's expert (any, past the groups)
+    h_AF = act(expert_matmul(x_AD, w_fc, group_sizes_E, expert_A))
+    y_AD = expert_matmul(h_AF, w_proj, group_sizes_E, expert_A)
     # back to token order (a gather by the inverse permutation, not a scatter-add), then the
     # weighted sum over each token's C experts
     inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(N * C))
@@ -143,7 +175,7 @@ def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act):
     them through its own experts only, and the partial outputs are summed back onto the devices that
     hold each token (reduce-scatter). Expert weights arrive whole in D and F (FSDP gathers them)."""
     mesh = jax.sharding.get_abstract_mesh()
-    n, E = mesh.shape[EXPERT_AXIS], w_fc.shape[0]
+    n, E = mesh.shape[EXPERT_AXIS], experts_held(w_fc)
     if E % n:
         raise ValueError(f"num_experts {E} is not divisible by the {n} devices of the expert mesh axis")
     rows, experts = P(tuple(mesh.axis_names)), P(EXPERT_AXIS)
@@ -158,6 +190,21 @@ def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act):
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows)(
         x_ND, weights_NC, experts_NC, w_fc, w_proj
     )
+
+
+def experts_held(w) -> int:
+    """The experts a stacked weight [E, ...] holds (float, or quantized: models/quantize.py)."""
+    return (w.w if isinstance(w, QuantizedWeight) else w).shape[0]
+
+
+def expert_matmul(x_AD, w, group_sizes_E, expert_A):
+    """grouped_matmul with float weights [E, D, F] or quantized ones (quantize.QuantizedWeight: int8
+    or bf16 w [E, D, F] and scale [E, F], per expert and output channel): (x @ (q * s))[a, f] is
+    (x @ q)[a, f] * s[expert_A[a], f], so the scales multiply each row's output by its expert's."""
+    if not isinstance(w, QuantizedWeight):
+        return grouped_matmul(x_AD, w, group_sizes_E)
+    y_AF = grouped_matmul(x_AD, w.w.astype(x_AD.dtype), group_sizes_E)
+    return y_AF * w.scale[expert_A].astype(y_AF.dtype)
 
 
 def grouped_matmul(x_AD, w_EDF, group_sizes_E):

@@ -7,6 +7,8 @@
 Every Dense kernel [K, N] becomes a `QuantizedWeight` holding w [N, K] (rows are output
 channels) and scale [N]: int8 w = round(kernel / scale) with scale = max|kernel[:, n]| / 127,
 so each output channel keeps its own range; bf16 w is the kernel rounded to bfloat16 (scale 1).
+A stack of kernels [E, K, N] (a mixture of experts' expert weights) keeps its layout, w [E, K, N],
+with scale [E, N]: each expert's output channels their own range (`quantize_stacked`).
 The token embedding table [V, D] is quantized by rows, which are both its lookup rows and the
 LM head's output channels: a tied head becomes an untied `lm_head` that shares the quantized
 table (no copy). Position embeddings, LayerNorms and biases stay float32 (under 1% of GPT-2's
@@ -16,7 +18,8 @@ the logits stay float32.
 The model code is unchanged: `intercepted(fn)` runs fn under `nn.intercept_methods`, which
 routes every `nn.Dense` and `nn.Embed` whose parameter is a `QuantizedWeight` through `qmatmul`
 (a CPU kernel that reads the compact weights directly); `gpt.step_fn` does this for quantized
-params. Nothing here knows the GPT: `gpt.quantize_params` picks what to quantize.
+params. A stack of expert weights is no Dense: the MoE layer (models/moe.py) reads its quantized
+stack itself. Nothing here knows the GPT: `gpt.quantize_params` picks what to quantize.
 Decoding then reads 1 (int8) or 2 (bf16) bytes per weight instead of 4.
 
 Given jax.ShapeDtypeStructs (gpt.abstract_params, with or without shardings) the same functions
@@ -52,6 +55,7 @@ def check_mode(mode: str) -> str:
 class QuantizedWeight:
     w: jax.Array  # [N, K] int8 or bfloat16: one row per output channel (first leaf: see _embed)
     scale: jax.Array  # [N] float32 (ones for bf16)
+    # (a stack of kernels, quantize_stacked: w [E, K, N] as the float stack lay, scale [E, N])
 
     @property
     def nbytes(self) -> int:
@@ -66,29 +70,53 @@ def quantize_rows(w_NK, mode: str, sharding=None) -> QuantizedWeight:
     if isinstance(w_NK, jax.ShapeDtypeStruct):
         return abstract_rows(w_NK, mode)
     sharding = sharding or getattr(w_NK, "sharding", None)
-    w_NK = np.asarray(w_NK, np.float32)
+    q_NK, scale_N = _symmetric(np.asarray(w_NK, np.float32), mode, axis=1)
     if not isinstance(sharding, NamedSharding):
-        if check_mode(mode) == "bf16":
-            return QuantizedWeight(jnp.asarray(w_NK, jnp.bfloat16), jnp.ones(w_NK.shape[0], jnp.float32))
-        q_NK, scale_N = _int8_rows(w_NK)
         return QuantizedWeight(jnp.asarray(q_NK), jnp.asarray(scale_N))
-    if check_mode(mode) == "bf16":
-        q_NK, scale_N = w_NK.astype(jnp.bfloat16), np.ones(w_NK.shape[0], np.float32)
-    else:
-        q_NK, scale_N = _int8_rows(w_NK)
-    layout = abstract_rows(jax.ShapeDtypeStruct(w_NK.shape, w_NK.dtype, sharding=sharding), mode)
-    return jax.tree.map(
-        lambda x, a: jax.make_array_from_callback(x.shape, a.sharding, lambda index: x[index]),
-        QuantizedWeight(q_NK, scale_N),
-        layout,
+    layout = abstract_rows(jax.ShapeDtypeStruct(q_NK.shape, np.float32, sharding=sharding), mode)
+    return _placed(QuantizedWeight(q_NK, scale_N), layout)
+
+
+def quantize_stacked(w_EKN, mode: str) -> QuantizedWeight:
+    """A stack of E kernels [E, K, N] (a mixture of experts' weights) with one scale per kernel and
+    output channel, scale [E, N]; w keeps the stack's [E, K, N] layout, the grouped matmul's (its
+    caller multiplies each row's output by its kernel's scales: models/moe.py). A stack split over a
+    mesh comes back split the same way (the scales as the stack and its columns)."""
+    sharding = getattr(w_EKN, "sharding", None)
+    if isinstance(w_EKN, jax.ShapeDtypeStruct):
+        rows = None
+        if isinstance(sharding, NamedSharding):
+            spec = tuple(sharding.spec) + (None,) * (3 - len(sharding.spec))
+            rows = NamedSharding(sharding.mesh, PartitionSpec(spec[0], spec[2]))
+        E, _, N = w_EKN.shape
+        w = jax.ShapeDtypeStruct(w_EKN.shape, _DTYPES[check_mode(mode)], sharding=sharding)
+        return QuantizedWeight(w, jax.ShapeDtypeStruct((E, N), jnp.float32, sharding=rows))
+    w, scale = _symmetric(np.asarray(w_EKN, np.float32), mode, axis=1)
+    if not isinstance(sharding, NamedSharding):
+        return QuantizedWeight(jnp.asarray(w), jnp.asarray(scale))
+    return _placed(
+        QuantizedWeight(w, scale),
+        quantize_stacked(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding), mode),
     )
 
 
-def _int8_rows(w_NK: np.ndarray):
-    absmax_N = np.abs(w_NK).max(axis=1)
-    scale_N = np.where(absmax_N > 0, absmax_N / 127.0, 1.0).astype(np.float32)  # all-zero rows: any scale
-    q_NK = np.clip(np.rint(w_NK / scale_N[:, None]), -127, 127).astype(np.int8)
-    return q_NK, scale_N
+def _placed(host: QuantizedWeight, layout: QuantizedWeight) -> QuantizedWeight:
+    """Host arrays onto the layout's shardings, each device receiving only its slices."""
+    return jax.tree.map(
+        lambda x, a: jax.make_array_from_callback(x.shape, a.sharding, lambda index: x[index]), host, layout
+    )
+
+
+def _symmetric(w, mode: str, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w as int8 or bfloat16, float32 scales with `axis` dropped), on the host: symmetric int8 whose
+    scale is the largest |w| along `axis` (the input dimension) / 127, or bfloat16 with scale 1."""
+    scale_shape = w.shape[:axis] + w.shape[axis + 1 :]
+    if check_mode(mode) == "bf16":
+        return w.astype(jnp.bfloat16), np.ones(scale_shape, np.float32)
+    absmax = np.abs(w).max(axis=axis)
+    scale = np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)  # all-zero channels: any scale
+    q = np.clip(np.rint(w / np.expand_dims(scale, axis)), -127, 127).astype(np.int8)
+    return q, scale
 
 
 def abstract_rows(w_NK: jax.ShapeDtypeStruct, mode: str) -> QuantizedWeight:
@@ -112,18 +140,23 @@ def _transposed(x):
     return np.asarray(x).T, sharding if isinstance(sharding, NamedSharding) else None
 
 
-def quantize_tree(params, mode: str):
-    """Every 2-D Dense `kernel` [K, N] -> QuantizedWeight of its transpose; the rest unchanged."""
+def quantize_tree(params, mode: str, stacked: tuple = (), keep: tuple = ()):
+    """Every 2-D Dense `kernel` [K, N] -> QuantizedWeight of its transpose, every 3-D leaf named in
+    `stacked` -> quantize_stacked's; subtrees named in `keep` and the rest unchanged."""
     check_mode(mode)
 
     def visit(tree):
         out = {}
         for name, value in tree.items():
-            if isinstance(value, dict):
+            if name in keep:
+                out[name] = value
+            elif isinstance(value, dict):
                 out[name] = visit(value)
             elif name == "kernel" and np.ndim(value) == 2:
                 w_NK, sharding = _transposed(value)
                 out[name] = quantize_rows(w_NK, mode, sharding)
+            elif name in stacked and np.ndim(value) == 3:
+                out[name] = quantize_stacked(value, mode)
             else:
                 out[name] = value
         return out

@@ -123,8 +123,9 @@ def format_summary(s: dict) -> str:
     ]
     if is_gpt and c.get("num_experts"):
         k, E = c["experts_per_token"], c["num_experts"]
+        shared = " + the shared expert" if c.get("shared_expert_hidden") else ""
         lines.append(
-            f"{'active per token':<36}{t['active']:>16,}   ({k} of {E} experts in each sparse layer)"
+            f"{'active per token':<36}{t['active']:>16,}   ({k} of {E} experts{shared} in each sparse layer)"
         )
     lines += [
         "",

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from flaxgpt.data.tokenizers import CharTokenizer
-from flaxgpt.models.gpt import GPTConfig, init_params
+from flaxgpt.models.gpt import LLAMA_STYLE, GPTConfig, init_params
 from flaxgpt.runs.checkpoint import Checkpointer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,8 +18,8 @@ import sample  # noqa: E402
 CHARS = sorted(set("abcdefghij ROMEO:\n"))
 
 
-def write_run(out, chars, n_layer, n_embd, seed):
-    cfg = GPTConfig(vocab_size=len(chars), block_size=64, n_layer=n_layer, n_head=2, n_embd=n_embd)
+def write_run(out, chars, n_layer, n_embd, seed, **arch):
+    cfg = GPTConfig(vocab_size=len(chars), block_size=64, n_layer=n_layer, n_head=2, n_embd=n_embd, **arch)
     (out / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **cfg.to_dict()}}))
     (out / "meta.json").write_text(json.dumps({"tokenizer": CharTokenizer(chars).to_meta()}))
     # larger than the 0.02 init: peaked predictions, so greedy text is not a run of ties
@@ -39,6 +39,8 @@ def runs(tmp_path_factory):
         "other_vocab": write_run(mk("other"), CHARS[:-1], 1, 16, 2),
         "big": write_run(mk("big"), CHARS, 3, 32, 3),
         "other_chars": write_run(mk("chars"), sorted(set(CHARS[:-1] + ["z"])), 1, 16, 4),
+        # a Mixtral-shaped mixture of experts: 4 experts, top-2
+        "moe": write_run(mk("moe"), CHARS, 2, 32, 5, **LLAMA_STYLE, num_experts=4, expert_hidden=32),
     }
 
 
@@ -60,6 +62,15 @@ def test_quantized_and_speculative_greedy(runs, capsys):
     # int8 weights for both models; greedy quantized text need not equal float32's
     args = ["--out_dir", runs["target"], *GREEDY, "--draft", runs["draft"], "--quantize", "int8"]
     code, out, _ = run_sample(capsys, *args)
+    assert code == 0 and out.startswith("ROMEO:") and len(out) == len(plain)
+
+
+def test_mixture_of_experts_run(runs, capsys):
+    """sample.py over an MoE run: greedy text, and with int8 experts (speculative decoding with an MoE
+    target: tests/decode/test_speculative.py)."""
+    code, plain, _ = run_sample(capsys, "--out_dir", runs["moe"], *GREEDY)
+    assert code == 0 and plain.startswith("ROMEO:")
+    code, out, _ = run_sample(capsys, "--out_dir", runs["moe"], *GREEDY, "--quantize", "int8")
     assert code == 0 and out.startswith("ROMEO:") and len(out) == len(plain)
 
 

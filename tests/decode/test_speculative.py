@@ -8,7 +8,7 @@ import pytest
 from flaxgpt.decode.sampling import generate
 from flaxgpt.decode.speculative import check_draft, speculative_generate
 from flaxgpt.models.cache import KVCache
-from flaxgpt.models.gpt import GPTConfig, init_params, step_fn
+from flaxgpt.models.gpt import LLAMA_STYLE, GPTConfig, init_params, step_fn
 
 TARGET = GPTConfig(vocab_size=13, block_size=64, n_layer=2, n_head=2, n_embd=32)
 DRAFT = GPTConfig(vocab_size=13, block_size=64, n_layer=1, n_head=2, n_embd=16)
@@ -74,6 +74,34 @@ def test_self_draft_accepts_everything(steps):
         temperature=0,
     )
     assert stats.acceptance == 1.0 and stats.rounds == 10 and n[0] == 21  # 1 + 10 rounds of 2
+
+
+# a Mixtral-shaped mixture of experts: 4 experts, top-2, every layer sparse
+MIXTRAL = GPTConfig(
+    **LLAMA_STYLE, vocab_size=13, block_size=64, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+    num_experts=4, experts_per_token=2, expert_hidden=32,
+)  # fmt: skip
+
+
+def test_mixture_of_experts_target(steps):
+    """An MoE target verifies k + 1 positions per row in one call (the rows' tokens routed together,
+    rejected drafts taken back): with the dense draft it gives its own greedy tokens."""
+    _, draft = steps
+    params = jax.tree_util.tree_map(lambda x: x * 8, init_params(MIXTRAL, jax.random.key(2)))
+    target = step_fn(MIXTRAL, params)
+    prompt = np.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0], [5, 0, 0, 0, 0]], np.int32)
+    lengths = [5, 3, 1]
+    want, want_len = generate(
+        target, KVCache.for_config(MIXTRAL, 3, 64), prompt, lengths, max_new_tokens=24,
+        rng=jax.random.key(0), temperature=0,
+    )  # fmt: skip
+    got, got_len, stats = speculative_generate(
+        target, KVCache.for_config(MIXTRAL, 3, 64), draft, KVCache.for_config(DRAFT, 3, 64), prompt,
+        lengths, max_new_tokens=24, rng=jax.random.key(0), draft_tokens=3, temperature=0,
+    )  # fmt: skip
+    np.testing.assert_array_equal(got_len, want_len)
+    np.testing.assert_array_equal(got, want)
+    assert 0 < stats.accepted < stats.drafted
 
 
 V = 4

@@ -17,6 +17,7 @@ PRESETS = {
     "gemma-3-1b": "gemma3_text",
     "mixtral-8x7b": "mixtral",
     "qwen3-30b-a3b": "qwen3_moe",
+    "qwen1.5-moe-a2.7b": "qwen2_moe",
 }
 
 

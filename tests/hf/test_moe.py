@@ -1,8 +1,9 @@
-"""Mixtral and Qwen3-MoE import/export against transformers (PyTorch CPU), and the router's
+"""Mixtral, Qwen2-MoE and Qwen3-MoE import/export against transformers (PyTorch CPU), and the router's
 load-balancing loss against transformers' router_aux_loss.
 
 Tiny random models made by transformers (4 experts, top-2; Qwen3-MoE with a dense layer among the
-sparse ones and without renormalised weights) stand in for published weights: nothing is downloaded.
+sparse ones and without renormalised weights; Qwen2-MoE with a gated shared expert, qkv biases and
+every second layer sparse) stand in for published weights: nothing is downloaded.
 """
 
 import os
@@ -42,7 +43,19 @@ FAMILIES = {  # model_type -> (config class, model class, what this family's tin
             norm_topk_prob=False,
         ),
     ),  # fmt: skip
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(
+            num_experts=4,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_hidden_layers=4,
+            decoder_sparse_step=2,
+        ),
+    ),  # fmt: skip
 }
+SPARSE_LAYER = {"mixtral": 0, "qwen3_moe": 0, "qwen2_moe": 1}  # each tiny model's first sparse layer
 TOKENS = np.random.RandomState(0).randint(0, V, (2, 16))
 
 
@@ -69,8 +82,14 @@ def test_import_logits_greedy_tokens_and_aux_loss_match_transformers(family):
     config, params = hf.load_pretrained(directory)
     assert (config.num_experts, config.experts_per_token) == (4, 2)
     sparse = [config.layer_is_sparse(i) for i in range(config.n_layer)]
-    assert sparse == ([True, True] if model_type == "mixtral" else [True, False, True])
-    assert params["h_0"]["mlp"]["experts_fc"].shape == (4, 32, 2 * config.expert_mlp_hidden)
+    assert sparse == {
+        "mixtral": [True, True], "qwen3_moe": [True, False, True], "qwen2_moe": [False, True, False, True]
+    }[model_type]  # fmt: skip
+    first = f"h_{sparse.index(True)}"
+    assert params[first]["mlp"]["experts_fc"].shape == (4, 32, 2 * config.expert_mlp_hidden)
+    if model_type == "qwen2_moe":  # the shared expert and its gate
+        assert params[first]["mlp"]["shared_expert"]["c_fc"]["kernel"].shape == (32, 2 * 40)
+        assert params[first]["mlp"]["shared_expert_gate"]["kernel"].shape == (32, 1)
     np.testing.assert_allclose(
         flax_logits(config, params, TOKENS), ref_logits(model, TOKENS), atol=1e-4, rtol=0
     )
@@ -95,7 +114,10 @@ def test_export_loads_in_transformers_with_the_same_logits(family, tmp_path):
     hf.write(config, params, str(tmp_path))
     written = load_file(str(tmp_path / "model.safetensors"))
     prefix = "block_sparse_moe.experts.3.w2" if model_type == "mixtral" else "mlp.experts.3.down_proj"
-    assert f"model.layers.0.{prefix}.weight" in written  # per-expert tensors, as published checkpoints
+    i = SPARSE_LAYER[model_type]
+    assert f"model.layers.{i}.{prefix}.weight" in written  # per-expert tensors, as published checkpoints
+    if model_type == "qwen2_moe":
+        assert written[f"model.layers.{i}.mlp.shared_expert_gate.weight"].shape == (1, 32)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     assert type(model).__name__ == families.FAMILIES[model_type].architecture
     np.testing.assert_allclose(
@@ -106,9 +128,11 @@ def test_export_loads_in_transformers_with_the_same_logits(family, tmp_path):
 def test_missing_expert_tensor_is_one_line_and_nothing_is_written(family, tmp_path):
     model_type, directory, _ = family
     tensors = load_file(os.path.join(directory, "model.safetensors"))
-    name = "model.layers.0." + (
-        "block_sparse_moe.experts.2.w3" if model_type == "mixtral" else "mlp.experts.2.up_proj"
-    )
+    name = {  # an expert's tensor; Qwen2-MoE's shared expert's
+        "mixtral": "model.layers.0.block_sparse_moe.experts.2.w3",
+        "qwen3_moe": "model.layers.0.mlp.experts.2.up_proj",
+        "qwen2_moe": "model.layers.1.mlp.shared_expert.up_proj",
+    }[model_type]
     del tensors[name + ".weight"]
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -120,10 +144,11 @@ def test_missing_expert_tensor_is_one_line_and_nothing_is_written(family, tmp_pa
 
     # export of params that lack an expert's slice: refused before any file is written
     config, params = hf.load_pretrained(directory)
-    params["h_0"]["mlp"]["experts_fc"] = params["h_0"]["mlp"]["experts_fc"][:3]
+    h = f"h_{SPARSE_LAYER[model_type]}"
+    params[h]["mlp"]["experts_fc"] = params[h]["mlp"]["experts_fc"][:3]
     out = tmp_path / "out"
     with pytest.raises(
-        ValueError, match=r"param h_0/mlp/experts_fc has shape \(3, 32, \d+\), expected \(4,"
+        ValueError, match=rf"param {h}/mlp/experts_fc has shape \(3, 32, \d+\), expected \(4,"
     ) as e:
         hf.export_pretrained(config, params, str(out))
     assert "\n" not in str(e.value) and not (out.exists() and any(out.iterdir()))
@@ -132,7 +157,12 @@ def test_missing_expert_tensor_is_one_line_and_nothing_is_written(family, tmp_pa
 def test_config_maps_both_ways_and_refuses_what_a_family_cannot_express():
     from flaxgpt.models.gpt_config import GPTConfig
 
-    for preset, model_type in (("mixtral-8x7b", "mixtral"), ("qwen3-30b-a3b", "qwen3_moe")):
+    presets = (
+        ("mixtral-8x7b", "mixtral"),
+        ("qwen3-30b-a3b", "qwen3_moe"),
+        ("qwen1.5-moe-a2.7b", "qwen2_moe"),
+    )
+    for preset, model_type in presets:
         config = GPTConfig.preset(preset)
         assert families.family_of(config) == model_type
         back = families.config_from_hf(families.config_to_hf(config, model_type))
@@ -142,5 +172,14 @@ def test_config_maps_both_ways_and_refuses_what_a_family_cannot_express():
         families.config_to_hf(dense_layer, "mixtral")
     with pytest.raises(ValueError, match="llama needs num_experts=0, this model has 8"):
         families.config_to_hf(GPTConfig.preset("mixtral-8x7b"), "llama")
+    shared = GPTConfig.preset("mixtral-8x7b", shared_expert_hidden=64)
+    with pytest.raises(ValueError, match="mixtral needs shared_expert_hidden=0, this model has 64"):
+        families.config_to_hf(shared, "mixtral")
+    with pytest.raises(ValueError, match=r"qwen2_moe needs a gated shared expert \(shared_expert_hidden > 0"):
+        families.config_to_hf(GPTConfig.preset("mixtral-8x7b", qkv_bias=True), "qwen2_moe")
+    with pytest.raises(ValueError, match="shared_expert_hidden 64 needs num_experts > 0"):
+        GPTConfig.preset("qwen2.5-0.5b", shared_expert_hidden=64)
+    with pytest.raises(ValueError, match="shared_expert_gate needs a shared expert"):
+        GPTConfig.preset("mixtral-8x7b", shared_expert_gate=True)
     with pytest.raises(ValueError, match="experts_per_token 9 must be in \\[1, num_experts 8\\]: lower"):
         GPTConfig.preset("mixtral-8x7b", experts_per_token=9)

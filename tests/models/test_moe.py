@@ -112,6 +112,46 @@ def test_bad_configs_are_one_line():
     assert hash(GPTConfig.from_dict({**GPTConfig(**TINY).to_dict(), "mlp_only_layers": [1]}))
 
 
+def test_int8_experts_decode_close_to_float():
+    """int8 weights for decoding: the stacked experts (and a Qwen2-MoE shared expert, a dense MLP)
+    per expert and output channel, the routers left float32; logits within 2% of the float model's
+    range and the same greedy tokens."""
+    from flaxgpt.decode.sampling import generate
+    from flaxgpt.models import quantize
+    from flaxgpt.models.cache import KVCache
+    from flaxgpt.models.gpt import quantize_params, step_fn
+
+    config = GPTConfig(**{**TINY, "n_layer": 2}, shared_expert_hidden=16, shared_expert_gate=True)
+    # x3: peaked logits (no greedy ties), yet not so large that rounding anywhere flips a route
+    params = jax.tree_util.tree_map(lambda x: x * 3, init_params(config, jax.random.key(3)))
+    qconfig, qparams = quantize_params(config, params, "int8")
+    fc, w = qparams["h_0"]["mlp"]["experts_fc"], np.asarray(params["h_0"]["mlp"]["experts_fc"])
+    assert fc.w.dtype == jnp.int8 and fc.w.shape == (4, 32, 48) and fc.scale.shape == (4, 48)
+    # each expert's output channel: error at most half its own step, max |w[e, :, f]| / 254
+    back = np.asarray(fc.w, np.float32) * np.asarray(fc.scale)[:, None, :]
+    assert np.all(np.abs(back - w) <= np.abs(w).max(axis=1, keepdims=True) / 254 * 1.0001)
+    assert not quantize.is_quantized(qparams["h_0"]["mlp"]["router"])
+    assert quantize.is_quantized(qparams["h_0"]["mlp"]["shared_expert"])
+    # the abstract layout (what flaxgpt aot compiles int8 decoding with) is the same tree
+    layout = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+    abstract = quantize_params(config, nn.unbox(abstract_params(config)), "int8")[1]
+    assert layout(abstract) == layout(qparams)
+
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 8)))
+    want = GPT(config).apply({"params": params}, tokens)
+    got = quantize.intercepted(GPT(qconfig).apply)({"params": qparams}, tokens)
+    assert float(jnp.max(jnp.abs(got - want))) < 0.02 * float(jnp.max(want) - jnp.min(want))
+    prompt = np.asarray(tokens[:, :5])
+    greedy = dict(max_new_tokens=10, rng=jax.random.key(0), temperature=0)
+    float_tokens, _ = generate(
+        step_fn(config, params), KVCache.for_config(config, 2, 16), prompt, [5, 3], **greedy
+    )
+    int8_tokens, _ = generate(
+        step_fn(qconfig, qparams), KVCache.for_config(qconfig, 2, 16), prompt, [5, 3], **greedy
+    )
+    np.testing.assert_array_equal(int8_tokens, float_tokens)
+
+
 def transformers_counts(model_type):
     """(total, active) parameters of transformers' model for the preset's published config, built
     on the meta device (no memory): active = total less E - k experts' weights per sparse layer."""
@@ -124,6 +164,14 @@ def transformers_counts(model_type):
             tie_word_embeddings=False,
         )  # fmt: skip
         cls = transformers.MixtralForCausalLM
+    elif model_type == "qwen2_moe":  # Qwen/Qwen1.5-MoE-A2.7B's config.json
+        cfg = transformers.Qwen2MoeConfig(
+            vocab_size=151936, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+            num_key_value_heads=16, num_experts=60, num_experts_per_tok=4, norm_topk_prob=False,
+            tie_word_embeddings=False,
+        )  # fmt: skip
+        cls = transformers.Qwen2MoeForCausalLM
     else:  # Qwen/Qwen3-30B-A3B's config.json
         cfg = transformers.Qwen3MoeConfig(
             vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -135,11 +183,14 @@ def transformers_counts(model_type):
         model = cls(cfg)
     total = sum(p.numel() for p in model.parameters())
     E, k = cfg.num_local_experts if model_type == "mixtral" else cfg.num_experts, cfg.num_experts_per_tok
-    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)  # not shared
     return total, total - experts * (E - k) // E
 
 
-@pytest.mark.parametrize("preset,model_type", [("mixtral-8x7b", "mixtral"), ("qwen3-30b-a3b", "qwen3_moe")])
+@pytest.mark.parametrize(
+    "preset,model_type",
+    [("mixtral-8x7b", "mixtral"), ("qwen3-30b-a3b", "qwen3_moe"), ("qwen1.5-moe-a2.7b", "qwen2_moe")],
+)
 def test_presets_total_and_active_parameters_equal_transformers(preset, model_type):
     s = summary.summarize(GPTConfig.preset(preset))
     assert (s["totals"]["total"], s["totals"]["active"]) == transformers_counts(model_type)

@@ -6,7 +6,7 @@ import pytest
 
 from flaxgpt.decode.sampling import Sampling, generate, select_rows
 from flaxgpt.models.cache import KVCache
-from flaxgpt.models.gpt import GPTConfig, init_params
+from flaxgpt.models.gpt import LLAMA_STYLE, GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
 from flaxgpt.serve.engine import Engine, RowSampling, prompt_buckets
 
@@ -106,6 +106,37 @@ def test_one_prefill_serves_several_requests_by_fork_and_insert_group(step):
         assert got == alone, grouped
     with pytest.raises(ValueError, match="2 requests for 1 slots"):
         engine.insert_group(prefix, rows[:2], [0])
+
+
+# a Qwen3-MoE-shaped mixture of experts: 4 experts, top-2 without renormalising, QK-norm, layer 1 dense
+MOE = GPTConfig(
+    **LLAMA_STYLE, vocab_size=40, block_size=W, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, head_size=8,
+    qk_norm=True, mlp_hidden=48, num_experts=4, experts_per_token=2, expert_hidden=16,
+    norm_topk_prob=False, mlp_only_layers=(1,),
+)  # fmt: skip
+
+
+def test_mixture_of_experts_serves_what_generate_gives():
+    """Staggered requests, prompts prefilled in chunks of 8: each row is routed on its own (a
+    prefill's padding and idle slots go through the router and experts too, adding nothing to the
+    real tokens), so the engine decodes the greedy tokens `generate` gives the whole batch."""
+    params = jax.tree_util.tree_map(lambda x: x * 8, init_params(MOE, jax.random.key(0)))  # peaked router
+    step = gpt_step_fn(MOE, params)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, MOE.vocab_size, n).tolist() for n in (3, 13, 1, 20, 7)]
+    engine = Engine(
+        step, lambda b: KVCache.for_config(MOE, b, W), slots=2, chunk=3, max_k=8, prefill_chunk=8,
+        buckets=(8,),
+    )  # fmt: skip
+    greedy = RowSampling.of(Sampling(temperature=0), max_new_tokens=12)
+    got = run(engine, [(p, greedy) for p in prompts], arrive_every=2)
+    batch_BP = np.array([p + [0] * (20 - len(p)) for p in prompts])
+    want, n = generate(
+        step, KVCache.for_config(MOE, len(prompts), W), batch_BP, [len(p) for p in prompts],
+        max_new_tokens=12, rng=jax.random.key(0), temperature=0,
+    )  # fmt: skip
+    assert got == [want[i, : n[i]].tolist() for i in range(len(prompts))]
+    assert len({tuple(g) for g in got}) == len(prompts)
 
 
 def test_eos_release_and_bad_requests(step):
