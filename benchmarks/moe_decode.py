@@ -34,10 +34,11 @@ def hf_config(a):
     import transformers
 
     return transformers.MixtralConfig(
-        vocab_size=VOCAB, hidden_size=a.width, intermediate_size=a.expert_hidden, num_hidden_layers=a.layers,
-        num_attention_heads=a.width // 64, num_key_value_heads=max(1, a.width // 256), num_local_experts=a.experts,
-        num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=None, pad_token_id=0,
+        vocab_size=VOCAB, hidden_size=a.width, intermediate_size=a.expert_hidden,
+        num_hidden_layers=a.layers, num_attention_heads=a.width // 64,
+        num_key_value_heads=max(1, a.width // 256), num_local_experts=a.experts, num_experts_per_tok=2,
+        max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        pad_token_id=0,
     )  # fmt: skip
 
 
@@ -114,7 +115,7 @@ def main():
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--batch_sizes", default="1,8")
     p.add_argument("--layers", type=int, default=4, help="decoder layers, every one sparse")
-    p.add_argument("--width", type=int, default=512, help="model width (heads of 64; key/value heads width/256)")
+    p.add_argument("--width", type=int, default=512, help="width (heads of 64, width/256 KV heads)")
     p.add_argument("--experts", type=int, default=8, help="experts per layer (each token through 2)")
     p.add_argument("--expert_hidden", type=int, default=1792, help="each expert's hidden size")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side and round (their median)")
@@ -142,11 +143,11 @@ def main():
         report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
     fx, hf = report.results[0]["flaxgpt"], report.results[0]["transformers"]
     print(
-        f"\nMixtral-shaped, random weights ({saved['params'] / 1e6:.1f}M parameters: {a.layers} layers, width "
-        f"{a.width}, {a.experts} experts of {a.expert_hidden}, top 2, vocabulary {VOCAB}), float32, greedy, "
-        f"prompt {PROMPT_LEN}, {a.new_tokens} new tokens, median of {a.repeats} per round; {os.cpu_count()} "
-        f"cpus, load {os.getloadavg()[0]:.2f}; transformers' experts implementation {hf['experts']!r}, "
-        f"{hf['threads']} torch threads\n"
+        f"\nMixtral-shaped, random weights ({saved['params'] / 1e6:.1f}M parameters: {a.layers} layers, "
+        f"width {a.width}, {a.experts} experts of {a.expert_hidden}, top 2, vocabulary {VOCAB}), float32, "
+        f"greedy, prompt {PROMPT_LEN}, {a.new_tokens} new tokens, median of {a.repeats} per round; "
+        f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f}; transformers' experts implementation "
+        f"{hf['experts']!r}, {hf['threads']} torch threads\n"
     )
     print(report.table() + "\n")
     for B in batches:

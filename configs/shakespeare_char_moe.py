@@ -1,9 +1,9 @@
-"""A tiny mixture of experts on Tiny Shakespeare characters, against the dense CPU recipe of the same active size.
+"""A tiny mixture of experts on Tiny Shakespeare characters: the dense CPU recipe's active size.
 
 flaxgpt prepare --dataset shakespeare_char --out_dir data/shakespeare_char
 python train.py --config configs/shakespeare_char_moe.py        # the mixture of experts
 python train.py --config configs/shakespeare_char_cpu.py --config.max_iters=400 \
-    --config.optim.decay_steps=400 --config.out_dir=out/shakespeare_char_dense   # its dense twin
+    --config.optim.decay_steps=400 --config.eval_interval=50 --config.out_dir=out/shakespeare_char_dense
 
 shakespeare_char_cpu's model (4 layers x 128, block 64, GELU MLPs) with every MLP made 8 experts of
 hidden size 256, each token through its top 2: a token uses 2 x 256 = 512 hidden units per layer,
@@ -22,7 +22,7 @@ def get_config():
     c.model.num_experts = 8  # E expert MLPs per layer
     c.model.experts_per_token = 2  # k: active MLP width 2 x expert_hidden = the dense recipe's 512
     c.model.expert_hidden = 256  # each expert's hidden size
-    c.model.router_aux_loss_coef = 0.01  # load balancing (Mixtral's coefficient is 0.02; 0.001 is transformers')
+    c.model.router_aux_loss_coef = 0.01  # load balancing (Mixtral's is 0.02, transformers' 0.001)
     c.max_iters = 400  # a few minutes on the CPU; the dense twin runs the same steps
     c.optim.decay_steps = 400
     c.eval_interval = 50  # a point of the val curve every 50 steps
