@@ -23,7 +23,7 @@ def get_config():
     c.model.experts_per_token = 2  # k: active MLP width 2 x expert_hidden = the dense recipe's 512
     c.model.expert_hidden = 256  # each expert's hidden size
     c.model.router_aux_loss_coef = 0.01  # load balancing (Mixtral's is 0.02, transformers' 0.001)
-    c.max_iters = 400  # a few minutes on the CPU; the dense twin runs the same steps
+    c.max_iters = 400  # 17.6 min on the loaded 2-core CPU (dense: 6.9); the dense twin runs the same steps
     c.optim.decay_steps = 400
     c.eval_interval = 50  # a point of the val curve every 50 steps
     return c
