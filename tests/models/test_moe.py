@@ -72,6 +72,22 @@ def test_grouped_matmul_equals_ragged_dot_without_every_row_through_every_expert
         assert rows <= 2 * A
 
 
+def test_grouped_matmul_at_decoding_rows_visits_only_their_experts():
+    """A <= 2E rows (decoding: batch 1, top 2): equal to ragged_dot, rows past the groups 0, and on CPU
+    one matmul of A rows (each through its own gathered expert), not the tiled pass's ~2E visits."""
+    A, E = 3, 8
+    x, w = jax.random.normal(jax.random.key(0), (A, 6)), jax.random.normal(jax.random.key(1), (E, 6, 5))
+    sizes = jnp.asarray([0, 1, 0, 0, 0, 1, 0, 0], jnp.int32)  # 2 rows in groups, the third past them
+    y = jax.jit(grouped_matmul)(x, w, sizes)
+    np.testing.assert_allclose(y, jax.lax.ragged_dot(x, w, sizes), atol=1e-5)
+    assert not np.asarray(y[2]).any()
+    if jax.default_backend() == "cpu":
+        hlo = jax.jit(grouped_matmul).lower(x, w, sizes).compile().as_text()
+        (dot,) = [line for line in hlo.splitlines() if " dot(" in line]
+        shape = dot.split("[", 1)[1].split("]", 1)[0]
+        assert np.prod([int(n) for n in shape.split(",")]) == A * 5, dot  # [A, 5]: one row each
+
+
 def test_dense_layers_among_sparse_ones_and_scanned_layers():
     config = GPTConfig(**TINY, decoder_sparse_step=2, mlp_only_layers=(2,))
     assert [config.layer_is_sparse(i) for i in range(3)] == [False, True, False]
