@@ -10,12 +10,15 @@ positions each), the layout of JAX's Pallas paged-attention kernels, with a tabl
 page holding each slot's m-th block of `page` positions (M = max_len / page). Position s of slot b
 lies at page table[b, s // page], offset s % page; positions >= S are not written. Here the table is
 the identity (slot b owns pages b*M .. b*M + M - 1), so a slot's pages are as many as its window; but
-it is an array the step reads, not a constant, so pages could be shared between slots without
-recompiling. `take_rows` copies pages' contents (each page belongs to one row).
+it is an array the step reads, not a constant: the serving engine (serve/pages.py) maps the prefix
+cache's pages into several rows at once, without recompiling. `take_rows` copies pages' contents
+(each page belongs to one row).
 
-A pool with no rows of its own (`PagedKVCache.pool`) is the prefix cache's block store
-(serve/prefix_cache.py): blocks are pages, written from and read into one-row contiguous caches
-(`write_pages`, `read_into`) by the block ids the prefix cache keeps.
+A pool with no rows of its own (`PagedKVCache.pool`) is the contiguous engine's prefix cache block
+store (serve/prefix_cache.py): blocks are pages, written from and read into one-row contiguous caches
+(`write_pages`, `read_into`) by the block ids the prefix cache keeps. The paged engine needs neither:
+its prefix cache's blocks are pages of the slots' own pool, and a one-row view of that pool (the
+cache with a [1, M] table) is what a prefill writes into.
 
 The model sees this cache through the step_fn protocol: `layer(i)` hands each attention a
 PagedLayer, whose `attend` writes the step's new keys and values into their pages and attends over
@@ -141,14 +144,17 @@ class PagedKVCache(Cache):
     impl: str = struct.field(pytree_node=False)  # the decode attention path (see the module docstring)
 
     @classmethod
-    def for_slots(cls, config, slots: int, max_len: int, *, page: int = 16, impl: str = "xla", dtype=None):
-        """Pages for `slots` rows of max_len positions each (identity table: slot b owns M pages)."""
+    def for_slots(
+        cls, config, slots: int, max_len: int, *, page: int = 16, impl: str = "xla", dtype=None, extra_pages=0
+    ):
+        """Pages for `slots` rows of max_len positions each (identity table: slot b owns M pages), and
+        `extra_pages` more (a pool the slots share with the prefix cache: serve/pages.py)."""
         if max_len % page:
             raise ValueError(f"the window {max_len} is not a multiple of the page size {page}")
         if impl not in IMPLS:
             raise ValueError(f"paged attention impl {impl!r} is not one of {IMPLS}")
         J, M = getattr(config, "kv_heads", config.n_head), max_len // page
-        shape = (J, slots * M, page, config.head_dim)
+        shape = (J, slots * M + extra_pages, page, config.head_dim)
         dtype = jnp.dtype(dtype or config.dtype)
         zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))  # noqa: E731
         table = jnp.arange(slots * M, dtype=jnp.int32).reshape(slots, M)

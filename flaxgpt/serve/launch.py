@@ -53,13 +53,17 @@ def scheduler_for(
     adapters=(),
     max_adapters=0,
     max_lora_rank=16,
+    kv_cache="contiguous",
 ) -> Scheduler:
     """The engine (a window of max_len, default block_size) and its thread, not started.
     prefill_chunk: prompt tokens per prefill call (None: a whole prompt); prefix_cache_tokens: the
     prefix cache's budget in positions (0: off), rounded down to blocks of prefix_block.
     adapters: (name, directory) LoRA adapters served unmerged (a PEFT directory or a LoRA run), with
     max_adapters of them resident at once, each of rank <= max_lora_rank (max_adapters 0: no adapters,
-    none loadable later); the scheduler's `adapters` is then their AdapterPool."""
+    none loadable later); the scheduler's `adapters` is then their AdapterPool.
+    kv_cache: "contiguous" (a row of W positions per slot) or "paged" (pages of prefix_block positions
+    in one pool with the prefix cache's blocks: a cached prefix is mapped into a request's block table,
+    not copied; see paged_slots)."""
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
     from flaxgpt.serve.engine import Engine
@@ -84,6 +88,9 @@ def scheduler_for(
     engine = Engine(
         gpt.step_fn(config, params),
         lambda b: KVCache.for_config(config, b, W),
+        slots_cache=paged_slots(config, W, slots, prefix_block, prefix_cache_tokens)
+        if kv_cache == "paged"
+        else None,
         slots=slots,
         chunk=chunk,
         prefill_chunk=prefill_chunk,
@@ -91,6 +98,21 @@ def scheduler_for(
         prefix_blocks=prefix_cache_tokens // prefix_block,
     )
     return Scheduler(engine, tokenizer, max_queue=max_queue, max_tokens=max_tokens)
+
+
+def paged_slots(config, W: int, slots: int, page: int, prefix_cache_tokens: int):
+    """The paged engine's slots cache: one pool of pages of `page` positions for every slot's window,
+    the prefix cache's blocks (prefix_cache_tokens // page) and the scratch page (serve/pages.py), read
+    with the paged-attention kernel of this platform's devices."""
+    import jax
+
+    from flaxgpt.models.paged import PagedKVCache, paged_impl
+
+    if W % page:
+        raise SystemExit(f"error: --kv_cache paged: the window {W} is not a multiple of the page size {page}")
+    impl = paged_impl(jax.devices()[0].platform, config.head_dim)
+    extra = 1 + prefix_cache_tokens // page
+    return PagedKVCache.for_slots(config, slots, W, page=page, impl=impl, extra_pages=extra)
 
 
 def _with_adapters(
