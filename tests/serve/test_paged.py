@@ -19,21 +19,28 @@ from flaxgpt.serve.engine import Engine, RowSampling
 from flaxgpt.serve.pages import SCRATCH, OutOfPages
 from flaxgpt.serve.prefix_cache import block_digests
 
-W, PAGE, SLOTS, BLOCKS = 32, 8, 3, 8
+# every engine here (and the server's) has these shapes and settings: they share compiled programs
+W, PAGE, SLOTS, BLOCKS = 32, 8, 3, 4
 M = W // PAGE
-CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=W, vocab_size=40, n_kv_head=2)
+CHARS = sorted(set("abcdefghijklmnopqrstuvwxyz ROMEO:\n.,!?;-'"))  # 40: the model's vocabulary
+CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=W, vocab_size=len(CHARS), n_kv_head=2)
 
 
 @pytest.fixture(scope="module")
-def step():
-    return gpt_step_fn(CFG, init_params(CFG, jax.random.key(0)))
+def params():
+    return init_params(CFG, jax.random.key(0))
 
 
-def engines(step, blocks=BLOCKS, extra=0):
-    """(contiguous, paged) engines of the same settings, prefix caches of `blocks` blocks of PAGE."""
+@pytest.fixture(scope="module")
+def step(params):
+    return gpt_step_fn(CFG, params)
+
+
+def engines(step):
+    """(contiguous, paged) engines of the same settings, prefix caches of BLOCKS blocks of PAGE."""
     make = lambda b: KVCache.for_config(CFG, b, W)  # noqa: E731
-    kw = dict(slots=SLOTS, chunk=2, max_k=8, prefill_chunk=16, prefix_block=PAGE, prefix_blocks=blocks)
-    pool = PagedKVCache.for_slots(CFG, SLOTS, W, page=PAGE, extra_pages=1 + blocks + extra)
+    kw = dict(slots=SLOTS, chunk=2, prefill_chunk=16, prefix_block=PAGE, prefix_blocks=BLOCKS)
+    pool = PagedKVCache.for_slots(CFG, SLOTS, W, page=PAGE, extra_pages=1 + BLOCKS)
     return Engine(step, make, **kw), Engine(step, make, slots_cache=pool, **kw)
 
 
@@ -98,7 +105,7 @@ def test_a_shared_prefix_is_mapped_not_copied(step):
     pages, the pool spends only the pages sharing predicts, those pages are never written again,
     and both decode what generate gives each alone; at their end the cache keeps their blocks in
     place and evicts unmapped ones (LRU) when full."""
-    _, engine = engines(step, blocks=4)
+    _, engine = engines(step)
     pages = engine.pages
     assert pages.pool == 1 + SLOTS * M + 4 and len(pages.free) == pages.pool - 1
     rng = np.random.default_rng(1)
@@ -152,66 +159,48 @@ def test_a_shared_prefix_is_mapped_not_copied(step):
                slots_cache=PagedKVCache.for_slots(CFG, SLOTS, W, page=PAGE, extra_pages=4))  # fmt: skip
 
 
-CHARS = sorted(set("abcdefghijklmnopqrstuvwxyz ROMEO:\n"))
-
-
-def test_paged_server_tokens_and_kv_metrics():
-    """serve.py's launch with kv_cache="paged": two concurrent greedy completions sharing a prompt
-    prefix give generate's text, and /metrics reports a slot's bytes and the pool's free and shared pages."""
+def test_paged_server_tokens_and_kv_metrics(params, step):
+    """serve.py's launch with kv_cache="paged": two concurrent greedy completions sharing a cached
+    prompt prefix give generate's text, and /metrics reports a slot's bytes and the pool's free pages."""
     from flaxgpt.serve.launch import scheduler_for
     from flaxgpt.serve.server import create_app
     from tests.serve.test_serve import serving_in_thread
 
-    cfg = GPTConfig(vocab_size=len(CHARS), block_size=64, n_layer=2, n_head=2, n_embd=32)
-    params, tok = init_params(cfg, jax.random.key(0)), CharTokenizer(CHARS)
+    tok = CharTokenizer(CHARS)
     sched = scheduler_for(
-        cfg, params, tok, slots=2, max_len=64, chunk=2, prefill_chunk=32, prefix_cache_tokens=64,
-        prefix_block=8, kv_cache="paged",
+        CFG, params, tok, slots=SLOTS, max_len=W, chunk=2, prefill_chunk=16,
+        prefix_cache_tokens=BLOCKS * PAGE, prefix_block=PAGE, kv_cache="paged",
     )  # fmt: skip
-    assert sched.engine.pages is not None and sched.engine.pages.pool == 1 + 2 * 8 + 8
+    assert sched.engine.pages.pool == 1 + SLOTS * M + BLOCKS
     sched.start()
     assert sched.ready.wait(timeout=300), "the engine did not compile in 300 s"
-    app = create_app(sched, tok, model="tiny", max_len=64, vocab_size=len(CHARS))
-    system = "ROMEO: a system prompt for both\n"  # 32 characters: 4 pages
-    prompts = [system + "hi", system + "how are you"]
+    app = create_app(sched, tok, model="tiny", max_len=W, vocab_size=len(CHARS))
+    system = "ROMEO: a system\n"  # 16 characters: 2 pages
+    prompts = [system + "hi", system + "how"]
+
+    def complete(url, prompt, max_tokens):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+
     with serving_in_thread(app) as url:
-
-        def metrics():
-            text = httpx.get(f"{url}/metrics").text
-            return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-
-        assert (
-            httpx.post(f"{url}/v1/completions", json={"prompt": system + "a", "max_tokens": 3}).status_code
-            == 200
-        )
+        complete(url, system + "a", 2)  # the system prompt's pages are cached
         texts = [None, None]
-
-        def ask(i):
-            body = {"prompt": prompts[i], "max_tokens": 12, "temperature": 0}
-            texts[i] = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        threads = [
+            threading.Thread(target=lambda i=i: texts.__setitem__(i, complete(url, prompts[i], 8)))
+            for i in (0, 1)
+        ]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        m = metrics()
+        text = httpx.get(f"{url}/metrics").text
     sched.close()
-    step = gpt_step_fn(cfg, params)
-    for prompt, text in zip(prompts, texts, strict=True):
-        ids = tok.encode(prompt)
-        toks, n = generate(
-            step,
-            KVCache.for_config(cfg, 1, 64),
-            np.array([ids]),
-            [len(ids)],
-            max_new_tokens=12,
-            temperature=0.0,
-            rng=jax.random.key(0),
-        )
-        assert text == tok.decode(toks[0, : n[0]].tolist())
-    # a slot's window: 8 pages of [2 heads, 8 positions, 16] float32, k and v, 2 layers
-    assert m["flaxgpt_kv_bytes_per_slot"] == 8 * 2 * 8 * 16 * 4 * 2 * 2
-    assert m["flaxgpt_kv_blocks"] == 25 and m["flaxgpt_kv_shared_blocks"] == 0  # all requests over
-    assert m["flaxgpt_kv_free_blocks"] == 25 - 1 - m["flaxgpt_prefix_cache_blocks"]
-    assert m["flaxgpt_prefix_cache_hit_tokens_total"] >= 2 * 32  # both reused the system prompt's pages
+    m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    for prompt, got in zip(prompts, texts, strict=True):
+        rows = RowSampling.of(Sampling(temperature=0.0), max_new_tokens=8)
+        assert got == tok.decode(alone(step, tok.encode(prompt), rows))
+    # a slot's window: M pages of [2 kv heads, PAGE positions, head_dim 8] float32, k and v, 2 layers
+    assert m["flaxgpt_kv_bytes_per_slot"] == M * 2 * PAGE * 8 * 4 * 2 * 2
+    assert m["flaxgpt_kv_blocks"] == 1 + SLOTS * M + BLOCKS and m["flaxgpt_kv_shared_blocks"] == 0  # all over
+    assert m["flaxgpt_kv_free_blocks"] == m["flaxgpt_kv_blocks"] - 1 - m["flaxgpt_prefix_cache_blocks"]
+    assert m["flaxgpt_prefix_cache_hit_tokens_total"] >= 2 * 16  # both read the system prompt's pages
