@@ -89,16 +89,29 @@ class PagedLayer(KVLayer):
         # its row of the pages seen as [J, P*page, K]; positions past the row: P*page, dropped
         slot_BT = jnp.where(positions_BT < S, page_BT * page + positions_BT % page, P * page)
 
-        def put(buf_JPpK, new_BTJK):  # one index into [J, P*page, K]: scattering at (page, offset)
-            # made TPU lay the pages out otherwise than the kernel reads them (a copy per layer and step)
+        def put(buf_JPpK, new_BTJK):  # several positions a row (prefill): one index into [J, P*page, K]
             flat_JNK = buf_JPpK.reshape(J, P * page, K)
             flat_JNK = flat_JNK.at[:, slot_BT].set(
                 jnp.transpose(new_BTJK, (2, 0, 1, 3)).astype(buf_JPpK.dtype)
             )
             return flat_JNK.reshape(J, P, page, K)
 
-        layer = self.replace(k_JPpK=put(self.k_JPpK, k_BTJK), v_JPpK=put(self.v_JPpK, v_BTJK))
+        def put_page(buf_JPpK, new_BTJK):  # one position a row (decoding): its whole page rewritten
+            # TPU tiles a head's page [page, K] as the paged kernel reads it; writing one position (a
+            # row of a tile) made XLA lay the pool out position-major instead and copy every layer's
+            # pages into the kernel's layout at every step (docs/aot.md). Rows never write one page
+            # together (serve/pages.py: shared pages are full; idle rows all write the scratch page,
+            # which no one reads)
+            page_B = jnp.where(positions_BT[:, 0] < S, page_BT[:, 0], P)  # past the row: dropped
+            pages_JBpK = jnp.take(buf_JPpK, page_B, axis=1, mode="clip")
+            at_Bp = (positions_BT[:, :1] % page) == jnp.arange(page)
+            new_JBK = jnp.transpose(new_BTJK[:, 0], (1, 0, 2)).astype(buf_JPpK.dtype)
+            pages_JBpK = jnp.where(at_Bp[None, :, :, None], new_JBK[:, :, None], pages_JBpK)
+            return buf_JPpK.at[:, page_B].set(pages_JBpK, mode="drop")
+
         B, T, H, _ = q_BTHK.shape
+        write = put_page if T == 1 else put
+        layer = self.replace(k_JPpK=write(self.k_JPpK, k_BTJK), v_JPpK=write(self.v_JPpK, v_BTJK))
         if self.impl == "xla" or T > 1 or window or attend_kw.get("sow") is not None:
             return layer._attend_xla(q_BTHK, positions_BT, window, attend_kw), layer
         scale, softcap = attend_kw.get("scale", 0.0), attend_kw.get("softcap", 0.0)
