@@ -21,6 +21,14 @@ KV of the longest cached block prefix of the prompt and only the rest is prefill
 full blocks are kept for later requests, and when a request ends (`keep`) the full blocks of its
 prompt and reply, read from its slot: a conversation's next turn reuses its whole history.
 Between `generate` calls the other slots keep their rows.
+
+The paged engine (slots_cache a models.paged.PagedKVCache, serve.py --kv_cache paged): the slots and
+the prefix cache share the cache's one page pool (serve/pages.py keeps who holds which page). A
+request's block table maps its cached prefix's pages in place and fresh pages after them; its prefill
+chunks are written straight into the pool through that table (no one-row cache, no insert copy:
+`insert` sets the slot's row of the block table); the prompt's full blocks and, at `keep`, the reply's
+stay where they are, now held by the prefix cache too. `keep` and `release` give a slot's pages back;
+`cancel` a prefill job's that never reached a slot.
 Every slot decodes at its own position with its own sampling settings and key, all as arrays of
 the one jitted step, so requests come and go without recompiling: the step is `generate`'s own
 (decode.sampling.decode_chunk: per-row keys, stop rules and padding in one place). Free and
@@ -41,8 +49,8 @@ write, from serve.launch) replaces `engine.step_fn` with one over the written st
 recompile). The prefix cache is off (its blocks know no adapter).
 
 Compiled programs: one prefill per prompt bucket, one insert, generate for `chunk` steps and for
-one step (+ the prefix cache's restore, and its save from a one-row cache and from the slots
-cache): len(buckets) + 3 (+ 3).
+one step (+ the contiguous engine's prefix cache: its restore, and its save from a one-row cache and
+from the slots cache): len(buckets) + 3 (+ 3; the paged engine's prefix cache is host bookkeeping).
 
 Shape letters: B slots, P prompt bucket, W cache length, V vocab, C chunk, K sampling candidates.
 """
