@@ -9,8 +9,8 @@ The HTTP middleware counts requests by route and status; the scheduler reports p
 generated tokens, time to first token (from submit, queueing included) and inter-token latency
 (a chunk of n tokens that arrived t s after the previous one counts n gaps of t / n s); the
 prefix cache reports hit and looked-up prompt tokens; the KV cache's gauges (flaxgpt_kv_*) say
-what a slot's window takes and how many pages of the pool are free and shared. One registry per app, not the process's
-global one, so several apps (tests) never collide.
+what a slot's window takes and how many pages of the pool are free and shared. One registry per
+app, not the process's global one, so several apps (tests) never collide.
 """
 
 from __future__ import annotations
