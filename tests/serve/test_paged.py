@@ -204,3 +204,18 @@ def test_paged_server_tokens_and_kv_metrics(params, step):
     assert m["flaxgpt_kv_blocks"] == 1 + SLOTS * M + BLOCKS and m["flaxgpt_kv_shared_blocks"] == 0  # all over
     assert m["flaxgpt_kv_free_blocks"] == m["flaxgpt_kv_blocks"] - 1 - m["flaxgpt_prefix_cache_blocks"]
     assert m["flaxgpt_prefix_cache_hit_tokens_total"] >= 2 * 16  # both read the system prompt's pages
+
+
+def test_serve_py_kv_cache_flags(capsys):
+    """serve.py --kv_cache: paged parses; a window that is not whole pages, or LoRA adapters, is one line."""
+    import serve
+
+    base = ["--init_from", "gpt2", "--random_init", "--kv_cache", "paged"]
+    assert serve.parse_args(base).kv_cache == "paged" and serve.parse_args(base[:3]).kv_cache == "contiguous"
+    for extra, needle in [
+        (["--max_len", "100"], "--max_len 100 is not a multiple of the page size 16"),
+        (["--adapter", "sql=adapters/sql"], "LoRA adapters need --kv_cache contiguous"),
+    ]:
+        with pytest.raises(SystemExit):
+            serve.parse_args(base + extra)
+        assert needle in capsys.readouterr().err
