@@ -27,8 +27,9 @@ the prefix cache share the cache's one page pool (serve/pages.py keeps who holds
 request's block table maps its cached prefix's pages in place and fresh pages after them; its prefill
 chunks are written straight into the pool through that table (no one-row cache, no insert copy:
 `insert` sets the slot's row of the block table); the prompt's full blocks and, at `keep`, the reply's
-stay where they are, now held by the prefix cache too. `keep` and `release` give a slot's pages back;
-`cancel` a prefill job's that never reached a slot.
+stay where they are, now held by the prefix cache too. `keep` and `release` give a slot's pages back (and a
+prefill short of pages takes back those of slots the last `generate` said were done); `cancel` gives
+back a prefill job's that never reached a slot.
 Every slot decodes at its own position with its own sampling settings and key, all as arrays of
 the one jitted step, so requests come and go without recompiling: the step is `generate`'s own
 (decode.sampling.decode_chunk: per-row keys, stop rules and padding in one place). Free and
@@ -76,7 +77,7 @@ from flaxgpt.decode.sampling import (
 )
 from flaxgpt.models.cache import AdapterCache
 from flaxgpt.models.paged import PagedKVCache
-from flaxgpt.serve.pages import SharedPages
+from flaxgpt.serve.pages import OutOfPages, SharedPages
 from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
 
 
@@ -311,6 +312,7 @@ class Engine:
         )
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
+        self._finished = np.ones(slots, bool)  # as the last generate said (free slots too)
         self._table_dirty = False  # paged: the host's block table changed since the device's copy
         # read at /metrics scrapes from another thread: sizes now, not the (donated) buffers then
         kv = (*cache.k, *cache.v) if self.pages is not None else jax.tree_util.tree_leaves(cache)
@@ -381,7 +383,13 @@ class Engine:
             tag_1 = jax.device_put(np.full((1,), adapter, np.int32), cache.adapter_B.sharding)
             return PrefillJob(prompt_ids, rows, cache.replace(adapter_B=tag_1), 0, None)
         if self.pages is not None:  # positions up to the request's last go into pages of its own
-            hit, table_M, digests = self.pages.open(prompt_ids, last=n + int(rows.max_new) - 1)
+            try:
+                hit, table_M, digests = self.pages.open(prompt_ids, last=n + int(rows.max_new) - 1)
+            except OutOfPages:  # finished slots that no keep or release ended still hold pages
+                for slot in np.flatnonzero(self._finished):
+                    self.pages.end(slot)
+                self._table_dirty = True
+                hit, table_M, digests = self.pages.open(prompt_ids, last=n + int(rows.max_new) - 1)
             return PrefillJob(prompt_ids, rows, None, hit, digests, pages=table_M)
         if self.prefix_cache is None:
             return PrefillJob(prompt_ids, rows, self._new_row(), 0, None)
@@ -446,6 +454,7 @@ class Engine:
         self.state = self._insert(self.state, prefix._replace(pages=None), np.int32(slot))
         self._count[slot] = 1
         self._stop[slot] = False
+        self._finished[slot] = False
 
     def keep(self, slot: int, tokens) -> int:
         """Offer slot `slot`'s KV to the prefix cache once its request ends (before the slot is reused):
@@ -486,4 +495,5 @@ class Engine:
         self.state, out_BC = self._generate(self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k)
         count = np.array(self.state.count_B)  # a writable copy
         new_B, self._count = count - self._count, count
-        return np.asarray(out_BC), new_B, np.asarray(self.state.done_B)
+        self._finished = np.array(self.state.done_B)
+        return np.asarray(out_BC), new_B, self._finished.copy()
