@@ -84,34 +84,28 @@ class PagedLayer(KVLayer):
     def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
         """Write the new keys/values at `positions_BT`, attend over each row's pages -> (y_BTHK, layer)."""
         J, P, page, K = self.k_JPpK.shape
-        S = self.table_BM.shape[1] * page
-        page_BT = jnp.take_along_axis(self.table_BM, positions_BT // page, axis=1, mode="clip")
-        # its row of the pages seen as [J, P*page, K]; positions past the row: P*page, dropped
-        slot_BT = jnp.where(positions_BT < S, page_BT * page + positions_BT % page, P * page)
-
-        def put(buf_JPpK, new_BTJK):  # several positions a row (prefill): one index into [J, P*page, K]
-            flat_JNK = buf_JPpK.reshape(J, P * page, K)
-            flat_JNK = flat_JNK.at[:, slot_BT].set(
-                jnp.transpose(new_BTJK, (2, 0, 1, 3)).astype(buf_JPpK.dtype)
-            )
-            return flat_JNK.reshape(J, P, page, K)
-
-        def put_page(buf_JPpK, new_BTJK):  # one position a row (decoding): its whole page rewritten
-            # TPU tiles a head's page [page, K] as the paged kernel reads it; writing one position (a
-            # row of a tile) made XLA lay the pool out position-major instead and copy every layer's
-            # pages into the kernel's layout at every step (docs/aot.md). Rows never write one page
-            # together (serve/pages.py: shared pages are full; idle rows all write the scratch page,
-            # which no one reads)
-            page_B = jnp.where(positions_BT[:, 0] < S, page_BT[:, 0], P)  # past the row: dropped
-            pages_JBpK = jnp.take(buf_JPpK, page_B, axis=1, mode="clip")
-            at_Bp = (positions_BT[:, :1] % page) == jnp.arange(page)
-            new_JBK = jnp.transpose(new_BTJK[:, 0], (1, 0, 2)).astype(buf_JPpK.dtype)
-            pages_JBpK = jnp.where(at_Bp[None, :, :, None], new_JBK[:, :, None], pages_JBpK)
-            return buf_JPpK.at[:, page_B].set(pages_JBpK, mode="drop")
-
         B, T, H, _ = q_BTHK.shape
-        write = put_page if T == 1 else put
-        layer = self.replace(k_JPpK=write(self.k_JPpK, k_BTJK), v_JPpK=write(self.v_JPpK, v_BTJK))
+        # the pages a row's T consecutive positions touch: one when decoding, else at most (T-1)//page + 2
+        n = 1 if T == 1 else (T - 1) // page + 2
+        m_Bn = positions_BT[:, :1] // page + jnp.arange(n)
+        page_Bn = jnp.take_along_axis(self.table_BM, m_Bn, axis=1, mode="clip")
+        page_Bn = jnp.where(m_Bn < self.table_BM.shape[1], page_Bn, P)  # past the row: dropped
+        local_BT = positions_BT - m_Bn[:, :1] * page  # each position's place in its row's n pages
+
+        def put(buf_JPpK, new_BTJK):
+            # read the pages whole, set the positions, write them back whole: TPU tiles a head's page
+            # [page, K] as the paged kernel reads it, and writing single positions (a row of a tile)
+            # made XLA lay the pool out position-major instead, copying every layer's pages at every
+            # step and prefill chunk (docs/aot.md). Rows never write one page together (serve/pages.py:
+            # shared pages are full; idle rows share only the scratch page, which no one reads); pages
+            # read past a row's positions go back as they were
+            pages_JBnpK = jnp.take(buf_JPpK, page_Bn, axis=1, mode="clip")
+            flat_JBNK = pages_JBnpK.reshape(J, B, n * page, K)
+            new_JBTK = jnp.transpose(new_BTJK, (2, 0, 1, 3)).astype(buf_JPpK.dtype)
+            flat_JBNK = flat_JBNK.at[:, jnp.arange(B)[:, None], local_BT].set(new_JBTK, mode="drop")
+            return buf_JPpK.at[:, page_Bn].set(flat_JBNK.reshape(J, B, n, page, K), mode="drop")
+
+        layer = self.replace(k_JPpK=put(self.k_JPpK, k_BTJK), v_JPpK=put(self.v_JPpK, v_BTJK))
         if self.impl == "xla" or T > 1 or window or attend_kw.get("sow") is not None:
             return layer._attend_xla(q_BTHK, positions_BT, window, attend_kw), layer
         scale, softcap = attend_kw.get("scale", 0.0), attend_kw.get("softcap", 0.0)

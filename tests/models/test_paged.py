@@ -29,8 +29,8 @@ def test_paged_layer_reads_any_block_table():
 
 
 def test_nothing_is_written_past_a_row_and_rows_move_with_their_pages():
-    """Positions >= max_len are dropped (the sampler's re-prefill feeds other rows there; prefill
-    and decoding write differently), and
+    """Positions >= max_len are dropped (the sampler's re-prefill feeds other rows there; both
+    a prefill's positions and a decoding step's, each written by rewriting its pages whole), and
     take_rows copies pages' contents, as the contiguous cache copies rows."""
     rng = np.random.default_rng(2)
     J, H, K, page = 2, 4, 8, 4
