@@ -18,7 +18,8 @@ SIGTERM drains: running requests finish, new ones get 503, then the process exit
 Operations (docs/serving_ops.md): --api_key (or $FLAXGPT_API_KEY), GET /metrics (Prometheus), one
 access-log line per request on stderr, --max_tokens and --max_body_bytes limits (400 / 413);
 prompts sharing a prefix reuse its KV (--prefix_cache_tokens), long prompts are prefilled in
-chunks of --prefill_chunk tokens between decode steps. LoRA adapters (--adapter NAME=DIR,
+chunks of --prefill_chunk tokens between decode steps. --kv_cache paged keeps the slots' keys and
+values in pages shared in place with the prefix cache. LoRA adapters (--adapter NAME=DIR,
 --max_adapters, POST /v1/load_lora_adapter and /v1/unload_lora_adapter): docs/serving_ops.md.
 """
 
@@ -86,7 +87,13 @@ def parse_args(argv):
         default=4096,
         help="KV positions kept for reuse by prompts sharing a prefix (0: no prefix cache)",
     )
-    p.add_argument("--prefix_block", type=int, default=16, help="prefix cache granularity in tokens")
+    p.add_argument(
+        "--prefix_block",
+        type=int,
+        default=16,
+        help="prefix cache granularity in tokens (paged: the page size)",
+    )
+    add_kv_cache_args(p)
     p.add_argument(
         "--api_key",
         default=os.environ.get("FLAXGPT_API_KEY"),
@@ -127,7 +134,31 @@ def parse_args(argv):
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
     if a.prefix_block < 1 or a.max_body_bytes < 1 or (a.max_tokens is not None and a.max_tokens < 1):
         p.error("--prefix_block, --max_body_bytes and --max_tokens must be >= 1")
+    check_kv_cache_args(p, a)
     return a
+
+
+def add_kv_cache_args(p):
+    p.add_argument(
+        "--kv_cache",
+        default="contiguous",
+        choices=["contiguous", "paged"],
+        help="contiguous: a row of max_len positions per slot; paged: pages of --prefix_block positions in "
+        "one pool with the prefix cache, whose blocks requests read in place (docs/serving_ops.md)",
+    )
+
+
+def check_kv_cache_args(p, a):
+    if a.kv_cache != "paged":
+        return
+    if a.max_adapters:
+        p.error("--kv_cache paged serves the base model: LoRA adapters need --kv_cache contiguous")
+    if a.mesh > 1:
+        p.error("--kv_cache paged runs on one device: --mesh N needs --kv_cache contiguous")
+    if a.max_len and a.max_len % a.prefix_block:
+        p.error(
+            f"--kv_cache paged: --max_len {a.max_len} is not a multiple of the page size {a.prefix_block}"
+        )
 
 
 def main(argv=None):
@@ -171,13 +202,15 @@ def main(argv=None):
         max_adapters=a.max_adapters,
         max_lora_rank=a.max_lora_rank,
         mesh=mesh,
+        kv_cache=a.kv_cache,
     )
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(
-        "%s: %d slots x %d positions, %d compiled programs (prompt buckets %s); compiling",
+        "%s: %d slots x %d positions (%s), %d compiled programs (prompt buckets %s); compiling",
         name,
         a.slots,
         W,
+        a.kv_cache,
         sched.engine.n_programs,
         sched.engine.buckets,
     )

@@ -10,12 +10,15 @@ positions each), the layout of JAX's Pallas paged-attention kernels, with a tabl
 page holding each slot's m-th block of `page` positions (M = max_len / page). Position s of slot b
 lies at page table[b, s // page], offset s % page; positions >= S are not written. Here the table is
 the identity (slot b owns pages b*M .. b*M + M - 1), so a slot's pages are as many as its window; but
-it is an array the step reads, not a constant, so pages could be shared between slots without
-recompiling. `take_rows` copies pages' contents (each page belongs to one row).
+it is an array the step reads, not a constant: the serving engine (serve/pages.py) maps the prefix
+cache's pages into several rows at once, without recompiling. `take_rows` copies pages' contents
+(each page belongs to one row).
 
-A pool with no rows of its own (`PagedKVCache.pool`) is the prefix cache's block store
-(serve/prefix_cache.py): blocks are pages, written from and read into one-row contiguous caches
-(`write_pages`, `read_into`) by the block ids the prefix cache keeps.
+A pool with no rows of its own (`PagedKVCache.pool`) is the contiguous engine's prefix cache block
+store (serve/prefix_cache.py): blocks are pages, written from and read into one-row contiguous caches
+(`write_pages`, `read_into`) by the block ids the prefix cache keeps. The paged engine needs neither:
+its prefix cache's blocks are pages of the slots' own pool, and a one-row view of that pool (the
+cache with a [1, M] table) is what a prefill writes into.
 
 The model sees this cache through the step_fn protocol: `layer(i)` hands each attention a
 PagedLayer, whose `attend` writes the step's new keys and values into their pages and attends over
@@ -81,21 +84,28 @@ class PagedLayer(KVLayer):
     def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
         """Write the new keys/values at `positions_BT`, attend over each row's pages -> (y_BTHK, layer)."""
         J, P, page, K = self.k_JPpK.shape
-        S = self.table_BM.shape[1] * page
-        page_BT = jnp.take_along_axis(self.table_BM, positions_BT // page, axis=1, mode="clip")
-        # its row of the pages seen as [J, P*page, K]; positions past the row: P*page, dropped
-        slot_BT = jnp.where(positions_BT < S, page_BT * page + positions_BT % page, P * page)
+        B, T, H, _ = q_BTHK.shape
+        # the pages a row's T consecutive positions touch: one when decoding, else at most (T-1)//page + 2
+        n = 1 if T == 1 else (T - 1) // page + 2
+        m_Bn = positions_BT[:, :1] // page + jnp.arange(n)
+        page_Bn = jnp.take_along_axis(self.table_BM, m_Bn, axis=1, mode="clip")
+        page_Bn = jnp.where(m_Bn < self.table_BM.shape[1], page_Bn, P)  # past the row: dropped
+        local_BT = positions_BT - m_Bn[:, :1] * page  # each position's place in its row's n pages
 
-        def put(buf_JPpK, new_BTJK):  # one index into [J, P*page, K]: scattering at (page, offset)
-            # made TPU lay the pages out otherwise than the kernel reads them (a copy per layer and step)
-            flat_JNK = buf_JPpK.reshape(J, P * page, K)
-            flat_JNK = flat_JNK.at[:, slot_BT].set(
-                jnp.transpose(new_BTJK, (2, 0, 1, 3)).astype(buf_JPpK.dtype)
-            )
-            return flat_JNK.reshape(J, P, page, K)
+        def put(buf_JPpK, new_BTJK):
+            # read the pages whole, set the positions, write them back whole: TPU tiles a head's page
+            # [page, K] as the paged kernel reads it, and writing single positions (a row of a tile)
+            # made XLA lay the pool out position-major instead, copying every layer's pages at every
+            # step and prefill chunk (docs/aot.md). Rows never write one page together (serve/pages.py:
+            # shared pages are full; idle rows share only the scratch page, which no one reads); pages
+            # read past a row's positions go back as they were
+            pages_JBnpK = jnp.take(buf_JPpK, page_Bn, axis=1, mode="clip")
+            flat_JBNK = pages_JBnpK.reshape(J, B, n * page, K)
+            new_JBTK = jnp.transpose(new_BTJK, (2, 0, 1, 3)).astype(buf_JPpK.dtype)
+            flat_JBNK = flat_JBNK.at[:, jnp.arange(B)[:, None], local_BT].set(new_JBTK, mode="drop")
+            return buf_JPpK.at[:, page_Bn].set(flat_JBNK.reshape(J, B, n, page, K), mode="drop")
 
         layer = self.replace(k_JPpK=put(self.k_JPpK, k_BTJK), v_JPpK=put(self.v_JPpK, v_BTJK))
-        B, T, H, _ = q_BTHK.shape
         if self.impl == "xla" or T > 1 or window or attend_kw.get("sow") is not None:
             return layer._attend_xla(q_BTHK, positions_BT, window, attend_kw), layer
         scale, softcap = attend_kw.get("scale", 0.0), attend_kw.get("softcap", 0.0)
@@ -141,14 +151,17 @@ class PagedKVCache(Cache):
     impl: str = struct.field(pytree_node=False)  # the decode attention path (see the module docstring)
 
     @classmethod
-    def for_slots(cls, config, slots: int, max_len: int, *, page: int = 16, impl: str = "xla", dtype=None):
-        """Pages for `slots` rows of max_len positions each (identity table: slot b owns M pages)."""
+    def for_slots(
+        cls, config, slots: int, max_len: int, *, page: int = 16, impl: str = "xla", dtype=None, extra_pages=0
+    ):
+        """Pages for `slots` rows of max_len positions each (identity table: slot b owns M pages), and
+        `extra_pages` more (a pool the slots share with the prefix cache: serve/pages.py)."""
         if max_len % page:
             raise ValueError(f"the window {max_len} is not a multiple of the page size {page}")
         if impl not in IMPLS:
             raise ValueError(f"paged attention impl {impl!r} is not one of {IMPLS}")
         J, M = getattr(config, "kv_heads", config.n_head), max_len // page
-        shape = (J, slots * M, page, config.head_dim)
+        shape = (J, slots * M + extra_pages, page, config.head_dim)
         dtype = jnp.dtype(dtype or config.dtype)
         zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))  # noqa: E731
         table = jnp.arange(slots * M, dtype=jnp.int32).reshape(slots, M)

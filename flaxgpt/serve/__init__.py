@@ -1,5 +1,6 @@
 """Serving: the engine (prefill / insert / generate over a slots KV cache; chunked prefill), the prefix
-cache (block KV reused across prompts), LoRA adapters (a host pool, LRU over device slots), the
+cache (block KV reused across prompts), the paged engine's page bookkeeping (one pool shared by the slots
+and the prefix cache), LoRA adapters (a host pool, LRU over device slots), the
 scheduler thread, the OpenAI request/response layer, the
 Starlette HTTP app with its operations middleware (API key, limits, access log) and Prometheus metrics.
 

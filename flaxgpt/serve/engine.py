@@ -23,6 +23,15 @@ KV of the longest cached block prefix of the prompt and only the rest is prefill
 full blocks are kept for later requests, and when a request ends (`keep`) the full blocks of its
 prompt and reply, read from its slot: a conversation's next turn reuses its whole history.
 Between `generate` calls the other slots keep their rows.
+
+The paged engine (slots_cache a models.paged.PagedKVCache, serve.py --kv_cache paged): the slots and
+the prefix cache share the cache's one page pool (serve/pages.py keeps who holds which page). A
+request's block table maps its cached prefix's pages in place and fresh pages after them; its prefill
+chunks are written straight into the pool through that table (no one-row cache, no insert copy:
+`insert` sets the slot's row of the block table); the prompt's full blocks and, at `keep`, the reply's
+stay where they are, now held by the prefix cache too. `keep` and `release` give a slot's pages back (and a
+prefill short of pages takes back those of slots the last `generate` said were done); `cancel` gives
+back a prefill job's that never reached a slot.
 Every slot decodes at its own position with its own sampling settings and key, all as arrays of
 the one jitted step, so requests come and go without recompiling: the step is `generate`'s own
 (decode.sampling.decode_chunk: per-row keys, stop rules and padding in one place). Free and
@@ -43,8 +52,8 @@ write, from serve.launch) replaces `engine.step_fn` with one over the written st
 recompile). The prefix cache is off (its blocks know no adapter).
 
 Compiled programs: one prefill per prompt bucket, one insert, generate for `chunk` steps and for
-one step (+ the prefix cache's restore, and its save from a one-row cache and from the slots
-cache): len(buckets) + 3 (+ 3).
+one step (+ the contiguous engine's prefix cache: its restore, and its save from a one-row cache and
+from the slots cache): len(buckets) + 3 (+ 3; the paged engine's prefix cache is host bookkeeping).
 
 Shape letters: B slots, P prompt bucket, W cache length, V vocab, C chunk, K sampling candidates.
 """
@@ -69,6 +78,8 @@ from flaxgpt.decode.sampling import (
     next_tokens,
 )
 from flaxgpt.models.cache import AdapterCache
+from flaxgpt.models.paged import PagedKVCache
+from flaxgpt.serve.pages import OutOfPages, SharedPages
 from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
 
 
@@ -121,10 +132,10 @@ class Prefix(NamedTuple):
     done: jax.Array  # [] the first token already finished it (EOS, or max_new 1)
     rows: Rows  # each field [1]
     logits: jax.Array  # [V] the prompt's last position's: `fork` draws another request's first token
+    pages: object = None  # paged engine: the host table [M] of the pages it was prefilled into
 
 
-@functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("cache",))
-def _prefill(step_fn, cache, chunk_1P, start, size, rows: RowSampling, max_k: int) -> Prefix:
+def _prefill_body(step_fn, cache, chunk_1P, start, size, rows: RowSampling, max_k: int) -> Prefix:
     """Prompt positions start .. start + size - 1 (chunk_1P right-padded to its bucket P) into a
     one-row cache already holding positions < start; the token after the chunk is sampled."""
     P = chunk_1P.shape[1]
@@ -146,13 +157,26 @@ def _fork(logits_V, rows: RowSampling, max_k: int):
     return first_1[0], finished(rows_1, first_1, jnp.ones((1,), jnp.int32))[0], rows_1
 
 
+_prefill = jax.jit(_prefill_body, static_argnames=("max_k",), donate_argnames=("cache",))
+
+
+@functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("state",))
+def _prefill_pages(step_fn, state: DecodeState, table_1M, chunk_1P, start, size, rows, max_k: int):
+    """_prefill straight into the slots' page pool through one request's table (serve/pages.py): its
+    cached prefix is read where it lies, its new positions go to its own pages -> (state, Prefix
+    without a cache)."""
+    pool = state.cache
+    prefix = _prefill_body(step_fn, pool.replace(table_BM=table_1M), chunk_1P, start, size, rows, max_k)
+    return state.replace(cache=pool.replace(k=prefix.cache.k, v=prefix.cache.v)), prefix._replace(cache=None)
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def _insert(state: DecodeState, prefix: Prefix, slot) -> DecodeState:
     def put(x_B, v):
         return x_B.at[slot].set(jnp.reshape(v, ()))
 
-    return state.replace(
-        cache=state.cache.insert_row(prefix.cache, slot),  # any cache kind copies a one-row cache in
+    return state.replace(  # any cache kind copies a one-row cache in; the paged engine's is in place
+        cache=state.cache if prefix.cache is None else state.cache.insert_row(prefix.cache, slot),
         last_B=put(state.last_B, prefix.first),
         fill_B=put(state.fill_B, prefix.length),
         count_B=put(state.count_B, 1),
@@ -234,8 +258,9 @@ def _placed(make_cache, mesh, batch: int):
 class PrefillJob:
     """A request being prefilled (host side): its one-row cache and how far the prompt has gone in."""
 
-    def __init__(self, prompt_ids, rows: RowSampling, cache, hit: int, digests):
+    def __init__(self, prompt_ids, rows: RowSampling, cache, hit: int, digests, pages=None):
         self.prompt_ids, self.rows, self.cache = list(prompt_ids), rows, cache
+        self.pages = pages  # paged engine: its table [M] (serve/pages.py); cache is then None
         self.hit = hit  # prompt tokens whose KV came from the prefix cache
         self.done_upto = hit  # positions < done_upto are in `cache`
         self.digests = digests  # the prompt's block digests (prefix cache), else None
@@ -266,8 +291,10 @@ class Engine:
         """make_cache(batch) -> an empty cache (all with the same length W, the request window).
         prefill_chunk: the most prompt tokens one prefill call runs (default W: a prompt in one
         call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off);
-        slots_cache: the slots cache if not make_cache(slots), e.g. a models.paged.PagedKVCache (decoding
-        reads each slot's pages through its block table; prefills still fill a contiguous one-row cache).
+        slots_cache: the slots cache if not make_cache(slots); a models.paged.PagedKVCache makes this a
+        paged engine: its pool is shared with the prefix cache (serve/pages.py; blocks are its pages,
+        prefix_block must be its page size, and it needs 1 + slots * M + prefix_blocks pages), prefills
+        write into it through each request's table and cached blocks are read in place, never copied.
         mesh: run over its devices: the programs traced under it, every cache and slot array split
         by rows (sharding.row_shardings: slots; a one-row cache's heads); the weights stay where
         step_fn's params are (sharding.param_shardings(..., SERVE_RULES) on it). None: one device."""
@@ -297,7 +324,10 @@ class Engine:
         self._new_row = (  # noqa: E731
             (lambda: jax.device_put(make_cache(1), device)) if mesh is None else (lambda: make_cache(1))
         )
-        self.prefix_cache = None
+        self.prefix_cache = self.pages = None
+        if isinstance(cache, PagedKVCache):
+            cache = self._share_pages(cache, prefix_block, prefix_blocks, mesh)
+            prefix_blocks = 0  # the pages' own prefix cache, set above
         if prefix_blocks and cache.has_rings:
             raise ValueError(
                 "the prefix cache keeps every position's keys and values; this model's sliding-window "
@@ -316,10 +346,49 @@ class Engine:
         )
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
+        self._finished = np.ones(slots, bool)  # as the last generate said (free slots too)
+        self._table_dirty = False  # paged: the host's block table changed since the device's copy
+        # read at /metrics scrapes from another thread: sizes now, not the (donated) buffers then
+        kv = (*cache.k, *cache.v) if self.pages is not None else jax.tree_util.tree_leaves(cache)
+        kv_bytes = sum(x.nbytes for x in kv)
+        if self.pages is not None:  # a window's pages (the pool also holds the prefix cache's)
+            self._slot_bytes = kv_bytes // self.pages.pool * self.pages.M
+        else:
+            self._slot_bytes = kv_bytes // slots
+
+    def _share_pages(self, cache: PagedKVCache, block: int, blocks: int, mesh) -> PagedKVCache:
+        """Host bookkeeping of the paged slots cache's pool (serve/pages.py); every row starts on the
+        scratch page."""
+        page = cache.k[0].shape[2]
+        if mesh is not None:
+            raise ValueError("the paged cache is one device's: serve it without a mesh")
+        if blocks and block != page:
+            raise ValueError(f"the prefix cache's blocks are the pages: prefix_block {block} != page {page}")
+        self.pages = SharedPages(
+            pool=cache.k[0].shape[1], page=page, slots=self.slots, M=cache.table_BM.shape[1], capacity=blocks
+        )
+        self.prefix_cache = self.pages if blocks else None
+        return cache.replace(table_BM=jnp.asarray(self.pages.rows))
 
     @property
     def n_programs(self) -> int:
-        return len(self.buckets) + 2 + (self.chunk > 1) + (3 if self.prefix_cache is not None else 0)
+        copies = 3 if self.prefix_cache is not None and self.pages is None else 0  # restore, 2 saves
+        return len(self.buckets) + 2 + (self.chunk > 1) + copies
+
+    def kv_memory(self) -> dict:
+        """The KV cache's memory: bytes a slot's whole window takes, and the blocks (pages) of the
+        page pool (paged: the slots' and the prefix cache's; contiguous: the prefix cache's) with
+        those held by no one and those read by more than one holder (shared in place)."""
+        out = {"bytes_per_slot": self._slot_bytes, "blocks": 0, "free_blocks": 0, "shared_blocks": 0}
+        if self.pages is not None:
+            out.update(
+                blocks=self.pages.pool,
+                free_blocks=len(self.pages.free),
+                shared_blocks=self.pages.shared,
+            )
+        elif self.prefix_cache is not None:
+            out.update(blocks=self.prefix_cache.capacity, free_blocks=len(self.prefix_cache.free))
+        return out
 
     def bucket(self, n: int) -> int:
         for b in self.buckets:
@@ -347,6 +416,15 @@ class Engine:
                 )
             tag_1 = jax.device_put(np.full((1,), adapter, np.int32), cache.adapter_B.sharding)
             return PrefillJob(prompt_ids, rows, cache.replace(adapter_B=tag_1), 0, None)
+        if self.pages is not None:  # positions up to the request's last go into pages of its own
+            try:
+                hit, table_M, digests = self.pages.open(prompt_ids, last=n + int(rows.max_new) - 1)
+            except OutOfPages:  # finished slots that no keep or release ended still hold pages
+                for slot in np.flatnonzero(self._finished):
+                    self.pages.end(slot)
+                self._table_dirty = True
+                hit, table_M, digests = self.pages.open(prompt_ids, last=n + int(rows.max_new) - 1)
+            return PrefillJob(prompt_ids, rows, None, hit, digests, pages=table_M)
         if self.prefix_cache is None:
             return PrefillJob(prompt_ids, rows, self._new_row(), 0, None)
         hit, ids_M, digests = self.prefix_cache.match(prompt_ids)
@@ -357,6 +435,8 @@ class Engine:
         start, size = job.done_upto, min(job.left, self.prefill_chunk)
         chunk_1P = np.zeros((1, self.bucket(size)), np.int32)
         chunk_1P[0, :size] = job.prompt_ids[start : start + size]
+        if self.pages is not None:
+            return self._prefill_pages_step(job, chunk_1P, start, size)
         prefix = self._prefill(
             self.step_fn, job.cache, chunk_1P, np.int32(start), np.int32(size), job.rows, max_k=self.max_k
         )
@@ -366,6 +446,31 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.save(prefix.cache, job.digests, first=job.hit // self.prefix_cache.block)
         return prefix
+
+    def _prefill_pages_step(self, job: PrefillJob, chunk_1P, start: int, size: int) -> Prefix | None:
+        """prefill_step of the paged engine: the chunk goes into the shared pool through the job's
+        table; after the last one the prompt's full blocks join the prefix cache in place, and the
+        pages move to the Prefix (given back at once if its first token finished it: never inserted)."""
+        self.state, prefix = _prefill_pages(
+            self.step_fn, self.state, np.array(job.pages[None]), chunk_1P, np.int32(start), np.int32(size),
+            job.rows, max_k=self.max_k,
+        )  # fmt: skip
+        job.done_upto = start + size
+        if job.left:
+            return None
+        if self.prefix_cache is not None:
+            self.pages.offer(job.pages, job.digests)
+        pages, job.pages = job.pages, None
+        if bool(prefix.done):
+            self.pages.release(pages)
+            return prefix
+        return prefix._replace(pages=pages)
+
+    def cancel(self, job: PrefillJob):
+        """Give back what a prefill job holds that never reached a slot (paged: its pages)."""
+        if self.pages is not None and job.pages is not None:
+            self.pages.release(job.pages)
+            job.pages = None
 
     def prefill(self, prompt_ids, rows: RowSampling, adapter: int = 0) -> Prefix:
         """Run the prompt through the model alone; the first new token is in `prefix.first`."""
@@ -378,7 +483,9 @@ class Engine:
         """The prefilled prompt of `prefix` for another request (n completions of one prompt: GRPO's
         group) without a second prefill: the same one-row cache, its own settings and first token
         (drawn as a prefill with `rows` draws it). A prefix is not consumed by insert: both go in.
-        rows.max_new must fit the window as the prefill's did (not checked here: no wait on the device)."""
+        rows.max_new must fit the window as the prefill's did (not checked here: no wait on the device).
+        Contiguous caches only (a paged prefix's pages have one owner)."""
+        self._unpaged("fork")
         first, done, rows_1 = _fork(prefix.logits, rows, max_k=self.max_k)
         return prefix._replace(first=first, done=done, rows=rows_1)
 
@@ -386,6 +493,7 @@ class Engine:
         """fork + insert for several requests on one prompt in one call (GRPO's G completions): request
         r takes slot slots[r] with rows[r]. -> their first tokens [R] (on the device). One compiled
         program per group size; over a mesh use fork and insert."""
+        self._unpaged("insert_group")
         if len(rows) != len(slots) or not rows:
             raise ValueError(f"{len(rows)} requests for {len(slots)} slots")
         stacked = RowSampling(*(np.stack(f) for f in zip(*rows, strict=True)))
@@ -394,27 +502,47 @@ class Engine:
         )
         self._count[slots] = 1
         self._stop[slots] = False
+        self._finished[slots] = False
         return first_R
+
+    def _unpaged(self, what: str):
+        if self.pages is not None:
+            raise ValueError(f"Engine.{what} needs a contiguous slots cache, not the paged one")
 
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant is gone)."""
-        self.state = self._insert(self.state, prefix, np.int32(slot))
+        if self.pages is not None:  # its pages become the slot's row; nothing moves on the device
+            scratch = np.zeros(self.pages.M, np.int32)  # a finished prefix gave its pages back
+            self.pages.assign(slot, scratch if prefix.pages is None else prefix.pages)
+            self._table_dirty = True
+        self.state = self._insert(self.state, prefix._replace(pages=None), np.int32(slot))
         self._count[slot] = 1
         self._stop[slot] = False
+        self._finished[slot] = False
 
     def keep(self, slot: int, tokens) -> int:
         """Offer slot `slot`'s KV to the prefix cache once its request ends (before the slot is reused):
         `tokens` are the tokens at its positions 0.. (the prompt and every generated token but the
         last, which was never fed), so the next turn of a conversation, whose prompt holds this one's
         prompt and reply, reuses both. -> blocks newly kept (0 without a prefix cache)."""
+        if self.pages is not None:  # its full blocks stay where they are, now the prefix cache's too
+            digests = block_digests(tokens, self.pages.block)
+            new = self.pages.offer(self.pages.rows[slot], digests) if self.prefix_cache is not None else 0
+            self.pages.end(slot)
+            self._table_dirty = True
+            return new
         if self.prefix_cache is None:
             return 0
         digests = block_digests(tokens, self.prefix_cache.block)[: self.prefix_cache.M]
         return self.prefix_cache.save(self.state.cache, digests, row=slot)  # any kind: read by cache.row
 
     def release(self, slot: int):
-        """Stop decoding `slot` before its end (cancelled, or a stop string): from the next generate."""
+        """Stop decoding `slot` before its end (cancelled, or a stop string): from the next generate
+        (paged: its pages are given back now, its row idles on the scratch page)."""
         self._stop[slot] = True
+        if self.pages is not None:
+            self.pages.end(slot)
+            self._table_dirty = True
 
     def generate(self, steps: int | None = None):
         """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]].
@@ -424,7 +552,12 @@ class Engine:
         if steps not in (1, self.chunk):
             raise ValueError(f"generate runs 1 or chunk ({self.chunk}) steps, got {steps}")
         stop_B = self._stop.copy()
+        if self._table_dirty:  # a copy: the host table changes in place while the step may still run
+            table_BM = jax.device_put(np.array(self.pages.rows), self.state.cache.table_BM.sharding)
+            self.state = self.state.replace(cache=self.state.cache.replace(table_BM=table_BM))
+            self._table_dirty = False
         self.state, out_BC = self._generate(self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k)
         count = np.array(self.state.count_B)  # a writable copy
         new_B, self._count = count - self._count, count
-        return np.asarray(out_BC), new_B, np.asarray(self.state.done_B)
+        self._finished = np.array(self.state.done_B)
+        return np.asarray(out_BC), new_B, self._finished.copy()

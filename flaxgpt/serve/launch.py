@@ -65,6 +65,7 @@ def scheduler_for(
     max_adapters=0,
     max_lora_rank=16,
     mesh=None,
+    kv_cache="contiguous",
 ) -> Scheduler:
     """The engine (a window of max_len, default block_size) and its thread, not started.
     prefill_chunk: prompt tokens per prefill call (None: a whole prompt); prefix_cache_tokens: the
@@ -73,7 +74,10 @@ def scheduler_for(
     max_adapters of them resident at once, each of rank <= max_lora_rank (max_adapters 0: no adapters,
     none loadable later); the scheduler's `adapters` is then their AdapterPool.
     mesh (serving_mesh, params placed over it by `load`): the engine's programs run over its devices,
-    the KV cache split by slots (slots must divide by its devices)."""
+    the KV cache split by slots (slots must divide by its devices).
+    kv_cache: "contiguous" (a row of W positions per slot) or "paged" (pages of prefix_block positions
+    in one pool with the prefix cache's blocks: a cached prefix is mapped into a request's block table,
+    not copied; see paged_slots)."""
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
     from flaxgpt.serve.engine import Engine
@@ -100,6 +104,9 @@ def scheduler_for(
     engine = Engine(
         gpt.step_fn(config, params),
         lambda b: KVCache.for_config(config, b, W),
+        slots_cache=paged_slots(config, W, slots, prefix_block, prefix_cache_tokens)
+        if kv_cache == "paged"
+        else None,
         slots=slots,
         chunk=chunk,
         prefill_chunk=prefill_chunk,
@@ -132,6 +139,21 @@ def serving_mesh(devices: int, slots: int):
             f"KV cache; use a multiple of {devices}"
         )
     return sharding.make_mesh(1, devices, have[:devices])
+
+
+def paged_slots(config, W: int, slots: int, page: int, prefix_cache_tokens: int):
+    """The paged engine's slots cache: one pool of pages of `page` positions for every slot's window,
+    the prefix cache's blocks (prefix_cache_tokens // page) and the scratch page (serve/pages.py), read
+    with the paged-attention kernel of this platform's devices."""
+    import jax
+
+    from flaxgpt.models.paged import PagedKVCache, paged_impl
+
+    if W % page:
+        raise SystemExit(f"error: --kv_cache paged: the window {W} is not a multiple of the page size {page}")
+    impl = paged_impl(jax.devices()[0].platform, config.head_dim)
+    extra = 1 + prefix_cache_tokens // page
+    return PagedKVCache.for_slots(config, slots, W, page=page, impl=impl, extra_pages=extra)
 
 
 def _with_adapters(

@@ -8,8 +8,9 @@
 The HTTP middleware counts requests by route and status; the scheduler reports prompt and
 generated tokens, time to first token (from submit, queueing included) and inter-token latency
 (a chunk of n tokens that arrived t s after the previous one counts n gaps of t / n s); the
-prefix cache reports hit and looked-up prompt tokens. One registry per app, not the process's
-global one, so several apps (tests) never collide.
+prefix cache reports hit and looked-up prompt tokens; the KV cache's gauges (flaxgpt_kv_*) say
+what a slot's window takes and how many pages of the pool are free and shared. One registry per
+app, not the process's global one, so several apps (tests) never collide.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ class ServeMetrics:
         self.busy_slots = Gauge("flaxgpt_busy_slots", "slots holding a sequence", registry=r)
         self.slots = Gauge("flaxgpt_slots", "slots (rows of the KV cache)", registry=r)
         self.prefix_blocks = Gauge("flaxgpt_prefix_cache_blocks", "blocks in the prefix cache", registry=r)
+        kv = {  # the engine's kv_memory() keys
+            "bytes_per_slot": "KV cache bytes one slot's whole window takes",
+            "blocks": "pages of the KV page pool (paged: slots and prefix cache; contiguous: prefix cache)",
+            "free_blocks": "pages of the pool held by no slot and no cached prefix",
+            "shared_blocks": "pages held more than once: cached prefixes read in place by running requests",
+        }
+        self.kv = {k: Gauge(f"flaxgpt_kv_{k}", doc, registry=r) for k, doc in kv.items()}
 
     def _rate(self) -> float:
         return self._hit / self._query if self._query else 0.0
@@ -70,6 +78,8 @@ class ServeMetrics:
         self.slots.set(sched.engine.slots)
         prefix = getattr(sched.engine, "prefix_cache", None)
         self.prefix_blocks.set_function(lambda: len(prefix) if prefix is not None else 0)
+        for k, gauge in self.kv.items():
+            gauge.set_function(lambda k=k: sched.engine.kv_memory()[k])
 
     # ------------------------------------------------------------ called by the engine thread
 

@@ -207,7 +207,7 @@ class Scheduler:
         for i, b in enumerate(self.engine.buckets):
             # prompts that differ in their first token: none reuses another's blocks, each runs its bucket
             prefix = self.engine.prefill([i] + [0] * (min(b, self.engine.max_len - 2) - 1), rows)
-        self.engine.insert(prefix, 0)
+            self.engine.insert(prefix, 0)  # each in turn: a paged engine's pages go back when replaced
         self.engine.generate(steps=1)
         self.engine.release(0)
         self.engine.generate()
@@ -264,6 +264,8 @@ class Scheduler:
         job, seq = self.prefilling[slot], self.active[slot]
         if seq.cancelled:
             del self.prefilling[slot]
+            if job is not None:
+                self.engine.cancel(job)  # a paged engine's pages for it
             self._free(slot, release=False)
             self._count("cancelled")
             return
@@ -283,6 +285,8 @@ class Scheduler:
                 self.engine.insert(prefix, slot)
         except Exception as e:
             self.prefilling.pop(slot, None)
+            if job is not None:
+                self.engine.cancel(job)  # a paged engine's pages for it (none once in its Prefix)
             self._fail(slot, seq, e)
             return
         self._advance(slot, seq, [first], done)

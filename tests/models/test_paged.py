@@ -29,7 +29,8 @@ def test_paged_layer_reads_any_block_table():
 
 
 def test_nothing_is_written_past_a_row_and_rows_move_with_their_pages():
-    """Positions >= max_len are dropped (the sampler's re-prefill feeds other rows there), and
+    """Positions >= max_len are dropped (the sampler's re-prefill feeds other rows there; both
+    a prefill's positions and a decoding step's, each written by rewriting its pages whole), and
     take_rows copies pages' contents, as the contiguous cache copies rows."""
     rng = np.random.default_rng(2)
     J, H, K, page = 2, 4, 8, 4
@@ -43,6 +44,14 @@ def test_nothing_is_written_past_a_row_and_rows_move_with_their_pages():
     for b, (p, _) in enumerate(pos_BT):
         np.testing.assert_array_equal(rows_k[b][:, p], k[b, 0])
         assert np.count_nonzero(np.delete(rows_k[b], p, axis=1)) == 0  # nothing else written
+    # one position a row (decoding rewrites each row's page whole): 8 is past row 0, 3 inside row 1
+    k1 = rng.standard_normal((2, 1, J, K)).astype(np.float32)
+    _, layer = cache.layer(0).attend(q[:, :1], k1, k1, np.array([[8], [3]], np.int32))
+    after = cache.with_layers([layer, cache.layer(1)])
+    np.testing.assert_array_equal(after.row(0).k[0], rows_k[0])
+    want = rows_k[1].copy()
+    want[:, 3] = k1[1, 0]
+    np.testing.assert_array_equal(after.row(1).k[0], want)
     swapped = cache.take_rows(jax.numpy.array([1, 0]))
     np.testing.assert_array_equal(swapped.row(0).k[0], rows_k[1])
     np.testing.assert_array_equal(swapped.row(1).k[0], rows_k[0])

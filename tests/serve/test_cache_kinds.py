@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from flaxgpt.decode.sampling import Sampling, generate
+from flaxgpt.models.paged import PagedKVCache
 from flaxgpt.serve.engine import Engine, RowSampling
-from tests.decode.test_cache_kinds import KINDS, PROMPTS, SAMPLED, make_cache, model_steps
+from tests.decode.test_cache_kinds import CFG, KINDS, PROMPTS, SAMPLED, make_cache, model_steps
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +23,11 @@ def test_the_engine_gives_one_request_what_generate_gives(steps, kind):
     """One request at a time into a 2-slot engine over each kind of slots cache (the prefills' rows
     contiguous or rings, as make_cache gives), greedy and temperature / top-k / top-p with a seed:
     generate(rng=key(seed)) gives the same tokens (one decode loop: the same keys, stop rules)."""
-    W = 32
+    W = 32  # paged: the slots' pages and the scratch page (serve/pages.py)
     make = functools.partial(make_cache, "contiguous" if kind == "paged" else kind, W=W)
     engine = Engine(
         steps[0], lambda b: make(b), slots=2, chunk=4, max_k=16, prefill_chunk=16,
-        slots_cache=make_cache("paged", 2, W) if kind == "paged" else None,
+        slots_cache=PagedKVCache.for_slots(CFG, 2, W, page=4, extra_pages=1) if kind == "paged" else None,
     )  # fmt: skip
     prompt = PROMPTS[1].tolist()
     for i, settings in enumerate([dict(temperature=0.0), SAMPLED, dict(temperature=1.3, top_p=0.7)]):
