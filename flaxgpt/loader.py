@@ -102,7 +102,7 @@ def _load_run(source, step, place=None) -> Run:
     from flaxgpt.runs import lora_run, run_dir
 
     if not lora_run.lora_section(source):
-        return run_dir.load_run(source, step, place)
+        return run_dir.load_run(source, step, place=place)
     from flaxgpt.hf import pretrained
     from flaxgpt.models import lora
 
