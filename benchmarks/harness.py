@@ -148,6 +148,26 @@ def run_side(side: Side, round_: int) -> dict:
     return json.loads(lines[-1][len(RESULT) :])
 
 
+def hf_generate(model, prompt_BT, new_tokens: int, repeats: int):
+    """transformers' greedy `generate` timed as the decoding benchmarks time it: exactly new_tokens
+    tokens per row, one warm-up call first, the median of `repeats` calls. Returns (generated tokens
+    per second over the batch, the last call's output [B, prompt + new_tokens])."""
+    import numpy as np
+    import torch
+
+    ids = torch.from_numpy(np.asarray(prompt_BT, np.int64))
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, use_cache=True)
+    times = []
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            gen = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            times.append(time.perf_counter() - t0)
+    assert gen.shape[1] == ids.shape[1] + new_tokens, gen.shape
+    return ids.shape[0] * new_tokens / statistics.median(times), gen
+
+
 def versions(python: str) -> dict[str, str]:
     r = subprocess.run([python, "-c", VERSIONS], capture_output=True, text=True)
     return json.loads(r.stdout) if r.returncode == 0 else {}

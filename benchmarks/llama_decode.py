@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import harness  # noqa: E402  (first: the benchmarks' one sys.path rule, see harness.py)
 import numpy as np
@@ -86,17 +85,7 @@ def hf_side(a, batches):
             )  # fmt: skip
         model.eval()
         for B, prompt in prompts(batches, a.prompt_len).items():
-            ids = torch.from_numpy(prompt.astype(np.int64))
-            kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, use_cache=True)
-            times = []
-            with torch.no_grad():
-                model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
-                for _ in range(a.repeats):
-                    t0 = time.perf_counter()
-                    gen = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, **kw)
-                    times.append(time.perf_counter() - t0)
-            assert gen.shape[1] == a.prompt_len + a.new_tokens
-            out[f"{name} b{B}"] = B * a.new_tokens / float(np.median(times))
+            out[f"{name} b{B}"], _ = harness.hf_generate(model, prompt, a.new_tokens, a.repeats)
     return out
 
 

@@ -95,17 +95,7 @@ def hf_side(a, batches):
     model = transformers.MixtralForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32).eval()
     out = {"threads": torch.get_num_threads(), "experts": str(model.config._experts_implementation)}
     for B, prompt in prompts(batches).items():
-        ids = torch.from_numpy(prompt.astype(np.int64))
-        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, use_cache=True)
-        times = []
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
-            for _ in range(a.repeats):
-                t0 = time.perf_counter()
-                gen = model.generate(ids, max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, **kw)
-                times.append(time.perf_counter() - t0)
-        assert gen.shape[1] == PROMPT_LEN + a.new_tokens
-        out[f"b{B}"] = B * a.new_tokens / float(np.median(times))
+        out[f"b{B}"], gen = harness.hf_generate(model, prompt, a.new_tokens, a.repeats)
         out[f"b{B} first"] = [int(t) for t in gen[0, PROMPT_LEN : PROMPT_LEN + 8]]
     return out
 
