@@ -13,23 +13,20 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx
-import jax
-import numpy as np
 import openai
 import pytest
 import transformers
 
 import flaxgpt
 from flaxgpt.data.hf_tokenizer import HFTokenizer
-from flaxgpt.decode.sampling import Sampling, generate
-from flaxgpt.models.cache import KVCache
-from flaxgpt.models.gpt import step_fn
+from flaxgpt.decode.sampling import Sampling
 from flaxgpt.serve import launch
 from flaxgpt.serve.adapters import AdapterPool
 from flaxgpt.serve.engine import RowSampling
 from tests.hf.test_llama import make_hf_model
 from tests.hf.test_llama_cli import make_tokenizer
 from tests.hf.test_peft import LLAMA_TARGETS, make_adapter
+from tests.serve import references
 from tests.serve.test_serve import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,14 +58,7 @@ def merged_tokens(root, name) -> list[list[int]]:
     """The reference: greedy tokens of the adapter merged into the base (None: the base alone), each
     prompt a row of one batch (rows are independent)."""
     config, params = flaxgpt.load_pretrained(str(root / "base"), adapter=name and str(root / name))
-    prompt_BP = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
-    for b, p in enumerate(PROMPTS):
-        prompt_BP[b, : len(p)] = p
-    out, _ = generate(
-        step_fn(config, params), KVCache.for_config(config, len(PROMPTS), W), prompt_BP,
-        [len(p) for p in PROMPTS], max_new_tokens=N, rng=jax.random.key(0), temperature=0.0,
-    )  # fmt: skip
-    return out.tolist()
+    return references.greedy_rows(config, params, PROMPTS, W, N)
 
 
 @pytest.fixture(scope="module")

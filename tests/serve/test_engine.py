@@ -9,6 +9,7 @@ from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import LLAMA_STYLE, GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
 from flaxgpt.serve.engine import Engine, RowSampling, prompt_buckets
+from tests.serve import references
 
 W = 64
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=W, vocab_size=40)
@@ -248,21 +249,7 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
     engine.prefill(p, RowSampling.of(max_new_tokens=2))
     assert engine.start_prefill(p, RowSampling.of(max_new_tokens=2)).hit == 8
     for (prompt, rows), got in zip(reqs, alone, strict=True):
-        toks, n = generate(
-            step, KVCache.for_config(CFG, 1, W), np.array([prompt]), [len(prompt)],
-            max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
-            temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
-        )  # fmt: skip
-        assert got == toks[0, : n[0]].tolist()
-
-
-def alone(step, prompt, rows):
-    toks, n = generate(
-        step, KVCache.for_config(CFG, 1, W), np.array([prompt]), [len(prompt)],
-        max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
-        temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
-    )  # fmt: skip
-    return toks[0, : n[0]].tolist()
+        assert got == references.alone(step, CFG, W, prompt, rows)
 
 
 def test_reply_kv_is_kept_for_the_next_turn(step):
@@ -280,7 +267,7 @@ def test_reply_kv_is_kept_for_the_next_turn(step):
         assert hit == kept // 4 * 4 and (turn == 0 or hit > asked)  # past the last turn's prompt
         asked = len(prompt)
         [reply] = run(engine, [(prompt, rows)])
-        assert reply == alone(step, prompt, rows)
+        assert reply == references.alone(step, CFG, W, prompt, rows)
         slot = 0  # run() put the request in the first free slot; it has not been reused since
         assert engine.keep(slot, prompt + reply[:-1]) >= 1  # the reply's blocks are new
         kept = len(prompt) + len(reply) - 1  # reused up to here next turn (past this turn's prompt)

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flaxgpt.data.tokenizers import CharTokenizer
-from flaxgpt.decode.sampling import Sampling, generate
+from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
@@ -18,6 +18,7 @@ from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.serve.engine import Engine, RowSampling
 from flaxgpt.serve.pages import SCRATCH, OutOfPages
 from flaxgpt.serve.prefix_cache import block_digests
+from tests.serve import references
 
 # every engine here (and the server's) has these shapes and settings: they share compiled programs
 W, PAGE, SLOTS, BLOCKS = 32, 8, 3, 4
@@ -42,15 +43,6 @@ def engines(step):
     kw = dict(slots=SLOTS, chunk=2, prefill_chunk=16, prefix_block=PAGE, prefix_blocks=BLOCKS)
     pool = PagedKVCache.for_slots(CFG, SLOTS, W, page=PAGE, extra_pages=1 + BLOCKS)
     return Engine(step, make, **kw), Engine(step, make, slots_cache=pool, **kw)
-
-
-def alone(step, prompt, rows):
-    toks, n = generate(
-        step, KVCache.for_config(CFG, 1, W), np.array([prompt]), [len(prompt)],
-        max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
-        temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
-    )  # fmt: skip
-    return toks[0, : n[0]].tolist()
 
 
 def test_paged_engine_decodes_what_the_contiguous_engine_does(step):
@@ -130,7 +122,9 @@ def test_a_shared_prefix_is_mapped_not_copied(step):
         toks, new, _ = engine.generate()
         for s in out:
             out[s] += toks[s, : new[s]].tolist()
-    assert out[0] == alone(step, a, rows) and out[1] == alone(step, b, rows)
+    assert out[0] == references.alone(step, CFG, W, a, rows) and out[1] == references.alone(
+        step, CFG, W, b, rows
+    )
     after = [np.asarray(x[:, shared]) for x in (*engine.state.cache.k, *engine.state.cache.v)]
     assert all((x == y).all() for x, y in zip(before, after, strict=True))  # shared pages never written
     kept_a = engine.keep(0, a + out[0][:-1])  # 24 positions: block 2 (a's tail + reply) is new
@@ -198,7 +192,7 @@ def test_paged_server_tokens_and_kv_metrics(params, step):
     m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     for prompt, got in zip(prompts, texts, strict=True):
         rows = RowSampling.of(Sampling(temperature=0.0), max_new_tokens=8)
-        assert got == tok.decode(alone(step, tok.encode(prompt), rows))
+        assert got == tok.decode(references.alone(step, CFG, W, tok.encode(prompt), rows))
     # a slot's window: M pages of [2 kv heads, PAGE positions, head_dim 8] float32, k and v, 2 layers
     assert m["flaxgpt_kv_bytes_per_slot"] == M * 2 * PAGE * 8 * 4 * 2 * 2
     assert m["flaxgpt_kv_blocks"] == 1 + SLOTS * M + BLOCKS and m["flaxgpt_kv_shared_blocks"] == 0  # all over

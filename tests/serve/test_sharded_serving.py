@@ -11,17 +11,14 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax
-import numpy as np
 import openai
 import pytest
 
 import flaxgpt
 from flaxgpt.data.hf_tokenizer import HFTokenizer
-from flaxgpt.decode.sampling import generate
-from flaxgpt.models.cache import KVCache
-from flaxgpt.models.gpt import step_fn
 from tests.hf.test_llama import make_hf_model
 from tests.hf.test_llama_cli import make_tokenizer
+from tests.serve import references
 from tests.serve.test_serve import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,14 +62,7 @@ def one_device_tokens(directory) -> list[list[int]]:
     """The reference: each prompt's greedy tokens on one device (rows of one batch are independent)."""
     config, params = flaxgpt.load_pretrained(str(directory))
     assert {d for x in jax.tree.leaves(params) for d in x.devices()} == {jax.devices()[0]}
-    prompt_BP = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int32)
-    for b, p in enumerate(PROMPTS):
-        prompt_BP[b, : len(p)] = p
-    out, _ = generate(
-        step_fn(config, params), KVCache.for_config(config, len(PROMPTS), W), prompt_BP,
-        [len(p) for p in PROMPTS], max_new_tokens=N, rng=jax.random.key(0), temperature=0.0,
-    )  # fmt: skip
-    return out.tolist()
+    return references.greedy_rows(config, params, PROMPTS, W, N)
 
 
 def test_mesh_8_serves_the_one_device_tokens(llama, server):

@@ -1,0 +1,30 @@
+"""What the serving tests compare against: generate over a plain cache, one request or one batch."""
+
+import jax
+import numpy as np
+
+from flaxgpt.decode.sampling import generate
+from flaxgpt.models.cache import KVCache
+from flaxgpt.models.gpt import step_fn
+
+
+def alone(step, config, window: int, prompt, rows) -> list[int]:
+    """A request's tokens from generate alone (batch 1), with its RowSampling's settings and seed."""
+    toks, n = generate(
+        step, KVCache.for_config(config, 1, window), np.array([prompt]), [len(prompt)],
+        max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
+        temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
+    )  # fmt: skip
+    return toks[0, : n[0]].tolist()
+
+
+def greedy_rows(config, params, prompts, window: int, new_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, the prompts as the rows of one batch (rows are independent)."""
+    prompt_BP = np.zeros((len(prompts), max(map(len, prompts))), np.int32)
+    for b, p in enumerate(prompts):
+        prompt_BP[b, : len(p)] = p
+    out, _ = generate(
+        step_fn(config, params), KVCache.for_config(config, len(prompts), window), prompt_BP,
+        [len(p) for p in prompts], max_new_tokens=new_tokens, rng=jax.random.key(0), temperature=0.0,
+    )  # fmt: skip
+    return out.tolist()
