@@ -8,10 +8,12 @@ A softmax router scores E experts per token and each token goes to its top k; th
 renormalised to sum to 1 when `norm_topk_prob` (Mixtral always; Qwen3-MoE by its flag). Dropless:
 the N*k (token, expert) assignments are sorted by expert and each expert's contiguous run of rows is
 one group of a grouped matmul (`grouped_matmul`), so an expert computes only its own tokens and no
-token is dropped for capacity. Expert weights are stacked [E, ...] (logical axis "expert"); on a
-mesh with an "expert" axis they are split over it and the tokens visit their experts' devices
-(`expert_parallel`). Qwen2-MoE adds a shared expert, a dense MLP every token goes through, its
-output scaled per token by sigmoid(x . w) (`shared_gate`), to the routed experts' sum.
+token is dropped for capacity (on the CPU a decoding batch's few tokens instead go through every
+expert, whose weights they would read anyway: `mix_experts`). Expert weights are stacked [E, ...]
+(logical axis "expert"); on a mesh with an "expert" axis they are split over it and the tokens visit
+their experts' devices (`expert_parallel`). Qwen2-MoE adds a shared expert, a dense MLP every token
+goes through, its output scaled per token by sigmoid(x . w) (`shared_gate`), to the routed experts'
+sum.
 
 Each sparse layer sows into the "router" collection what the losses need: the fraction of the
 assignments each expert got and its mean router probability (transformers' load_balancing_loss_func
@@ -139,7 +141,44 @@ def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | ja
     """sum_c weights_NC[n, c] * expert_{experts_NC[n, c]}(x_ND[n]) -> [N, D], over the experts held
     here: w_fc [E_l, D, 2F or F], w_proj [E_l, F, D] (float or quantized: expert_matmul) are experts
     first .. first + E_l - 1 (all of them on one device); assignments to other experts add nothing
-    (another device adds them)."""
+    (another device adds them).
+
+    The tokens sorted by expert into a grouped matmul (`sorted_mix`), except on the CPU for a few
+    tokens that hit about every expert anyway (decoding a batch: N * C >= E_l, N <= 4 E_l): there
+    `dense_mix` reads each expert's matrices once, in place, where the sorted rows' gathers copy
+    one matrix per row (batch 8, top 2, 8 experts: 16 copies of each matmul's weights)."""
+    N, C = experts_NC.shape
+    E_l = experts_held(w_fc)
+    if N * C < E_l or N > 4 * E_l:
+        return sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first)
+    sorted_, dense = (lambda *a, f=f: f(*a[:5], act, a[5]) for f in (sorted_mix, dense_mix))
+    args = (x_ND, weights_NC, experts_NC, w_fc, w_proj, jnp.asarray(first, jnp.int32))
+    return jax.lax.platform_dependent(*args, cpu=dense, default=sorted_)
+
+
+def dense_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0):
+    """mix_experts with every token through every expert held here, each output weighted by the
+    token's routing weight for that expert (0 where it did not pick it): E_l / C times the FLOPs of
+    the sorted path, each expert's weights read once (a matmul batched over the stack)."""
+    E_l = experts_held(w_fc)
+    own_NCE = (experts_NC - first)[..., None] == jnp.arange(E_l)
+    weights_NE = jnp.sum(jnp.where(own_NCE, weights_NC[..., None], 0), axis=1)
+    x_END = jnp.broadcast_to(x_ND, (E_l, *x_ND.shape))
+    y_END = _batched_matmul(act(_batched_matmul(x_END, w_fc)), w_proj)
+    return jnp.einsum("end,ne->nd", y_END, weights_NE.astype(y_END.dtype))
+
+
+def _batched_matmul(x_ENK, w):
+    """x_ENK[e] @ w[e] for every expert: float [E, K, F], or quantized (scale [E, F] per expert and
+    output channel, applied to the product as expert_matmul does)."""
+    if not isinstance(w, QuantizedWeight):
+        return jnp.einsum("enk,ekf->enf", x_ENK, w)
+    y_ENF = jnp.einsum("enk,ekf->enf", x_ENK, w.w.astype(x_ENK.dtype))
+    return y_ENF * w.scale[:, None, :].astype(y_ENF.dtype)
+
+
+def sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0):
+    """mix_experts by a grouped matmul over the assignments sorted by expert (dropless)."""
     N, C = experts_NC.shape
     E_l = experts_held(w_fc)
     local_A = experts_NC.reshape(-1) - first  # this device's expert index, or out of [0, E_l)

@@ -12,7 +12,7 @@ from flax import linen as nn
 
 from flaxgpt.models import flops
 from flaxgpt.models.gpt import GPT, GPTConfig, abstract_params, init_params, stack_layers
-from flaxgpt.models.moe import ROUTER, MoE, grouped_matmul, router_losses
+from flaxgpt.models.moe import ROUTER, MoE, dense_mix, grouped_matmul, mix_experts, router_losses, sorted_mix
 from flaxgpt.tools import summary
 
 TINY = dict(
@@ -86,6 +86,42 @@ def test_grouped_matmul_at_decoding_rows_visits_only_their_experts():
         (dot,) = [line for line in hlo.splitlines() if " dot(" in line]
         shape = dot.split("[", 1)[1].split("]", 1)[0]
         assert np.prod([int(n) for n in shape.split(",")]) == A * 5, dot  # [A, 5]: one row each
+
+
+def test_decoding_batches_on_cpu_read_each_expert_once_and_mix_as_the_sorted_path():
+    """dense_mix (the CPU's path for a few tokens that hit about every expert) equals sorted_mix:
+    float and int8 experts, and the experts 2..5 of 8 held on one device (`first`); on the CPU a
+    batch of 8 tokens, top 2 over 8 experts, compiles to the dense path's matmuls batched over the
+    experts, a batch of 1 to the sorted path's one row per assignment."""
+    from flaxgpt.models import quantize
+    from flaxgpt.models.layers import swiglu
+
+    rng = np.random.RandomState(0)
+    N, D, F, E, C = 8, 6, 5, 8, 2
+    x = jnp.asarray(rng.randn(N, D), jnp.float32)
+    weights, experts = jax.lax.top_k(jax.nn.softmax(jnp.asarray(rng.randn(N, E) * 3), -1), C)
+    w_fc, w_proj = (
+        jnp.asarray(rng.randn(E, D, 2 * F), jnp.float32),
+        jnp.asarray(rng.randn(E, F, D), jnp.float32),
+    )
+    q_fc, q_proj = (quantize.quantize_stacked(w, "int8") for w in (w_fc, w_proj))
+    for fc, proj, first in [(w_fc, w_proj, 0), (q_fc, q_proj, 0), (w_fc[2:6], w_proj[2:6], 2)]:
+        args = (x, weights, experts, fc, proj, swiglu, first)
+        np.testing.assert_allclose(dense_mix(*args), sorted_mix(*args), atol=1e-4)
+    if jax.default_backend() == "cpu":
+
+        def dots(n):
+            mix = lambda *a: mix_experts(*a, swiglu)  # noqa: E731
+            hlo = jax.jit(mix).lower(x[:n], weights[:n], experts[:n], w_fc, w_proj).compile().as_text()
+            return [
+                line.split("=")[1].split("dot(")[0].strip() for line in hlo.splitlines() if " dot(" in line
+            ]
+
+        # [E, N, out] batched over the experts (and the mix over them), no [A = 16, ...] gathered rows
+        assert {"f32[8,8,10]{2,1,0}", "f32[8,8,6]{2,1,0}"} <= set(dots(8)), dots(8)
+        assert not any(d.startswith("f32[16,") for d in dots(8)), dots(8)
+        # batch 1: its 2 assignments each through its own expert, no pass over all 8
+        assert "f32[2,1,10]{2,1,0}" in dots(1) and not any(d.startswith("f32[8,") for d in dots(1)), dots(1)
 
 
 def test_dense_layers_among_sparse_ones_and_scanned_layers():
