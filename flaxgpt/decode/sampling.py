@@ -120,13 +120,28 @@ def greedy(logits_XV):
     return jnp.argmax(logits_XV.astype(jnp.float32), axis=-1).astype(jnp.int32)
 
 
+def _categorical_in_blocks(key, x_V, block: int = 256):
+    """One draw from softmax(x_V) in two: a block of `block` tokens by its total probability
+    (logsumexp of its logits), then a token within that block; P(block) P(token | block) is the
+    token's probability, and it takes V / block + block random numbers instead of V."""
+    V = x_V.shape[-1]
+    n = -(-V // block)
+    x_NS = jnp.pad(x_V, (0, n * block - V), constant_values=-jnp.inf).reshape(n, block)
+    key_n, key_s = jax.random.split(key)
+    b = jax.random.categorical(key_n, jax.nn.logsumexp(x_NS, axis=-1))
+    return (b * block + jax.random.categorical(key_s, x_NS[b])).astype(jnp.int32)
+
+
 def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, max_k: int = 256):
     """One token per row, each row with its own key and settings (arrays, so one program serves all).
 
     temperature 0 is greedy; else logits / temperature, top-k (0 = off), top-p (1 = off), then a
-    draw with the row's key over all V. Filters look at the `max_k` largest logits (lax.top_k);
-    only when some row's top_k or nucleus reaches past them is the whole vocabulary sorted, and a
-    row's result never depends on whether that happened (each row uses one path, chosen by itself).
+    draw with the row's key over the tokens the filters keep. Filters look at the `max_k` largest
+    logits (lax.top_k); only when some row's top_k or nucleus reaches past them is the whole
+    vocabulary sorted, and a row's result never depends on whether that happened (each row uses one
+    path, chosen by itself). The draw is _categorical_in_blocks': V / 256 + 256 random numbers
+    per row where jax.random.categorical takes V (threefry: 35 ms for 16 rows of GPT-2's 50257 on a
+    2-core CPU, a fifth of a decoding step).
     """
     logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
     B, V = logits_BV.shape
@@ -148,8 +163,8 @@ def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, max_k: in
     thr_B = jnp.where(full_B, thr_full_B, jnp.where(filter_B, thr_B, -jnp.inf))
     masked_BV = jnp.where(scaled_BV >= thr_B[:, None], scaled_BV, -jnp.inf)
 
-    def draw(_):  # each row its own key: a row's token never depends on its neighbours
-        return jax.vmap(lambda k, x: jax.random.categorical(k, x))(keys_B, masked_BV).astype(jnp.int32)
+    def draw(_):  # each row its own key: a row's token never depends on its neighbours, nor on max_k
+        return jax.vmap(_categorical_in_blocks)(keys_B, masked_BV)
 
     drawn_B = jax.lax.cond(jnp.any(~greedy_B), draw, lambda _: jnp.zeros((B,), jnp.int32), None)
     return jnp.where(greedy_B, greedy(logits_BV), drawn_B)

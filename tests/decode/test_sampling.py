@@ -13,6 +13,7 @@ from flaxgpt.decode.sampling import (
     check_sampling_args,
     generate,
     sample_logits,
+    select_rows,
     stream_generate,
     top_k_mask,
     top_p_mask,
@@ -311,6 +312,32 @@ def test_sample_logits_support_and_greedy():
     for b in range(3):
         seen = set(np.asarray(draws[:, b]).tolist())
         assert seen == set(np.flatnonzero(allowed[b]).tolist())  # every allowed token, nothing else
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, max_k",
+    [(1.0, 0, 1.0, 64), (0.7, 20, 1.0, 64), (0.5, 0, 0.9, 64), (1.0, 0, 0.95, 64)],
+    ids=["over all V in blocks", "among the candidates", "nucleus among them", "nucleus past them"],
+)
+def test_select_rows_draws_each_kept_token_with_its_probability(temperature, top_k, top_p, max_k):
+    """Each of select_rows' draws (among the K candidates; over all V in blocks of 256, V = 600 not a
+    multiple; after sorting all V) gives each token its renormalised softmax probability over the
+    kept tokens (numpy's top-k and nucleus): 6000 draws, each token's count within 5 standard errors."""
+    N, V = 6000, 600
+    x_V = (1.5 * np.random.RandomState(3).randn(V)).astype(np.float32)
+    kept_1V = np_top_k(x_V[None] / temperature, top_k or V)  # the nucleus: 36 of 600 tokens, 324
+    kept_V = (np_top_p(kept_1V, top_p) if top_p < 1 else kept_1V)[0]
+    p_V = np.exp(kept_V - kept_V[np.isfinite(kept_V)].max())
+    p_V /= p_V.sum()
+    full = lambda v, dtype: np.full(N, v, dtype)  # noqa: E731
+    tok_N = jax.jit(select_rows, static_argnames="max_k")(
+        jax.vmap(jax.random.key)(np.arange(N, dtype=np.uint32)), np.tile(x_V, (N, 1)),
+        full(temperature, np.float32), full(top_k, np.int32), full(top_p, np.float32), max_k=max_k,
+    )  # fmt: skip
+    count_V = np.bincount(np.asarray(tok_N), minlength=V)
+    assert not count_V[p_V == 0].any()
+    # 5 standard errors, and 3 draws of slack for the tail's tokens expected < 1 time
+    np.testing.assert_array_less(np.abs(count_V - N * p_V), 5 * np.sqrt(N * p_V * (1 - p_V)) + 3)
 
 
 def test_bad_arguments():
