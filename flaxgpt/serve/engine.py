@@ -25,13 +25,8 @@ prompt and reply, read from its slot: a conversation's next turn reuses its whol
 Between `generate` calls the other slots keep their rows.
 
 The paged engine (slots_cache a models.paged.PagedKVCache, serve.py --kv_cache paged): the slots and
-the prefix cache share the cache's one page pool (serve/pages.py keeps who holds which page). A
-request's block table maps its cached prefix's pages in place and fresh pages after them; its prefill
-chunks are written straight into the pool through that table (no one-row cache, no insert copy:
-`insert` sets the slot's row of the block table); the prompt's full blocks and, at `keep`, the reply's
-stay where they are, now held by the prefix cache too. `keep` and `release` give a slot's pages back (and a
-prefill short of pages takes back those of slots the last `generate` said were done); `cancel` gives
-back a prefill job's that never reached a slot.
+the prefix cache share the cache's one page pool, cached prefixes are mapped into block tables in place
+and prefills write straight into the pool; its host side is serve/paged_slots.py (PagedSlots).
 Every slot decodes at its own position with its own sampling settings and key, all as arrays of
 the one jitted step, so requests come and go without recompiling: the step is `generate`'s own
 (decode.sampling.decode_chunk: per-row keys, stop rules and padding in one place). Free and
@@ -79,7 +74,7 @@ from flaxgpt.decode.sampling import (
 )
 from flaxgpt.models.cache import AdapterCache
 from flaxgpt.models.paged import PagedKVCache
-from flaxgpt.serve.pages import OutOfPages, SharedPages
+from flaxgpt.serve.paged_slots import PagedSlots
 from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
 
 
@@ -158,16 +153,6 @@ def _fork(logits_V, rows: RowSampling, max_k: int):
 
 
 _prefill = jax.jit(_prefill_body, static_argnames=("max_k",), donate_argnames=("cache",))
-
-
-@functools.partial(jax.jit, static_argnames=("max_k",), donate_argnames=("state",))
-def _prefill_pages(step_fn, state: DecodeState, table_1M, chunk_1P, start, size, rows, max_k: int):
-    """_prefill straight into the slots' page pool through one request's table (serve/pages.py): its
-    cached prefix is read where it lies, its new positions go to its own pages -> (state, Prefix
-    without a cache)."""
-    pool = state.cache
-    prefix = _prefill_body(step_fn, pool.replace(table_BM=table_1M), chunk_1P, start, size, rows, max_k)
-    return state.replace(cache=pool.replace(k=prefix.cache.k, v=prefix.cache.v)), prefix._replace(cache=None)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
@@ -260,7 +245,7 @@ class PrefillJob:
 
     def __init__(self, prompt_ids, rows: RowSampling, cache, hit: int, digests, pages=None):
         self.prompt_ids, self.rows, self.cache = list(prompt_ids), rows, cache
-        self.pages = pages  # paged engine: its table [M] (serve/pages.py); cache is then None
+        self.pages = pages  # paged engine: its table [M] (serve/paged_slots.py); cache is then None
         self.hit = hit  # prompt tokens whose KV came from the prefix cache
         self.done_upto = hit  # positions < done_upto are in `cache`
         self.digests = digests  # the prompt's block digests (prefix cache), else None
@@ -292,9 +277,8 @@ class Engine:
         prefill_chunk: the most prompt tokens one prefill call runs (default W: a prompt in one
         call); prefix_blocks: the prefix cache's capacity in blocks of prefix_block positions (0: off);
         slots_cache: the slots cache if not make_cache(slots); a models.paged.PagedKVCache makes this a
-        paged engine: its pool is shared with the prefix cache (serve/pages.py; blocks are its pages,
-        prefix_block must be its page size, and it needs 1 + slots * M + prefix_blocks pages), prefills
-        write into it through each request's table and cached blocks are read in place, never copied.
+        paged engine (serve/paged_slots.py): its pool is shared with the prefix cache (blocks are its
+        pages: prefix_block must be its page size, and it needs 1 + slots * M + prefix_blocks pages).
         mesh: run over its devices: the programs traced under it, every cache and slot array split
         by rows (sharding.row_shardings: slots; a one-row cache's heads); the weights stay where
         step_fn's params are (sharding.param_shardings(..., SERVE_RULES) on it). None: one device."""
@@ -324,9 +308,12 @@ class Engine:
         self._new_row = (  # noqa: E731
             (lambda: jax.device_put(make_cache(1), device)) if mesh is None else (lambda: make_cache(1))
         )
-        self.prefix_cache = self.pages = None
+        self.prefix_cache = self.paged = None
         if isinstance(cache, PagedKVCache):
-            cache = self._share_pages(cache, prefix_block, prefix_blocks, mesh)
+            self.paged = PagedSlots(
+                cache, slots=slots, block=prefix_block, blocks=prefix_blocks, mesh=mesh, body=_prefill_body
+            )
+            self.prefix_cache, cache = self.paged.prefix_cache, self.paged.attach(cache)
             prefix_blocks = 0  # the pages' own prefix cache, set above
         if prefix_blocks and cache.has_rings:
             raise ValueError(
@@ -347,46 +334,27 @@ class Engine:
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
         self._finished = np.ones(slots, bool)  # as the last generate said (free slots too)
-        self._table_dirty = False  # paged: the host's block table changed since the device's copy
         # read at /metrics scrapes from another thread: sizes now, not the (donated) buffers then
-        kv = (*cache.k, *cache.v) if self.pages is not None else jax.tree_util.tree_leaves(cache)
-        kv_bytes = sum(x.nbytes for x in kv)
-        if self.pages is not None:  # a window's pages (the pool also holds the prefix cache's)
-            self._slot_bytes = kv_bytes // self.pages.pool * self.pages.M
-        else:
-            self._slot_bytes = kv_bytes // slots
+        self._slot_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(cache)) // slots
 
-    def _share_pages(self, cache: PagedKVCache, block: int, blocks: int, mesh) -> PagedKVCache:
-        """Host bookkeeping of the paged slots cache's pool (serve/pages.py); every row starts on the
-        scratch page."""
-        page = cache.k[0].shape[2]
-        if mesh is not None:
-            raise ValueError("the paged cache is one device's: serve it without a mesh")
-        if blocks and block != page:
-            raise ValueError(f"the prefix cache's blocks are the pages: prefix_block {block} != page {page}")
-        self.pages = SharedPages(
-            pool=cache.k[0].shape[1], page=page, slots=self.slots, M=cache.table_BM.shape[1], capacity=blocks
-        )
-        self.prefix_cache = self.pages if blocks else None
-        return cache.replace(table_BM=jnp.asarray(self.pages.rows))
+    @property
+    def pages(self):
+        """The paged engine's page pool bookkeeping (a serve.pages.SharedPages), else None."""
+        return None if self.paged is None else self.paged.pages
 
     @property
     def n_programs(self) -> int:
-        copies = 3 if self.prefix_cache is not None and self.pages is None else 0  # restore, 2 saves
+        copies = 3 if self.prefix_cache is not None and self.paged is None else 0  # restore, 2 saves
         return len(self.buckets) + 2 + (self.chunk > 1) + copies
 
     def kv_memory(self) -> dict:
         """The KV cache's memory: bytes a slot's whole window takes, and the blocks (pages) of the
         page pool (paged: the slots' and the prefix cache's; contiguous: the prefix cache's) with
         those held by no one and those read by more than one holder (shared in place)."""
+        if self.paged is not None:
+            return self.paged.memory()
         out = {"bytes_per_slot": self._slot_bytes, "blocks": 0, "free_blocks": 0, "shared_blocks": 0}
-        if self.pages is not None:
-            out.update(
-                blocks=self.pages.pool,
-                free_blocks=len(self.pages.free),
-                shared_blocks=self.pages.shared,
-            )
-        elif self.prefix_cache is not None:
+        if self.prefix_cache is not None:
             out.update(blocks=self.prefix_cache.capacity, free_blocks=len(self.prefix_cache.free))
         return out
 
@@ -416,14 +384,8 @@ class Engine:
                 )
             tag_1 = jax.device_put(np.full((1,), adapter, np.int32), cache.adapter_B.sharding)
             return PrefillJob(prompt_ids, rows, cache.replace(adapter_B=tag_1), 0, None)
-        if self.pages is not None:  # positions up to the request's last go into pages of its own
-            try:
-                hit, table_M, digests = self.pages.open(prompt_ids, last=n + int(rows.max_new) - 1)
-            except OutOfPages:  # finished slots that no keep or release ended still hold pages
-                for slot in np.flatnonzero(self._finished):
-                    self.pages.end(slot)
-                self._table_dirty = True
-                hit, table_M, digests = self.pages.open(prompt_ids, last=n + int(rows.max_new) - 1)
+        if self.paged is not None:  # positions up to the request's last go into pages of its own
+            hit, table_M, digests = self.paged.open(prompt_ids, n + int(rows.max_new) - 1, self._finished)
             return PrefillJob(prompt_ids, rows, None, hit, digests, pages=table_M)
         if self.prefix_cache is None:
             return PrefillJob(prompt_ids, rows, self._new_row(), 0, None)
@@ -435,42 +397,25 @@ class Engine:
         start, size = job.done_upto, min(job.left, self.prefill_chunk)
         chunk_1P = np.zeros((1, self.bucket(size)), np.int32)
         chunk_1P[0, :size] = job.prompt_ids[start : start + size]
-        if self.pages is not None:
-            return self._prefill_pages_step(job, chunk_1P, start, size)
-        prefix = self._prefill(
-            self.step_fn, job.cache, chunk_1P, np.int32(start), np.int32(size), job.rows, max_k=self.max_k
-        )
-        job.cache, job.done_upto = prefix.cache, start + size
+        args = (chunk_1P, np.int32(start), np.int32(size), job.rows)
+        if self.paged is not None:  # into the shared pool through the job's table
+            self.state, prefix = self.paged.prefill(self.step_fn, self.state, job.pages, *args, self.max_k)
+        else:
+            prefix = self._prefill(self.step_fn, job.cache, *args, max_k=self.max_k)
+            job.cache = prefix.cache
+        job.done_upto = start + size
         if job.left:
             return None
+        if self.paged is not None:
+            return self.paged.prefilled(job, prefix)
         if self.prefix_cache is not None:
             self.prefix_cache.save(prefix.cache, job.digests, first=job.hit // self.prefix_cache.block)
         return prefix
 
-    def _prefill_pages_step(self, job: PrefillJob, chunk_1P, start: int, size: int) -> Prefix | None:
-        """prefill_step of the paged engine: the chunk goes into the shared pool through the job's
-        table; after the last one the prompt's full blocks join the prefix cache in place, and the
-        pages move to the Prefix (given back at once if its first token finished it: never inserted)."""
-        self.state, prefix = _prefill_pages(
-            self.step_fn, self.state, np.array(job.pages[None]), chunk_1P, np.int32(start), np.int32(size),
-            job.rows, max_k=self.max_k,
-        )  # fmt: skip
-        job.done_upto = start + size
-        if job.left:
-            return None
-        if self.prefix_cache is not None:
-            self.pages.offer(job.pages, job.digests)
-        pages, job.pages = job.pages, None
-        if bool(prefix.done):
-            self.pages.release(pages)
-            return prefix
-        return prefix._replace(pages=pages)
-
     def cancel(self, job: PrefillJob):
         """Give back what a prefill job holds that never reached a slot (paged: its pages)."""
-        if self.pages is not None and job.pages is not None:
-            self.pages.release(job.pages)
-            job.pages = None
+        if self.paged is not None:
+            self.paged.cancel(job)
 
     def prefill(self, prompt_ids, rows: RowSampling, adapter: int = 0) -> Prefix:
         """Run the prompt through the model alone; the first new token is in `prefix.first`."""
@@ -485,7 +430,8 @@ class Engine:
         (drawn as a prefill with `rows` draws it). A prefix is not consumed by insert: both go in.
         rows.max_new must fit the window as the prefill's did (not checked here: no wait on the device).
         Contiguous caches only (a paged prefix's pages have one owner)."""
-        self._unpaged("fork")
+        if self.paged is not None:
+            self.paged.refuse("fork")
         first, done, rows_1 = _fork(prefix.logits, rows, max_k=self.max_k)
         return prefix._replace(first=first, done=done, rows=rows_1)
 
@@ -493,7 +439,8 @@ class Engine:
         """fork + insert for several requests on one prompt in one call (GRPO's G completions): request
         r takes slot slots[r] with rows[r]. -> their first tokens [R] (on the device). One compiled
         program per group size; over a mesh use fork and insert."""
-        self._unpaged("insert_group")
+        if self.paged is not None:
+            self.paged.refuse("insert_group")
         if len(rows) != len(slots) or not rows:
             raise ValueError(f"{len(rows)} requests for {len(slots)} slots")
         stacked = RowSampling(*(np.stack(f) for f in zip(*rows, strict=True)))
@@ -505,16 +452,10 @@ class Engine:
         self._finished[slots] = False
         return first_R
 
-    def _unpaged(self, what: str):
-        if self.pages is not None:
-            raise ValueError(f"Engine.{what} needs a contiguous slots cache, not the paged one")
-
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant is gone)."""
-        if self.pages is not None:  # its pages become the slot's row; nothing moves on the device
-            scratch = np.zeros(self.pages.M, np.int32)  # a finished prefix gave its pages back
-            self.pages.assign(slot, scratch if prefix.pages is None else prefix.pages)
-            self._table_dirty = True
+        if self.paged is not None:  # its pages become the slot's row; nothing moves on the device
+            self.paged.assign(slot, prefix.pages)
         self.state = self._insert(self.state, prefix._replace(pages=None), np.int32(slot))
         self._count[slot] = 1
         self._stop[slot] = False
@@ -525,12 +466,8 @@ class Engine:
         `tokens` are the tokens at its positions 0.. (the prompt and every generated token but the
         last, which was never fed), so the next turn of a conversation, whose prompt holds this one's
         prompt and reply, reuses both. -> blocks newly kept (0 without a prefix cache)."""
-        if self.pages is not None:  # its full blocks stay where they are, now the prefix cache's too
-            digests = block_digests(tokens, self.pages.block)
-            new = self.pages.offer(self.pages.rows[slot], digests) if self.prefix_cache is not None else 0
-            self.pages.end(slot)
-            self._table_dirty = True
-            return new
+        if self.paged is not None:
+            return self.paged.keep(slot, tokens)
         if self.prefix_cache is None:
             return 0
         digests = block_digests(tokens, self.prefix_cache.block)[: self.prefix_cache.M]
@@ -540,9 +477,8 @@ class Engine:
         """Stop decoding `slot` before its end (cancelled, or a stop string): from the next generate
         (paged: its pages are given back now, its row idles on the scratch page)."""
         self._stop[slot] = True
-        if self.pages is not None:
-            self.pages.end(slot)
-            self._table_dirty = True
+        if self.paged is not None:
+            self.paged.end(slot)
 
     def generate(self, steps: int | None = None):
         """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]].
@@ -552,10 +488,8 @@ class Engine:
         if steps not in (1, self.chunk):
             raise ValueError(f"generate runs 1 or chunk ({self.chunk}) steps, got {steps}")
         stop_B = self._stop.copy()
-        if self._table_dirty:  # a copy: the host table changes in place while the step may still run
-            table_BM = jax.device_put(np.array(self.pages.rows), self.state.cache.table_BM.sharding)
-            self.state = self.state.replace(cache=self.state.cache.replace(table_BM=table_BM))
-            self._table_dirty = False
+        if self.paged is not None:  # the block table as insert, keep and release left it
+            self.state = self.paged.upload(self.state)
         self.state, out_BC = self._generate(self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k)
         count = np.array(self.state.count_B)  # a writable copy
         new_B, self._count = count - self._count, count
