@@ -1,0 +1,266 @@
+"""A GRPO step (rollout and update): flaxgpt's trainer (the online GRPO task, train.py's path) against
+TRL 1.16's GRPOTrainer, same model, prompts and shapes, this CPU, side by side with the alternating
+harness.
+
+    python benchmarks/grpo_step.py                          # 4 rounds: engine, generate, TRL
+    python benchmarks/grpo_step.py --quick                  # a smoke run (< 2 min): tiny, each side once
+    python benchmarks/grpo_step.py --rollouts engine        # one flaxgpt side only
+
+One random Llama (--layers x --dim, a byte-level BPE trained here) saved with transformers is the
+policy's start on both sides; the prompts are arithmetic questions of one token length ({prompt,
+answer}). Both sides: float32, LoRA r --lora_rank (alpha 2r, no dropout) on every linear layer of
+the blocks, --prompts prompts x G --generations completions a step of exactly --completion tokens
+(the end-of-sequence token's output row is zeroed and the others scaled up, so its probability is
+< 1e-10 a token and no completion ends early: both sides report the completions' mean length),
+temperature 1, top-p 1, no top-k, beta 0, one iteration (no old log-probs kept), the dapo loss,
+group-scaled rewards, AdamW lr 1e-5 constant, no weight decay, clipping at norm 1. The reward: the
+shipped `answer` and `length=160` on flaxgpt's side, the same two in Python on TRL's.
+flaxgpt: configs/grpo_toy.py turned to the model (trainer.train's path: flaxgpt prepare --dataset
+prompts, a Trainer, its rollout then its jitted step), grpo.rollout = engine and = generate as two
+sides; a step's wall time is between two `after_step` hooks (each after the step's update finished),
+with the run's logged rollout_time / update_time beside it. TRL: GRPOTrainer(use_cpu=True), a step's
+wall time between a callback's on_step_begin and on_step_end (its generation, rewards and update).
+Each side times --steps steps after --warmup untimed ones (compiles) and reports their median.
+Figures: seconds a step (TRL / flaxgpt: > 1 means flaxgpt is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import harness  # noqa: E402  (first: the benchmarks' one sys.path rule, see harness.py)
+
+LR = 1e-5
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LENGTH = 160  # the length reward's limit, characters
+WORDS = "what is plus minus times the answer of one two three four five six seven eight nine".split()
+EOS_TEXT = "<|eot_id|>"
+
+
+def questions(tok, n: int) -> list[dict]:
+    """n arithmetic prompts of one token length (TRL left-pads a batch; equal lengths on both sides)."""
+    import random
+
+    rng = random.Random(0)
+    out, length = [], None
+    while len(out) < n:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        prompt = f"what is {a} plus {b}? the answer is"
+        ids = tok.encode(prompt).ids
+        if length is None:
+            length = len(ids)
+        if len(ids) == length:
+            out.append({"prompt": prompt, "answer": str(a + b)})
+    return out
+
+
+def make_model(directory: Path, layers: int, dim: int, vocab: int, n_prompts: int) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    special = ["<unk>", "<|begin_of_text|>", EOS_TEXT]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = " ".join(WORDS * 20) + " " + " ".join(str(i) for i in range(200))
+    tok.train_from_iterator([corpus], trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": special[1], "eos_token": EOS_TEXT, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    eos = tok.token_to_id(EOS_TEXT)
+    cfg = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=dim, intermediate_size=int(dim * 8 / 3) // 16 * 16,
+        num_hidden_layers=layers, num_attention_heads=dim // 64, num_key_value_heads=dim // 64,
+        max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1, eos_token_id=eos,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # logits of std ~6 (RMS-normed hidden x rows of std 0.4), EOS's always 0
+        model.lm_head.weight.normal_(0.0, 0.4 * 16 / dim**0.5)
+        model.lm_head.weight[eos] = 0.0
+    model.save_pretrained(directory)
+    rows = questions(tok, n_prompts)
+    (directory / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def timed_steps(ends: dict[int, float], warmup: int, last: int) -> list[float]:
+    return [ends[s] - ends[s - 1] for s in range(warmup + 1, last + 1)]
+
+
+def run_flaxgpt(a) -> dict:
+
+    from configs import grpo_toy
+    from flaxgpt.data import prepare
+    from flaxgpt.train import trainer as trainer_lib
+    from flaxgpt.train.config_check import check
+
+    model, data = Path(a.dir), Path(a.dir) / f"data_{os.getpid()}"
+    flags = ["--dataset", "prompts", "--input", model / "prompts.jsonl", "--hf_dir", model, "--out_dir", data]
+    prepare.main([*map(str, flags), "--val_fraction", "0.01"])
+    prompt_len = len(json.loads((data / "train.prompts.jsonl").read_text().splitlines()[0])["ids"])
+    c = grpo_toy.get_config()
+    c.init_from, c.data.dir, c.out_dir = str(model), str(data), str(model / f"run_{os.getpid()}")
+    c.model.block_size = -(-(prompt_len + a.completion) // 16) * 16
+    c.model.dtype, c.model.remat, c.model.scan_layers = "float32", "none", False
+    c.grpo.num_generations, c.grpo.max_completion_length = a.generations, a.completion
+    c.grpo.rollout, c.grpo.temperature, c.grpo.top_p, c.grpo.beta = a.side.split("_")[1], 1.0, 1.0, 0.0
+    c.grpo.num_iterations, c.grpo.loss_type, c.grpo.scale_rewards = 1, "dapo", "group"
+    c.grpo.reward_funcs, c.grpo.reward_weights, c.grpo.eval_prompts = ("answer", f"length={LENGTH}"), (), 0
+    c.batch_size, c.grad_accum = a.prompts * a.generations, 1
+    # one step more: the trainer samples step k + 1's completions before after_step(k + 1), so the
+    # interval between after_step(k) and after_step(k + 1) is update k + rollout k + 1, except the last
+    # one (no rollout after the last update), which is left out
+    c.max_iters, c.eval_interval, c.eval_iters, c.log_interval = a.warmup + a.steps + 1, 10**6, 1, 1
+    c.ckpt_interval, c.tensorboard, c.plot = 0, False, False
+    c.lora.rank, c.lora.alpha, c.lora.base_dtype = a.lora_rank, 2.0 * a.lora_rank, "float32"
+    c.optim.learning_rate, c.optim.schedule, c.optim.warmup_steps = LR, "constant", 0
+    c.optim.weight_decay, c.optim.grad_clip = 0.0, 1.0
+    check(c)
+    trainer_lib.start_process(c)  # as `train` does
+    ends = {}
+
+    class Timed(trainer_lib.Trainer):
+        def after_step(self, step, state):  # online: the step's update has finished (block_until_ready)
+            ends[step] = time.perf_counter()
+
+    t = Timed(c, print_fn=lambda *_: None)
+    t.run(t.init_state())
+    t.close()
+    logged = [json.loads(x) for x in (Path(c.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = {x["step"]: x for x in logged if "rollout_time" in x}  # logged step k: rollout and update k - 1
+    last = a.warmup + a.steps
+    median = lambda k, first: statistics.median(steps[s][k] for s in range(first, first + a.steps))  # noqa: E731
+    return {
+        "step_s": statistics.median(timed_steps(ends, a.warmup, last)),
+        "rollout_s": median("rollout_time", a.warmup + 2), "update_s": median("update_time", a.warmup + 1),
+        "completion_len": median("completions/mean_length", a.warmup + 1), "prompt_len": prompt_len,
+        "reward": median("reward", a.warmup + 1), "devices": len(t.mesh.devices.flat),
+    }  # fmt: skip
+
+
+def trl_reward(completions, answer, **_):
+    """flaxgpt's `answer` + `length=LENGTH` (flaxgpt/train/rewards.py), for TRL's text completions."""
+    out = []
+    for text, want in zip(completions, answer, strict=True):
+        found = re.findall(r"####\s*(\S+)", text)
+        right = 1.0 if found and found[-1].strip() == want else 0.0
+        out.append(right - min(1.0, max(0, len(text.strip()) - LENGTH) / LENGTH))
+    return out
+
+
+def run_trl(a) -> dict:
+    import peft
+    import torch
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    model_dir = Path(a.dir)
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(model_dir)
+    tok.pad_token = tok.eos_token
+    rows = [json.loads(x) for x in (model_dir / "prompts.jsonl").read_text().splitlines()]
+    n = a.prompts * a.generations
+    args = GRPOConfig(
+        output_dir=str(model_dir / f"trl_{os.getpid()}"), per_device_train_batch_size=n,
+        num_generations=a.generations, max_completion_length=a.completion, max_steps=a.warmup + a.steps,
+        temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="dapo",
+        scale_rewards="group", learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+        optim="adamw_torch", weight_decay=0.0, max_grad_norm=1.0, report_to="none", save_strategy="no",
+        logging_steps=1, use_cpu=True, bf16=False, gradient_checkpointing=False,
+        dataloader_num_workers=0, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    lora = peft.LoraConfig(
+        r=a.lora_rank, lora_alpha=2.0 * a.lora_rank, lora_dropout=0.0, target_modules=TARGETS
+    )
+    begins, ends, logged = {}, {}, []
+
+    class Timer(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            begins[state.global_step + 1] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            ends[state.global_step] = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            logged.append(dict(logs or {}))
+
+    trainer = GRPOTrainer(
+        model=str(model_dir), reward_funcs=trl_reward, args=args, processing_class=tok,
+        train_dataset=Dataset.from_list(rows), peft_config=lora, callbacks=[Timer()],
+    )  # fmt: skip
+    trainer.train()
+    last = a.warmup + a.steps
+    steps = [ends[s] - begins[s] for s in range(a.warmup + 1, last + 1)]
+    lengths = [x["completions/mean_length"] for x in logged if "completions/mean_length" in x]
+    prompt_len = len(tok(rows[0]["prompt"], add_special_tokens=False)["input_ids"])
+    return {
+        "step_s": statistics.median(steps), "completion_len": statistics.median(lengths[a.warmup :]),
+        "prompt_len": prompt_len, "threads": torch.get_num_threads(),
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    harness.add_arguments(p)
+    p.add_argument("--steps", type=int, default=3, help="timed steps a run")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (compiles)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts a step")
+    p.add_argument("--generations", type=int, default=8, help="G: completions a prompt")
+    p.add_argument("--completion", type=int, default=64, help="tokens a completion (exactly)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--lora_rank", type=int, default=16)
+    p.add_argument("--rollouts", default="engine,generate", help="flaxgpt sides: engine, generate or both")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 layers x 128, 8-token completions")
+    p.add_argument("--torch_python", default=sys.executable, help="interpreter for the TRL side")
+    p.add_argument("--side", choices=["flaxgpt_engine", "flaxgpt_generate", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.side:
+        return harness.print_result((run_trl if a.side == "trl" else run_flaxgpt)(a))
+    if a.quick:  # each side once, no harness rounds (at least 4 of them would not fit 2 minutes)
+        a.layers, a.dim, a.completion, a.steps, a.warmup = 2, 128, 8, 1, 1
+        a.rollouts = a.rollouts if a.rollouts != "engine,generate" else "engine"
+    keep = ["--steps", a.steps, "--warmup", a.warmup, "--prompts", a.prompts, "--generations", a.generations,
+            "--completion", a.completion, "--lora_rank", a.lora_rank]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(Path(tmp), a.layers, a.dim, a.vocab, 64 * a.prompts)
+        args = [__file__, *map(str, keep), "--dir", tmp, "--side"]
+        env = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        ours = [f"flaxgpt_{r}" for r in a.rollouts.split(",")]
+        sides = [harness.Side(s, [sys.executable, *args, s], env=env) for s in ours]
+        sides.append(harness.Side("trl", [a.torch_python, *args, "trl"], env=env))
+        what = (
+            f"Llama {a.layers} x {a.dim}, {a.prompts} prompts x G {a.generations}, "
+            f"{a.completion} tokens, LoRA r {a.lora_rank}"
+        )
+        figures = [
+            harness.Figure(f"{what}: s/step ({s})", s, "step_s", "trl", "step_s", higher_is_better=False)
+            for s in ours
+        ]
+        if a.quick:
+            got = {s.name: harness.run_side(s, 0) for s in sides}
+            for f in figures:
+                print(f"{f.label}: {f.ratio(got[f.side][f.key], got[f.ref][f.ref_key]):.2f}x, {got}")
+            return
+        report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    print(report.table())
+    print()
+    for r, results in enumerate(report.results):
+        print(f"round {r + 1}: " + ", ".join(f"{k} {json.dumps(v)}" for k, v in results.items()))
+
+
+if __name__ == "__main__":
+    main()
