@@ -3,7 +3,6 @@ file; `@pytest.mark.devices(n)` for a test that needs n devices (always there on
 such a test is skipped, saying why)."""
 
 import os
-import tempfile
 
 import pytest
 
@@ -17,16 +16,6 @@ if os.environ["JAX_PLATFORMS"].split(",")[0] in ("cpu", ""):
     # training test's time; XLA's graph passes (fusion, memory planning) still run. Inherited by the
     # train.py / serve.py processes tests start.
     os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# one on-disk compilation cache for the run, shared by both workers and every train.py / serve.py /
-# sample.py process the tests start: those processes compile the same tiny programs again and again
-# (a resumed run, a second CLI call), and reading them back took a fifth off the CLI tests' time.
-# JAX keys each entry by the program, the compiler options and the flags, so a hit is the program.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"flaxgpt-tests-xla-{os.getuid()}")
-)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(1 << 30))  # oldest entries go past 1 GiB
 
 if os.environ["JAX_PLATFORMS"].split(",")[0] not in ("cpu", ""):  # read, not asked: JAX stays unstarted
     import jax
