@@ -148,7 +148,7 @@ def run_side(side: Side, round_: int) -> dict:
     return json.loads(lines[-1][len(RESULT) :])
 
 
-def hf_generate(model, prompt_BT, new_tokens: int, repeats: int):
+def hf_generate(model, prompt_BT, new_tokens: int, repeats: int, pad_token_id: int = 0):
     """transformers' greedy `generate` timed as the decoding benchmarks time it: exactly new_tokens
     tokens per row, one warm-up call first, the median of `repeats` calls. Returns (generated tokens
     per second over the batch, the last call's output [B, prompt + new_tokens])."""
@@ -156,7 +156,7 @@ def hf_generate(model, prompt_BT, new_tokens: int, repeats: int):
     import torch
 
     ids = torch.from_numpy(np.asarray(prompt_BT, np.int64))
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, use_cache=True)
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=pad_token_id, use_cache=True)
     times = []
     with torch.no_grad():
         model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up

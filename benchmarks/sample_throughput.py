@@ -69,17 +69,8 @@ def hf_side(batches, n_new, repeats) -> dict:
         "threads": torch.get_num_threads(),
     }
     for B in batches:
-        ids = torch.from_numpy(rs.randint(0, 50257, (B, PROMPT_LEN)).astype(np.int64))
-        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=50256, use_cache=True)
-        times = []
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                gen = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
-                times.append(time.perf_counter() - t0)
-        assert gen.shape[1] == PROMPT_LEN + n_new
-        out[f"b{B}"] = B * n_new / float(np.median(times))
+        prompt_BP = rs.randint(0, 50257, (B, PROMPT_LEN))
+        out[f"b{B}"], _ = harness.hf_generate(model, prompt_BP, n_new, repeats, pad_token_id=50256)
     return out
 
 
