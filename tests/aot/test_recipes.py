@@ -2,8 +2,11 @@
 headroom, its model reduced so that CI's 2 cores compile each in seconds.
 
 Reduced (and only this): 2 layers (encoder-decoder: 1 encoder + 1 decoder layer), block_size at most
-64, grad_accum at most 2 and one row per device per micro-batch; the train step only (the
-optimizer, donation, dtypes, remat, attention and mesh settings are the recipe's). The full-size
+64, 16 channels per head (the head count is the recipe's, so GQA and sharding divisibility are kept),
+MLP and expert widths scaled with it, a vocabulary of at most 512, grad_accum at most 2 and one row
+per device per micro-batch; the train step only (the optimizer, donation, dtypes, remat, attention and
+mesh settings are the recipe's). Width matters to CI: TPU compile time grows with it (a 768-wide
+speedrun took 18 s to compile, 6 s at 128 wide). The full-size
 recipes on their targets are benchmarks/aot_targets.py's (docs/aot.md).
 """
 
@@ -22,7 +25,19 @@ RECIPES = sorted(str(p) for p in Path("configs").glob("*.py"))
 def reduced(config, n_devices: int):
     mc, _ = programs.model_config(config)
     layers = {"n_layer": 2} if models.kind_of(mc) == "gpt" else {"n_enc_layer": 1, "n_dec_layer": 1}
-    mc = dataclasses.replace(mc, block_size=min(mc.block_size, 64), **layers)
+    width = mc.n_head * 16
+    hidden = {f: 4 * width for f in ("mlp_hidden", "d_ff") if getattr(mc, f, 0)}
+    hidden |= {f: 2 * width for f in ("expert_hidden", "shared_expert_hidden") if getattr(mc, f, 0)}
+    if getattr(mc, "head_size", 0):
+        hidden["head_size"] = 16
+    mc = dataclasses.replace(
+        mc,
+        block_size=min(mc.block_size, 64),
+        n_embd=width,
+        vocab_size=min(mc.vocab_size, 512),
+        **hidden,
+        **layers,
+    )
     config.grad_accum = min(config.grad_accum, 2)
     config.batch_size = config.grad_accum * n_devices
     return mc

@@ -183,7 +183,8 @@ def test_chat_completions_with_the_openai_client(chat_dir):
     directory, model = chat_dir
     run, name = launch.load(init_from=str(directory))
     tok = run.tokenizer
-    sched = launch.scheduler_for(run.config, run.params, tok, slots=2, max_len=128)
+    # chunks of 32 prompt tokens: 3 prefill programs to compile, not one per bucket up to 128
+    sched = launch.scheduler_for(run.config, run.params, tok, slots=2, max_len=128, prefill_chunk=32)
     sched.start()
     app = server.create_app(sched, tok, model=name, max_len=128, vocab_size=run.config.vocab_size)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "what is 7 plus 7?"}]

@@ -154,7 +154,8 @@ def test_serve_a_llama_directory_over_http(llama_dir):
     run, name = launch.load(init_from=str(directory))
     tok = run.tokenizer
     assert isinstance(tok, HFTokenizer) and name == Path(directory).name
-    sched = launch.scheduler_for(run.config, run.params, tok, slots=2, max_len=64)
+    # chunks of 32 prompt tokens: 3 prefill programs to compile, not one per bucket up to 64
+    sched = launch.scheduler_for(run.config, run.params, tok, slots=2, max_len=64, prefill_chunk=32)
     sched.start()
     app = server.create_app(sched, tok, model=name, max_len=64, vocab_size=run.config.vocab_size)
     prompt = "the quick"

@@ -261,23 +261,28 @@ def test_gpt2_initialisation():
 def test_scan_layers_and_remat_match():
     params = init_params(TINY, jax.random.key(0))
     x = tokens()
-    want = apply(TINY, params, x)
+
+    def logits_and_grads(cfg, p):  # one jitted program per layout: eager scans are slow to trace
+        def loss(p):
+            logits = apply(cfg, p, x)
+            return logits.astype(jnp.float32).mean(), logits
+
+        (_, logits), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(p)
+        return logits, g
+
+    want, g_want = logits_and_grads(TINY, params)
     stacked = stack_layers(params, TINY.n_layer)
-    loss = lambda cfg, p: apply(cfg, p, x).astype(jnp.float32).mean()  # noqa: E731
-    g_want = jax.grad(lambda p: loss(TINY, p))(params)
     for kw in (
         dict(scan_layers=True),
         dict(scan_layers=True, remat="full"),
         dict(scan_layers=True, remat="dots"),
         dict(scan_layers=True, remat="offload_dots_no_batch"),
     ):
-        cfg = dataclasses.replace(TINY, **kw)
-        np.testing.assert_allclose(apply(cfg, stacked, x), want, atol=1e-5)
-        g = unstack_layers(jax.jit(jax.grad(lambda p, c=cfg: loss(c, p)))(stacked), TINY.n_layer)
-        chex.assert_trees_all_close(g, g_want, atol=1e-6)
+        got, g = logits_and_grads(dataclasses.replace(TINY, **kw), stacked)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        chex.assert_trees_all_close(unstack_layers(g, TINY.n_layer), g_want, atol=1e-6)
     for policy in ("full", "dots_no_batch"):  # unscanned blocks too
-        remat = dataclasses.replace(TINY, remat=policy)
-        g = jax.jit(jax.grad(lambda p, c=remat: loss(c, p)))(params)
+        _, g = logits_and_grads(dataclasses.replace(TINY, remat=policy), params)
         chex.assert_trees_all_close(g, g_want, atol=1e-6)
     # the scanned init has the same shapes as the stacked GPT-2 layout
     chex.assert_trees_all_equal_shapes(

@@ -9,9 +9,13 @@ from flaxgpt.models.gpt import step_fn
 
 
 def alone(step, config, window: int, prompt, rows) -> list[int]:
-    """A request's tokens from generate alone (batch 1), with its RowSampling's settings and seed."""
+    """A request's tokens from generate alone (batch 1), with its RowSampling's settings and seed.
+    The prompt is right-padded to a multiple of 16 (at most the window): one prefill program for
+    prompts of similar lengths."""
+    padded = np.zeros((1, min(window, -(-len(prompt) // 16) * 16)), np.int32)
+    padded[0, : len(prompt)] = prompt
     toks, n = generate(
-        step, KVCache.for_config(config, 1, window), np.array([prompt]), [len(prompt)],
+        step, KVCache.for_config(config, 1, window), padded, [len(prompt)],
         max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
         temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
     )  # fmt: skip

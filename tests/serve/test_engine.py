@@ -69,12 +69,7 @@ def test_staggered_requests_equal_each_alone_and_generate(step):
     for (prompt, rows), got in zip(reqs, together, strict=True):
         assert len(got) == int(rows.max_new)
         # generate alone, with the request's seed as its rng: the same tokens, sampled ones included
-        toks, n = generate(
-            step, KVCache.for_config(CFG, 1, W), np.array([prompt]), [len(prompt)],
-            max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
-            temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
-        )  # fmt: skip
-        assert got == toks[0, : n[0]].tolist()
+        assert got == references.alone(step, CFG, W, prompt, rows)
 
 
 def test_one_prefill_serves_several_requests_by_fork_and_insert_group(step):

@@ -65,6 +65,7 @@ def server(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     cmd = [sys.executable, str(ROOT / "serve.py"), "--out_dir", str(out), "--port", str(port)]
     cmd += ["--slots", "2", "--max_queue", "1", "--model_name", "tiny"]
+    cmd += ["--prefill_chunk", "32"]  # prompt buckets 16, 24, 32 (not 9 up to W) to compile at start
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url)
