@@ -42,6 +42,12 @@ HF_MODULES = {
     },
     "gpt2": {"qkv": "attn.c_attn", "o": "attn.c_proj", "up": "mlp.c_fc", "down": "mlp.c_proj"},
 }
+# a mixture of experts' stacks, which PEFT adapts as target_parameters (its ParamWrapper): one
+# lora_A [E r, in] / lora_B [out, r E] pair per stack of the layer's "mlp.experts" module. Several
+# stacks nest their wrappers in the module's parameter order (gate_up_proj first, innermost), so
+# the first of k adapted stacks sits under k - 1 ".base_layer"s.
+HF_PARAMETERS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj"}
+EXPERTS_MODULE = "mlp.experts"
 LAYER_PREFIX = {"llama": "base_model.model.model.layers.{i}.", "gpt2": "base_model.model.transformer.h.{i}."}
 KEY_RE = re.compile(
     r"^base_model\.model\.(?:model\.layers|transformer\.h)\.(\d+)\.(.+)\.lora_([AB])\.weight$"
@@ -58,6 +64,25 @@ UNSUPPORTED = {  # adapter_config fields whose non-default values flaxgpt does n
 
 def _family(config: GPTConfig) -> str:
     return "llama" if config.glu else "gpt2"
+
+
+def _hf_name(family: str, target: str) -> str:
+    if target in HF_PARAMETERS:
+        return f"{EXPERTS_MODULE}.{HF_PARAMETERS[target]}"
+    return HF_MODULES[family][target]
+
+
+def _expert_targets(directory: str, target_parameters) -> list[str]:
+    """PEFT's target_parameters -> flaxgpt's expert targets, in the experts module's parameter order."""
+    by_param = {p: t for t, p in HF_PARAMETERS.items()}
+    names = [name.rsplit(".", 1)[-1] for name in target_parameters]
+    unknown = [n for n, name in zip(names, target_parameters) if n not in by_param]
+    if unknown:
+        raise ValueError(
+            f"{directory}: target_parameters {list(target_parameters)}: flaxgpt adapts only the experts' "
+            f"{' and '.join(by_param)}"
+        )
+    return [t for t in HF_PARAMETERS if HF_PARAMETERS[t] in names]
 
 
 def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict]:
@@ -78,6 +103,9 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
             raise ValueError(f"{directory}: {name}={hf[name]!r} is not supported (flaxgpt loads plain LoRA)")
     family = _family(config)
     to_target = {module: t for t, module in HF_MODULES[family].items()}
+    stacks = _expert_targets(directory, hf.get("target_parameters") or [])
+    for depth, t in enumerate(reversed(stacks)):  # the last stack's wrapper is the outermost
+        to_target[EXPERTS_MODULE + ".base_layer" * depth] = t
     tensors = load_file(weights)
     found: dict = {}  # (layer, target) -> {"A": array, "B": array}
     for key, x in tensors.items():
@@ -104,16 +132,26 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
     adapters: dict = {}
     for i in range(config.n_layer):
         for t in targets:
+            if t in lora.EXPERT_PARAMS and not config.layer_is_sparse(i):
+                continue  # a dense layer of a mixture (mlp_only_layers): no expert stacks
             pair = found.pop((i, t), None)
             if pair is None or set(pair) != {"A", "B"}:
                 raise ValueError(
-                    f"{directory}: layer {i} has no complete {HF_MODULES[family][t]} adapter (A and B)"
+                    f"{directory}: layer {i} has no complete {_hf_name(family, t)} adapter (A and B)"
                 )
             node = adapters.setdefault(f"h_{i}", {})
             for name in lora.SITES[t]:
                 node = node.setdefault(name, {})
-            node[f"{t}_a"] = np.ascontiguousarray(pair["A"].T.astype(np.float32))
-            node[f"{t}_b"] = np.ascontiguousarray(pair["B"].T.astype(np.float32))
+            a, b = pair["A"].astype(np.float32), pair["B"].astype(np.float32)
+            if t in lora.EXPERT_PARAMS:  # A [E r, in] expert-major, B [out, r E] rank-major (PEFT's layout)
+                E = config.num_experts
+                a, b = a.reshape(E, -1, a.shape[-1]), b.reshape(b.shape[0], -1, E).transpose(2, 1, 0)
+                node[f"{t}_a"], node[f"{t}_b"] = (
+                    np.ascontiguousarray(a.transpose(0, 2, 1)),
+                    np.ascontiguousarray(b),
+                )
+            else:
+                node[f"{t}_a"], node[f"{t}_b"] = np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)
     if found:
         raise ValueError(
             f"{directory}: adapters for layer {min(found)[0]}, but the base has {config.n_layer} layers"
@@ -132,16 +170,34 @@ def export_adapter(config: GPTConfig, spec: lora.LoraSpec, adapters, out_dir: st
     if config.scan_layers:
         adapters = unstack_layers(adapters, config.n_layer)
     family = _family(config)
+    foreign = [t for t in spec.targets if t not in HF_MODULES[family] and t not in HF_PARAMETERS]
+    if foreign:
+        raise ValueError(
+            f"{', '.join(foreign)} adapters have no PEFT counterpart: no Hugging Face family has a mixture "
+            "of experts without gated experts"
+        )
     tensors = {}
+    stacks = [t for t in HF_PARAMETERS if t in spec.targets]
     for i in range(config.n_layer):
         for t in spec.targets:
             node = adapters[f"h_{i}"]
             for name in lora.SITES[t]:
-                node = node[name]
-            key = LAYER_PREFIX[family].format(i=i) + HF_MODULES[family][t]
-            tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(np.asarray(node[f"{t}_a"], np.float32).T)
-            tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(np.asarray(node[f"{t}_b"], np.float32).T)
-    modules = [HF_MODULES[family][t] for t in spec.targets]
+                node = node.get(name, {})
+            if f"{t}_a" not in node:  # an expert target in a dense layer
+                continue
+            a, b = np.asarray(node[f"{t}_a"], np.float32), np.asarray(node[f"{t}_b"], np.float32)
+            if t in lora.EXPERT_PARAMS:  # see load_adapter: A [E r, in], B [out, r E]
+                module = EXPERTS_MODULE + ".base_layer" * (len(stacks) - 1 - stacks.index(t))
+                a, b = (
+                    a.transpose(0, 2, 1).reshape(-1, a.shape[1]),
+                    b.transpose(2, 1, 0).reshape(b.shape[2], -1),
+                )
+            else:
+                module, a, b = HF_MODULES[family][t], a.T, b.T
+            key = LAYER_PREFIX[family].format(i=i) + module
+            tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(a)
+            tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(b)
+    modules = [HF_MODULES[family][t] for t in spec.targets if t not in lora.EXPERT_PARAMS]
     hf = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -153,7 +209,9 @@ def export_adapter(config: GPTConfig, spec: lora.LoraSpec, adapters, out_dir: st
         # GPT-2's attn.c_proj and mlp.c_proj share a name: peft matches a target by its dotted suffix
         "target_modules": [
             m if family == "gpt2" and m.endswith("c_proj") else m.split(".")[-1] for m in modules
-        ],
+        ]
+        or None,  # peft takes target_parameters alone
+        "target_parameters": [_hf_name(family, t) for t in stacks] or None,
         "fan_in_fan_out": family == "gpt2",  # GPT-2's Conv1D keeps weights [in, out]
         "bias": "none",
         "inference_mode": True,

@@ -18,7 +18,10 @@ q | k | v into c_attn and gate | up into c_fc, so a Llama-family q, k or v adapt
 own column block of the fused output; GPT-2 itself fuses c_attn, so its adapter spans all of it:
   Llama / Mistral / Qwen2:  q k v (attn/c_attn), o (attn/c_proj), gate up (mlp/c_fc), down (mlp/c_proj)
   GPT-2 (no gated MLP):     qkv (attn/c_attn), o (attn/c_proj), up (mlp/c_fc), down (mlp/c_proj)
-"all-linear" is every one of them (never the LM head, as PEFT's "all-linear").
+  a mixture of experts:     the attention's, and experts_gate_up (mlp/experts_fc), experts_down
+                            (mlp/experts_proj): PEFT's target_parameters on the stacked expert
+                            tensors, an A [E, K, r] / B [E, r, N] pair per stack (moe.LoraExperts)
+"all-linear" is every Linear of them (never the LM head or the expert stacks, as PEFT's "all-linear").
 
 An int8 or bf16 base (`quantize_base`: QLoRA-style, adapters stay float32) goes through the
 XLA dequantize-then-dot here rather than quantize's CPU decoding kernel, which has no gradient.
@@ -43,6 +46,7 @@ import numpy as np
 from flax import linen as nn
 
 from flaxgpt.models.gpt import GPT, GPTConfig, unstack_layers
+from flaxgpt.models.moe import LoraExperts, MoE
 from flaxgpt.models.quantize import QuantizedWeight, quantize_rows
 
 # target -> (the Dense it adapts inside a block, the Dense's name); columns come from `_columns`
@@ -55,7 +59,12 @@ SITES = {
     "gate": ("mlp", "c_fc"),
     "up": ("mlp", "c_fc"),
     "down": ("mlp", "c_proj"),
+    "experts_gate_up": ("mlp",),  # a mixture of experts' stacks: the adapters sit beside them in "mlp"
+    "experts_up": ("mlp",),
+    "experts_down": ("mlp",),
 }
+# expert target -> the stacked weight it adapts (models/moe.py), one [E, ...] adapter pair per stack
+EXPERT_PARAMS = {"experts_gate_up": "experts_fc", "experts_up": "experts_fc", "experts_down": "experts_proj"}
 LLAMA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 GPT2_TARGETS = ("qkv", "o", "up", "down")
 MLP_TARGETS = ("gate", "up", "down")
@@ -63,10 +72,19 @@ BASE_DTYPES = ("float32", "bfloat16", "int8")
 
 
 def model_targets(config: GPTConfig) -> tuple[str, ...]:
-    """The targets a model has: PEFT's modules of its Hugging Face family; of a mixture of experts only
-    the attention's (its sparse layers have no dense MLP, and experts are not adapted)."""
+    """The targets a model has: PEFT's modules of its Hugging Face family; of a mixture of experts the
+    attention's and the expert stacks' (its sparse layers have no dense MLP)."""
     have = LLAMA_TARGETS if config.glu else GPT2_TARGETS
-    return tuple(t for t in have if t not in MLP_TARGETS) if config.num_experts else have
+    if not config.num_experts:
+        return have
+    experts = ("experts_gate_up" if config.glu else "experts_up", "experts_down")
+    return tuple(t for t in have if t not in MLP_TARGETS) + experts
+
+
+def linear_targets(config: GPTConfig) -> tuple[str, ...]:
+    """ "all-linear": the model's targets that are Linear modules in PEFT (never the expert stacks,
+    which PEFT adapts as target_parameters)."""
+    return tuple(t for t in model_targets(config) if t not in EXPERT_PARAMS)
 
 
 def _columns(config: GPTConfig, target: str) -> tuple[int, int]:
@@ -74,6 +92,9 @@ def _columns(config: GPTConfig, target: str) -> tuple[int, int]:
     HK, JK = config.n_head * config.head_dim, config.kv_heads * config.head_dim
     F = config.mlp_hidden or 4 * config.n_embd
     D = config.n_embd
+    if target in EXPERT_PARAMS:  # the whole stack: gate | up columns together, as PEFT's gate_up_proj
+        F = config.expert_mlp_hidden
+        return (0, D) if target == "experts_down" else (0, 2 * F if config.glu else F)
     return {
         "q": (0, HK),
         "k": (HK, HK + JK),
@@ -87,6 +108,8 @@ def _columns(config: GPTConfig, target: str) -> tuple[int, int]:
 
 
 def _in_features(config: GPTConfig, target: str) -> int:
+    if target == "experts_down":
+        return config.expert_mlp_hidden
     if target == "o":
         return config.n_head * config.head_dim
     if target == "down":
@@ -117,6 +140,12 @@ class LoraSpec:
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"lora dropout {dropout} must be in [0, 1)")
         names = resolve_targets(config, targets)
+        experts = [t for t in names if t in EXPERT_PARAMS]
+        if dropout and experts:  # x A B per expert row after the routing: PEFT refuses it too
+            raise ValueError(
+                f"lora dropout {dropout} cannot apply to expert weights ({', '.join(experts)}); "
+                "set lora.dropout=0 or leave the experts out of lora.targets"
+            )
         columns = tuple((t, *_columns(config, t)) for t in names)
         return LoraSpec(int(rank), float(alpha), float(dropout), names, columns, bool(rslora))
 
@@ -124,7 +153,11 @@ class LoraSpec:
 def resolve_targets(config: GPTConfig, targets) -> tuple[str, ...]:
     have = model_targets(config)
     if isinstance(targets, str):
-        targets = have if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+        targets = (
+            linear_targets(config)
+            if targets == "all-linear"
+            else [t.strip() for t in targets.split(",") if t.strip()]
+        )
     unknown = [t for t in targets if t not in have]
     if unknown or not targets:
         family = (
@@ -142,14 +175,20 @@ def _layer_prefixes(config: GPTConfig) -> list[tuple[str, ...]]:
 
 
 def adapter_shapes(config: GPTConfig, spec: LoraSpec) -> dict:
-    """{path to a Dense: {target_a: shape [K, r], target_b: shape [r, N]}} (with [L] first under scan)."""
+    """{path to a Dense: {target_a: shape [K, r], target_b: shape [r, N]}} (with [L] first under scan);
+    an expert target's pair sits in its sparse layers' "mlp", [E, K, r] and [E, r, N]."""
     lead = (config.n_layer,) if config.scan_layers else ()
     out = {}
-    for prefix in _layer_prefixes(config):
+    for i, prefix in enumerate(_layer_prefixes(config)):
         for t, start, stop in spec.columns:
+            experts = ()
+            if t in EXPERT_PARAMS:
+                if not (config.scan_layers or config.layer_is_sparse(i)):
+                    continue  # a dense layer (Qwen3-MoE's mlp_only_layers): no stacks to adapt
+                experts = (config.num_experts,)
             node = out.setdefault(prefix + SITES[t], {})
-            node[f"{t}_a"] = lead + (_in_features(config, t), spec.rank)
-            node[f"{t}_b"] = lead + (spec.rank, stop - start)
+            node[f"{t}_a"] = lead + experts + (_in_features(config, t), spec.rank)
+            node[f"{t}_b"] = lead + experts + (spec.rank, stop - start)
     return out
 
 
@@ -246,10 +285,19 @@ def join_deltas(y, parts, deltas):
 def _interceptor(spec: LoraSpec, deterministic: bool):
     by_site: dict = {}
     for t, start, stop in spec.columns:
-        by_site.setdefault(SITES[t][1], []).append((t, start, stop))
+        if t not in EXPERT_PARAMS:
+            by_site.setdefault(SITES[t][1], []).append((t, start, stop))
+    by_stack = {EXPERT_PARAMS[t]: t for t in spec.targets if t in EXPERT_PARAMS}
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
+        if context.method_name == "adapted" and isinstance(module, MoE):  # an expert stack
+            name, w = args
+            t = by_stack.get(name)
+            if t is None or not module.has_variable("lora", f"{t}_a"):
+                return w
+            a, b = (module.get_variable("lora", f"{t}_{x}") for x in "ab")
+            return LoraExperts(w, a, b, spec.scale)
         if context.method_name != "__call__" or not isinstance(module, nn.Dense):
             return next_fun(*args, **kwargs)
         (x,) = args
@@ -380,12 +428,15 @@ def merge(config: GPTConfig, spec: LoraSpec, base, adapters):
         for t, start, stop in spec.columns:
             node = adapters
             for name in prefix + SITES[t]:
-                node = node[name]
+                node = node.get(name, {})
+            if f"{t}_a" not in node:  # an expert target in a dense layer
+                continue
             owner = out
             for name in prefix + SITES[t]:
                 owner[name] = dict(owner[name])
                 owner = owner[name]
             delta = jnp.einsum("...kr,...rn->...kn", node[f"{t}_a"], node[f"{t}_b"]) * spec.scale
-            kernel = jnp.asarray(owner["kernel"])
-            owner["kernel"] = kernel.at[..., start:stop].add(delta.astype(kernel.dtype))
+            field = EXPERT_PARAMS.get(t, "kernel")  # an expert stack [.., E, K, N], or a Dense's kernel
+            kernel = jnp.asarray(owner[field])
+            owner[field] = kernel.at[..., start:stop].add(delta.astype(kernel.dtype))
     return out

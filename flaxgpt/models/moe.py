@@ -26,6 +26,9 @@ A = N*C assignments, F each expert's hidden size (see layers.py for the rest).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
@@ -35,6 +38,20 @@ from flaxgpt.models.layers import MLP, Dtype, activation_fn, normal_init, swiglu
 from flaxgpt.models.quantize import QuantizedWeight
 
 ROUTER = "router"  # the collection the sparse layers sow their statistics into
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "a", "b"], meta_fields=["scale"])
+@dataclasses.dataclass(frozen=True)
+class LoraExperts:
+    """A stacked expert weight with a LoRA adapter per expert: expert e computes
+    x @ w[e] + scale * (x @ a[e]) @ b[e], w [E, K, N] (float or quantized), a [E, K, r], b [E, r, N]
+    (float32, as every flaxgpt adapter). The low-rank product is never formed: two more grouped
+    matmuls of r columns (PEFT's target_parameters LoRA gives the same output by W + s B A)."""
+
+    w: jax.Array | QuantizedWeight
+    a: jax.Array
+    b: jax.Array
+    scale: float
 
 
 class MoE(nn.Module):
@@ -87,12 +104,18 @@ class MoE(nn.Module):
         )
         # quantized stacks (models/quantize.py: int8 or bf16 decoding) stay compact until the matmul
         cast = lambda w: w if isinstance(w, QuantizedWeight) else w.astype(self.dtype)  # noqa: E731
-        args = (x_ND.astype(self.dtype), weights_NC, experts_NC, cast(w_fc), cast(w_proj), self._expert_mlp)
+        w_fc, w_proj = self.adapted("experts_fc", cast(w_fc)), self.adapted("experts_proj", cast(w_proj))
+        args = (x_ND.astype(self.dtype), weights_NC, experts_NC, w_fc, w_proj, self._expert_mlp)
         y_ND = expert_parallel(*args) if expert_axis_size() > 1 else mix_experts(*args)
         if self.shared_hidden:
             y_ND = y_ND + self._shared_expert(x_ND)
         y_BTD = y_ND.reshape(x_BTD.shape)
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
+
+    def adapted(self, name: str, w):
+        """The stacked expert weight `name` as the matmuls use it: `w` itself here. The seam LoRA
+        intercepts (models/lora.py), returning LoraExperts(w, A, B, scale) for an adapted stack."""
+        return w
 
     def _shared_expert(self, x_ND):
         """The shared expert (a dense MLP of hidden size shared_hidden) on every token [N, D] -> [N, D],
@@ -170,7 +193,11 @@ def dense_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.
 
 def _batched_matmul(x_ENK, w):
     """x_ENK[e] @ w[e] for every expert: float [E, K, F], or quantized (scale [E, F] per expert and
-    output channel, applied to the product as expert_matmul does)."""
+    output channel, applied to the product as expert_matmul does), or adapted (LoraExperts)."""
+    if isinstance(w, LoraExperts):
+        y_ENF = _batched_matmul(x_ENK, w.w)
+        xa_ENR = jnp.einsum("enk,ekr->enr", x_ENK.astype(jnp.float32), w.a) * w.scale
+        return y_ENF + jnp.einsum("enr,erf->enf", xa_ENR, w.b).astype(y_ENF.dtype)
     if not isinstance(w, QuantizedWeight):
         return jnp.einsum("enk,ekf->enf", x_ENK, w)
     y_ENF = jnp.einsum("enk,ekf->enf", x_ENK, w.w.astype(x_ENK.dtype))
@@ -232,14 +259,21 @@ def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act):
 
 
 def experts_held(w) -> int:
-    """The experts a stacked weight [E, ...] holds (float, or quantized: models/quantize.py)."""
-    return (w.w if isinstance(w, QuantizedWeight) else w).shape[0]
+    """The experts a stacked weight [E, ...] holds (float, quantized (models/quantize.py) or adapted)."""
+    while isinstance(w, (QuantizedWeight, LoraExperts)):
+        w = w.w
+    return w.shape[0]
 
 
 def expert_matmul(x_AD, w, group_sizes_E, expert_A):
     """grouped_matmul with float weights [E, D, F] or quantized ones (quantize.QuantizedWeight: int8
     or bf16 w [E, D, F] and scale [E, F], per expert and output channel): (x @ (q * s))[a, f] is
-    (x @ q)[a, f] * s[expert_A[a], f], so the scales multiply each row's output by its expert's."""
+    (x @ q)[a, f] * s[expert_A[a], f], so the scales multiply each row's output by its expert's; or
+    adapted ones (LoraExperts): each row's low-rank term through the same groups, in float32."""
+    if isinstance(w, LoraExperts):
+        y_AF = expert_matmul(x_AD, w.w, group_sizes_E, expert_A)
+        xa_AR = grouped_matmul(x_AD.astype(jnp.float32), w.a, group_sizes_E) * w.scale
+        return y_AF + grouped_matmul(xa_AR, w.b, group_sizes_E).astype(y_AF.dtype)
     if not isinstance(w, QuantizedWeight):
         return grouped_matmul(x_AD, w, group_sizes_E)
     y_AF = grouped_matmul(x_AD, w.w.astype(x_AD.dtype), group_sizes_E)

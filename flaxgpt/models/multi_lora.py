@@ -125,6 +125,12 @@ class MultiLora:
                 f"{what} has rank {spec.rank}; this server's adapter slots hold rank <= {self.rank}"
             )
         spec = lora.LoraSpec.make(self.config, spec.rank, spec.alpha, spec.dropout, spec.targets, spec.rslora)
+        experts = [t for t in spec.targets if t in lora.EXPERT_PARAMS]
+        if experts:  # the slots hold Linear adapters; a per-row expert stack would be E times their size
+            raise ValueError(
+                f"{what} adapts expert weights ({', '.join(experts)}), which served adapter slots do not "
+                "hold: merge it into the base (flaxgpt peft merge) and serve the merged model"
+            )
         lora.check_adapters(self.config, spec, adapters, what=what)
         adapters = jax.device_get(adapters)
         flat = {}

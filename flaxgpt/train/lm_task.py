@@ -146,16 +146,18 @@ class LMTask:
 
     def forward_with_router(self, params, batch, rng, train: bool, frozen=None):
         """(out, head, router): forward's, and a mixture of experts' sown "router" statistics
-        (models/moe.py; None for a dense model or with LoRA)."""
+        (models/moe.py; None for a dense model). With LoRA too: adapters change what the router sees."""
         kw = dict(
             deterministic=not train, segment_ids_BT=batch.get("segment_ids"), hidden=bool(self.loss_chunk)
         )
         router = None
+        mutable = [moe.ROUTER] if self.model_config.num_experts else False
         if self.lora is not None:  # params are the adapters; the base is not differentiated
             spec, tokens_BT = self.lora, batch["inputs"]
-            out = lora.apply(self.model_config, spec, frozen, params, tokens_BT, rng=rng, **kw)
+            out = lora.apply(
+                self.model_config, spec, frozen, params, tokens_BT, rng=rng, mutable=mutable, **kw
+            )
         else:
-            mutable = [moe.ROUTER] if self.model_config.num_experts else False
             out = self.model.apply(
                 {"params": params},
                 batch["inputs"],
@@ -163,8 +165,8 @@ class LMTask:
                 mutable=mutable,
                 **kw,
             )
-            if mutable:
-                out, router = out[0], out[1][moe.ROUTER]
+        if mutable:
+            out, router = out[0], out[1][moe.ROUTER]
         if not self.loss_chunk:
             return out, None, router
         return (

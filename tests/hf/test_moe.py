@@ -183,3 +183,57 @@ def test_config_maps_both_ways_and_refuses_what_a_family_cannot_express():
         GPTConfig.preset("mixtral-8x7b", shared_expert_gate=True)
     with pytest.raises(ValueError, match="experts_per_token 9 must be in \\[1, num_experts 8\\]: lower"):
         GPTConfig.preset("mixtral-8x7b", experts_per_token=9)
+
+
+def test_peft_lora_on_expert_weights_loads_trains_and_exports_as_peft(family, tmp_path):
+    """A PEFT adapter on q_proj and the experts' stacks (target_parameters: gate_up_proj, down_proj):
+    merged and unmerged logits equal peft's, the gradients of every adapter tensor equal torch's, and
+    the exported adapter (grads in adapter layout, too) reloads in peft with the same tensors."""
+    import peft
+    from safetensors.torch import load_file as load_torch
+
+    import flaxgpt
+    from flaxgpt.hf import peft as hf_peft
+    from flaxgpt.models import lora
+
+    model_type, directory, _ = family
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    torch.manual_seed(1)
+    cfg = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )  # fmt: skip
+    pmodel = peft.get_peft_model(base_model, cfg)
+    pmodel.save_pretrained(tmp_path / "adapter")
+    weights_BTV = np.random.RandomState(2).randn(*TOKENS.shape, V).astype(np.float32)
+    logits = pmodel(torch.tensor(TOKENS)).logits
+    (logits * torch.tensor(weights_BTV)).sum().backward()
+    want = logits.detach().numpy()
+
+    config, merged = flaxgpt.load_pretrained(directory, adapter=str(tmp_path / "adapter"))
+    np.testing.assert_allclose(flax_logits(config, merged, TOKENS), want, atol=1e-4, rtol=0)
+    config, base = hf.load_pretrained(directory)
+    spec, adapters = hf_peft.load_adapter(str(tmp_path / "adapter"), config)
+    assert spec.targets == ("q", "experts_gate_up", "experts_down")
+    loss = lambda a: jnp.sum(lora.apply(config, spec, base, a, TOKENS) * weights_BTV)  # noqa: E731
+    grads = jax.jit(jax.grad(loss))(adapters)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(lambda a: lora.apply(config, spec, base, a, TOKENS))(adapters)), want, atol=1e-4
+    )
+    hf_peft.export_adapter(config, spec, grads, str(tmp_path / "grads"))
+    torch_grads = {
+        n.replace(".default", ""): p.grad.numpy() for n, p in pmodel.named_parameters() if p.grad is not None
+    }
+    ours = load_file(str(tmp_path / "grads" / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(torch_grads)
+    for name, g in ours.items():
+        np.testing.assert_allclose(g, torch_grads[name], atol=2e-4, rtol=1e-3, err_msg=name)
+
+    hf_peft.export_adapter(config, spec, adapters, str(tmp_path / "out"), base=directory)
+    reloaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(directory), tmp_path / "out"
+    ).eval()
+    np.testing.assert_allclose(ref_logits(reloaded, TOKENS), want, atol=1e-5, rtol=0)
+    src = load_torch(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    back = load_torch(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert sorted(src) == sorted(back) and all(torch.equal(src[k], back[k]) for k in src)

@@ -154,12 +154,24 @@ def test_bad_configs_are_one_line():
         with pytest.raises(ValueError, match=match) as e:
             GPTConfig(**{**TINY, **change})
         assert "\n" not in str(e.value)
-    # LoRA adapts a mixture of experts' attention only: its sparse layers have no dense MLP
+    # LoRA on a mixture of experts: attention and the expert stacks (its sparse layers have no dense
+    # MLP); "all-linear" is PEFT's, the Linear modules (attention) only
     from flaxgpt.models import lora
 
     assert lora.LoraSpec.make(GPTConfig(**TINY), 4, 8.0).targets == ("q", "k", "v", "o")
-    with pytest.raises(ValueError, match="this mixture-of-experts model has no gate; choose from q, k, v, o"):
+    choices = "choose from q, k, v, o, experts_gate_up, experts_down or all-linear"
+    with pytest.raises(ValueError, match=f"this mixture-of-experts model has no gate; {choices}"):
         lora.LoraSpec.make(GPTConfig(**TINY), 4, 8.0, targets="q,gate")
+    with pytest.raises(ValueError, match=r"lora dropout 0.1 cannot apply to expert weights \(experts_down\)"):
+        lora.LoraSpec.make(GPTConfig(**TINY), 4, 8.0, dropout=0.1, targets="q,experts_down")
+    # served adapter slots hold Linear adapters only: an expert adapter is refused, not dropped
+    from flaxgpt.models.multi_lora import MultiLora
+
+    config = GPTConfig(**TINY)
+    multi = MultiLora(config, abstract_params(config), slots=2, rank=4)
+    spec = lora.LoraSpec.make(config, 4, 8.0, targets="q,experts_gate_up")
+    with pytest.raises(ValueError, match=r"adapts expert weights \(experts_gate_up\), which served adapter"):
+        multi.slot_weights(spec, lora.init_adapters(config, spec, jax.random.key(0)))
     # config.json stores mlp_only_layers as a list: it comes back a tuple (the config stays hashable)
     assert hash(GPTConfig.from_dict({**GPTConfig(**TINY).to_dict(), "mlp_only_layers": [1]}))
 
@@ -281,6 +293,29 @@ def test_expert_parallel_on_8_devices_equals_one_device():
     assert "shard_map" in str(traced)  # models/moe.py's expert_parallel, not a replicated computation
     many = step(jax.device_put(params, shardings), jax.device_put(tokens, sharding.batch_sharding(mesh)))
     np.testing.assert_allclose(many[0], one[0], rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(many[1]), jax.tree_util.tree_leaves(one[1])):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+    # LoRA on the attention and the expert stacks: the adapters' gradients too (the base frozen)
+    from flaxgpt.models import lora
+
+    spec = lora.LoraSpec.make(config, 4, 8.0, targets="q,experts_gate_up,experts_down")
+    adapters = jax.tree_util.tree_map(
+        lambda x: x + 0.1, lora.init_adapters(config, spec, jax.random.key(1))
+    )  # B != 0: every adapter changes the output
+
+    def lora_loss(a, p, t):
+        logits, state = lora.apply(config, spec, p, a, t, mutable=[ROUTER])
+        aux, z = router_losses(state[ROUTER], config.num_experts)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + aux + z
+
+    one = jax.jit(jax.value_and_grad(lora_loss))(adapters, params, tokens)
+    many = jax.jit(
+        sharding.under_mesh(jax.value_and_grad(lora_loss), mesh),
+        in_shardings=(None, shardings, sharding.batch_sharding(mesh)),
+    )(adapters, jax.device_put(params, shardings), jax.device_put(tokens, sharding.batch_sharding(mesh)))
+    np.testing.assert_allclose(many[0], one[0], rtol=1e-5)
+    assert many[1]["h_1"]["mlp"]["experts_down_b"].shape == (8, 4, 32)
     for a, b in zip(jax.tree_util.tree_leaves(many[1]), jax.tree_util.tree_leaves(one[1])):
         np.testing.assert_allclose(a, b, atol=1e-5)
 

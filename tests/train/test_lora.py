@@ -117,6 +117,42 @@ def test_fsdp_on_8_devices_equals_one_device(dirs, tmp_path):
     assert kernel.addressable_shards[0].data.size * 4 == kernel.size
 
 
+@pytest.mark.devices(8)
+def test_expert_adapters_train_on_an_expert_mesh_as_on_one_device(dirs, tmp_path):
+    """A tiny Mixtral with adapters on q and both expert stacks: its experts split over mesh.expert 4
+    (data 2) give one device's losses (the router's load-balancing loss included, which the
+    adapters move), the loss falls, and the checkpoint holds the [E, ...] expert adapters."""
+    from tests.hf.test_moe import make_hf_model as make_moe
+
+    make_moe("mixtral", tmp_path / "mixtral")
+    over = {"init_from": str(tmp_path / "mixtral"), "lora.targets": "q,experts_gate_up,experts_down"}
+    over |= {"lora.dropout": 0.0, "batch_size": 8}  # PEFT has no dropout on expert stacks either
+
+    def steps(devices, **mesh):
+        cfg = tiny(dirs, tmp_path / "x", **over, **mesh)
+        t = trainer.Trainer(cfg, devices=jax.devices()[:devices], print_fn=lambda *a: None)
+        state, out = t.init_state(), []
+        for step in range(3):
+            state, m = t.train_step(state, t.global_batch("train", step, cfg.batch_size, micro=True))
+            out.append((float(m["loss"]), float(m["router_aux"])))
+        t.close()
+        return np.array(out), state
+
+    one, state = steps(1)
+    eight, state8 = steps(8, **{"mesh.data": 2, "mesh.expert": 4})
+    np.testing.assert_allclose(eight, one, rtol=2e-5)
+    assert one[-1, 0] < one[0, 0] and np.all(one[:, 1] > 0), one
+    adapters = state.params["h"]["block"]["mlp"]  # the recipe scans its layers: [L, E, ...]
+    assert adapters["experts_gate_up_a"].shape == (2, 4, 32, 4) and adapters["experts_down_b"].shape == (
+        2,
+        4,
+        4,
+        32,
+    )
+    for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(state8.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
 def test_train_py_end_to_end_then_peft_loads_the_adapter(dirs, tmp_path):
     out, adapter = tmp_path / "run", tmp_path / "adapter"
     flags = [
