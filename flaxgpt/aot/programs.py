@@ -147,6 +147,8 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
     sizes = {"parameters": per_device_bytes(state.params), "optimizer": per_device_bytes(state.opt_state)}
     fpt = flops_per_token(mc, task.tokens_per_row)
     mesh_note = f"mesh data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']}"
+    if mesh.shape.get("expert", 1) > 1:
+        mesh_note += f" x expert {mesh.shape['expert']}"
     out = []
     if "train" in groups:
         batch = _batch(task.batch_shapes(micro), steps.train_batch_sharding, (config.grad_accum,))

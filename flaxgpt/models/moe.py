@@ -284,15 +284,19 @@ def grouped_matmul(x_AD, w_EDF, group_sizes_E):
     """Rows sorted by group [A, D] times their group's matrix [E, D, F] -> [A, F]: rows
     starts_e .. starts_e + group_sizes_E[e] - 1 use w_EDF[e].
 
-    GPU and TPU lower `jax.lax.ragged_dot` to a grouped-matmul kernel; XLA on CPU has none, and jax's
-    fallback there runs every row through every group's matrix and masks (E times the FLOPs), so the
-    CPU runs `tiled_grouped_matmul` instead, or `gathered_matmul` at decoding's few rows (the branch
-    is chosen when the program is lowered).
+    TPUs lower `jax.lax.ragged_dot` to a grouped-matmul kernel. XLA on CPU has none, and neither has
+    XLA on NVIDIA GPUs (jax 0.10 / the CUDA 12 plugin): both expand it to every row through every
+    group's matrix, masked (E times the FLOPs; compiled for h100-8, Qwen3-30B-A3B LoRA training's
+    temporaries were 449 GB a device with it, 14.9 GB without: docs/aot.md). So CPUs and GPUs run
+    `tiled_grouped_matmul`, or `gathered_matmul` at decoding's few rows (the branch is chosen when
+    the program is lowered).
     """
     # decoding (batch 1, top 2: A = 2) is memory-bound: gathered_matmul reads A expert matrices, the
     # tiled pass about 2E (A = 2, E = 8: 9 visits, 4.5x the bytes), so the rows decide
-    cpu = gathered_matmul if x_AD.shape[0] <= 2 * w_EDF.shape[0] else tiled_grouped_matmul
-    return jax.lax.platform_dependent(x_AD, w_EDF, group_sizes_E, cpu=cpu, default=jax.lax.ragged_dot)
+    own = gathered_matmul if x_AD.shape[0] <= 2 * w_EDF.shape[0] else tiled_grouped_matmul
+    return jax.lax.platform_dependent(
+        x_AD, w_EDF, group_sizes_E, cpu=own, cuda=own, rocm=own, default=jax.lax.ragged_dot
+    )
 
 
 def gathered_matmul(x_AD, w_EDF, group_sizes_E):
