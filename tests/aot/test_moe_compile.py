@@ -9,7 +9,7 @@ from jax.sharding import SingleDeviceSharding
 
 from flaxgpt.aot import compile as aot
 from flaxgpt.aot import targets
-from flaxgpt.models.moe import grouped_matmul
+from flaxgpt.models.moe import grouped_matmul, mix_experts
 from tests.aot.test_compile import tiny
 
 pytest.importorskip("libtpu", reason="the TPU targets need libtpu: pip install 'jax[tpu]==<jax version>'")
@@ -40,6 +40,14 @@ def test_gpus_take_the_tiled_grouped_matmul_not_ragged_dot():
     }
     assert "ragged_dot" not in text["cuda"] and "dot_general" in text["cuda"]
     assert "ragged_dot" in text["tpu"]
+    # a prefill chunk's or a decoding batch's tokens that hit about every expert go through every
+    # expert once on GPUs (no sort), as on the CPU; TPUs sort them into ragged_dot
+    mix = lambda x, w, e, fc, proj: mix_experts(x, w, e, fc, proj, jax.nn.silu)  # noqa: E731
+    shapes = [((16, 128), jnp.float32), ((16, 2), jnp.float32), ((16, 2), jnp.int32)]
+    shapes += [((8, 128, 64), jnp.float32), ((8, 64, 128), jnp.float32)]
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    text = {p: jax.jit(mix).trace(*args).lower(lowering_platforms=(p,)).as_text() for p in ("cuda", "tpu")}
+    assert "sort" not in text["cuda"] and "sort" in text["tpu"]
 
 
 def test_expert_parallel_train_step_compiles_for_v5e_8():
