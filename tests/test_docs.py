@@ -202,7 +202,7 @@ def quickstart() -> list[str]:
 
 
 def test_quickstart_runs_as_written(tmp_path):
-    """The README's quickstart on a tiny scale: 30 steps instead of 2000, 20 new tokens instead of 300."""
+    """The README's quickstart on a tiny scale: 10 steps instead of 2000, 20 new tokens instead of 300."""
     for name in ("configs", *SCRIPTS):
         (tmp_path / name).symlink_to(ROOT / name)
     commands = quickstart()
@@ -216,8 +216,8 @@ def test_quickstart_runs_as_written(tmp_path):
         if words[0] == "flaxgpt":
             argv = [*cli(), *words[1:]]
         elif words[1] == "train.py":
-            argv = [sys.executable, *words[1:], "--config.max_iters=30", "--config.eval_interval=15"]
-            argv += ["--config.eval_iters=2", "--config.optim.warmup_steps=5"]
+            argv = [sys.executable, *words[1:], "--config.max_iters=10", "--config.eval_interval=5"]
+            argv += ["--config.eval_iters=2", "--config.optim.warmup_steps=2"]
         else:
             argv = [sys.executable, *words[1:], "--max_new_tokens", "20"]
         r = subprocess.run(argv, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=300)

@@ -3,7 +3,8 @@
 Tiny random models whose sliding window (5) is shorter than the prompts stand in for published weights:
 every option of these families (QK-norm, heads of their own width, soft-caps, the local/global layer
 pattern, Gemma 3's local rotary base and linear scaling, post-norms, (1 + w) norms, GeGLU, scaled
-embeddings) is exercised; nothing is downloaded.
+embeddings) is exercised; nothing is downloaded. The speculative decoder and the serving engine over
+these windows are tests/hf/test_window_decoding.py's (against transformers' greedy tokens too).
 """
 
 import json
@@ -209,43 +210,6 @@ def test_config_errors_name_the_values():
         GPTConfig(**base, attn_softcap=-1.0)
     with pytest.raises(ValueError, match="gemma2 needs norm='rmsnorm_1p', this model has 'rmsnorm'"):
         families.config_to_hf(GPTConfig.preset("qwen3-0.6b"), "gemma2")
-
-
-def test_speculative_decoding_past_the_window_gives_the_greedy_tokens(family):
-    """A drafted-and-verified decode (draft: the model with perturbed weights) writes and rewinds
-    window layers' keys; with temperature 0 it must still give transformers' greedy tokens."""
-    from flaxgpt.decode.speculative import speculative_generate
-    from flaxgpt.models.cache import KVCache
-    from flaxgpt.models.gpt import step_fn
-
-    _, directory, model = family
-    config, params = hf.load_pretrained(directory)
-    draft = jax.tree_util.tree_map(lambda x: x * 1.05, params)
-    prompt = [int(t) for t in TOKENS[1, :9]]
-    got, lengths, _ = speculative_generate(
-        step_fn(config, params), KVCache.for_config(config, 1, 64, rewind=3), step_fn(config, draft),
-        KVCache.for_config(config, 1, 64, rewind=3), np.asarray([prompt], np.int32), [9], max_new_tokens=12,
-        rng=jax.random.key(0), draft_tokens=3, temperature=0,
-    )  # fmt: skip
-    assert [int(t) for t in np.asarray(got)[0, :12]] == torch_greedy(model, prompt, 12)
-
-
-def test_serving_engine_past_the_window_gives_the_greedy_tokens(family):
-    """The engine's bucket-padded prefill and slot decoding over window layers: transformers' tokens
-    for two requests of different lengths sharing the slots."""
-    from flaxgpt.decode.sampling import Sampling
-    from flaxgpt.models.cache import KVCache
-    from flaxgpt.models.gpt import step_fn
-    from flaxgpt.serve.engine import Engine, RowSampling
-    from tests.serve.test_engine import run
-
-    _, directory, model = family
-    config, params = hf.load_pretrained(directory)
-    engine = Engine(step_fn(config, params), lambda b: KVCache.for_config(config, b, 48), slots=2, chunk=3)
-    prompts = [[int(t) for t in TOKENS[0, :11]], [int(t) for t in TOKENS[1, :7]]]
-    rows = RowSampling.of(Sampling(temperature=0), max_new_tokens=10)
-    got = run(engine, [(p, rows) for p in prompts])
-    assert [got[0], got[1]] == [torch_greedy(model, p, 10) for p in prompts]
 
 
 def test_flops_count_a_window_layer_over_its_window():
