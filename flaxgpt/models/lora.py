@@ -93,8 +93,8 @@ def _columns(config: GPTConfig, target: str) -> tuple[int, int]:
     F = config.mlp_hidden or 4 * config.n_embd
     D = config.n_embd
     if target in EXPERT_PARAMS:  # the whole stack: gate | up columns together, as PEFT's gate_up_proj
-        F = config.expert_mlp_hidden
-        return (0, D) if target == "experts_down" else (0, 2 * F if config.glu else F)
+        F_e = config.expert_mlp_hidden
+        return (0, D) if target == "experts_down" else (0, 2 * F_e if config.glu else F_e)
     return {
         "q": (0, HK),
         "k": (HK, HK + JK),
@@ -183,8 +183,9 @@ def adapter_shapes(config: GPTConfig, spec: LoraSpec) -> dict:
         for t, start, stop in spec.columns:
             experts = ()
             if t in EXPERT_PARAMS:
-                if not (config.scan_layers or config.layer_is_sparse(i)):
-                    continue  # a dense layer (Qwen3-MoE's mlp_only_layers): no stacks to adapt
+                # a dense layer (Qwen3-MoE's mlp_only_layers) has no stacks; scanned layers are all sparse
+                if not config.layer_is_sparse(i):
+                    continue
                 experts = (config.num_experts,)
             node = out.setdefault(prefix + SITES[t], {})
             node[f"{t}_a"] = lead + experts + (_in_features(config, t), spec.rank)
