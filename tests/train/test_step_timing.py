@@ -67,13 +67,17 @@ def test_blocking_dispatch_logs_each_step_its_own_time(data_dir):
     # the slow step is reported at its own step, not its neighbour's
     assert step_time[SLOW_STEP] >= SLEEP
     assert step_time[SLOW_STEP - 1] < SLEEP / 2 and step_time[SLOW_STEP + 1] < SLEEP / 2
-    # the last step is timed whole (it was a tail: an absurd rate)
-    true_last = t.done_at[50] - t.done_at[49]
-    assert step_time[50] == pytest.approx(true_last, rel=0.5, abs=0.005)
-    # over the 50 logged steps, tokens/s agree with the loop's wall clock within 5%
+    # each step is timed whole (the last one used to time only a tail: an absurd rate): its figure
+    # spans at least its own dispatch-to-done and at most the time since the step before was done
+    # (bounds, not a tolerance: the log line written in between is excluded on purpose, and a loaded
+    # machine may stretch it)
+    for s in (2, SLOW_STEP, 50):
+        own = t.done_at[s] - t.dispatched_at[s]
+        since_previous = t.done_at[s] - t.done_at[s - 1]
+        assert own <= step_time[s] <= since_previous + 0.02, (s, own, step_time[s], since_previous)
+    # over the 50 logged steps, the timed spans are disjoint and cover every step's own run
     wall = t.done_at[50] - t.dispatched_at[1]
-    tokens = 50 * cfg.batch_size * cfg.model.block_size
-    logged = tokens / sum(step_time.values())
-    assert logged == pytest.approx(tokens / wall, rel=0.05)
+    own_total = sum(t.done_at[s] - t.dispatched_at[s] for s in rows)
+    assert own_total <= sum(step_time.values()) <= wall + 0.02
     rates = np.array([rows[s]["tokens_per_sec"] for s in rows])
     assert rates.max() < 5 * np.median(rates)
