@@ -105,7 +105,8 @@ def run_lm_eval(model_dir, tasks: dict[str, str], tasks_dir, batch_size: int = 1
     out = lm_eval.simple_evaluate(
         model=lm,
         tasks=names,
-        task_manager=TaskManager(include_path=str(tasks_dir)),
+        # only our local tasks: indexing lm-eval's thousands of built-in task YAMLs takes ~25 s
+        task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
         log_samples=True,
         limit=limit,
         bootstrap_iters=0,  # no standard errors: they cost more than the evaluation here

@@ -142,9 +142,13 @@ class Scorer:
         self.progress = progress
         self.tokens_seen = 0  # context + continuation tokens of the requests scored (before padding)
 
-    def _rows(self, tokens_per_row: int) -> int:
+    def _rows(self, tokens_per_row: int, left: int) -> int:
+        """Rows of the next batch: as many as batch_tokens allows, but no more than the `left` rows
+        need, rounded up to a power of two per device (few shapes to compile; a 4-question eval
+        must not pad to hundreds of rows of vocabulary-wide logits)."""
         n = self.n_devices
-        return max(n, self.batch_tokens // tokens_per_row // n * n)
+        most = max(n, self.batch_tokens // tokens_per_row // n * n)
+        return min(most, n * (1 << (max(1, -(-left // n)) - 1).bit_length()))
 
     def _put(self, *arrays, axis: int = 0):
         spec = [None] * axis + [sharding.BATCH_AXES]
@@ -175,7 +179,7 @@ class Scorer:
             i = 0
             while i < len(order):  # longest first: a batch is padded to its first row's bucket
                 T = bucket(len(rows[order[i]][0]), L)
-                B = self._rows(T)
+                B = self._rows(T, len(order) - i)
                 chunk = order[i : i + B]
                 i += len(chunk)
                 K = bucket(max(len(rows[j][2]) for j in chunk), T)
@@ -241,10 +245,10 @@ class Scorer:
             i = 0
             while i < len(order):  # longest context first: a batch is padded to its first row's
                 P = bucket(len(groups[order[i]][0]) - 1, L)
-                B = self._rows(P + C * bucket(max(len(c) for c in groups[order[i]][1]), L))
+                B = self._rows(P + C * bucket(max(len(c) for c in groups[order[i]][1]), L), len(order) - i)
                 chunk = order[i : i + B]
                 T = bucket(max(len(c) for g in chunk for c in groups[g][1]), L)
-                B = self._rows(P + C * T)
+                B = self._rows(P + C * T, len(order) - i)
                 if P + T > L:  # its context cannot share a window with the batch's longest continuation
                     self._score_alone(groups, order[i], out)
                     i += 1
