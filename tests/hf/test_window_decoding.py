@@ -79,6 +79,9 @@ def test_generate_past_the_window_equals_transformers(family):
         assert got[b].tolist() == torch_greedy(model, PROMPTS[b, :n].tolist(), 14)
 
 
+# Gemma 3's five local layers to one global: tests/decode/test_cache_kinds.py checks the same over
+# alternating layers (Gemma 2's layout) with every cache kind
+@pytest.mark.parametrize("family", ["gemma3_text"], indirect=True)
 def test_sampling_and_sliding_past_the_cache_equal_full_length_buffers(family):
     """Sampling with temperature, and the sampler's re-prefill when a row outgrows the cache (24 +
     30 tokens in 32 positions), give over rings exactly the tokens full-length buffers give."""
@@ -113,6 +116,7 @@ def test_engine_whole_and_chunked_prefill_equal_transformers(family):
     assert sched.engine.prefix_cache is None and sched.engine.state.cache.has_rings
 
 
+@pytest.mark.parametrize("family", ["gemma3_text"], indirect=True)  # alternating: test_cache_kinds
 def test_speculative_decoding_takes_back_positions_in_the_rings(family):
     config, params, model = family
     # the draft: a model of the same shape with other weights, so that drafts are often rejected
