@@ -20,13 +20,16 @@ import json
 import os
 import sys
 
-from flaxgpt import errors, extras, loader
-from flaxgpt.hf import files, peft, pretrained
-from flaxgpt.runs import lora_run
+from flaxgpt import errors, extras
+
+# jax, flax and the weight files' modules are imported when a command runs: `--help` stays instant
 
 
 def export_run(out_dir, to: str, step=None, overwrite: bool = False) -> str:
     """A training run's checkpoint `step` (default the latest) as a Hugging Face directory."""
+    from flaxgpt import loader
+    from flaxgpt.hf import pretrained
+
     pretrained.check_export_target(to, overwrite, run=out_dir)  # before loading anything
     loader.require_run(out_dir)
     run = loader.load(out_dir, step=step)
@@ -36,6 +39,9 @@ def export_run(out_dir, to: str, step=None, overwrite: bool = False) -> str:
 
 def export_run_adapter(out_dir, to: str, step=None) -> str:
     """A LoRA run's adapters (checkpoint `step`, default the latest) as a PEFT adapter directory."""
+    from flaxgpt.hf import peft, pretrained
+    from flaxgpt.runs import lora_run
+
     if lora_run.lora_section(out_dir) is None:
         raise ValueError(f"{out_dir} is not a LoRA run (its config.json has no lora.rank > 0)")
     pretrained.check_export_target(to, run=out_dir)
@@ -45,6 +51,9 @@ def export_run_adapter(out_dir, to: str, step=None) -> str:
 
 def merge_to(base_dir: str, adapter_dir: str, to: str, overwrite: bool = False) -> str:
     """Write base + adapter as a plain Hugging Face model directory (config, safetensors, tokenizer)."""
+    from flaxgpt import loader
+    from flaxgpt.hf import pretrained
+
     pretrained.check_export_target(to, overwrite)
     config, params = loader.load_pretrained(base_dir, adapter=adapter_dir)
     has_tokenizer = os.path.isfile(os.path.join(base_dir, "tokenizer.json"))
@@ -53,6 +62,8 @@ def merge_to(base_dir: str, adapter_dir: str, to: str, overwrite: bool = False) 
 
 
 def _hf(args) -> None:
+    from flaxgpt.hf import files, pretrained
+
     if args.cmd == "info":
         print(json.dumps(pretrained.read_config(args.name_or_path).to_dict(), indent=2))
         return
