@@ -8,20 +8,22 @@
     logits_BTV, cache = multi.step_fn(stack)(tokens_BT, positions_BT, cache)
 
 Each adapted Dense computes y = x W + (x A[idx_b]) B[idx_b] per row b: A [S, K, R] and B [S, R, N]
-stacked over S resident slots, gathered per row (jnp.take) and applied as a batched low-rank matmul
-(einsum over the row axis). Every slot holds every target the model has at one rank R: an adapter of
-rank r < R fills its first r columns of A and rows of B (the rest zeros add nothing), a target it
-does not adapt stays zeros, and its scale alpha / r (or / sqrt(r)) is folded into its B, so adapters
-of any rank, alpha and targets share one compiled program. The stack is a jit argument of the
-step_fn (a Partial), so loading an adapter is a write into the stack, not a recompile; the slot
-index travels with each row in its cache (models.cache.AdapterCache), so decoders and the serving
-engine see only step_fn(tokens_BT, positions_BT, cache) as for a plain GPT.
+stacked over S resident slots. A prefill gathers each row's adapter (jnp.take) and applies it as a
+batched low-rank matmul (einsum over the row axis); a decoding step (one position a row) runs x
+through every slot's A, keeps each row's own slot, and contracts over (slot, rank) with the B stack:
+the stack read once per step, not an adapter copied per row. Every slot holds every target the model
+has at one rank R: an adapter of rank r < R fills its first r columns of A and rows of B (the rest
+zeros add nothing), a target it does not adapt stays zeros, and its scale alpha / r (or / sqrt(r))
+is folded into its B, so adapters of any rank, alpha and targets share one compiled program. The
+stack is a jit argument of the step_fn (a Partial), so loading an adapter is a write into the stack,
+not a recompile; the slot index travels with each row in its cache (models.cache.AdapterCache), so
+decoders and the serving engine see only step_fn(tokens_BT, positions_BT, cache) as for a plain GPT.
 
 The merged model (models.lora.merge) gives the same logits up to float rounding: x (W + s A B) against
 x W + (x A)(s B).
 
 Shape letters: S slots, B batch rows, T positions, K a Dense's input features, N its output
-features, R the stack's rank.
+features, R the stack's rank, P the rank times the targets one Dense holds (q, k, v in one kernel).
 """
 
 from __future__ import annotations
@@ -55,16 +57,29 @@ def _interceptor(by_site: dict, idx_B, rank: int):
         if not parts:
             return y
         parts = sorted(parts, key=lambda p: p[1])
-        take = lambda name: jnp.take(module.get_variable("lora", name), idx_B, axis=0)  # noqa: E731
+        stack = lambda name: module.get_variable("lora", name)  # noqa: E731
         # the blocks call their Dense layers on [B * T, K] rows, row b's positions together
         B = idx_B.shape[0]
         x_BTK = x.reshape(B, -1, x.shape[-1]).astype(jnp.float32)
-        a_BKR = jnp.concatenate([take(f"{t}_a") for t, _, _ in parts], axis=-1)  # R = parts x rank
-        xa_BTR = jnp.einsum("btk,bkr->btr", x_BTK, a_BKR)
-        deltas = [
-            jnp.einsum("btr,brn->btn", xa_BTR[..., i * rank : (i + 1) * rank], take(f"{t}_b"))
-            for i, (t, _, _) in enumerate(parts)
-        ]
+        a_SKP = jnp.concatenate([stack(f"{t}_a") for t, _, _ in parts], axis=-1)  # P = parts x rank
+        if x_BTK.shape[1] == 1:
+            # decoding, one position a row: every slot's A and B read once for the whole batch
+            # (x through all S slots, then each row keeps its own slot's columns) instead of a
+            # copy of an adapter per row; S x more multiply-adds, on a rank-R sliver of the layer
+            mask_BS = jax.nn.one_hot(idx_B, a_SKP.shape[0], dtype=jnp.float32)
+            xa_BTSP = jnp.einsum("btk,skp->btsp", x_BTK, a_SKP) * mask_BS[:, None, :, None]
+            deltas = [
+                jnp.einsum("btsr,srn->btn", xa_BTSP[..., i * rank : (i + 1) * rank], stack(f"{t}_b"))
+                for i, (t, _, _) in enumerate(parts)
+            ]
+        else:
+            # a prefill: each row's adapter gathered once and used over all its positions
+            take = lambda w_SXY: jnp.take(w_SXY, idx_B, axis=0)  # noqa: E731
+            xa_BTP = jnp.einsum("btk,bkp->btp", x_BTK, take(a_SKP))
+            deltas = [
+                jnp.einsum("btr,brn->btn", xa_BTP[..., i * rank : (i + 1) * rank], take(stack(f"{t}_b")))
+                for i, (t, _, _) in enumerate(parts)
+            ]
         return lora.join_deltas(y, parts, [d_BTN.reshape(*y.shape[:-1], -1) for d_BTN in deltas])
 
     return intercept
