@@ -141,12 +141,19 @@ def check_cli(words: list[str]) -> list[str]:
             return [f"{words[1]} needs one of {sorted(subs)}"]
         text, rest = help_text((*argv, rest[0])), rest[1:]
     known = flags_of(text)
+    errors = []
+    if words[1] == "aot":  # the recipe and its --config.key=value overrides, as train.py takes them
+        i = rest.index("--config") if "--config" in rest else -1
+        recipe_words = rest[i : i + 2] if i >= 0 else []
+        recipe_words += [w for w in rest if w.startswith("--config.")]
+        errors = check_train(["python", "train.py", *recipe_words])
+        rest = [w for w in rest if not w.startswith("--config.")]
     if words[1] in OVERRIDES:
         from flaxgpt.models.gpt_config import GPTConfig
         from flaxgpt.models.seq2seq import TransformerConfig
 
         known |= {f"--{f.name}" for cls in (GPTConfig, TransformerConfig) for f in fields(cls)}
-    return [f"unknown flag {w}" for w in rest if w.startswith("--") and w.split("=")[0] not in known]
+    return errors + [f"unknown flag {w}" for w in rest if w.startswith("--") and w.split("=")[0] not in known]
 
 
 def all_commands():
@@ -189,6 +196,11 @@ def test_the_checker_catches_mistakes():
     assert not check_script(["python", "sample.py", "--out_dir", "x", "--temperature", "0"])
     assert check_cli(["flaxgpt", "prepare", "--datset", "x"]) == ["unknown flag --datset"]
     assert check_cli(["flaxgpt", "summary", "--preset", "gpt2", "--n_layer=2"]) == []
+    aot = ["flaxgpt", "aot", "--config", "configs/grpo_toy.py", "--target", "cpu"]
+    assert check_cli([*aot, "--config.grpo.beta=0.1"]) == []
+    assert check_cli([*aot, "--config.grpo.betta=0.1"]) == [
+        "--config.grpo.betta=0.1: 'betta' is not a config field"
+    ]
     assert check_cli(["flaxgpt", "summary", "--preset", "gpt2", "--n_layers=2"]) == [
         "unknown flag --n_layers=2"
     ]

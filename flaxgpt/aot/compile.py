@@ -106,7 +106,9 @@ def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0,
         )  # fmt: skip
     except ValueError as e:  # a mesh or batch that does not divide the target's devices
         raise SystemExit(f"error: {e} (target {target.name}: {len(devices)} devices)") from None
-    return [report.analyze(p, target, dump) for p in progs], mc
+    rows = [report.analyze(p, target, dump) for p in progs]
+    budget = report.grpo_budget(rows)  # a GRPO recipe: the train step and its engine on one device
+    return rows + ([budget] if budget else []), mc
 
 
 def versions(platform: str) -> str:

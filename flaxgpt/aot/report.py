@@ -170,6 +170,33 @@ def analyze(program, target, dump: str | Path | None = None) -> Row:
     return row
 
 
+def grpo_budget(rows: list[Row]) -> Row | None:
+    """GRPO's train step and its rollouts on one device's memory (None without both programs).
+
+    The trainer keeps its serving engine between rollouts (train.grpo_rollout), so while the train
+    step runs, device 0 also holds the engine's slots (its cache and row state: rollout.generate's
+    arguments less the weights); while the engine decodes, it also holds what the train step keeps
+    between steps (its arguments less the weights the engine reads: optimizer state, reference
+    weights, the batch). On one device the engine reads the training weights themselves; over several
+    the engine's are a copy on one device (the rollouts run on one), so they count in full."""
+    by = {r.program: r for r in rows}
+    train, gen = by.get("train"), by.get("rollout.generate")
+    if train is None or gen is None:
+        return None
+    shared = gen.parameters if train.devices == 1 else 0
+    engine_kept = gen.arguments - shared
+    train_kept = max(0, train.arguments - shared)
+    while_training, while_decoding = train.total + engine_kept, gen.total + train_kept
+    return Row(
+        "grpo (train + rollouts)", train.devices,
+        f"the larger of the train step + the engine's kept slots{'' if shared else ' and weights'} "
+        f"({gb(while_training)} GB) "
+        f"and rollout.generate + the train step's kept state ({gb(while_decoding)} GB)",
+        parameters=train.parameters, optimizer=train.optimizer, total=max(while_training, while_decoding),
+        memory=min(train.memory, gen.memory), error=train.error or gen.error, kernel=gen.kernel,
+    )  # fmt: skip
+
+
 _EXHAUSTED = re.compile(r"\(([\d.]+)([KMGT])\)\s*exceeds available HBM\s*\(([\d.]+)([KMGT])\)")
 
 

@@ -1,10 +1,12 @@
 """flaxgpt aot on a GRPO recipe (configs/grpo_toy.py, tiny): the rollout's engine programs (prefill,
 generate for batch_size slots) compile and are reported, over the policy's parameters or, with LoRA,
-the adapters unmerged over an int8 base."""
+the adapters unmerged over an int8 base; with the train step, their memory on one device together."""
+
+import dataclasses
 
 from configs import grpo_toy
 from flaxgpt.aot import compile as aot
-from flaxgpt.aot import targets
+from flaxgpt.aot import report, targets
 
 
 def toy(**kw):
@@ -20,10 +22,21 @@ def toy(**kw):
 def test_a_grpo_recipe_reports_its_rollout_programs():
     target = targets.get("cpu")
     assert "rollout" in aot.GROUPS  # flaxgpt aot's default: a GRPO recipe reports its train step and these
-    rows, _ = aot.run(toy(), target, ("rollout",), print_fn=lambda *_: None)
-    assert [r.program for r in rows] == ["rollout.prefill", "rollout.generate"]
-    full = rows[1]
+    rows, _ = aot.run(toy(), target, ("train", "rollout"), print_fn=lambda *_: None)
+    names = ["train", "rollout.prefill", "rollout.generate", "grpo (train + rollouts)"]
+    assert [r.program for r in rows] == names
+    train, _, full, budget = rows
     assert full.parameters > 0 and full.total > full.parameters and "16 slots" in full.note
+    # each phase holds the other's kept state; the engine (on one device) reads the training weights
+    # only when training runs on that one device too (here on the 8 CPU devices: its own copy)
+    shared = full.parameters if train.devices == 1 else 0
+    assert train.devices == 8 and budget.devices == 8
+    assert budget.total == max(train.total + full.arguments - shared, full.total + train.arguments - shared)
+    assert budget.total > max(train.total, full.total) and budget.fits()
+    one = report.grpo_budget([dataclasses.replace(train, devices=1), full])  # training on one device
+    assert one.total == max(
+        train.total + full.arguments - full.parameters, full.total + train.arguments - full.parameters
+    )
     over = {"lora__rank": 4, "lora__alpha": 8.0, "lora__base_dtype": "int8"}
     rows, _ = aot.run(toy(**over), target, ("rollout",), print_fn=lambda *_: None)
     assert [r.program for r in rows] == ["rollout.prefill", "rollout.generate"]
