@@ -27,11 +27,10 @@ def test_a_grpo_recipe_reports_its_rollout_programs():
     assert [r.program for r in rows] == names
     train, _, full, budget = rows
     assert full.parameters > 0 and full.total > full.parameters and "16 slots" in full.note
-    # each phase holds the other's kept state; the engine (on one device) reads the training weights
-    # only when training runs on that one device too (here on the 8 CPU devices: its own copy)
-    shared = full.parameters if train.devices == 1 else 0
+    # each phase holds the other's kept state; training on the 8 CPU devices, the engine (on one)
+    # holds its own copy of the weights
     assert train.devices == 8 and budget.devices == 8
-    assert budget.total == max(train.total + full.arguments - shared, full.total + train.arguments - shared)
+    assert budget.total == max(train.total + full.arguments, full.total + train.arguments)
     assert budget.total > max(train.total, full.total) and budget.fits()
     one = report.grpo_budget([dataclasses.replace(train, devices=1), full])  # training on one device
     assert one.total == max(
