@@ -236,9 +236,12 @@ def part_tests(a) -> None:
     folders = ["tests/decode/test_beam_search.py"] if a.dry_run else a.test_paths.split()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     if not a.dry_run:
-        env["JAX_PLATFORMS"] = "cuda"
+        # the tests' programs are small and many: XLA's GPU autotuning (timing each matmul's candidate
+        # kernels while compiling) cost more than they run; results do not depend on it
+        flags = env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
+        env.update(JAX_PLATFORMS="cuda", XLA_FLAGS=flags.strip())
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *folders]
-    cmd += ["-k", "beam_size_one"] if a.dry_run else ["-n", "8", "--timeout=120"]
+    cmd += ["-k", "beam_size_one"] if a.dry_run else ["-n", str(a.test_workers), "--timeout=120"]
     with (a.out / "tests_output.txt").open("w") as f:  # written as it runs: a cut-off run keeps its part
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
     out = (a.out / "tests_output.txt").read_text()
@@ -370,7 +373,7 @@ def run_part(a, name: str, limit: float) -> list[dict]:
     cmd += [f"--recipe_arg={x}" for x in a.recipe_args]
     cmd += [f"--gpt2_batches={','.join(map(str, a.gpt2_batches))}"]
     cmd += [f"--llama_batches={','.join(map(str, a.llama_batches))}"]
-    cmd += [f"--test_paths={a.test_paths}"]
+    cmd += [f"--test_paths={a.test_paths}", f"--test_workers={a.test_workers}"]
     log = (a.work / f"{name}.log").open("w")
     t0 = time.perf_counter()
     rows, status = [], "ok"
@@ -424,6 +427,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gpt2_batches", type=batches, default=(1, 64), help="decoding batch sizes")
     ap.add_argument("--llama_batches", type=batches, default=(1, 64), help="decoding batch sizes")
     ap.add_argument("--test_paths", default="tests/models tests/decode tests/train", help="what tests runs")
+    ap.add_argument("--test_workers", type=int, default=12, help="pytest-xdist workers sharing the GPU")
     ap.add_argument("--limit", action="append", default=[], help="PART=SECONDS: another time limit")
     ap.add_argument("--work", type=Path, default=Path("/tmp/flaxgpt_gpu_lease"), help="data, runs, logs")
     ap.add_argument("--part", help=argparse.SUPPRESS)

@@ -39,7 +39,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
 def test_a_part_out_of_time_is_one_row_and_leaves_nothing_running(tmp_path, monkeypatch):
     a = lease.main.__globals__["argparse"].Namespace(
         out=tmp_path, work=tmp_path, dry_run=True, nanogpt_model=tmp_path / "x.py", recipe_args=[],
-        gpt2_batches=(1,), llama_batches=(1,), test_paths="tests",
+        gpt2_batches=(1,), llama_batches=(1,), test_paths="tests", test_workers=2,
     )  # fmt: skip
     # a part whose process starts a child that would outlive it
     script = tmp_path / "sleeper.py"

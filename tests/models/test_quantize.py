@@ -51,6 +51,29 @@ def test_int8_rows_error_bound():
     assert np.all(back[3] == 0)  # an all-zero row stays zero
 
 
+@pytest.mark.parametrize("mode", ["int8", "bf16"])
+def test_weights_on_a_device_quantize_there_to_the_host_values(mode):
+    """A weight already on a device is quantized by one jitted program (an H100 quantizes an 8B
+    model in seconds, not minutes of host copies): the host path's values, for Dense kernels
+    (transposed), rows and expert stacks, up to division's rounding (XLA's float32 division may be
+    an ulp off numpy's: a scale by an ulp, an int8 value by one step where w / scale is a half)."""
+    rs = np.random.RandomState(1)
+    scales = np.array([1e-3, 1, 10, 0, 5, 1e2, 3], np.float32)
+    kernel = rs.randn(9, 7).astype(np.float32) * scales  # [K, N]: columns are output channels
+    stack = rs.randn(2, 9, 7).astype(np.float32) * scales
+    tree = lambda kernel, stack: {"d": {"kernel": kernel}, "e": stack}  # noqa: E731
+    host = quantize.quantize_tree(tree(kernel, stack), mode, stacked=("e",))
+    dev = quantize.quantize_tree(tree(jnp.asarray(kernel), jnp.asarray(stack)), mode, stacked=("e",))
+    rows_host = quantize.quantize_rows(kernel.T, mode)
+    rows_dev = quantize.quantize_rows(jnp.asarray(kernel.T), mode)
+    for a, b in [(host["d"]["kernel"], dev["d"]["kernel"]), (host["e"], dev["e"]), (rows_host, rows_dev)]:
+        assert a.w.dtype == b.w.dtype and a.w.shape == b.w.shape
+        wa, wb = np.asarray(a.w, np.float32), np.asarray(b.w, np.float32)
+        assert np.abs(wa - wb).max() <= (1 if mode == "int8" else 0) and (wa != wb).mean() < 0.05
+        np.testing.assert_allclose(np.asarray(a.scale), np.asarray(b.scale), rtol=2.4e-7, atol=0)
+    assert host["d"]["kernel"].w.shape == (7, 9)
+
+
 def test_unknown_mode_is_one_line_error():
     with pytest.raises(ValueError, match=r"unknown quantization mode 'int4'; choose one of int8, bf16"):
         quantize_params(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8), {}, "int4")

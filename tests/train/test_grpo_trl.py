@@ -81,6 +81,10 @@ def trl_side(directory, tmp_path, options, rank):
     import peft
     import torch
     import transformers
+
+    # the reference itself: installed by the dev extra (CI); an accelerator image without it skips
+    pytest.importorskip("trl", reason="TRL, the reference, is not installed (pip install -e '.[dev]')")
+    pytest.importorskip("datasets", reason="datasets (TRL's input) is not installed")
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
