@@ -5,9 +5,10 @@
     python benchmarks/gpu_lease.py --parts recipe,decode_gpt2 --out $OUT
 
 Each part runs in its own process group under its own time limit (a part that fails or runs out of
-time costs its rows only). PARTS holds the limits, from what each part took on an H100 on 2026-11-26;
-GROUPS the parts that fit one device call of 10 minutes (`--parts train`, then `decode`, then `tests`:
-all three need more device time than one 15-minute session has):
+time costs its rows only). PARTS holds the limits, from what each part took on 2026-11-26 and -27;
+GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 15-minute session on
+2026-11-27 (H200): `--parts decode_llama8b,tests,hf_generate` (465 s), then at once on the warm machine
+`decode_gpt2`, `recipe,nanogpt` and `step` (58, 89 and 31 s): 797 s of device time with the start:
 - recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
   metrics.jsonl (the trainer's own figures; steps after the first)
 - step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu`), GPT-2 124M, T 1024,
@@ -19,11 +20,12 @@ all three need more device time than one 15-minute session has):
   int8 8 GB), 128 new tokens
 - nanogpt: nanoGPT's model.py (torch.compile, bf16 autocast, fused AdamW, clip 1.0), batch 16; its file
   is carried to the lease (--nanogpt_model), never committed
-- hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache with
-  torch.compile)
+- hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache,
+  which generate compiles itself on a GPU)
 - tests: `pytest tests/models tests/decode tests/train` (--test_paths) on the GPU (last: it takes whatever
   time is left); tests marked `devices(8)` skip on one GPU
-MFU is against 989 TFLOP/s (H100 SXM dense bf16) with the trainer's FLOPs per token. Results: a
+MFU is against 989 TFLOP/s (H100 SXM / H200 dense bf16) with the trainer's FLOPs per token; the
+decoding rows' HBM percentage against the card's bandwidth (BANDWIDTH, by device kind). Results: a
 table on stdout, every row as JSON in OUT/lease.json, the parts' logs in OUT/logs.txt, the test run's
 output in OUT/tests_output.txt (data, runs and logs under --work).
 """
@@ -40,24 +42,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PEAK = 989e12
-# part -> seconds it may take (the whole run: about 9 minutes on one H100)
-# part -> seconds it may take on one H100, from the 2026-11-26 lease (compiling included)
+PEAK = 989e12  # dense bf16 FLOP/s, H100 SXM and H200 alike
+# HBM bytes/s by device kind (the percentages of the decoding rows); the lease may give either card
+BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
+# part -> seconds it may take on one H100 / H200 (compiling included), from the 2026-11-26 and -27 leases
 PARTS = {
     "recipe": 90,
     "step": 60,
     "nanogpt": 70,
     "decode_gpt2": 100,
     "decode_gpt2_plain": 100,
-    "decode_llama8b": 240,
-    "hf_generate": 120,
-    "tests": 480,
+    "decode_llama8b": 170,  # 137 s on 2026-11-27 (weights quantized on the device: 3 s)
+    "hf_generate": 150,
+    "tests": 270,  # 204 s on 2026-11-27 with 12 workers and no autotuning
 }
-# what one call of at most 10 minutes holds; all of it needs more than one session's 15 device minutes
+# what one call of at most 10 minutes holds
 GROUPS = {
-    "train": ("recipe", "step", "nanogpt"),  # ~4 min
-    "decode": ("decode_gpt2", "decode_llama8b", "hf_generate"),  # ~8 min
-    "tests": ("tests",),  # ~8 min
+    "train": ("recipe", "step", "nanogpt"),  # ~3 min
+    "decode": ("decode_gpt2", "decode_llama8b", "hf_generate"),  # ~5 min
+    "tests": ("tests",),  # ~3.5 min
 }
 
 
@@ -178,6 +181,8 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
 
+    device = jax.devices()[0].device_kind
+    bandwidth = a.bandwidth or next((b for k, b in BANDWIDTH.items() if k in device), 3.35e12)
     progress(f"{label}: random weights")
     params = _random_params(cfg)
     prompt_len = 16
@@ -213,7 +218,8 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
                 what=f"decode {label} {mode} batch {B}",
                 tokens_per_s=round(B * new_tokens / best),
                 ms_per_token=round(1000 * per_step, 3),
-                hbm_pct=round(100 * weights / per_step / a.bandwidth, 1),
+                hbm_pct=round(100 * weights / per_step / bandwidth, 1),
+                device=device,
                 weights_gb=round(weights / 1e9, 2),
                 first_run_s=round(compile_s, 1),
             )
@@ -239,7 +245,9 @@ def part_tests(a) -> None:
         # the tests' programs are small and many: XLA's GPU autotuning (timing each matmul's candidate
         # kernels while compiling) cost more than they run; results do not depend on it
         flags = env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
-        env.update(JAX_PLATFORMS="cuda", XLA_FLAGS=flags.strip())
+        # the tests' own processes (train.py, python -m flaxgpt...) import this checkout, installed or not
+        path = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH")) if x)
+        env.update(JAX_PLATFORMS="cuda", XLA_FLAGS=flags.strip(), PYTHONPATH=path)
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *folders]
     cmd += ["-k", "beam_size_one"] if a.dry_run else ["-n", str(a.test_workers), "--timeout=120"]
     with (a.out / "tests_output.txt").open("w") as f:  # written as it runs: a cut-off run keeps its part
@@ -324,9 +332,9 @@ def part_hf_generate(a) -> None:
     else:
         conf, batches, n = transformers.GPT2Config(), (1, 64), 256
     model = transformers.GPT2LMHeadModel(conf).to(dev, torch.bfloat16 if cuda else torch.float32).eval()
-    for cache in ("dynamic",) if a.dry_run else ("dynamic", "static"):
-        if cache == "static":
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    for cache in ("dynamic", "static"):
+        # a static cache on a GPU: generate compiles the forward itself (torch.compile, CUDA graphs);
+        # wrapping it in torch.compile too failed on 2026-11-27 (a CUDA graph's output overwritten)
         for B in batches if cache == "dynamic" else batches[:1]:
             ids = torch.randint(0, conf.vocab_size, (B, 16), device=dev)
             kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
@@ -344,7 +352,7 @@ def part_hf_generate(a) -> None:
             emit(
                 part="hf_generate",
                 what=f"transformers {transformers.__version__} generate GPT-2 bf16 batch {B}, "
-                f"{cache} cache" + (" + torch.compile" if cache == "static" else ""),
+                f"{cache} cache" + (" (generate's own torch.compile)" if cache == "static" and cuda else ""),
                 tokens_per_s=round(B * n / dt),
                 ms_per_token=round(1000 * dt / n, 3),
             )
@@ -421,7 +429,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--dry_run", action="store_true", help="tiny shapes on the CPU: checks every part runs")
     ap.add_argument("--nanogpt_model", type=Path, default=ROOT / ".lease/nanogpt_model.py")
-    ap.add_argument("--bandwidth", type=float, default=3.35e12, help="HBM bytes/s (H100 SXM)")
+    ap.add_argument("--bandwidth", type=float, default=0, help="HBM bytes/s (0: by device kind, BANDWIDTH)")
     ap.add_argument("--recipe_arg", dest="recipe_args", action="append", default=[])
     batches = lambda text: tuple(int(b) for b in text.split(","))  # noqa: E731
     ap.add_argument("--gpt2_batches", type=batches, default=(1, 64), help="decoding batch sizes")

@@ -114,6 +114,11 @@ def attend(
             return pallas_attention.causal_attention(q_BTHK, k_BSHK, v_BSHK, segment_ids_BT, window, softcap)
     if impl == "cudnn" and fused_ok and not softcap:
         causal_only = is_causal and segment_ids_BT is None and not window
+        if mask_BHTS is not None and not causal_only:
+            # cuDNN takes the mask as a bias with every query's row: a padding mask [B, 1, 1, S]
+            # (the encoder's, cross-attention's) is spread over the T queries
+            T, S = q_BTHK.shape[1], k_BSHK.shape[1]
+            mask_BHTS = jnp.broadcast_to(mask_BHTS, mask_BHTS.shape[:2] + (T, S))
         return jax.nn.dot_product_attention(
             q_BTHK,
             k_BSHK,

@@ -89,12 +89,27 @@ def test_cudnn_branch_asks_for_causal_and_equals_xla(fake_cudnn):
     got = attend(q, k, v, tril(64), impl="cudnn", is_causal=True)
     assert fake_cudnn == [{"mask": None, "is_causal": True}]
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **BF16_TOL)
-    # a padding mask goes to the kernel as an explicit mask
+    # a padding mask [B, 1, 1, S] goes to the kernel as an explicit mask with every query's row
     pad = jnp.arange(64)[None, None, None, :] < jnp.array([40, 64])[:, None, None, None]
     got = attend(q, k, v, pad, impl="cudnn")
     want = attend(q, k, v, pad, impl="xla")
-    assert fake_cudnn[-1]["mask"] is pad and fake_cudnn[-1]["is_causal"] is False
+    assert fake_cudnn[-1]["is_causal"] is False and fake_cudnn[-1]["mask"].shape == (2, 1, 64, 64)
+    assert (fake_cudnn[-1]["mask"] == jnp.broadcast_to(pad, (2, 1, 64, 64))).all()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **BF16_TOL)
+
+
+def test_cudnn_takes_padding_masks_of_encoders_and_cross_attention():
+    """jax's own cuDNN entry point (traced, not run: its shape checks are Python) accepts what the
+    encoder-decoder hands it: a padding mask [B, 1, 1, S] over self-attention and over a source of
+    another length (cross-attention). On the 2026-11-27 GPU run wmt14_ende_base failed here ("Bias
+    must have same seq length as QKV, got 1 and 8")."""
+    pytest.importorskip("jax_cuda12_plugin", reason="jax's cuDNN attention traces only with the CUDA plugin")
+    q = jax.ShapeDtypeStruct((2, 8, 4, 16), jnp.bfloat16)
+    for S in (8, 6):
+        kv = jax.ShapeDtypeStruct((2, S, 4, 16), jnp.bfloat16)
+        pad = jnp.arange(S)[None, None, None, :] < jnp.array([5, S])[:, None, None, None]
+        out = jax.eval_shape(lambda q, k, v, pad=pad: attend(q, k, v, pad, impl="cudnn"), q, kv, kv)
+        assert out.shape == (2, 8, 4, 16)
 
 
 def small_gpt(impl, T=128, **kw):

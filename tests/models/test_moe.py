@@ -265,6 +265,7 @@ def test_presets_total_and_active_parameters_equal_transformers(preset, model_ty
     assert "active per token" in summary.format_summary(s)
 
 
+@pytest.mark.devices(8)
 def test_expert_parallel_on_8_devices_equals_one_device():
     """Experts split over an "expert" mesh axis of 4 (2 each), parameters over fsdp 2: the loss (with
     the router losses) and every gradient equal one device's; an axis that does not divide the

@@ -112,7 +112,8 @@ def test_train_checks_before_writing_anything(tmp_path):
 
 def test_train_cli_broken_recipe_is_one_line(tmp_path):
     (tmp_path / "bad.py").write_text("def get_config():\n    return None\n")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x)  # keep what is there
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
     r = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), f"--config={tmp_path}/bad.py", "--config.seed=3"],
         cwd=tmp_path,
