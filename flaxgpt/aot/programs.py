@@ -278,22 +278,31 @@ def serve_programs(
 
 def rollout_programs(config, mc, devices) -> list[Program]:
     """GRPO's rollouts (data.format = prompts, grpo.rollout = engine) as train.grpo_rollout runs them:
-    the engine's prefill (a whole window's prompt) and generate step on one device, batch_size slots
-    (a step's completions), a window of block_size, over the policy's weights: the parameters, or
-    with LoRA the base in lora.base_dtype and the adapters unmerged (models.lora.step_fn)."""
-    cfg, step, mesh, param_bytes = _decoding(mc, devices[:1])
-    if config.get("lora") and config.lora.rank:  # as GRPOOnlineTask: the same spec, base and dtype
-        c, one = config.lora, sharding.replicated(mesh)
+    the engine's prefill (a whole window's prompt) and generate step, batch_size slots (a step's
+    completions), a window of block_size, over the policy's weights: the parameters, or with LoRA the
+    base in lora.base_dtype and the adapters unmerged (models.lora.step_fn). Over the training mesh's
+    devices (GRPOOnlineTask._engine_over): the weights placed by SERVE_RULES, the slots by rows."""
+    n = len(devices)
+    lora_on = bool(config.get("lora") and config.lora.rank)
+    if n > 1 and len({d.process_index for d in devices}) > 1:
+        raise ValueError("grpo.rollout=engine runs over one host's devices: compile for a one-host target")
+    if n > 1 and lora_on and config.lora.base_dtype == "int8":
+        raise ValueError("grpo.rollout=engine over several devices takes a float32 or bfloat16 LoRA base")
+    cfg, step, mesh, param_bytes = _decoding(mc, devices)
+    if lora_on:  # as GRPOOnlineTask: the same spec, base and dtype
+        c, rep = config.lora, sharding.replicated(mesh)
         spec = lora.LoraSpec.make(cfg, c.rank, c.alpha, c.dropout, c.targets)
-        base = _abstract(lora.quantize_base(nn.unbox(gpt.abstract_params(cfg)), c.base_dtype), one)
-        adapters = _abstract(jax.eval_shape(lambda: lora.init_adapters(cfg, spec, jax.random.key(0))), one)
+        boxed = gpt.abstract_params(cfg)
+        base = lora.quantize_base(nn.unbox(boxed), c.base_dtype)
+        serve = sharding.param_shardings(boxed, mesh, sharding.SERVE_RULES)
+        base = _abstract(base, lora.base_shardings(serve, base))
+        adapters = _abstract(jax.eval_shape(lambda: lora.init_adapters(cfg, spec, jax.random.key(0))), rep)
         step, param_bytes = lora.step_fn(cfg, spec, base, adapters), per_device_bytes((base, adapters))
     W, chunk = cfg.block_size, min(config.grpo.max_completion_length, grpo_rollout.CHUNK)
     progs = serve_programs(
-        mc, devices[:1], slots=config.batch_size, max_len=W, chunk=chunk, prefill_chunk=W,
+        mc, devices, slots=config.batch_size, max_len=W, chunk=chunk, prefill_chunk=W,
         decoding=(cfg, step, mesh, param_bytes),
     )[:2]  # fmt: skip
-    lora_on = config.get("lora") and config.lora.rank
     what = f"LoRA r {config.lora.rank} over a {config.lora.base_dtype} base" if lora_on else "the parameters"
     return [
         dataclasses.replace(p, name=p.name.replace("serve.", "rollout."), note=f"{p.note}; {what}")

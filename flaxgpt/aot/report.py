@@ -178,7 +178,8 @@ def grpo_budget(rows: list[Row]) -> Row | None:
     arguments less the weights); while the engine decodes, it also holds what the train step keeps
     between steps (its arguments less the weights the engine reads: optimizer state, reference
     weights, the batch). On one device the engine reads the training weights themselves; over several
-    the engine's are a copy on one device (the rollouts run on one), so they count in full."""
+    it reads a copy placed by SERVE_RULES over the same devices (LoRA's base kept; full fine-tuning's
+    parameters placed at each rollout), so they count in full."""
     by = {r.program: r for r in rows}
     train, gen = by.get("train"), by.get("rollout.generate")
     if train is None or gen is None:

@@ -8,7 +8,8 @@ before a matrix-vector product, so without the kernel compact weights decode slo
 float32 ones. The kernel is compiled once with the system's C++ compiler into
 $FLAXGPT_CACHE (default ~/.cache/flaxgpt) on first use. Without a compiler, on other
 backends, for many rows (prefill, where the step is compute-bound) or with
-FLAXGPT_QMATMUL=xla, the same product is the XLA dequantize-then-dot. "Other backends" means the
+FLAXGPT_QMATMUL=xla, or a program traced over several devices (XLA cannot split a custom call), the
+same product is the XLA dequantize-then-dot. "Other backends" means the
 devices the program is traced for (kernels.target: the mesh context's, else this host's), so a
 program compiled ahead of time for a TPU or a GPU on this CPU holds no CPU custom call.
 """
@@ -84,6 +85,11 @@ def kernel_available() -> bool:
     return True
 
 
+def _one_device() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
 def dequantize(w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     return w_NK.astype(jnp.float32) * scale_N[:, None]
 
@@ -105,7 +111,9 @@ def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
         )
         return y_MN * scale_N
     x_MK = x_MK.astype(jnp.float32)
-    if M <= MAX_KERNEL_ROWS and kernel_available():  # traced for a CPU (above: not)
+    # traced for a CPU (above: not), and for one device: XLA cannot split a custom call over a mesh
+    # (an engine over 4 CPU devices with int8 weights crashed inside it), so there XLA's dot
+    if M <= MAX_KERNEL_ROWS and _one_device() and kernel_available():
         out = jax.ShapeDtypeStruct((M, N), jnp.float32)
         return jax.ffi.ffi_call(f"flaxgpt_{name}_matmul", out)(x_MK, w_NK, scale_N.astype(jnp.float32))
     return jax.lax.dot_general(x_MK, w_NK.astype(jnp.float32), dims) * scale_N

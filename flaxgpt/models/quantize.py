@@ -22,9 +22,8 @@ params. A stack of expert weights is no Dense: the MoE layer (models/moe.py) rea
 stack itself. Nothing here knows the GPT: `gpt.quantize_params` picks what to quantize.
 Decoding then reads 1 (int8) or 2 (bf16) bytes per weight instead of 4.
 
-A weight on one device is quantized there (one jitted program, the host path's arithmetic, its
-values up to float32 division's rounding); host arrays and weights split over a mesh are quantized
-on the host, a weight at a time.
+A weight on one device is quantized there (one jitted program, the host path's values); host
+arrays and weights split over a mesh are quantized on the host, a weight at a time.
 
 Given jax.ShapeDtypeStructs (gpt.abstract_params, with or without shardings) the same functions
 build the quantized tree's layout without computing anything: `gpt.quantize_params(config,
@@ -143,20 +142,24 @@ def _on_one_device(w, sharding) -> bool:
 
 @functools.partial(jax.jit, static_argnames=("mode", "axis", "transpose"))
 def _symmetric_on_device(w, mode: str, axis: int, transpose: bool = False):
-    """_symmetric's arithmetic on the weight's own device: a GPU quantizes an 8B model's weights in
-    seconds, where copying each to the host and back took minutes on an H100. The values are the
-    host's up to float32 division's rounding (XLA's division may differ by an ulp: a scale 1 ulp
-    off, or an int8 value one step off where w / scale falls on a half). `transpose` quantizes w.T
-    (a Dense kernel [K, N] as rows [N, K]) without a host copy."""
+    """_symmetric on the weight's own device, the same values: a GPU quantizes an 8B model's weights
+    in seconds, where copying each to the host and back took minutes on an H100. `transpose`
+    quantizes w.T (a Dense kernel [K, N] as rows [N, K]) without a host copy."""
     w = w.astype(jnp.float32)
     w = w.T if transpose else w
     scale_shape = w.shape[:axis] + w.shape[axis + 1 :]
     if mode == "bf16":
         return w.astype(jnp.bfloat16), jnp.ones(scale_shape, jnp.float32)
     absmax = jnp.abs(w).max(axis=axis)
-    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0).astype(jnp.float32)
-    q = jnp.clip(jnp.rint(w / jnp.expand_dims(scale, axis)), -127, 127).astype(jnp.int8)
-    return q, scale
+    scale = jnp.where(absmax > 0, _divide(absmax, jnp.full(absmax.shape, 127.0, jnp.float32)), 1.0)
+    q = _divide(w, jnp.broadcast_to(jnp.expand_dims(scale, axis), w.shape))
+    return jnp.clip(jnp.rint(q), -127, 127).astype(jnp.int8), scale
+
+
+def _divide(a, b):
+    """a / b rounded as numpy rounds it: XLA turns a division by a broadcast (or a constant) into a
+    multiplication by its reciprocal, an ulp off; a materialized divisor keeps the division."""
+    return a / jax.lax.optimization_barrier(b)
 
 
 def abstract_rows(w_NK: jax.ShapeDtypeStruct, mode: str) -> QuantizedWeight:

@@ -104,6 +104,7 @@ class GRPOOnlineTask(LMTask):
                 "grpo.rollout=generate samples from the base with the adapters merged, which an int8 "
                 "base (lora.base_dtype) cannot hold: use grpo.rollout=engine (adapters unmerged)"
             )
+        self.base_dtype = config.lora.base_dtype if self.lora is not None else None
         self.G, self.num_iterations = int(g.num_generations), int(g.num_iterations)
         self.max_new, self.temperature, self.top_p = int(g.max_completion_length), g.temperature, g.top_p
         self.scale, self.eval_prompts = g.scale_rewards, g.eval_prompts
@@ -146,7 +147,42 @@ class GRPOOnlineTask(LMTask):
         ):
             ref_shardings = sharding.param_shardings(gpt.abstract_params(self.model_config), mesh)
             self.reference = jax.device_put(self.reference, ref_shardings)
+        if self.engine is not None and mesh.size > 1:
+            self._engine_over(mesh, frozen)
         return frozen, shardings
+
+    def _engine_over(self, mesh, frozen) -> None:
+        """The engine over the training mesh's devices, on a (data 1, fsdp n) mesh of them as serve.py
+        --mesh runs: its weights placed by SERVE_RULES (MLP and vocabulary split, so a decoding step
+        all-gathers no weight), LoRA's frozen base once (a second copy of it over the devices), the
+        trained weights at each rollout (`_engine_weights`)."""
+        if jax.process_count() > 1:
+            raise ValueError(
+                "grpo.rollout=engine runs over one host's devices; this run has "
+                f"{jax.process_count()} processes: train on one host, or use grpo.rollout=generate"
+            )
+        if self.lora is not None and self.base_dtype == "int8":
+            raise ValueError(
+                "grpo.rollout=engine over several devices takes a float32 or bfloat16 LoRA base for now "
+                "(an int8 one crashed XLA's CPU compiler in testing): set --config.lora.base_dtype="
+                "bfloat16, or train on one device"
+            )
+        emesh = sharding.make_mesh(1, mesh.size, list(mesh.devices.flat))
+        self.engine.mesh = emesh
+        boxed = gpt.abstract_params(self.model_config)
+        self._serve_shardings = sharding.param_shardings(boxed, emesh, sharding.SERVE_RULES)
+        self._engine_base = None
+        if frozen is not None and not isinstance(jax.tree.leaves(frozen)[0], jax.ShapeDtypeStruct):
+            self._engine_base = jax.device_put(frozen, lora.base_shardings(self._serve_shardings, frozen))
+
+    def _engine_weights(self, params, frozen):
+        """The engine's weights: the parameters, or LoRA's (base, adapters); over several devices
+        placed for the engine's mesh (the adapters, small, whole on every device)."""
+        if getattr(self.engine, "mesh", None) is None:
+            return params if self.lora is None else (frozen, params)
+        if self.lora is None:
+            return jax.device_put(params, self._serve_shardings)
+        return self._engine_base, jax.device_put(params, sharding.replicated(self.engine.mesh))
 
     def batch_shapes(self, n_rows: int) -> dict:
         T = self.model_config.block_size
@@ -183,7 +219,7 @@ class GRPOOnlineTask(LMTask):
         completion n drawn with the key fold_in(key(seed), n) by the engine or by generate alike."""
         ids = [r["ids"] for r in rows]
         if self.engine is not None:
-            weights = params if self.lora is None else (frozen, params)
+            weights = self._engine_weights(params, frozen)
             prompt_ids, completion_ids = self.engine.sample(weights, ids, group_size, seed=seed)
         else:
             prompt_ids, completion_ids = grpo_task.sample_groups(

@@ -16,6 +16,10 @@ its G completions take that one-row cache into G slots, each first token drawn f
 logits with its own key: `Engine.insert_group` (one call) when G slots are free, else
 `Engine.fork` + `insert` one at a time. Nothing waits on the device until a `generate` call ends.
 
+Over several devices (a training mesh of one host) the engine runs over them all (Engine(mesh=...):
+the slots split by rows, the weights as the trainer placed them for it, by sharding.SERVE_RULES) and
+each completion takes its slot by fork + insert.
+
 Keys: completion n (prompt n // G's) decodes with RowSampling(seed=s, stream=n), the key
 fold_in(key(s), n) that `generate(rng=key(s))` gives its row n, so the tokens are those of
 grpo_task.sample_groups(..., rng=jax.random.key(s)) (up to float rounding of the other shapes: the
@@ -53,8 +57,10 @@ class EngineRollouts:
         max_len: int,
         lora_spec: lora.LoraSpec | None = None,
         chunk: int | None = None,
+        mesh=None,
     ):
         self.config, self.sampling, self.lora = model_config, sampling, lora_spec
+        self.mesh = mesh  # several devices: Engine(mesh=...), weights placed by SERVE_RULES on it
         self.max_new, self.slots, self.max_len = int(max_new_tokens), slots, max_len
         self.chunk = chunk or min(self.max_new, CHUNK)
         # as generate: greedy rows take the argmax alone, sampled ones the top 256 candidates
@@ -72,7 +78,9 @@ class EngineRollouts:
         step_fn = self.step_fn(weights)
         if self.engine is None:
             make_cache = lambda b: KVCache.for_config(self.config, b, self.max_len)  # noqa: E731
-            self.engine = Engine(step_fn, make_cache, slots=self.slots, chunk=self.chunk, max_k=self.max_k)
+            self.engine = Engine(
+                step_fn, make_cache, slots=self.slots, chunk=self.chunk, max_k=self.max_k, mesh=self.mesh
+            )
         self.engine.step_fn = step_fn  # a jit argument: this step's weights, no recompile
         return self.engine
 
@@ -92,7 +100,8 @@ class EngineRollouts:
         while waiting or owner:
             while waiting and free:  # no host wait here: prefill, fork and insert queue on the device
                 n = waiting[0]
-                if G > 1 and n % G == 0 and len(free) >= G:  # the whole group: one prefill, one insert
+                # the whole group: one prefill, one insert (one device: insert_group has no mesh program)
+                if G > 1 and n % G == 0 and len(free) >= G and self.mesh is None:
                     group = [waiting.popleft() for _ in range(G)]
                     slots = [free.pop() for _ in range(G)]
                     rows = [self._rows(m, seed) for m in group]

@@ -1,8 +1,11 @@
 """flaxgpt aot on a GRPO recipe (configs/grpo_toy.py, tiny): the rollout's engine programs (prefill,
-generate for batch_size slots) compile and are reported, over the policy's parameters or, with LoRA,
-the adapters unmerged over an int8 base; with the train step, their memory on one device together."""
+generate for batch_size slots) compile and are reported, over the training mesh's devices, over the
+policy's parameters or, with LoRA, the adapters unmerged over a bfloat16 base (an int8 one is refused
+over several devices, as the trainer refuses it); with the train step, their memory on each device."""
 
 import dataclasses
+
+import pytest
 
 from configs import grpo_toy
 from flaxgpt.aot import compile as aot
@@ -27,8 +30,9 @@ def test_a_grpo_recipe_reports_its_rollout_programs():
     assert [r.program for r in rows] == names
     train, _, full, budget = rows
     assert full.parameters > 0 and full.total > full.parameters and "16 slots" in full.note
-    # each phase holds the other's kept state; training on the 8 CPU devices, the engine (on one)
-    # holds its own copy of the weights
+    # each phase holds the other's kept state; training on the 8 CPU devices, the engine (over the
+    # same 8) holds its own copy of the weights, placed by SERVE_RULES, and its slots split by rows
+    assert "over 8 devices" in full.note
     assert train.devices == 8 and budget.devices == 8
     assert budget.total == max(train.total + full.arguments, full.total + train.arguments)
     assert budget.total > max(train.total, full.total) and budget.fits()
@@ -36,11 +40,13 @@ def test_a_grpo_recipe_reports_its_rollout_programs():
     assert one.total == max(
         train.total + full.arguments - full.parameters, full.total + train.arguments - full.parameters
     )
-    over = {"lora__rank": 4, "lora__alpha": 8.0, "lora__base_dtype": "int8"}
+    over = {"lora__rank": 4, "lora__alpha": 8.0, "lora__base_dtype": "bfloat16"}
     rows, _ = aot.run(toy(**over), target, ("rollout",), print_fn=lambda *_: None)
     assert [r.program for r in rows] == ["rollout.prefill", "rollout.generate"]
     qlora = rows[1]
-    assert "int8 base" in qlora.note and qlora.parameters < full.parameters  # int8 blocks, float32 adapters
+    assert "bfloat16 base" in qlora.note and qlora.parameters < full.parameters  # bf16 base, float32 adapters
+    with pytest.raises(SystemExit, match="takes a float32 or bfloat16 LoRA base"):
+        aot.run(toy(**{**over, "lora__base_dtype": "int8"}), target, ("rollout",), print_fn=lambda *_: None)
     generate_only = toy(grpo__rollout="generate")  # generate's rollouts: no engine program
     assert [
         r.program for r in aot.run(generate_only, target, ("train", "rollout"), print_fn=lambda *_: None)[0]

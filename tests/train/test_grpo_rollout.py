@@ -1,11 +1,12 @@
 """GRPO's rollouts by the serving engine (train/grpo_rollout.py): the tokens of decode.sampling.generate
 for the same seed (sampled, top-p, EOS; prompts of different lengths; fewer slots than completions),
 one prefill a prompt, new weights without a recompile; LoRA's adapters unmerged equal to the merged
-model's rollouts."""
+model's rollouts; the same tokens from an engine over 4 devices."""
 
 import jax
 import pytest
 
+from flaxgpt import sharding
 from flaxgpt.decode import sampling
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
@@ -65,3 +66,27 @@ def test_lora_unmerged_rollouts_are_the_merged_models(params):
     got = rollouts.sample((params, adapters), PROMPTS, G, seed=7)[1]
     assert got == by_generate(lora.merge(CFG, spec, params, adapters), 7)[1]
     assert got != by_generate(params, 7)[1]  # the adapters change what is sampled
+
+
+@pytest.mark.devices(4)
+def test_rollouts_over_a_mesh_are_one_devices(params):
+    """The engine over 4 devices (the trainer's for a mesh: slots split by rows, the weights placed
+    by SERVE_RULES, each completion by fork + insert) samples the one-device engine's tokens."""
+    mesh = sharding.make_mesh(1, 4, jax.devices()[:4])
+    placed = jax.device_put(
+        params, sharding.param_shardings(gpt.abstract_params(CFG), mesh, sharding.SERVE_RULES)
+    )
+    one = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=8, max_len=16)
+    four = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=8, max_len=16, mesh=mesh)
+    assert four.sample(placed, PROMPTS, G, seed=7) == one.sample(params, PROMPTS, G, seed=7)
+    assert four.engine.state.cache.k[0].sharding.spec[0] is not None  # the slots split, not copied
+    # LoRA: the base placed as the trainer places it for the engine, the adapters whole on each device
+    spec = lora.LoraSpec.make(CFG, rank=4, alpha=8.0)
+    leaves, tree = jax.tree.flatten(lora.init_adapters(CFG, spec, jax.random.key(2)))
+    adapters = tree.unflatten([x + 0.3 for x in leaves])
+    kw = dict(max_new_tokens=MAX_NEW, slots=8, max_len=16, lora_spec=spec)
+    want = EngineRollouts(CFG, SETTINGS, **kw).sample((params, adapters), PROMPTS, G, seed=9)
+    on_mesh = jax.device_put(adapters, sharding.replicated(mesh))
+    assert (
+        EngineRollouts(CFG, SETTINGS, mesh=mesh, **kw).sample((placed, on_mesh), PROMPTS, G, seed=9) == want
+    )

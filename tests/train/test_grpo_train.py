@@ -65,13 +65,13 @@ def toy_data(tmp_path) -> Path:
     return prep(tmp_path, [json.loads(x) for x in (tmp_path / "toy.jsonl").read_text().splitlines()])
 
 
-def tiny_run(config, data, out, **over):
+def tiny_run(config, data, out, devices: int = 1, **over):
     config.data.dir, config.out_dir = str(data), str(out)
     config.tensorboard = config.plot = False
     for key, value in over.items():
         section, _, name = key.rpartition(".")
         (config[section] if section else config)[name] = value
-    trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
+    trainer_lib.train(config, devices=jax.devices()[:devices], print_fn=lambda *a: None)
     return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -156,15 +156,19 @@ def test_qlora_with_beta_on_chat_prompts(tmp_path, llama_prompts):
     assert [x["step"] for x in lines if "val_reward" in x] == [0, 2]
 
 
-def test_full_fine_tuning_with_beta(tmp_path, llama_prompts):
-    """Full fine-tuning with beta > 0: the reference is a copy of init_from's weights (the policy's
-    start is donated to the train step), so the KL is 0 at the first step and > 0 after an update."""
+@pytest.mark.devices(4)
+def test_full_fine_tuning_with_beta_over_4_devices(tmp_path, llama_prompts):
+    """Full fine-tuning with beta > 0, FSDP over 4 devices with the engine's rollouts over the same 4
+    (the weights placed by SERVE_RULES for each rollout; before, a mesh of several devices failed at
+    the first rollout): the reference is a copy of init_from's weights (the policy's start is donated
+    to the train step), so the KL is 0 at the first step and > 0 after an update."""
     model, data = llama_prompts
     over = {
         "grpo.num_generations": 2, "batch_size": 4, "max_iters": 2, "eval_interval": 2, "grpo.beta": 0.04,
         "grpo.eval_prompts": 0, "grpo.reward_funcs": ("length=3",), "optim.learning_rate": 3e-2,
+        "mesh.data": 1, "mesh.fsdp": 4, "mesh.cpu_devices": 4,
     }  # fmt: skip
-    lines = tiny_run(llama_recipe(model), data, tmp_path / "run", **over)
+    lines = tiny_run(llama_recipe(model), data, tmp_path / "run", devices=4, **over)
     steps = [x for x in lines if "reward" in x]
     assert [x["step"] for x in steps] == [1, 2]
     assert steps[0]["kl"] == pytest.approx(0.0, abs=1e-6) and steps[1]["kl"] > 0
@@ -195,3 +199,21 @@ def test_bad_grpo_settings_fail_in_one_line_and_write_nothing(tmp_path):
             tiny_run(grpo_toy.get_config(), d, tmp_path / "never", **over)
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.devices(4)
+def test_engine_over_several_devices_refuses_an_int8_base():
+    """LoRA over an int8 base with the engine's rollouts over several devices: one line, before the
+    run's files are written (it crashed XLA's CPU compiler in testing; one device, or a float or
+    bfloat16 base, run)."""
+    from flaxgpt import sharding
+    from flaxgpt.models import gpt
+    from flaxgpt.train.grpo_online import GRPOOnlineTask
+
+    c = grpo_toy.get_config()
+    c.lora.rank, c.lora.base_dtype = 4, "int8"
+    mc = gpt.GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32)
+    task = GRPOOnlineTask.without_data(c, mc)
+    with pytest.raises(ValueError, match=r"^grpo.rollout=engine over several devices .*base_dtype") as e:
+        task.place_frozen(sharding.make_mesh(1, 4, jax.devices()[:4]))
+    assert "\n" not in str(e.value)
