@@ -112,7 +112,7 @@ def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
         return y_MN * scale_N
     x_MK = x_MK.astype(jnp.float32)
     # traced for a CPU (above: not), and for one device: XLA cannot split a custom call over a mesh
-    # (an engine over 4 CPU devices with int8 weights crashed inside it), so there XLA's dot
+    # (it would gather the whole weight onto every device to run it), so there XLA's dot
     if M <= MAX_KERNEL_ROWS and _one_device() and kernel_available():
         out = jax.ShapeDtypeStruct((M, N), jnp.float32)
         return jax.ffi.ffi_call(f"flaxgpt_{name}_matmul", out)(x_MK, w_NK, scale_N.astype(jnp.float32))
