@@ -164,7 +164,7 @@ class GRPOOnlineTask(LMTask):
         if self.lora is not None and self.base_dtype == "int8":
             raise ValueError(
                 "grpo.rollout=engine over several devices takes a float32 or bfloat16 LoRA base for now "
-                "(an int8 one crashed XLA's CPU compiler in testing): set --config.lora.base_dtype="
+                "(an int8 one crashed XLA on the CPU in testing): set --config.lora.base_dtype="
                 "bfloat16, or train on one device"
             )
         emesh = sharding.make_mesh(1, mesh.size, list(mesh.devices.flat))

@@ -204,7 +204,7 @@ def test_bad_grpo_settings_fail_in_one_line_and_write_nothing(tmp_path):
 @pytest.mark.devices(4)
 def test_engine_over_several_devices_refuses_an_int8_base():
     """LoRA over an int8 base with the engine's rollouts over several devices: one line, before the
-    run's files are written (it crashed XLA's CPU compiler in testing; one device, or a float or
+    run's files are written (it crashed XLA on the CPU in testing; one device, or a float or
     bfloat16 base, run)."""
     from flaxgpt import sharding
     from flaxgpt.models import gpt
