@@ -18,6 +18,9 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
   without (`graphs=False`)
 - decode_llama8b: the same for Llama-3-8B's shape, random bf16 weights made on the device (16 GB;
   int8 8 GB), 128 new tokens
+- decode_llama8b_reduce: its batch-1 rows with FLAXGPT_QMATMUL=reduce (the weight products as a multiply
+  and a row reduction reading int8 / bf16 directly, instead of XLA's GEMM fusion): an experiment for
+  the int8 target (int8 read 2.0 TB/s on the H200, bf16 3.47)
 - nanogpt: nanoGPT's model.py (torch.compile, bf16 autocast, fused AdamW, clip 1.0), batch 16; its file
   is carried to the lease (--nanogpt_model), never committed
 - hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache,
@@ -53,13 +56,14 @@ PARTS = {
     "decode_gpt2": 100,
     "decode_gpt2_plain": 100,
     "decode_llama8b": 170,  # 137 s on 2026-11-27 (weights quantized on the device: 3 s)
+    "decode_llama8b_reduce": 110,  # batch 1, FLAXGPT_QMATMUL=reduce: the int8 products as row reductions
     "hf_generate": 150,
     "tests": 270,  # 204 s on 2026-11-27 with 12 workers and no autotuning
 }
 # what one call of at most 10 minutes holds
 GROUPS = {
     "train": ("recipe", "step", "nanogpt"),  # ~3 min
-    "decode": ("decode_gpt2", "decode_llama8b", "hf_generate"),  # ~5 min
+    "decode": ("decode_gpt2", "decode_llama8b", "decode_llama8b_reduce", "hf_generate"),  # ~7 min
     "tests": ("tests",),  # ~3.5 min
 }
 
@@ -174,6 +178,9 @@ def _random_params(cfg):
 def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> None:
     graphs = a.part != "decode_gpt2_plain"
     label += "" if graphs else " (plain loop)"
+    if a.part.endswith("_reduce"):  # read when the products are traced (flaxgpt.kernels.qmatmul)
+        os.environ["FLAXGPT_QMATMUL"] = "reduce"
+        label += " (multiply-reduce products)"
     import jax
     import numpy as np
 
@@ -235,7 +242,8 @@ def part_decode(a, model: str) -> None:
         cfg = GPTConfig.preset("gpt2", dtype="bfloat16", pad_vocab_multiple=64)
         return _decode(a, cfg, "GPT-2 124M", a.gpt2_batches, ("bf16", "int8"), 256)
     cfg = GPTConfig.preset("llama-3-8b", dtype="bfloat16", block_size=1024)
-    return _decode(a, cfg, "Llama-3-8B shape", a.llama_batches, ("bf16", "int8"), 128)
+    batches = (1,) if a.part.endswith("_reduce") else a.llama_batches  # the experiment is for decoding rows
+    return _decode(a, cfg, "Llama-3-8B shape", batches, ("bf16", "int8"), 128)
 
 
 def part_tests(a) -> None:
@@ -448,6 +456,7 @@ def main(argv=None) -> int:
             "decode_gpt2": lambda: part_decode(a, "gpt2"),
             "decode_gpt2_plain": lambda: part_decode(a, "gpt2"),
             "decode_llama8b": lambda: part_decode(a, "llama8b"),
+            "decode_llama8b_reduce": lambda: part_decode(a, "llama8b"),
         }.get(a.part)
         (fn or (lambda: globals()[f"part_{a.part}"](a)))()
         return 0

@@ -9,9 +9,10 @@ float32 ones. The kernel is compiled once with the system's C++ compiler into
 $FLAXGPT_CACHE (default ~/.cache/flaxgpt) on first use. Without a compiler, on other
 backends, for many rows (prefill, where the step is compute-bound) or with
 FLAXGPT_QMATMUL=xla, or a program traced over several devices (XLA cannot split a custom call), the
-same product is the XLA dequantize-then-dot. "Other backends" means the
-devices the program is traced for (kernels.target: the mesh context's, else this host's), so a
-program compiled ahead of time for a TPU or a GPU on this CPU holds no CPU custom call.
+same product is the XLA dequantize-then-dot. FLAXGPT_QMATMUL=reduce is an experiment for GPUs and
+TPUs: up to REDUCE_ROWS rows (decoding) as a multiply and a row reduction over K instead of a dot.
+"Other backends" means the devices the program is traced for (kernels.target: the mesh context's, else
+this host's), so a program compiled ahead of time for a TPU or a GPU on this CPU holds no CPU custom call.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from flaxgpt.kernels import target
 
 MAX_KERNEL_ROWS = 64  # above this the product is compute-bound: XLA's dot is faster
+REDUCE_ROWS = 4  # FLAXGPT_QMATMUL=reduce (accelerators): decoding rows taken as a multiply-reduce
 _SOURCE = Path(__file__).parent / "csrc" / "qmatmul.cc"
 _TARGETS = {"int8": "FlaxgptInt8Matmul", "bfloat16": "FlaxgptBf16Matmul"}
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
@@ -101,6 +103,12 @@ def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     if name is None:
         raise ValueError(f"qmatmul weights must be int8 or bfloat16, got {w_NK.dtype}")
     dims = (((1,), (1,)), ((), ()))
+    if target.platform() != "cpu" and M <= REDUCE_ROWS and os.environ.get("FLAXGPT_QMATMUL", "") == "reduce":
+        # an experiment for decoding on GPUs (benchmarks/gpu_lease.py decode_llama8b_reduce): each output
+        # channel's row of w read once by a row reduction over K with the convert inside it, in place
+        # of XLA's GEMM fusion, whose int8 matrix-vector products read 2.0 TB/s on an H200 (of 4.8)
+        y_MN = jnp.sum(x_MK.astype(jnp.float32)[:, None, :] * w_NK.astype(jnp.float32)[None], axis=-1)
+        return y_MN * scale_N
     if target.platform() != "cpu":
         # TPU / GPU: the weights widened only to 16-bit activations' dtype (int8 is exact in
         # bfloat16), accumulated in float32, so a convert XLA does not fuse into the dot writes

@@ -79,6 +79,29 @@ def test_qmatmul_for_accelerators_widens_int8_to_the_activations_dtype(monkeypat
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_qmatmul_reduce_experiment_is_the_same_product(monkeypatch):
+    """FLAXGPT_QMATMUL=reduce (benchmarks/gpu_lease.py decode_llama8b_reduce): for a GPU's decoding rows
+    the product as a multiply and a reduction over K (no dot in the program), the same values; more
+    rows than REDUCE_ROWS keep the dot."""
+    import numpy as np
+
+    from flaxgpt.kernels import qmatmul, target
+
+    rs = np.random.RandomState(1)
+    w = jnp.asarray(rs.randint(-127, 128, (24, 40)), jnp.int8)
+    scale = jnp.asarray(rs.rand(24), jnp.float32)
+    monkeypatch.setattr(target, "platform", lambda: "gpu")
+    monkeypatch.setenv("FLAXGPT_QMATMUL", "reduce")
+    for rows, reduced in ((1, True), (qmatmul.REDUCE_ROWS + 1, False)):
+        x = jnp.asarray(rs.randn(rows, 40), jnp.bfloat16)
+        want = np.asarray(x, np.float32) @ (np.asarray(w, np.float32) * np.asarray(scale)[:, None]).T
+        text = str(jax.make_jaxpr(qmatmul.qmatmul)(x, w, scale))
+        assert ("dot_general" not in text) == reduced and ("reduce_sum" in text) == reduced
+        np.testing.assert_allclose(
+            np.asarray(jax.jit(qmatmul.qmatmul)(x, w, scale)), want, rtol=1e-5, atol=1e-4
+        )
+
+
 def test_int8_sampling_and_serving_compile_for_v5e_8(tmp_path):
     pytest.importorskip("libtpu", reason="the TPU targets need libtpu: pip install 'jax[tpu]==<jax version>'")
     from flaxgpt.aot import compile as aot
