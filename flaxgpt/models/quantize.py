@@ -126,10 +126,6 @@ def _symmetric(w, mode: str, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def _sharding(x):
-    return getattr(x, "sharding", None)
-
-
 def _on_one_device(w, sharding) -> bool:
     """A concrete array on one device, not placed over a mesh: quantized where it lives."""
     return (
@@ -140,13 +136,11 @@ def _on_one_device(w, sharding) -> bool:
     )
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "axis", "transpose"))
-def _symmetric_on_device(w, mode: str, axis: int, transpose: bool = False):
+@functools.partial(jax.jit, static_argnames=("mode", "axis"))
+def _symmetric_on_device(w, mode: str, axis: int):
     """_symmetric on the weight's own device, the same values: a GPU quantizes an 8B model's weights
-    in seconds, where copying each to the host and back took minutes on an H100. `transpose`
-    quantizes w.T (a Dense kernel [K, N] as rows [N, K]) without a host copy."""
+    in seconds, where copying each to the host and back took minutes on an H100."""
     w = w.astype(jnp.float32)
-    w = w.T if transpose else w
     scale_shape = w.shape[:axis] + w.shape[axis + 1 :]
     if mode == "bf16":
         return w.astype(jnp.bfloat16), jnp.ones(scale_shape, jnp.float32)
@@ -180,6 +174,8 @@ def _transposed(x):
         sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[::-1]))
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape[::-1], x.dtype, sharding=sharding), None
+    if _on_one_device(x, sharding):  # stays there: quantize_rows quantizes it on its device
+        return x.T, None
     return np.asarray(x).T, sharding if isinstance(sharding, NamedSharding) else None
 
 
@@ -195,8 +191,6 @@ def quantize_tree(params, mode: str, stacked: tuple = (), keep: tuple = ()):
                 out[name] = value
             elif isinstance(value, dict):
                 out[name] = visit(value)
-            elif name == "kernel" and np.ndim(value) == 2 and _on_one_device(value, _sharding(value)):
-                out[name] = QuantizedWeight(*_symmetric_on_device(value, mode, axis=1, transpose=True))
             elif name == "kernel" and np.ndim(value) == 2:
                 w_NK, sharding = _transposed(value)
                 out[name] = quantize_rows(w_NK, mode, sharding)
