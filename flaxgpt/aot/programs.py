@@ -284,10 +284,10 @@ def rollout_programs(config, mc, devices) -> list[Program]:
     devices (GRPOOnlineTask._engine_over): the weights placed by SERVE_RULES, the slots by rows."""
     n = len(devices)
     lora_on = bool(config.get("lora") and config.lora.rank)
-    if n > 1 and len({d.process_index for d in devices}) > 1:
-        raise ValueError("grpo.rollout=engine runs over one host's devices: compile for a one-host target")
-    if n > 1 and lora_on and config.lora.base_dtype == "int8":
-        raise ValueError("grpo.rollout=engine over several devices takes a float32 or bfloat16 LoRA base")
+    if n > 1:  # as the trainer refuses them
+        grpo_rollout.check_over_devices(
+            len({d.process_index for d in devices}), config.lora.base_dtype if lora_on else None
+        )
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
     if lora_on:  # as GRPOOnlineTask: the same spec, base and dtype
         c, rep = config.lora, sharding.replicated(mesh)

@@ -156,17 +156,7 @@ class GRPOOnlineTask(LMTask):
         --mesh runs: its weights placed by SERVE_RULES (MLP and vocabulary split, so a decoding step
         all-gathers no weight), LoRA's frozen base once (a second copy of it over the devices), the
         trained weights at each rollout (`_engine_weights`)."""
-        if jax.process_count() > 1:
-            raise ValueError(
-                "grpo.rollout=engine runs over one host's devices; this run has "
-                f"{jax.process_count()} processes: train on one host, or use grpo.rollout=generate"
-            )
-        if self.lora is not None and self.base_dtype == "int8":
-            raise ValueError(
-                "grpo.rollout=engine over several devices takes a float32 or bfloat16 LoRA base for now "
-                "(an int8 one crashed XLA on the CPU in testing): set --config.lora.base_dtype="
-                "bfloat16, or train on one device"
-            )
+        grpo_rollout.check_over_devices(jax.process_count(), self.base_dtype)
         emesh = sharding.make_mesh(1, mesh.size, list(mesh.devices.flat))
         self.engine.mesh = emesh
         boxed = gpt.abstract_params(self.model_config)
@@ -178,7 +168,7 @@ class GRPOOnlineTask(LMTask):
     def _engine_weights(self, params, frozen):
         """The engine's weights: the parameters, or LoRA's (base, adapters); over several devices
         placed for the engine's mesh (the adapters, small, whole on every device)."""
-        if getattr(self.engine, "mesh", None) is None:
+        if self.engine.mesh is None:
             return params if self.lora is None else (frozen, params)
         if self.lora is None:
             return jax.device_put(params, self._serve_shardings)
