@@ -19,9 +19,11 @@ flaxgpt: configs/grpo_toy.py turned to the model (trainer.train's path: flaxgpt 
 prompts, a Trainer, its rollout then its jitted step), grpo.rollout = engine and = generate as two
 sides; a step's wall time is between two `after_step` hooks (each after the step's update finished),
 with the run's logged rollout_time / update_time beside it. TRL: GRPOTrainer(use_cpu=True), a step's
-wall time between a callback's on_step_begin and on_step_end (its generation, rewards and update).
+wall time between a callback's on_step_begin and on_step_end (its generation, rewards and update),
+its rollout the time in `_generate_and_score_completions` (generation, rewards, advantages) and its
+update the rest of the step.
 Each side times --steps steps after --warmup untimed ones (compiles) and reports their median.
-Figures: seconds a step (TRL / flaxgpt: > 1 means flaxgpt is faster).
+Figures: seconds a step, a rollout and an update (TRL / flaxgpt: > 1 means flaxgpt is faster).
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def run_trl(a) -> dict:
     lora = peft.LoraConfig(
         r=a.lora_rank, lora_alpha=2.0 * a.lora_rank, lora_dropout=0.0, target_modules=TARGETS
     )
-    begins, ends, logged = {}, {}, []
+    begins, ends, logged, generation = {}, {}, [], {}
 
     class Timer(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -195,17 +197,27 @@ def run_trl(a) -> dict:
         def on_log(self, args, state, control, logs=None, **kw):
             logged.append(dict(logs or {}))
 
-    trainer = GRPOTrainer(
+    class Timed(GRPOTrainer):  # its rollout (generation and rewards) timed apart from the update
+        def _generate_and_score_completions(self, inputs):
+            t0 = time.perf_counter()
+            out = super()._generate_and_score_completions(inputs)
+            generation[self.state.global_step + 1] = time.perf_counter() - t0
+            return out
+
+    trainer = Timed(
         model=str(model_dir), reward_funcs=trl_reward, args=args, processing_class=tok,
         train_dataset=Dataset.from_list(rows), peft_config=lora, callbacks=[Timer()],
     )  # fmt: skip
     trainer.train()
     last = a.warmup + a.steps
-    steps = [ends[s] - begins[s] for s in range(a.warmup + 1, last + 1)]
+    timed = range(a.warmup + 1, last + 1)
+    steps = [ends[s] - begins[s] for s in timed]
     lengths = [x["completions/mean_length"] for x in logged if "completions/mean_length" in x]
     prompt_len = len(tok(rows[0]["prompt"], add_special_tokens=False)["input_ids"])
     return {
-        "step_s": statistics.median(steps), "completion_len": statistics.median(lengths[a.warmup :]),
+        "step_s": statistics.median(steps), "rollout_s": statistics.median(generation[s] for s in timed),
+        "update_s": statistics.median(ends[s] - begins[s] - generation[s] for s in timed),
+        "completion_len": statistics.median(lengths[a.warmup :]),
         "prompt_len": prompt_len, "threads": torch.get_num_threads(),
     }  # fmt: skip
 
@@ -247,7 +259,8 @@ def main() -> None:
             f"{a.completion} tokens, LoRA r {a.lora_rank}"
         )
         figures = [
-            harness.Figure(f"{what}: s/step ({s})", s, "step_s", "trl", "step_s", higher_is_better=False)
+            harness.Figure(f"{what}: s/{part} ({s})", s, f"{part}_s", "trl", f"{part}_s", False)
+            for part in ("step", "rollout", "update")
             for s in ours
         ]
         if a.quick:

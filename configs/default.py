@@ -125,7 +125,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.ckpt_interval = 2000  # save a checkpoint every this many steps (0 = only at the end)
     c.keep_checkpoints = 3  # latest checkpoints kept on disk (oldest deleted first), plus the best val loss
     # resume: error if out_dir has no checkpoint; scratch: refuses an out_dir that has checkpoints;
-    # gpt2* or a HF GPT-2 directory: fine-tune from it (resuming that fine-tune's own checkpoints)
+    # gpt2*, a HF directory or a flaxgpt run directory (its latest checkpoint: SFT -> GRPO / DPO):
+    # fine-tune from it (resuming that fine-tune's own checkpoints)
     c.init_from = "auto"  # auto (resume if out_dir has a checkpoint, else fresh) | resume | scratch | gpt2*
     c.peak_flops = 0.0  # per-device peak FLOP/s for MFU; 0 = guess from the device kind
     c.tensorboard = True  # write TensorBoard events when tensorboardX is installed

@@ -107,8 +107,11 @@ def _load_run(source, step, place=None) -> Run:
     from flaxgpt.models import lora
 
     lr = lora_run.read_lora_run(source, step)
-    layout = {f: getattr(lr.config, f) for f in BASE_LAYOUT}
-    _, base = pretrained.load_pretrained(lr.base, place=place, **layout)
+    if is_run_dir(lr.base):  # LoRA over a flaxgpt run (an SFT run's weights, as saved)
+        base = _load_run(lr.base, None, place=place).params
+    else:
+        layout = {f: getattr(lr.config, f) for f in BASE_LAYOUT}
+        _, base = pretrained.load_pretrained(lr.base, place=place, **layout)
     return Run("gpt", lr.config, lora.merge(lr.config, lr.spec, base, lr.adapters), lr.tokenizer)
 
 

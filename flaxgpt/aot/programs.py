@@ -21,7 +21,8 @@
   target's, or the serving mesh), so the kernels are the target's (no CPU qmatmul custom call).
 
 A recipe that fine-tunes a pretrained model takes the architecture of the preset its init_from names
-(gpt2*, smollm2-135m, ...): the checkpoint itself is not read.
+(gpt2*, smollm2-135m, ...), its Hugging Face config.json, or a flaxgpt run's saved model section: the
+weights themselves are not read.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from flaxgpt.models import registry as models
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.flops import flops_per_token
 from flaxgpt.models.paged import PagedKVCache, paged_impl
+from flaxgpt.runs import run_dir
 from flaxgpt.serve import engine
 from flaxgpt.train import grpo_rollout
 from flaxgpt.train.config_check import micro_batch
@@ -95,6 +97,10 @@ def model_config(config, vocab_size: int = 0):
     for suffix in ("-instruct", "-it", "-chat"):  # an instruction-tuned variant has its base's shape
         name = name.removesuffix(suffix) if name.removesuffix(suffix) in gpt.GPTConfig.PRESETS else name
     name = name.removeprefix("meta-") if name.removeprefix("meta-") in gpt.GPTConfig.PRESETS else name
+    if run_dir.is_run_dir(init_from):  # a flaxgpt run: its model as saved, the recipe's run-time fields
+        saved = models.config_from(run_dir.model_section(init_from), saved=True)
+        runtime = {f: getattr(recipe, f) for f in models.RUNTIME_FIELDS}
+        return dataclasses.replace(saved, **runtime), f"{init_from}/config.json"
     if (Path(init_from) / "config.json").is_file():  # a Hugging Face directory: its config.json, no weights
         from flaxgpt.hf import pretrained as hf
 

@@ -50,7 +50,7 @@ from flaxgpt.data.dataset_files import (
     write_tokens,
     writing,
 )
-from flaxgpt.data.tokenizers import CharTokenizer, get_tokenizer
+from flaxgpt.data.tokenizers import CharTokenizer, from_meta, get_tokenizer
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 # the same file ships as package data, so the quickstart needs no network (--download fetches it instead)
@@ -129,6 +129,12 @@ def make_tokenizer(name: str, text: str | None = None):
         return CharTokenizer.from_text(text)
     if name == "gpt2":
         return get_tokenizer(name)
+    meta = Path(name) / "meta.json"  # a prepared dataset's or a training run's: the model's tokenizer
+    if meta.is_file():
+        try:
+            return from_meta(json.loads(meta.read_text())["tokenizer"])
+        except (KeyError, ValueError) as e:
+            raise PrepareError(f"--tokenizer {name}: {meta} names no usable tokenizer ({e})") from None
     from flaxgpt.data.hf_tokenizer import HFTokenizer  # a model directory or its tokenizer.json
 
     try:
@@ -347,8 +353,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out_dir", required=True, help="where train.bin, val.bin and meta.json go")
     p.add_argument(
         "--tokenizer",
-        help="char | gpt2 | PATH (a model directory or tokenizer.json: the model's own tokenizer); "
-        "default: char for shakespeare_char, else gpt2",
+        help="char | gpt2 | PATH (a model directory or tokenizer.json: the model's own tokenizer; a training "
+        "run or a prepared dataset: its meta.json's); default: char for shakespeare_char, else gpt2",
     )
     p.add_argument("--val_fraction", type=float, default=0.1, help="share of tokens for validation")
     p.add_argument(

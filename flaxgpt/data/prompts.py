@@ -2,6 +2,7 @@
 
     flaxgpt prepare --dataset prompts --input prompts.jsonl --hf_dir MODEL --block_size 1024 --out_dir data/p
     flaxgpt prepare --dataset prompts --input prompts.jsonl --tokenizer char --out_dir data/p
+    flaxgpt prepare --dataset prompts --input prompts.jsonl --tokenizer out/sft --out_dir data/p   # a run's
     data = PromptData("data/p")                       # the run's side: meta.json checked on opening
     rows = data.batch("train", step, n_prompts, seed)  # [{"prompt", "ids", "fields"}] of one step
 
@@ -14,7 +15,8 @@ prompt. A text prompt's ids are the tokenizer's own (a BOS first when the model'
 Files: {train,val}.prompts.jsonl, one {"prompt", "ids", "fields"} a line, and meta.json (kind
 "prompts", the tokenizer, eos_id: the token that ends a completion, max_prompt_tokens). A character
 vocabulary (--tokenizer char) is built from the prompts and the fields' text, plus "\\n", which has no
-end-of-text token and so ends completions. The last val_fraction of the lines are the held-out prompts.
+end-of-text token and so ends completions; `--tokenizer` a training run or a prepared dataset takes
+its meta.json's tokenizer (GRPO from an SFT run: the vocabulary it was trained with). The last val_fraction of the lines are the held-out prompts.
 Bad lines (no prompt, an empty one, bad messages, a prompt that leaves no room for a completion in
 --block_size) are a PrepareError naming the line; nothing is written.
 """
@@ -78,7 +80,10 @@ def tokenize_prompt(tokenizer, prompt, name: str) -> list[int]:
         except chat.ChatError as e:
             raise PrepareError(str(e)) from None
     bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []
-    return bos + tokenizer.encode(prompt)
+    try:
+        return bos + tokenizer.encode(prompt)
+    except ValueError as e:  # a character vocabulary (--tokenizer RUN_DIR) that lacks one of its characters
+        raise PrepareError(f"{name}: {e}") from None
 
 
 def eos_of(tokenizer) -> int:

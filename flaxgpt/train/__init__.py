@@ -2,6 +2,6 @@
 optimizers, preemption and the config check.
 
 May import: flaxgpt.models, flaxgpt.data, flaxgpt.runs, flaxgpt.hf (init_from pretrained weights),
-flaxgpt.eval, flaxgpt.decode, flaxgpt.serve (GRPO's rollouts by the engine), flaxgpt.sharding,
-flaxgpt.runtime, flaxgpt.errors.
+flaxgpt.loader (init_from a run directory), flaxgpt.eval, flaxgpt.decode, flaxgpt.serve (GRPO's
+rollouts by the engine), flaxgpt.sharding, flaxgpt.runtime, flaxgpt.errors.
 """

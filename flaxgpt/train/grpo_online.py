@@ -77,7 +77,8 @@ class GRPOOnlineTask(LMTask):
         if config.init_from in FRESH_STARTS:
             self.model_config = recipe
         else:
-            self.model_config, self.pretrained = load_pretrained(config.init_from, recipe)
+            tokenizer = self.data.meta["tokenizer"]
+            self.model_config, self.pretrained = load_pretrained(config.init_from, recipe, tokenizer)
         self.data.check(self.model_config.block_size, self.model_config.vocab_size, g.max_completion_length)
         self.tokenizer = tokenizers.from_meta(self.data.meta["tokenizer"])
         self._set_model(config, self.model_config)
@@ -107,6 +108,12 @@ class GRPOOnlineTask(LMTask):
         self.base_dtype = config.lora.base_dtype if self.lora is not None else None
         self.G, self.num_iterations = int(g.num_generations), int(g.num_iterations)
         self.max_new, self.temperature, self.top_p = int(g.max_completion_length), g.temperature, g.top_p
+        # a row is a prompt and its completion (T + 1 tokens): T as long as the longest prompt and a
+        # whole completion need (a multiple of 8), not the model's whole window; without data (aot): it
+        longest = self.data.max_prompt_tokens if self.data is not None else None
+        T = model_config.block_size
+        self.T = T if longest is None else min(T, -(-(longest + self.max_new - 1) // 8) * 8)
+        self.tokens_per_row = self.T
         self.scale, self.eval_prompts = g.scale_rewards, g.eval_prompts
         self.mask_truncated = g.mask_truncated_completions
         self.opts = grpo_task.GRPOOptions(
@@ -175,9 +182,10 @@ class GRPOOnlineTask(LMTask):
         return self._engine_base, jax.device_put(params, sharding.replicated(self.engine.mesh))
 
     def batch_shapes(self, n_rows: int) -> dict:
-        T = self.model_config.block_size
+        T = self.T
         shapes = {
-            **super().batch_shapes(n_rows),
+            "inputs": ((n_rows, T), "int32"),
+            "targets": ((n_rows, T), "int32"),
             "loss_mask": ((n_rows, T), "float32"),
             "advantages": ((n_rows,), "float32"),
         }
@@ -238,7 +246,7 @@ class GRPOOnlineTask(LMTask):
         prompt_ids, completion_ids, texts = self.sample(params, frozen, rows, G, seed)
         total_N, per_NK = self.score(rows, G, texts, completion_ids)
         adv_N, zero_std_N = grpo_task.group_advantages(total_N, G, self.scale)
-        batch = grpo_task.rollout_batch(prompt_ids, completion_ids, self.model_config.block_size, adv_N)
+        batch = grpo_task.rollout_batch(prompt_ids, completion_ids, self.T, adv_N)
         cut_N = grpo_task.truncated(completion_ids, [self.data.eos_id])
         if self.mask_truncated:  # TRL: a completion cut by the length limit teaches nothing
             batch["loss_mask"][cut_N] = 0.0

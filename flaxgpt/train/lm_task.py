@@ -10,7 +10,9 @@ rows' loss_mask tokens and attention stays inside each example's segment).
 init_from = auto | resume | scratch builds the model from the recipe's `model` section
 (models.config_from); a GPT-2 name or directory takes the architecture and weights from that
 checkpoint and only the recipe's run-time fields (models.RUNTIME_FIELDS) from the recipe; so does a Llama,
-Mistral or Qwen2 directory (hf.pretrained.load_pretrained dispatches on its config.json's model_type).
+Mistral or Qwen2 directory (hf.pretrained.load_pretrained dispatches on its config.json's model_type)
+and a flaxgpt run directory (its latest checkpoint: SFT, then GRPO or DPO from it; its tokenizer must
+be the dataset's).
 
 With `lora.rank` > 0 the pretrained weights become the frozen base (`frozen`, in lora.base_dtype) and
 the trained parameters are LoRA adapters only (flaxgpt/models/lora.py): `loss(adapters, ..., frozen=base)`.
@@ -28,12 +30,13 @@ import functools
 import jax
 from flax import linen as nn
 
-from flaxgpt import sharding
+from flaxgpt import loader, sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.data import fineweb, packing
 from flaxgpt.hf import pretrained as hf
 from flaxgpt.models import gpt, lora, moe
 from flaxgpt.models import registry as models
+from flaxgpt.runs import run_dir
 from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
 
 FORMATS = ("tokens", "shards", "packed")  # config.data.format
@@ -43,8 +46,21 @@ LAYOUT_FIELDS = ("block_size", "scan_layers", "pad_vocab_multiple", "param_dtype
 # ... and how the model runs: models.RUNTIME_FIELDS
 
 
-def load_pretrained(init_from: str, recipe: gpt.GPTConfig) -> tuple[gpt.GPTConfig, dict]:
-    """(config, params) of a GPT-2 name or a HF directory, with the recipe's layout and run-time fields."""
+def load_pretrained(init_from: str, recipe: gpt.GPTConfig, data_tokenizer=None) -> tuple[gpt.GPTConfig, dict]:
+    """(config, params) of a GPT-2 name or a HF directory, with the recipe's layout and run-time fields;
+    or of a flaxgpt run directory (SFT, then GRPO or DPO from it): its latest checkpoint as saved (a
+    LoRA run's adapters merged), the recipe's run-time fields. `data_tokenizer` (the dataset's
+    meta.json entry) must then be the run's own: same text, same ids."""
+    if run_dir.is_run_dir(init_from):
+        run = loader.load(init_from, overrides={f: getattr(recipe, f) for f in models.RUNTIME_FIELDS})
+        if run.kind != "gpt":
+            raise ValueError(f"init_from={init_from!r} is a {run.kind} run; a GPT task starts from a GPT")
+        if data_tokenizer is not None and run.tokenizer.to_meta() != data_tokenizer:
+            raise ValueError(
+                f"init_from={init_from!r} was trained with another tokenizer than the dataset's; prepare "
+                f"the data with the run's own: flaxgpt prepare ... --tokenizer {init_from}"
+            )
+        return run.config, run.params
     try:
         pretrained, params = hf.load_pretrained(init_from, **{f: getattr(recipe, f) for f in LAYOUT_FIELDS})
     except ConnectionError as e:  # offline, or not a name at all (a mistyped "resume"?)
@@ -81,7 +97,8 @@ class LMTask:
         if config.init_from in FRESH_STARTS:
             self.model_config = recipe
         else:  # the checkpoint fixes the architecture; the recipe the rest
-            self.model_config, self.pretrained = load_pretrained(config.init_from, recipe)
+            tokenizer = self.data.meta.get("tokenizer")
+            self.model_config, self.pretrained = load_pretrained(config.init_from, recipe, tokenizer)
         if not self.shards:
             self.data.check(self.model_config.block_size, self.model_config.vocab_size)
         self._set_model(config, self.model_config)

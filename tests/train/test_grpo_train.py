@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ package
 
-from configs import grpo_toy  # noqa: E402
+from configs import count_sft, grpo_count, grpo_toy  # noqa: E402
 from flaxgpt.data import prepare  # noqa: E402
 from flaxgpt.train import trainer as trainer_lib  # noqa: E402
 from flaxgpt.train.config_check import ConfigError  # noqa: E402
@@ -110,6 +110,43 @@ def test_recipe_trains_logs_rewards_then_sample(tmp_path, capsys):
     ]
     assert sample.main(args) == 0
     assert capsys.readouterr().out.startswith("abc>")
+
+
+def test_sft_then_grpo_from_the_run(tmp_path):
+    """configs/count_sft.py then configs/grpo_count.py (docs/grpo.md's SFT -> GRPO): the prompts
+    prepared with the SFT run's tokenizer (`--tokenizer RUN_DIR`), GRPO starting from the run's own
+    weights and model (init_from the run directory), two steps through trainer.train; prompts with
+    a character the run never saw, and a dataset of another vocabulary, are one line each."""
+    from flaxgpt import loader
+    from flaxgpt.train.grpo_online import GRPOOnlineTask
+
+    grpo_count.write_data(tmp_path, n=40)
+    sft_data, sft_run, grpo_data = tmp_path / "sft_data", tmp_path / "sft", tmp_path / "grpo_data"
+    text = ["--dataset", "text", "--input", str(tmp_path / "count_sft.txt"), "--tokenizer", "char"]
+    prepare.main([*text, "--out_dir", str(sft_data)])
+    over = {"max_iters": 2, "batch_size": 4, "eval_iters": 1, "optim.warmup_steps": 0}
+    tiny_run(count_sft.get_config(), sft_data, sft_run, **over)
+    prompts = ["--dataset", "prompts", "--input", str(tmp_path / "count_prompts.jsonl")]
+    prepare.main([*prompts, "--tokenizer", str(sft_run), "--out_dir", str(grpo_data)])
+    run_meta, data_meta = (json.loads((d / "meta.json").read_text()) for d in (sft_run, grpo_data))
+    assert data_meta["tokenizer"] == run_meta["tokenizer"] and data_meta["val_examples"] == 4
+
+    c = grpo_count.get_config()
+    c.init_from, c.data.dir = str(sft_run), str(grpo_data)
+    task, sft = GRPOOnlineTask(c), loader.load(sft_run)
+    assert task.model_config == sft.config  # the run's model, not the recipe's default one
+    assert all(np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, (task.pretrained, sft.params))))
+    over = {"init_from": str(sft_run), "max_iters": 2, "batch_size": 8, "grpo.num_generations": 4}
+    lines = tiny_run(c, grpo_data, tmp_path / "grpo", **over, **{"grpo.eval_prompts": 4, "eval_interval": 2})
+    assert [x["step"] for x in lines if "val_reward" in x] == [0, 2]
+
+    (tmp_path / "odd.jsonl").write_text('{"prompt": "abxa=", "answer": "2"}\n')
+    odd = ["--dataset", "prompts", "--input", str(tmp_path / "odd.jsonl"), "--tokenizer", str(sft_run)]
+    with pytest.raises(prepare.PrepareError, match="odd.jsonl line 1: characters not in the vocabulary: 'x'"):
+        prepare.main([*odd, "--out_dir", str(tmp_path / "never")])
+    with pytest.raises(ValueError, match="was trained with another tokenizer than the dataset's") as e:
+        tiny_run(c, toy_data(tmp_path), tmp_path / "never", init_from=str(sft_run))
+    assert "\n" not in str(e.value) and not (tmp_path / "never").exists()
 
 
 @pytest.fixture(scope="module")
