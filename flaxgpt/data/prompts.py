@@ -16,8 +16,9 @@ Files: {train,val}.prompts.jsonl, one {"prompt", "ids", "fields"} a line, and me
 "prompts", the tokenizer, eos_id: the token that ends a completion, max_prompt_tokens). A character
 vocabulary (--tokenizer char) is built from the prompts and the fields' text, plus "\\n", which has no
 end-of-text token and so ends completions; `--tokenizer` a training run or a prepared dataset takes
-its meta.json's tokenizer (GRPO from an SFT run: the vocabulary it was trained with). The last val_fraction of the lines are the held-out prompts.
-Bad lines (no prompt, an empty one, bad messages, a prompt that leaves no room for a completion in
+its meta.json's tokenizer (GRPO from an SFT run: the vocabulary it was trained with). The last
+val_fraction of the lines are the held-out prompts. Bad lines (no prompt, an empty one, bad
+messages, a character the vocabulary lacks, a prompt that leaves no room for a completion in
 --block_size) are a PrepareError naming the line; nothing is written.
 """
 
