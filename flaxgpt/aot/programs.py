@@ -108,8 +108,9 @@ def model_config(config, vocab_size: int = 0):
         return pretrained, f"{init_from}/config.json"
     if name not in gpt.GPTConfig.PRESETS:
         raise SystemExit(
-            f"error: init_from={init_from!r}: not a Hugging Face directory (config.json) nor a preset "
-            f"({', '.join(gpt.GPTConfig.PRESETS)}); point it at the model's directory or train from scratch"
+            f"error: init_from={init_from!r}: not a flaxgpt run, a Hugging Face directory (config.json) "
+            f"nor a preset ({', '.join(gpt.GPTConfig.PRESETS)}); point it at the model's directory (or "
+            "train the run it names first) or train from scratch"
         )
     pretrained = gpt.GPTConfig.preset(name, **kept)
     return pretrained, f"the {name} preset (init_from={init_from})"
