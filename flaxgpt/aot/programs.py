@@ -292,9 +292,7 @@ def rollout_programs(config, mc, devices) -> list[Program]:
     n = len(devices)
     lora_on = bool(config.get("lora") and config.lora.rank)
     if n > 1:  # as the trainer refuses them
-        grpo_rollout.check_over_devices(
-            len({d.process_index for d in devices}), config.lora.base_dtype if lora_on else None
-        )
+        grpo_rollout.check_over_devices(len({d.process_index for d in devices}))
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
     if lora_on:  # as GRPOOnlineTask: the same spec, base and dtype
         c, rep = config.lora, sharding.replicated(mesh)

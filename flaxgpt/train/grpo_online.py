@@ -163,14 +163,17 @@ class GRPOOnlineTask(LMTask):
         --mesh runs: its weights placed by SERVE_RULES (MLP and vocabulary split, so a decoding step
         all-gathers no weight), LoRA's frozen base once (a second copy of it over the devices), the
         trained weights at each rollout (`_engine_weights`)."""
-        grpo_rollout.check_over_devices(jax.process_count(), self.base_dtype)
+        grpo_rollout.check_over_devices(jax.process_count())
         emesh = sharding.make_mesh(1, mesh.size, list(mesh.devices.flat))
         self.engine.mesh = emesh
         boxed = gpt.abstract_params(self.model_config)
         self._serve_shardings = sharding.param_shardings(boxed, emesh, sharding.SERVE_RULES)
         self._engine_base = None
         if frozen is not None and not isinstance(jax.tree.leaves(frozen)[0], jax.ShapeDtypeStruct):
-            self._engine_base = jax.device_put(frozen, lora.base_shardings(self._serve_shardings, frozen))
+            # a copy, never the trainer's buffers: the train step donates its state (the base too), and
+            # a leaf placed alike (an int8 base's) would alias a donated buffer
+            shardings = lora.base_shardings(self._serve_shardings, frozen)
+            self._engine_base = jax.device_put(frozen, shardings, may_alias=False)
 
     def _engine_weights(self, params, frozen):
         """The engine's weights: the parameters, or LoRA's (base, adapters); over several devices

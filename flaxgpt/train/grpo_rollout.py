@@ -44,19 +44,12 @@ from flaxgpt.serve.engine import Engine, RowSampling
 CHUNK = 256
 
 
-def check_over_devices(processes: int, base_dtype: str | None) -> None:
-    """The engine over several devices (the trainer's, flaxgpt aot's): one host's, with a float LoRA
-    base (base_dtype None: no LoRA); else one line."""
+def check_over_devices(processes: int) -> None:
+    """The engine over several devices (the trainer's, flaxgpt aot's): one host's; else one line."""
     if processes > 1:
         raise ValueError(
             f"grpo.rollout=engine runs over one host's devices; this run has {processes} processes: "
             "train on one host, or use grpo.rollout=generate"
-        )
-    if base_dtype == "int8":
-        raise ValueError(
-            "grpo.rollout=engine over several devices takes a float32 or bfloat16 LoRA base for now "
-            "(an int8 one crashed XLA on the CPU in testing): set --config.lora.base_dtype=bfloat16, "
-            "or train on one device"
         )
 
 
