@@ -105,11 +105,11 @@ class GRPOOnlineTask(LMTask):
                 "grpo.rollout=generate samples from the base with the adapters merged, which an int8 "
                 "base (lora.base_dtype) cannot hold: use grpo.rollout=engine (adapters unmerged)"
             )
-        self.base_dtype = config.lora.base_dtype if self.lora is not None else None
         self.G, self.num_iterations = int(g.num_generations), int(g.num_iterations)
         self.max_new, self.temperature, self.top_p = int(g.max_completion_length), g.temperature, g.top_p
         # a row is a prompt and its completion (T + 1 tokens): T as long as the longest prompt and a
-        # whole completion need (a multiple of 8), not the model's whole window; without data (aot): it
+        # whole completion need (a multiple of 8), not the model's whole window (aot, with no prompts
+        # to measure: the window)
         longest = self.data.max_prompt_tokens if self.data is not None else None
         T = model_config.block_size
         self.T = T if longest is None else min(T, -(-(longest + self.max_new - 1) // 8) * 8)
