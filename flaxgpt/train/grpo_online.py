@@ -40,9 +40,8 @@ from flaxgpt.data import tokenizers
 from flaxgpt.decode import sampling
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
-from flaxgpt.models import registry as models
 from flaxgpt.train import grpo_rollout, grpo_task, rewards
-from flaxgpt.train.lm_task import FRESH_STARTS, LMTask, load_pretrained
+from flaxgpt.train.lm_task import LMTask
 
 
 def rollout_seed(seed: int, step: int, process_index: int) -> int:
@@ -72,13 +71,7 @@ class GRPOOnlineTask(LMTask):
         self.format, self.shards = "prompts", False
         self.data = prompts_lib.PromptData(config.data.dir)
         self.data_dir = self.data.dir
-        self.pretrained = None
-        recipe = models.config_from(config.model, self.data.vocab_size)
-        if config.init_from in FRESH_STARTS:
-            self.model_config = recipe
-        else:
-            tokenizer = self.data.meta["tokenizer"]
-            self.model_config, self.pretrained = load_pretrained(config.init_from, recipe, tokenizer)
+        self._start_from(config)
         self.data.check(self.model_config.block_size, self.model_config.vocab_size, g.max_completion_length)
         self.tokenizer = tokenizers.from_meta(self.data.meta["tokenizer"])
         self._set_model(config, self.model_config)

@@ -92,16 +92,20 @@ class LMTask:
         else:
             self.data = data_lib.TokenData(config.data.dir)
         self.data_dir = self.data.dir  # its meta.json (the tokenizer) goes into the run directory
-        self.pretrained = None  # parameters to start from (init_from a GPT-2 name or a HF directory)
-        recipe = models.config_from(config.model, self.data.vocab_size)
-        if config.init_from in FRESH_STARTS:
-            self.model_config = recipe
-        else:  # the checkpoint fixes the architecture; the recipe the rest
-            tokenizer = self.data.meta.get("tokenizer")
-            self.model_config, self.pretrained = load_pretrained(config.init_from, recipe, tokenizer)
+        self._start_from(config)
         if not self.shards:
             self.data.check(self.model_config.block_size, self.model_config.vocab_size)
         self._set_model(config, self.model_config)
+
+    def _start_from(self, config) -> None:
+        """model_config and pretrained (the parameters to start from, None for a fresh model) of
+        init_from: the recipe's model, or the checkpoint's architecture with the recipe's rest (a
+        run directory's tokenizer checked against the data's)."""
+        recipe = models.config_from(config.model, self.data.vocab_size)
+        self.model_config, self.pretrained = recipe, None
+        if config.init_from not in FRESH_STARTS:
+            tokenizer = self.data.meta.get("tokenizer")
+            self.model_config, self.pretrained = load_pretrained(config.init_from, recipe, tokenizer)
 
     @classmethod
     def without_data(cls, config, model_config: gpt.GPTConfig) -> LMTask:
