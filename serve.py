@@ -16,11 +16,12 @@ Every slot is a row of one KV cache of --max_len positions (default the model's 
 request needs prompt + max_tokens <= max_len. All programs are compiled before /health says ok.
 SIGTERM drains: running requests finish, new ones get 503, then the process exits.
 Operations (docs/serving_ops.md): --api_key (or $FLAXGPT_API_KEY), GET /metrics (Prometheus), one
-access-log line per request on stderr, --max_tokens and --max_body_bytes limits (400 / 413);
-prompts sharing a prefix reuse its KV (--prefix_cache_tokens), long prompts are prefilled in
-chunks of --prefill_chunk tokens between decode steps. --kv_cache paged keeps the slots' keys and
-values in pages shared in place with the prefix cache. LoRA adapters (--adapter NAME=DIR,
---max_adapters, POST /v1/load_lora_adapter and /v1/unload_lora_adapter): docs/serving_ops.md.
+access-log line per request on stderr, --max_tokens and --max_body_bytes limits (400 / 413).
+The keys and values live in one pool of pages (--prefix_block positions each): prompts sharing a
+prefix read its pages in place (--prefix_cache_tokens), long prompts are prefilled in chunks of
+--prefill_chunk tokens between decode steps, under a budget of --max_num_batched_tokens a turn.
+LoRA adapters (--adapter NAME=DIR, --max_adapters, POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter) go with all of it, --mesh and --quantize included: docs/serving_ops.md.
 """
 
 from __future__ import annotations
@@ -82,6 +83,13 @@ def parse_args(argv):
         help="prompt tokens prefilled per engine turn while others decode (0: a whole prompt at once)",
     )
     p.add_argument(
+        "--max_num_batched_tokens",
+        type=int,
+        default=None,
+        help="tokens one engine turn runs while slots decode: one per decoding slot, the rest prefill "
+        "chunks, oldest prompt first (default: --prefill_chunk + --slots)",
+    )
+    p.add_argument(
         "--prefix_cache_tokens",
         type=int,
         default=4096,
@@ -91,9 +99,8 @@ def parse_args(argv):
         "--prefix_block",
         type=int,
         default=16,
-        help="prefix cache granularity in tokens (paged: the page size)",
+        help="the KV page size in positions (the prefix cache's granularity); --max_len must be a multiple",
     )
-    add_kv_cache_args(p)
     p.add_argument(
         "--api_key",
         default=os.environ.get("FLAXGPT_API_KEY"),
@@ -123,42 +130,17 @@ def parse_args(argv):
         a.max_adapters = 4 if a.adapters else 0
     if a.max_adapters < 0 or a.max_lora_rank < 1 or (a.adapters and not a.max_adapters):
         p.error("--max_adapters must be >= 1 with --adapter NAME=DIR (and >= 0), --max_lora_rank >= 1")
-    if a.max_adapters and a.quantize:
-        p.error("adapters are served over float weights: --quantize does not go with --max_adapters")
     if a.mesh < 1:
         p.error(f"--mesh must be >= 1 (devices), got {a.mesh}")
-    if a.mesh > 1 and a.max_adapters:
-        p.error("LoRA adapters are served on one device: --mesh goes without NAME=DIR adapters")
     for name in ("prefill_chunk", "prefix_cache_tokens"):
         if getattr(a, name) < 0:
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
-    if a.prefix_block < 1 or a.max_body_bytes < 1 or (a.max_tokens is not None and a.max_tokens < 1):
-        p.error("--prefix_block, --max_body_bytes and --max_tokens must be >= 1")
-    check_kv_cache_args(p, a)
-    return a
-
-
-def add_kv_cache_args(p):
-    p.add_argument(
-        "--kv_cache",
-        default="contiguous",
-        choices=["contiguous", "paged"],
-        help="contiguous: a row of max_len positions per slot; paged: pages of --prefix_block positions in "
-        "one pool with the prefix cache, whose blocks requests read in place (docs/serving_ops.md)",
-    )
-
-
-def check_kv_cache_args(p, a):
-    if a.kv_cache != "paged":
-        return
-    if a.max_adapters:
-        p.error("--kv_cache paged serves the base model: LoRA adapters need --kv_cache contiguous")
-    if a.mesh > 1:
-        p.error("--kv_cache paged runs on one device: --mesh N needs --kv_cache contiguous")
+    for name in ("prefix_block", "max_body_bytes", "max_tokens", "max_num_batched_tokens"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     if a.max_len and a.max_len % a.prefix_block:
-        p.error(
-            f"--kv_cache paged: --max_len {a.max_len} is not a multiple of the page size {a.prefix_block}"
-        )
+        p.error(f"--max_len {a.max_len} is not a multiple of the page size --prefix_block {a.prefix_block}")
+    return a
 
 
 def main(argv=None):
@@ -196,21 +178,21 @@ def main(argv=None):
         max_queue=a.max_queue,
         max_tokens=a.max_tokens,
         prefill_chunk=a.prefill_chunk or None,
+        max_num_batched_tokens=a.max_num_batched_tokens,
         prefix_cache_tokens=a.prefix_cache_tokens,
         prefix_block=a.prefix_block,
         adapters=a.adapters,
         max_adapters=a.max_adapters,
         max_lora_rank=a.max_lora_rank,
         mesh=mesh,
-        kv_cache=a.kv_cache,
     )
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(
-        "%s: %d slots x %d positions (%s), %d compiled programs (prompt buckets %s); compiling",
+        "%s: %d slots x %d positions (pages of %d), %d compiled programs (prompt buckets %s); compiling",
         name,
         a.slots,
         W,
-        a.kv_cache,
+        a.prefix_block,
         sched.engine.n_programs,
         sched.engine.buckets,
     )

@@ -18,8 +18,11 @@ in memory until unloaded. Nothing here knows the model: serve.launch supplies `r
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
+
+_loads = itertools.count(1)
 
 
 @dataclass(eq=False)
@@ -28,6 +31,8 @@ class Adapter:
     path: str
     weights: object = field(repr=False)  # host arrays in a slot's layout (read's result)
     loaded: bool = True  # False once unloaded: its slot is emptied when no request holds it
+    key: bytes = field(default_factory=lambda: b"adapter:%d" % next(_loads))  # its prefix-cache salt: one
+    # per load, so a name unloaded and loaded again with other weights never matches the old blocks
 
 
 class AdapterPool:

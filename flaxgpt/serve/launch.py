@@ -5,8 +5,6 @@ imports a model."""
 
 from __future__ import annotations
 
-import logging
-
 from flaxgpt.serve.scheduler import Scheduler
 
 
@@ -59,62 +57,41 @@ def scheduler_for(
     max_queue=64,
     max_tokens=None,
     prefill_chunk=None,
+    max_num_batched_tokens=None,
     prefix_cache_tokens=0,
     prefix_block=16,
     adapters=(),
     max_adapters=0,
     max_lora_rank=16,
     mesh=None,
-    kv_cache="contiguous",
 ) -> Scheduler:
-    """The engine (a window of max_len, default block_size) and its thread, not started.
-    prefill_chunk: prompt tokens per prefill call (None: a whole prompt); prefix_cache_tokens: the
-    prefix cache's budget in positions (0: off), rounded down to blocks of prefix_block.
+    """The engine (a window of max_len, default block_size, in pages of prefix_block positions) and its
+    thread, not started. prefill_chunk: prompt tokens per prefill call (None: a whole prompt);
+    max_num_batched_tokens: the scheduler's token budget a turn; prefix_cache_tokens: the prefix
+    cache's budget in positions (0: off), rounded down to pages.
     adapters: (name, directory) LoRA adapters served unmerged (a PEFT directory or a LoRA run), with
     max_adapters of them resident at once, each of rank <= max_lora_rank (max_adapters 0: no adapters,
     none loadable later); the scheduler's `adapters` is then their AdapterPool.
-    mesh (serving_mesh, params placed over it by `load`): the engine's programs run over its devices,
-    the KV cache split by slots (slots must divide by its devices).
-    kv_cache: "contiguous" (a row of W positions per slot) or "paged" (pages of prefix_block positions
-    in one pool with the prefix cache's blocks: a cached prefix is mapped into a request's block table,
-    not copied; see paged_slots)."""
+    mesh (serving_mesh, params placed over it by `load`): the engine's programs run over its devices.
+    Every pair composes: adapters with the prefix cache (its blocks hashed with the adapter), with a
+    mesh, over int8 / bf16 weights; chunked prefill with all of them."""
     from flaxgpt.models import gpt
-    from flaxgpt.models.cache import KVCache
     from flaxgpt.serve.engine import Engine
 
     W = min(max_len or config.block_size, config.block_size)
-    if prefix_cache_tokens and KVCache.for_config(config, 0, W).has_rings:
-        # window layers keep only their window (rings), the prefix cache every position's keys
-        logging.getLogger("flaxgpt.serve").warning(
-            "prefix cache off: this model's sliding-window layers keep ring buffers of their window"
-        )
-        prefix_cache_tokens = 0
-    if max_adapters and prefix_cache_tokens:
-        logging.getLogger("flaxgpt.serve").warning(
-            "prefix cache off: its blocks are keyed by tokens alone, and LoRA adapters change the KV"
-        )
-        prefix_cache_tokens = 0
-    if max_adapters and mesh is not None:
-        raise ValueError("LoRA adapters are served on one device: drop --mesh or the NAME=DIR adapters")
+    if W % prefix_block:
+        raise ValueError(f"--max_len {W} is not a multiple of the page size --prefix_block {prefix_block}")
+    kw = dict(
+        slots=slots, max_len=W, chunk=chunk, prefill_chunk=prefill_chunk, page=prefix_block,
+        prefix_blocks=prefix_cache_tokens // prefix_block, mesh=mesh,
+    )  # fmt: skip
+    sched_kw = dict(max_queue=max_queue, max_tokens=max_tokens, max_num_batched_tokens=max_num_batched_tokens)
     if max_adapters:
         return _with_adapters(
-            config, params, tokenizer, adapters, max_adapters, max_lora_rank, W,
-            slots=slots, chunk=chunk, prefill_chunk=prefill_chunk, max_queue=max_queue, max_tokens=max_tokens,
-        )  # fmt: skip
-    engine = Engine(
-        gpt.step_fn(config, params),
-        lambda b: KVCache.for_config(config, b, W),
-        slots_cache=paged_slots(config, W, slots, prefix_block, prefix_cache_tokens)
-        if kv_cache == "paged"
-        else None,
-        slots=slots,
-        chunk=chunk,
-        prefill_chunk=prefill_chunk,
-        prefix_block=prefix_block,
-        prefix_blocks=prefix_cache_tokens // prefix_block,
-        mesh=mesh,
-    )
-    return Scheduler(engine, tokenizer, max_queue=max_queue, max_tokens=max_tokens)
+            config, params, tokenizer, adapters, max_adapters, max_lora_rank, mesh, kw, sched_kw
+        )
+    engine = Engine(gpt.step_fn(config, params), config, **kw)
+    return Scheduler(engine, tokenizer, **sched_kw)
 
 
 def serving_mesh(devices: int, slots: int):
@@ -141,41 +118,23 @@ def serving_mesh(devices: int, slots: int):
     return sharding.make_mesh(1, devices, have[:devices])
 
 
-def paged_slots(config, W: int, slots: int, page: int, prefix_cache_tokens: int):
-    """The paged engine's slots cache: one pool of pages of `page` positions for every slot's window,
-    the prefix cache's blocks (prefix_cache_tokens // page) and the scratch page (serve/pages.py), read
-    with the paged-attention kernel of this platform's devices."""
-    import jax
-
-    from flaxgpt.models.paged import PagedKVCache, paged_impl
-
-    if W % page:
-        raise SystemExit(f"error: --kv_cache paged: the window {W} is not a multiple of the page size {page}")
-    impl = paged_impl(jax.devices()[0].platform, config.head_dim)
-    extra = 1 + prefix_cache_tokens // page
-    return PagedKVCache.for_slots(config, slots, W, page=page, impl=impl, extra_pages=extra)
-
-
-def _with_adapters(
-    config, params, tokenizer, adapters, max_adapters, rank, W, *, max_queue, max_tokens, **kw
-):
+def _with_adapters(config, params, tokenizer, adapters, max_adapters, rank, mesh, kw, sched_kw):
     """The engine over models.multi_lora's step (max_adapters + 1 slots: 0 is the base) and an
     AdapterPool whose writes go into its stack, the named adapters loaded (on the host)."""
     import jax
     import numpy as np
 
-    from flaxgpt import loader
-    from flaxgpt.models.cache import AdapterCache, KVCache
+    from flaxgpt import loader, sharding
     from flaxgpt.models.multi_lora import MultiLora
     from flaxgpt.serve.adapters import AdapterPool
     from flaxgpt.serve.engine import Engine
 
     multi = MultiLora(config, params, slots=max_adapters + 1, rank=rank)
     stack = [multi.empty_stack()]  # the resident adapters: written in place, the engine's step over it
+    if mesh is not None:  # every device reads every adapter (they are small beside the weights)
+        stack[0] = jax.device_put(stack[0], sharding.replicated(mesh))
     zeros = jax.tree_util.tree_map(lambda x_S: np.zeros(x_S.shape[1:], np.float32), stack[0])
-    engine = Engine(
-        multi.step_fn(stack[0]), lambda b: AdapterCache.wrap(KVCache.for_config(config, b, W)), **kw
-    )
+    engine = Engine(multi.step_fn(stack[0]), config, **kw)
 
     def read(path):
         spec, tree = loader.load_adapter(str(path), config)
@@ -189,4 +148,4 @@ def _with_adapters(
     pool = AdapterPool(read, write, slots=max_adapters + 1)
     for name, path in adapters:
         pool.load(name, path)
-    return Scheduler(engine, tokenizer, max_queue=max_queue, max_tokens=max_tokens, adapters=pool)
+    return Scheduler(engine, tokenizer, adapters=pool, **sched_kw)

@@ -6,12 +6,13 @@
     seq.cancel()                                    # any thread: its slot is freed before the next chunk
     sched.drain(); sched.close()                    # in-flight sequences finish, new ones are refused
 
-Each turn of the thread starts waiting sequences in every free slot, runs prefill chunks (as
-many chunks of at most `engine.prefill_chunk` prompt tokens as there are prefilling sequences,
-oldest first, while other slots decode, so a long prompt delays their next tokens by one chunk,
-not by its whole prefill; every prompt to its end when no slot decodes), emits the first token of
-each finished prefill at once, then runs one `engine.generate()` for all slots (one step while
-prompts are still prefilling or a slot is free for the next arrival, else `chunk`) and hands each
+Each turn of the thread starts waiting sequences in every free slot, then plans its tokens under
+one budget, `max_num_batched_tokens` (vLLM v1's): a token for each decoding row, the rest prefill
+chunks of at most `engine.prefill_chunk` prompt tokens, oldest first, so a long prompt delays running
+streams by about one budget of work per turn, not by its whole prefill (every prompt to its end when
+no slot decodes: a burst). It emits the first token of each finished prefill at once, then runs one
+`engine.generate()` for all slots (one step while prompts are still prefilling or a slot is free for
+the next arrival, else `chunk`) and hands each
 sequence its new tokens. Text is
 decoded on this thread: a sequence's text is streamed as it grows, holding back an incomplete
 UTF-8 character and any tail that could begin a stop string. A sequence that ends offers its
@@ -116,11 +117,17 @@ class Scheduler:
         max_queue: int = 64,
         max_tokens: int | None = None,
         adapters=None,
+        max_num_batched_tokens: int | None = None,
     ):
         """max_tokens: the most new tokens one sequence may ask for (None: the window's limit);
-        adapters: the AdapterPool (serve/adapters.py) whose slots the sequences' adapters decode in."""
+        adapters: the AdapterPool (serve/adapters.py) whose slots the sequences' adapters decode in;
+        max_num_batched_tokens: the tokens one turn runs while slots decode (a token per decoding row,
+        the rest prefill chunks; default: the engine's prefill_chunk + its slots)."""
         self.engine, self.tokenizer, self.eos_id, self.max_queue = engine, tokenizer, eos_id, max_queue
         self.max_tokens, self.adapters = max_tokens, adapters
+        self.max_num_batched_tokens = max_num_batched_tokens or engine.prefill_chunk + engine.slots
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.pending: collections.deque[Sequence] = collections.deque()
         self.active: dict[int, Sequence] = {}  # slot -> sequence (prefilling or decoding)
         self.prefilling: dict[int, object] = {}  # slot -> its PrefillJob (None: not started), oldest first
@@ -202,18 +209,16 @@ class Scheduler:
 
     def _warm_up(self):
         """Compile every program now, so no request waits for XLA: a prefill per bucket, insert, generate
-        (and the prefix cache's restore and its two saves)."""
+        for one step and for `chunk`."""
         rows = RowSampling.of(Sampling(temperature=1.0, top_k=1), max_new_tokens=2)
         for i, b in enumerate(self.engine.buckets):
             # prompts that differ in their first token: none reuses another's blocks, each runs its bucket
             prefix = self.engine.prefill([i] + [0] * (min(b, self.engine.max_len - 2) - 1), rows)
-            self.engine.insert(prefix, 0)  # each in turn: a paged engine's pages go back when replaced
+            self.engine.insert(prefix, 0)  # each in turn: the slot's previous pages go back
         self.engine.generate(steps=1)
         self.engine.release(0)
         self.engine.generate()
-        if self.engine.prefix_cache is not None:
-            self.engine.keep(0, [-1] * self.engine.prefix_cache.block)  # a block no prompt has: compiles
-            self.engine.prefix_cache.clear()
+        self.engine.blocks.clear()  # the warm-up prompts' blocks: no request has them
 
     def _count(self, outcome: str, n: int = 1):
         self.stats[outcome] += n
@@ -232,10 +237,14 @@ class Scheduler:
                     break
                 self.active[free[0]] = seq  # reserved before the prefill: submit counts it busy
                 self.prefilling[free[0]] = None  # started when its turn comes (below)
-        if len(self.active) > len(self.prefilling):  # others decode: as many chunks as prefills, oldest
-            for _ in range(len(self.prefilling)):  # first (the earliest first token; a later prompt
-                if self.prefilling:  # may then reuse the blocks an earlier one saved)
-                    self._prefill_once(next(iter(self.prefilling)))
+        decoding = len(self.active) - len(self.prefilling)
+        if decoding:  # this turn's prefill tokens: the budget less one token per decoding row, oldest first
+            # (the earliest first token; a later prompt may then reuse the blocks an earlier one cached)
+            left = self.max_num_batched_tokens - decoding
+            while self.prefilling and left > 0:
+                left -= self._prefill_once(next(iter(self.prefilling)), left)
+            if left == self.max_num_batched_tokens - decoding and self.prefilling:  # the budget went to
+                self._prefill_once(next(iter(self.prefilling)))  # decoding rows: a chunk all the same
         while self.prefilling:  # nobody decodes (a burst): oldest first, each to its end
             self._prefill_once(next(iter(self.prefilling)))
 
@@ -259,37 +268,44 @@ class Scheduler:
                 return seq
         return None
 
-    def _prefill_once(self, slot: int):
-        """One prefill chunk of the sequence in `slot`; its first token once the prompt is in."""
+    def _prefill_once(self, slot: int, tokens: int | None = None) -> int:
+        """One prefill chunk (at most `tokens`) of the sequence in `slot`; its first token once the prompt
+        is in. -> prompt tokens run (a cancelled or failed sequence: all it had left, so the turn goes on)."""
         job, seq = self.prefilling[slot], self.active[slot]
-        if seq.cancelled:
+        if seq.cancelled:  # a client gone mid-prefill: its pages go back now
             del self.prefilling[slot]
             if job is not None:
-                self.engine.cancel(job)  # a paged engine's pages for it
+                self.engine.cancel(job)
             self._free(slot, release=False)
             self._count("cancelled")
-            return
+            return 0
         try:
             if job is None:  # matched against the prefix cache only now: a burst of prompts with one
-                # system prompt reuses the blocks the first of them just saved
-                job = self.engine.start_prefill(seq.prompt_ids, seq.rows, adapter=seq.adapter_slot)
+                # system prompt reuses the blocks the first of them just cached
+                salt = b"" if seq.adapter is None else seq.adapter.key
+                job = self.engine.start_prefill(seq.prompt_ids, seq.rows, adapter=seq.adapter_slot, salt=salt)
                 self.prefilling[slot] = job
                 if self.metrics is not None:
                     self.metrics.admitted(len(seq.prompt_ids), job.hit)
-            prefix = self.engine.prefill_step(job)
+            before = job.done_upto
+            prefix = self.engine.prefill_step(job, tokens)
+            ran = job.done_upto - before
             if prefix is None:
-                return
+                return ran
             del self.prefilling[slot]
             first, done = int(prefix.first), bool(prefix.done)
-            if not done:
+            if done:  # its first token ended it: never in a slot
+                self.engine.drop(prefix)
+            else:
                 self.engine.insert(prefix, slot)
-        except Exception as e:
+        except Exception as e:  # a poisoned request: it fails (a 500), its pages go back, the rest go on
             self.prefilling.pop(slot, None)
             if job is not None:
-                self.engine.cancel(job)  # a paged engine's pages for it (none once in its Prefix)
+                self.engine.cancel(job)
             self._fail(slot, seq, e)
-            return
+            return 0
         self._advance(slot, seq, [first], done)
+        return ran
 
     def _step(self):
         with self.lock:

@@ -1,0 +1,286 @@
+"""The model runner: the page pool and every slot's decoding state on the device, and the jitted programs
+that advance them (vLLM v1's model runner). It decides nothing and allocates nothing: the engine hands
+it block tables (serve/block_manager.py) and says which request goes where.
+
+    runner = Runner(step_fn, pool, slots=8, chunk=4, max_k=256, mesh=None)
+    prefix = runner.prefill(table_M, adapter, chunk_1P, start, size, rows)   # a prompt chunk, in place
+    runner.insert(prefix, slot, table_M)      # the request's state into slot `slot`; its table is its row
+    first_R = runner.insert_group(prefix, rows_R, slots_R, tables_RM)         # several, one prefill
+    runner.copy_pages(src, dst)               # a forked request's partial block
+    tokens_BC, count_B, done_B = runner.generate(stop_B, steps)               # every slot, `steps` tokens
+
+The pool is one `AdapterCache` over a `models.paged.PagedKVCache`: each row's adapter slot (0: the
+base; a plain GPT's step ignores it) travels with its block table. A prefill writes a request's chunk
+straight into the pool through a one-row view of it (the same pages, that request's table); `insert`
+only sets the slot's row of the table and its decoding state: no keys or values move. The slots'
+table is an argument of the compiled step, uploaded when the host's copy changed: nothing recompiles.
+
+Over a mesh (serve.py --mesh N) the programs are traced under it (sharding.under_mesh with
+SERVE_RULES: the weights' MLP and vocabulary split, placed by the caller) and the pool and per-slot
+arrays placed by sharding.row_shardings: the pool's key/value heads split over the devices where they
+divide (each device holds its heads of every page), the slots' arrays by slots.
+
+Compiled programs: one prefill per prompt bucket, insert, the page copy, generate for `chunk` steps
+and for one step.
+
+Shape letters: B slots, M pages per row, P prompt bucket, V vocab, C chunk, R requests of a group.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxgpt import sharding
+from flaxgpt.decode.sampling import (
+    GPU_LOOP_OPTIONS,
+    DecodeState,
+    Rows,
+    Sampling,
+    decode_chunk,
+    finished,
+    next_tokens,
+)
+from flaxgpt.models.cache import AdapterCache
+
+
+class RowSampling(NamedTuple):
+    """One request's decoding settings (a decode.sampling.Sampling, its length, its key) as arrays:
+    the same compiled program serves any values."""
+
+    seed: np.ndarray  # u32; token i is drawn with fold_in(fold_in(key(seed), stream), i)
+    stream: np.ndarray  # i32: the row of `generate`'s batch this request matches (choice index)
+    temperature: np.ndarray  # f32, 0 = greedy
+    top_k: np.ndarray  # i32, 0 = off
+    top_p: np.ndarray  # f32 in (0, 1], 1 = off
+    max_new: np.ndarray  # i32 >= 1
+    eos: np.ndarray  # i32, -1 = none
+
+    @classmethod
+    def of(cls, sampling: Sampling | None = None, *, max_new_tokens, seed=0, stream=0):
+        s = sampling or Sampling()
+        return cls(
+            seed=np.uint32(seed),
+            stream=np.int32(stream),
+            temperature=np.float32(s.temperature),
+            top_k=np.int32(s.top_k),
+            top_p=np.float32(s.top_p),
+            max_new=np.int32(max_new_tokens),
+            eos=np.int32(-1 if s.eos_id is None else s.eos_id),
+        )
+
+    def device_rows(self) -> Rows:
+        """This request as one row of the decode loop's settings (traced): key fold_in(key(seed), stream),
+        the key `generate(rng=key(seed))` gives its row `stream`."""
+        one = lambda x: jnp.reshape(jnp.asarray(x), (1,))  # noqa: E731
+        key = jax.random.fold_in(jax.random.key(self.seed), self.stream)
+        return Rows(
+            key_B=jnp.reshape(key, (1,)),
+            temperature_B=one(self.temperature),
+            top_k_B=one(self.top_k),
+            top_p_B=one(self.top_p),
+            max_new_B=one(self.max_new),
+            eos_B=one(self.eos),
+        )
+
+
+class Prefix(NamedTuple):
+    """A prefilled request, ready to insert: its first token and settings (its keys and values are in
+    the pool, in the pages of its block table, which the engine's block manager keeps as `owner`'s)."""
+
+    first: jax.Array  # [] the first new token
+    length: jax.Array  # [] prompt length
+    done: jax.Array  # [] the first token already finished it (EOS, or max_new 1)
+    rows: Rows  # each field [1]
+    logits: jax.Array  # [V] the prompt's last position's: `fork` draws another request's first token
+    adapter: jax.Array  # [] the adapter slot it decodes with (0: the base)
+    owner: object = None  # host: the block manager's key for its pages (None inside the programs)
+
+
+def _prefill(
+    step_fn, state: DecodeState, table_1M, adapter, chunk_1P, start, size, rows: RowSampling, max_k: int
+):
+    """Prompt positions start .. start + size - 1 (chunk_1P right-padded to its bucket P) of one request
+    into the pool through its table (its positions < start already there); the token after the chunk is
+    sampled -> (state with the pool written, Prefix)."""
+    P = chunk_1P.shape[1]
+    pool = state.cache
+    row = AdapterCache(pool.inner.replace(table_BM=table_1M), jnp.reshape(adapter, (1,)))
+    # pads past the request's pages land on the scratch page or past the window (dropped); pads inside
+    # its pages are overwritten by the next chunk or by decoding before any query can see them
+    positions_1P = start + jnp.arange(P, dtype=jnp.int32)[None]
+    logits_11V, row = step_fn(chunk_1P, positions_1P, row, logits_at=jnp.reshape(size - 1, (1,)))
+    rows_1 = rows.device_rows()
+    first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), logits_11V[:, 0], max_k)
+    done_1 = finished(rows_1, first_1, jnp.ones((1,), jnp.int32))
+    pool = pool.replace(inner=pool.inner.replace(k=row.inner.k, v=row.inner.v))
+    prefix = Prefix(
+        first_1[0], start + size, done_1[0], rows_1, logits_11V[0, 0], jnp.asarray(adapter, jnp.int32)
+    )
+    return state.replace(cache=pool), prefix
+
+
+def _fork(logits_V, rows: RowSampling, max_k: int):
+    """(first, done, rows) of another request on the same prompt: its first token from the logits."""
+    rows_1 = rows.device_rows()
+    first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), logits_V[None], max_k)
+    return first_1[0], finished(rows_1, first_1, jnp.ones((1,), jnp.int32))[0], rows_1
+
+
+def _insert(state: DecodeState, prefix: Prefix, slots_R, table_RM):
+    """The prefilled request(s) into slots slots_R [R] (one prefix's first token, settings [R] each
+    field): their tables become those rows of the pool's table, their state the slots'."""
+    R = slots_R.shape[0]
+    put = lambda x_B, v: x_B.at[slots_R].set(jnp.reshape(v, (R, *x_B.shape[1:])))  # noqa: E731
+    cache = state.cache
+    cache = cache.replace(
+        inner=cache.inner.replace(table_BM=put(cache.inner.table_BM, table_RM)),
+        adapter_B=put(cache.adapter_B, jnp.broadcast_to(prefix.adapter, (R,))),
+    )
+    return state.replace(
+        cache=cache,
+        last_B=put(state.last_B, prefix.first),
+        fill_B=put(state.fill_B, jnp.broadcast_to(prefix.length, (R,))),
+        count_B=put(state.count_B, jnp.ones((R,), jnp.int32)),
+        done_B=put(state.done_B, prefix.done),
+        rows=jax.tree_util.tree_map(put, state.rows, prefix.rows),
+    )
+
+
+def _insert_group(state: DecodeState, prefix: Prefix, rows: RowSampling, slots_R, table_RM, max_k: int):
+    """R requests on one prefilled prompt into slots slots_R, request r with the settings rows[r]
+    (fields [R]), each first token drawn from the prefill's logits as fork's -> (state, first_R)."""
+    R = slots_R.shape[0]
+    rows_R = jax.tree_util.tree_map(lambda x: x[:, 0], jax.vmap(RowSampling.device_rows)(rows))
+    logits_RV = jnp.broadcast_to(prefix.logits, (R, prefix.logits.shape[-1]))
+    first_R = next_tokens(rows_R, jnp.zeros((R,), jnp.int32), logits_RV, max_k)
+    done_R = finished(rows_R, first_R, jnp.ones((R,), jnp.int32))
+    group = prefix._replace(first=first_R, done=done_R, rows=rows_R)
+    return _insert(state, group, slots_R, table_RM), first_R
+
+
+def _copy_pages(state: DecodeState, src_R, dst_R):
+    """Page dst_R[r] takes page src_R[r]'s keys and values, every layer (a forked prompt's partial block)."""
+    inner = state.cache.inner
+    move = lambda buf_JPpK: buf_JPpK.at[:, dst_R].set(buf_JPpK[:, src_R])  # noqa: E731
+    inner = inner.replace(k=tuple(map(move, inner.k)), v=tuple(map(move, inner.v)))
+    return state.replace(cache=state.cache.replace(inner=inner))
+
+
+_PROGRAMS = (  # (function, static arguments, donated arguments, compiler options)
+    (_prefill, ("max_k",), ("state",), None),
+    (_insert, (), ("state",), None),
+    (_insert_group, ("max_k",), ("state",), None),
+    (_copy_pages, (), ("state",), None),
+    (_fork, ("max_k",), (), None),
+)
+
+
+@functools.cache
+def programs(mesh=None) -> dict:
+    """The runner's jitted programs by name (and `generate`: decode.sampling.decode_chunk), traced under
+    `mesh` (sharding.under_mesh with SERVE_RULES: kernels chosen for its devices) when one is given."""
+    out = {}
+    for f, static, donated, options in _PROGRAMS:
+        g = f if mesh is None else sharding.under_mesh(f, mesh, sharding.SERVE_RULES)
+        out[f.__name__.lstrip("_")] = jax.jit(
+            g, static_argnames=static, donate_argnames=donated, compiler_options=options
+        )
+    out["generate"] = decode_chunk if mesh is None else jax.jit(
+        sharding.under_mesh(decode_chunk.__wrapped__, mesh, sharding.SERVE_RULES),
+        static_argnames=("chunk", "keep", "max_k"), donate_argnames=("state",),
+        compiler_options=GPU_LOOP_OPTIONS,
+    )  # fmt: skip
+    return out
+
+
+def empty_state(pool: AdapterCache, slots: int) -> DecodeState:
+    """`slots` free slots over the pool (every row on the scratch page, the base adapter)."""
+    zeros = lambda dtype: jnp.zeros((slots,), dtype)  # noqa: E731
+    return DecodeState(
+        cache=pool,
+        last_B=zeros(jnp.int32),
+        fill_B=zeros(jnp.int32),
+        count_B=zeros(jnp.int32),
+        done_B=jnp.ones((slots,), bool),  # every slot starts free
+        rows=Rows.same(jax.random.key(0), slots, Sampling(), 1),
+    )
+
+
+class Runner:
+    """The device side of the engine; see the module docstring."""
+
+    def __init__(self, step_fn, pool: AdapterCache, *, slots: int, chunk: int, max_k: int, mesh=None):
+        """pool: an AdapterCache over a PagedKVCache whose table has `slots` rows (all scratch)."""
+        Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)
+        self.step_fn = step_fn if isinstance(step_fn, Partial) else Partial(step_fn)
+        self.slots, self.chunk, self.max_k, self.mesh = slots, chunk, max_k, mesh
+        self.p = programs(mesh)
+        state = empty_state(pool, slots)
+        # every buffer committed to its devices, as the programs' outputs are: an uncommitted one in a
+        # first call and a committed one in the next are two jit signatures (a compile mid-serving)
+        where = jax.devices()[0] if mesh is None else sharding.row_shardings(state, mesh)
+        self.state = jax.device_put(state, where)
+        self._table = np.zeros(pool.inner.table_BM.shape, np.int32)  # what the slots' table should be
+        self._stale = False  # the device's table differs from it (rows set by `idle` since the last upload)
+        # read at /metrics scrapes from another thread: sizes now, not the (donated) buffers then
+        inner = pool.inner
+        self.page_bytes = sum(x.nbytes for x in (*inner.k, *inner.v)) // inner.k[0].shape[1]
+
+    @property
+    def pages(self) -> int:
+        return self.state.cache.inner.k[0].shape[1]
+
+    def prefill(self, table_M, adapter: int, chunk_1P, start: int, size: int, rows: RowSampling) -> Prefix:
+        self.state, prefix = self.p["prefill"](
+            self.step_fn, self.state, np.asarray(table_M, np.int32)[None], np.int32(adapter), chunk_1P,
+            np.int32(start), np.int32(size), rows, max_k=self.max_k,
+        )  # fmt: skip
+        return prefix
+
+    def fork(self, prefix: Prefix, rows: RowSampling) -> Prefix:
+        first, done, rows_1 = self.p["fork"](prefix.logits, rows, max_k=self.max_k)
+        return prefix._replace(first=first, done=done, rows=rows_1)
+
+    def insert(self, prefix: Prefix, slot: int, table_M):
+        self.state = self.p["insert"](
+            self.state, prefix._replace(owner=None), np.asarray([slot], np.int32), np.asarray(table_M)[None]
+        )
+        self._table[slot] = table_M
+
+    def insert_group(self, prefix: Prefix, rows: list[RowSampling], slots: list[int], tables_RM) -> jax.Array:
+        stacked = RowSampling(*(np.stack(f) for f in zip(*rows, strict=True)))
+        self.state, first_R = self.p["insert_group"](
+            self.state, prefix._replace(owner=None), stacked, np.asarray(slots, np.int32),
+            np.asarray(tables_RM, np.int32), max_k=self.max_k,
+        )  # fmt: skip
+        self._table[slots] = tables_RM
+        return first_R
+
+    def copy_pages(self, src: list[int], dst: list[int]):
+        if src:
+            self.state = self.p["copy_pages"](
+                self.state, np.asarray(src, np.int32), np.asarray(dst, np.int32)
+            )
+
+    def idle(self, slot: int, table_M):
+        """Slot `slot`'s row of the table, set on the host (its request ended: the scratch page); uploaded
+        with the next generate."""
+        self._table[slot] = table_M
+        self._stale = True
+
+    def generate(self, stop_B, steps: int):
+        """`steps` decode steps for every slot -> (tokens_BC, count_B, done_B) on the host."""
+        if self._stale:  # a copy: the host's table changes in place while the step may still run
+            cache = self.state.cache
+            table = jax.device_put(np.array(self._table), cache.inner.table_BM.sharding)
+            self.state = self.state.replace(cache=cache.replace(inner=cache.inner.replace(table_BM=table)))
+            self._stale = False
+        self.state, out_BC = self.p["generate"](
+            self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k
+        )
+        return np.asarray(out_BC), np.array(self.state.count_B), np.array(self.state.done_B)
