@@ -8,11 +8,10 @@
   the recipe's (data, fsdp) mesh over all the target's devices; eval: its eval step (one micro-batch).
 - sample (GPT): flaxgpt.decode.sampling's prefill (a full-window prompt) and decode loop over
   gpt.step_fn and a KVCache, on one device, as sample.py runs (batch 1, temperature 0.8, top-k 200).
-- serve (GPT): flaxgpt.serve.engine's prefill (the largest prompt bucket) and generate step for all
-  `slots` slots (chunk 4), on one device as flaxgpt.serve.launch runs it, or over `serve_devices`
-  devices (Engine(mesh=...): weights split by sharding.SERVE_RULES, caches by rows); on one device
-  also the generate step over a paged slots cache (flaxgpt.models.paged: JAX's Pallas paged-attention
-  kernel on TPU and GPU).
+- serve (GPT): flaxgpt.serve.runner's prefill (the largest prompt bucket) and generate step for all
+  `slots` slots (chunk 4) over the engine's page pool (flaxgpt.models.paged: JAX's Pallas
+  paged-attention kernel on TPU and GPU), on one device as flaxgpt.serve.launch runs it, or over
+  `serve_devices` devices (Engine(mesh=...): weights split by sharding.SERVE_RULES, the pool by heads).
 - rollout (GRPO recipes, grpo.rollout = engine): the engine's prefill and generate step as the
   trainer's rollouts run them (train.grpo_rollout): batch_size slots over the policy's weights
   (LoRA: adapters unmerged over the base in lora.base_dtype, int8 included), on one device.
@@ -41,16 +40,18 @@ from flaxgpt import sharding
 from flaxgpt.decode import sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
-from flaxgpt.models.cache import KVCache
+from flaxgpt.models.cache import AdapterCache, KVCache
 from flaxgpt.models.flops import flops_per_token
 from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.runs import run_dir
-from flaxgpt.serve import engine
+from flaxgpt.serve import runner
 from flaxgpt.train import grpo_rollout
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS
 from flaxgpt.train.steps import make_steps
 from flaxgpt.train.tasks import TASKS, task_name
+
+PAGE = grpo_rollout.PAGE  # the engine's page size: serve.py's --prefix_block default, GRPO's engine
 
 GROUPS = ("train", "eval", "sample", "serve", "rollout")  # rollout: GRPO recipes only
 DEFAULT_VOCAB = 50257  # GPT-2's BPE: the vocabulary assumed when neither the recipe nor its data says
@@ -236,51 +237,47 @@ def serve_programs(
     mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128, quantize=None,
     decoding=None,
 ) -> list[Program]:  # fmt: skip
-    """The engine's programs as serve.py runs them: a prefill chunk (its largest bucket: serve.py's
-    --prefill_chunk; docs/aot.md's figures were compiled at 128) into a one-row cache, and the
-    generate step for every slot. Over several `devices`: Engine(mesh=...)'s, the weights split by
-    sharding.SERVE_RULES (MLP and vocabulary over the devices), the caches by rows (slots; a one-row
-    cache's heads). decoding: _decoding's (config, step_fn, mesh, parameter bytes) if not the GPT's own."""
+    """The engine's programs as serve.py runs them (serve.runner): a prefill chunk (its largest bucket:
+    serve.py's --prefill_chunk; docs/aot.md's figures were compiled at 128) into the page pool through
+    one request's table, and the generate step for every slot over the pool (pages of 16: JAX's Pallas
+    paged-attention kernel where the target has one). Over several `devices`: Engine(mesh=...)'s, the
+    weights split by sharding.SERVE_RULES (MLP and vocabulary over the devices), the pool by its heads
+    where they divide. decoding: _decoding's (config, step_fn, mesh, parameter bytes) if not the GPT's
+    own."""
     cfg, step, mesh, param_bytes = decoding or _decoding(mc, devices, quantize)
-    prefill_fn, _, generate_fn = engine.programs(mesh)
+    progs = runner.programs(mesh)
     n = len(devices)
-    W = min(max_len or cfg.block_size, cfg.block_size)
+    W = -(-min(max_len or cfg.block_size, cfg.block_size) // PAGE) * PAGE  # whole pages, as the engine
     P = min(prefill_chunk, W)
 
     def placed(make):
         tree = jax.eval_shape(make)
         return _abstract(tree, sharding.row_shardings(tree, mesh))
 
-    cache_1 = placed(lambda: KVCache.for_config(cfg, 1, W))
-    rows = placed(lambda: jax.tree.map(jnp.asarray, engine.RowSampling.of(max_new_tokens=1)))
+    impl = paged_impl(devices[0].platform, cfg.head_dim)
+    pool = lambda: AdapterCache.wrap(
+        PagedKVCache.for_slots(cfg, slots, W, page=PAGE, impl=impl, extra_pages=1)
+    )  # noqa: E731
+    state = placed(lambda: runner.empty_state(pool(), slots))
+    rows = placed(lambda: jax.tree.map(jnp.asarray, runner.RowSampling.of(max_new_tokens=1)))
     rep = sharding.replicated(mesh)
     prompt = jax.ShapeDtypeStruct((1, P), jnp.int32, sharding=rep)  # the largest prompt bucket
-    start, size = _scalar(jnp.int32, mesh), _scalar(jnp.int32, mesh)
+    table = jax.ShapeDtypeStruct((1, W // PAGE), jnp.int32, sharding=rep)
+    adapter, start, size = (_scalar(jnp.int32, mesh) for _ in range(3))
     where = f"{_weights(quantize)}" + (f", over {n} devices (SERVE_RULES)" if n > 1 else "")
     prefill = Program(
-        "serve.prefill", prefill_fn, (step, cache_1, prompt, start, size, rows),
+        "serve.prefill", progs["prefill"], (step, state, table, adapter, prompt, start, size, rows),
         {"max_k": 256}, n, flops_per_token(cfg, W)["forward"] * P, {"parameters": param_bytes},
         f"prompt chunk {P} into a window of {W}{where}", mesh=mesh,
     )  # fmt: skip
-    state = placed(lambda: engine.empty_slots(KVCache.for_config(cfg, slots, W), slots))
     stop = jax.ShapeDtypeStruct((slots,), jnp.bool_, sharding=sharding.row_shardings(state.done_B, mesh))
     generate = Program(
-        "serve.generate", generate_fn, (step, state, stop), {"chunk": chunk, "max_k": 256}, n,
+        "serve.generate", progs["generate"], (step, state, stop), {"chunk": chunk, "max_k": 256}, n,
         flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
-        f"{slots} slots x window {W}, {chunk} tokens per call{where}",
+        f"{slots} slots x window {W} in pages of {PAGE} ({impl}){where}, {chunk} tokens per call",
         chunk * (param_bytes + per_device_bytes(state.cache)), mesh=mesh,
     )  # fmt: skip
-    if n > 1:  # the paged cache is one device's (Engine(slots_cache=...) runs without a mesh)
-        return [prefill, generate]
-    paged = PagedKVCache.for_slots(cfg, slots, W, page=16, impl=paged_impl(devices[0].platform, cfg.head_dim))
-    state_paged = placed(lambda: engine.empty_slots(paged, slots))
-    generate_paged = Program(
-        "serve.generate_paged", generate_fn, (step, state_paged, stop), {"chunk": chunk, "max_k": 256},
-        1, flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
-        f"{slots} slots x window {W} in pages of 16 ({paged.impl}){where}, {chunk} tokens per call",
-        chunk * (param_bytes + per_device_bytes(state_paged.cache)), mesh=mesh,
-    )  # fmt: skip
-    return [prefill, generate, generate_paged]
+    return [prefill, generate]
 
 
 def rollout_programs(config, mc, devices) -> list[Program]:
@@ -307,7 +304,7 @@ def rollout_programs(config, mc, devices) -> list[Program]:
     progs = serve_programs(
         mc, devices, slots=config.batch_size, max_len=W, chunk=chunk, prefill_chunk=W,
         decoding=(cfg, step, mesh, param_bytes),
-    )[:2]  # fmt: skip
+    )  # fmt: skip
     what = f"LoRA r {config.lora.rank} over a {config.lora.base_dtype} base" if lora_on else "the parameters"
     return [
         dataclasses.replace(p, name=p.name.replace("serve.", "rollout."), note=f"{p.note}; {what}")

@@ -70,8 +70,8 @@ class PrefillJob:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt_ids, rows: RowSampling, adapter: int, hit: int, last: int):
-        self.prompt_ids, self.rows, self.adapter = list(prompt_ids), rows, adapter
+    def __init__(self, prompt_ids, rows: RowSampling, adapter: int, hit: int, last: int, hold: bool):
+        self.prompt_ids, self.rows, self.adapter, self.hold = list(prompt_ids), rows, adapter, hold
         self.hit = hit  # prompt tokens whose keys and values came from the prefix cache
         self.done_upto = hit  # positions < done_upto are in its pages
         self.last = last  # the last position it may write (prompt + max_new - 1)
@@ -100,12 +100,14 @@ class Engine:
         prefix_blocks: int = 0,
         mesh=None,
         impl: str | None = None,
+        spare_pages: int = 0,
     ):
         """config: the model's (its layers, key/value heads, head size and dtype size the pool);
         max_len: each request's window (default config.block_size), a multiple of `page`;
         prefill_chunk: the most prompt tokens one prefill call runs (default max_len: a prompt in one
         call); prefix_blocks: the prefix cache's capacity in pages (0: off); mesh: run over its devices
-        (see serve/runner.py); impl: the paged-attention path (default: this platform's, paged_impl)."""
+        (see serve/runner.py); impl: the paged-attention path (default: this platform's, paged_impl);
+        spare_pages: pages beyond the slots' windows for prefixes held while they are forked (GRPO)."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         W = max_len or config.block_size
@@ -122,7 +124,7 @@ class Engine:
         platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
         pool = PagedKVCache.for_slots(
             config, slots, W, page=page, impl=impl or paged_impl(platform, config.head_dim),
-            extra_pages=1 + prefix_blocks,
+            extra_pages=1 + prefix_blocks + spare_pages,
         )  # fmt: skip
         pool = AdapterCache.wrap(pool.replace(table_BM=np.full((slots, M), SCRATCH, np.int32)))
         self.blocks = BlockManager(pages=pool.inner.k[0].shape[1], page=page, M=M, capacity=prefix_blocks)
@@ -162,11 +164,14 @@ class Engine:
 
     # ------------------------------------------------------------ prefill
 
-    def start_prefill(self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"") -> PrefillJob:
+    def start_prefill(
+        self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"", hold: bool = False
+    ) -> PrefillJob:
         """Check the request and take its pages: its longest cached prefix (blocks hashed from `salt`,
         the adapter's identity: a block of one adapter never matches another's) mapped in place, fresh
-        pages up to its last position. adapter: the adapter slot its row decodes with (0: the base).
-        Run the rest with prefill_step."""
+        pages up to its last position. adapter: the adapter slot its row decodes with (0: the base);
+        hold: keep its pages even if its first token ends it (a prompt to fork). Run the rest with
+        prefill_step."""
         n = len(prompt_ids)
         if n < 1:
             raise ValueError("the prompt is empty; start it with an end-of-text token")
@@ -175,7 +180,7 @@ class Engine:
                 f"prompt ({n} tokens) + max_new_tokens ({int(rows.max_new)}) exceeds the context "
                 f"window of {self.max_len} tokens"
             )
-        job = PrefillJob(prompt_ids, rows, adapter, 0, n + int(rows.max_new) - 1)
+        job = PrefillJob(prompt_ids, rows, adapter, 0, n + int(rows.max_new) - 1, hold)
         job.hit = job.done_upto = self._allocate(job.owner, prompt_ids, job.last, salt)
         return job
 
@@ -190,7 +195,8 @@ class Engine:
     def prefill_step(self, job: PrefillJob, tokens: int | None = None) -> Prefix | None:
         """Run the next `tokens` (at most prefill_chunk, the default) prompt tokens of `job`: the Prefix
         after its last chunk, else None. Then the prompt's full blocks join the prefix cache, and its
-        pages are the Prefix's."""
+        pages are the Prefix's (given back at once if its first token ended it and it is not held:
+        such a prefix inserts as a finished slot)."""
         start, size = job.done_upto, min(job.left, self.prefill_chunk, tokens or self.prefill_chunk)
         chunk_1P = np.zeros((1, self.bucket(size)), np.int32)
         chunk_1P[0, :size] = job.prompt_ids[start : start + size]
@@ -201,19 +207,24 @@ class Engine:
         if job.left:
             return None
         self.blocks.cache(job.owner, job.prompt_ids)
+        if not job.hold and bool(prefix.done):
+            self.blocks.free(job.owner)
+            return prefix
         return prefix._replace(owner=job.owner)
 
-    def prefill(self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"") -> Prefix:
+    def prefill(
+        self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"", hold: bool = False
+    ) -> Prefix:
         """Run the prompt through the model; the first new token is in `prefix.first`. Its pages are
-        held until it is inserted or dropped."""
-        job = self.start_prefill(prompt_ids, rows, adapter, salt)
+        the Prefix's until it is inserted or dropped (hold: see start_prefill)."""
+        job = self.start_prefill(prompt_ids, rows, adapter, salt, hold)
         while (prefix := self.prefill_step(job)) is None:
             pass
         return prefix
 
     def cancel(self, job: PrefillJob | Prefix):
         """Give back the pages of a prefill job or a Prefix that never reached a slot."""
-        if self.blocks.holds(job.owner):
+        if job.owner is not None and self.blocks.holds(job.owner):
             self.blocks.free(job.owner)
 
     drop = cancel  # a held Prefix no longer needed (GRPO: its group is placed)
@@ -223,8 +234,12 @@ class Engine:
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant's pages let go); its pages
         become the slot's (the Prefix is consumed: fork it before, not after)."""
-        self.blocks.move(prefix.owner, slot_owner(slot))
-        self.runner.insert(prefix, slot, self.blocks.table(slot_owner(slot)))
+        if prefix.owner is None:  # ended by its first token: the slot idles, finished
+            self._end(slot)
+            self.runner.insert(prefix, slot, np.full(self.blocks.M, SCRATCH, np.int32))
+        else:
+            self.blocks.move(prefix.owner, slot_owner(slot))
+            self.runner.insert(prefix, slot, self.blocks.table(slot_owner(slot)))
         self._taken([slot])
 
     def fork(self, prefix: Prefix, rows: RowSampling) -> Prefix:

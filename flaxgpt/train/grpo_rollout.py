@@ -11,14 +11,15 @@ engine's step_fn is a Partial over the weights, replaced at each call (serve.lau
 stack the same way): new weights every step, the engine's programs compiled once.
 
 Continuous batching: completions take the engine's `slots` as they free up (one that ends at EOS
-frees its slot for the next after the `generate` call it ended in); a prompt is prefilled once, and
-its G completions take that one-row cache into G slots, each first token drawn from the prefill's
-logits with its own key: `Engine.insert_group` (one call) when G slots are free, else
-`Engine.fork` + `insert` one at a time. Nothing waits on the device until a `generate` call ends.
+frees its slot for the next after the `generate` call it ended in); a prompt is prefilled once into
+the engine's page pool, and its G completions read its full blocks in place (its partial last block
+copied into each one's own page), each first token drawn from the prefill's logits with its own key:
+`Engine.insert_group` (one call) when G slots are free, else `Engine.fork` + `insert` one at a time
+(the prompt's pages held until its last completion is placed). Nothing waits on the device until a
+`generate` call ends. The serving engine's prefix cache stays off: the weights change every step.
 
 Over several devices (a training mesh of one host) the engine runs over them all (Engine(mesh=...):
-the slots split by rows, the weights as the trainer placed them for it, by sharding.SERVE_RULES) and
-each completion takes its slot by fork + insert.
+the weights as the trainer placed them for it, by sharding.SERVE_RULES; the pool's heads split).
 
 Keys: completion n (prompt n // G's) decodes with RowSampling(seed=s, stream=n), the key
 fold_in(key(s), n) that `generate(rng=key(s))` gives its row n, so the tokens are those of
@@ -36,12 +37,12 @@ import jax
 
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
-from flaxgpt.models.cache import KVCache
 from flaxgpt.serve.engine import Engine, RowSampling
 
 # decode steps a generate call at most: a whole completion where it fits (one host round trip; the
 # loop stops early when every slot is done), as generate's chunk; a freed slot waits out the call
 CHUNK = 256
+PAGE = 16  # positions a page of the engine's pool
 
 
 def check_over_devices(processes: int) -> None:
@@ -86,10 +87,14 @@ class EngineRollouts:
     def _engine(self, weights) -> Engine:
         step_fn = self.step_fn(weights)
         if self.engine is None:
-            make_cache = lambda b: KVCache.for_config(self.config, b, self.max_len)  # noqa: E731
+            # whole pages (positions past max_len are never written); no prefix cache: the weights
+            # change every step, and a block's keys and values with them; a spare window of pages for
+            # the prompt held while its completions are forked
+            W = -(-self.max_len // PAGE) * PAGE
             self.engine = Engine(
-                step_fn, make_cache, slots=self.slots, chunk=self.chunk, max_k=self.max_k, mesh=self.mesh
-            )
+                step_fn, self.config, slots=self.slots, max_len=W, chunk=self.chunk, max_k=self.max_k,
+                page=PAGE, spare_pages=W // PAGE, mesh=self.mesh,
+            )  # fmt: skip
         self.engine.step_fn = step_fn  # a jit argument: this step's weights, no recompile
         return self.engine
 
@@ -109,12 +114,13 @@ class EngineRollouts:
         while waiting or owner:
             while waiting and free:  # no host wait here: prefill, fork and insert queue on the device
                 n = waiting[0]
-                # the whole group: one prefill, one insert (one device: insert_group has no mesh program)
-                if G > 1 and n % G == 0 and len(free) >= G and self.mesh is None:
+                # the whole group: one prefill, one insert (the prompt's pages shared, its partial block
+                # copied into each completion's own)
+                if G > 1 and n % G == 0 and len(free) >= G:
                     group = [waiting.popleft() for _ in range(G)]
                     slots = [free.pop() for _ in range(G)]
                     rows = [self._rows(m, seed) for m in group]
-                    prefix = engine.prefill(prompt_ids[n // G], rows[0])
+                    prefix = engine.prefill(prompt_ids[n // G], rows[0], hold=True)
                     first_G = engine.insert_group(prefix, rows, slots)
                     firsts[n : n + G] = [(first_G, g) for g in range(G)]
                     owner.update(zip(slots, group, strict=True))
@@ -122,9 +128,10 @@ class EngineRollouts:
                 waiting.popleft()
                 rows = self._rows(n, seed)
                 if n % G == 0:  # a prompt's first completion: its one prefill
-                    prefix = first = engine.prefill(prompt_ids[n // G], rows)
-                else:
-                    first = engine.fork(prefix, rows)
+                    prefix = engine.prefill(prompt_ids[n // G], rows, hold=G > 1)
+                first = prefix if G == 1 else engine.fork(prefix, rows)  # as the prefill's draw with rows
+                if G > 1 and n % G == G - 1:  # the group's last: the prompt's own pages go back
+                    engine.drop(prefix)
                 firsts[n] = first.first
                 slot = free.pop()  # one done at its first token (EOS) idles there one generate call
                 engine.insert(first, slot)

@@ -27,7 +27,7 @@ def test_every_program_compiles_for_v5e_8_and_is_reported():
     target = targets.get("v5e-8")
     rows, mc = aot.run(tiny(), target, print_fn=lambda *_: None)
     by = {r.program: r for r in rows}
-    serve = ["serve.prefill", "serve.generate", "serve.generate_paged"]
+    serve = ["serve.prefill", "serve.generate"]
     assert list(by) == ["train", "eval", "sample.prefill", "sample.decode", *serve]
     train = by["train"]
     assert train.devices == 8 and train.fits(0.1)
@@ -43,15 +43,13 @@ def test_every_program_compiles_for_v5e_8_and_is_reported():
         assert r.total > 0 and r.compile_s > 0 and r.memory == target.memory
     text = report.table(rows, target)
     assert "serve.generate" in text and "all-reduce" in text
-    assert by["serve.generate_paged"].kernel == "xla"  # head_dim 32: the TPU paged kernel needs 128
+    assert by["serve.generate"].kernel == "xla"  # head_dim 32: the TPU paged kernel needs 128
 
 
 def test_paged_serving_takes_the_tpu_paged_attention_kernel_at_head_dim_128():
     rows, _ = aot.run(tiny(model__n_embd=256), targets.get("v5e-1"), ("serve",), print_fn=lambda *_: None)
     by = {r.program: r for r in rows}
-    assert (
-        by["serve.generate_paged"].kernel == "pallas paged (mosaic)" and by["serve.generate"].kernel == "xla"
-    )
+    assert by["serve.generate"].kernel == "pallas paged (mosaic)"
 
 
 def aot_params(mc):

@@ -23,7 +23,14 @@ def step():
 
 
 def new_engine(step, slots):  # slots 3 or 1, chunk 3: the tests share four compiled programs
-    return Engine(step, lambda b: KVCache.for_config(CFG, b, W), slots=slots, chunk=3, max_k=8)
+    return Engine(step, CFG, slots=slots, chunk=3, max_k=8)
+
+
+def hit_of(engine, prompt, rows) -> int:
+    """The prompt tokens a request would take from the prefix cache now (its pages given back)."""
+    job = engine.start_prefill(prompt, rows)
+    engine.cancel(job)
+    return job.hit
 
 
 def run(engine, requests, arrive_every=1, steps=None):
@@ -120,10 +127,7 @@ def test_mixture_of_experts_serves_what_generate_gives():
     step = gpt_step_fn(MOE, params)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, MOE.vocab_size, n).tolist() for n in (3, 13, 1, 20, 7)]
-    engine = Engine(
-        step, lambda b: KVCache.for_config(MOE, b, W), slots=2, chunk=3, max_k=8, prefill_chunk=8,
-        buckets=(8,),
-    )  # fmt: skip
+    engine = Engine(step, MOE, slots=2, chunk=3, max_k=8, prefill_chunk=8, buckets=(8,))
     greedy = RowSampling.of(Sampling(temperature=0), max_new_tokens=12)
     got = run(engine, [(p, greedy) for p in prompts], arrive_every=2)
     batch_BP = np.array([p + [0] * (20 - len(p)) for p in prompts])
@@ -198,7 +202,7 @@ def test_quantized_weights_serve_what_generate_gives(mode, tmp_path):
     assert quantize.is_quantized(loaded.params)
     qconfig, qparams = quantize_params(CFG, params, mode)
     step = gpt_step_fn(loaded.config, loaded.params)
-    engine = Engine(step, lambda b: KVCache.for_config(loaded.config, b, W), slots=2, chunk=3, max_k=8)
+    engine = Engine(step, loaded.config, slots=2, chunk=3, max_k=8)
     prompt = [3, 1, 4, 1, 5]
     got = run(engine, [(prompt, RowSampling.of(Sampling(temperature=0), max_new_tokens=12))])[0]
     want, _ = generate(
@@ -229,20 +233,18 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
     prefilled in chunks of 8 give each request the tokens of generate alone."""
     reqs = chat_requests()
     alone = run(new_engine(step, slots=1), reqs)
-    engine = Engine(
-        step, lambda b: KVCache.for_config(CFG, b, W), slots=3, chunk=3, max_k=8,
-        prefill_chunk=8, prefix_block=4, prefix_blocks=6,
-    )  # fmt: skip
-    assert engine.buckets == (8,) and engine.n_programs == 7
+    engine = Engine(step, CFG, slots=3, chunk=3, max_k=8, prefill_chunk=8, page=4, prefix_blocks=6)
+    assert engine.buckets == (8,) and engine.n_programs == 4
     first = run(engine, reqs, arrive_every=2)
-    hits = [engine.start_prefill(p, rows).hit for p, rows in reqs]  # a second round: what it reuses
+    hits = [hit_of(engine, p, rows) for p, rows in reqs]  # a second round: what it reuses
     second = run(engine, reqs, arrive_every=2, steps=1)  # one decode step per call
     assert first == second == alone
-    assert max(hits) >= 12 and len(engine.prefix_cache) == 6  # bounded: LRU evicted the rest
+    assert max(hits) >= 12 and len(engine.blocks.blocks) == 6  # bounded: LRU evicted the rest
     # a hit never covers the last prompt token, whose logits the prefill must compute
     p = reqs[0][0][:12]
-    engine.prefill(p, RowSampling.of(max_new_tokens=2))
-    assert engine.start_prefill(p, RowSampling.of(max_new_tokens=2)).hit == 8
+    engine.drop(engine.prefill(p, RowSampling.of(max_new_tokens=2)))
+    assert hit_of(engine, p, RowSampling.of(max_new_tokens=2)) == 8
+    engine.blocks.check()
     for (prompt, rows), got in zip(reqs, alone, strict=True):
         assert got == references.alone(step, CFG, W, prompt, rows)
 
@@ -250,15 +252,12 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
 def test_reply_kv_is_kept_for_the_next_turn(step):
     """A finished request's slot offers its prompt + reply to the prefix cache (`keep`): the next
     turn (prompt, reply, a new message) reuses the reply's blocks and decodes what generate gives."""
-    engine = Engine(
-        step, lambda b: KVCache.for_config(CFG, b, W), slots=3, chunk=3, max_k=8,
-        prefill_chunk=8, prefix_block=4, prefix_blocks=16,
-    )  # fmt: skip
+    engine = Engine(step, CFG, slots=3, chunk=3, max_k=8, prefill_chunk=8, page=4, prefix_blocks=16)
     rng = np.random.default_rng(3)
     prompt, kept, asked = rng.integers(0, CFG.vocab_size, 10).tolist(), 0, 0
     for turn in range(3):
         rows = RowSampling.of(Sampling(temperature=0.9, top_k=8), max_new_tokens=9, seed=turn)
-        hit = engine.start_prefill(prompt, rows).hit
+        hit = hit_of(engine, prompt, rows)
         assert hit == kept // 4 * 4 and (turn == 0 or hit > asked)  # past the last turn's prompt
         asked = len(prompt)
         [reply] = run(engine, [(prompt, rows)])
@@ -267,21 +266,6 @@ def test_reply_kv_is_kept_for_the_next_turn(step):
         assert engine.keep(slot, prompt + reply[:-1]) >= 1  # the reply's blocks are new
         kept = len(prompt) + len(reply) - 1  # reused up to here next turn (past this turn's prompt)
         prompt = prompt + reply + rng.integers(0, CFG.vocab_size, 3).tolist()
-
-
-def test_prefix_cache_lru_table():
-    from flaxgpt.serve.prefix_cache import PrefixCache, block_digests
-
-    pc = PrefixCache(KVCache.for_config(CFG, 1, 16), block=4, capacity=3)
-    a = list(range(13))
-    assert block_digests(a, 4) == block_digests(a[:12] + [99], 4)  # only full blocks count
-    assert block_digests([1, 2, 3, 4, 5, 6, 7, 8], 4)[1] != block_digests([0, 2, 3, 4, 5, 6, 7, 8], 4)[1]
-    hit, ids, digests = pc.match(a)
-    assert hit == 0 and pc.save(pc.restore(ids), digests) == 3 and len(pc) == 3
-    assert pc.match(a)[0] == 12 and pc.match(a[:12])[0] == 8  # the last token is never a hit
-    b = [50] + a[1:]
-    pc.save(pc.restore(pc.match(b)[1]), pc.match(b)[2])  # 3 new blocks evict a's 3 (least recent)
-    assert pc.match(a)[0] == 0 and pc.match(b)[0] == 12
 
 
 # float weights under SERVE_RULES: tests/serve/test_sharded_serving.py serves them through serve.py --mesh 8
@@ -308,12 +292,10 @@ def test_sharded_engine_gives_the_one_device_tokens(mode, rules):
     placed = jax.device_put(params, shardings)
     w = jax.tree.leaves(placed["h_0"]["mlp"]["c_fc"]["kernel"])[0]
     assert w.addressable_shards[0].data.size == w.size // 8  # an eighth of each weight per device
-    make = lambda b: KVCache.for_config(cfg, b, W)  # noqa: E731
     kw = dict(slots=8, chunk=3, max_k=8, prefill_chunk=24, buckets=(24,))  # few programs to compile
-    one = Engine(gpt_step_fn(cfg, params), make, **kw)
-    many = Engine(gpt_step_fn(cfg, placed), make, mesh=mesh, **kw)
-    assert many.state.cache.k[0].sharding.shard_shape(many.state.cache.k[0].shape)[0] == 2  # a slot each
+    one = Engine(gpt_step_fn(cfg, params), cfg, **kw)
+    many = Engine(gpt_step_fn(cfg, placed), cfg, mesh=mesh, **kw)
     reqs = requests()
     assert run(many, reqs) == run(one, reqs)
-    k = many.state.cache.k[0]  # its rows still split: the donated state kept its placement
-    assert k.sharding.is_equivalent_to(sharding.batch_sharding(mesh), k.ndim)
+    fill = many.state.fill_B  # the slots' arrays still split: the donated state kept its placement
+    assert fill.sharding.is_equivalent_to(sharding.batch_sharding(mesh), fill.ndim)

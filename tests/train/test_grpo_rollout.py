@@ -79,7 +79,7 @@ def test_rollouts_over_a_mesh_are_one_devices(params):
     one = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=8, max_len=16)
     four = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=8, max_len=16, mesh=mesh)
     assert four.sample(placed, PROMPTS, G, seed=7) == one.sample(params, PROMPTS, G, seed=7)
-    assert four.engine.state.cache.k[0].sharding.spec[0] is not None  # the slots split, not copied
+    assert four.engine.state.fill_B.sharding.spec[0] is not None  # the slots split (2 heads: the pool whole)
     # LoRA: the base placed as the trainer places it for the engine, the adapters whole on each device
     spec = lora.LoraSpec.make(CFG, rank=4, alpha=8.0)
     leaves, tree = jax.tree.flatten(lora.init_adapters(CFG, spec, jax.random.key(2)))
