@@ -62,7 +62,7 @@ class ServeMetrics:
         self.prefix_blocks = Gauge("flaxgpt_prefix_cache_blocks", "blocks in the prefix cache", registry=r)
         kv = {  # the engine's kv_memory() keys
             "bytes_per_slot": "KV cache bytes one slot's whole window takes",
-            "blocks": "pages of the KV page pool (paged: slots and prefix cache; contiguous: prefix cache)",
+            "blocks": "pages of the KV page pool (the slots' windows, the prefix cache's blocks, scratch)",
             "free_blocks": "pages of the pool held by no slot and no cached prefix",
             "shared_blocks": "pages held more than once: cached prefixes read in place by running requests",
         }
@@ -72,12 +72,11 @@ class ServeMetrics:
         return self._hit / self._query if self._query else 0.0
 
     def watch(self, sched):
-        """Gauges that read the scheduler (and its engine's prefix cache) when scraped."""
+        """Gauges that read the scheduler (and its engine's block manager) when scraped."""
         self.queue_depth.set_function(lambda: len(sched.pending))
         self.busy_slots.set_function(lambda: len(sched.active))
         self.slots.set(sched.engine.slots)
-        prefix = getattr(sched.engine, "prefix_cache", None)
-        self.prefix_blocks.set_function(lambda: len(prefix) if prefix is not None else 0)
+        self.prefix_blocks.set_function(lambda: len(sched.engine.blocks.blocks))
         for k, gauge in self.kv.items():
             gauge.set_function(lambda k=k: sched.engine.kv_memory()[k])
 

@@ -105,15 +105,20 @@ def test_engine_whole_and_chunked_prefill_equal_transformers(family):
     expect = [torch_greedy(model, p, 12) for p in prompts]
     for prefill_chunk in (None, 10):
         engine = Engine(
-            step_fn(config, params), lambda b: KVCache.for_config(config, b, S), slots=2, chunk=3,
-            prefill_chunk=prefill_chunk,
-        )  # fmt: skip
+            step_fn(config, params), config, slots=2, chunk=3, max_len=S, prefill_chunk=prefill_chunk
+        )
         assert run(engine, [(p, rows) for p in prompts]) == expect
-    with pytest.raises(ValueError, match="sliding-window layers keep only their window"):
-        Engine(step_fn(config, params), lambda b: KVCache.for_config(config, b, S), slots=1, prefix_blocks=4)
-    # serve.py asks for a prefix cache by default: over rings the server goes without one
-    sched = launch.scheduler_for(config, params, None, slots=1, max_len=S, prefix_cache_tokens=64)
-    assert sched.engine.prefix_cache is None and sched.engine.state.cache.has_rings
+    # the prefix cache over sliding-window layers: the pool keeps every position (the window is a mask),
+    # so a second round maps the first's blocks in place and still decodes transformers' tokens
+    sched = launch.scheduler_for(
+        config, params, None, slots=2, max_len=S, prefix_cache_tokens=64, prefix_block=4
+    )
+    engine = sched.engine
+    assert run(engine, [(p, rows) for p in prompts]) == expect
+    job = engine.start_prefill(prompts[0], rows)
+    engine.cancel(job)
+    assert job.hit >= 20
+    assert run(engine, [(p, rows) for p in prompts]) == expect
 
 
 @pytest.mark.parametrize("family", ["gemma3_text"], indirect=True)  # alternating: test_cache_kinds

@@ -210,3 +210,87 @@ def test_served_adapters_match_merged_and_load_unload_at_run_time(dirs, referenc
     assert unload(lora_name="nope").status_code == 404
     assert [m.id for m in client.models.list().data] == ["base", "a1", "a3"]
     check([(None, 2), ("a1", 1), ("a3", 0)])  # still serving, nothing half-loaded
+
+
+def run_rows(engine, pool, cases, salts=True):
+    """(adapter name or None, prompt index) cases, one slot each, greedy to N tokens -> (tokens, hits)."""
+    rows = RowSampling.of(Sampling(temperature=0.0), max_new_tokens=N)
+    out, hits, held = {}, [], []
+    for b, (name, i) in enumerate(cases):
+        adapter = pool.get(name) if name else None
+        slot = pool.acquire(adapter)
+        salt = adapter.key if adapter is not None and salts else b""
+        job = engine.start_prefill(PROMPTS[i], rows, adapter=slot, salt=salt)
+        hits.append(job.hit)
+        while (prefix := engine.prefill_step(job)) is None:
+            pass
+        engine.insert(prefix, b)
+        out[b], held = [int(prefix.first)], held + [slot]
+    while True:
+        tokens_BC, new_B, done_B = engine.generate()
+        for b in out:
+            out[b] += tokens_BC[b, : new_B[b]].tolist()
+        if done_B.all():
+            break
+    for b, (_, i) in enumerate(cases):  # the replies' blocks kept, under each adapter's salt
+        engine.keep(b, PROMPTS[i] + out[b][:-1])
+        pool.release(held[b])
+    return [out[b] for b in range(len(cases))], hits
+
+
+def test_adapters_with_the_prefix_cache_and_chunked_prefill(dirs, reference):
+    """The prefix cache keys its blocks by adapter: one prompt under a1, a2 and the base never shares
+    blocks across them, yet hits its own adapter's blocks (mapped in place) on the next request, and
+    every row, prefilled in chunks of 4, decodes its merged model's tokens."""
+    config, params = flaxgpt.load_pretrained(str(dirs / "base"))
+    sched = launch.scheduler_for(
+        config, params, None, slots=4, max_len=W, prefill_chunk=4, prefix_cache_tokens=64, prefix_block=4,
+        adapters=[(n, str(dirs / n)) for n in ("a1", "a2")], max_adapters=2, max_lora_rank=8,
+    )  # fmt: skip
+    engine, pool = sched.engine, sched.adapters
+    cases = [("a1", 2), ("a2", 2), (None, 2), ("a1", 0)]
+    first, hits = run_rows(engine, pool, cases)
+    assert hits == [0, 0, 0, 0]  # the same 6-token prompt under three adapters: no block shared
+    again, hits = run_rows(engine, pool, cases)
+    assert hits == [4, 4, 4, 4]  # each its own adapter's first block (the last token is never a hit)
+    for (name, i), a, b in zip(cases, first, again, strict=True):
+        assert a == b == reference[name, i], (name, i)
+    engine.blocks.check()
+    # unsalted (the bug the salt prevents): a2 would read a1's keys and values and decode other tokens
+    engine.blocks.clear()
+    [a1] = run_rows(engine, pool, [("a1", 2)], salts=False)[0]
+    [a2], hits = run_rows(engine, pool, [("a2", 2)], salts=False)
+    assert hits == [4] and a1 == reference["a1", 2] and a2 != reference["a2", 2]
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_adapters_over_a_mesh(dirs, reference, quantize):
+    """Adapters x --mesh 4 (x int8 weights) x the prefix cache x chunked prefill, on CPU devices: the
+    base loaded straight into its devices' slices (SERVE_RULES), the adapter stack on every device;
+    rows of a1, a2 and the base give their merged models' greedy tokens (float weights; int8: the
+    one-device engine's over the same int8 weights)."""
+    import jax
+
+    from flaxgpt import sharding
+
+    mesh = launch.serving_mesh(4, 8)  # the base's vocabulary (300) and MLP (96) split 4 ways
+    run, _ = launch.load(init_from=str(dirs / "base"), mesh=mesh, quantize=quantize)
+    w = jax.tree.leaves(run.params["h_0"]["mlp"])[0]
+    assert w.addressable_shards[0].data.size < w.size  # split, not copied
+    kw = dict(
+        slots=8, max_len=W, prefill_chunk=4, prefix_cache_tokens=128, prefix_block=4,
+        adapters=[(n, str(dirs / n)) for n in ("a1", "a2")], max_adapters=2, max_lora_rank=8,
+    )  # fmt: skip
+    many = launch.scheduler_for(run.config, run.params, None, mesh=mesh, **kw)
+    cases = [("a1", 2), ("a2", 2), (None, 2), ("a1", 0), ("a2", 1), (None, 3)]
+    got = run_rows(many.engine, many.adapters, cases)[0]
+    again, hits = run_rows(many.engine, many.adapters, cases[:3])
+    assert again == got[:3] and hits == [4, 4, 4]
+    if quantize is None:
+        want = [reference[c] for c in cases]
+    else:  # the same int8 weights on one device
+        one_run, _ = launch.load(init_from=str(dirs / "base"), quantize=quantize)
+        one = launch.scheduler_for(one_run.config, one_run.params, None, **kw)
+        want = run_rows(one.engine, one.adapters, cases)[0]
+    assert got == want
+    assert many.engine.state.fill_B.sharding.is_equivalent_to(sharding.batch_sharding(mesh), 1)

@@ -1,14 +1,11 @@
 """The serving engine over every kind of slots cache (models.cache: contiguous, ring, paged) gives a
 request the tokens `generate` gives it: one decode loop (decode.sampling.decode_chunk), the same keys."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
 
 from flaxgpt.decode.sampling import Sampling, generate
-from flaxgpt.models.paged import PagedKVCache
 from flaxgpt.serve.engine import Engine, RowSampling
 from tests.decode.test_cache_kinds import CFG, KINDS, PROMPTS, SAMPLED, make_cache, model_steps
 
@@ -20,15 +17,11 @@ def steps():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_engine_gives_one_request_what_generate_gives(steps, kind):
-    """One request at a time into a 2-slot engine over each kind of slots cache (the prefills' rows
-    contiguous or rings, as make_cache gives), greedy and temperature / top-k / top-p with a seed:
-    generate(rng=key(seed)) gives the same tokens (one decode loop: the same keys, stop rules)."""
-    W = 32  # paged: the slots' pages and the scratch page (serve/pages.py)
-    make = functools.partial(make_cache, "contiguous" if kind == "paged" else kind, W=W)
-    engine = Engine(
-        steps[0], lambda b: make(b), slots=2, chunk=4, max_k=16, prefill_chunk=16,
-        slots_cache=PagedKVCache.for_slots(CFG, 2, W, page=4, extra_pages=1) if kind == "paged" else None,
-    )  # fmt: skip
+    """One request at a time into a 2-slot engine (its page pool, prefills written through a table),
+    greedy and temperature / top-k / top-p with a seed: generate(rng=key(seed)) over each kind of cache
+    (contiguous, rings, paged) gives the same tokens (one decode loop: the same keys, stop rules)."""
+    W = 32
+    engine = Engine(steps[0], CFG, slots=2, max_len=W, chunk=4, max_k=16, prefill_chunk=16, page=4)
     prompt = PROMPTS[1].tolist()
     for i, settings in enumerate([dict(temperature=0.0), SAMPLED, dict(temperature=1.3, top_p=0.7)]):
         rows = RowSampling.of(Sampling(**settings), max_new_tokens=14, seed=10 + i)
