@@ -2,23 +2,17 @@
 per-row block tables.
 
     cache = PagedKVCache.for_slots(config, 16, 1024, page=16, impl=paged_impl("tpu", config.head_dim))
-    engine = Engine(step_fn, make_cache, slots=16, slots_cache=cache)   # prefills stay contiguous
-    tokens_BN, lengths_B = sampling.generate(step_fn, cache, ...)       # any decoder takes it too
+    tokens_BN, lengths_B = sampling.generate(step_fn, cache, ...)       # any decoder takes it
+    engine = Engine(step_fn, config, slots=16, max_len=1024)            # the server's one cache
 
 Layout: per layer, k and v as [J, P, page, K] (J key/value heads, P pages in the pool, page
 positions each), the layout of JAX's Pallas paged-attention kernels, with a table [B, M] of the
-page holding each slot's m-th block of `page` positions (M = max_len / page). Position s of slot b
-lies at page table[b, s // page], offset s % page; positions >= S are not written. Here the table is
-the identity (slot b owns pages b*M .. b*M + M - 1), so a slot's pages are as many as its window; but
-it is an array the step reads, not a constant: the serving engine (serve/pages.py) maps the prefix
-cache's pages into several rows at once, without recompiling. `take_rows` copies pages' contents
-(each page belongs to one row).
-
-A pool with no rows of its own (`PagedKVCache.pool`) is the contiguous engine's prefix cache block
-store (serve/prefix_cache.py): blocks are pages, written from and read into one-row contiguous caches
-(`write_pages`, `read_into`) by the block ids the prefix cache keeps. The paged engine needs neither:
-its prefix cache's blocks are pages of the slots' own pool, and a one-row view of that pool (the
-cache with a [1, M] table) is what a prefill writes into.
+page holding each row's m-th block of `page` positions (M = max_len / page). Position s of row b
+lies at page table[b, s // page], offset s % page; positions >= S are not written. `for_slots` gives
+the identity table (row b owns pages b*M .. b*M + M - 1); the table is an array the step reads, not a
+constant: the serving engine (serve/block_manager.py) maps one cached prefix's pages into several
+rows at once and writes a prefill through a one-row table, without recompiling. `take_rows` copies
+pages' contents (each page belongs to one row).
 
 The model sees this cache through the step_fn protocol: `layer(i)` hands each attention a
 PagedLayer, whose `attend` writes the step's new keys and values into their pages and attends over
@@ -29,8 +23,9 @@ the row's pages, on one of three paths (`impl`):
   pallas_gpu  jax.experimental.pallas.ops.gpu.paged_attention (one query per row: decoding)
 A prefill (more than one query per row) or a sliding window takes the xla path on every target.
 jax 0.10.2 also ships ragged_paged_attention for TPU (prefill and decode queries of many sequences
-in one call, keys and values interleaved [P, page, 2J, K]); the engine prefills alone into a
-contiguous row, so decoding is what needs a kernel, and paged_attention is that one.
+in one call, keys and values interleaved [P, page, 2J, K]); the engine prefills one request at a time
+(its chunks through a one-row table: the xla path), so decoding is what needs a kernel, and
+paged_attention is that one.
 
 Shape letters: B rows (slots), T queries per row, H query heads, J key/value heads, K head dim,
 P pages, M pages per row, S = M * page positions per row.
@@ -96,7 +91,7 @@ class PagedLayer(KVLayer):
             # read the pages whole, set the positions, write them back whole: TPU tiles a head's page
             # [page, K] as the paged kernel reads it, and writing single positions (a row of a tile)
             # made XLA lay the pool out position-major instead, copying every layer's pages at every
-            # step and prefill chunk (docs/aot.md). Rows never write one page together (serve/pages.py:
+            # step and prefill chunk (docs/aot.md). Rows never write one page together (block_manager.py:
             # shared pages are full; idle rows share only the scratch page, which no one reads); pages
             # read past a row's positions go back as they were
             pages_JBnpK = jnp.take(buf_JPpK, page_Bn, axis=1, mode="clip")
@@ -206,7 +201,7 @@ class PagedKVCache(Cache):
         cls, config, slots: int, max_len: int, *, page: int = 16, impl: str = "xla", dtype=None, extra_pages=0
     ):
         """Pages for `slots` rows of max_len positions each (identity table: slot b owns M pages), and
-        `extra_pages` more (a pool the slots share with the prefix cache: serve/pages.py)."""
+        `extra_pages` more (a pool the slots share with the prefix cache: serve/block_manager.py)."""
         if max_len % page:
             raise ValueError(f"the window {max_len} is not a multiple of the page size {page}")
         if impl not in IMPLS:
@@ -217,16 +212,6 @@ class PagedKVCache(Cache):
         zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))  # noqa: E731
         table = jnp.arange(slots * M, dtype=jnp.int32).reshape(slots, M)
         return cls(k=zeros(), v=zeros(), table_BM=table, n_head=J, impl=impl)
-
-    @classmethod
-    def pool(cls, row: KVCache, pages: int, page: int) -> PagedKVCache:
-        """`pages` empty pages of `page` positions for rows laid out as `row` (a one-row contiguous
-        cache), with no rows of their own: the prefix cache's block store."""
-        J, K, M = row.n_head, row.k[0].shape[2], row.max_len // page
-        zeros = lambda bufs: tuple(jnp.zeros((J, pages, page, K), x.dtype) for x in bufs)  # noqa: E731
-        return cls(
-            k=zeros(row.k), v=zeros(row.v), table_BM=jnp.zeros((0, M), jnp.int32), n_head=J, impl="xla"
-        )
 
     @property
     def max_len(self) -> int:
@@ -267,17 +252,6 @@ class PagedKVCache(Cache):
             return buf_JPpK.at[:, pages_M].set(blocks_JMpK.astype(buf_JPpK.dtype), mode="drop")
 
         return self.replace(k=tuple(map(put, self.k, row.k)), v=tuple(map(put, self.v, row.v)))
-
-    def read_into(self, row: KVCache, pages_M) -> KVCache:
-        """A one-row contiguous cache whose positions 0 .. M*page - 1 are pages `pages_M` [M] (ids
-        past the pool read the last page), the rest `row`'s."""
-        table_1M = jnp.asarray(pages_M)[None]
-
-        def put(row_JSK, buf_JPpK):
-            x_JSK = gather_rows(buf_JPpK, table_1M)
-            return row_JSK.at[:, : x_JSK.shape[1]].set(x_JSK.astype(row_JSK.dtype))
-
-        return row.replace(k=tuple(map(put, row.k, self.k)), v=tuple(map(put, row.v, self.v)))
 
     def insert_row(self, row: KVCache, slot) -> PagedKVCache:
         """Copy a one-row contiguous cache (a prefill's) into slot `slot`'s pages."""

@@ -245,8 +245,9 @@ class Scheduler:
                 left -= self._prefill_once(next(iter(self.prefilling)), left)
             if left == self.max_num_batched_tokens - decoding and self.prefilling:  # the budget went to
                 self._prefill_once(next(iter(self.prefilling)))  # decoding rows: a chunk all the same
-        while self.prefilling:  # nobody decodes (a burst): oldest first, each to its end
-            self._prefill_once(next(iter(self.prefilling)))
+        else:  # nobody decodes (a burst): oldest first, each to its end
+            while self.prefilling:
+                self._prefill_once(next(iter(self.prefilling)))
 
     def _take_pending(self) -> Sequence | None:
         """The oldest waiting sequence whose adapter is resident or can be swapped in now (its adapter
