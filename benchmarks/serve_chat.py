@@ -2,6 +2,7 @@
 
     python benchmarks/serve_chat.py --rounds 4        # 8 conversations x 4 turns, 4 at a time, ~5 minutes
     python benchmarks/serve_chat.py --conversations 2 --turns 2 --pause 1    # smoke run
+    python benchmarks/serve_chat.py --against /tmp/old   # cache on: another checkout's serve.py vs this one's
 
 A random-weight char-level GPT (6 layers, 384 wide, window 1024; no download) behind serve.py on
 127.0.0.1. Every conversation starts with the same 200-token system prompt; turn t sends the system
@@ -11,7 +12,8 @@ once. The same seeded workload runs against a server without the prefix cache an
 two sides of benchmarks/harness.py (each in its own process with its own server, the order
 alternating every round, --pause seconds of rest before each run); TTFT is from sending the request
 to its first streamed token, p50 and p99 over every turn of a run; the table gives each round's
-ratio and the medians over rounds.
+ratio and the medians over rounds. With --against DIR both sides have the cache on: serve.py of the
+checkout in DIR (a git worktree of another commit) against this checkout's.
 """
 
 from __future__ import annotations
@@ -58,11 +60,11 @@ async def conversation(c, url, system, rng, a, ttfts):
         history = prompt + reply
 
 
-def run_side(a, cache_tokens: int, run_dir: str) -> list[float]:
+def run_side(a, cache_tokens: int, run_dir: str, root=serve_process.ROOT) -> list[float]:
     import httpx
 
     cmd = ["--out_dir", run_dir, "--slots", str(a.clients), "--prefix_cache_tokens", str(cache_tokens)]
-    with serve_process.running([*cmd, *a.serve_args.split()]) as (url, _):
+    with serve_process.running([*cmd, *a.serve_args.split()], root=root) as (url, _):
         rng = np.random.default_rng(a.seed)
         system = "".join(rng.choice(LETTERS, 200))
         ttfts: list[float] = []
@@ -90,24 +92,30 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--serve_args", default="", help="more serve.py flags for both sides, e.g. '--chunk 2'")
     harness.add_arguments(p)
-    p.add_argument("--side", default=None, choices=list(SIDES), help=argparse.SUPPRESS)
+    p.add_argument("--against", default=None, help="two cache-on sides: DIR's serve.py and this checkout's")
+    p.add_argument("--side", default=None, choices=[*SIDES, "against"], help=argparse.SUPPRESS)
     p.add_argument("--run_dir", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.side:
-        ttfts = run_side(a, SIDES[a.side], a.run_dir)
+        root = a.against if a.side == "against" else serve_process.ROOT
+        ttfts = run_side(a, SIDES.get(a.side, SIDES["cache on"]), a.run_dir, root)
         pct = lambda q: float(np.percentile(ttfts, q))  # noqa: E731
         return harness.print_result({"turns": len(ttfts), "ttft_p50": pct(50), "ttft_p99": pct(99)})
     args = [*(argv if argv is not None else sys.argv[1:])]
     with tempfile.TemporaryDirectory() as run_dir:
         write_tiny_run(Path(run_dir), block_size=1024, n_embd=384, n_layer=6)
         env = {"PYTHONPATH": str(ROOT)}
+        names = {"cache off": "cache off", "cache on": "cache on"}
+        if a.against:
+            names = {"against": f"cache on ({a.against})", "cache on": "cache on (this checkout)"}
         sides = [
-            harness.Side(s, [sys.executable, __file__, *args, "--side", s, "--run_dir", run_dir], env=env)
-            for s in SIDES
+            harness.Side(n, [sys.executable, __file__, *args, "--side", s, "--run_dir", run_dir], env=env)
+            for s, n in names.items()
         ]
+        on, off = names["cache on"], names["against" if a.against else "cache off"]
         figures = [
-            harness.Figure(f"TTFT {q} (lower with the prefix cache)", "cache on", f"ttft_{q}", "cache off",
-                           f"ttft_{q}", higher_is_better=False)
+            harness.Figure(f"TTFT {q} (lower: > 1x)", on, f"ttft_{q}", off, f"ttft_{q}",
+                           higher_is_better=False)
             for q in ("p50", "p99")
         ]  # fmt: skip
         report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
@@ -115,7 +123,7 @@ def main(argv=None):
     print(report.table() + "\n")
     print("medians over rounds:\n| prefix cache | turns | TTFT p50 ms | TTFT p99 ms |")
     print("| --- | ---: | ---: | ---: |")
-    for s in SIDES:
+    for s in names.values():
         p50, p99 = (1e3 * float(np.median(report.values(s, f"ttft_{q}"))) for q in ("p50", "p99"))
         print(f"| {s} | {report.results[0][s]['turns']} | {p50:.0f} | {p99:.0f} |")
 

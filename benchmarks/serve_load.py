@@ -4,6 +4,8 @@
     python benchmarks/serve_load.py --requests 4 --clients 2 --min_new 4 --max_new 12 --skip_hf --pause 1
     python benchmarks/serve_load.py --prefill_ab --pause 10   # chunked prefill vs whole prompts, ~12 min
     python benchmarks/serve_load.py --adapters 8 --pause 10   # the load over 8 LoRA adapters vs the base
+    git worktree add /tmp/old d9de538 && python benchmarks/serve_load.py --against /tmp/old --skip_hf
+        # this checkout's serve.py vs another commit's, same load and flags
 
 GPT-2 124M with random weights (no download), fp32, on 127.0.0.1. Requests: token-id prompts of
 random lengths in [--min_prompt, --max_prompt], outputs in [--min_new, --max_new] tokens (decoded
@@ -15,6 +17,8 @@ before each run, at least 4 rounds; the table shows medians over rounds):
   hf         the same with transformers' GPT2LMHeadModel.generate (batch 1, torch CPU)
 With --prefill_ab the sides are instead serve.py with whole-prompt prefills (--prefill_chunk 0,
 the engine before chunked prefill) and with --prefill_chunk N (its default), same load.
+With --against DIR the sides are serve.py of the checkout in DIR (another commit: its own flaxgpt)
+and this checkout's, same flags (--adapters K and --prefill_ab compose with it: each side its own).
 With --adapters K the sides are serve.py without adapters (every request on the base) and serve.py
 with K random all-linear LoRA adapters of rank --lora_rank (PEFT directories written by the side
 itself; --max_adapters K: all resident), request i naming adapter i % K; both without the prefix
@@ -121,7 +125,7 @@ def run_server_side(a, reqs):
     if a.side in ("serve_base", "serve_adapters"):
         cmd += ["--prefill_chunk", str(a.prefill_chunk), "--prefix_cache_tokens", "0"]
     else:
-        cmd += ["--prefill_chunk", str(a.prefill_chunk if a.side == "serve" else 0)]  # serve_whole: 0
+        cmd += ["--prefill_chunk", str(0 if a.side == "serve_whole" else a.prefill_chunk)]  # whole: 0
     with contextlib.ExitStack() as stack:
         if a.side == "serve_adapters":
             root = stack.enter_context(tempfile.TemporaryDirectory())
@@ -129,7 +133,7 @@ def run_server_side(a, reqs):
             cmd += [f"--adapter={n}={root}/{n}" for n in names]
             cmd += ["--max_adapters", str(a.adapters), "--max_lora_rank", str(a.lora_rank)]
             reqs = [{**r, "model": names[i % len(names)]} for i, r in enumerate(reqs)]
-        return _serve_and_load(a, cmd, reqs)
+        return _serve_and_load(a, cmd, reqs, root=a.against if a.against_side else serve_process.ROOT)
 
 
 def write_adapters(root, k: int, rank: int) -> list[str]:
@@ -157,9 +161,9 @@ def write_adapters(root, k: int, rank: int) -> list[str]:
     return names
 
 
-def _serve_and_load(a, cmd, reqs):
+def _serve_and_load(a, cmd, reqs, root):
     t = time.perf_counter()
-    with serve_process.running(cmd) as (url, _):
+    with serve_process.running(cmd, root=root) as (url, _):
         print(f"serve: ready after {time.perf_counter() - t:.0f} s (load + compile)", file=sys.stderr)
         records, queue = [], list(reqs)
         t0 = time.perf_counter()
@@ -174,6 +178,8 @@ def _serve_and_load(a, cmd, reqs):
                 "the base" if a.side == "serve_base" else f"{a.adapters} LoRA adapters, rank {a.lora_rank}"
             )
         name = f"serve ({prefill}, slots {a.slots}, {a.clients} clients)"
+        if a.against:
+            name = f"{'against' if a.against_side else 'this checkout'}: {name}"
         return summary(name, time.perf_counter() - t0, records)
 
 
@@ -321,6 +327,10 @@ def parse(argv):
         help="two serve.py sides instead: every request on the base, and requests spread over K adapters",
     )
     p.add_argument("--lora_rank", type=int, default=8, help="the adapters' rank (--adapters)")
+    p.add_argument(
+        "--against", default=None, help="two serve.py sides: this checkout's and DIR's (a worktree)"
+    )
+    p.add_argument("--against_side", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the transformers side")
     harness.add_arguments(p)
@@ -350,6 +360,8 @@ def main(argv=None):
     print(f"python {platform.python_version()}, {os.cpu_count()} cores; {load}; {lengths}")
     args = [*(argv if argv is not None else sys.argv[1:])]
     env = {"PYTHONPATH": str(ROOT)}
+    if a.against:
+        return against_ab(a, args, env)
     if a.prefill_ab:
         return prefill_ab(a, args, env)
     if a.adapters:
@@ -368,6 +380,26 @@ def main(argv=None):
                 "tok/s vs transformers one at a time", "serve.py", "tok_s", "transformers", "tok_s"
             )
         )
+    report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
+    print_medians(report, sides)
+
+
+def against_ab(a, args, env):
+    """This checkout's serve.py against DIR's, the same load and flags, alternating."""
+    side = "serve_adapters" if a.adapters else "serve"
+    old, new = f"serve.py of {a.against}", "serve.py (this checkout)"
+    sides = [
+        harness.Side(old, [sys.executable, __file__, *args, "--side", side, "--against_side"], env=env),
+        harness.Side(new, [sys.executable, __file__, *args, "--side", side], env=env),
+    ]
+    lower = dict(higher_is_better=False)
+    figures = [
+        harness.Figure("tok/s (this / against)", new, "tok_s", old, "tok_s"),
+        harness.Figure("TTFT p50 (lower: > 1x)", new, "ttft_p50", old, "ttft_p50", **lower),
+        harness.Figure("TTFT p99 (lower: > 1x)", new, "ttft_p99", old, "ttft_p99", **lower),
+        harness.Figure("ITL p50 (lower: > 1x)", new, "itl_p50", old, "itl_p50", **lower),
+        harness.Figure("ITL p99 (lower: > 1x)", new, "itl_p99", old, "itl_p99", **lower),
+    ]
     report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
     print_medians(report, sides)
 

@@ -30,14 +30,15 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(args, *, env: dict | None = None, poll_s: float = 0.5, timeout_s: float = 1800):
+def running(args, *, env: dict | None = None, poll_s: float = 0.5, timeout_s: float = 1800, root=ROOT):
     """serve.py `args` (no --port: a free one is added) -> yields (url, process) once /health is 200.
-    `env`: extra environment variables (PYTHONPATH is this checkout, so the server runs its flaxgpt)."""
+    `env`: extra environment variables (PYTHONPATH is `root`, this checkout by default, so the server
+    runs that checkout's flaxgpt: another commit's worktree for old-vs-new comparisons)."""
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, str(ROOT / "serve.py"), *args, "--port", str(port)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    cmd = [sys.executable, str(Path(root) / "serve.py"), *args, "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(root), **(env or {})}
     with tempfile.TemporaryFile(mode="w+") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
         url = f"http://127.0.0.1:{port}"
