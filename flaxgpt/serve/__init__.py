@@ -1,12 +1,13 @@
-"""Serving: the engine (prefill / insert / generate over a slots KV cache; chunked prefill), the prefix
-cache (block KV reused across prompts), the paged engine's page bookkeeping (one pool shared by the slots
-and the prefix cache), LoRA adapters (a host pool, LRU over device slots), the
-scheduler thread, the OpenAI request/response layer, the
+"""Serving: the core in three parts, the scheduler thread (who runs, each turn's tokens under one budget),
+the block manager (which page of the one KV pool holds what: block tables, prefix hashes, reference
+counts, eviction) and the runner (the pool and the slots on the device, the jitted programs), joined by
+the engine (prefill / insert / generate); LoRA adapters (a host pool, LRU over device slots), the
+OpenAI request/response layer, the
 Starlette HTTP app with its operations middleware (API key, limits, access log) and Prometheus metrics.
 
 May import: flaxgpt.decode (the decode loop and row sampling), flaxgpt.data (chat templates,
 tokenizers), flaxgpt.models (the cache kinds models.cache and models.paged for the engine and the
-prefix cache; the model itself in launch), flaxgpt.loader, flaxgpt.sharding.
+runner; the model itself in launch), flaxgpt.loader, flaxgpt.sharding.
 
 The HTTP layer (server, openai_api, scheduler, adapters, middleware, metrics) imports no model module;
 building an engine for a model happens in launch.
