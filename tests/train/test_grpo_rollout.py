@@ -37,9 +37,9 @@ def test_engine_rollouts_are_generates_tokens(params, monkeypatch):
     tokens generate(rng=key(seed)) samples, each prompt prefilled once; new weights, no recompile."""
     prefills, real = [], Engine.prefill
 
-    def counted(self, prompt_ids, rows, adapter=0):
+    def counted(self, prompt_ids, rows, **kw):
         prefills.append(list(prompt_ids))
-        return real(self, prompt_ids, rows, adapter)
+        return real(self, prompt_ids, rows, **kw)
 
     monkeypatch.setattr(Engine, "prefill", counted)
     rollouts = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=5, max_len=16)
