@@ -24,7 +24,8 @@ own column block of the fused output; GPT-2 itself fuses c_attn, so its adapter 
 "all-linear" is every Linear of them (never the LM head or the expert stacks, as PEFT's "all-linear").
 
 An int8 or bf16 base (`quantize_base`: QLoRA-style, adapters stay float32) goes through the
-XLA dequantize-then-dot here rather than quantize's CPU decoding kernel, which has no gradient.
+XLA dequantize-then-dot here rather than quantize's CPU decoding kernel, which has no gradient
+(models.multi_lora, which only decodes, takes the kernel: `_dense(..., grad=False)`).
 
 Why not qwix's LoraProvider (qwix 0.1.8): it gives each weight one A/B pair, so it cannot hold
 PEFT's separate q/k/v (gate/up) adapters on flaxgpt's fused kernels; it quantizes the base in its
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from flaxgpt.models import quantize
 from flaxgpt.models.gpt import GPT, GPTConfig, unstack_layers
 from flaxgpt.models.moe import LoraExperts, MoE
 from flaxgpt.models.quantize import QuantizedWeight, quantize_rows
@@ -240,10 +242,13 @@ def check_adapters(config: GPTConfig, spec: LoraSpec, adapters, what: str = "ada
 # ---------------------------------------------------------------- the forward pass
 
 
-def _dense(module: nn.Dense, x, kernel, next_fun, args, kwargs):
-    """The base Dense: as linen computes it, or a quantized kernel by XLA's differentiable dot."""
+def _dense(module: nn.Dense, x, kernel, next_fun, args, kwargs, *, grad: bool = True):
+    """The base Dense: as linen computes it, or a quantized kernel by XLA's differentiable dot (grad);
+    grad=False (decoding: models.multi_lora) by quantize's own matmul, the quantized model's values."""
     if not isinstance(kernel, QuantizedWeight):
         return next_fun(*args, **kwargs)
+    if not grad:  # qmatmul: the CPU decoding kernel, which has no gradient
+        return quantize._dense(module, x, kernel)
     y = jax.lax.dot_general(
         x.astype(jnp.float32), kernel.w.astype(jnp.float32), (((x.ndim - 1,), (1,)), ((), ()))
     )

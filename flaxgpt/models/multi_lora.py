@@ -20,7 +20,11 @@ not a recompile; the slot index travels with each row in its cache (models.cache
 decoders and the serving engine see only step_fn(tokens_BT, positions_BT, cache) as for a plain GPT.
 
 The merged model (models.lora.merge) gives the same logits up to float rounding: x (W + s A B) against
-x W + (x A)(s B).
+x W + (x A)(s B). The base may be quantized (int8 or bf16: loader.compact's `quantize`, or
+lora.quantize_base's): x W is then what the quantized model alone computes, each Dense by quantize's
+qmatmul (lora._dense with grad=False) and the embedding by quantize's interceptor, and the adapters'
+float32 term is added to it, so a slot-0 row decodes as the quantized model and an adapter's row as
+QLoRA's forward (models.lora over the same quantized weights), which no merge could hold in int8.
 
 Shape letters: S slots, B batch rows, T positions, K a Dense's input features, N its output
 features, R the stack's rank, P the rank times the targets one Dense holds (q, k, v in one kernel).
@@ -52,7 +56,9 @@ def _interceptor(by_site: dict, idx_B, rank: int):
         if context.method_name != "__call__" or not isinstance(module, nn.Dense):
             return next_fun(*args, **kwargs)
         (x,) = args
-        y = lora._dense(module, x, module.get_variable("params", "kernel"), next_fun, args, kwargs)
+        # the base as the model alone computes it: a quantized kernel through quantize's qmatmul
+        kernel = module.get_variable("params", "kernel")
+        y = lora._dense(module, x, kernel, next_fun, args, kwargs, grad=False)
         parts = [p for p in by_site.get(module.name, ()) if module.has_variable("lora", f"{p[0]}_a")]
         if not parts:
             return y
@@ -93,10 +99,6 @@ class MultiLora:
             raise ValueError(
                 f"adapter slots must be >= 2 (slot 0 is the base) and rank >= 1: {slots}, {rank}"
             )
-        if quantize.is_quantized(params):
-            raise ValueError(
-                "adapters are served over float32 / bfloat16 / float16 weights, not quantized ones"
-            )
         if config.scan_layers:  # decode unrolled, as gpt.step_fn: each layer reads its own cache buffer
             params = unstack_layers(params, config.n_layer)
         self.config = dataclasses.replace(config, scan_layers=False, remat="none")
@@ -107,11 +109,16 @@ class MultiLora:
         by_site: dict = {}
         for t, start, stop in self.spec.columns:
             by_site.setdefault(lora.SITES[t][1], []).append((t, start, stop))
-        model = GPT(self.config)
+        model_apply = GPT(self.config).apply
+        if quantize.is_quantized(params):
+            # a quantized token embedding is read by quantize's interceptor, entered inside this one:
+            # flax runs the outermost first, so every Dense reaches this one (quantize's would return
+            # its matmul without calling on, and the adapters would be skipped)
+            model_apply = quantize.intercepted(model_apply)
 
         def apply(params, stack, tokens_BT, positions_BT, cache: AdapterCache, logits_at=None):
             with nn.intercept_methods(_interceptor(by_site, cache.adapter_B, rank)):
-                logits, inner = model.apply(
+                logits, inner = model_apply(
                     {"params": params, "lora": stack},
                     tokens_BT,
                     positions=positions_BT,
