@@ -231,10 +231,6 @@ class Runner:
         inner = pool.inner
         self.page_bytes = sum(x.nbytes for x in (*inner.k, *inner.v)) // inner.k[0].shape[1]
 
-    @property
-    def pages(self) -> int:
-        return self.state.cache.inner.k[0].shape[1]
-
     def prefill(self, table_M, adapter: int, chunk_1P, start: int, size: int, rows: RowSampling) -> Prefix:
         self.state, prefix = self.p["prefill"](
             self.step_fn, self.state, np.asarray(table_M, np.int32)[None], np.int32(adapter), chunk_1P,
