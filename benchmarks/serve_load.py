@@ -392,16 +392,7 @@ def against_ab(a, args, env):
         harness.Side(old, [sys.executable, __file__, *args, "--side", side, "--against_side"], env=env),
         harness.Side(new, [sys.executable, __file__, *args, "--side", side], env=env),
     ]
-    lower = dict(higher_is_better=False)
-    figures = [
-        harness.Figure("tok/s (this / against)", new, "tok_s", old, "tok_s"),
-        harness.Figure("TTFT p50 (lower: > 1x)", new, "ttft_p50", old, "ttft_p50", **lower),
-        harness.Figure("TTFT p99 (lower: > 1x)", new, "ttft_p99", old, "ttft_p99", **lower),
-        harness.Figure("ITL p50 (lower: > 1x)", new, "itl_p50", old, "itl_p50", **lower),
-        harness.Figure("ITL p99 (lower: > 1x)", new, "itl_p99", old, "itl_p99", **lower),
-    ]
-    report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
-    print_medians(report, sides)
+    two_servers(a, sides, "this / against")
 
 
 def prefill_ab(a, args, env):
@@ -411,13 +402,17 @@ def prefill_ab(a, args, env):
         harness.Side(whole, [sys.executable, __file__, *args, "--side", "serve_whole"], env=env),
         harness.Side(chunked, [sys.executable, __file__, *args, "--side", "serve"], env=env),
     ]
+    two_servers(a, sides, "chunked / whole")
+
+
+def two_servers(a, sides, what: str):
+    """Two serve.py sides (reference first) on the same load: tok/s, TTFT and ITL p50 / p99 ratios."""
+    ref, side = sides[0].name, sides[1].name
     lower = dict(higher_is_better=False)
-    figures = [
-        harness.Figure("tok/s (chunked / whole)", chunked, "tok_s", whole, "tok_s"),
-        harness.Figure("TTFT p50 (lower: > 1x)", chunked, "ttft_p50", whole, "ttft_p50", **lower),
-        harness.Figure("TTFT p99 (lower: > 1x)", chunked, "ttft_p99", whole, "ttft_p99", **lower),
-        harness.Figure("ITL p50 (lower: > 1x)", chunked, "itl_p50", whole, "itl_p50", **lower),
-        harness.Figure("ITL p99 (lower: > 1x)", chunked, "itl_p99", whole, "itl_p99", **lower),
+    figures = [harness.Figure(f"tok/s ({what})", side, "tok_s", ref, "tok_s")] + [
+        harness.Figure(f"{label} {q} (lower: > 1x)", side, f"{key}_{q}", ref, f"{key}_{q}", **lower)
+        for label, key in (("TTFT", "ttft"), ("ITL", "itl"))
+        for q in ("p50", "p99")
     ]
     report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
     print_medians(report, sides)
