@@ -181,16 +181,18 @@ class Engine:
                 f"window of {self.max_len} tokens"
             )
         job = PrefillJob(prompt_ids, rows, adapter, 0, n + int(rows.max_new) - 1, hold)
-        job.hit = job.done_upto = self._allocate(job.owner, prompt_ids, job.last, salt)
+        job.hit = job.done_upto = self._with_room(self.blocks.allocate, job.owner, prompt_ids, job.last, salt)
         return job
 
-    def _allocate(self, owner, prompt_ids, last: int, salt: bytes) -> int:
+    def _with_room(self, take, *args):
+        """take(*args) (a block manager call that takes pages); short of pages, the slots the last generate
+        said were done are ended first (finished slots that no keep or release ended still hold pages)."""
         try:
-            return self.blocks.allocate(owner, prompt_ids, last, salt)
-        except OutOfPages:  # finished slots that no keep or release ended still hold pages
+            return take(*args)
+        except OutOfPages:
             for slot in np.flatnonzero(self._finished):
                 self._end(int(slot))
-            return self.blocks.allocate(owner, prompt_ids, last, salt)
+            return take(*args)
 
     def prefill_step(self, job: PrefillJob, tokens: int | None = None) -> Prefix | None:
         """Run the next `tokens` (at most prefill_chunk, the default) prompt tokens of `job`: the Prefix
@@ -273,12 +275,7 @@ class Engine:
         return first_R
 
     def _fork_pages(self, owner, new_owner, length: int, last: int) -> tuple[list[int], list[int]]:
-        try:
-            copy = self.blocks.fork(owner, new_owner, length, last)
-        except OutOfPages:
-            for slot in np.flatnonzero(self._finished):
-                self._end(int(slot))
-            copy = self.blocks.fork(owner, new_owner, length, last)
+        copy = self._with_room(self.blocks.fork, owner, new_owner, length, last)
         return ([], []) if copy is None else ([copy[0]], [copy[1]])
 
     def _taken(self, slots):
