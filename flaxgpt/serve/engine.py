@@ -110,9 +110,7 @@ class Engine:
         spare_pages: pages beyond the slots' windows for prefixes held while they are forked (GRPO)."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
-        W = max_len or config.block_size
-        if W % page:
-            raise ValueError(f"the window {W} is not a multiple of the page size {page}")
+        W = max_len or config.block_size  # whole pages: PagedKVCache.for_slots below says so if not
         self.slots, self.chunk, self.max_k, self.max_len, self.page = slots, chunk, max_k, W, page
         self.prefill_chunk = min(prefill_chunk or W, W)
         if self.prefill_chunk < 1:

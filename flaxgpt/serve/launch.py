@@ -79,8 +79,6 @@ def scheduler_for(
     from flaxgpt.serve.engine import Engine
 
     W = min(max_len or config.block_size, config.block_size)
-    if W % prefix_block:
-        raise ValueError(f"--max_len {W} is not a multiple of the page size --prefix_block {prefix_block}")
     kw = dict(
         slots=slots, max_len=W, chunk=chunk, prefill_chunk=prefill_chunk, page=prefix_block,
         prefix_blocks=prefix_cache_tokens // prefix_block, mesh=mesh,
