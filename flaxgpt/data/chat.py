@@ -2,14 +2,17 @@
 
     tok = HFTokenizer("path/to/llama_dir")           # its chat_template and special token strings
     ids = render_ids(tok, messages, add_generation_prompt=True)     # a prompt for generation
+    ids = render_ids(tok, messages, True, tools=tools)   # with OpenAI tools (flaxgpt.serve.tools)
     ids, mask = assistant_mask(tok, messages)        # training: mask[i] = 1 on assistant tokens
     examples = read_conversations("convs.jsonl")     # {"messages": [{"role", "content"}, ...]} a line
 
 Rendering is transformers' apply_chat_template: the same Jinja environment (a sandbox with
 trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that
 keeps non-ASCII, the `{% generation %}` block), the same variables (messages,
-add_generation_prompt, tools=None, documents=None and the special token strings), then the text
-encoded with no special token added: the ids equal `apply_chat_template`'s.
+add_generation_prompt, tools, documents=None and the special token strings), then the text
+encoded with no special token added: the ids equal `apply_chat_template`'s. Messages may carry
+OpenAI tool calls; `check_messages` parses their JSON-string arguments into the dicts templates
+expect (as vLLM does), so a conversation an OpenAI client sends renders as the model was trained.
 
 The loss counts assistant tokens only, found one of two ways:
 - a template that marks `{% generation %}...{% endgeneration %}` (TRL's, SmolLM3's, ...): the tokens
@@ -100,7 +103,11 @@ def template_of(tokenizer) -> str:
 
 
 def check_messages(messages, name: str = "the conversation", need_assistant: bool = True) -> list[dict]:
-    """The messages as plain {role, content} dicts; a bad one is a ChatError naming `name`."""
+    """The messages as plain dicts; a bad one is a ChatError naming `name`.
+
+    Besides {role, content}, an agent conversation holds assistant turns with OpenAI `tool_calls`
+    (content null or absent) and `tool` turns answering them (`tool_call_id`, string content).
+    """
     if not isinstance(messages, list) or not messages:
         raise ChatError(f"{name}: 'messages' must be a non-empty list of {{role, content}} objects")
     out = []
@@ -109,18 +116,65 @@ def check_messages(messages, name: str = "the conversation", need_assistant: boo
             raise ChatError(f"{name}: message {i} is not a {{role, content}} object")
         if m["role"] not in ROLES:
             raise ChatError(f"{name}: message {i} has role {m['role']!r}; roles are {', '.join(ROLES)}")
-        if not isinstance(m.get("content"), str):
+        # null keys dropped: templates test presence ('tool_calls' in message, content is defined)
+        clean = {k: v for k, v in m.items() if v is not None}
+        calls = _tool_calls(clean.pop("tool_calls", None), f"{name}: message {i}")
+        if calls and m["role"] != "assistant":
+            raise ChatError(f"{name}: message {i} ({m['role']}) has 'tool_calls'; only assistants call tools")
+        if calls:
+            clean["tool_calls"] = calls
+        elif not isinstance(m.get("content"), str):
             raise ChatError(f"{name}: message {i} ({m['role']}) has no string 'content'")
-        clean = {k: v for k, v in m.items() if v is not None}  # as transformers: None keys dropped
-        clean["content"] = m["content"].replace(OPEN, "").replace(CLOSE, "")
+        if not isinstance(clean.get("tool_call_id", ""), str):
+            raise ChatError(f"{name}: message {i} has a non-string 'tool_call_id'; send the call's id string")
+        if isinstance(clean.get("content"), str):
+            clean["content"] = clean["content"].replace(OPEN, "").replace(CLOSE, "")
         out.append(clean)
     if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise ChatError(f"{name} has no assistant turn: nothing to train on (add one, or drop the line)")
     return out
 
 
-def render(tokenizer, messages, add_generation_prompt: bool, name: str = "the conversation"):
-    """(text, [(start, end) character spans of {% generation %} blocks])."""
+def _tool_calls(calls, where: str) -> list[dict]:
+    """OpenAI tool_calls with each `arguments` JSON string parsed into a dict.
+
+    Templates write the arguments with `| tojson` (Qwen2.5, Llama 3.1, Mistral), so a string there
+    would be written as a quoted string, not the object the model was trained on; vLLM parses them
+    the same way before rendering. An empty list is no call (the turn renders as plain text).
+    """
+    if calls is None or calls == []:
+        return []
+    if not isinstance(calls, list):
+        raise ChatError(f"{where}: 'tool_calls' must be a list of {{id, type, function}} objects")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ChatError(f"{where}: tool call {j} has no 'function' with a string 'name'")
+        if call.get("type", "function") != "function":
+            raise ChatError(f"{where}: tool call {j} has type {call['type']!r}; the only type is 'function'")
+        arguments = function.get("arguments") or {}  # null or "" is a call without arguments
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as e:
+                raise ChatError(
+                    f"{where}: tool call {j} 'arguments' is not JSON ({e}); send an object"
+                ) from None
+        if not isinstance(arguments, dict):
+            raise ChatError(
+                f'{where}: tool call {j} \'arguments\' is not a JSON object, e.g. {{"city": "Paris"}}'
+            )
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def render(tokenizer, messages, add_generation_prompt: bool, name: str = "the conversation", tools=None):
+    """(text, [(start, end) character spans of {% generation %} blocks]).
+
+    `tools`: OpenAI tool dicts ({"type": "function", "function": {...}}), handed to the template as
+    transformers' `apply_chat_template(messages, tools=tools)` does; None renders without tools.
+    """
     import jinja2
 
     template = compile_template(template_of(tokenizer))
@@ -128,7 +182,7 @@ def render(tokenizer, messages, add_generation_prompt: bool, name: str = "the co
     try:
         marked = template.render(
             messages=messages,
-            tools=None,
+            tools=tools,
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **variables,
@@ -146,14 +200,18 @@ def render(tokenizer, messages, add_generation_prompt: bool, name: str = "the co
     return "".join(text), spans
 
 
-def render_ids(tokenizer, messages, add_generation_prompt: bool, name: str = "the conversation") -> list[int]:
+def render_ids(
+    tokenizer, messages, add_generation_prompt: bool, name: str = "the conversation", tools=None
+) -> list[int]:
     """apply_chat_template's ids: the rendered text, no special token added."""
-    return tokenizer.encode(render(tokenizer, messages, add_generation_prompt, name)[0])
+    return tokenizer.encode(render(tokenizer, messages, add_generation_prompt, name, tools)[0])
 
 
-def assistant_mask(tokenizer, messages, name: str = "the conversation") -> tuple[np.ndarray, np.ndarray]:
+def assistant_mask(
+    tokenizer, messages, name: str = "the conversation", tools=None
+) -> tuple[np.ndarray, np.ndarray]:
     """(ids [N] int64, mask [N] uint8: 1 on the tokens of assistant turns) of a whole conversation."""
-    text, spans = render(tokenizer, messages, False, name)
+    text, spans = render(tokenizer, messages, False, name, tools)
     encoding = tokenizer.encoding(text)
     ids = np.asarray(encoding.ids, np.int64)
     mask = np.zeros(len(ids), np.uint8)
@@ -167,8 +225,8 @@ def assistant_mask(tokenizer, messages, name: str = "the conversation") -> tuple
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render_ids(tokenizer, messages[:i], True, name) if i else []
-        through = render_ids(tokenizer, messages[: i + 1], False, name)
+        before = render_ids(tokenizer, messages[:i], True, name, tools) if i else []
+        through = render_ids(tokenizer, messages[: i + 1], False, name, tools)
         if through[: len(before)] != before or list(ids[: len(through)]) != through:
             raise ChatError(
                 f"{name}: the chat template does not render turn {i} as a prefix of the conversation, "
