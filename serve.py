@@ -20,8 +20,9 @@ access-log line per request on stderr, --max_tokens and --max_body_bytes limits 
 The keys and values live in one pool of pages (--prefix_block positions each): prompts sharing a
 prefix read its pages in place (--prefix_cache_tokens), long prompts are prefilled in chunks of
 --prefill_chunk tokens between decode steps, under a budget of --max_num_batched_tokens a turn.
-LoRA adapters (--adapter NAME=DIR, --max_adapters, POST /v1/load_lora_adapter and
-/v1/unload_lora_adapter) go with all of it, --mesh and --quantize included: docs/serving_ops.md.
+LoRA adapters (--adapter NAME=DIR, --max_adapters, --max_cpu_adapters; POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter with --allow_runtime_lora --adapter_root DIR) go with all of it, --mesh and
+--quantize included: docs/serving_ops.md.
 """
 
 from __future__ import annotations
@@ -48,8 +49,31 @@ def parse_args(argv):
         "--max_adapters",
         type=int,
         default=None,
-        help="adapters resident on the device at once (default 4 with NAME=DIR adapters, else 0: none, "
-        "and none loadable at run time); the rest wait in host memory",
+        help="adapters resident on the device at once (default 4 with NAME=DIR adapters or "
+        "--allow_runtime_lora, else 0: none); the rest wait in host memory",
+    )
+    p.add_argument(
+        "--allow_runtime_lora",
+        action="store_true",
+        help="let clients load and unload adapters while serving (POST /v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter; off: both answer 403, as vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING): "
+        "anyone with the API key can then make the server read any adapter under --adapter_root and "
+        "hold it in memory. Adapters given with --adapter NAME=DIR are served either way",
+    )
+    p.add_argument(
+        "--adapter_root",
+        default=None,
+        help="DIR, required with --allow_runtime_lora: the only directory a runtime lora_path is read "
+        "from (relative to DIR, or absolute inside it; '..' and symlinks leading out are refused). No "
+        "default: the working directory may hold checkpoints, keys or data no client should reach",
+    )
+    p.add_argument(
+        "--max_cpu_adapters",
+        type=int,
+        default=None,
+        help="adapters whose weights stay in host memory (default: every one loaded); over N, the least "
+        "recently requested one not on the device is dropped and read again from its directory when a "
+        "request names it. >= --max_adapters",
     )
     p.add_argument("--max_lora_rank", type=int, default=16, help="the highest adapter rank a slot holds")
     p.add_argument(
@@ -127,9 +151,26 @@ def parse_args(argv):
     if any(not n or not d for n, d in a.adapters) or len(set(names)) != len(names):
         p.error(f"--adapter NAME=DIR: names must be non-empty and distinct, got {names}")
     if a.max_adapters is None:
-        a.max_adapters = 4 if a.adapters else 0
-    if a.max_adapters < 0 or a.max_lora_rank < 1 or (a.adapters and not a.max_adapters):
-        p.error("--max_adapters must be >= 1 with --adapter NAME=DIR (and >= 0), --max_lora_rank >= 1")
+        a.max_adapters = 4 if a.adapters or a.allow_runtime_lora else 0
+    wants_slots = a.adapters or a.allow_runtime_lora
+    if a.max_adapters < 0 or a.max_lora_rank < 1 or (wants_slots and not a.max_adapters):
+        p.error(
+            "--max_adapters must be >= 1 with --adapter NAME=DIR or --allow_runtime_lora (and >= 0), "
+            "--max_lora_rank >= 1"
+        )
+    if a.allow_runtime_lora != (a.adapter_root is not None):
+        p.error(
+            "--allow_runtime_lora and --adapter_root DIR go together: DIR is where runtime adapters are read"
+        )
+    if a.adapter_root is not None and not os.path.isdir(a.adapter_root):
+        p.error(
+            f"--adapter_root {a.adapter_root} is not a directory: give the directory holding the adapters"
+        )
+    if a.max_cpu_adapters is not None and a.max_cpu_adapters < max(a.max_adapters, 1):
+        p.error(
+            f"--max_cpu_adapters {a.max_cpu_adapters} is below --max_adapters {a.max_adapters}: an adapter "
+            "on the device stays in host memory too"
+        )
     if a.mesh < 1:
         p.error(f"--mesh must be >= 1 (devices), got {a.mesh}")
     for name in ("prefill_chunk", "prefix_cache_tokens"):
@@ -184,6 +225,8 @@ def main(argv=None):
         adapters=a.adapters,
         max_adapters=a.max_adapters,
         max_lora_rank=a.max_lora_rank,
+        adapter_root=a.adapter_root,
+        max_cpu_adapters=a.max_cpu_adapters,
         mesh=mesh,
     )
     W = sched.engine.max_len

@@ -63,6 +63,8 @@ def scheduler_for(
     adapters=(),
     max_adapters=0,
     max_lora_rank=16,
+    adapter_root=None,
+    max_cpu_adapters=None,
     mesh=None,
 ) -> Scheduler:
     """The engine (a window of max_len, default block_size, in pages of prefix_block positions) and its
@@ -71,7 +73,9 @@ def scheduler_for(
     cache's budget in positions (0: off), rounded down to pages.
     adapters: (name, directory) LoRA adapters served unmerged (a PEFT directory or a LoRA run), with
     max_adapters of them resident at once, each of rank <= max_lora_rank (max_adapters 0: no adapters,
-    none loadable later); the scheduler's `adapters` is then their AdapterPool.
+    none loadable later); the scheduler's `adapters` is then their AdapterPool. adapter_root: the one
+    directory clients may load adapters from at run time (None: runtime loads and unloads refused);
+    max_cpu_adapters: adapters kept in host memory (None: all; the rest read again when requested).
     mesh (serving_mesh, params placed over it by `load`): the engine's programs run over its devices.
     Every pair composes: adapters with the prefix cache (its blocks hashed with the adapter), with a
     mesh, over int8 / bf16 weights; chunked prefill with all of them."""
@@ -85,8 +89,9 @@ def scheduler_for(
     )  # fmt: skip
     sched_kw = dict(max_queue=max_queue, max_tokens=max_tokens, max_num_batched_tokens=max_num_batched_tokens)
     if max_adapters:
+        pool_kw = dict(runtime_root=adapter_root, max_host=max_cpu_adapters)
         return _with_adapters(
-            config, params, tokenizer, adapters, max_adapters, max_lora_rank, mesh, kw, sched_kw
+            config, params, tokenizer, adapters, max_adapters, max_lora_rank, mesh, kw, sched_kw, pool_kw
         )
     engine = Engine(gpt.step_fn(config, params), config, **kw)
     return Scheduler(engine, tokenizer, **sched_kw)
@@ -116,7 +121,7 @@ def serving_mesh(devices: int, slots: int):
     return sharding.make_mesh(1, devices, have[:devices])
 
 
-def _with_adapters(config, params, tokenizer, adapters, max_adapters, rank, mesh, kw, sched_kw):
+def _with_adapters(config, params, tokenizer, adapters, max_adapters, rank, mesh, kw, sched_kw, pool_kw):
     """The engine over models.multi_lora's step (max_adapters + 1 slots: 0 is the base) and an
     AdapterPool whose writes go into its stack, the named adapters loaded (on the host)."""
     import jax
@@ -143,7 +148,7 @@ def _with_adapters(config, params, tokenizer, adapters, max_adapters, rank, mesh
         engine.step_fn = multi.step_fn(stack[0])
 
     write(1, zeros)  # compiled now, not at the first swap
-    pool = AdapterPool(read, write, slots=max_adapters + 1)
+    pool = AdapterPool(read, write, slots=max_adapters + 1, **pool_kw)
     for name, path in adapters:
         pool.load(name, path)
     return Scheduler(engine, tokenizer, adapters=pool, **sched_kw)

@@ -7,8 +7,9 @@ Routes: POST /v1/completions (text or token-id prompts; stream as server-sent ev
 [DONE]`), POST /v1/chat/completions (messages through the model's chat template, each choice stopped at
 the template's end-of-turn token; streamed the same way), GET /v1/models, GET /health (503 while
 compiling or draining), GET /metrics (Prometheus, flaxgpt/serve/metrics.py); with LoRA adapters
-(serve/adapters.py) POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), a request's
-`model` naming the base or an adapter (else 404 listing the models). Every request goes through
+(serve/adapters.py) POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; 403 unless the pool
+has a runtime root, serve.py --allow_runtime_lora), a request's `model` naming the base or an adapter
+(else 404 listing the models; not a string: 400). Every request goes through
 flaxgpt/serve/middleware.py (API key, body size limit, access log, request counter). The handlers only
 translate: parse and validate (flaxgpt/serve/openai_api.py), submit sequences to the Scheduler, and turn
 its events into JSON. The event loop never runs XLA; the engine thread never touches HTTP. Bad input is
@@ -100,12 +101,21 @@ def create_app(
             )
         return JSONResponse({"object": "list", "data": cards})
 
+    def runtime_lora_off():
+        """403 unless serve.py --allow_runtime_lora: a client that may load adapters makes the server
+        read files and hold them in memory, which the operator grants explicitly."""
+        if pool is not None and pool.root is not None:
+            return None
+        return _error(
+            403, "loading and unloading adapters at run time is off: start the server with "
+            "--allow_runtime_lora --adapter_root DIR", "permission_error",
+        )  # fmt: skip
+
     async def load_adapter(request: Request):
-        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: read off the event loop."""
-        if pool is None:
-            return _error(
-                400, "this server has no adapter slots: start it with --max_adapters N or --adapter"
-            )
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"}: a path under the adapter root,
+        read off the event loop."""
+        if (refused := runtime_lora_off()) is not None:
+            return refused
         try:
             body = json.loads(await request.body())
             name, path = body["lora_name"], body["lora_path"]
@@ -116,20 +126,22 @@ def create_app(
         if name == model:
             return _error(400, f"{name!r} is the base model's name", param="lora_name")
         try:
-            await asyncio.to_thread(pool.load, name, path)
-        except Exception as e:  # not an adapter, or not one for this base: nothing was loaded
-            return _error(400, f"adapter {name!r} not loaded: {e}", param="lora_path")
-        log.info("loaded LoRA adapter %s from %s", name, path)
+            await asyncio.to_thread(pool.load_under_root, name, path)
+        except Exception as e:  # outside the root, not an adapter, not one for this base: nothing loaded
+            return _error(400, f"adapter {name!r} not loaded: {e}", param="lora_path")  # e: no server path
+        log.info("loaded LoRA adapter %s from %s under the adapter root", name, path)
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     async def unload_adapter(request: Request):
         """vLLM's POST /v1/unload_lora_adapter {"lora_name"}: its running requests finish first."""
+        if (refused := runtime_lora_off()) is not None:
+            return refused
         try:
             name = json.loads(await request.body())["lora_name"]
         except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
             return _error(400, f"the body must be JSON with lora_name: {e}")
         try:
-            if pool is None or not isinstance(name, str):
+            if not isinstance(name, str):
                 raise KeyError(name)
             pool.unload(name)
         except KeyError:
@@ -158,7 +170,22 @@ def create_app(
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"the body is not valid JSON: {e}")
         name = body.get("model", model) if isinstance(body, dict) else model
-        adapter = None if name == model or pool is None or not isinstance(name, str) else pool.get(name)
+        if not isinstance(name, str):
+            return _error(
+                400,
+                f"'model' must be a string naming a served model, got {type(name).__name__}",
+                param="model",
+            )
+        adapter = None if name == model or pool is None else pool.get(name)
+        if adapter is None and name != model and name in model_names():  # evicted by --max_cpu_adapters
+            try:
+                adapter = await asyncio.to_thread(pool.reload, name)
+            except Exception as e:  # its files changed or went away since it was loaded
+                log.warning("LoRA adapter %s could not be read again: %s", name, e)
+                return _error(
+                    503, f"the adapter {name!r} could not be read again from its directory (see the "
+                    "server log); unload it or restore its files", "service_unavailable", param="model",
+                )  # fmt: skip
         if name != model and adapter is None:  # OpenAI's answer to a model it does not have
             available = ", ".join(model_names())
             return _error(

@@ -2,7 +2,8 @@
 and random PEFT adapters made with peft (non-zero B: each changes the tokens). Rows of different
 adapters decode in one engine step and give, each, the greedy tokens of its adapter merged into the
 base (flaxgpt.load_pretrained(base, adapter=...)); serve.py with --adapter NAME=DIR serves them to the
-openai client, loads and unloads adapters at run time, and answers bad names and bad loads."""
+openai client, loads and unloads adapters at run time (--allow_runtime_lora, under --adapter_root), and
+answers bad names and bad loads. The privilege rules themselves: test_adapter_security.py."""
 
 import concurrent.futures
 import os
@@ -153,6 +154,7 @@ def server(dirs):
     cmd += ["--adapter", f"a1={dirs / 'a1'}", "--adapter", f"a2={dirs / 'a2'}", "--model_name", "base"]
     cmd += ["--max_adapters", "2", "--max_lora_rank", "8", "--max_len", str(W), "--slots", "4"]
     cmd += ["--prefill_chunk", "16"]  # one prompt bucket: one prefill program to compile
+    cmd += ["--allow_runtime_lora", "--adapter_root", str(dirs)]  # runtime loads: only under dirs
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     yield proc, f"http://127.0.0.1:{port}"
     proc.kill()
@@ -187,7 +189,7 @@ def test_served_adapters_match_merged_and_load_unload_at_run_time(dirs, referenc
 
     load = lambda **body: httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)  # noqa: E731
     unload = lambda **body: httpx.post(f"{url}/v1/unload_lora_adapter", json=body, timeout=60)  # noqa: E731
-    assert load(lora_name="a3", lora_path=str(dirs / "a3")).status_code == 200
+    assert load(lora_name="a3", lora_path="a3").status_code == 200  # relative to --adapter_root
     # a3 evicts the least recently used of a1 and a2, and the next a1 or a2 swaps back in
     check([("a3", 1), ("a3", 2), (None, 0)])
     check([("a1", 2), ("a2", 1), ("a3", 3)])
@@ -207,6 +209,9 @@ def test_served_adapters_match_merged_and_load_unload_at_run_time(dirs, referenc
     for name, path in bad.items():
         r = load(lora_name=name, lora_path=path)
         assert r.status_code == 400 and r.json()["error"]["message"], (name, r.text)
+    r = load(lora_name="b4", lora_path=str(dirs.parent))  # outside --adapter_root
+    assert r.status_code == 400 and "outside the adapter root" in r.json()["error"]["message"], r.text
+    assert str(dirs) not in load(lora_name="b3", lora_path="missing").text  # no server path echoed
     assert unload(lora_name="nope").status_code == 404
     assert [m.id for m in client.models.list().data] == ["base", "a1", "a3"]
     check([(None, 2), ("a1", 1), ("a3", 0)])  # still serving, nothing half-loaded
