@@ -79,18 +79,22 @@ def top_p_mask(logits_BV: jax.Array, p: float, *, is_sorted: bool = False) -> ja
     return jnp.where(logits_BV >= threshold_B1, logits_BV, -jnp.inf)
 
 
-def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B):
+def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B, min_p_B):
     """Lowest kept logit of each row from its K largest (sorted descending) -> (thr_B, fits_B).
 
-    Top-k keeps logits >= the k-th largest (ties kept); top-p then keeps the smallest set of
-    largest kept logits whose probability, renormalised over the kept set, reaches p. fits_B:
-    the K candidates decided it (else the row needs all V sorted).
+    min-p keeps tokens with probability >= min_p times the most likely one's, top-k the logits >=
+    the k-th largest (ties kept): the kept set is both; top-p then keeps the smallest set of largest
+    kept logits whose probability, renormalised over the kept set, reaches p (vLLM's order: min-p,
+    then top-k and top-p). fits_B: the K candidates decided it (else the row needs all V sorted).
     """
     B, K = sorted_BK.shape
     V = scaled_BV.shape[-1]
     topk_on_B = (top_k_B > 0) & (top_k_B < V)
     kth_B = jnp.take_along_axis(sorted_BK, jnp.clip(top_k_B - 1, 0, K - 1)[:, None], -1)[:, 0]
     kth_B = jnp.where(topk_on_B, kth_B, -jnp.inf)
+    # p(x) >= min_p * p(max)  <=>  logit(x) >= logit(max) + log(min_p)
+    min_p_thr_B = jnp.where(min_p_B > 0, sorted_BK[:, 0] + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
+    kth_B = jnp.maximum(kth_B, min_p_thr_B)
     kept_BV = scaled_BV >= kth_B[:, None]
     lse_B = jax.nn.logsumexp(jnp.where(kept_BV, scaled_BV, -jnp.inf), axis=-1)
     kept_BK = sorted_BK >= kth_B[:, None]
@@ -103,16 +107,32 @@ def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B):
     return thr_B, fits_B
 
 
+MAX_LOGPROBS = 20  # top alternatives a row may ask for (OpenAI's limit): a static width of the outputs
+MAX_LOGIT_BIAS = 300  # logit_bias entries a request may carry: a static width of the settings
+
+
 @struct.dataclass
 class Sampling:
-    """How a token is chosen from logits: temperature (0 = greedy), top_k (0 = off), top_p (1 = off),
-    eos_id (None = none). Static and hashable: part of a compiled decoder's key (speculative); the
-    decode loop carries the same settings as per-row arrays (`Rows`), for generate and the engine."""
+    """How a token is chosen from logits, with vLLM's definitions (applied in this order):
+    logit_bias ((id, bias) pairs) added to the logits; repetition_penalty (1 = off) divides a positive
+    logit and multiplies a negative one of every token in the prompt or the output so far;
+    frequency_penalty (0 = off) subtracts itself times the token's count in the output,
+    presence_penalty (0 = off) itself once if the token is in the output; then temperature
+    (0 = greedy), min_p (0 = off: tokens below min_p times the top token's probability dropped),
+    top_k (0 = off), top_p (1 = off). eos_id (None = none) ends a row. Static and hashable: part of
+    a compiled decoder's key (speculative); the decode loop carries the same settings as per-row
+    arrays (`Rows`), for generate and the engine. Penalties and logit_bias need the engine's token
+    counts (serving); generate and speculative decoding take the first four fields."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     eos_id: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple = ()  # ((token id, bias), ...)
 
 
 def greedy(logits_XV):
@@ -132,12 +152,12 @@ def _categorical_in_blocks(key, x_V, block: int = 256):
     return (b * block + jax.random.categorical(key_s, x_NS[b])).astype(jnp.int32)
 
 
-def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, max_k: int = 256):
+def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, min_p_B=None, max_k: int = 256):
     """One token per row, each row with its own key and settings (arrays, so one program serves all).
 
-    temperature 0 is greedy; else logits / temperature, top-k (0 = off), top-p (1 = off), then a
-    draw with the row's key over the tokens the filters keep. Filters look at the `max_k` largest
-    logits (lax.top_k); only when some row's top_k or nucleus reaches past them is the whole
+    temperature 0 is greedy; else logits / temperature, min-p (0 = off), top-k (0 = off), top-p
+    (1 = off), then a draw with the row's key over the tokens the filters keep. Filters look at the
+    `max_k` largest logits (lax.top_k); only when some row's top_k or nucleus reaches past them is the whole
     vocabulary sorted, and a row's result never depends on whether that happened (each row uses one
     path, chosen by itself). The draw is _categorical_in_blocks': V / 256 + 256 random numbers
     per row where jax.random.categorical takes V (threefry: 35 ms for 16 rows of GPT-2's 50257 on a
@@ -147,14 +167,15 @@ def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, max_k: in
     B, V = logits_BV.shape
     K = min(max_k, V)
     greedy_B = temperature_B <= 0
+    min_p_B = jnp.zeros((B,), jnp.float32) if min_p_B is None else min_p_B
     scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
-    filter_B = ~greedy_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1))
+    filter_B = ~greedy_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1) | (min_p_B > 0))
 
     def candidates(_):
-        return _threshold(jax.lax.top_k(scaled_BV, K)[0], scaled_BV, top_k_B, top_p_B)
+        return _threshold(jax.lax.top_k(scaled_BV, K)[0], scaled_BV, top_k_B, top_p_B, min_p_B)
 
     def everything(_):
-        return _threshold(-jnp.sort(-scaled_BV, axis=-1), scaled_BV, top_k_B, top_p_B)[0]
+        return _threshold(-jnp.sort(-scaled_BV, axis=-1), scaled_BV, top_k_B, top_p_B, min_p_B)[0]
 
     none = (jnp.full((B,), -jnp.inf), jnp.ones((B,), bool))
     thr_B, fits_B = jax.lax.cond(jnp.any(filter_B), candidates, lambda _: none, None)
@@ -200,9 +221,10 @@ PAD = -1  # an output column a row did not fill (no token id is negative)
 
 @struct.dataclass
 class Rows:
-    """Each row's decoding settings as arrays [B], so one compiled program serves any values. Row b's
-    token i is drawn with fold_in(key_B[b], i); generate gives row b the key fold_in(rng, b), and the
-    serving engine a request's choice b fold_in(key(seed), b): the same tokens for the same seed."""
+    """Each row's decoding settings (a `Sampling`, its length, what it reports) as arrays [B], so one
+    compiled program serves any values. Row b's token i is drawn with fold_in(key_B[b], i); generate
+    gives row b the key fold_in(rng, b), and the serving engine a request's choice b
+    fold_in(key(seed), b): the same tokens for the same seed."""
 
     key_B: jax.Array  # typed PRNG keys
     temperature_B: jax.Array  # f32, 0 = greedy
@@ -210,11 +232,19 @@ class Rows:
     top_p_B: jax.Array  # f32 in (0, 1], 1 = off
     max_new_B: jax.Array  # i32 >= 1: new tokens at most
     eos_B: jax.Array  # i32, -1 = none
+    min_p_B: jax.Array  # f32, 0 = off
+    presence_B: jax.Array  # f32, 0 = off
+    frequency_B: jax.Array  # f32, 0 = off
+    repetition_B: jax.Array  # f32, 1 = off
+    bias_ids_BL: jax.Array  # i32 [B, MAX_LOGIT_BIAS], -1 = unused
+    bias_BL: jax.Array  # f32 [B, MAX_LOGIT_BIAS]
+    logprobs_B: jax.Array  # i32: -1 = no logprobs, else the top alternatives wanted (0..MAX_LOGPROBS)
 
     @classmethod
-    def same(cls, rng, batch: int, s: Sampling, max_new) -> Rows:
+    def same(cls, rng, batch: int, s: Sampling, max_new, logprobs: int = -1) -> Rows:
         """`batch` rows with the settings `s` and max_new; row b's key fold_in(rng, b)."""
         full = lambda x, dtype: jnp.full((batch,), x, dtype)  # noqa: E731
+        ids_L, bias_L = bias_arrays(s.logit_bias)
         return cls(
             key_B=jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(batch)),
             temperature_B=full(s.temperature, jnp.float32),
@@ -222,7 +252,85 @@ class Rows:
             top_p_B=full(s.top_p, jnp.float32),
             max_new_B=full(max_new, jnp.int32),
             eos_B=full(-1 if s.eos_id is None else s.eos_id, jnp.int32),
+            min_p_B=full(s.min_p, jnp.float32),
+            presence_B=full(s.presence_penalty, jnp.float32),
+            frequency_B=full(s.frequency_penalty, jnp.float32),
+            repetition_B=full(s.repetition_penalty, jnp.float32),
+            bias_ids_BL=jnp.broadcast_to(ids_L, (batch, MAX_LOGIT_BIAS)),
+            bias_BL=jnp.broadcast_to(bias_L, (batch, MAX_LOGIT_BIAS)),
+            logprobs_B=full(logprobs, jnp.int32),
         )
+
+
+def bias_arrays(logit_bias) -> tuple[np.ndarray, np.ndarray]:
+    """((id, bias), ...) -> (ids [MAX_LOGIT_BIAS] i32 with -1 past the last, biases [MAX_LOGIT_BIAS] f32)."""
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+    ids_L = np.full(MAX_LOGIT_BIAS, -1, np.int32)
+    bias_L = np.zeros(MAX_LOGIT_BIAS, np.float32)
+    for i, (t, b) in enumerate(logit_bias):
+        ids_L[i], bias_L[i] = t, b
+    return ids_L, bias_L
+
+
+def unpack_mask(mask_BW, V: int) -> jax.Array:
+    """An int32 bitmask [B, ceil(V/32)] (bit j of word i: token 32 i + j allowed; the layout of
+    llguidance and xgrammar) -> bool [B, V]."""
+    bits_BW32 = (mask_BW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits_BW32.reshape(mask_BW.shape[0], -1)[:, :V].astype(bool)
+
+
+def adjust_logits(rows: Rows, logits_BV, counts_BV=None, seen_BV=None, mask_BW=None):
+    """The logits the sampler draws from (float32): a structured-output mask's banned tokens -inf,
+    then logit_bias, repetition, frequency and presence penalties (Sampling's definitions). counts_BV:
+    each token's count in the row's output so far; seen_BV: tokens in its prompt or output; both None
+    when the caller keeps no counts (generate): bias only. Rows that ask for none of it cost a
+    conditional, not a pass over the logits."""
+    logits_BV = logits_BV.astype(jnp.float32)
+    B, V = logits_BV.shape
+    if mask_BW is not None:
+        logits_BV = jnp.where(unpack_mask(mask_BW, V), logits_BV, -jnp.inf)
+    ids_BL = rows.bias_ids_BL
+    used_BL = (ids_BL >= 0) & (ids_BL < V)
+
+    def bias(x_BV):
+        safe_BL = jnp.where(used_BL, ids_BL, 0)
+        return x_BV.at[jnp.arange(B)[:, None], safe_BL].add(jnp.where(used_BL, rows.bias_BL, 0.0))
+
+    logits_BV = jax.lax.cond(jnp.any(used_BL), bias, lambda x: x, logits_BV)
+    if counts_BV is None:
+        return logits_BV
+
+    def penalize(x_BV):
+        rep_B1 = rows.repetition_B[:, None]
+        x_BV = jnp.where(seen_BV, jnp.where(x_BV > 0, x_BV / rep_B1, x_BV * rep_B1), x_BV)
+        counts_BV_f = counts_BV.astype(jnp.float32)
+        return x_BV - rows.frequency_B[:, None] * counts_BV_f - rows.presence_B[:, None] * (counts_BV > 0)
+
+    on_B = (rows.repetition_B != 1) | (rows.frequency_B != 0) | (rows.presence_B != 0)
+    return jax.lax.cond(jnp.any(on_B), penalize, lambda x: x, logits_BV)
+
+
+def token_logprobs(logits_BV, tok_B, want_B):
+    """-> (logprob_B of tok_B, top ids [B, MAX_LOGPROBS], their logprobs): float32 log-softmax of the
+    logits as the model gave them (before bias, penalties and temperature: vLLM's default), zeros
+    unless some row wants them (want_B >= 0)."""
+    B, V = logits_BV.shape
+    K = MAX_LOGPROBS
+
+    def compute(_):
+        lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+        top_lp_BK, top_ids_BK = jax.lax.top_k(lp_BV, min(K, V))
+        if V < K:  # a tiny vocabulary: the missing alternatives at -inf
+            top_lp_BK = jnp.pad(top_lp_BK, ((0, 0), (0, K - V)), constant_values=-jnp.inf)
+            top_ids_BK = jnp.pad(top_ids_BK, ((0, 0), (0, K - V)))
+        chosen_B = jnp.take_along_axis(lp_BV, tok_B[:, None], -1)[:, 0]
+        return chosen_B, top_ids_BK.astype(jnp.int32), top_lp_BK
+
+    def none(_):
+        return jnp.zeros((B,), jnp.float32), jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K), jnp.float32)
+
+    return jax.lax.cond(jnp.any(want_B >= 0), compute, none, None)
 
 
 def next_tokens(rows: Rows, count_B, logits_BV, max_k: int = 256):
@@ -232,7 +340,9 @@ def next_tokens(rows: Rows, count_B, logits_BV, max_k: int = 256):
     if max_k == 0:
         return greedy(logits_BV)
     keys_B = jax.vmap(jax.random.fold_in)(rows.key_B, count_B)
-    return select_rows(keys_B, logits_BV, rows.temperature_B, rows.top_k_B, rows.top_p_B, max_k=max_k)
+    return select_rows(
+        keys_B, logits_BV, rows.temperature_B, rows.top_k_B, rows.top_p_B, min_p_B=rows.min_p_B, max_k=max_k
+    )
 
 
 def finished(rows: Rows, tok_B, count_B):
@@ -251,6 +361,10 @@ class DecodeState:
     done_B: jax.Array  # finished (or, in the engine, a free slot): idles, its outputs dropped
     rows: Rows
     window_BW: jax.Array | None = None  # tokens at each cache position (to re-prefill from); None: no slide
+    # the engine's, for penalties (None in generate): each token's count in a row's output, and the
+    # tokens of its prompt or output
+    counts_BV: jax.Array | None = None
+    seen_BV: jax.Array | None = None
 
 
 def _slide(step_fn, keep: int, state: DecodeState, overflow_B):
@@ -280,11 +394,17 @@ def _overflowing(state: DecodeState, W: int) -> jax.Array:
     return ~state.done_B & (state.fill_B >= W)
 
 
-def _decode_chunk(step_fn, state: DecodeState, stop_B, chunk: int, keep: int = 0, max_k: int = 256):
+def _decode_chunk(
+    step_fn, state: DecodeState, stop_B, chunk: int, keep: int = 0, max_k: int = 256, mask_BW=None,
+    logprobs: bool = False,
+):  # fmt: skip
     """Up to `chunk` steps of one token per unfinished row -> (state, tokens_BC, PAD where a row made
-    none). stop_B: rows to stop now (the engine's released slots). keep: with state.window_BW, a row
-    whose window is full restarts it from its last `keep` tokens (generate); 0: rows never slide (the
-    engine: every request fits its window). The one decode step of `generate` and the serving engine.
+    none), and with `logprobs` a third output (logprob_BC, top_ids_BCK, top_logprob_BCK: token_logprobs'
+    of each step, zeros for rows that did not ask). stop_B: rows to stop now (the engine's released
+    slots). keep: with state.window_BW, a row whose window is full restarts it from its last `keep`
+    tokens (generate); 0: rows never slide (the engine: every request fits its window). mask_BW: a
+    structured-output bitmask for the (one) step (unpack_mask; chunk must be 1: the host advances each
+    row's grammar by the token drawn). The one decode step of `generate` and the serving engine.
 
     Full rows slide first (`_slide`), and the chunk ends early when another row's window fills: the
     slide is never a conditional inside the token loop, where it made XLA keep a copy of every
@@ -300,19 +420,29 @@ def _decode_chunk(step_fn, state: DecodeState, stop_B, chunk: int, keep: int = 0
         state = jax.lax.cond(jnp.any(overflow_B), slide, lambda s, _: s, state, overflow_B)
 
     def cond(carry):
-        state, _, j = carry
+        state, _, _, j = carry
         go_on = (j < chunk) & jnp.any(~state.done_B)
         return go_on & ~jnp.any(_overflowing(state, W)) if keep else go_on
 
     def body(carry):
-        state, out_BC, j = carry
+        state, out_BC, lp_out, j = carry
         active_B = ~state.done_B
         pos_B = jnp.minimum(state.fill_B, W - 1)  # finished rows idle at a valid position
         logits_B1V, cache = step_fn(state.last_B[:, None], pos_B[:, None], state.cache)
-        tok_B = next_tokens(state.rows, state.count_B, logits_B1V[:, -1], max_k)
+        raw_BV = logits_B1V[:, -1]
+        adjusted_BV = adjust_logits(state.rows, raw_BV, state.counts_BV, state.seen_BV, mask_BW)
+        tok_B = next_tokens(state.rows, state.count_B, adjusted_BV, max_k)
         count_B = state.count_B + active_B
         if keep:
             state = state.replace(window_BW=state.window_BW.at[rows_B, pos_B].set(state.last_B))
+        if state.counts_BV is not None:
+            state = state.replace(
+                counts_BV=state.counts_BV.at[rows_B, tok_B].add(active_B.astype(state.counts_BV.dtype)),
+                seen_BV=state.seen_BV.at[rows_B, tok_B].max(active_B),
+            )
+        if logprobs:
+            lp = token_logprobs(raw_BV, tok_B, jnp.where(active_B, state.rows.logprobs_B, -1))
+            lp_out = tuple(x_BC.at[:, j].set(x) for x_BC, x in zip(lp_out, lp))
         state = state.replace(
             cache=cache,
             last_B=jnp.where(active_B, tok_B, state.last_B),
@@ -320,15 +450,21 @@ def _decode_chunk(step_fn, state: DecodeState, stop_B, chunk: int, keep: int = 0
             count_B=count_B,
             done_B=state.done_B | (active_B & finished(state.rows, tok_B, count_B)),
         )
-        return state, out_BC.at[:, j].set(jnp.where(active_B, tok_B, PAD)), j + 1
+        return state, out_BC.at[:, j].set(jnp.where(active_B, tok_B, PAD)), lp_out, j + 1
 
     out_BC = jnp.full((B, chunk), PAD, jnp.int32)
-    state, out_BC, _ = jax.lax.while_loop(cond, body, (state, out_BC, jnp.int32(0)))
-    return state, out_BC
+    K = MAX_LOGPROBS
+    lp_out = (
+        (jnp.zeros((B, chunk), jnp.float32), jnp.zeros((B, chunk, K), jnp.int32),
+         jnp.zeros((B, chunk, K), jnp.float32))
+        if logprobs else ()
+    )  # fmt: skip
+    state, out_BC, lp_out, _ = jax.lax.while_loop(cond, body, (state, out_BC, lp_out, jnp.int32(0)))
+    return (state, out_BC, lp_out) if logprobs else (state, out_BC)
 
 
 _jit_chunk = functools.partial(
-    jax.jit, static_argnames=("chunk", "keep", "max_k"), donate_argnames=("state",)
+    jax.jit, static_argnames=("chunk", "keep", "max_k", "logprobs"), donate_argnames=("state",)
 )
 # decode_chunk: the token loop as one CUDA graph on NVIDIA GPUs; decode_chunk_plain without
 # GPU_LOOP_OPTIONS (the same program elsewhere)

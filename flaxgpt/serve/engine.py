@@ -43,9 +43,9 @@ import numpy as np
 from flaxgpt.models.cache import AdapterCache
 from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.serve.block_manager import SCRATCH, BlockManager, OutOfPages
-from flaxgpt.serve.runner import Prefix, RowSampling, Runner
+from flaxgpt.serve.runner import Logprobs, Prefix, RowSampling, Runner
 
-__all__ = ["Engine", "Prefix", "PrefillJob", "RowSampling", "prompt_buckets"]
+__all__ = ["Engine", "Logprobs", "Prefix", "PrefillJob", "RowSampling", "prompt_buckets"]
 
 
 def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -72,6 +72,9 @@ class PrefillJob:
 
     def __init__(self, prompt_ids, rows: RowSampling, adapter: int, hit: int, last: int, hold: bool):
         self.prompt_ids, self.rows, self.adapter, self.hold = list(prompt_ids), rows, adapter, hold
+        self.mask = None  # the first token's structured-output bitmask (int32 [W]; None: any token)
+        self.echo = False  # each prompt token's logprobs wanted: every chunk runs, none from the cache
+        self.echoed: list[Logprobs] = []  # per chunk, [size] ... each
         self.hit = hit  # prompt tokens whose keys and values came from the prefix cache
         self.done_upto = hit  # positions < done_upto are in its pages
         self.last = last  # the last position it may write (prompt + max_new - 1)
@@ -126,7 +129,11 @@ class Engine:
         )  # fmt: skip
         pool = AdapterCache.wrap(pool.replace(table_BM=np.full((slots, M), SCRATCH, np.int32)))
         self.blocks = BlockManager(pages=pool.inner.k[0].shape[1], page=page, M=M, capacity=prefix_blocks)
-        self.runner = Runner(step_fn, pool, slots=slots, chunk=chunk, max_k=max_k, mesh=mesh)
+        self.runner = Runner(
+            step_fn, pool, slots=slots, chunk=chunk, max_k=max_k, vocab=config.vocab_size, mesh=mesh
+        )
+        self.vocab, self.mask_words = config.vocab_size, self.runner.mask_words
+        self.logprobs: Logprobs | None = None  # the last generate's, [B, C] ... (host)
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
         self._finished = np.ones(slots, bool)  # as the last generate said (free slots too)
@@ -146,8 +153,9 @@ class Engine:
 
     @property
     def n_programs(self) -> int:
-        """Prefill per bucket, insert, generate for `chunk` steps and for one step."""
-        return len(self.buckets) + 2 + (self.chunk > 1)
+        """Prefill per bucket, insert, generate for `chunk` steps and for one step, and one step under a
+        structured-output mask (the echo prefills compile on the first echo request of each bucket)."""
+        return len(self.buckets) + 3 + (self.chunk > 1)
 
     def kv_memory(self) -> dict:
         """Bytes a slot's whole window takes, and the pool's pages: held by no one, held more than once
@@ -163,13 +171,15 @@ class Engine:
     # ------------------------------------------------------------ prefill
 
     def start_prefill(
-        self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"", hold: bool = False
-    ) -> PrefillJob:
+        self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"", hold: bool = False,
+        mask=None, echo: bool = False,
+    ) -> PrefillJob:  # fmt: skip
         """Check the request and take its pages: its longest cached prefix (blocks hashed from `salt`,
         the adapter's identity: a block of one adapter never matches another's) mapped in place, fresh
         pages up to its last position. adapter: the adapter slot its row decodes with (0: the base);
-        hold: keep its pages even if its first token ends it (a prompt to fork). Run the rest with
-        prefill_step."""
+        hold: keep its pages even if its first token ends it (a prompt to fork); mask: the first token's
+        structured-output bitmask (int32 [mask_words]); echo: each prompt token's logprobs wanted (the
+        whole prompt runs: nothing taken from the prefix cache). Run the rest with prefill_step."""
         n = len(prompt_ids)
         if n < 1:
             raise ValueError("the prompt is empty; start it with an end-of-text token")
@@ -179,6 +189,9 @@ class Engine:
                 f"window of {self.max_len} tokens"
             )
         job = PrefillJob(prompt_ids, rows, adapter, 0, n + int(rows.max_new) - 1, hold)
+        job.mask, job.echo = mask, echo
+        # an echoed prompt matches nothing (its salt unique): a cached position has no logits to report
+        salt = salt + b"echo" + job.owner[1].to_bytes(8, "little") if echo else salt
         job.hit = job.done_upto = self._with_room(self.blocks.allocate, job.owner, prompt_ids, job.last, salt)
         return job
 
@@ -198,12 +211,23 @@ class Engine:
         pages are the Prefix's (given back at once if its first token ended it and it is not held:
         such a prefix inserts as a finished slot)."""
         start, size = job.done_upto, min(job.left, self.prefill_chunk, tokens or self.prefill_chunk)
-        chunk_1P = np.zeros((1, self.bucket(size)), np.int32)
+        P = self.bucket(size)
+        chunk_1P = np.zeros((1, P), np.int32)
         chunk_1P[0, :size] = job.prompt_ids[start : start + size]
-        prefix = self.runner.prefill(
-            self.blocks.table(job.owner), job.adapter, chunk_1P, start, size, job.rows
-        )
+        seen = None
+        if job.rows.penalized:  # the repetition penalty reads the prompt's tokens
+            seen = np.zeros(self.vocab, bool)
+            seen[job.prompt_ids] = True
+        targets = None
+        if job.echo:  # the next prompt token after each position (the last one's is the first new token)
+            targets = np.zeros(P, np.int32)
+            nxt = job.prompt_ids[start + 1 : start + size + 1]
+            targets[: len(nxt)] = nxt
+        table, rows = self.blocks.table(job.owner), job.rows
+        prefix = self.runner.prefill(table, job.adapter, chunk_1P, start, size, rows, seen, job.mask, targets)
         job.done_upto = start + size
+        if job.echo:
+            job.echoed.append(Logprobs(*(np.asarray(x)[:size] for x in prefix.echo)))
         if job.left:
             return None
         self.blocks.cache(job.owner, job.prompt_ids)
@@ -213,11 +237,12 @@ class Engine:
         return prefix._replace(owner=job.owner)
 
     def prefill(
-        self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"", hold: bool = False
-    ) -> Prefix:
+        self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"", hold: bool = False,
+        mask=None,
+    ) -> Prefix:  # fmt: skip
         """Run the prompt through the model; the first new token is in `prefix.first`. Its pages are
-        the Prefix's until it is inserted or dropped (hold: see start_prefill)."""
-        job = self.start_prefill(prompt_ids, rows, adapter, salt, hold)
+        the Prefix's until it is inserted or dropped (hold, mask: see start_prefill)."""
+        job = self.start_prefill(prompt_ids, rows, adapter, salt, hold, mask)
         while (prefix := self.prefill_step(job)) is None:
             pass
         return prefix
@@ -301,14 +326,17 @@ class Engine:
             self.blocks.free(slot_owner(slot))
             self.runner.idle(slot, np.full(self.blocks.M, SCRATCH, np.int32))
 
-    def generate(self, steps: int | None = None):
-        """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]].
-        steps: `chunk` (default) or 1 (one token each: a scheduler with prompts still prefilling
-        comes back to them after one step rather than `chunk`)."""
+    def generate(self, steps: int | None = None, mask_BW=None):
+        """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]];
+        their logprobs (for rows that asked) in self.logprobs. steps: `chunk` (default) or 1 (one token
+        each: a scheduler with prompts still prefilling comes back to them after one step rather than
+        `chunk`). mask_BW: each slot's structured-output bitmask (int32 [B, mask_words]) for one step."""
         steps = steps or self.chunk
         if steps not in (1, self.chunk):
             raise ValueError(f"generate runs 1 or chunk ({self.chunk}) steps, got {steps}")
-        out_BC, count, done = self.runner.generate(self._stop.copy(), steps)
+        if mask_BW is not None and steps != 1:
+            raise ValueError("a structured-output mask holds for one step: generate(steps=1, mask_BW=...)")
+        out_BC, count, done, self.logprobs = self.runner.generate(self._stop.copy(), steps, mask_BW)
         new_B, self._count = count - self._count, count
         self._finished = done
         return out_BC, new_B, done.copy()

@@ -10,8 +10,13 @@ A chat request's messages are rendered with the model's own template and generat
 as a completion of those ids; the server stops each choice at the template's end-of-turn token.
 
 Every bad field is a BadRequest naming the field and the limit, which the server answers with
-HTTP 400 and OpenAI's error JSON. Extensions beyond OpenAI's fields: `top_k` (0 = off) and
-`ignore_eos` (decode to max_tokens; for load tests).
+HTTP 400 and OpenAI's error JSON. Beyond OpenAI's fields, vLLM's: `top_k` (0 = off), `min_p`,
+`repetition_penalty`, `stop_token_ids`, `structured_outputs` (choice / regex / json / grammar),
+and `ignore_eos` (decode to max_tokens; for load tests). Sampling's definitions (decode/sampling.py
+`Sampling`) are vLLM's.
+
+What this file does not decide: a grammar's compilation (serve/grammar.py: `constraint` is only
+its Spec here) and a tool call's format (serve/tools.py, per model family).
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from flaxgpt.data import chat
+from flaxgpt.decode.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, Sampling
 
 OPENAI_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16
 MAX_STOP = 4
+MAX_STOP_IDS = 16
 
 
 class BadRequest(ValueError):
@@ -44,15 +52,26 @@ def error_json(
 class CompletionRequest:
     prompts: list[list[int]]
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
+    sampling: Sampling  # eos_id left None: the server knows the model's
     stop: list[str]
     seed: int
     n: int
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    logprobs: int | None = None  # each token's logprob and this many alternatives (None: none)
+    echo: bool = False  # the prompt's tokens (and logprobs) before the completion
+    stop_token_ids: tuple = ()
+    constraint: object = None  # a serve.grammar Spec the output must match (None: free text)
+    constraint_param: str | None = None  # the field it came from (errors name it)
+    tools: list | None = None  # chat: checked OpenAI tools
+    tool_choice: object = "none"  # "none" | "auto" | "required" | a function name
+    chat: bool = False
+
+    # the settings as the sampler reads them (the old fields' names)
+    temperature = property(lambda self: self.sampling.temperature)
+    top_p = property(lambda self: self.sampling.top_p)
+    top_k = property(lambda self: self.sampling.top_k)
 
 
 def _number(body, name, default, *, integer=False):
@@ -113,20 +132,98 @@ def _prompts(body, tokenizer, vocab_size: int) -> list[list[int]]:
     return out
 
 
+def _sampling(body, vocab_size: int) -> Sampling:
+    """The sampling fields of a request (vLLM's ranges), as one Sampling (eos_id None)."""
+    temperature = _number(body, "temperature", 1.0)
+    if not 0 <= temperature <= 100:
+        raise BadRequest(f"'temperature' must be in [0, 100] (0 = greedy), got {temperature}", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    top_k = _number(body, "top_k", 0, integer=True)
+    if top_k < 0 and top_k != -1:  # vLLM's -1 is off too
+        raise BadRequest(f"'top_k' must be >= 0 (0 or -1 = off), got {top_k}", "top_k")
+    min_p = _number(body, "min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise BadRequest(f"'min_p' must be in [0, 1] (0 = off), got {min_p}", "min_p")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalties[name] = _number(body, name, 0.0)
+        if not -2 <= penalties[name] <= 2:
+            raise BadRequest(f"'{name}' must be in [-2, 2], got {penalties[name]}", name)
+    repetition = _number(body, "repetition_penalty", 1.0)
+    if not 0 < repetition <= 100:
+        raise BadRequest(
+            f"'repetition_penalty' must be in (0, 100] (1 = off), got {repetition}", "repetition_penalty"
+        )
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise BadRequest(
+            "'logit_bias' must be an object mapping token ids to biases in [-100, 100]", "logit_bias"
+        )
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    pairs = []
+    for k, v in bias.items():
+        try:
+            token = int(k)
+        except (TypeError, ValueError):
+            raise BadRequest(f"'logit_bias' keys must be token ids, got {k!r}"[:200], "logit_bias") from None
+        if not 0 <= token < vocab_size:
+            raise BadRequest(
+                f"'logit_bias' names token {token}, outside the vocabulary [0, {vocab_size})", "logit_bias"
+            )
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise BadRequest(
+                f"'logit_bias' values must be numbers in [-100, 100], got {v!r}"[:200], "logit_bias"
+            )
+        pairs.append((token, float(v)))
+    return Sampling(
+        temperature=float(temperature), top_k=max(top_k, 0), top_p=float(top_p), min_p=float(min_p),
+        presence_penalty=float(penalties["presence_penalty"]),
+        frequency_penalty=float(penalties["frequency_penalty"]),
+        repetition_penalty=float(repetition), logit_bias=tuple(pairs),
+    )  # fmt: skip
+
+
+def _constraint(body):
+    """(Spec, field) from response_format / structured_outputs (vLLM's; its older name guided_json
+    and friends are not read), or (None, None)."""
+    from flaxgpt.serve import grammar
+
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    if rf is not None and so is not None:
+        raise BadRequest(
+            "send one of 'response_format' and 'structured_outputs', not both", "structured_outputs"
+        )
+    try:
+        if so is not None:
+            return grammar.spec_of_structured_outputs(so), "structured_outputs"
+        if rf is not None:
+            spec = grammar.spec_of_response_format(rf)
+            return spec, "response_format" if spec is not None else None
+    except grammar.GrammarError as e:
+        raise BadRequest(str(e), e.param) from None
+    return None, None
+
+
 def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: int) -> CompletionRequest:
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     name = body.get("model", model)
+    if not isinstance(name, str):
+        raise BadRequest(
+            f"'model' must be a string naming a served model, got {type(name).__name__}", "model"
+        )
     if name != model:
         raise BadRequest(f"unknown model {name!r}; this server serves {model!r}", "model")
-    for field in ("logprobs", "suffix", "best_of"):
+    for field in ("suffix", "best_of"):
         if body.get(field) not in (None, 1 if field == "best_of" else None):
             raise BadRequest(f"'{field}' is not supported", field)
-    if body.get("echo"):
-        raise BadRequest("'echo' is not supported", "echo")
-    for field in ("presence_penalty", "frequency_penalty"):
-        if _number(body, field, 0) != 0:
-            raise BadRequest(f"'{field}' is not supported (only 0)", field)
+    logprobs = _number(body, "logprobs", None, integer=True)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise BadRequest(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+    echo = _flag(body, "echo")
     prompts = _prompts(body, tokenizer, vocab_size)
     max_tokens = _number(body, "max_tokens", OPENAI_DEFAULT_MAX_TOKENS, integer=True)
     if max_tokens < 1:
@@ -144,15 +241,7 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: i
             f"{max_len} tokens; max_tokens can be at most {max_len - longest}",
             "max_tokens",
         )
-    temperature = _number(body, "temperature", 1.0)
-    if not 0 <= temperature <= 100:
-        raise BadRequest(f"'temperature' must be in [0, 100] (0 = greedy), got {temperature}", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
-    top_k = _number(body, "top_k", 0, integer=True)
-    if top_k < 0:
-        raise BadRequest(f"'top_k' must be >= 0 (0 = off), got {top_k}", "top_k")
+    sampling = _sampling(body, vocab_size)
     n = _number(body, "n", 1, integer=True)
     if not 1 <= n <= MAX_N:
         raise BadRequest(f"'n' must be in [1, {MAX_N}], got {n}", "n")
@@ -165,61 +254,122 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: i
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", "stop")
+    stop_ids = body.get("stop_token_ids") or []
+    if (
+        not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_IDS
+        or not all(type(t) is int and 0 <= t < vocab_size for t in stop_ids)
+    ):  # fmt: skip
+        raise BadRequest(
+            f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids in [0, {vocab_size})",
+            "stop_token_ids",
+        )
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
+    constraint, where = _constraint(body)
     return CompletionRequest(
         prompts=prompts,
         max_tokens=max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
+        sampling=sampling,
         stop=stop,
         seed=seed,
         n=n,
         stream=_flag(body, "stream"),
         include_usage=_flag(options, "include_usage"),
         ignore_eos=_flag(body, "ignore_eos"),
+        logprobs=logprobs,
+        echo=echo,
+        stop_token_ids=tuple(stop_ids),
+        constraint=constraint,
+        constraint_param=where,
     )
 
 
 def parse_chat(body, *, model: str, tokenizer, vocab_size: int, max_len: int) -> CompletionRequest:
-    """A chat completion: `messages` through the chat template, the other fields as a completion's."""
+    """A chat completion: `messages` (and `tools`) through the chat template, the other fields as a
+    completion's; `logprobs` (bool) + `top_logprobs` (0..20) as chat has them."""
+    from flaxgpt.serve import tools as tool_calls
+
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     if "prompt" in body:
         raise BadRequest("'prompt' belongs to /v1/completions; a chat request sends 'messages'", "prompt")
-    for field in ("tools", "tool_choice", "response_format"):
-        if body.get(field) is not None:
-            raise BadRequest(f"'{field}' is not supported", field)
+    want = _flag(body, "logprobs")
+    top = _number(body, "top_logprobs", None, integer=True)
+    if top is not None and not want:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise BadRequest(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
     try:
         chat.template_of(tokenizer)
+        tools = tool_calls.check_tools(body.get("tools"))  # [] when absent
+        family = tool_calls.family_of(tokenizer.chat_template)
+        if tools and family is None:
+            raise BadRequest(
+                "this model's chat template does not render tools; use a model whose template does "
+                "(Qwen2.5/Qwen3, Hermes, Llama 3.1+, Mistral)", "tools",
+            )  # fmt: skip
+        choice = tool_calls.check_tool_choice(body.get("tool_choice"), tools)
         messages = chat.check_messages(body.get("messages"), "'messages'", need_assistant=False)
-        ids = chat.render_ids(tokenizer, messages, add_generation_prompt=True, name="'messages'")
+        tool_calls.check_tool_messages(messages)
+        ids = chat.render_ids(
+            tokenizer, messages, add_generation_prompt=True, name="'messages'", tools=tools or None
+        )
+    except tool_calls.ToolError as e:
+        raise BadRequest(str(e), e.param) from None
     except chat.ChatError as e:
         raise BadRequest(str(e), "messages") from None
-    rest = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", "logprobs")}
-    if body.get("logprobs"):
-        raise BadRequest("'logprobs' is not supported", "logprobs")
+    skip = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice")
+    rest = {k: v for k, v in body.items() if k not in skip}
     if body.get("max_completion_tokens") is not None:  # the newer name of max_tokens
         rest["max_tokens"] = body["max_completion_tokens"]
-    return parse_completion(
+    if want:
+        rest["logprobs"] = top or 0
+    req = parse_completion(
         {**rest, "prompt": ids}, model=model, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len
     )
+    req.chat, req.tools, req.tool_choice = True, tools or None, choice
+    forced = tool_calls.call_grammar(family, tools, choice) if tools else None
+    if forced is not None:  # `required` or a named function: the mask makes the reply that call
+        if req.constraint is not None:
+            raise BadRequest(
+                f"'tool_choice' {choice!r} forces a tool call; it cannot be combined with "
+                f"'{req.constraint_param}'", "tool_choice",
+            )  # fmt: skip
+        from flaxgpt.serve import grammar
+
+        req.constraint, req.constraint_param = grammar.Spec("grammar", forced), "tool_choice"
+    return req
 
 
 def new_id() -> str:
     return f"cmpl-{uuid.uuid4().hex[:24]}"
 
 
+class Choice(NamedTuple):
+    """One choice of a reply or of a streamed chunk. text None: a chat stream's first (role) delta;
+    logprobs: the choice's logprobs object (completion_logprobs / chat_logprobs); tool_calls: chat
+    `tool_calls` (whole, or a stream's deltas)."""
+
+    index: int
+    text: str | None
+    finish_reason: str | None
+    logprobs: dict | None = None
+    tool_calls: list | None = None
+
+
 def chat_json(cid, model, choices, usage=None, created=None) -> dict:
-    """A whole chat completion; choices: [(index, text, finish_reason)]."""
+    """A whole chat completion; choices: Choice (or (index, text, finish_reason))."""
     out = completion_json(cid, model, [], usage, created)
     out["object"], out["id"] = "chat.completion", cid.replace("cmpl-", "chatcmpl-")
-    out["choices"] = [
-        {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-        for i, t, r in choices
-    ]
+    out["choices"] = []
+    for c in map(_choice, choices):
+        message = {"role": "assistant", "content": c.text}
+        if c.tool_calls:
+            message["tool_calls"] = c.tool_calls
+        out["choices"].append(
+            {"index": c.index, "message": message, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        )
     return out
 
 
@@ -227,29 +377,79 @@ def chat_chunk_json(cid, model, choices, usage=None, created=None) -> dict:
     """One streamed chunk; the role comes with each choice's first (empty) delta."""
     out = completion_json(cid, model, [], usage, created)
     out["object"], out["id"] = "chat.completion.chunk", cid.replace("cmpl-", "chatcmpl-")
-    deltas = [
-        {"role": "assistant", "content": ""} if t is None else {"content": t} if t else {}
-        for _, t, _ in choices
-    ]
-    out["choices"] = [
-        {"index": i, "delta": d, "logprobs": None, "finish_reason": r}
-        for (i, _, r), d in zip(choices, deltas)
-    ]
+    out["choices"] = []
+    for c in map(_choice, choices):
+        delta = (
+            {"role": "assistant", "content": ""} if c.text is None else {"content": c.text} if c.text else {}
+        )
+        if c.tool_calls:
+            delta["tool_calls"] = c.tool_calls
+        out["choices"].append(
+            {"index": c.index, "delta": delta, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+        )
     return out
 
 
 def completion_json(cid, model, choices, usage=None, created=None) -> dict:
-    """choices: [(index, text, finish_reason)]."""
+    """choices: Choice (or (index, text, finish_reason))."""
     out = {
         "id": cid,
         "object": "text_completion",
         "created": created or int(time.time()),
         "model": model,
-        "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, t, r in choices],
+        "choices": [
+            {"index": c.index, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            for c in map(_choice, choices)
+        ],
     }
     if usage is not None:
         out["usage"] = usage
     return out
+
+
+def _choice(c) -> Choice:
+    return c if isinstance(c, Choice) else Choice(*c)
+
+
+def token_text(tokenizer, token: int) -> tuple[str, bytes]:
+    """A token as logprobs report it: its text (U+FFFD where it holds part of a character) and its bytes."""
+    enc = getattr(tokenizer, "enc", None)
+    if enc is not None:  # tiktoken: a token is a byte string
+        raw = enc.decode_single_token_bytes(int(token))
+        return raw.decode("utf-8", errors="replace"), raw
+    text = tokenizer.decode([int(token)])
+    return text, text.encode("utf-8")
+
+
+def completion_logprobs(tokenizer, entries, offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object of TokenLogprob entries (serve/scheduler.py): tokens,
+    token_logprobs (None for an echoed prompt's first), top_logprobs ({token: logprob}; None there too),
+    text_offset (each token's character offset, from `offset`)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        text = token_text(tokenizer, e.id)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append(
+            None if e.logprob is None else {token_text(tokenizer, i)[0]: lp for i, lp in e.top}
+        )
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer, entries) -> dict:
+    """Chat's `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+
+    def one(token, lp):
+        text, raw = token_text(tokenizer, token)
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
+
+    return {
+        "content": [
+            {**one(e.id, e.logprob), "top_logprobs": [one(i, lp) for i, lp in e.top]} for e in entries
+        ]
+    }
 
 
 def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -41,16 +41,20 @@ from flaxgpt.decode.sampling import (
     DecodeState,
     Rows,
     Sampling,
+    adjust_logits,
+    bias_arrays,
     decode_chunk,
     finished,
     next_tokens,
+    token_logprobs,
 )
 from flaxgpt.models.cache import AdapterCache
 
 
 class RowSampling(NamedTuple):
-    """One request's decoding settings (a decode.sampling.Sampling, its length, its key) as arrays:
-    the same compiled program serves any values."""
+    """One request's row of `Rows` on the host (a decode.sampling.Sampling, its length, its key, what it
+    reports) as numpy values, so the same compiled program serves any of them; `device_rows` turns it
+    into the row inside a program."""
 
     seed: np.ndarray  # u32; token i is drawn with fold_in(fold_in(key(seed), stream), i)
     stream: np.ndarray  # i32: the row of `generate`'s batch this request matches (choice index)
@@ -59,10 +63,18 @@ class RowSampling(NamedTuple):
     top_p: np.ndarray  # f32 in (0, 1], 1 = off
     max_new: np.ndarray  # i32 >= 1
     eos: np.ndarray  # i32, -1 = none
+    min_p: np.ndarray  # f32, 0 = off
+    presence: np.ndarray  # f32
+    frequency: np.ndarray  # f32
+    repetition: np.ndarray  # f32, 1 = off
+    bias_ids: np.ndarray  # i32 [MAX_LOGIT_BIAS], -1 = unused
+    bias: np.ndarray  # f32 [MAX_LOGIT_BIAS]
+    logprobs: np.ndarray  # i32: -1 = none, else the top alternatives wanted
 
     @classmethod
-    def of(cls, sampling: Sampling | None = None, *, max_new_tokens, seed=0, stream=0):
+    def of(cls, sampling: Sampling | None = None, *, max_new_tokens, seed=0, stream=0, logprobs=-1):
         s = sampling or Sampling()
+        ids_L, bias_L = bias_arrays(s.logit_bias)
         return cls(
             seed=np.uint32(seed),
             stream=np.int32(stream),
@@ -71,12 +83,24 @@ class RowSampling(NamedTuple):
             top_p=np.float32(s.top_p),
             max_new=np.int32(max_new_tokens),
             eos=np.int32(-1 if s.eos_id is None else s.eos_id),
+            min_p=np.float32(s.min_p),
+            presence=np.float32(s.presence_penalty),
+            frequency=np.float32(s.frequency_penalty),
+            repetition=np.float32(s.repetition_penalty),
+            bias_ids=ids_L,
+            bias=bias_L,
+            logprobs=np.int32(-1 if logprobs is None else logprobs),
         )
+
+    @property
+    def penalized(self) -> bool:
+        """Its draws depend on the tokens seen so far (the engine then tracks its prompt's tokens)."""
+        return float(self.repetition) != 1 or float(self.presence) != 0 or float(self.frequency) != 0
 
     def device_rows(self) -> Rows:
         """This request as one row of the decode loop's settings (traced): key fold_in(key(seed), stream),
         the key `generate(rng=key(seed))` gives its row `stream`."""
-        one = lambda x: jnp.reshape(jnp.asarray(x), (1,))  # noqa: E731
+        one = lambda x: jnp.asarray(x)[None]  # noqa: E731
         key = jax.random.fold_in(jax.random.key(self.seed), self.stream)
         return Rows(
             key_B=jnp.reshape(key, (1,)),
@@ -85,7 +109,23 @@ class RowSampling(NamedTuple):
             top_p_B=one(self.top_p),
             max_new_B=one(self.max_new),
             eos_B=one(self.eos),
+            min_p_B=one(self.min_p),
+            presence_B=one(self.presence),
+            frequency_B=one(self.frequency),
+            repetition_B=one(self.repetition),
+            bias_ids_BL=one(self.bias_ids),
+            bias_BL=one(self.bias),
+            logprobs_B=one(self.logprobs),
         )
+
+
+class Logprobs(NamedTuple):
+    """A token's float32 log-probability and its MAX_LOGPROBS most likely alternatives (sampling's
+    token_logprobs), any leading shape."""
+
+    chosen: jax.Array
+    top_ids: jax.Array
+    top: jax.Array
 
 
 class Prefix(NamedTuple):
@@ -98,37 +138,58 @@ class Prefix(NamedTuple):
     rows: Rows  # each field [1]
     logits: jax.Array  # [V] the prompt's last position's: `fork` draws another request's first token
     adapter: jax.Array  # [] the adapter slot it decodes with (0: the base)
+    seen: jax.Array  # [V] bool: the prompt's tokens (repetition penalty)
+    logprobs: Logprobs  # the first token's ([], [K], [K])
+    echo: Logprobs | None = None  # echo: each chunk position's next token's ([P], [P, K], [P, K])
     owner: object = None  # host: the block manager's key for its pages (None inside the programs)
 
 
+def _first(rows_1: Rows, logits_1V, seen_1V, mask_1W, max_k: int):
+    """The first new token of a request from its prompt's last logits -> (first_1, done_1, Logprobs)."""
+    counts_1V = jnp.zeros(logits_1V.shape, jnp.int32)  # nothing generated yet: only repetition applies
+    adjusted_1V = adjust_logits(rows_1, logits_1V, counts_1V, seen_1V, mask_1W)
+    first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), adjusted_1V, max_k)
+    done_1 = finished(rows_1, first_1, jnp.ones((1,), jnp.int32))
+    return first_1, done_1, Logprobs(*token_logprobs(logits_1V, first_1, rows_1.logprobs_B))
+
+
 def _prefill(
-    step_fn, state: DecodeState, table_1M, adapter, chunk_1P, start, size, rows: RowSampling, max_k: int
-):
+    step_fn, state: DecodeState, table_1M, adapter, chunk_1P, start, size, rows: RowSampling, seen_1V,
+    mask_1W, max_k: int, targets_1P=None,
+):  # fmt: skip
     """Prompt positions start .. start + size - 1 (chunk_1P right-padded to its bucket P) of one request
     into the pool through its table (its positions < start already there); the token after the chunk is
-    sampled -> (state with the pool written, Prefix)."""
+    sampled (seen_1V: the prompt's tokens, mask_1W: its structured-output bitmask) -> (state with the
+    pool written, Prefix). targets_1P (echo): the token after each chunk position, whose logprobs the
+    Prefix then carries."""
     P = chunk_1P.shape[1]
     pool = state.cache
     row = AdapterCache(pool.inner.replace(table_BM=table_1M), jnp.reshape(adapter, (1,)))
     # pads past the request's pages land on the scratch page or past the window (dropped); pads inside
     # its pages are overwritten by the next chunk or by decoding before any query can see them
     positions_1P = start + jnp.arange(P, dtype=jnp.int32)[None]
-    logits_11V, row = step_fn(chunk_1P, positions_1P, row, logits_at=jnp.reshape(size - 1, (1,)))
+    at = None if targets_1P is not None else jnp.reshape(size - 1, (1,))
+    logits_1TV, row = step_fn(chunk_1P, positions_1P, row, logits_at=at)
+    last_1V = logits_1TV[:, -1] if at is not None else jnp.take(logits_1TV, size - 1, axis=1)
     rows_1 = rows.device_rows()
-    first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), logits_11V[:, 0], max_k)
-    done_1 = finished(rows_1, first_1, jnp.ones((1,), jnp.int32))
+    first_1, done_1, lp = _first(rows_1, last_1V, seen_1V, mask_1W, max_k)
+    echo = None
+    if targets_1P is not None:
+        echo = Logprobs(*token_logprobs(logits_1TV[0], targets_1P[0], jnp.zeros((P,), jnp.int32)))
     pool = pool.replace(inner=pool.inner.replace(k=row.inner.k, v=row.inner.v))
     prefix = Prefix(
-        first_1[0], start + size, done_1[0], rows_1, logits_11V[0, 0], jnp.asarray(adapter, jnp.int32)
-    )
+        first_1[0], start + size, done_1[0], rows_1, last_1V[0], jnp.asarray(adapter, jnp.int32),
+        seen_1V[0], jax.tree_util.tree_map(lambda x: x[0], lp), echo,
+    )  # fmt: skip
     return state.replace(cache=pool), prefix
 
 
-def _fork(logits_V, rows: RowSampling, max_k: int):
-    """(first, done, rows) of another request on the same prompt: its first token from the logits."""
+def _fork(logits_V, seen_V, rows: RowSampling, max_k: int):
+    """(first, done, rows, logprobs) of another request on the same prompt: its first token from the
+    logits."""
     rows_1 = rows.device_rows()
-    first_1 = next_tokens(rows_1, jnp.zeros((1,), jnp.int32), logits_V[None], max_k)
-    return first_1[0], finished(rows_1, first_1, jnp.ones((1,), jnp.int32))[0], rows_1
+    first_1, done_1, lp = _first(rows_1, logits_V[None], seen_V[None], None, max_k)
+    return first_1[0], done_1[0], rows_1, jax.tree_util.tree_map(lambda x: x[0], lp)
 
 
 def _insert(state: DecodeState, prefix: Prefix, slots_R, table_RM):
@@ -141,6 +202,8 @@ def _insert(state: DecodeState, prefix: Prefix, slots_R, table_RM):
         inner=cache.inner.replace(table_BM=put(cache.inner.table_BM, table_RM)),
         adapter_B=put(cache.adapter_B, jnp.broadcast_to(prefix.adapter, (R,))),
     )
+    V = state.counts_BV.shape[1]
+    first_RV = jax.nn.one_hot(jnp.broadcast_to(prefix.first, (R,)), V, dtype=jnp.int32)
     return state.replace(
         cache=cache,
         last_B=put(state.last_B, prefix.first),
@@ -148,6 +211,8 @@ def _insert(state: DecodeState, prefix: Prefix, slots_R, table_RM):
         count_B=put(state.count_B, jnp.ones((R,), jnp.int32)),
         done_B=put(state.done_B, prefix.done),
         rows=jax.tree_util.tree_map(put, state.rows, prefix.rows),
+        counts_BV=put(state.counts_BV, first_RV),
+        seen_BV=put(state.seen_BV, jnp.broadcast_to(prefix.seen, (R, V)) | first_RV.astype(bool)),
     )
 
 
@@ -156,7 +221,11 @@ def _insert_group(state: DecodeState, prefix: Prefix, rows: RowSampling, slots_R
     (fields [R]), each first token drawn from the prefill's logits as fork's -> (state, first_R)."""
     R = slots_R.shape[0]
     rows_R = jax.tree_util.tree_map(lambda x: x[:, 0], jax.vmap(RowSampling.device_rows)(rows))
-    logits_RV = jnp.broadcast_to(prefix.logits, (R, prefix.logits.shape[-1]))
+    V = prefix.logits.shape[-1]
+    logits_RV = adjust_logits(
+        rows_R, jnp.broadcast_to(prefix.logits, (R, V)), jnp.zeros((R, V), jnp.int32),
+        jnp.broadcast_to(prefix.seen, (R, V)),
+    )  # fmt: skip
     first_R = next_tokens(rows_R, jnp.zeros((R,), jnp.int32), logits_RV, max_k)
     done_R = finished(rows_R, first_R, jnp.ones((R,), jnp.int32))
     group = prefix._replace(first=first_R, done=done_R, rows=rows_R)
@@ -192,13 +261,13 @@ def programs(mesh=None) -> dict:
         )
     out["generate"] = decode_chunk if mesh is None else jax.jit(
         sharding.under_mesh(decode_chunk.__wrapped__, mesh, sharding.SERVE_RULES),
-        static_argnames=("chunk", "keep", "max_k"), donate_argnames=("state",),
+        static_argnames=("chunk", "keep", "max_k", "logprobs"), donate_argnames=("state",),
         compiler_options=GPU_LOOP_OPTIONS,
     )  # fmt: skip
     return out
 
 
-def empty_state(pool: AdapterCache, slots: int) -> DecodeState:
+def empty_state(pool: AdapterCache, slots: int, vocab: int) -> DecodeState:
     """`slots` free slots over the pool (every row on the scratch page, the base adapter)."""
     zeros = lambda dtype: jnp.zeros((slots,), dtype)  # noqa: E731
     return DecodeState(
@@ -208,19 +277,25 @@ def empty_state(pool: AdapterCache, slots: int) -> DecodeState:
         count_B=zeros(jnp.int32),
         done_B=jnp.ones((slots,), bool),  # every slot starts free
         rows=Rows.same(jax.random.key(0), slots, Sampling(), 1),
+        counts_BV=jnp.zeros((slots, vocab), jnp.int32),
+        seen_BV=jnp.zeros((slots, vocab), bool),
     )
 
 
 class Runner:
     """The device side of the engine; see the module docstring."""
 
-    def __init__(self, step_fn, pool: AdapterCache, *, slots: int, chunk: int, max_k: int, mesh=None):
-        """pool: an AdapterCache over a PagedKVCache whose table has `slots` rows (all scratch)."""
+    def __init__(
+        self, step_fn, pool: AdapterCache, *, slots: int, chunk: int, max_k: int, vocab: int, mesh=None
+    ):
+        """pool: an AdapterCache over a PagedKVCache whose table has `slots` rows (all scratch); vocab:
+        the model's logits' width."""
         Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)
         self.step_fn = step_fn if isinstance(step_fn, Partial) else Partial(step_fn)
-        self.slots, self.chunk, self.max_k, self.mesh = slots, chunk, max_k, mesh
+        self.slots, self.chunk, self.max_k, self.mesh, self.vocab = slots, chunk, max_k, mesh, vocab
+        self.mask_words = -(-vocab // 32)  # a structured-output bitmask's int32 words per row
         self.p = programs(mesh)
-        state = empty_state(pool, slots)
+        state = empty_state(pool, slots, vocab)
         # every buffer committed to its devices, as the programs' outputs are: an uncommitted one in a
         # first call and a committed one in the next are two jit signatures (a compile mid-serving)
         where = jax.devices()[0] if mesh is None else sharding.row_shardings(state, mesh)
@@ -231,27 +306,36 @@ class Runner:
         inner = pool.inner
         self.page_bytes = sum(x.nbytes for x in (*inner.k, *inner.v)) // inner.k[0].shape[1]
 
-    def prefill(self, table_M, adapter: int, chunk_1P, start: int, size: int, rows: RowSampling) -> Prefix:
+    def prefill(
+        self, table_M, adapter: int, chunk_1P, start: int, size: int, rows: RowSampling, seen_V=None,
+        mask_W=None, targets_P=None,
+    ) -> Prefix:  # fmt: skip
+        """seen_V: the prompt's tokens (bool [V]; None: none, for a request without penalties); mask_W:
+        the first token's bitmask (None: any token); targets_P (echo): the token after each position."""
+        seen_1V = np.zeros((1, self.vocab), bool) if seen_V is None else np.asarray(seen_V)[None]
+        mask_1W = np.full((1, self.mask_words), -1, np.int32) if mask_W is None else np.asarray(mask_W)[None]
+        targets = None if targets_P is None else np.asarray(targets_P, np.int32)[None]
         self.state, prefix = self.p["prefill"](
             self.step_fn, self.state, np.asarray(table_M, np.int32)[None], np.int32(adapter), chunk_1P,
-            np.int32(start), np.int32(size), rows, max_k=self.max_k,
+            np.int32(start), np.int32(size), rows, seen_1V, mask_1W, max_k=self.max_k, targets_1P=targets,
         )  # fmt: skip
         return prefix
 
     def fork(self, prefix: Prefix, rows: RowSampling) -> Prefix:
-        first, done, rows_1 = self.p["fork"](prefix.logits, rows, max_k=self.max_k)
-        return prefix._replace(first=first, done=done, rows=rows_1)
+        first, done, rows_1, lp = self.p["fork"](prefix.logits, prefix.seen, rows, max_k=self.max_k)
+        return prefix._replace(first=first, done=done, rows=rows_1, logprobs=lp)
 
     def insert(self, prefix: Prefix, slot: int, table_M):
         self.state = self.p["insert"](
-            self.state, prefix._replace(owner=None), np.asarray([slot], np.int32), np.asarray(table_M)[None]
-        )
+            self.state, prefix._replace(owner=None, echo=None), np.asarray([slot], np.int32),
+            np.asarray(table_M)[None],
+        )  # fmt: skip
         self._table[slot] = table_M
 
     def insert_group(self, prefix: Prefix, rows: list[RowSampling], slots: list[int], tables_RM) -> jax.Array:
         stacked = RowSampling(*(np.stack(f) for f in zip(*rows, strict=True)))
         self.state, first_R = self.p["insert_group"](
-            self.state, prefix._replace(owner=None), stacked, np.asarray(slots, np.int32),
+            self.state, prefix._replace(owner=None, echo=None), stacked, np.asarray(slots, np.int32),
             np.asarray(tables_RM, np.int32), max_k=self.max_k,
         )  # fmt: skip
         self._table[slots] = tables_RM
@@ -269,14 +353,16 @@ class Runner:
         self._table[slot] = table_M
         self._stale = True
 
-    def generate(self, stop_B, steps: int):
-        """`steps` decode steps for every slot -> (tokens_BC, count_B, done_B) on the host."""
+    def generate(self, stop_B, steps: int, mask_BW=None):
+        """`steps` decode steps for every slot -> (tokens_BC, count_B, done_B, Logprobs of [B, C] ...)
+        on the host. mask_BW: the structured-output bitmask of every slot for one step (None: none)."""
         if self._stale:  # a copy: the host's table changes in place while the step may still run
             cache = self.state.cache
             table = jax.device_put(np.array(self._table), cache.inner.table_BM.sharding)
             self.state = self.state.replace(cache=cache.replace(inner=cache.inner.replace(table_BM=table)))
             self._stale = False
-        self.state, out_BC = self.p["generate"](
-            self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k
+        self.state, out_BC, lp = self.p["generate"](
+            self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k, mask_BW=mask_BW, logprobs=True
         )
-        return np.asarray(out_BC), np.array(self.state.count_B), np.array(self.state.done_B)
+        lp = Logprobs(*(np.asarray(x) for x in lp))
+        return np.asarray(out_BC), np.array(self.state.count_B), np.array(self.state.done_B), lp

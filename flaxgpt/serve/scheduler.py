@@ -14,9 +14,13 @@ no slot decodes: a burst). It emits the first token of each finished prefill at 
 `engine.generate()` for all slots (one step while prompts are still prefilling or a slot is free for
 the next arrival, else `chunk`) and hands each
 sequence its new tokens. Text is
-decoded on this thread: a sequence's text is streamed as it grows, holding back an incomplete
-UTF-8 character and any tail that could begin a stop string. A sequence that ends offers its
-slot's KV (prompt and reply) to the prefix cache (`engine.keep`) before the slot is reused.
+decoded on this thread, a few tokens at a time against the prompt's last tokens (serve/detokenize.py:
+the text that follows the prompt), streamed as it grows, holding back an incomplete UTF-8 character
+and any tail that could begin a stop string. A sequence with a grammar (structured outputs, a forced
+tool call) runs one step at a time: its Matcher writes its row of the bitmask before each step and
+takes the token after it; its end ends the sequence. Logprobs travel with the deltas. A sequence that
+ends offers its slot's KV (prompt and reply) to the prefix cache (`engine.keep`) before the slot is
+reused.
 
 `emit(event)` is called on this thread with `Delta(text)` and then one `Finish(reason,
 completion_tokens)` or `Failed(message)`; callers in an event loop hand it over with
@@ -38,14 +42,28 @@ import traceback
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from flaxgpt.decode.sampling import Sampling
+from flaxgpt.serve.detokenize import Detokenizer
 from flaxgpt.serve.engine import Engine, RowSampling
 
 log = logging.getLogger("flaxgpt.serve")
 
 
+class TokenLogprob(NamedTuple):
+    """A token of a reply (or of an echoed prompt) with its float32 logprob and the top alternatives
+    [(id, logprob)] the request asked for (None: the first prompt token, which has none)."""
+
+    id: int
+    logprob: float | None
+    top: list
+
+
 class Delta(NamedTuple):
     text: str
+    logprobs: list = []  # TokenLogprob of the tokens behind this delta (requests with logprobs)
+    prompt: list | None = None  # the first delta of an echo request: TokenLogprob per prompt token
 
 
 class Finish(NamedTuple):
@@ -91,9 +109,28 @@ class Sequence:
     adapter: object = None  # an adapters.Adapter (None: the base)
     adapter_slot: int = 0  # the engine's adapter slot it holds while it runs
     last_at: float | None = None  # when its latest tokens were handed over
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no)
+    echo: bool = False  # report the prompt's tokens with their logprobs first
+    grammar: object = None  # a serve.grammar Matcher: its bitmask constrains each token
+    stop_ids: frozenset = frozenset()  # token ids that end it (not part of the text)
+    special: bool = False  # its text keeps special tokens (a tool-call marker such as [TOOL_CALLS])
+    detok: object = None  # its Detokenizer (serve/detokenize.py), made at its first token
 
     def cancel(self):
         self.cancelled = True  # read by the engine thread (a plain bool is atomic enough)
+
+
+class _WithSpecial:
+    """A tokenizer whose decode keeps special tokens (a Hugging Face tokenizer's skip them)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids) -> str:
+        inner = getattr(self.tokenizer, "tok", None)
+        if inner is None:  # tiktoken and characters: no token is skipped
+            return self.tokenizer.decode(ids)
+        return inner.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def _held_back(text: str, stop: list[str]) -> int:
@@ -216,6 +253,8 @@ class Scheduler:
             prefix = self.engine.prefill([i] + [0] * (min(b, self.engine.max_len - 2) - 1), rows)
             self.engine.insert(prefix, 0)  # each in turn: the slot's previous pages go back
         self.engine.generate(steps=1)
+        any_token_BW = np.full((self.engine.slots, self.engine.mask_words), -1, np.int32)
+        self.engine.generate(steps=1, mask_BW=any_token_BW)  # the structured-output step
         self.engine.release(0)
         self.engine.generate()
         self.engine.blocks.clear()  # the warm-up prompts' blocks: no request has them
@@ -284,7 +323,14 @@ class Scheduler:
             if job is None:  # matched against the prefix cache only now: a burst of prompts with one
                 # system prompt reuses the blocks the first of them just cached
                 salt = b"" if seq.adapter is None else seq.adapter.key
-                job = self.engine.start_prefill(seq.prompt_ids, seq.rows, adapter=seq.adapter_slot, salt=salt)
+                mask = None
+                if seq.grammar is not None:
+                    mask = np.full((1, self.engine.mask_words), -1, np.int32)
+                    seq.grammar.fill(mask, 0)
+                    mask = mask[0]
+                job = self.engine.start_prefill(
+                    seq.prompt_ids, seq.rows, adapter=seq.adapter_slot, salt=salt, mask=mask, echo=seq.echo
+                )
                 self.prefilling[slot] = job
                 if self.metrics is not None:
                     self.metrics.admitted(len(seq.prompt_ids), job.hit)
@@ -299,14 +345,33 @@ class Scheduler:
                 self.engine.drop(prefix)
             else:
                 self.engine.insert(prefix, slot)
+            lps = None
+            if seq.logprobs is not None:
+                lps = [self._entry(seq, first, *(np.asarray(x) for x in prefix.logprobs))]
+            if seq.echo:
+                self._echo(seq, job)
         except Exception as e:  # a poisoned request: it fails (a 500), its pages go back, the rest go on
             self.prefilling.pop(slot, None)
             if job is not None:
                 self.engine.cancel(job)
             self._fail(slot, seq, e)
             return 0
-        self._advance(slot, seq, [first], done)
+        self._advance(slot, seq, [first], done, lps)
         return ran
+
+    @staticmethod
+    def _entry(seq: Sequence, token: int, chosen, top_ids_K, top_K) -> TokenLogprob:
+        k = seq.logprobs or 0
+        top = [(int(i), float(v)) for i, v in zip(top_ids_K[:k], top_K[:k])]
+        return TokenLogprob(token, float(chosen), top)
+
+    def _echo(self, seq: Sequence, job):
+        """The prompt's tokens with their logprobs (the first has none), emitted before any text."""
+        parts = [np.concatenate(x) for x in zip(*job.echoed)]  # each position's next token's, [n] ...
+        prompt = [TokenLogprob(seq.prompt_ids[0], None, [])]
+        for i, tok in enumerate(seq.prompt_ids[1:]):
+            prompt.append(self._entry(seq, tok, parts[0][i], parts[1][i], parts[2][i]))
+        seq.emit(Delta("", [], prompt))
 
     def _step(self):
         with self.lock:
@@ -320,17 +385,32 @@ class Scheduler:
             # waits for one decode step per chunk, not `chunk` steps); a free slot: one step too, so
             # a request arriving now (a chat's next turn) is admitted after one step, not `chunk`
             one = self.prefilling or len(self.active) < self.engine.slots
-            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if one else None)
+            mask_BW = None
+            constrained = [(slot, seq) for slot, seq in active.items() if seq.grammar is not None]
+            if constrained:  # each token's mask follows the one before: one step at a time
+                mask_BW = np.full((self.engine.slots, self.engine.mask_words), -1, np.int32)
+                for slot, seq in constrained:
+                    if not seq.finished and not seq.cancelled:
+                        seq.grammar.fill(mask_BW, slot)
+                one = True
+            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if one else None, mask_BW=mask_BW)
+            lp = self.engine.logprobs
         except Exception as e:  # not expected: fail the running sequences, keep serving
             for slot, seq in active.items():
                 self._fail(slot, seq, e)
             return
         for slot, seq in active.items():
             if not seq.finished and not seq.cancelled:
-                self._advance(slot, seq, tokens_BC[slot, : new_B[slot]].tolist(), bool(done_B[slot]))
+                ids = tokens_BC[slot, : new_B[slot]].tolist()
+                lps = None
+                if seq.logprobs is not None:
+                    lps = [self._entry(seq, t, lp.chosen[slot, i], lp.top_ids[slot, i], lp.top[slot, i])
+                           for i, t in enumerate(ids)]  # fmt: skip
+                self._advance(slot, seq, ids, bool(done_B[slot]), lps)
 
-    def _advance(self, slot: int, seq: Sequence, new_ids: list[int], device_done: bool):
-        """Hand `seq` its new tokens: text, stop strings, and the end of the sequence."""
+    def _advance(self, slot: int, seq: Sequence, new_ids: list[int], device_done: bool, lps=None):
+        """Hand `seq` its new tokens: text, stop strings and stop tokens, its grammar, and the end of the
+        sequence. lps: each new token's TokenLogprob (requests with logprobs)."""
         try:
             if new_ids and self.metrics is not None:
                 now = time.perf_counter()
@@ -338,25 +418,45 @@ class Scheduler:
                 gap = None if seq.last_at is None else now - seq.last_at
                 self.metrics.tokens(len(new_ids), first_after, gap)
                 seq.last_at = now
+            eos = device_done and int(seq.rows.eos) >= 0 and new_ids and new_ids[-1] == int(seq.rows.eos)
+            ended = False  # a stop token or the grammar's end: the reply ends at that token
+            for i, t in enumerate(new_ids):
+                if t in seq.stop_ids:
+                    new_ids, ended = new_ids[: i + 1], True
+                    break
+                if seq.grammar is not None and not (eos and i == len(new_ids) - 1):
+                    seq.grammar.accept(t)
+                    if seq.grammar.done():
+                        new_ids, ended = new_ids[: i + 1], True
+                        break
             seq.ids.extend(new_ids)
-            eos = device_done and int(seq.rows.eos) >= 0 and seq.ids[-1] == int(seq.rows.eos)
-            text = self.tokenizer.decode(seq.ids[:-1] if eos else seq.ids)
+            hidden = eos or (ended and seq.ids[-1] in seq.stop_ids)  # not part of the text
+            if seq.detok is None:  # the text that follows the prompt, decoded a few tokens at a time
+                tok = _WithSpecial(self.tokenizer) if seq.special else self.tokenizer
+                seq.detok = Detokenizer(tok, seq.prompt_ids)
+            seq.detok.add(new_ids[:-1] if hidden else new_ids)
+            if ended or device_done:
+                seq.detok.flush()
+            text = seq.detok.text
             hits = [i for i in (text.find(s, max(0, seq.sent - len(s))) for s in seq.stop) if i >= 0]
             if hits:
                 text, reason = text[: min(hits)], "stop"
+            elif ended:
+                reason = "stop"
             elif device_done:
                 reason = "stop" if eos else "length"
             else:
                 reason, text = None, text[: len(text) - _held_back(text, seq.stop)]
+            entries = [] if lps is None else lps[: len(new_ids) - hidden]
             if new_ids or len(text) > seq.sent:  # an empty delta too: clients see tokens arrive
-                seq.emit(Delta(text[seq.sent :]))
+                seq.emit(Delta(text[seq.sent :], entries))
                 seq.sent = max(seq.sent, len(text))
             if reason:
                 seq.finished = True
                 self._count("finished")
-                if len(seq.ids) > 1:  # it decoded in its slot: keep its prompt + reply for the next turn
-                    self.engine.keep(slot, seq.prompt_ids + seq.ids[:-1])
-                self._free(slot, release=not device_done)
+                if len(seq.ids) > 1 and not seq.echo:  # it decoded in its slot: keep its prompt + reply
+                    self.engine.keep(slot, seq.prompt_ids + seq.ids[:-1])  # for the next turn
+                self._free(slot, release=not device_done or ended)
                 seq.emit(Finish(reason, len(seq.ids)))
         except Exception as e:
             self._fail(slot, seq, e)

@@ -33,9 +33,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from flaxgpt.data import chat
-from flaxgpt.decode.sampling import Sampling
 from flaxgpt.serve import openai_api as api
+from flaxgpt.serve import tools
 from flaxgpt.serve.engine import RowSampling
+from flaxgpt.serve.grammar import GrammarError
 from flaxgpt.serve.metrics import ServeMetrics
 from flaxgpt.serve.middleware import Operations
 from flaxgpt.serve.scheduler import (
@@ -194,19 +195,34 @@ def create_app(
             )  # fmt: skip
         try:
             req = parse(body, model=name, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len)
+            compiled = None
+            if req.constraint is not None:  # compiled on the grammar pool, cached by spec
+                future = grammars().compile_async(req.constraint, req.constraint_param)
+                compiled = await asyncio.wrap_future(future)
         except api.BadRequest as e:
             return _error(400, str(e), param=e.param)
+        except GrammarError as e:
+            return _error(400, str(e), param=e.param or req.constraint_param)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        seqs = []
+        family = tools.family_of(getattr(tokenizer, "chat_template", None)) if req.tools else None
+        calls = req.tools is not None and req.tool_choice != "none"
+        seqs, replies = [], []
         for i, ids in enumerate(req.prompts):
             for j in range(req.n):
                 eos = None if req.ignore_eos else eos_id
-                sampling = Sampling(req.temperature, req.top_k, req.top_p, eos)
-                rows = RowSampling.of(sampling, max_new_tokens=req.max_tokens, seed=req.seed, stream=j)
+                sampling = req.sampling.replace(eos_id=eos)
+                rows = RowSampling.of(
+                    sampling, max_new_tokens=req.max_tokens, seed=req.seed, stream=j, logprobs=req.logprobs
+                )
                 index = i * req.n + j
                 emit = lambda ev, index=index: loop.call_soon_threadsafe(events.put_nowait, (index, ev))  # noqa: E731
-                seqs.append(Sequence(ids, rows, stop=req.stop, emit=emit, adapter=adapter))
+                seqs.append(Sequence(
+                    ids, rows, stop=req.stop, emit=emit, adapter=adapter, logprobs=req.logprobs,
+                    echo=req.echo, grammar=None if compiled is None else grammars().matcher(compiled),
+                    stop_ids=frozenset(req.stop_token_ids), special=calls,
+                ))  # fmt: skip
+                replies.append(_Reply(index, req, tokenizer, ids, family if calls else None))
         try:
             sched.submit(*seqs)
         except TooManySequences as e:  # or TooManyTokens (max_tokens over the server's limit)
@@ -219,14 +235,25 @@ def create_app(
         cid = api.new_id()
         inflight.add(cid)  # a drain waits until every response is sent, not only generated
         if req.stream:
-            stream = _stream(events, seqs, cid, name, prompt_tokens, req.include_usage, inflight, chunk_json)
+            stream = _stream(
+                events, seqs, replies, cid, name, prompt_tokens, req.include_usage, inflight, chunk_json
+            )
             return StreamingResponse(
                 stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         try:
-            return await _collect(request, events, seqs, cid, name, prompt_tokens, whole_json)
+            return await _collect(request, events, seqs, replies, cid, name, prompt_tokens, whole_json)
         finally:
             inflight.discard(cid)
+
+    grammar_pool: list = []  # the Grammars of this tokenizer, made at the first constrained request
+
+    def grammars():
+        if not grammar_pool:
+            from flaxgpt.serve.grammar import Grammars
+
+            grammar_pool.append(Grammars(tokenizer, vocab_size, threads=2))
+        return grammar_pool[0]
 
     async def prometheus(request: Request):
         body, content_type = metrics.exposition()
@@ -257,7 +284,63 @@ def create_app(
     return app
 
 
-async def _stream(events, seqs, cid, model, prompt_tokens, include_usage, inflight, chunk_json):
+class _Reply:
+    """One choice's events as OpenAI JSON: its text, logprobs (and an echoed prompt), its tool calls."""
+
+    def __init__(self, index: int, req, tokenizer, prompt_ids, family: str | None):
+        self.index, self.req, self.tokenizer, self.prompt_ids = index, req, tokenizer, prompt_ids
+        self.family, self.text, self.entries, self.prompt = family, "", [], []
+        self.parser = tools.StreamParser(family, req.tools) if family else None
+        self.any_call = False
+
+    def _logprobs(self, entries, prompt=(), offset=0):
+        if self.req.logprobs is None:
+            return None
+        if self.req.chat:
+            return api.chat_logprobs(self.tokenizer, entries)
+        return api.completion_logprobs(self.tokenizer, [*prompt, *entries], offset)
+
+    def add(self, ev: Delta) -> list:
+        """A delta -> the stream's choices for it (chunks of one choice)."""
+        text = ev.text
+        if ev.prompt is not None:  # echo: the prompt first, its tokens' logprobs with it
+            self.prompt = ev.prompt
+            text = self.tokenizer.decode(self.prompt_ids) + text
+        offset = len(self.text)
+        self.text += text
+        self.entries += ev.logprobs
+        lp = self._logprobs(ev.logprobs, self.prompt if ev.prompt is not None else (), offset)
+        if self.parser is None:
+            return [api.Choice(self.index, text, None, lp)] if text or lp else []
+        out = [self._delta(d) for d in self.parser.feed(text)]
+        if lp is not None:
+            out = out or [api.Choice(self.index, "", None)]
+            out[0] = out[0]._replace(logprobs=lp)
+        return out
+
+    def _delta(self, d: dict) -> api.Choice:
+        if d.get("tool_calls"):
+            self.any_call = True
+        return api.Choice(self.index, d.get("content", ""), None, tool_calls=d.get("tool_calls"))
+
+    def finish(self, reason: str) -> list:
+        """The stream's last choices: what the tool parser held back, then the finish reason."""
+        out = [self._delta(d) for d in self.parser.finish()] if self.parser is not None else []
+        if self.any_call and reason == "stop":
+            reason = "tool_calls"
+        return out + [api.Choice(self.index, "", reason)]
+
+    def whole(self, reason: str) -> api.Choice:
+        lp = self._logprobs(self.entries, self.prompt)
+        if self.family is None:
+            return api.Choice(self.index, self.text, reason, lp)
+        content, calls = tools.parse(self.family, self.text, self.req.tools)
+        if calls and reason == "stop":
+            reason = "tool_calls"
+        return api.Choice(self.index, content if calls else (content or ""), reason, lp, calls or None)
+
+
+async def _stream(events, seqs, replies, cid, model, prompt_tokens, include_usage, inflight, chunk_json):
     completion_tokens, left = 0, len(seqs)
     try:
         if chunk_json is api.chat_chunk_json:  # chat: each choice's role first, as OpenAI streams
@@ -265,11 +348,13 @@ async def _stream(events, seqs, cid, model, prompt_tokens, include_usage, inflig
         while left:
             index, ev = await events.get()
             if isinstance(ev, Delta):
-                yield _sse(chunk_json(cid, model, [(index, ev.text, None)]))
+                for choice in replies[index].add(ev):
+                    yield _sse(chunk_json(cid, model, [choice]))
             elif isinstance(ev, Finish):
                 left -= 1
                 completion_tokens += ev.completion_tokens
-                yield _sse(chunk_json(cid, model, [(index, "", ev.reason)]))
+                for choice in replies[index].finish(ev.reason):
+                    yield _sse(chunk_json(cid, model, [choice]))
             elif isinstance(ev, Failed):
                 left -= 1
                 yield _sse(api.error_json(f"choice {index} failed: {ev.message}", "server_error"))
@@ -283,8 +368,8 @@ async def _stream(events, seqs, cid, model, prompt_tokens, include_usage, inflig
             s.cancel()
 
 
-async def _collect(request, events, seqs, cid, model, prompt_tokens, whole_json):
-    texts, reasons, completion_tokens, failed = [""] * len(seqs), [None] * len(seqs), 0, []
+async def _collect(request, events, seqs, replies, cid, model, prompt_tokens, whole_json):
+    reasons, completion_tokens, failed = [None] * len(seqs), 0, []
     left = len(seqs)
     try:
         while left:
@@ -295,7 +380,7 @@ async def _collect(request, events, seqs, cid, model, prompt_tokens, whole_json)
                     return _error(499, "client disconnected")
                 continue
             if isinstance(ev, Delta):
-                texts[index] += ev.text
+                replies[index].add(ev)
             elif isinstance(ev, Finish):
                 left -= 1
                 reasons[index] = ev.reason
@@ -309,8 +394,8 @@ async def _collect(request, events, seqs, cid, model, prompt_tokens, whole_json)
     if failed:
         return _error(500, "; ".join(failed), "server_error")
     usage = api.usage_json(prompt_tokens, completion_tokens)
-    choices = [(i, t, r) for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
-    return JSONResponse(whole_json(cid, model, choices, usage=usage))
+    choices = [r.whole(reason) for r, reason in zip(replies, reasons, strict=True)]
+    return JSONResponse(whole_json(cid, model, choices, usage))
 
 
 def serve(app, sched: Scheduler, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 600):
