@@ -108,7 +108,8 @@ def test_decoders_import_no_model():
 
 def test_the_http_layer_imports_no_model():
     graph = import_graph()
-    for http in ("flaxgpt.serve.server", "flaxgpt.serve.openai_api", "flaxgpt.serve.scheduler"):
+    http_layer = ("server", "openai_api", "scheduler", "grammar", "tools", "detokenize")
+    for http in (f"flaxgpt.serve.{m}" for m in http_layer):
         assert not [m for m in graph[http] if m.startswith("flaxgpt.models")], http
 
 

@@ -258,21 +258,25 @@ def serve_programs(
     pool = lambda: AdapterCache.wrap(
         PagedKVCache.for_slots(cfg, slots, W, page=PAGE, impl=impl, extra_pages=1)
     )  # noqa: E731
-    state = placed(lambda: runner.empty_state(pool(), slots))
+    state = placed(lambda: runner.empty_state(pool(), slots, cfg.vocab_size))
     rows = placed(lambda: jax.tree.map(jnp.asarray, runner.RowSampling.of(max_new_tokens=1)))
     rep = sharding.replicated(mesh)
     prompt = jax.ShapeDtypeStruct((1, P), jnp.int32, sharding=rep)  # the largest prompt bucket
     table = jax.ShapeDtypeStruct((1, W // PAGE), jnp.int32, sharding=rep)
     adapter, start, size = (_scalar(jnp.int32, mesh) for _ in range(3))
+    seen = jax.ShapeDtypeStruct((1, cfg.vocab_size), jnp.bool_, sharding=rep)
+    mask = jax.ShapeDtypeStruct((1, -(-cfg.vocab_size // 32)), jnp.int32, sharding=rep)
     where = f"{_weights(quantize)}" + (f", over {n} devices (SERVE_RULES)" if n > 1 else "")
     prefill = Program(
-        "serve.prefill", progs["prefill"], (step, state, table, adapter, prompt, start, size, rows),
+        "serve.prefill", progs["prefill"],
+        (step, state, table, adapter, prompt, start, size, rows, seen, mask),
         {"max_k": 256}, n, flops_per_token(cfg, W)["forward"] * P, {"parameters": param_bytes},
         f"prompt chunk {P} into a window of {W}{where}", mesh=mesh,
     )  # fmt: skip
     stop = jax.ShapeDtypeStruct((slots,), jnp.bool_, sharding=sharding.row_shardings(state.done_B, mesh))
     generate = Program(
-        "serve.generate", progs["generate"], (step, state, stop), {"chunk": chunk, "max_k": 256}, n,
+        "serve.generate", progs["generate"], (step, state, stop),
+        {"chunk": chunk, "max_k": 256, "logprobs": True}, n,
         flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
         f"{slots} slots x window {W} in pages of {PAGE} ({impl}){where}, {chunk} tokens per call",
         chunk * (param_bytes + per_device_bytes(state.cache)), mesh=mesh,

@@ -394,17 +394,52 @@ def _overflowing(state: DecodeState, W: int) -> jax.Array:
     return ~state.done_B & (state.fill_B >= W)
 
 
+def feed(step_fn, state: DecodeState):
+    """Every row's pending token through the model -> (raw logits_BV, the cache with it written, pos_B)."""
+    W = state.cache.max_len
+    pos_B = jnp.minimum(state.fill_B, W - 1)  # finished rows idle at a valid position
+    logits_B1V, cache = step_fn(state.last_B[:, None], pos_B[:, None], state.cache)
+    return logits_B1V[:, -1], cache, pos_B
+
+
+def take(state: DecodeState, raw_BV, cache, pos_B, mask_BW, max_k: int, keep: int, logprobs: bool):
+    """The next token of every unfinished row from `feed`'s logits, and the state after it
+    -> (state, tok_B with PAD for finished rows, Logprobs-like tuple (empty unless `logprobs`))."""
+    rows_B = jnp.arange(raw_BV.shape[0])
+    active_B = ~state.done_B
+    adjusted_BV = adjust_logits(state.rows, raw_BV, state.counts_BV, state.seen_BV, mask_BW)
+    tok_B = next_tokens(state.rows, state.count_B, adjusted_BV, max_k)
+    count_B = state.count_B + active_B
+    if keep:
+        state = state.replace(window_BW=state.window_BW.at[rows_B, pos_B].set(state.last_B))
+    if state.counts_BV is not None:
+        state = state.replace(
+            counts_BV=state.counts_BV.at[rows_B, tok_B].add(active_B.astype(state.counts_BV.dtype)),
+            seen_BV=state.seen_BV.at[rows_B, tok_B].max(active_B),
+        )
+    lp = ()
+    if logprobs:
+        lp = token_logprobs(raw_BV, tok_B, jnp.where(active_B, state.rows.logprobs_B, -1))
+    state = state.replace(
+        cache=cache,
+        last_B=jnp.where(active_B, tok_B, state.last_B),
+        fill_B=state.fill_B + active_B,
+        count_B=count_B,
+        done_B=state.done_B | (active_B & finished(state.rows, tok_B, count_B)),
+    )
+    return state, jnp.where(active_B, tok_B, PAD), lp
+
+
 def _decode_chunk(
-    step_fn, state: DecodeState, stop_B, chunk: int, keep: int = 0, max_k: int = 256, mask_BW=None,
-    logprobs: bool = False,
-):  # fmt: skip
+    step_fn, state: DecodeState, stop_B, chunk: int, keep: int = 0, max_k: int = 256, logprobs: bool = False
+):
     """Up to `chunk` steps of one token per unfinished row -> (state, tokens_BC, PAD where a row made
     none), and with `logprobs` a third output (logprob_BC, top_ids_BCK, top_logprob_BCK: token_logprobs'
     of each step, zeros for rows that did not ask). stop_B: rows to stop now (the engine's released
     slots). keep: with state.window_BW, a row whose window is full restarts it from its last `keep`
-    tokens (generate); 0: rows never slide (the engine: every request fits its window). mask_BW: a
-    structured-output bitmask for the (one) step (unpack_mask; chunk must be 1: the host advances each
-    row's grammar by the token drawn). The one decode step of `generate` and the serving engine.
+    tokens (generate); 0: rows never slide (the engine: every request fits its window). The one
+    decode step of `generate` and the serving engine (whose structured-output step runs `feed` and
+    `take` as two programs, the host computing the bitmask in between).
 
     Full rows slide first (`_slide`), and the chunk ends early when another row's window fills: the
     slide is never a conditional inside the token loop, where it made XLA keep a copy of every
@@ -412,7 +447,6 @@ def _decode_chunk(
     whole cache and 25 extra kernels per GPT-2 token)."""
     B = state.last_B.shape[0]
     W = state.cache.max_len
-    rows_B = jnp.arange(B)
     state = state.replace(done_B=state.done_B | stop_B)
     if keep:
         slide = functools.partial(_slide, step_fn, keep)
@@ -426,31 +460,10 @@ def _decode_chunk(
 
     def body(carry):
         state, out_BC, lp_out, j = carry
-        active_B = ~state.done_B
-        pos_B = jnp.minimum(state.fill_B, W - 1)  # finished rows idle at a valid position
-        logits_B1V, cache = step_fn(state.last_B[:, None], pos_B[:, None], state.cache)
-        raw_BV = logits_B1V[:, -1]
-        adjusted_BV = adjust_logits(state.rows, raw_BV, state.counts_BV, state.seen_BV, mask_BW)
-        tok_B = next_tokens(state.rows, state.count_B, adjusted_BV, max_k)
-        count_B = state.count_B + active_B
-        if keep:
-            state = state.replace(window_BW=state.window_BW.at[rows_B, pos_B].set(state.last_B))
-        if state.counts_BV is not None:
-            state = state.replace(
-                counts_BV=state.counts_BV.at[rows_B, tok_B].add(active_B.astype(state.counts_BV.dtype)),
-                seen_BV=state.seen_BV.at[rows_B, tok_B].max(active_B),
-            )
-        if logprobs:
-            lp = token_logprobs(raw_BV, tok_B, jnp.where(active_B, state.rows.logprobs_B, -1))
-            lp_out = tuple(x_BC.at[:, j].set(x) for x_BC, x in zip(lp_out, lp))
-        state = state.replace(
-            cache=cache,
-            last_B=jnp.where(active_B, tok_B, state.last_B),
-            fill_B=state.fill_B + active_B,
-            count_B=count_B,
-            done_B=state.done_B | (active_B & finished(state.rows, tok_B, count_B)),
-        )
-        return state, out_BC.at[:, j].set(jnp.where(active_B, tok_B, PAD)), lp_out, j + 1
+        raw_BV, cache, pos_B = feed(step_fn, state)
+        state, tok_B, lp = take(state, raw_BV, cache, pos_B, None, max_k, keep, logprobs)
+        lp_out = tuple(x_BC.at[:, j].set(x) for x_BC, x in zip(lp_out, lp))
+        return state, out_BC.at[:, j].set(tok_B), lp_out, j + 1
 
     out_BC = jnp.full((B, chunk), PAD, jnp.int32)
     K = MAX_LOGPROBS

@@ -153,9 +153,10 @@ class Engine:
 
     @property
     def n_programs(self) -> int:
-        """Prefill per bucket, insert, generate for `chunk` steps and for one step, and one step under a
-        structured-output mask (the echo prefills compile on the first echo request of each bucket)."""
-        return len(self.buckets) + 3 + (self.chunk > 1)
+        """Prefill per bucket, insert, generate for `chunk` steps and for one step, and the two halves of
+        a step under a structured-output mask (the echo prefills compile on the first echo request of
+        each bucket)."""
+        return len(self.buckets) + 4 + (self.chunk > 1)
 
     def kv_memory(self) -> dict:
         """Bytes a slot's whole window takes, and the pool's pages: held by no one, held more than once
@@ -330,13 +331,18 @@ class Engine:
         """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]];
         their logprobs (for rows that asked) in self.logprobs. steps: `chunk` (default) or 1 (one token
         each: a scheduler with prompts still prefilling comes back to them after one step rather than
-        `chunk`). mask_BW: each slot's structured-output bitmask (int32 [B, mask_words]) for one step."""
+        `chunk`). mask_BW: one step under a structured-output bitmask (int32 [B, mask_words]), or a
+        function that returns it, called while the model runs (Runner.generate_masked)."""
         steps = steps or self.chunk
         if steps not in (1, self.chunk):
             raise ValueError(f"generate runs 1 or chunk ({self.chunk}) steps, got {steps}")
-        if mask_BW is not None and steps != 1:
+        if mask_BW is None:
+            out_BC, count, done, self.logprobs = self.runner.generate(self._stop.copy(), steps)
+        elif steps != 1:
             raise ValueError("a structured-output mask holds for one step: generate(steps=1, mask_BW=...)")
-        out_BC, count, done, self.logprobs = self.runner.generate(self._stop.copy(), steps, mask_BW)
+        else:
+            fill = mask_BW if callable(mask_BW) else lambda: mask_BW
+            out_BC, count, done, self.logprobs = self.runner.generate_masked(self._stop.copy(), fill)
         new_B, self._count = count - self._count, count
         self._finished = done
         return out_BC, new_B, done.copy()

@@ -21,7 +21,8 @@ arrays placed by sharding.row_shardings: the pool's key/value heads split over t
 divide (each device holds its heads of every page), the slots' arrays by slots.
 
 Compiled programs: one prefill per prompt bucket, insert, the page copy, generate for `chunk` steps
-and for one step.
+and for one step, and a structured-output step in two halves (feed, then take under the bitmask the
+host computed meanwhile); an echo request's prefill per bucket on first use.
 
 Shape letters: B slots, M pages per row, P prompt bucket, V vocab, C chunk, R requests of a group.
 """
@@ -44,8 +45,10 @@ from flaxgpt.decode.sampling import (
     adjust_logits,
     bias_arrays,
     decode_chunk,
+    feed,
     finished,
     next_tokens,
+    take,
     token_logprobs,
 )
 from flaxgpt.models.cache import AdapterCache
@@ -240,12 +243,29 @@ def _copy_pages(state: DecodeState, src_R, dst_R):
     return state.replace(cache=state.cache.replace(inner=inner))
 
 
+def _feed(step_fn, state: DecodeState, stop_B):
+    """A structured-output step's first half: every row's pending token through the model (sampling's
+    feed) -> (state with the cache written, raw logits_BV, pos_B). The host fills the bitmask meanwhile."""
+    state = state.replace(done_B=state.done_B | stop_B)
+    raw_BV, cache, pos_B = feed(step_fn, state)
+    return state.replace(cache=cache), raw_BV, pos_B
+
+
+def _take(state: DecodeState, raw_BV, pos_B, mask_BW, max_k: int):
+    """Its second half: the tokens drawn under the bitmask (sampling's take) -> (state, tok_B1, Logprobs
+    of [B, 1] ...), as generate's outputs for one step."""
+    state, tok_B, lp = take(state, raw_BV, state.cache, pos_B, mask_BW, max_k, 0, True)
+    return state, tok_B[:, None], tuple(x[:, None] for x in lp)
+
+
 _PROGRAMS = (  # (function, static arguments, donated arguments, compiler options)
     (_prefill, ("max_k",), ("state",), None),
     (_insert, (), ("state",), None),
     (_insert_group, ("max_k",), ("state",), None),
     (_copy_pages, (), ("state",), None),
     (_fork, ("max_k",), (), None),
+    (_feed, (), ("state",), None),
+    (_take, ("max_k",), ("state",), None),
 )
 
 
@@ -353,16 +373,31 @@ class Runner:
         self._table[slot] = table_M
         self._stale = True
 
-    def generate(self, stop_B, steps: int, mask_BW=None):
-        """`steps` decode steps for every slot -> (tokens_BC, count_B, done_B, Logprobs of [B, C] ...)
-        on the host. mask_BW: the structured-output bitmask of every slot for one step (None: none)."""
+    def _upload_table(self):
         if self._stale:  # a copy: the host's table changes in place while the step may still run
             cache = self.state.cache
             table = jax.device_put(np.array(self._table), cache.inner.table_BM.sharding)
             self.state = self.state.replace(cache=cache.replace(inner=cache.inner.replace(table_BM=table)))
             self._stale = False
+
+    def generate(self, stop_B, steps: int):
+        """`steps` decode steps for every slot -> (tokens_BC, count_B, done_B, Logprobs of [B, C] ...)
+        on the host."""
+        self._upload_table()
         self.state, out_BC, lp = self.p["generate"](
-            self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k, mask_BW=mask_BW, logprobs=True
+            self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k, logprobs=True
         )
         lp = Logprobs(*(np.asarray(x) for x in lp))
         return np.asarray(out_BC), np.array(self.state.count_B), np.array(self.state.done_B), lp
+
+    def generate_masked(self, stop_B, fill_mask):
+        """One step under a structured-output bitmask, as generate(steps=1): the model runs (dispatched,
+        not waited for) while `fill_mask()` computes the int32 bitmask [B, W] on the host, then the
+        tokens are drawn under it. The mask's host work overlaps the device's forward pass (vLLM's
+        order: the grammar's bitmask is built while the model runs and applied to its logits)."""
+        self._upload_table()
+        self.state, raw_BV, pos_B = self.p["feed"](self.step_fn, self.state, stop_B)
+        mask_BW = fill_mask()
+        self.state, out_B1, lp = self.p["take"](self.state, raw_BV, pos_B, mask_BW, max_k=self.max_k)
+        lp = Logprobs(*(np.asarray(x) for x in lp))
+        return np.asarray(out_B1), np.array(self.state.count_B), np.array(self.state.done_B), lp

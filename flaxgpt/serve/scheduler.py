@@ -385,15 +385,20 @@ class Scheduler:
             # waits for one decode step per chunk, not `chunk` steps); a free slot: one step too, so
             # a request arriving now (a chat's next turn) is admitted after one step, not `chunk`
             one = self.prefilling or len(self.active) < self.engine.slots
-            mask_BW = None
+            fill = None
             constrained = [(slot, seq) for slot, seq in active.items() if seq.grammar is not None]
-            if constrained:  # each token's mask follows the one before: one step at a time
-                mask_BW = np.full((self.engine.slots, self.engine.mask_words), -1, np.int32)
-                for slot, seq in constrained:
-                    if not seq.finished and not seq.cancelled:
-                        seq.grammar.fill(mask_BW, slot)
+            if constrained:  # each token's mask follows the one before: one step at a time, the mask
+                # computed while the model runs (Engine.generate calls `fill` after dispatching it)
+
+                def fill():
+                    mask_BW = np.full((self.engine.slots, self.engine.mask_words), -1, np.int32)
+                    for slot, seq in constrained:
+                        if not seq.finished and not seq.cancelled:
+                            seq.grammar.fill(mask_BW, slot)
+                    return mask_BW
+
                 one = True
-            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if one else None, mask_BW=mask_BW)
+            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if one else None, mask_BW=fill)
             lp = self.engine.logprobs
         except Exception as e:  # not expected: fail the running sequences, keep serving
             for slot, seq in active.items():

@@ -155,7 +155,7 @@ def test_eos_release_and_bad_requests(step):
         engine.prefill([1] * 60, RowSampling.of(max_new_tokens=5))
     with pytest.raises(ValueError, match="empty"):
         engine.prefill([], RowSampling.of(max_new_tokens=5))
-    assert prompt_buckets(64) == (16, 24, 32, 48, 64) and engine.n_programs == 9
+    assert prompt_buckets(64) == (16, 24, 32, 48, 64) and engine.n_programs == 10
     assert prompt_buckets(100) == (16, 24, 32, 48, 64, 96, 100)
 
 
@@ -234,7 +234,7 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
     reqs = chat_requests()
     alone = run(new_engine(step, slots=1), reqs)
     engine = Engine(step, CFG, slots=3, chunk=3, max_k=8, prefill_chunk=8, page=4, prefix_blocks=6)
-    assert engine.buckets == (8,) and engine.n_programs == 5
+    assert engine.buckets == (8,) and engine.n_programs == 6
     first = run(engine, reqs, arrive_every=2)
     hits = [hit_of(engine, p, rows) for p, rows in reqs]  # a second round: what it reuses
     second = run(engine, reqs, arrive_every=2, steps=1)  # one decode step per call
