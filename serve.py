@@ -107,6 +107,14 @@ def parse_args(argv):
         help="prompt tokens prefilled per engine turn while others decode (0: a whole prompt at once)",
     )
     p.add_argument(
+        "--speculative_ngram",
+        type=int,
+        default=0,
+        help="speculative decoding without a draft model: up to this many tokens drafted per step by "
+        "prompt lookup (the tokens that followed the latest earlier occurrence of the last 1-3 tokens) "
+        "and checked in the same model call, for greedy requests (0: off)",
+    )
+    p.add_argument(
         "--max_num_batched_tokens",
         type=int,
         default=None,
@@ -173,7 +181,7 @@ def parse_args(argv):
         )
     if a.mesh < 1:
         p.error(f"--mesh must be >= 1 (devices), got {a.mesh}")
-    for name in ("prefill_chunk", "prefix_cache_tokens"):
+    for name in ("prefill_chunk", "prefix_cache_tokens", "speculative_ngram"):
         if getattr(a, name) < 0:
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
     for name in ("prefix_block", "max_body_bytes", "max_tokens", "max_num_batched_tokens"):
@@ -228,6 +236,7 @@ def main(argv=None):
         adapter_root=a.adapter_root,
         max_cpu_adapters=a.max_cpu_adapters,
         mesh=mesh,
+        speculate=a.speculative_ngram,
     )
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(

@@ -104,13 +104,15 @@ class Engine:
         mesh=None,
         impl: str | None = None,
         spare_pages: int = 0,
+        speculate: int = 0,
     ):
         """config: the model's (its layers, key/value heads, head size and dtype size the pool);
         max_len: each request's window (default config.block_size), a multiple of `page`;
         prefill_chunk: the most prompt tokens one prefill call runs (default max_len: a prompt in one
         call); prefix_blocks: the prefix cache's capacity in pages (0: off); mesh: run over its devices
         (see serve/runner.py); impl: the paged-attention path (default: this platform's, paged_impl);
-        spare_pages: pages beyond the slots' windows for prefixes held while they are forked (GRPO)."""
+        spare_pages: pages beyond the slots' windows for prefixes held while they are forked (GRPO);
+        speculate: drafted tokens a greedy row may have checked per step (`speculate()`; 0: off)."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         W = max_len or config.block_size  # whole pages: PagedKVCache.for_slots below says so if not
@@ -133,6 +135,9 @@ class Engine:
             step_fn, pool, slots=slots, chunk=chunk, max_k=max_k, vocab=config.vocab_size, mesh=mesh
         )
         self.vocab, self.mask_words = config.vocab_size, self.runner.mask_words
+        if speculate < 0:
+            raise ValueError(f"speculate must be >= 0 (drafted tokens per step), got {speculate}")
+        self.speculate_k = speculate
         self.logprobs: Logprobs | None = None  # the last generate's, [B, C] ... (host)
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
@@ -155,8 +160,8 @@ class Engine:
     def n_programs(self) -> int:
         """Prefill per bucket, insert, generate for `chunk` steps and for one step, and the two halves of
         a step under a structured-output mask (the echo prefills compile on the first echo request of
-        each bucket)."""
-        return len(self.buckets) + 4 + (self.chunk > 1)
+        each bucket), and the speculative step when drafting is on."""
+        return len(self.buckets) + 4 + (self.chunk > 1) + (self.speculate_k > 0)
 
     def kv_memory(self) -> dict:
         """Bytes a slot's whole window takes, and the pool's pages: held by no one, held more than once
@@ -326,6 +331,17 @@ class Engine:
         if self.blocks.holds(slot_owner(slot)):
             self.blocks.free(slot_owner(slot))
             self.runner.idle(slot, np.full(self.blocks.M, SCRATCH, np.int32))
+
+    def speculate(self, drafts_BK, n_B):
+        """One step in which slot b also checks its n_B[b] drafted tokens drafts_BK[b] (K = speculate,
+        greedy rows only: a draft is kept while it is the model's greedy choice) -> generate's outputs,
+        tokens_BC of K + 1 columns: each slot 1 to n_B[b] + 1 new tokens for one model call."""
+        if np.shape(drafts_BK) != (self.slots, self.speculate_k):
+            raise ValueError(f"drafts must be [slots, speculate] = [{self.slots}, {self.speculate_k}]")
+        out_BC, count, done, self.logprobs = self.runner.speculate(self._stop.copy(), drafts_BK, n_B)
+        new_B, self._count = count - self._count, count
+        self._finished = done
+        return out_BC, new_B, done.copy()
 
     def generate(self, steps: int | None = None, mask_BW=None):
         """-> (tokens_BC, new_B, done_B): slot b's next new_B[b] tokens are tokens_BC[b, :new_B[b]];

@@ -66,6 +66,7 @@ def scheduler_for(
     adapter_root=None,
     max_cpu_adapters=None,
     mesh=None,
+    speculate=0,
 ) -> Scheduler:
     """The engine (a window of max_len, default block_size, in pages of prefix_block positions) and its
     thread, not started. prefill_chunk: prompt tokens per prefill call (None: a whole prompt);
@@ -77,6 +78,7 @@ def scheduler_for(
     directory clients may load adapters from at run time (None: runtime loads and unloads refused);
     max_cpu_adapters: adapters kept in host memory (None: all; the rest read again when requested).
     mesh (serving_mesh, params placed over it by `load`): the engine's programs run over its devices.
+    speculate: prompt-lookup drafts checked per step for greedy requests (serve/ngram.py; 0: off).
     Every pair composes: adapters with the prefix cache (its blocks hashed with the adapter), with a
     mesh, over int8 / bf16 weights; chunked prefill with all of them."""
     from flaxgpt.models import gpt
@@ -85,7 +87,7 @@ def scheduler_for(
     W = min(max_len or config.block_size, config.block_size)
     kw = dict(
         slots=slots, max_len=W, chunk=chunk, prefill_chunk=prefill_chunk, page=prefix_block,
-        prefix_blocks=prefix_cache_tokens // prefix_block, mesh=mesh,
+        prefix_blocks=prefix_cache_tokens // prefix_block, mesh=mesh, speculate=speculate,
     )  # fmt: skip
     sched_kw = dict(max_queue=max_queue, max_tokens=max_tokens, max_num_batched_tokens=max_num_batched_tokens)
     if max_adapters:

@@ -67,6 +67,17 @@ class ServeMetrics:
             "shared_blocks": "pages held more than once: cached prefixes read in place by running requests",
         }
         self.kv = {k: Gauge(f"flaxgpt_kv_{k}", doc, registry=r) for k, doc in kv.items()}
+        # speculative decoding (serve.py --speculative_ngram): per drafting row and step
+        self.spec_steps = Counter("flaxgpt_spec_row_steps", "steps of rows that checked drafts", registry=r)
+        self.spec_drafted = Counter("flaxgpt_spec_draft_tokens", "tokens drafted and checked", registry=r)
+        self.spec_accepted = Counter("flaxgpt_spec_accepted_tokens", "drafted tokens kept", registry=r)
+        self._spec = [0, 0, 0]  # steps, drafted, accepted
+        Gauge("flaxgpt_spec_acceptance_rate", "kept / drafted tokens since start", registry=r).set_function(
+            lambda: self._spec[2] / self._spec[1] if self._spec[1] else 0.0
+        )
+        Gauge(
+            "flaxgpt_spec_tokens_per_step", "new tokens per drafting row and step since start", registry=r
+        ).set_function(lambda: (self._spec[0] + self._spec[2]) / self._spec[0] if self._spec[0] else 0.0)
 
     def _rate(self) -> float:
         return self._hit / self._query if self._query else 0.0
@@ -100,6 +111,13 @@ class ServeMetrics:
         if gap is not None and n > 0:
             for _ in range(n):
                 self.itl.observe(gap / n)
+
+    def speculated(self, rows: int, drafted: int, accepted: int):
+        """One step in which `rows` rows checked `drafted` drafts in all and kept `accepted`."""
+        self.spec_steps.inc(rows)
+        self.spec_drafted.inc(drafted)
+        self.spec_accepted.inc(accepted)
+        self._spec = [self._spec[0] + rows, self._spec[1] + drafted, self._spec[2] + accepted]
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -39,6 +39,7 @@ import numpy as np
 from flaxgpt import sharding
 from flaxgpt.decode.sampling import (
     GPU_LOOP_OPTIONS,
+    PAD,
     DecodeState,
     Rows,
     Sampling,
@@ -47,6 +48,7 @@ from flaxgpt.decode.sampling import (
     decode_chunk,
     feed,
     finished,
+    greedy,
     next_tokens,
     take,
     token_logprobs,
@@ -258,6 +260,55 @@ def _take(state: DecodeState, raw_BV, pos_B, mask_BW, max_k: int):
     return state, tok_B[:, None], tuple(x[:, None] for x in lp)
 
 
+def _speculate(step_fn, state: DecodeState, stop_B, drafts_BK, n_B, max_k: int):
+    """One step that also checks drafted tokens (speculative decoding, the drafts proposed on the host):
+    every row feeds its pending token and its n_B[b] drafts (n_B <= K; 0: a plain decode step) in one
+    model call of K + 1 positions; a draft is kept while it is the model's greedy choice there (rows
+    draft only when greedy), then one more token is drawn as a plain step draws it, from the logits after
+    the last kept draft. -> (state, tokens_BT with PAD past each row's new ones, Logprobs of its first
+    column), every row 1 to n_B + 1 new tokens (fewer at its EOS or max_new). Positions a row fed past
+    what it keeps hold keys it overwrites before any query reads them (they are past its length)."""
+    state = state.replace(done_B=state.done_B | stop_B)
+    B, K = drafts_BK.shape
+    T = K + 1
+    W = state.cache.max_len
+    rows = state.rows
+    active_B = ~state.done_B
+    t_T = jnp.arange(T)
+    tokens_BT = jnp.concatenate([state.last_B[:, None], drafts_BK], axis=1)
+    fed_BT = (t_T <= n_B[:, None]) & active_B[:, None]
+    # positions not fed go past the window, where nothing is written (an idle row's too)
+    positions_BT = jnp.where(fed_BT, state.fill_B[:, None] + t_T, W + t_T)
+    logits_BTV, cache = step_fn(tokens_BT, positions_BT, state.cache)
+    ok_BK = (drafts_BK == greedy(logits_BTV[:, :K])) & (t_T[:K] < n_B[:, None])
+    kept_B = jnp.sum(jnp.cumprod(ok_BK, axis=1), axis=1)  # the longest agreeing prefix
+    raw_BV = jnp.take_along_axis(logits_BTV, kept_B[:, None, None], axis=1)[:, 0]
+    adjusted_BV = adjust_logits(rows, raw_BV, state.counts_BV, state.seen_BV)
+    extra_B = next_tokens(rows, state.count_B + kept_B, adjusted_BV, max_k)
+    new_BT = jnp.where(t_T < kept_B[:, None], jnp.pad(drafts_BK, ((0, 0), (0, 1))), extra_B[:, None])
+    # each row's new tokens end at its EOS (included) or its max_new
+    eos_BT = (new_BT == rows.eos_B[:, None]) & (t_T <= kept_B[:, None])
+    upto_eos_B = jnp.where(jnp.any(eos_BT, axis=1), jnp.argmax(eos_BT, axis=1) + 1, T)
+    n_new_B = jnp.minimum(jnp.minimum(kept_B + 1, upto_eos_B), rows.max_new_B - state.count_B)
+    n_new_B = jnp.where(active_B, n_new_B, 0)
+    out_BT = jnp.where(t_T < n_new_B[:, None], new_BT, PAD)
+    count_B = state.count_B + n_new_B
+    b_B = jnp.arange(B)
+    last_B = jnp.where(active_B, new_BT[b_B, jnp.maximum(n_new_B - 1, 0)], state.last_B)
+    got_BT = (t_T < n_new_B[:, None]).astype(state.counts_BV.dtype)
+    counts_BV = state.counts_BV.at[b_B[:, None], jnp.where(got_BT > 0, new_BT, 0)].add(got_BT)
+    seen_BV = state.seen_BV.at[b_B[:, None], jnp.where(got_BT > 0, new_BT, 0)].max(got_BT > 0)
+    lp = token_logprobs(raw_BV, extra_B, jnp.where(active_B, rows.logprobs_B, -1))
+    ended_B = jnp.any(eos_BT & (t_T < n_new_B[:, None]), axis=1) | (count_B >= rows.max_new_B)
+    state = state.replace(
+        cache=cache, last_B=last_B, fill_B=state.fill_B + n_new_B, count_B=count_B,
+        done_B=state.done_B | (active_B & ended_B), counts_BV=counts_BV, seen_BV=seen_BV,
+    )  # fmt: skip
+    # the extra token's logprobs in the first column (rows that ask for logprobs draft nothing)
+    lp = tuple(jnp.pad(x[:, None], ((0, 0), (0, K)) + ((0, 0),) * (x.ndim - 1)) for x in lp)
+    return state, out_BT, lp
+
+
 _PROGRAMS = (  # (function, static arguments, donated arguments, compiler options)
     (_prefill, ("max_k",), ("state",), None),
     (_insert, (), ("state",), None),
@@ -266,6 +317,7 @@ _PROGRAMS = (  # (function, static arguments, donated arguments, compiler option
     (_fork, ("max_k",), (), None),
     (_feed, (), ("state",), None),
     (_take, ("max_k",), ("state",), None),
+    (_speculate, ("max_k",), ("state",), None),
 )
 
 
@@ -389,6 +441,17 @@ class Runner:
         )
         lp = Logprobs(*(np.asarray(x) for x in lp))
         return np.asarray(out_BC), np.array(self.state.count_B), np.array(self.state.done_B), lp
+
+    def speculate(self, stop_B, drafts_BK, n_B):
+        """One step checking n_B[b] drafted tokens drafts_BK[b] per slot (_speculate) -> generate's
+        outputs, tokens_BT of K + 1 columns."""
+        self._upload_table()
+        self.state, out_BT, lp = self.p["speculate"](
+            self.step_fn, self.state, stop_B, np.asarray(drafts_BK, np.int32), np.asarray(n_B, np.int32),
+            max_k=self.max_k,
+        )  # fmt: skip
+        lp = Logprobs(*(np.asarray(x) for x in lp))
+        return np.asarray(out_BT), np.array(self.state.count_B), np.array(self.state.done_B), lp
 
     def generate_masked(self, stop_B, fill_mask):
         """One step under a structured-output bitmask, as generate(steps=1): the model runs (dispatched,

@@ -45,6 +45,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flaxgpt.decode.sampling import Sampling
+from flaxgpt.serve import ngram
 from flaxgpt.serve.detokenize import Detokenizer
 from flaxgpt.serve.engine import Engine, RowSampling
 
@@ -255,6 +256,11 @@ class Scheduler:
         self.engine.generate(steps=1)
         any_token_BW = np.full((self.engine.slots, self.engine.mask_words), -1, np.int32)
         self.engine.generate(steps=1, mask_BW=any_token_BW)  # the structured-output step
+        if self.engine.speculate_k:
+            K = self.engine.speculate_k
+            self.engine.speculate(
+                np.zeros((self.engine.slots, K), np.int32), np.zeros(self.engine.slots, np.int32)
+            )
         self.engine.release(0)
         self.engine.generate()
         self.engine.blocks.clear()  # the warm-up prompts' blocks: no request has them
@@ -398,7 +404,15 @@ class Scheduler:
                     return mask_BW
 
                 one = True
-            tokens_BC, new_B, done_B = self.engine.generate(steps=1 if one else None, mask_BW=fill)
+            drafts = None if constrained else self._drafts(active)
+            if drafts is not None:  # speculative: drafted tokens checked in the same model call
+                tokens_BC, new_B, done_B = self.engine.speculate(*drafts)
+                drafting = drafts[1] > 0
+                if self.metrics is not None and drafting.any():
+                    kept = np.minimum(np.maximum(new_B - 1, 0), drafts[1])[drafting]
+                    self.metrics.speculated(int(drafting.sum()), int(drafts[1].sum()), int(kept.sum()))
+            else:
+                tokens_BC, new_B, done_B = self.engine.generate(steps=1 if one else None, mask_BW=fill)
             lp = self.engine.logprobs
         except Exception as e:  # not expected: fail the running sequences, keep serving
             for slot, seq in active.items():
@@ -412,6 +426,23 @@ class Scheduler:
                     lps = [self._entry(seq, t, lp.chosen[slot, i], lp.top_ids[slot, i], lp.top[slot, i])
                            for i, t in enumerate(ids)]  # fmt: skip
                 self._advance(slot, seq, ids, bool(done_B[slot]), lps)
+
+    def _drafts(self, active: dict):
+        """Prompt-lookup drafts (serve/ngram.py) for the greedy rows that may use them -> (drafts_BK,
+        n_B), or None when speculation is off or no row drafted (a plain `chunk` step then)."""
+        K = self.engine.speculate_k
+        if not K:
+            return None
+        drafts_BK, n_B = np.zeros((self.engine.slots, K), np.int32), np.zeros(self.engine.slots, np.int32)
+        for slot, seq in active.items():
+            r = seq.rows
+            plain = seq.logprobs is None and seq.grammar is None and not r.penalized
+            if seq.finished or seq.cancelled or float(r.temperature) != 0 or not plain:
+                continue
+            room = int(r.max_new) - len(seq.ids) - 1  # the step's own token comes on top of the drafts
+            d = ngram.propose(seq.prompt_ids + seq.ids, min(K, room)) if room > 0 else []
+            drafts_BK[slot, : len(d)], n_B[slot] = d, len(d)
+        return (drafts_BK, n_B) if n_B.any() else None
 
     def _advance(self, slot: int, seq: Sequence, new_ids: list[int], device_done: bool, lps=None):
         """Hand `seq` its new tokens: text, stop strings and stop tokens, its grammar, and the end of the

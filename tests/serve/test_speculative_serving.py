@@ -1,0 +1,59 @@
+"""Speculative decoding in the server (serve.py --speculative_ngram): prompt-lookup drafts checked in
+the engine's step for many rows at once; greedy replies equal the server's without drafting, sampled
+rows never draft, and /metrics counts what was drafted and kept."""
+
+import numpy as np
+
+from flaxgpt.data.tokenizers import CharTokenizer
+from flaxgpt.decode.sampling import Sampling
+from flaxgpt.serve import ngram
+from flaxgpt.serve.engine import Engine, RowSampling
+from flaxgpt.serve.metrics import ServeMetrics
+from flaxgpt.serve.scheduler import Finish, Scheduler, Sequence
+from tests.serve.test_paged import BLOCKS, CFG, CHARS, PAGE, SLOTS, params, step  # noqa: F401
+
+
+def test_propose_is_the_latest_continuation_of_the_longest_suffix():
+    assert ngram.propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    assert ngram.propose([7, 2, 3, 9, 8, 2, 3, 6, 1, 2, 3], 2) == [6, 1]  # the latest of two matches
+    assert ngram.propose([4, 5, 6], 2) == []  # nothing repeats
+    assert ngram.propose([5, 1, 2, 9, 9, 2], 2, max_n=3) == [9, 9]  # a 1-token suffix when longer fail
+
+
+def serve_all(step, prompts, rows, speculate):  # noqa: F811
+    engine = Engine(step, CFG, slots=SLOTS, chunk=3, prefill_chunk=16, page=PAGE, prefix_blocks=BLOCKS,
+                    speculate=speculate)  # fmt: skip
+    sched = Scheduler(engine, CharTokenizer(CHARS))
+    sched.metrics = ServeMetrics()
+    sched.metrics.watch(sched)
+    sched.start()
+    assert sched.ready.wait(300)
+    out = [[] for _ in prompts]
+    seqs = []
+    for i, (p, r) in enumerate(zip(prompts, rows)):
+        seqs.append(Sequence(p, r, emit=lambda ev, i=i: out[i].append(ev)))
+    sched.submit(*seqs)
+    assert sched.drain(timeout=300)
+    sched.close()
+    assert all(isinstance(ev[-1], Finish) for ev in out)
+    return [s.ids for s in seqs], sched.metrics
+
+
+def test_greedy_replies_equal_the_server_without_drafting(step):  # noqa: F811
+    """Repetitive prompts (drafts that hit) and plain ones, greedy and sampled, in one batch."""
+    rng = np.random.default_rng(0)
+    motif = list(rng.integers(0, CFG.vocab_size, 5))
+    prompts = [motif * 3, list(rng.integers(0, CFG.vocab_size, 9)), motif * 2 + [1], [2, 3, 2, 3, 2, 3]]
+    rows = [
+        RowSampling.of(Sampling(temperature=0), max_new_tokens=16),
+        RowSampling.of(Sampling(temperature=0), max_new_tokens=17),
+        RowSampling.of(Sampling(temperature=0.9), max_new_tokens=20, seed=4),  # never drafts
+        RowSampling.of(Sampling(temperature=0), max_new_tokens=3),  # fewer new tokens than a draft
+    ]
+    plain, _ = serve_all(step, prompts, rows, speculate=0)
+    fast, metrics = serve_all(step, prompts, rows, speculate=4)
+    assert fast == plain
+    assert metrics._spec[1] > 0 and metrics._spec[2] > 0  # drafts were checked and some kept
+    assert [len(t) for t in fast] == [16, 17, 20, 3]
+    body = metrics.exposition()[0].decode()
+    assert "flaxgpt_spec_acceptance_rate" in body and "flaxgpt_spec_tokens_per_step" in body
