@@ -115,6 +115,19 @@ def parse_args(argv):
         "and checked in the same model call, for greedy requests (0: off)",
     )
     p.add_argument(
+        "--draft",
+        default=None,
+        help="a smaller model with the same tokenizer (a run directory, a Hugging Face directory or a "
+        "GPT-2 name) that drafts --speculative_tokens tokens per step for greedy requests, checked by "
+        "the served model in one call (replies unchanged)",
+    )
+    p.add_argument(
+        "--speculative_tokens",
+        type=int,
+        default=4,
+        help="tokens the --draft model proposes per step",
+    )
+    p.add_argument(
         "--max_num_batched_tokens",
         type=int,
         default=None,
@@ -181,6 +194,10 @@ def parse_args(argv):
         )
     if a.mesh < 1:
         p.error(f"--mesh must be >= 1 (devices), got {a.mesh}")
+    if a.draft and a.speculative_ngram:
+        p.error("--draft and --speculative_ngram are two ways to draft tokens: give one")
+    if a.draft and a.speculative_tokens < 1:
+        p.error(f"--speculative_tokens must be >= 1 with --draft, got {a.speculative_tokens}")
     for name in ("prefill_chunk", "prefix_cache_tokens", "speculative_ngram"):
         if getattr(a, name) < 0:
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
@@ -217,6 +234,15 @@ def main(argv=None):
         mesh=mesh,
     )
     config, tok = run.config, run.tokenizer
+    draft = None
+    if a.draft:  # the same dtype and devices as the served model
+        draft_run, _ = launch.load(None, a.draft, dtype=a.dtype, mesh=mesh)
+        if draft_run.config.vocab_size != config.vocab_size:
+            raise SystemExit(
+                f"error: --draft {a.draft} has {draft_run.config.vocab_size} tokens, the served model "
+                f"{config.vocab_size}: a draft must share its tokenizer"
+            )
+        draft = (draft_run.config, draft_run.params)
     sched = launch.scheduler_for(
         config,
         run.params,
@@ -236,7 +262,8 @@ def main(argv=None):
         adapter_root=a.adapter_root,
         max_cpu_adapters=a.max_cpu_adapters,
         mesh=mesh,
-        speculate=a.speculative_ngram,
+        speculate=a.speculative_ngram or (a.speculative_tokens if a.draft else 0),
+        draft=draft,
     )
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(

@@ -105,6 +105,7 @@ class Engine:
         impl: str | None = None,
         spare_pages: int = 0,
         speculate: int = 0,
+        draft=None,
     ):
         """config: the model's (its layers, key/value heads, head size and dtype size the pool);
         max_len: each request's window (default config.block_size), a multiple of `page`;
@@ -112,7 +113,9 @@ class Engine:
         call); prefix_blocks: the prefix cache's capacity in pages (0: off); mesh: run over its devices
         (see serve/runner.py); impl: the paged-attention path (default: this platform's, paged_impl);
         spare_pages: pages beyond the slots' windows for prefixes held while they are forked (GRPO);
-        speculate: drafted tokens a greedy row may have checked per step (`speculate()`; 0: off)."""
+        speculate: drafted tokens a greedy row may have checked per step (`speculate()`; 0: off);
+        draft: (step_fn, config) of a smaller model with the same vocabulary that drafts them
+        (`speculate_with_draft()`; None: drafts come from the caller, e.g. prompt lookup)."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         W = max_len or config.block_size  # whole pages: PagedKVCache.for_slots below says so if not
@@ -138,6 +141,30 @@ class Engine:
         if speculate < 0:
             raise ValueError(f"speculate must be >= 0 (drafted tokens per step), got {speculate}")
         self.speculate_k = speculate
+        self.draft = None  # the draft model's Runner: its own pool, indexed by the same block tables
+        if draft is not None:
+            draft_step, draft_config = draft
+            if draft_config.block_size < W:
+                raise ValueError(
+                    f"the draft model's context ({draft_config.block_size}) is shorter than the window {W}"
+                )
+            if draft_config.vocab_size != config.vocab_size or not speculate:
+                raise ValueError(
+                    f"a draft model needs speculate >= 1 and the target's vocabulary ({config.vocab_size} "
+                    f"tokens), got speculate {speculate} and {draft_config.vocab_size} tokens"
+                )
+            draft_pool = PagedKVCache.for_slots(
+                draft_config, slots, W, page=page, impl=impl or paged_impl(platform, draft_config.head_dim),
+                extra_pages=1 + prefix_blocks + spare_pages,
+            )  # fmt: skip
+            draft_pool = AdapterCache.wrap(
+                draft_pool.replace(table_BM=np.full((slots, M), SCRATCH, np.int32))
+            )
+            # max_k 0: the draft's tokens are its greedy choices, whatever the request's settings
+            self.draft = Runner(
+                draft_step, draft_pool, slots=slots, chunk=speculate + 1, max_k=0,
+                vocab=draft_config.vocab_size, mesh=mesh,
+            )  # fmt: skip
         self.logprobs: Logprobs | None = None  # the last generate's, [B, C] ... (host)
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
@@ -160,8 +187,10 @@ class Engine:
     def n_programs(self) -> int:
         """Prefill per bucket, insert, generate for `chunk` steps and for one step, and the two halves of
         a step under a structured-output mask (the echo prefills compile on the first echo request of
-        each bucket), and the speculative step when drafting is on."""
-        return len(self.buckets) + 4 + (self.chunk > 1) + (self.speculate_k > 0)
+        each bucket), and the speculative step when drafting is on (with a draft model: its prefills,
+        insert, its K + 1 decode steps and the state sync too)."""
+        draft = 0 if self.draft is None else len(self.buckets) + 3
+        return len(self.buckets) + 4 + (self.chunk > 1) + (self.speculate_k > 0) + draft
 
     def kv_memory(self) -> dict:
         """Bytes a slot's whole window takes, and the pool's pages: held by no one, held more than once
@@ -231,6 +260,8 @@ class Engine:
             targets[: len(nxt)] = nxt
         table, rows = self.blocks.table(job.owner), job.rows
         prefix = self.runner.prefill(table, job.adapter, chunk_1P, start, size, rows, seen, job.mask, targets)
+        if self.draft is not None:  # the draft's keys and values of the same positions, in its pool
+            self.draft.prefill(table, 0, chunk_1P, start, size, rows)
         job.done_upto = start + size
         if job.echo:
             job.echoed.append(Logprobs(*(np.asarray(x)[:size] for x in prefix.echo)))
@@ -268,9 +299,11 @@ class Engine:
         if prefix.owner is None:  # ended by its first token: the slot idles, finished
             self._end(slot)
             self.runner.insert(prefix, slot, np.full(self.blocks.M, SCRATCH, np.int32))
+            self._draft_insert(prefix, slot, np.full(self.blocks.M, SCRATCH, np.int32))
         else:
             self.blocks.move(prefix.owner, slot_owner(slot))
             self.runner.insert(prefix, slot, self.blocks.table(slot_owner(slot)))
+            self._draft_insert(prefix, slot, self.blocks.table(slot_owner(slot)))
         self._taken([slot])
 
     def fork(self, prefix: Prefix, rows: RowSampling) -> Prefix:
@@ -281,6 +314,7 @@ class Engine:
         owner = ("fork", next(PrefillJob._ids))
         length = int(prefix.length)
         copy = self._fork_pages(prefix.owner, owner, length, length + int(rows.max_new) - 1)
+        self._no_draft("fork")
         self.runner.copy_pages(*copy)
         return self.runner.fork(prefix, rows)._replace(owner=owner)
 
@@ -290,6 +324,7 @@ class Engine:
         device)."""
         if len(rows) != len(slots) or not rows:
             raise ValueError(f"{len(rows)} requests for {len(slots)} slots")
+        self._no_draft("insert_group")
         length, src, dst = int(prefix.length), [], []
         for r, slot in enumerate(slots):
             if self.blocks.holds(slot_owner(slot)):
@@ -331,6 +366,32 @@ class Engine:
         if self.blocks.holds(slot_owner(slot)):
             self.blocks.free(slot_owner(slot))
             self.runner.idle(slot, np.full(self.blocks.M, SCRATCH, np.int32))
+            if self.draft is not None:
+                self.draft.idle(slot, np.full(self.blocks.M, SCRATCH, np.int32))
+
+    def _draft_insert(self, prefix: Prefix, slot: int, table_M):
+        """The draft's row for the request: the target's first token to feed, never done before the
+        target (no EOS, a whole window of new tokens: it only drafts)."""
+        if self.draft is not None:
+            rows = prefix.rows.replace(
+                max_new_B=np.full((1,), self.max_len, np.int32), eos_B=np.full((1,), -1, np.int32)
+            )
+            self.draft.insert(prefix._replace(rows=rows, done=np.bool_(False)), slot, table_M)
+
+    def _no_draft(self, what: str):
+        if self.draft is not None:
+            raise ValueError(f"{what} (GRPO's groups) does not run with a draft model")
+
+    def speculate_with_draft(self, allowed_B):
+        """One speculative step with the draft model: it decodes K + 1 greedy tokens for every slot
+        from the target's state (the last one only writes the K-th draft's keys), slot b checks the
+        first K if allowed_B[b] (greedy rows; others take one plain step) -> speculate()'s outputs."""
+        t = self.runner.state
+        self.draft.sync(t.last_B, t.fill_B, t.done_B)
+        drafts_BC, _, _, _ = self.draft.generate(self._stop.copy(), self.speculate_k + 1)
+        drafts_BK = drafts_BC[:, : self.speculate_k]
+        n_B = np.where(allowed_B, (drafts_BK >= 0).sum(axis=1), 0)  # PAD (-1) past a row the draft ended
+        return self.speculate(np.maximum(drafts_BK, 0), n_B)
 
     def speculate(self, drafts_BK, n_B):
         """One step in which slot b also checks its n_B[b] drafted tokens drafts_BK[b] (K = speculate,

@@ -67,6 +67,7 @@ def scheduler_for(
     max_cpu_adapters=None,
     mesh=None,
     speculate=0,
+    draft=None,
 ) -> Scheduler:
     """The engine (a window of max_len, default block_size, in pages of prefix_block positions) and its
     thread, not started. prefill_chunk: prompt tokens per prefill call (None: a whole prompt);
@@ -78,7 +79,9 @@ def scheduler_for(
     directory clients may load adapters from at run time (None: runtime loads and unloads refused);
     max_cpu_adapters: adapters kept in host memory (None: all; the rest read again when requested).
     mesh (serving_mesh, params placed over it by `load`): the engine's programs run over its devices.
-    speculate: prompt-lookup drafts checked per step for greedy requests (serve/ngram.py; 0: off).
+    speculate: drafted tokens checked per step for greedy requests (0: off), by prompt lookup
+    (serve/ngram.py) or, with draft = (config, params) of a smaller model with the same vocabulary,
+    by that model (its own page pool over the same block tables; it drafts for adapters' rows too).
     Every pair composes: adapters with the prefix cache (its blocks hashed with the adapter), with a
     mesh, over int8 / bf16 weights; chunked prefill with all of them."""
     from flaxgpt.models import gpt
@@ -88,6 +91,7 @@ def scheduler_for(
     kw = dict(
         slots=slots, max_len=W, chunk=chunk, prefill_chunk=prefill_chunk, page=prefix_block,
         prefix_blocks=prefix_cache_tokens // prefix_block, mesh=mesh, speculate=speculate,
+        draft=None if draft is None else (gpt.step_fn(*draft), draft[0]),
     )  # fmt: skip
     sched_kw = dict(max_queue=max_queue, max_tokens=max_tokens, max_num_batched_tokens=max_num_batched_tokens)
     if max_adapters:

@@ -309,6 +309,13 @@ def _speculate(step_fn, state: DecodeState, stop_B, drafts_BK, n_B, max_k: int):
     return state, out_BT, lp
 
 
+def _sync(state: DecodeState, last_B, fill_B, done_B):
+    """A draft model's state at the target's place (copies: the target's buffers are donated later)."""
+    return state.replace(
+        last_B=last_B + 0, fill_B=fill_B + 0, done_B=done_B | False, count_B=state.count_B * 0
+    )
+
+
 _PROGRAMS = (  # (function, static arguments, donated arguments, compiler options)
     (_prefill, ("max_k",), ("state",), None),
     (_insert, (), ("state",), None),
@@ -318,6 +325,7 @@ _PROGRAMS = (  # (function, static arguments, donated arguments, compiler option
     (_feed, (), ("state",), None),
     (_take, ("max_k",), ("state",), None),
     (_speculate, ("max_k",), ("state",), None),
+    (_sync, (), ("state",), None),
 )
 
 
@@ -452,6 +460,11 @@ class Runner:
         )  # fmt: skip
         lp = Logprobs(*(np.asarray(x) for x in lp))
         return np.asarray(out_BT), np.array(self.state.count_B), np.array(self.state.done_B), lp
+
+    def sync(self, last_B, fill_B, done_B):
+        """A draft model's slots set to where the target's are (its pending token, its length, which
+        slots run): the target kept some of the draft's tokens and added its own."""
+        self.state = self.p["sync"](self.state, last_B, fill_B, done_B)
 
     def generate_masked(self, stop_B, fill_mask):
         """One step under a structured-output bitmask, as generate(steps=1): the model runs (dispatched,

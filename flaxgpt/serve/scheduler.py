@@ -257,10 +257,10 @@ class Scheduler:
         any_token_BW = np.full((self.engine.slots, self.engine.mask_words), -1, np.int32)
         self.engine.generate(steps=1, mask_BW=any_token_BW)  # the structured-output step
         if self.engine.speculate_k:
-            K = self.engine.speculate_k
-            self.engine.speculate(
-                np.zeros((self.engine.slots, K), np.int32), np.zeros(self.engine.slots, np.int32)
-            )
+            B, K = self.engine.slots, self.engine.speculate_k
+            self.engine.speculate(np.zeros((B, K), np.int32), np.zeros(B, np.int32))
+            if self.engine.draft is not None:
+                self.engine.speculate_with_draft(np.zeros(B, bool))
         self.engine.release(0)
         self.engine.generate()
         self.engine.blocks.clear()  # the warm-up prompts' blocks: no request has them
@@ -406,7 +406,10 @@ class Scheduler:
                 one = True
             drafts = None if constrained else self._drafts(active)
             if drafts is not None:  # speculative: drafted tokens checked in the same model call
-                tokens_BC, new_B, done_B = self.engine.speculate(*drafts)
+                if self.engine.draft is not None:  # drafted by the draft model (n_B: how many it may)
+                    tokens_BC, new_B, done_B = self.engine.speculate_with_draft(drafts[1] > 0)
+                else:
+                    tokens_BC, new_B, done_B = self.engine.speculate(*drafts)
                 drafting = drafts[1] > 0
                 if self.metrics is not None and drafting.any():
                     kept = np.minimum(np.maximum(new_B - 1, 0), drafts[1])[drafting]
@@ -429,7 +432,8 @@ class Scheduler:
 
     def _drafts(self, active: dict):
         """Prompt-lookup drafts (serve/ngram.py) for the greedy rows that may use them -> (drafts_BK,
-        n_B), or None when speculation is off or no row drafted (a plain `chunk` step then)."""
+        n_B), or None when speculation is off or no row drafted (a plain `chunk` step then). With a
+        draft model n_B is only how many drafts each row may check (its drafts come from the model)."""
         K = self.engine.speculate_k
         if not K:
             return None
@@ -440,6 +444,9 @@ class Scheduler:
             if seq.finished or seq.cancelled or float(r.temperature) != 0 or not plain:
                 continue
             room = int(r.max_new) - len(seq.ids) - 1  # the step's own token comes on top of the drafts
+            if self.engine.draft is not None:
+                n_B[slot] = max(min(K, room), 0)
+                continue
             d = ngram.propose(seq.prompt_ids + seq.ids, min(K, room)) if room > 0 else []
             drafts_BK[slot, : len(d)], n_B[slot] = d, len(d)
         return (drafts_BK, n_B) if n_B.any() else None

@@ -2,15 +2,18 @@
 the engine's step for many rows at once; greedy replies equal the server's without drafting, sampled
 rows never draft, and /metrics counts what was drafted and kept."""
 
+import jax
 import numpy as np
 
 from flaxgpt.data.tokenizers import CharTokenizer
 from flaxgpt.decode.sampling import Sampling
+from flaxgpt.models.gpt import GPTConfig, init_params
+from flaxgpt.models.gpt import step_fn as gpt_step_fn
 from flaxgpt.serve import ngram
 from flaxgpt.serve.engine import Engine, RowSampling
 from flaxgpt.serve.metrics import ServeMetrics
 from flaxgpt.serve.scheduler import Finish, Scheduler, Sequence
-from tests.serve.test_paged import BLOCKS, CFG, CHARS, PAGE, SLOTS, params, step  # noqa: F401
+from tests.serve.test_paged import BLOCKS, CFG, CHARS, PAGE, SLOTS, W, params, step  # noqa: F401
 
 
 def test_propose_is_the_latest_continuation_of_the_longest_suffix():
@@ -20,9 +23,9 @@ def test_propose_is_the_latest_continuation_of_the_longest_suffix():
     assert ngram.propose([5, 1, 2, 9, 9, 2], 2, max_n=3) == [9, 9]  # a 1-token suffix when longer fail
 
 
-def serve_all(step, prompts, rows, speculate):  # noqa: F811
+def serve_all(step, prompts, rows, speculate, draft=None):  # noqa: F811
     engine = Engine(step, CFG, slots=SLOTS, chunk=3, prefill_chunk=16, page=PAGE, prefix_blocks=BLOCKS,
-                    speculate=speculate)  # fmt: skip
+                    speculate=speculate, draft=draft)  # fmt: skip
     sched = Scheduler(engine, CharTokenizer(CHARS))
     sched.metrics = ServeMetrics()
     sched.metrics.watch(sched)
@@ -53,6 +56,18 @@ def test_greedy_replies_equal_the_server_without_drafting(step):  # noqa: F811
     plain, _ = serve_all(step, prompts, rows, speculate=0)
     fast, metrics = serve_all(step, prompts, rows, speculate=4)
     assert fast == plain
+    # a draft model: the served model itself (every draft kept) and a smaller random one (few kept)
+    same, same_metrics = serve_all(step, prompts, rows, speculate=3, draft=(step, CFG))
+    small = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=W, vocab_size=CFG.vocab_size)
+    other, _ = serve_all(
+        step,
+        prompts,
+        rows,
+        speculate=3,
+        draft=(gpt_step_fn(small, init_params(small, jax.random.key(9))), small),
+    )
+    assert same == plain and other == plain
+    assert same_metrics._spec[2] / same_metrics._spec[1] > 0.9
     assert metrics._spec[1] > 0 and metrics._spec[2] > 0  # drafts were checked and some kept
     assert [len(t) for t in fast] == [16, 17, 20, 3]
     body = metrics.exposition()[0].decode()
