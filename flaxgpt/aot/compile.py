@@ -45,6 +45,10 @@ def parse(argv):
     p.add_argument(
         "--serve_devices", type=int, default=1, help="serve: devices the engine runs over (weights fsdp)"
     )
+    p.add_argument(
+        "--speculative_tokens", type=int, default=0,
+        help="serve: also the speculative step checking this many drafted tokens per slot (serve.speculate)",
+    )  # fmt: skip
     p.add_argument("--vocab_size", type=int, default=0, help="when neither the recipe nor its data says")
     p.add_argument("--headroom", type=float, default=0.0, help="fraction of memory to keep free")
     p.add_argument("--list", action="store_true", help="print the targets and exit")
@@ -89,8 +93,8 @@ def load_config(rest: list[str]):
     return config, paths[-1]
 
 
-def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0,
-        quantize=None, serve_devices=1, dump=None, mc=None, print_fn=print):  # fmt: skip
+def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0, quantize=None,
+        serve_devices=1, dump=None, mc=None, print_fn=print, speculative_tokens=0):  # fmt: skip
     """Compile every program of `groups` for `target` -> (report rows, model config)."""
     devices = target.devices()  # first: the plugin's environment is set before jax starts it
     from flaxgpt.aot import programs as programs_lib
@@ -102,7 +106,7 @@ def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0,
     try:
         progs = programs_lib.build(
             config, devices, groups, mc=mc, slots=slots, max_len=max_len, quantize=quantize,
-            serve_devices=serve_devices,
+            serve_devices=serve_devices, speculative_tokens=speculative_tokens,
         )  # fmt: skip
     except ValueError as e:  # a mesh or batch that does not divide the target's devices
         raise SystemExit(f"error: {e} (target {target.name}: {len(devices)} devices)") from None
@@ -144,7 +148,8 @@ def main(argv=None) -> int:
     config, path = load_config(rest)
     t0 = time.perf_counter()
     rows, mc = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,
-                   quantize=args.quantize, serve_devices=args.serve_devices, dump=args.dump)  # fmt: skip
+                   quantize=args.quantize, serve_devices=args.serve_devices, dump=args.dump,
+                   speculative_tokens=args.speculative_tokens)  # fmt: skip
     from flaxgpt.aot import report
 
     print(
@@ -155,7 +160,11 @@ def main(argv=None) -> int:
     print(report.table(rows, target, args.headroom))
     if any(r.program.startswith("serve.") for r in rows):
         settings = dict(
-            slots=args.slots, max_len=args.max_len, quantize=args.quantize, devices=args.serve_devices
+            slots=args.slots,
+            max_len=args.max_len,
+            quantize=args.quantize,
+            devices=args.serve_devices,
+            speculative_tokens=args.speculative_tokens,
         )
         print(f"serve.py running these programs: {serve_command(config, mc, **settings)}")
     misfits = [r.program for r in rows if not r.fits(args.headroom)]
@@ -166,7 +175,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def serve_command(config, mc, *, slots: int, max_len: int, quantize=None, devices: int = 1) -> str:
+def serve_command(
+    config, mc, *, slots: int, max_len: int, quantize=None, devices: int = 1, speculative_tokens: int = 0
+) -> str:
     """The serve.py command whose engine runs the serve programs compiled for these settings: the
     recipe's weights (init_from, or its run directory) in their dtype, the slots, window and prefill
     chunk (128: programs.serve_programs'), weight-only `quantize`, over `devices` (--mesh: the same
@@ -184,6 +195,7 @@ def serve_command(config, mc, *, slots: int, max_len: int, quantize=None, device
         f"python serve.py {source} --dtype {mc.param_dtype} --slots {slots} --max_len {W} --prefill_chunk 128"
     )
     cmd += f" --quantize {quantize}" if quantize else ""
+    cmd += f" --speculative_ngram {speculative_tokens}" if speculative_tokens else ""
     return cmd + (f" --mesh {devices}" if devices > 1 else "")
 
 

@@ -235,7 +235,7 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize=None
 
 def serve_programs(
     mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128, quantize=None,
-    decoding=None,
+    decoding=None, speculative_tokens: int = 0,
 ) -> list[Program]:  # fmt: skip
     """The engine's programs as serve.py runs them (serve.runner): a prefill chunk (its largest bucket:
     serve.py's --prefill_chunk; docs/aot.md's figures were compiled at 128) into the page pool through
@@ -281,7 +281,18 @@ def serve_programs(
         f"{slots} slots x window {W} in pages of {PAGE} ({impl}){where}, {chunk} tokens per call",
         chunk * (param_bytes + per_device_bytes(state.cache)), mesh=mesh,
     )  # fmt: skip
-    return [prefill, generate]
+    if not speculative_tokens:
+        return [prefill, generate]
+    K = speculative_tokens  # serve.py --speculative_ngram K / --draft: K drafts and the step's own token
+    drafts = jax.ShapeDtypeStruct((slots, K), jnp.int32, sharding=sharding.row_shardings(state.last_B, mesh))
+    n = jax.ShapeDtypeStruct((slots,), jnp.int32, sharding=sharding.row_shardings(state.last_B, mesh))
+    speculate = Program(
+        "serve.speculate", progs["speculate"], (step, state, stop, drafts, n), {"max_k": 256}, len(devices),
+        flops_per_token(cfg, W)["forward"] * slots * (K + 1), {"parameters": param_bytes},
+        f"{slots} slots x {K + 1} positions (the pending token and {K} drafts){where}",
+        param_bytes + per_device_bytes(state.cache), mesh=mesh,
+    )  # fmt: skip
+    return [prefill, generate, speculate]
 
 
 def rollout_programs(config, mc, devices) -> list[Program]:
@@ -317,10 +328,12 @@ def rollout_programs(config, mc, devices) -> list[Program]:
 
 
 def build(
-    config, devices, groups=GROUPS, mc=None, slots: int = 8, max_len: int = 0, quantize=None, serve_devices=1
-) -> list[Program]:
+    config, devices, groups=GROUPS, mc=None, slots: int = 8, max_len: int = 0, quantize=None, serve_devices=1,
+    speculative_tokens: int = 0,
+) -> list[Program]:  # fmt: skip
     """The programs of `groups` for `config` on `devices` (sample and serve: GPT models only, with
-    `quantize` int8 / bf16 weights; serve over the first `serve_devices` devices)."""
+    `quantize` int8 / bf16 weights; serve over the first `serve_devices` devices, with the speculative
+    step checking `speculative_tokens` drafts per slot when > 0)."""
     mc = mc if mc is not None else model_config(config)[0]
     out = train_programs(config, mc, devices, groups)
     if models.kind_of(mc) == "gpt":
@@ -329,7 +342,14 @@ def build(
         if "serve" in groups:
             if not 1 <= serve_devices <= len(devices):
                 raise ValueError(f"--serve_devices {serve_devices} must be in [1, {len(devices)}]")
-            out += serve_programs(mc, devices[:serve_devices], slots, max_len, quantize=quantize)
+            out += serve_programs(
+                mc,
+                devices[:serve_devices],
+                slots,
+                max_len,
+                quantize=quantize,
+                speculative_tokens=speculative_tokens,
+            )
         grpo = config.data.get("format") == "prompts" and config.grpo.get("rollout", "generate") == "engine"
         if "rollout" in groups and grpo:
             out += rollout_programs(config, mc, devices)

@@ -47,9 +47,16 @@ def test_every_program_compiles_for_v5e_8_and_is_reported():
 
 
 def test_paged_serving_takes_the_tpu_paged_attention_kernel_at_head_dim_128():
-    rows, _ = aot.run(tiny(model__n_embd=256), targets.get("v5e-1"), ("serve",), print_fn=lambda *_: None)
+    """And with --speculative_tokens the speculative step too: K + 1 positions a slot, through the xla
+    paged path (more than one query a row), its FLOPs K + 1 decode steps'."""
+    quiet = lambda *_: None  # noqa: E731
+    rows, _ = aot.run(
+        tiny(model__n_embd=256), targets.get("v5e-1"), ("serve",), print_fn=quiet, speculative_tokens=3
+    )
     by = {r.program: r for r in rows}
     assert by["serve.generate"].kernel == "pallas paged (mosaic)"
+    assert by["serve.speculate"].kernel == "xla" and by["serve.speculate"].fits(0.1)
+    assert by["serve.speculate"].model_flops == by["serve.generate"].model_flops  # 8 x 4 positions each
 
 
 def aot_params(mc):
