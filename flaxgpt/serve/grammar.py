@@ -188,6 +188,28 @@ def vocabulary(tokenizer, vocab_size: int) -> Vocabulary:
         return by_size[vocab_size]
 
 
+def _spaces_readable(tokenizer_json: str) -> str:
+    """A tokenizer.json whose Metaspace decoder (recent SentencePiece conversions) is written as the
+    Replace("▁", " ") + ByteFallback + Fuse that llguidance recognises: it reads a token's bytes from the
+    decoder, and under Metaspace it took "▁" for text (a mask offering '▁"' where ' "' is forced, then
+    refusing it). The same bytes for every token; only the first token's leading-space rule differs,
+    which a mask over a reply's tokens never meets."""
+    spec = json.loads(tokenizer_json)
+    decoder = spec.get("decoder") or {}
+    parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+    if not any(d.get("type") == "Metaspace" for d in parts):
+        return tokenizer_json
+    spec["decoder"] = {
+        "type": "Sequence",
+        "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"},
+        ],
+    }
+    return json.dumps(spec)
+
+
 def _build_vocabulary(tokenizer, vocab_size: int) -> Vocabulary:
     eos = tokenizer.eot_id
     if eos is not None and eos >= vocab_size:
@@ -195,7 +217,7 @@ def _build_vocabulary(tokenizer, vocab_size: int) -> Vocabulary:
     n = max(vocab_size, tokenizer.vocab_size) + (eos is None)  # room for a virtual EOS past both
     llg_eos = n - 1 if eos is None else eos
     if isinstance(tokenizer, HFTokenizer):  # llguidance reads byte-level and SentencePiece (▁, <0xNN>) alike
-        tok = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=n, eos_token=llg_eos)
+        tok = llguidance.LLTokenizer(_spaces_readable(tokenizer.tok.to_str()), n_vocab=n, eos_token=llg_eos)
     elif isinstance(tokenizer, TiktokenTokenizer):
         enc = tokenizer.enc
         tokens = [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)]

@@ -329,8 +329,10 @@ def parse_chat(body, *, model: str, tokenizer, vocab_size: int, max_len: int) ->
         {**rest, "prompt": ids}, model=model, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len
     )
     req.chat, req.tools, req.tool_choice = True, tools or None, choice
-    marker = tool_calls.marker_token(family, tokenizer) if tools else None
-    forced = tool_calls.call_grammar(family, tools, choice, marker) if tools else None
+    forced = None
+    if tools:  # markers that are added tokens are forced by id (they never match text)
+        marker, close = tool_calls.marker_token(family, tokenizer), tool_calls.close_token(family, tokenizer)
+        forced = tool_calls.call_grammar(family, tools, choice, marker, close)
     if forced is not None:  # `required` or a named function: the mask makes the reply that call
         if req.constraint is not None:
             raise BadRequest(

@@ -387,19 +387,30 @@ class StreamParser:
 def marker_token(family: str, tokenizer) -> int | None:
     """The id of the family's opening marker when the tokenizer has it as one added token (Qwen's
     <tool_call>, Mistral's control token [TOOL_CALLS]), for call_grammar; else None."""
-    marker = {"hermes": HERMES_OPEN, "mistral": MISTRAL_MARK}.get(family)
+    return _added_id({"hermes": HERMES_OPEN, "mistral": MISTRAL_MARK}.get(family), tokenizer)
+
+
+def close_token(family: str, tokenizer) -> int | None:
+    """The id of the family's closing marker when it is one added token (Qwen's </tool_call>); else None."""
+    return _added_id({"hermes": HERMES_CLOSE}.get(family), tokenizer)
+
+
+def _added_id(marker: str | None, tokenizer) -> int | None:
     ids = tokenizer.encode(marker) if marker else []
     return ids[0] if len(ids) == 1 and ids[0] in getattr(tokenizer, "added_ids", ()) else None
 
 
-def call_grammar(family: str, tools: list[dict], tool_choice, marker_id: int | None = None) -> str | None:
+def call_grammar(
+    family: str, tools: list[dict], tool_choice, marker_id: int | None = None, close_id: int | None = None
+) -> str | None:
     """llguidance Lark grammar for exactly one call in the family's format: to any of the tools
     ("required") or to the named one; None for "auto" and "none" (nothing to force).
 
     The arguments follow the tool's `parameters` schema (`%json`), written as the templates write
     JSON (", " and ": "). `marker_id` (marker_token's answer): the opening marker's token id, forced
     as that one token, since a special token (Mistral's [TOOL_CALLS]) never matches text; without
-    it the marker is forced as text.
+    it the marker is forced as text. `close_id` (close_token's): the closing marker's, likewise (Qwen2.5's
+    </tool_call> is an added token: llguidance offers it where the text is forced, then refuses it).
     """
     if tool_choice in ("none", "auto"):
         return None
@@ -418,7 +429,8 @@ def call_grammar(family: str, tools: list[dict], tool_choice, marker_id: int | N
     call = " | ".join(alternatives)
     opening = f"<[{marker_id}]>" if marker_id is not None else None
     start = {
-        "hermes": f'{opening or json.dumps(HERMES_OPEN)} "\\n" ({call}) "\\n</tool_call>"',
+        "hermes": f'{opening or json.dumps(HERMES_OPEN)} "\\n" ({call}) "\\n" '
+        + (f"<[{close_id}]>" if close_id is not None else json.dumps(HERMES_CLOSE)),
         "mistral": f'{opening or json.dumps(MISTRAL_MARK)} " [" ({call}) "]"',
         "llama3_json": f"{opening or ''} ({call})".strip(),
     }[family]

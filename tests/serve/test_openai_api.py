@@ -68,15 +68,6 @@ ADD = {
         },
     },
 }
-# Qwen2.5's tokenizer has </tool_call> as an added token. llguidance's mask offers it where the forced call
-# grammar (tools.call_grammar) spells "\n</tool_call>" as text, then refuses it (its token trie keeps added
-# tokens apart from text): every forced call ends in a 500. The fix: force the closing marker by its id, as
-# call_grammar does the opening one; then this mark goes.
-CLOSING_MARKER_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=openai.InternalServerError,
-    reason="call_grammar spells </tool_call> as text; llguidance offers the added token, then refuses it",
-)
 
 
 def corpus() -> str:
@@ -381,7 +372,6 @@ def check_call(call, tool) -> dict:
     return arguments
 
 
-@CLOSING_MARKER_BUG
 def test_tool_agent_loop(api):
     messages = [{"role": "user", "content": "What is 6 times 7?"}]
     kw = dict(model="tiny", tools=[MULTIPLY], max_tokens=80, temperature=1.0, seed=5)
@@ -399,7 +389,6 @@ def test_tool_agent_loop(api):
     assert json.loads(r.choices[0].message.content) == {"answer": result}
 
 
-@CLOSING_MARKER_BUG
 def test_named_tool_choice_forces_that_function(api):
     for seed in range(3):
         r = chat(api, "Add or multiply?", tools=[MULTIPLY, ADD], max_tokens=60, temperature=1.0, seed=seed,
@@ -409,7 +398,6 @@ def test_named_tool_choice_forces_that_function(api):
         check_call(c.message.tool_calls[0], ADD)
 
 
-@CLOSING_MARKER_BUG
 def test_streamed_tool_call_reassembles_to_the_whole_reply(api):
     kw = dict(tools=[MULTIPLY, ADD], tool_choice="required", max_tokens=80, temperature=1.0, seed=11)
     whole = chat(api, "What is 6 times 7?", **kw).choices[0]
