@@ -4,7 +4,8 @@
 
 Replies often repeat their context (code edits, quoting a document, extracting fields, a summary's
 names): the last few tokens have usually appeared before, followed by what comes next. So the draft
-is the k tokens that followed the most recent earlier occurrence of the sequence's last n tokens,
+is the k tokens that followed the most recent earlier occurrence of the sequence's last n tokens
+(continued periodically where they run into the end: a reply that loops is drafted k tokens ahead),
 trying n = max_n first (the longest match is the likeliest to continue the same way) down to min_n
 (vLLM's `ngram` method, prompt_lookup_min / prompt_lookup_max). The engine checks the drafts against
 the model's greedy choices in one call (serve/runner.py `_speculate`), so a wrong draft costs only
@@ -30,5 +31,10 @@ def propose(tokens, k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
         hits = np.flatnonzero((windows_Mn == ids_N[N - n :]).all(axis=1))
         if hits.size:
             start = hits[-1] + n  # what followed the latest match
-            return ids_N[start : start + k].tolist()
+            # past the end the continuation goes on from itself: a loop of period N - start is drafted
+            # whole (the latest match of a repeating reply ends one token before the end)
+            out = ids_N.tolist()
+            for j in range(k):
+                out.append(out[start + j])
+            return out[N:]
     return []

@@ -21,6 +21,8 @@ def test_propose_is_the_latest_continuation_of_the_longest_suffix():
     assert ngram.propose([7, 2, 3, 9, 8, 2, 3, 6, 1, 2, 3], 2) == [6, 1]  # the latest of two matches
     assert ngram.propose([4, 5, 6], 2) == []  # nothing repeats
     assert ngram.propose([5, 1, 2, 9, 9, 2], 2, max_n=3) == [9, 9]  # a 1-token suffix when longer fail
+    assert ngram.propose([5, 5, 5, 5], 3) == [5, 5, 5]  # a loop drafted past the end, periodically
+    assert ngram.propose([1, 2, 1, 2, 1], 4) == [2, 1, 2, 1]
 
 
 def serve_all(step, prompts, rows, speculate, draft=None):  # noqa: F811
