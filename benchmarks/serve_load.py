@@ -6,6 +6,8 @@
     python benchmarks/serve_load.py --adapters 8 --pause 10   # the load over 8 LoRA adapters vs the base
     git worktree add /tmp/old d9de538 && python benchmarks/serve_load.py --against /tmp/old --skip_hf
         # this checkout's serve.py vs another commit's, same load and flags
+    python benchmarks/serve_load.py --json_schema_fraction 0.5 --requests 32 --pause 5   # half constrained
+    python benchmarks/serve_load.py --logprobs 5 --requests 32 --pause 5     # every request with logprobs
 
 GPT-2 124M with random weights (no download), fp32, on 127.0.0.1. Requests: token-id prompts of
 random lengths in [--min_prompt, --max_prompt], outputs in [--min_new, --max_new] tokens (decoded
@@ -24,9 +26,16 @@ with K random all-linear LoRA adapters of rank --lora_rank (PEFT directories wri
 itself; --max_adapters K: all resident), request i naming adapter i % K; both without the prefix
 cache (the adapter server has none), same load; and, unless --skip_hf, transformers + peft with the
 same K adapters loaded (PeftModel.load_adapter), one request at a time, set_adapter per request.
-Figures: generated tokens / wall time; time to first token (serve: from sending the request,
-queueing included; one at a time: from the start of its own generation); inter-token latency per
-request = (last token time - first token time) / (tokens - 1), p50 and p99 over requests.
+With --json_schema_fraction F and/or --logprobs K the sides are serve.py under the plain load and under
+the same load with those features: a fraction F of the requests (spread evenly) sending
+`response_format` json_schema (SCHEMA below; no ignore_eos: they end when the JSON is complete, the
+same requests on the plain side running to --json_max_tokens), every request asking `logprobs: K`.
+Constrained requests make the server decode one step at a time while any is running (each mask follows
+the token before) and generate fewer tokens, so compare generated tokens/s.
+Figures: generated tokens (serve: the usage each stream reports) / wall time; time to first token
+(serve: from sending the request, queueing included; one at a time: from the start of its own
+generation); inter-token latency per request = (last token time - first token time) / (tokens - 1),
+p50 and p99 over requests.
 Compilation is excluded (the server compiles before /health is ok; the others warm up first).
 """
 
@@ -49,19 +58,64 @@ ROOT = Path(__file__).resolve().parents[1]
 import harness  # noqa: E402  (first: the benchmarks' one sys.path rule, see harness.py)
 import serve_process  # noqa: E402
 
+# a moderately nested record: bounded strings, integers and arrays, so a random model's JSON ends
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "name": {"type": "string", "maxLength": 10},
+        "active": {"type": "boolean"},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 2},
+        "scores": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "k": {"type": "string", "maxLength": 4},
+                    "v": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["k", "v"],
+                "additionalProperties": False,
+            },
+            "maxItems": 2,
+        },
+    },
+    "required": ["id", "name", "active", "address", "tags", "scores"],
+    "additionalProperties": False,
+}
+SMALL = {"n_layer": 4, "n_head": 4, "n_embd": 256}  # --small: GPT-2's vocabulary, a 4-layer 256-wide body
+JSON_KEYS = ("json_complete", "json_requests")  # a constrained side's RESULT: replies complete, sent
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}
 
-def make_requests(a):
+
+def make_requests(a, features: bool = True):
+    """The load; with `features`, the --json_schema_fraction and --logprobs fields (else plain)."""
     rng = np.random.default_rng(a.seed)
     out = []
     for i in range(a.requests):
         p = int(rng.integers(a.min_prompt, a.max_prompt + 1))
-        out.append(
-            {
-                "prompt": rng.integers(0, 50256, p).tolist(),
-                "max_tokens": int(rng.integers(a.min_new, a.max_new + 1)),
-                "seed": i,
-            }
-        )
+        req = {
+            "prompt": rng.integers(0, 50256, p).tolist(),
+            "max_tokens": int(rng.integers(a.min_new, a.max_new + 1)),
+            "seed": i,
+            "ignore_eos": True,
+        }
+        if int((i + 1) * a.json_schema_fraction) > int(i * a.json_schema_fraction):  # both sides' length
+            req["max_tokens"] = a.json_max_tokens
+            if features:  # it ends when the JSON is complete
+                req |= {"response_format": RESPONSE_FORMAT, "ignore_eos": False}
+        if features and a.logprobs is not None:
+            req["logprobs"] = a.logprobs
+        out.append(req)
     return out
 
 
@@ -69,7 +123,7 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
-def summary(name, wall, records):
+def summary(name, wall, records, **extra):
     """records: [(tokens, ttft_s, itl_s)]."""
     tokens = sum(r[0] for r in records)
     ttft, itl = [r[1] for r in records], [r[2] for r in records if r[2] is not None]
@@ -83,20 +137,24 @@ def summary(name, wall, records):
         "ttft_p99": pct(ttft, 99),
         "itl_p50": pct(itl, 50),
         "itl_p99": pct(itl, 99),
+        **extra,
     }
 
 
 # ---------------------------------------------------------------- the server side
 
 
-async def _client(url, queue, records, t0):
+async def _client(url, queue, records, replies):
+    """Streams requests off the shared queue; records (tokens, TTFT, ITL), and each constrained reply's
+    text in `replies`."""
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as c:
         while queue:
             req = queue.pop(0)
-            body = {**req, "stream": True, "temperature": 1.0, "top_k": 50, "ignore_eos": True}
-            start, times = time.perf_counter(), []
+            body = {**req, "stream": True, "temperature": 1.0, "top_k": 50}
+            body["stream_options"] = {"include_usage": True}  # the tokens generated (JSON ends early)
+            start, times, text, n = time.perf_counter(), [], "", req["max_tokens"]
             async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
@@ -105,13 +163,20 @@ async def _client(url, queue, records, t0):
                         chunk = json.loads(line[6:])
                         if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
                             times.append(time.perf_counter())
-            n = req["max_tokens"]
+                        if chunk["choices"]:
+                            text += chunk["choices"][0]["text"]
+                        if chunk.get("usage"):
+                            n = chunk["usage"]["completion_tokens"]
+            if "response_format" in req:
+                replies.append(text)
             itl = (times[-1] - times[0]) / (n - 1) if n > 1 and len(times) > 1 else None
             records.append((n, times[0] - start, itl))
 
 
 def run_server_side(a, reqs):
-    cmd = ["--init_from", "gpt2", "--random_init"]
+    if a.side == "serve_plain":
+        reqs = make_requests(a, features=False)
+    cmd = []
     cmd += [
         "--slots",
         str(a.slots),
@@ -127,6 +192,12 @@ def run_server_side(a, reqs):
     else:
         cmd += ["--prefill_chunk", str(0 if a.side == "serve_whole" else a.prefill_chunk)]  # whole: 0
     with contextlib.ExitStack() as stack:
+        if a.small:
+            run = stack.enter_context(tempfile.TemporaryDirectory())
+            write_small_run(Path(run))
+            cmd += ["--out_dir", run, "--model_name", "gpt2"]
+        else:
+            cmd += ["--init_from", "gpt2", "--random_init"]
         if a.side == "serve_adapters":
             root = stack.enter_context(tempfile.TemporaryDirectory())
             names = write_adapters(root, a.adapters, a.lora_rank)
@@ -134,6 +205,22 @@ def run_server_side(a, reqs):
             cmd += ["--max_adapters", str(a.adapters), "--max_lora_rank", str(a.lora_rank)]
             reqs = [{**r, "model": names[i % len(names)]} for i, r in enumerate(reqs)]
         return _serve_and_load(a, cmd, reqs, root=a.against if a.against_side else serve_process.ROOT)
+
+
+def write_small_run(out: Path):
+    """A random GPT of SMALL's shape with GPT-2's vocabulary and tokenizer, as a run directory."""
+    import jax
+
+    from flaxgpt.data.tokenizers import get_tokenizer
+    from flaxgpt.models.gpt import GPTConfig, init_params
+    from flaxgpt.runs.checkpoint import Checkpointer
+
+    cfg = GPTConfig.preset("gpt2", **SMALL)
+    (out / "config.json").write_text(json.dumps({"model": {"kind": "gpt", **cfg.to_dict()}}))
+    (out / "meta.json").write_text(json.dumps({"tokenizer": get_tokenizer("gpt2").to_meta()}))
+    ckpt = Checkpointer(out, async_save=False)
+    ckpt.save(1, {"params": init_params(cfg, jax.random.key(0))}, extra={})
+    ckpt.close()
 
 
 def write_adapters(root, k: int, rank: int) -> list[str]:
@@ -165,13 +252,14 @@ def _serve_and_load(a, cmd, reqs, root):
     t = time.perf_counter()
     with serve_process.running(cmd, root=root) as (url, _):
         print(f"serve: ready after {time.perf_counter() - t:.0f} s (load + compile)", file=sys.stderr)
-        records, queue = [], list(reqs)
+        records, queue, replies = [], list(reqs), []
         t0 = time.perf_counter()
 
         async def main():
-            await asyncio.gather(*[_client(url, queue, records, t0) for _ in range(a.clients)])
+            await asyncio.gather(*[_client(url, queue, records, replies) for _ in range(a.clients)])
 
         asyncio.run(main())
+        wall = time.perf_counter() - t0
         prefill = f"prefill chunks of {a.prefill_chunk}" if a.side != "serve_whole" else "whole prompts"
         if a.side in ("serve_base", "serve_adapters"):
             prefill = (
@@ -180,7 +268,22 @@ def _serve_and_load(a, cmd, reqs, root):
         name = f"serve ({prefill}, slots {a.slots}, {a.clients} clients)"
         if a.against:
             name = f"{'against' if a.against_side else 'this checkout'}: {name}"
-        return summary(name, time.perf_counter() - t0, records)
+        extra = {}
+        if any("response_format" in r for r in reqs):
+            complete = sum(_is_record(t) for t in replies)
+            name += f", {len(replies)} of {len(reqs)} json_schema"
+            extra = dict(zip(JSON_KEYS, (complete, len(replies))))
+        if any("logprobs" in r for r in reqs):
+            name += f", logprobs {a.logprobs}"
+        return summary(name, wall, records, **extra)
+
+
+def _is_record(text: str) -> bool:
+    """A reply that parses and has the schema's keys (one cut by --json_max_tokens does not)."""
+    try:
+        return set(json.loads(text)) == set(SCHEMA["properties"])
+    except (ValueError, TypeError):
+        return False
 
 
 # ---------------------------------------------------------------- one at a time
@@ -328,22 +431,69 @@ def parse(argv):
     )
     p.add_argument("--lora_rank", type=int, default=8, help="the adapters' rank (--adapters)")
     p.add_argument(
+        "--json_schema_fraction",
+        type=float,
+        default=0.0,
+        help="two serve.py sides instead: the plain load, and this fraction of it sending a json_schema",
+    )
+    p.add_argument(
+        "--json_max_tokens",
+        type=int,
+        default=160,
+        help="a constrained request's max_tokens (it ends earlier)",
+    )
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="two serve.py sides instead: the plain load, and every request asking logprobs K (0-20)",
+    )
+    p.add_argument(
         "--against", default=None, help="two serve.py sides: this checkout's and DIR's (a worktree)"
     )
     p.add_argument("--against_side", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="serve.py sides: a random 4-layer 256-wide GPT with GPT-2's vocabulary instead of GPT-2 124M "
+        "(a cheaper forward pass: the host's share of each step shows more)",
+    )
     p.add_argument("--skip_hf", action="store_true")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the transformers side")
     harness.add_arguments(p)
     p.add_argument(
         "--side",
         default=None,
-        choices=["serve", "serve_whole", "serve_base", "serve_adapters", "flaxgpt", "hf", "hf_peft"],
+        choices=[
+            "serve",
+            "serve_plain",
+            "serve_whole",
+            "serve_base",
+            "serve_adapters",
+            "flaxgpt",
+            "hf",
+            "hf_peft",
+        ],
         help=argparse.SUPPRESS,
     )
     a = p.parse_args(argv)
     for lo, hi in (("min_prompt", "max_prompt"), ("min_new", "max_new")):
         if getattr(a, lo) > getattr(a, hi):
             p.error(f"--{lo} {getattr(a, lo)} is above --{hi} {getattr(a, hi)}")
+    if not 0 <= a.json_schema_fraction <= 1:
+        p.error(f"--json_schema_fraction must be in [0, 1], got {a.json_schema_fraction}")
+    if a.json_schema_fraction and a.max_prompt + a.json_max_tokens > a.max_len:
+        p.error(
+            f"--max_prompt {a.max_prompt} + --json_max_tokens {a.json_max_tokens} exceeds "
+            f"--max_len {a.max_len}"
+        )
+    if a.logprobs is not None and not 0 <= a.logprobs <= 20:
+        p.error(f"--logprobs must be in [0, 20], got {a.logprobs}")
+    two_sides = a.against or a.prefill_ab or a.json_schema_fraction or a.logprobs is not None
+    if a.small and not two_sides:
+        p.error(
+            "--small is for two serve.py sides (--json_schema_fraction, --logprobs, --prefill_ab, --against)"
+        )
     return a
 
 
@@ -351,7 +501,10 @@ def main(argv=None):
     a = parse(argv)
     reqs = make_requests(a)
     if a.side:
-        run = {s: run_server_side for s in ("serve", "serve_whole", "serve_base", "serve_adapters")}
+        run = {
+            s: run_server_side
+            for s in ("serve", "serve_plain", "serve_whole", "serve_base", "serve_adapters")
+        }
         run["flaxgpt"] = run_flaxgpt_side
         result = {**run, "hf": run_hf_side, "hf_peft": run_hf_peft_side}[a.side](a, reqs)
         return harness.print_result(result)
@@ -366,6 +519,8 @@ def main(argv=None):
         return prefill_ab(a, args, env)
     if a.adapters:
         return adapters_ab(a, args, env)
+    if a.json_schema_fraction or a.logprobs is not None:
+        return features_ab(a, args, env)
     sides = [
         harness.Side("one at a time", [sys.executable, __file__, *args, "--side", "flaxgpt"], env=env),
         harness.Side("serve.py", [sys.executable, __file__, *args, "--side", "serve"], env=env),
@@ -416,6 +571,22 @@ def two_servers(a, sides, what: str):
     ]
     report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
     print_medians(report, sides)
+    return report
+
+
+def features_ab(a, args, env):
+    """serve.py on the plain load against the same load with structured outputs and/or logprobs."""
+    wants = [f"{a.json_schema_fraction:g} json_schema"] * bool(a.json_schema_fraction)
+    wants += [f"logprobs {a.logprobs}"] * (a.logprobs is not None)
+    plain, features = "plain", " + ".join(wants)
+    sides = [
+        harness.Side(plain, [sys.executable, __file__, *args, "--side", "serve_plain"], env=env),
+        harness.Side(features, [sys.executable, __file__, *args, "--side", "serve"], env=env),
+    ]
+    report = two_servers(a, sides, f"{features} / plain")
+    if a.json_schema_fraction:
+        done = [f"{c:.0f}/{n:.0f}" for c, n in zip(*(report.values(features, k) for k in JSON_KEYS))]
+        print(f"json_schema replies complete (parse, every key) per round: {' '.join(done)}")
 
 
 def adapters_ab(a, args, env):
