@@ -128,11 +128,15 @@ class Engine:
             raise ValueError(f"the largest prompt bucket must be {self.prefill_chunk}: {self.buckets}")
         M = W // page
         platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
-        pool = PagedKVCache.for_slots(
-            config, slots, W, page=page, impl=impl or paged_impl(platform, config.head_dim),
-            extra_pages=1 + prefix_blocks + spare_pages,
-        )  # fmt: skip
-        pool = AdapterCache.wrap(pool.replace(table_BM=np.full((slots, M), SCRATCH, np.int32)))
+
+        def pool_for(c):  # a model's page pool: every slot's window, the prefix cache, spare, scratch
+            pool = PagedKVCache.for_slots(
+                c, slots, W, page=page, impl=impl or paged_impl(platform, c.head_dim),
+                extra_pages=1 + prefix_blocks + spare_pages,
+            )  # fmt: skip
+            return AdapterCache.wrap(pool.replace(table_BM=np.full((slots, M), SCRATCH, np.int32)))
+
+        pool = pool_for(config)
         self.blocks = BlockManager(pages=pool.inner.k[0].shape[1], page=page, M=M, capacity=prefix_blocks)
         self.runner = Runner(
             step_fn, pool, slots=slots, chunk=chunk, max_k=max_k, vocab=config.vocab_size, mesh=mesh
@@ -153,13 +157,7 @@ class Engine:
                     f"a draft model needs speculate >= 1 and the target's vocabulary ({config.vocab_size} "
                     f"tokens), got speculate {speculate} and {draft_config.vocab_size} tokens"
                 )
-            draft_pool = PagedKVCache.for_slots(
-                draft_config, slots, W, page=page, impl=impl or paged_impl(platform, draft_config.head_dim),
-                extra_pages=1 + prefix_blocks + spare_pages,
-            )  # fmt: skip
-            draft_pool = AdapterCache.wrap(
-                draft_pool.replace(table_BM=np.full((slots, M), SCRATCH, np.int32))
-            )
+            draft_pool = pool_for(draft_config)  # the same pages: indexed by the same block tables
             # max_k 0: the draft's tokens are its greedy choices, whatever the request's settings
             self.draft = Runner(
                 draft_step, draft_pool, slots=slots, chunk=speculate + 1, max_k=0,

@@ -440,6 +440,11 @@ class Runner:
             self.state = self.state.replace(cache=cache.replace(inner=cache.inner.replace(table_BM=table)))
             self._stale = False
 
+    def _host(self, tokens, lp):
+        """A step's outputs on the host: (tokens, count_B, done_B, Logprobs)."""
+        count_B, done_B = np.array(self.state.count_B), np.array(self.state.done_B)
+        return np.asarray(tokens), count_B, done_B, Logprobs(*(np.asarray(x) for x in lp))
+
     def generate(self, stop_B, steps: int):
         """`steps` decode steps for every slot -> (tokens_BC, count_B, done_B, Logprobs of [B, C] ...)
         on the host."""
@@ -447,8 +452,7 @@ class Runner:
         self.state, out_BC, lp = self.p["generate"](
             self.step_fn, self.state, stop_B, chunk=steps, max_k=self.max_k, logprobs=True
         )
-        lp = Logprobs(*(np.asarray(x) for x in lp))
-        return np.asarray(out_BC), np.array(self.state.count_B), np.array(self.state.done_B), lp
+        return self._host(out_BC, lp)
 
     def speculate(self, stop_B, drafts_BK, n_B):
         """One step checking n_B[b] drafted tokens drafts_BK[b] per slot (_speculate) -> generate's
@@ -458,8 +462,7 @@ class Runner:
             self.step_fn, self.state, stop_B, np.asarray(drafts_BK, np.int32), np.asarray(n_B, np.int32),
             max_k=self.max_k,
         )  # fmt: skip
-        lp = Logprobs(*(np.asarray(x) for x in lp))
-        return np.asarray(out_BT), np.array(self.state.count_B), np.array(self.state.done_B), lp
+        return self._host(out_BT, lp)
 
     def sync(self, last_B, fill_B, done_B):
         """A draft model's slots set to where the target's are (its pending token, its length, which
@@ -475,5 +478,4 @@ class Runner:
         self.state, raw_BV, pos_B = self.p["feed"](self.step_fn, self.state, stop_B)
         mask_BW = fill_mask()
         self.state, out_B1, lp = self.p["take"](self.state, raw_BV, pos_B, mask_BW, max_k=self.max_k)
-        lp = Logprobs(*(np.asarray(x) for x in lp))
-        return np.asarray(out_B1), np.array(self.state.count_B), np.array(self.state.done_B), lp
+        return self._host(out_B1, lp)
