@@ -1,10 +1,13 @@
-"""The training loop: TrainState, the loss, the sharded train step, evaluation and logging.
+"""The training loop: set up and check everything, restore or initialise the state, then train with
+evaluation, logging and checkpoints.
 
-    state, metrics = train_step(state, batch)   # pure, jitted once, state donated
+    summary = train(config)   # config: a configs/*.py recipe -> {"loss", "best_val_loss", "state", ...}
 
-Model-specific parts live in a task object (flaxgpt.train.tasks: `LMTask` for the GPT, `Seq2SeqTask` for
-the encoder-decoder), chosen by `config.model.kind`: model config, parameters, loss, batches and
-extra eval metrics. MFU counts FLOPs with flaxgpt.tools.summary.flops_per_token, as `summary` prints them.
+The pure steps it runs (TrainState, the train step with gradient accumulation inside, the eval step)
+are flaxgpt.train.steps.make_steps'. Model-specific parts live in a task object (flaxgpt.train.tasks:
+`LMTask` for the GPT, `Seq2SeqTask` for the encoder-decoder), chosen by `config.model.kind`: model
+config, parameters, loss, batches and extra eval metrics. MFU counts FLOPs with
+flaxgpt.models.flops.flops_per_token, the figure `flaxgpt summary` prints.
 
 Checkpoints (flaxgpt.runs.checkpoint) live in out_dir/checkpoints: `Trainer.init_state` restores the
 latest one (init_from auto | resume) onto `restore_target`, the loop saves every ckpt_interval steps,
