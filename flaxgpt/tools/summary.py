@@ -10,7 +10,7 @@ Every number comes from `jax.eval_shape` of the real model (no weight is ever
 allocated), so a 1.5B-parameter model is summarised in a second on a laptop.
 `summarize(model_config)` returns the same numbers as a dict. The parameter parts and the FLOPs
 are counted by flaxgpt.models.flops (`flops_per_token`, the one FLOPs count of the project, which
-the trainer's MFU uses too; summary.flops_per_token is the same function).
+the trainer's MFU uses too; imported here under its own name).
 """
 
 from __future__ import annotations
