@@ -1,6 +1,6 @@
 """Conversations through a model's own chat template: token ids and the assistant-only loss mask.
 
-    tok = HFTokenizer("path/to/llama_dir")           # its chat_template and special token strings
+    tok = hf_tokenizer.HFTokenizer("path/to/llama_dir")  # its chat_template and special token strings
     ids = render_ids(tok, messages, add_generation_prompt=True)     # a prompt for generation
     ids = render_ids(tok, messages, True, tools=tools)   # with OpenAI tools (flaxgpt.serve.tools)
     ids, mask = assistant_mask(tok, messages)        # training: mask[i] = 1 on assistant tokens

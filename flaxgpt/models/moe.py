@@ -1,7 +1,7 @@
 """The mixture-of-experts MLP (Mixtral, Qwen3-MoE, Qwen2-MoE) and its router losses.
 
     y_BTD = MoE(config)(x_BTD)              # a sparse layer's MLP (gpt.Block picks it per layer)
-    logits, state = GPT(config).apply(v, tokens, mutable=["router"])
+    logits, state = gpt.GPT(config).apply(v, tokens, mutable=["router"])
     aux, z = router_losses(state["router"], config.num_experts)
 
 A softmax router scores E experts per token and each token goes to its top k; the k weights are

@@ -3,7 +3,7 @@ per-row block tables.
 
     cache = PagedKVCache.for_slots(config, 16, 1024, page=16, impl=paged_impl("tpu", config.head_dim))
     tokens_BN, lengths_B = sampling.generate(step_fn, cache, ...)       # any decoder takes it
-    engine = Engine(step_fn, config, slots=16, max_len=1024)            # the server's one cache
+    engine = serve.engine.Engine(step_fn, config, slots=16, max_len=1024)  # the server's one cache
 
 Layout: per layer, k and v as [J, P, page, K] (J key/value heads, P pages in the pool, page
 positions each), the layout of JAX's Pallas paged-attention kernels, with a table [B, M] of the

@@ -2,7 +2,7 @@
 
     model_config = models.config_from(config.model, vocab_size=data_vocab)  # GPTConfig | TransformerConfig
     section = models.section_of(model_config)  # {"kind": ..., **fields}: config.json's `model` entry
-    c.model = ConfigDict(models.recipe_section("gpt", vocab_size=0))  # a recipe's defaults
+    c.model = ml_collections.ConfigDict(models.recipe_section("gpt", vocab_size=0))  # a recipe's defaults
     boxed = models.abstract_params(model_config)  # shapes only, no weights
 
 A recipe's `model` fields are the dataclass's own fields plus `kind`, so the mapping is
