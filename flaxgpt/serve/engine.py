@@ -1,7 +1,8 @@
 """The serving engine: continuous batching over one page pool, as a block manager and a runner.
 
-    engine = Engine(gpt_step_fn(config, params), config, slots=8, max_len=1024, prefix_blocks=256)
-    prefix = engine.prefill(prompt_ids, RowSampling.of(Sampling(temperature=0.8), max_new_tokens=64, seed=7))
+    engine = Engine(gpt.step_fn(config, params), config, slots=8, max_len=1024, prefix_blocks=256)
+    settings = RowSampling.of(sampling.Sampling(temperature=0.8), max_new_tokens=64, seed=7)
+    prefix = engine.prefill(prompt_ids, settings)
     engine.insert(prefix, slot=3)              # the request now owns row 3
     job = engine.start_prefill(prompt_ids, rows, adapter=2, salt=b"sql")   # or in chunks:
     while (prefix := engine.prefill_step(job)) is None: ...   # (decode steps may run in between)

@@ -1,5 +1,7 @@
 """Operations around every HTTP request (an ASGI middleware): API key, body size limit, access log, metrics.
 
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
     app = Starlette(routes=..., middleware=[Middleware(Operations, api_key="sk-...", metrics=m)])
 
 - API key: with one set, a request without `Authorization: Bearer <key>` gets 401 in OpenAI's
