@@ -3,8 +3,8 @@
     python benchmarks/aot_targets.py                                   # every recipe x its named targets
     python benchmarks/aot_targets.py --run "configs/gpt2_124m.py v5e-8" \
         --run "configs/gpt2_124m.py h100-1 --config.grad_accum=32" --programs train,eval
-    # GPU targets need the CUDA plugin (its own venv here):
-    PYTHONPATH=. /work/venv-cuda/bin/python benchmarks/aot_targets.py --run "configs/gpt2_124m.py h100-8"
+    # GPU targets need the CUDA plugin (pip install -e '.[gpu-aot]'; its own venv is fine):
+    PYTHONPATH=. $CUDA_VENV/bin/python benchmarks/aot_targets.py --run "configs/gpt2_124m.py h100-8"
 
 Each --run is "RECIPE TARGET [--config.key=value ...]"; without --run every configs/*.py is compiled for
 every target its docstring names. Columns per program, per device: memory (total of the target's),

@@ -1,7 +1,7 @@
 """One prepared run on a lent GPU: training, decoding, the side-by-side references and the GPU tests.
 
     python benchmarks/gpu_lease.py --out $OUT                # on one H100: every part, one table at the end
-    python benchmarks/gpu_lease.py --dry_run --out /tmp/l    # CPU, tiny shapes: checks the script itself
+    python benchmarks/gpu_lease.py --dry_run --out out/lease  # CPU, tiny shapes: checks the script itself
     python benchmarks/gpu_lease.py --parts recipe,decode_gpt2 --out $OUT
 
 Each part runs in its own process group under its own time limit (a part that fails or runs out of
@@ -41,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -445,7 +446,9 @@ def main(argv=None) -> int:
     ap.add_argument("--test_paths", default="tests/models tests/decode tests/train", help="what tests runs")
     ap.add_argument("--test_workers", type=int, default=12, help="pytest-xdist workers sharing the GPU")
     ap.add_argument("--limit", action="append", default=[], help="PART=SECONDS: another time limit")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/flaxgpt_gpu_lease"), help="data, runs, logs")
+    ap.add_argument(
+        "--work", type=Path, default=Path(tempfile.gettempdir(), "flaxgpt_gpu_lease"), help="data, runs, logs"
+    )
     ap.add_argument("--part", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ import argparse
 import importlib
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import harness  # noqa: E402, F401  (first: the benchmarks' one sys.path rule, s
 def load_recipe(name: str, data_dir: str, seed: int, overrides: list[str]):
     cfg = importlib.import_module(f"configs.{name}").get_config()
     cfg.data.dir, cfg.seed = data_dir, seed
-    cfg.out_dir = f"/tmp/flaxgpt_modern_recipe/{name}-{seed}"
+    cfg.out_dir = str(Path(tempfile.gettempdir(), "flaxgpt_modern_recipe", f"{name}-{seed}"))
     cfg.init_from, cfg.tensorboard, cfg.plot = "scratch", False, False
     for item in overrides:
         key, _, value = item.partition("=")

@@ -1,9 +1,9 @@
 """GRPO's engine rollouts (train.grpo_rollout.EngineRollouts.sample) of this checkout against another
 commit's, the same model, prompts and settings, alternating (benchmarks/harness.py).
 
-    git worktree add /tmp/old d9de538
-    python benchmarks/rollout_ab.py --against /tmp/old            # 4 rounds
-    python benchmarks/rollout_ab.py --against /tmp/old --quick    # a smoke run
+    git worktree add ../old d9de538
+    python benchmarks/rollout_ab.py --against ../old            # 4 rounds
+    python benchmarks/rollout_ab.py --against ../old --quick    # a smoke run
 
 A random Llama-style GPT (--layers x --dim, float32, vocabulary 512), --prompts prompts of 24 tokens x
 --group completions of --completion tokens each (temperature 1; EOS off, so every completion runs its

@@ -2,7 +2,7 @@
 
     python benchmarks/serve_chat.py --rounds 4        # 8 conversations x 4 turns, 4 at a time, ~5 minutes
     python benchmarks/serve_chat.py --conversations 2 --turns 2 --pause 1    # smoke run
-    python benchmarks/serve_chat.py --against /tmp/old   # cache on: another checkout's serve.py vs this one's
+    python benchmarks/serve_chat.py --against ../old   # cache on: another checkout's serve.py vs this one's
 
 A random-weight char-level GPT (6 layers, 384 wide, window 1024; no download) behind serve.py on
 127.0.0.1. Every conversation starts with the same 200-token system prompt; turn t sends the system

@@ -4,7 +4,7 @@
     python benchmarks/serve_load.py --requests 4 --clients 2 --min_new 4 --max_new 12 --skip_hf --pause 1
     python benchmarks/serve_load.py --prefill_ab --pause 10   # chunked prefill vs whole prompts, ~12 min
     python benchmarks/serve_load.py --adapters 8 --pause 10   # the load over 8 LoRA adapters vs the base
-    git worktree add /tmp/old d9de538 && python benchmarks/serve_load.py --against /tmp/old --skip_hf
+    git worktree add ../old d9de538 && python benchmarks/serve_load.py --against ../old --skip_hf
         # this checkout's serve.py vs another commit's, same load and flags
     python benchmarks/serve_load.py --json_schema_fraction 0.5 --requests 32 --pause 5   # half constrained
     python benchmarks/serve_load.py --logprobs 5 --requests 32 --pause 5     # every request with logprobs

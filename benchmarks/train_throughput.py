@@ -267,7 +267,9 @@ def combine(runs: list[dict]) -> dict:
 def side_by_side(args) -> None:
     """The recipe through train.py, flaxgpt and (with --nanogpt_dir) nanoGPT, on the harness."""
     global TORCH_PYTHON
-    TORCH_PYTHON = args.torch_python
+    # nanoGPT runs in its own folder: a relative interpreter (../benchvenv/bin/python) made absolute, not
+    # resolved (a venv's python is a symlink whose target would lose the venv)
+    TORCH_PYTHON = os.path.abspath(args.torch_python) if os.sep in args.torch_python else args.torch_python
     data_dir = Path(args.data_dir)
     if not (data_dir / "meta.json").exists():
         sys.exit(
@@ -280,7 +282,7 @@ def side_by_side(args) -> None:
         extra = [f"--config.eval_interval={eval_interval}", *args.flaxgpt_args]
         return harness.print_result(run_flaxgpt(data_dir, args.iters, work, extra, args.seed))
     if args.side == "nanogpt":
-        nanogpt_dir = Path(args.nanogpt_dir).expanduser()
+        nanogpt_dir = Path(args.nanogpt_dir).expanduser().absolute()  # run from its own folder
         return harness.print_result(
             run_nanogpt(nanogpt_dir, data_dir, args.iters, work, eval_interval, args.seed)
         )
