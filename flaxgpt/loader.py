@@ -27,12 +27,31 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from flaxgpt.runs.run_dir import Run, is_run_dir, require_run
 
 DTYPES = ("float32", "bfloat16", "float16")
-# GPTConfig fields a LoRA run's base is read with: the layout its adapters were trained on
-BASE_LAYOUT = ("scan_layers", "pad_vocab_multiple", "param_dtype", "block_size")
+FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the recipe's own model
+# the GPTConfig fields a pretrained checkpoint's arrays are read with, a recipe's (or a LoRA run's base's):
+# the window, scanned layers, padded vocabulary rows and the parameters' dtype
+LAYOUT_FIELDS = ("block_size", "scan_layers", "pad_vocab_multiple", "param_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class Init:
+    """Where a model starts: resolve_init's answer for one source."""
+
+    kind: str  # init_kind's: "fresh" | "run" | "pretrained"
+    config: Any  # the GPTConfig (TransformerConfig) to build: the source's, the recipe's layout / run-time
+    params: Any  # the weights; ShapeDtypeStructs when abstract; None when fresh (the trainer draws them)
+    tokenizer: Any  # the source's own (a run's, pretrained weights'); None when fresh, abstract or not asked
+    where: str  # where the architecture was read (a config.json, a preset, the recipe): for reports
+
+    @property
+    def layout(self) -> dict:
+        """The LAYOUT_FIELDS of the config: how the parameters' arrays are laid out."""
+        return {f: getattr(self.config, f) for f in LAYOUT_FIELDS if hasattr(self.config, f)}
 
 
 def load(
@@ -59,32 +78,123 @@ def load(
     """
     _check(dtype, quantize)
     overrides = overrides or {}
-    if is_run_dir(source):
-        if adapter is not None:
-            raise ValueError(f"adapter={adapter} goes with pretrained weights; the run {source} has its own")
-        run = _load_run(source, step, place)
-        try:
-            run = run._replace(config=dataclasses.replace(run.config, **overrides))
-        except TypeError:
-            raise ValueError(f"{sorted(overrides)} are not fields of {source}'s {run.kind} model") from None
-    else:
-        if step is not None:
-            raise ValueError(f"step={step} applies to a training run; {source} is pretrained weights")
-        if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{source} is neither a flaxgpt training run (config.json, meta.json, checkpoints/) nor "
-                "a Hugging Face model directory (config.json, model.safetensors)"
-            )
-        from flaxgpt.hf import pretrained
+    pretrained = init_kind(source) == "pretrained"
+    if pretrained and dtype is not None and adapter is None and "param_dtype" not in overrides:
+        # read straight into the dtype: a float32 copy first would hold twice the weights
+        overrides = {**overrides, "param_dtype": dtype}
+    init = resolve_init(source, step=step, adapter=adapter, overrides=overrides, place=place)
+    from flaxgpt.models import registry as models
 
-        if dtype is not None and adapter is None and "param_dtype" not in overrides:
-            # read straight into the dtype: a float32 copy first would hold twice the weights
-            overrides = {**overrides, "param_dtype": dtype}
-        config, params = load_pretrained(str(source), adapter=adapter, place=place, **overrides)
-        run = Run("gpt", config, params, pretrained.load_tokenizer(str(source)))
+    run = Run(models.kind_of(init.config), init.config, init.params, init.tokenizer)
     if quantize is not None and run.kind != "gpt":
         raise ValueError(f"{source} holds a {run.kind} model; quantize applies to GPT models")
     return compact(run, dtype=dtype, quantize=quantize)
+
+
+def init_kind(source) -> str:
+    """What `source` (an init_from value) is, read from its name and directory alone: "fresh" (auto,
+    resume, scratch: the recipe's own model), "run" (a flaxgpt training run) or "pretrained"."""
+    if str(source) in FRESH_STARTS:
+        return "fresh"
+    return "run" if is_run_dir(source) else "pretrained"
+
+
+def resolve_init(
+    source,
+    recipe=None,
+    *,
+    abstract: bool = False,
+    step: int | None = None,
+    adapter: str | None = None,
+    overrides: dict | None = None,
+    tokenizer: bool = True,
+    place=None,
+) -> Init:
+    """What a model starting from `source` is (the trainer's init_from, `load`'s source, `flaxgpt aot`'s
+    recipe), as an Init: `init_kind`'s answer, the model config, its parameters and tokenizer.
+
+    `recipe`: the recipe's model config; a pretrained checkpoint is then read with its layout
+    (LAYOUT_FIELDS) and both a checkpoint and a run take its run-time fields (models.RUNTIME_FIELDS).
+    Without one, the checkpoint's own config with `overrides` (`load`'s). `abstract`: shapes only, no
+    weight read (flaxgpt aot): a run's saved model section, a Hugging Face directory's config.json, or
+    a name the family table knows (hf.families.preset_for); params are ShapeDtypeStructs. Otherwise a
+    run's checkpoint `step` (a LoRA run's adapters merged into its base), pretrained weights with a
+    PEFT `adapter` merged, `place`d as `load` says, and the source's tokenizer (for pretrained weights
+    only when `tokenizer`: a Llama-family directory without tokenizer.json is an error then).
+    """
+    from flaxgpt.models import registry as models
+
+    kind, source = init_kind(source), str(source)
+    runtime = {} if recipe is None else {f: getattr(recipe, f) for f in models.RUNTIME_FIELDS}
+    overrides = overrides or {}
+    if kind == "fresh":
+        if recipe is None:
+            raise ValueError(f"init_from={source!r} builds the recipe's own model; name a run or weights")
+        return Init(kind, recipe, _shapes(recipe) if abstract else None, None, "the recipe")
+    if kind == "run":
+        if adapter is not None:
+            raise ValueError(f"adapter={adapter} goes with pretrained weights; the run {source} has its own")
+        if abstract:
+            from flaxgpt.runs import run_dir
+
+            config, params, tok = models.config_from(run_dir.model_section(source), saved=True), None, None
+        else:
+            config, params, tok = _load_run(source, step, place)[1:]
+        try:
+            config = dataclasses.replace(config, **{**runtime, **overrides})
+        except TypeError:
+            fields, what = sorted({**runtime, **overrides}), models.kind_of(config)
+            raise ValueError(f"{fields} are not fields of {source}'s {what} model") from None
+        return Init(kind, config, _shapes(config) if abstract else params, tok, f"{source}/config.json")
+    if step is not None:
+        raise ValueError(f"step={step} applies to a training run; {source} is pretrained weights")
+    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{source} is neither a flaxgpt training run (config.json, meta.json, checkpoints/) nor "
+            "a Hugging Face model directory (config.json, model.safetensors)"
+        )
+    layout = {} if recipe is None else {f: getattr(recipe, f) for f in LAYOUT_FIELDS}
+    fields = {**layout, **overrides}  # read with these; the recipe's run-time fields are set after
+    if abstract:
+        config, where = _pretrained_config(source, fields)
+        config = dataclasses.replace(config, **runtime)
+        return Init(kind, config, _shapes(config), None, where)
+    from flaxgpt.hf import pretrained
+
+    config, params = load_pretrained(source, adapter=adapter, place=place, **fields)
+    tok = pretrained.load_tokenizer(source) if tokenizer else None
+    return Init(kind, dataclasses.replace(config, **runtime), params, tok, source)
+
+
+def _pretrained_config(source: str, fields: dict):
+    """(GPTConfig, where it came from) of pretrained weights without reading them: a directory's
+    config.json through its family's mapping, or the preset a name the family table knows has."""
+    import json
+
+    from flaxgpt.hf import families
+    from flaxgpt.models.gpt_config import GPTConfig
+
+    if (Path(source) / "config.json").is_file():
+        hf = json.loads((Path(source) / "config.json").read_text())
+        return families.config_from_hf(hf, **fields), f"{source}/config.json"
+    preset = families.preset_for(source)
+    if preset is None:
+        raise ValueError(
+            f"init_from={source!r}: not a flaxgpt run, a Hugging Face directory (config.json) nor a "
+            "model the family table knows (hf.families.PUBLISHED, or a preset: "
+            f"{', '.join(GPTConfig.PRESETS)}); "
+            "point it at the model's directory (or train the run it names first) or train from scratch"
+        )
+    return GPTConfig.preset(preset, **fields), f"the {preset} preset (init_from={source})"
+
+
+def _shapes(config):
+    """The parameters of `config` as ShapeDtypeStructs (unboxed): nothing allocated."""
+    from flax import linen as nn
+
+    from flaxgpt.models import registry as models
+
+    return nn.unbox(models.abstract_params(config))
 
 
 def _check(dtype, quantize) -> None:
@@ -103,15 +213,12 @@ def _load_run(source, step, place=None) -> Run:
 
     if not lora_run.lora_section(source):
         return run_dir.load_run(source, step, place=place)
-    from flaxgpt.hf import pretrained
     from flaxgpt.models import lora
 
     lr = lora_run.read_lora_run(source, step)
-    if is_run_dir(lr.base):  # LoRA over a flaxgpt run (an SFT run's weights, as saved)
-        base = _load_run(lr.base, None, place=place).params
-    else:
-        layout = {f: getattr(lr.config, f) for f in BASE_LAYOUT}
-        _, base = pretrained.load_pretrained(lr.base, place=place, **layout)
+    # the base as the LoRA run's trainer resolved it: a run's weights as saved, pretrained weights in
+    # the layout the adapters were trained on
+    base = resolve_init(lr.base, lr.config, tokenizer=False, place=place).params
     return Run("gpt", lr.config, lora.merge(lr.config, lr.spec, base, lr.adapters), lr.tokenizer)
 
 
@@ -199,13 +306,18 @@ def with_dtype(run: Run, dtype: str) -> Run:
 
 __all__ = [
     "DTYPES",
+    "FRESH_STARTS",
+    "Init",
+    "LAYOUT_FIELDS",
     "Run",
     "compact",
     "init",
+    "init_kind",
     "is_run_dir",
     "load",
     "load_adapter",
     "load_pretrained",
     "require_run",
+    "resolve_init",
     "with_dtype",
 ]

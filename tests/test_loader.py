@@ -134,3 +134,62 @@ def test_placed_over_a_mesh_each_device_gets_only_its_slices(run_dir, hf_dir):
 
     with pytest.raises(sharding.IndivisibleError, match=r"^parameter \['wte'\]\['embedding'\] dim 10 is not"):
         flaxgpt.load(run_dir[0], place=sharding.Placement(eight))
+
+
+def _same_shapes(a, b):
+    shape = lambda t: jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), t)  # noqa: E731
+    assert shape(a) == shape(b)
+
+
+def test_resolve_init_is_one_answer_for_every_source(run_dir, hf_dir):
+    """loader.resolve_init: the recipe's own model when fresh; a run's model as saved and a pretrained
+    checkpoint's architecture in the recipe's layout, both with the recipe's run-time fields; abstract
+    (flaxgpt aot) gives the same config and the parameters' shapes without reading a weight."""
+    recipe = gpt.GPTConfig(vocab_size=1000, block_size=16, n_layer=3, n_head=2, n_embd=32, dropout=0.1,
+                           scan_layers=True, pad_vocab_multiple=64, remat="full")  # fmt: skip
+    for abstract in (False, True):
+        fresh = loader.resolve_init("scratch", recipe, abstract=abstract)
+        assert (fresh.kind, fresh.config, fresh.tokenizer) == ("fresh", recipe, None)
+        assert (fresh.params is None) != abstract
+    out, cfg, params = run_dir
+    run, shapes = (loader.resolve_init(out, recipe, abstract=a) for a in (False, True))
+    assert run.kind == shapes.kind == "run" and run.config == shapes.config
+    assert run.config.n_layer == cfg.n_layer and (run.config.dropout, run.config.remat) == (0.1, "full")
+    assert run.layout == {f: getattr(cfg, f) for f in loader.LAYOUT_FIELDS}  # as saved
+    assert_same(run.params, params[2])
+    _same_shapes(run.params, shapes.params)
+    assert run.tokenizer.decode(run.tokenizer.encode("jihg")) == "jihg" and shapes.tokenizer is None
+
+    directory = str(hf_dir[0])
+    hf, shapes = (loader.resolve_init(directory, recipe, abstract=a, tokenizer=False) for a in (0, 1))
+    assert hf.kind == "pretrained" and hf.config == shapes.config and hf.tokenizer is None
+    assert hf.layout == {f: getattr(recipe, f) for f in loader.LAYOUT_FIELDS}  # the recipe's layout
+    assert (hf.config.n_layer, hf.config.dropout, hf.config.remat) == (2, 0.1, "full")
+    assert shapes.where == f"{directory}/config.json"
+    _same_shapes(hf.params, shapes.params)
+    assert loader.resolve_init(directory).tokenizer.eot_id == 50256  # `load`'s: GPT-2's BPE
+    assert [loader.init_kind(s) for s in ("auto", out, directory)] == ["fresh", "run", "pretrained"]
+
+
+def test_resolve_init_reads_names_only_through_the_family_table():
+    """Abstract, a name is the preset the family table says (hf.families.preset_for): a preset's own
+    name or a published model's; anything else is a one-line error, not a guess."""
+    from flaxgpt.hf import families
+
+    assert set(families.PUBLISHED.values()) <= set(gpt.GPTConfig.PRESETS)
+    recipe = gpt.GPTConfig(vocab_size=256, block_size=64, param_dtype="bfloat16", dtype="bfloat16")
+    for name, preset in [
+        ("path/to/Meta-Llama-3-8B", "llama-3-8b"),
+        ("path/to/Llama-3.2-1B-Instruct", "llama-3.2-1b"),
+        ("path/to/SmolLM2-135M", "smollm2-135m"),
+        ("gpt2", "gpt2"),
+        ("gemma-3-4b-text", "gemma-3-4b-text"),
+    ]:
+        init = loader.resolve_init(name, recipe, abstract=True)
+        want = gpt.GPTConfig.preset(preset, block_size=64, scan_layers=False, pad_vocab_multiple=1,
+                                    param_dtype="bfloat16", dtype="bfloat16")  # fmt: skip
+        assert init.config == want and init.where == f"the {preset} preset (init_from={name})", name
+    for name in ("path/to/Qwen2.5-1.5B-Instruct", "meta-llama-3.2-1b", "gpt2-chat"):
+        with pytest.raises(ValueError, match="nor a model the family table knows") as e:
+            loader.resolve_init(name, recipe, abstract=True)
+        assert "\n" not in str(e.value)

@@ -182,14 +182,10 @@ def serve_command(
     recipe's weights (init_from, or its run directory) in their dtype, the slots, window and prefill
     chunk (128: programs.serve_programs'), weight-only `quantize`, over `devices` (--mesh: the same
     data 1 x fsdp N mesh and SERVE_RULES)."""
-    from flaxgpt.aot import programs as programs_lib
+    from flaxgpt import loader
 
     init_from = config.get("init_from", "auto")
-    source = (
-        f"--out_dir {config.out_dir}"
-        if init_from in programs_lib.FRESH_STARTS
-        else f"--init_from {init_from}"
-    )
+    source = f"--out_dir {config.out_dir}" if init_from in loader.FRESH_STARTS else f"--init_from {init_from}"
     W = min(max_len or mc.block_size, mc.block_size)
     cmd = (
         f"python serve.py {source} --dtype {mc.param_dtype} --slots {slots} --max_len {W} --prefill_chunk 128"

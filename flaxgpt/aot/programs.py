@@ -19,9 +19,9 @@
   parameters gives their layout and placement. Both are traced under their mesh (one device of the
   target's, or the serving mesh), so the kernels are the target's (no CPU qmatmul custom call).
 
-A recipe that fine-tunes a pretrained model takes the architecture of the preset its init_from names
-(gpt2*, smollm2-135m, ...), its Hugging Face config.json, or a flaxgpt run's saved model section: the
-weights themselves are not read.
+A recipe that fine-tunes a pretrained model takes the architecture loader.resolve_init reads without the
+weights: a flaxgpt run's saved model section, a Hugging Face config.json, or the preset of a name the
+family table knows (hf.families.preset_for: gpt2*, smollm2-135m, Meta-Llama-3-8B, ...).
 """
 
 from __future__ import annotations
@@ -36,18 +36,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from flaxgpt import sharding
+from flaxgpt import loader, sharding
 from flaxgpt.decode import sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import AdapterCache, KVCache
 from flaxgpt.models.flops import flops_per_token
 from flaxgpt.models.paged import PagedKVCache, paged_impl
-from flaxgpt.runs import run_dir
 from flaxgpt.serve import runner
 from flaxgpt.train import grpo_rollout
 from flaxgpt.train.config_check import micro_batch
-from flaxgpt.train.lm_task import FRESH_STARTS, LAYOUT_FIELDS
 from flaxgpt.train.steps import make_steps
 from flaxgpt.train.tasks import TASKS, task_name
 
@@ -79,8 +77,8 @@ class Program:
 
 
 def model_config(config, vocab_size: int = 0):
-    """The recipe's model config, without reading its data or checkpoint. Vocabulary: the recipe's,
-    else its data's meta.json, else GPT-2's (returned second, with where it came from)."""
+    """The recipe's model config, without reading its data or checkpoint (loader.resolve_init, abstract),
+    and where it came from. Vocabulary: the recipe's, else its data's meta.json, else GPT-2's."""
     vocab, source = vocab_size, "--vocab_size"
     if not vocab and config.model.get("vocab_size"):
         vocab, source = config.model.vocab_size, "the recipe"
@@ -90,31 +88,11 @@ def model_config(config, vocab_size: int = 0):
     if not vocab:
         vocab, source = DEFAULT_VOCAB, f"assumed (GPT-2's; no {meta}: set --vocab_size)"
     recipe = models.config_from(config.model, vocab)
-    init_from = config.get("init_from", "auto")
-    if init_from in FRESH_STARTS:
-        return recipe, f"vocab {recipe.vocab_size}: {source}"
-    kept = {f: getattr(recipe, f) for f in LAYOUT_FIELDS + models.RUNTIME_FIELDS}
-    name = Path(init_from).name.lower()
-    for suffix in ("-instruct", "-it", "-chat"):  # an instruction-tuned variant has its base's shape
-        name = name.removesuffix(suffix) if name.removesuffix(suffix) in gpt.GPTConfig.PRESETS else name
-    name = name.removeprefix("meta-") if name.removeprefix("meta-") in gpt.GPTConfig.PRESETS else name
-    if run_dir.is_run_dir(init_from):  # a flaxgpt run: its model as saved, the recipe's run-time fields
-        saved = models.config_from(run_dir.model_section(init_from), saved=True)
-        runtime = {f: getattr(recipe, f) for f in models.RUNTIME_FIELDS}
-        return dataclasses.replace(saved, **runtime), f"{init_from}/config.json"
-    if (Path(init_from) / "config.json").is_file():  # a Hugging Face directory: its config.json, no weights
-        from flaxgpt.hf import pretrained as hf
-
-        pretrained = dataclasses.replace(hf.read_config(init_from), **kept)
-        return pretrained, f"{init_from}/config.json"
-    if name not in gpt.GPTConfig.PRESETS:
-        raise SystemExit(
-            f"error: init_from={init_from!r}: not a flaxgpt run, a Hugging Face directory (config.json) "
-            f"nor a preset ({', '.join(gpt.GPTConfig.PRESETS)}); point it at the model's directory (or "
-            "train the run it names first) or train from scratch"
-        )
-    pretrained = gpt.GPTConfig.preset(name, **kept)
-    return pretrained, f"the {name} preset (init_from={init_from})"
+    try:
+        init = loader.resolve_init(config.get("init_from", "auto"), recipe, abstract=True)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    return init.config, f"vocab {recipe.vocab_size}: {source}" if init.kind == "fresh" else init.where
 
 
 def _abstract(tree, shardings):

@@ -5,6 +5,7 @@ config mapping in a module of its own.
     family = family_for(hf_config)          # config.json's model_type -> its Family (one-line error if none)
     model_type = family_of(gpt_config)      # the model_type that expresses a GPTConfig (export)
     config = config_from_hf(hf_config)      # config.json -> GPTConfig, through the family's mapping
+    preset = preset_for("path/to/Meta-Llama-3-8B")   # a published name -> its GPTConfig preset, or None
 
 Each Family holds: `architecture` (config.json's architectures[0]), `layer_keys` (HF name in layer i ->
 flaxgpt path in h_{i} and the part of a fused tensor it fills), `config_from_hf(hf, family, **fields)`
@@ -17,6 +18,7 @@ and the flags its mapping reads (`qkv_bias`, `qk_norm`); a mixture of experts' f
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 from flaxgpt.hf import gemma, gpt2, llama, moe, rotary
@@ -83,6 +85,33 @@ FAMILIES = {
         sparse_keys=moe.QWEN3_MOE_SPARSE_KEYS,
     ),
 }
+
+
+# published model names (a directory's or hub repo's last part, lowercased) -> the GPTConfig preset of
+# their shape, so a recipe's init_from is read without its files (flaxgpt aot); a preset's own name is
+# one too. Instruction-tuned variants have their base's shape.
+PUBLISHED = {
+    "smollm2-135m-instruct": "smollm2-135m",
+    "llama-3.2-1b-instruct": "llama-3.2-1b",
+    "meta-llama-3-8b": "llama-3-8b",
+    "meta-llama-3-8b-instruct": "llama-3-8b",
+    "qwen2.5-0.5b-instruct": "qwen2.5-0.5b",
+    "mistral-7b-instruct-v0.1": "mistral-7b-v0.1",
+    "gemma-2-2b-it": "gemma-2-2b",
+    "gemma-2-9b-it": "gemma-2-9b",
+    "gemma-3-1b-pt": "gemma-3-1b",
+    "gemma-3-1b-it": "gemma-3-1b",
+    "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
+    "qwen1.5-moe-a2.7b-chat": "qwen1.5-moe-a2.7b",
+}
+
+
+def preset_for(name_or_path) -> str | None:
+    """The GPTConfig preset a model's name says it has (PUBLISHED, or the preset's own name); None when
+    the name is neither."""
+    name = os.path.basename(os.path.normpath(str(name_or_path))).lower()
+    return name if name in GPTConfig.PRESETS else PUBLISHED.get(name)
 
 
 def family_for(hf: dict) -> Family:

@@ -130,7 +130,7 @@ def check(config) -> None:
     if _get(config, "mesh.data") == -1 and _get(config, "mesh.fsdp") == -1:
         raise ConfigError("only one of --config.mesh.data and --config.mesh.fsdp may be -1")
     if _get(config, "lora.rank"):
-        if config.init_from in ("auto", "resume", "scratch"):
+        if fresh_start(config):
             raise ConfigError(
                 f"lora.rank={config.lora.rank} adapts a pretrained model, not init_from={config.init_from!r};"
                 " set --config.init_from to a Hugging Face model directory or a GPT-2 name"
@@ -176,7 +176,7 @@ def _check_dpo(config) -> None:
         raise ConfigError(
             f"--config.dpo.label_smoothing={dpo.label_smoothing} smooths the sigmoid loss, not ipo"
         )
-    if config.init_from in ("auto", "resume", "scratch"):
+    if fresh_start(config):
         raise ConfigError(
             f"DPO tunes a pretrained model, not init_from={config.init_from!r}; set --config.init_from "
             "to a Hugging Face directory (the SFT model: also the reference)"
@@ -242,11 +242,7 @@ def _check_grpo(config) -> None:
         rewards.Rewards(funcs, list(g.reward_weights) or None)
     except ValueError as e:
         raise ConfigError(f"--config.grpo.reward_funcs: {e}") from None
-    if (
-        g.beta
-        and not (config.get("lora") and config.lora.rank)
-        and config.init_from in ("auto", "resume", "scratch")
-    ):
+    if g.beta and not (config.get("lora") and config.lora.rank) and fresh_start(config):
         raise ConfigError(
             f"grpo.beta={g.beta} needs a reference: LoRA (the base) or init_from a pretrained model "
             f"(its weights), not init_from={config.init_from!r}"
@@ -262,6 +258,13 @@ def _check_grpo(config) -> None:
             f"{config.data.dir} has a prompt of {longest} tokens: + grpo.max_completion_length "
             f"{g.max_completion_length} > model.block_size {T}; shorten either or raise block_size"
         )
+
+
+def fresh_start(config) -> bool:
+    """init_from builds the recipe's own model (auto, resume, scratch: loader.init_kind), no weights."""
+    from flaxgpt import loader  # (here: load_recipe stays light)
+
+    return loader.init_kind(config.get("init_from", "auto")) == "fresh"
 
 
 def micro_batch(config) -> int:

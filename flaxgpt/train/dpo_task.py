@@ -37,7 +37,7 @@ from flax import linen as nn
 
 from flaxgpt import sharding
 from flaxgpt.models import gpt
-from flaxgpt.train.lm_task import LMTask, load_pretrained
+from flaxgpt.train.lm_task import LMTask, start_from
 from flaxgpt.train.losses import chunked_token_logprobs, token_logprobs
 
 LOSSES = ("sigmoid", "ipo")  # config.dpo.loss
@@ -102,8 +102,9 @@ class DPOTask(LMTask):
         if self.lora is not None:
             return  # the reference is the base, adapters off
         if c.reference:
-            ref_config, reference = load_pretrained(c.reference, model_config)
-            check_reference(model_config, ref_config, c.reference)
+            ref = start_from(c.reference, model_config)
+            check_reference(model_config, ref.config, c.reference)
+            reference = ref.params
         if reference is None:
             raise ValueError(
                 "DPO needs a reference: set --config.init_from to the model to tune (its SFT checkpoint)"

@@ -7,12 +7,12 @@ rows' loss_mask tokens and attention stays inside each example's segment).
     task = LMTask(config)     # config: a configs/*.py recipe (ml_collections)
     loss_sum, n_tokens = task.loss(params, task.batch("train", step, rows, 0), rng, train=True)
 
-init_from = auto | resume | scratch builds the model from the recipe's `model` section
-(models.config_from); a GPT-2 name or directory takes the architecture and weights from that
-checkpoint and only the recipe's run-time fields (models.RUNTIME_FIELDS) from the recipe; so does a Llama,
-Mistral or Qwen2 directory (hf.pretrained.load_pretrained dispatches on its config.json's model_type)
-and a flaxgpt run directory (its latest checkpoint: SFT, then GRPO or DPO from it; its tokenizer must
-be the dataset's).
+init_from (`start_from`: loader.resolve_init with the recipe's model config) = auto | resume | scratch
+builds the model from the recipe's `model` section (models.config_from); a GPT-2 name or a Hugging Face
+directory of any family (hf.families) takes the architecture and weights from that checkpoint, read in
+the recipe's layout (loader.LAYOUT_FIELDS), and the recipe's run-time fields (models.RUNTIME_FIELDS); a
+flaxgpt run directory its latest checkpoint as saved (SFT, then GRPO or DPO from it; its tokenizer must
+be the dataset's), with the recipe's run-time fields.
 
 With `lora.rank` > 0 the pretrained weights become the frozen base (`frozen`, in lora.base_dtype) and
 the trained parameters are LoRA adapters only (flaxgpt/models/lora.py): `loss(adapters, ..., frozen=base)`.
@@ -24,7 +24,6 @@ LoRA runs use the language-model loss alone.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -33,41 +32,33 @@ from flax import linen as nn
 from flaxgpt import loader, sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.data import fineweb, packing
-from flaxgpt.hf import pretrained as hf
 from flaxgpt.models import gpt, lora, moe
 from flaxgpt.models import registry as models
-from flaxgpt.runs import run_dir
 from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
 
 FORMATS = ("tokens", "shards", "packed")  # config.data.format
-FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the model from config.model
-# what a pretrained checkpoint leaves to the recipe: the layout of the loaded arrays ...
-LAYOUT_FIELDS = ("block_size", "scan_layers", "pad_vocab_multiple", "param_dtype")
-# ... and how the model runs: models.RUNTIME_FIELDS
 
 
-def load_pretrained(init_from: str, recipe: gpt.GPTConfig, data_tokenizer=None) -> tuple[gpt.GPTConfig, dict]:
-    """(config, params) of a GPT-2 name or a HF directory, with the recipe's layout and run-time fields;
-    or of a flaxgpt run directory (SFT, then GRPO or DPO from it): its latest checkpoint as saved (a
-    LoRA run's adapters merged), the recipe's run-time fields. `data_tokenizer` (the dataset's
-    meta.json entry) must then be the run's own: same text, same ids."""
-    if run_dir.is_run_dir(init_from):
-        run = loader.load(init_from, overrides={f: getattr(recipe, f) for f in models.RUNTIME_FIELDS})
-        if run.kind != "gpt":
-            raise ValueError(f"init_from={init_from!r} is a {run.kind} run; a GPT task starts from a GPT")
-        if data_tokenizer is not None and run.tokenizer.to_meta() != data_tokenizer:
-            raise ValueError(
-                f"init_from={init_from!r} was trained with another tokenizer than the dataset's; prepare "
-                f"the data with the run's own: flaxgpt prepare ... --tokenizer {init_from}"
-            )
-        return run.config, run.params
+def start_from(init_from: str, recipe, data_tokenizer=None) -> loader.Init:
+    """loader.resolve_init of init_from with the recipe's model config: the recipe's own model, or a
+    checkpoint's architecture with the recipe's layout and run-time fields and its weights. A flaxgpt
+    run's tokenizer must be the dataset's (`data_tokenizer`, its meta.json entry): same text, same ids."""
     try:
-        pretrained, params = hf.load_pretrained(init_from, **{f: getattr(recipe, f) for f in LAYOUT_FIELDS})
+        init = loader.resolve_init(init_from, recipe, tokenizer=False)
     except ConnectionError as e:  # offline, or not a name at all (a mistyped "resume"?)
         raise ValueError(
             f"init_from={init_from!r}: {e}; init_from is auto | resume | scratch | a GPT-2 name | a directory"
         ) from None
-    return dataclasses.replace(pretrained, **{f: getattr(recipe, f) for f in models.RUNTIME_FIELDS}), params
+    if init.kind == "run" and models.kind_of(init.config) != "gpt":
+        raise ValueError(
+            f"init_from={init_from!r} is a {models.kind_of(init.config)} run; a GPT task starts from a GPT"
+        )
+    if init.kind == "run" and data_tokenizer is not None and init.tokenizer.to_meta() != data_tokenizer:
+        raise ValueError(
+            f"init_from={init_from!r} was trained with another tokenizer than the dataset's; prepare "
+            f"the data with the run's own: flaxgpt prepare ... --tokenizer {init_from}"
+        )
+    return init
 
 
 class LMTask:
@@ -102,10 +93,8 @@ class LMTask:
         init_from: the recipe's model, or the checkpoint's architecture with the recipe's rest (a
         run directory's tokenizer checked against the data's)."""
         recipe = models.config_from(config.model, self.data.vocab_size)
-        self.model_config, self.pretrained = recipe, None
-        if config.init_from not in FRESH_STARTS:
-            tokenizer = self.data.meta.get("tokenizer")
-            self.model_config, self.pretrained = load_pretrained(config.init_from, recipe, tokenizer)
+        init = start_from(config.init_from, recipe, self.data.meta.get("tokenizer"))
+        self.model_config, self.pretrained = init.config, init.params
 
     @classmethod
     def without_data(cls, config, model_config: gpt.GPTConfig) -> LMTask:
