@@ -32,19 +32,7 @@ CONFIG_SECTIONS = {"config", "model", "data", "optim", "lora", "dpo", "grpo", "m
 # unless it names source (data/batches.py).
 USER_FOLDERS = {"data", "out"}
 SOURCE_SUFFIXES = ("py", "md", "cc", "toml")
-FILE_SUFFIXES = (
-    *SOURCE_SUFFIXES,
-    "json",
-    "jsonl",
-    "txt",
-    "tiktoken",
-    "png",
-    "bin",
-    "npy",
-    "lock",
-    "en",
-    "de",
-)
+FILE_SUFFIXES = (*SOURCE_SUFFIXES, *"json jsonl txt tiktoken png bin npy lock en de".split())  # train.en
 
 PATH = re.compile(
     r"(?<![\w/.<$~-])((?:[\w.-]+/)+(?:[\w.-]+\.(?:" + "|".join(FILE_SUFFIXES) + r"))?)(?![\w/<])"
@@ -69,12 +57,9 @@ class Module:
         self.members: dict[str, set[str]] = {}
         self._read_body(self.tree.body)
         self.imports = [  # (the name bound here, the dotted name it stands for)
-            (
-                a.asname or a.name.split(".")[0],
-                f"{node.module}.{a.name}" if isinstance(node, ast.ImportFrom) else a.name,
-            )
+            bound_by(node, a)
             for node in ast.walk(self.tree)
-            if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "level", 0) == 0
+            if isinstance(node, (ast.Import, ast.ImportFrom))
             for a in node.names
         ]
         self.imported = {local for local, _ in self.imports}
@@ -96,6 +81,16 @@ class Module:
                     self._read_body(block)
                 for handler in getattr(node, "handlers", []):
                     self._read_body(handler.body)
+
+
+def bound_by(node: ast.Import | ast.ImportFrom, alias: ast.alias) -> tuple[str, str]:
+    """(the name an import binds, the dotted name it stands for): `import a.b` binds a, `import a.b as
+    c` binds c to a.b, `from a import b as c` c to a.b."""
+    if isinstance(node, ast.ImportFrom):
+        return alias.asname or alias.name, f"{'.' * node.level}{node.module or ''}.{alias.name}"
+    if alias.asname:
+        return alias.asname, alias.name
+    return alias.name.split(".")[0], alias.name.split(".")[0]
 
 
 def class_members(node: ast.ClassDef) -> set[str]:
