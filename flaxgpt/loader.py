@@ -9,12 +9,16 @@
     spec, adapters = loader.load_adapter("adapter_dir or a LoRA run", config)   # unmerged
     run = loader.init("gpt2", dtype="bfloat16")                   # a preset's random weights
     run = flaxgpt.load("path/to/Llama", place=sharding.Placement(mesh))   # split over a mesh as it loads
+    init = loader.resolve_init("path/to/Llama", recipe)            # where a run starts: Init(kind, config,
+    init = loader.resolve_init("gpt2", recipe, abstract=True)      # params or their shapes, tokenizer, where)
 
 sample.py, serve.py, `flaxgpt eval`, `flaxgpt hf export`, `flaxgpt attention-map` and
-`flaxgpt summary --run` load through `load`; `compact` is the one place that casts (`dtype`) and then
-quantizes (`quantize`). A LoRA run (runs.lora_run) is its base's weights with its adapters merged, as
-is pretrained weights plus a PEFT `adapter`; `load_adapter` reads either kind of adapter unmerged (a
-server applies many per batch row: models.multi_lora). Bad input is a one-line ValueError / OSError.
+`flaxgpt summary --run` load through `load`; `load`, the trainer (init_from), `flaxgpt aot` (abstract:
+no weight read) and the config check (`init_kind`) resolve a source through `resolve_init`, one answer
+for every source. `compact` is the one place that casts (`dtype`) and then quantizes (`quantize`). A
+LoRA run (runs.lora_run) is its base's weights with its adapters merged, as is pretrained weights plus
+a PEFT `adapter`; `load_adapter` reads either kind of adapter unmerged (a server applies many per batch
+row: models.multi_lora). Bad input is a one-line ValueError / OSError.
 `place` (a sharding.Placement, built by the caller) is where every leaf goes as it loads: by default
 whole onto one device; over a mesh each device receives only its slices (Hugging Face files read a
 tensor at a time on the host, a run's checkpoint restored by orbax into the shardings, random weights
@@ -125,12 +129,12 @@ def resolve_init(
     from flaxgpt.models import registry as models
 
     kind, source = init_kind(source), str(source)
-    runtime = {} if recipe is None else {f: getattr(recipe, f) for f in models.RUNTIME_FIELDS}
-    overrides = overrides or {}
     if kind == "fresh":
         if recipe is None:
             raise ValueError(f"init_from={source!r} builds the recipe's own model; name a run or weights")
         return Init(kind, recipe, _shapes(recipe) if abstract else None, None, "the recipe")
+    runtime = {} if recipe is None else {f: getattr(recipe, f) for f in models.RUNTIME_FIELDS}
+    overrides = overrides or {}
     if kind == "run":
         if adapter is not None:
             raise ValueError(f"adapter={adapter} goes with pretrained weights; the run {source} has its own")

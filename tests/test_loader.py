@@ -10,6 +10,7 @@ from flaxgpt import loader, sharding
 from flaxgpt.data.tokenizers import CharTokenizer
 from flaxgpt.models import gpt, quantize
 from flaxgpt.models.cache import KVCache
+from flaxgpt.models.seq2seq import TransformerConfig
 from flaxgpt.runs.run_dir import RunError, load_run, write_run_files
 from tests.hf.test_hf import flax_logits, make_hf_model, ref_logits
 from tests.runs.test_run_dir import CHARS, assert_same, data_dir, save
@@ -151,6 +152,8 @@ def test_resolve_init_is_one_answer_for_every_source(run_dir, hf_dir):
         fresh = loader.resolve_init("scratch", recipe, abstract=abstract)
         assert (fresh.kind, fresh.config, fresh.tokenizer) == ("fresh", recipe, None)
         assert (fresh.params is None) != abstract
+    seq2seq = TransformerConfig(vocab_size=64, block_size=8, n_enc_layer=1, n_dec_layer=1, n_embd=16)
+    assert loader.resolve_init("auto", seq2seq, abstract=True).config == seq2seq  # any model kind's recipe
     out, cfg, params = run_dir
     run, shapes = (loader.resolve_init(out, recipe, abstract=a) for a in (False, True))
     assert run.kind == shapes.kind == "run" and run.config == shapes.config
