@@ -12,7 +12,8 @@ flaxgpt path in h_{i} and the part of a fused tensor it fills), `config_from_hf(
 and `config_to_hf(config, model_type, family, special_ids)` (the config mapping both ways), `load`
 and `export_state` (the weight loop for the family's layout: flaxgpt.hf.gpt2's or flaxgpt.hf.rotary's),
 and the flags its mapping reads (`qkv_bias`, `qk_norm`); a mixture of experts' family also its
-`sparse_keys` (the router and per-expert tensors of its sparse layers).
+`sparse_keys` (the router and per-expert tensors of its sparse layers). `export_config` is the one way a
+config.json is written: config_to_hf, proven by reading it back (flaxgpt.hf.roundtrip).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from flaxgpt.hf import gemma, gpt2, llama, moe, rotary
+from flaxgpt.hf import gemma, gpt2, llama, moe, rotary, roundtrip
 from flaxgpt.models.gpt_config import GPTConfig
 
 
@@ -38,6 +39,20 @@ class Family:
     # mixtures of experts: a sparse layer's MLP tensors ("{e}" = each expert), replacing layer_keys'
     # MLP entries in that layer (flaxgpt.hf.moe); None: the family has no experts
     sparse_keys: dict | None = None
+    # (GPTConfig) -> the GPTConfig an export holds when its weights carry what config.json does not
+    # (GPT-2: zero biases, a learned table of sinusoids); None: the config itself
+    written_as: Callable | None = None
+
+    def export_config(self, config: GPTConfig, model_type: str, special_ids: dict | None = None) -> dict:
+        """config_to_hf, read back: the config.json, or a one-line error naming each field this family
+        would not hold, with the family to export as instead when there is one."""
+        hf, refused = roundtrip.read_back(self, config, model_type, special_ids)
+        if refused:
+            other = family_of(config)
+            holds = other != model_type and not roundtrip.read_back(FAMILIES[other], config, other)[1]
+            fix = f"export it as {other}" if holds else "no family flaxgpt exports holds it"
+            raise ValueError(f"{refused}; {fix}")
+        return hf
 
 
 def _rotary(architecture, layer_keys, mapping, **flags) -> Family:
@@ -60,6 +75,7 @@ FAMILIES = {
         gpt2.config_to_hf,
         gpt2.load_gpt2,
         gpt2.export_state,
+        written_as=gpt2.written_as,
     ),
     "llama": _rotary("LlamaForCausalLM", llama.LLAMA_LAYER_KEYS, llama),
     "mistral": _rotary("MistralForCausalLM", llama.LLAMA_LAYER_KEYS, llama),
@@ -148,8 +164,8 @@ def config_from_hf(hf: dict, **fields) -> GPTConfig:
 
 
 def config_to_hf(config: GPTConfig, model_type: str, special_ids: dict | None = None) -> dict:
-    """GPTConfig -> the config.json of `model_type`; a config that family cannot express is an error."""
+    """GPTConfig -> the config.json of `model_type`; a config that family does not hold is a one-line
+    error naming the fields (Family.export_config)."""
     if model_type not in FAMILIES:
         raise ValueError(f"cannot export model_type {model_type!r}; supported: {', '.join(FAMILIES)}")
-    family = FAMILIES[model_type]
-    return family.config_to_hf(config, model_type, family, special_ids)
+    return FAMILIES[model_type].export_config(config, model_type, special_ids)

@@ -91,33 +91,20 @@ def config_from_hf(hf: dict, family=None, **fields) -> GPTConfig:
     )
 
 
-# fields of GPTConfig whose other values GPT-2 cannot hold: name -> the value(s) it can
-GPT2_EXPRESSIBLE = {
-    "pos_embedding": ("learned", "sinusoidal"),
-    "activation": ("gelu", "gelu_exact", "relu"),
-    "norm": "layernorm",
-    "qk_norm": False,
-    "logit_softcap": 0.0,
-    "glu": False,
-    "unet_skips": False,
-    "value_embeds": 0,
-    "num_experts": 0,
-}
+def written_as(config: GPTConfig) -> GPTConfig:
+    """The GPTConfig a GPT-2 export holds: the same function, with the zero biases export_state writes
+    for a bias-free model and the learned table it writes for sinusoidal positions."""
+    pos = "learned" if config.pos_embedding == "sinusoidal" else config.pos_embedding
+    return dataclasses.replace(config, pos_embedding=pos, bias=True, qkv_bias=True)
 
 
 def config_to_hf(config: GPTConfig, model_type: str = "gpt2", family=None, special_ids=None) -> dict:
-    """GPTConfig -> GPT-2 config.json: no bias -> zero biases, sinusoidal positions -> a wpe table
-    holding the same encoding, an untied head -> tie_word_embeddings=False; what GPT-2 has no
-    equivalent for (GPT2_EXPRESSIBLE) is a one-line error."""
-    beyond = [  # options GPT-2's format has no equivalent for (zero_init_proj is only an init)
-        f"{name}={getattr(config, name)!r}"
-        for name, plain in GPT2_EXPRESSIBLE.items()
-        if getattr(config, name, plain) not in (plain if isinstance(plain, tuple) else (plain,))
-    ]
-    if beyond:
-        raise ValueError(
-            f"a GPT-2 checkpoint cannot express {', '.join(beyond)}; export a model without them"
-        )
+    """GPTConfig -> GPT-2 config.json, what GPT-2 holds of it: what it has no key for is left out
+    (families.Family.export_config reads the file back and refuses a model that changed); an
+    activation it has no name for is a one-line error."""
+    if config.activation not in ACT_TO_HF:
+        have = ", ".join(ACT_TO_HF)
+        raise ValueError(f"a gpt2 checkpoint cannot hold activation={config.activation!r} (it has {have})")
     eos = 50256 if config.vocab_size > 50256 else None  # GPT-2's <|endoftext|>, only with its tokenizer
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -216,11 +203,9 @@ def load_gpt2(
 # ---------------------------------------------------------------- export
 
 
-def export_state(
-    config, params, model_type: str = "gpt2", family=None, special_ids=None
-) -> tuple[dict, dict]:
-    """(config.json dict, {HF name: float32 numpy array}) for a flaxgpt GPT GPT-2 expresses."""
-    hf = config_to_hf(config)  # refuses what GPT-2 cannot express
+def export_state(config, params, model_type: str, family, special_ids=None) -> tuple[dict, dict]:
+    """(config.json dict, {HF name: float32 numpy array}) for a flaxgpt GPT that GPT-2 holds."""
+    hf = family.export_config(config, model_type, special_ids)  # refuses what GPT-2 does not hold
     params = nn.unbox(params)
     if config.scan_layers:
         params = unstack_layers(params, config.n_layer)

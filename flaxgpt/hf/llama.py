@@ -40,7 +40,7 @@ QWEN3_LAYER_KEYS = {
 }
 
 
-ROPE_TYPES = ("default", "llama3")  # rope_scaling types flaxgpt implements
+ROPE_TYPES = ("default", "linear", "llama3")  # rope types flaxgpt implements ("default": rope_scaling="none")
 WINDOWED = ("mistral", "mixtral")  # the families whose config.json's sliding_window is the attention's
 # GPTConfig fields a checkpoint fixes; the others (dropout, dtype, remat, block_size, ...) are free
 ARCH_FIELDS = tuple(
@@ -66,10 +66,10 @@ def _rope_fields(hf: dict) -> dict:
         implemented = ", ".join(ROPE_TYPES)
         raise ValueError(f"rope scaling type {kind!r} is not implemented; implemented: {implemented}")
     out = {"rope_theta": float(theta)}
+    if kind != "default":
+        out.update(rope_scaling=kind, rope_factor=float(scaling["factor"]))
     if kind == "llama3":
         out.update(
-            rope_scaling="llama3",
-            rope_factor=float(scaling["factor"]),
             rope_low_freq_factor=float(scaling["low_freq_factor"]),
             rope_high_freq_factor=float(scaling["high_freq_factor"]),
             rope_original_max_len=int(scaling["original_max_position_embeddings"]),
@@ -130,42 +130,25 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
     )
 
 
-def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict | None = None) -> dict:
-    """GPTConfig -> the config.json of `family` (model_type); a config it cannot express is an error."""
-    c = config
-    need = {
-        "pos_embedding": "rope",
-        "norm": "rmsnorm",
-        "activation": "silu",
-        "glu": True,
-        "bias": False,
-        "qkv_bias": family.qkv_bias,
-        "qk_norm": family.qk_norm,
-        "logit_softcap": 0.0,
-        "window_pattern": 0,
-        "rope_local_theta": 0.0,
-        "query_pre_attn_scalar": 0.0,
-        "attn_softcap": 0.0,
-        "post_norms": False,
-        "embed_scale": False,
-        "unet_skips": False,
-        "value_embeds": 0,
-        "num_experts": 0,  # mixtures of experts: flaxgpt.hf.moe
-    }
-    if model_type not in WINDOWED:
-        need["sliding_window"] = 0
-    for field, value in need.items():
-        if getattr(c, field) != value:
-            raise ValueError(f"{model_type} needs {field}={value!r}, this model has {getattr(c, field)!r}")
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+def _rope_scaling(c: GPTConfig) -> dict | None:
+    """config.json's rope_scaling for c's rotary scaling (None: unscaled); flaxgpt's scalings have
+    transformers' rope_type names."""
+    if c.rope_scaling == "none":
+        return None
+    rope = {"rope_type": c.rope_scaling, "factor": c.rope_factor, "rope_theta": c.rope_theta}
     if c.rope_scaling == "llama3":
         rope.update(
-            rope_type="llama3",
-            factor=c.rope_factor,
             low_freq_factor=c.rope_low_freq_factor,
             high_freq_factor=c.rope_high_freq_factor,
             original_max_position_embeddings=c.rope_original_max_len,
         )
+    return rope
+
+
+def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict | None = None) -> dict:
+    """GPTConfig -> the config.json of `family` (model_type), what it holds of it: what it has no key
+    for is left out (families.Family.export_config reads the file back and refuses a model that changed)."""
+    c = config
     hf = {
         "architectures": [family.architecture],
         "model_type": model_type,
@@ -175,13 +158,13 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         "num_hidden_layers": c.n_layer,
         "num_attention_heads": c.n_head,
         "num_key_value_heads": c.kv_heads,
-        "head_dim": c.head_dim,
+        "head_dim": c.head_dim if family.qk_norm else c.n_embd // c.n_head,  # others read D / H only
         "hidden_act": "silu",
         "max_position_embeddings": c.block_size,
         "rms_norm_eps": c.layer_norm_epsilon,
         "tie_word_embeddings": c.tie_embeddings,
         "rope_theta": c.rope_theta,  # both config.json formats: rope_theta + rope_scaling read everywhere
-        "rope_scaling": rope if c.rope_scaling != "none" else None,
+        "rope_scaling": _rope_scaling(c),
         "attention_dropout": c.attn_dropout,
         "initializer_range": 0.02,
         "dtype": "float32",

@@ -88,22 +88,15 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
 
 
 def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict | None = None) -> dict:
-    """GPTConfig -> the config.json of Mixtral, Qwen2-MoE or Qwen3-MoE; a config it cannot express is an
+    """GPTConfig -> the config.json of Mixtral, Qwen2-MoE or Qwen3-MoE, what it holds of it: what it has no
+    key for is left out (families.Family.export_config reads the file back and refuses a model that
+    changed); a model without experts (Qwen2-MoE: without a shared expert), which it always has, is an
     error."""
     c = config
-    need = {"num_experts": c.num_experts or 1}  # any number of experts, but some
-    if model_type == "mixtral":  # every layer sparse, weights always renormalised
-        need.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
-    if model_type == "qwen2_moe" and not (c.shared_expert_hidden and c.shared_expert_gate):
-        raise ValueError(
-            f"qwen2_moe needs a gated shared expert (shared_expert_hidden > 0, shared_expert_gate=True), "
-            f"this model has {c.shared_expert_hidden}, {c.shared_expert_gate}"
-        )
-    if model_type != "qwen2_moe":
-        need.update(shared_expert_hidden=0, shared_expert_gate=False)
-    for field, value in need.items():
-        if getattr(c, field) != value:
-            raise ValueError(f"{model_type} needs {field}={value!r}, this model has {getattr(c, field)!r}")
+    if not c.num_experts:
+        raise ValueError(f"a {model_type} checkpoint cannot hold num_experts=0 (its MLPs are experts)")
+    if model_type == "qwen2_moe" and not c.shared_expert_hidden:
+        raise ValueError("a qwen2_moe checkpoint cannot hold shared_expert_hidden=0 (it has a shared expert)")
     dense = dataclasses.replace(c, num_experts=0, shared_expert_hidden=0, shared_expert_gate=False)
     hf = llama.config_to_hf(dense, model_type, family, special_ids)
     hf.update(

@@ -148,7 +148,7 @@ def load_rotary(
 
 def export_state(config: GPTConfig, params, model_type: str, family, special_ids=None) -> tuple[dict, dict]:
     """(config.json dict, {HF name: float32 numpy array}) of a GPT that `family` (model_type) expresses."""
-    hf = family.config_to_hf(config, model_type, family, special_ids)
+    hf = family.export_config(config, model_type, special_ids)  # refuses what the family does not hold
     params = nn.unbox(params)
     if config.scan_layers:
         params = unstack_layers(params, config.n_layer)

@@ -54,7 +54,11 @@ FAMILIES = {  # model_type -> (config class, model class, what this family's tin
         ),
     ),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=6)),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen2": (  # linear rope scaling: positions / factor, both ways
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(tie_word_embeddings=True, rope_scaling=dict(rope_type="linear", factor=2.0)),
+    ),
 }
 TOKENS = np.random.RandomState(0).randint(0, V, (2, 24))
 
@@ -218,7 +222,7 @@ def test_bad_input_is_one_line_errors(family, tmp_path):
     d = write(str(tmp_path / "yarn"), rope_scaling=yarn, rope_parameters=yarn)
     raises_one_line(
         ValueError,
-        "rope scaling type 'yarn' is not implemented; implemented: default, llama3",
+        "rope scaling type 'yarn' is not implemented; implemented: default, linear, llama3",
         hf.load_pretrained,
         d,
     )
@@ -233,11 +237,18 @@ def test_bad_input_is_one_line_errors(family, tmp_path):
 
 def test_export_refuses_what_the_family_cannot_express():
     config = GPTConfig.preset("smollm2-135m", qk_norm=True)
-    with pytest.raises(ValueError, match="llama needs qk_norm=False, this model has True"):
+    held = (
+        r"^a llama checkpoint cannot hold qk_norm=True \(it would read back as False\); export it as qwen3$"
+    )
+    with pytest.raises(ValueError, match=held):
         families.config_to_hf(config, "llama")
-    with pytest.raises(ValueError, match="qwen2 needs qkv_bias=True"):
+    with pytest.raises(
+        ValueError, match=r"^a qwen2 checkpoint cannot hold qkv_bias=False \(it would read back"
+    ):
         families.config_to_hf(GPTConfig.preset("smollm2-135m"), "qwen2")
-    with pytest.raises(ValueError, match="a GPT-2 checkpoint cannot express pos_embedding='rope'"):
+    with pytest.raises(ValueError, match=r"pos_embedding='rope' \(it would read back as 'learned'\)"):
+        families.config_to_hf(GPTConfig.preset("smollm2-135m", activation="relu"), "gpt2")
+    with pytest.raises(ValueError, match=r"^a gpt2 checkpoint cannot hold activation='silu' \(it has gelu, "):
         families.config_to_hf(GPTConfig.preset("smollm2-135m"), "gpt2")
     with pytest.raises(ValueError, match="cannot export model_type 'gemma'; supported: gpt2, llama, mistral"):
         families.config_to_hf(GPTConfig.preset("smollm2-135m"), "gemma")

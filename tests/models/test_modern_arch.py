@@ -78,13 +78,16 @@ def test_the_speedrun_architecture_is_causal_and_decodes_from_the_cache():
 
 
 def test_one_line_errors():
-    from flaxgpt.hf import gpt2 as hf
+    from flaxgpt.hf import families
 
-    cfg = dataclasses.replace(CFG, activation="relu2", unet_skips=True)
+    cfg = dataclasses.replace(CFG, unet_skips=True, value_embeds=1)
+    held = r"^a gpt2 checkpoint cannot hold unet_skips=True \(it would read back as False\), value_embeds=1 "
+    with pytest.raises(ValueError, match=held):
+        families.config_to_hf(cfg, "gpt2")
     with pytest.raises(
-        ValueError, match="^a GPT-2 checkpoint cannot express activation='relu2', unet_skips=True;"
+        ValueError, match=r"^a gpt2 checkpoint cannot hold activation='relu2' \(it has gelu, "
     ):
-        hf.export_state(cfg, {})
+        families.config_to_hf(dataclasses.replace(CFG, activation="relu2"), "gpt2")
     with pytest.raises(ValueError, match="unet_skips and value_embeds need scan_layers=False"):
         dataclasses.replace(CFG, unet_skips=True, scan_layers=True)
     with pytest.raises(ValueError, match=r"value_embeds 3 must be in \[0, n_layer // 2 = 2\]"):
