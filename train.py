@@ -7,7 +7,8 @@
     python train.py --config configs/shakespeare_char_cpu.py --config.max_iters=500 --config.out_dir=out/x
 
 Without --config, train.py uses configs/shakespeare_char_cpu.py (the quickstart's recipe) and says so.
-Every option is in configs/default.py (the model's fields in flaxgpt/models/gpt_config.py); override
+Every option is in configs/default.py (the model's fields in flaxgpt/models/gpt_config.py, the typed
+data, mesh, lora, dpo and grpo sections' in flaxgpt/train/sections.py); override
 any with --config.section.key=value (a misplaced key gets its right section: did you mean ...?).
 Progress: `step N/total`, tokens/s and the time left each log_interval steps; a closing summary with
 the checkpoint and the command that samples from it. --verbose keeps absl's and orbax's log lines.
@@ -28,7 +29,10 @@ from ml_collections import config_flags
 DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs/shakespeare_char_cpu.py")
 
 
-KEYS_HINT = "every key is in configs/default.py, the model's in flaxgpt/models/gpt_config.py"
+KEYS_HINT = (
+    "every key is in configs/default.py, the model's in flaxgpt/models/gpt_config.py, the data, mesh, "
+    "lora, dpo and grpo sections' in flaxgpt/train/sections.py"
+)
 flags.DEFINE_bool("verbose", False, "keep absl's and orbax's log lines (INFO and warnings)")
 
 

@@ -56,6 +56,9 @@ def parse(argv):
     return args, rest
 
 
+KEYS = "every key is listed in configs/default.py and flaxgpt/train/sections.py"
+
+
 def load_config(rest: list[str]):
     """The recipe with train.py's overrides: ml_collections' config flag (locked), errors in one line."""
     from absl import flags
@@ -74,7 +77,7 @@ def load_config(rest: list[str]):
         recipe = load_recipe(paths[-1])  # a broken recipe: one line (ml_collections: a traceback)
         message = unknown_override(recipe, rest)  # across sections: did you mean optim.learning_rate?
         if message:
-            raise SystemExit(f"error: {message} (every key is listed in configs/default.py)")
+            raise SystemExit(f"error: {message} ({KEYS})")
         argv = ["flaxgpt aot", f"--config={paths[-1]}", *[a for a in rest if a.startswith("--config.")]]
         fv = flags.FlagValues()  # the overrides are found in sys_argv (ml_collections' default: sys.argv)
         config_flags.DEFINE_config_file(
@@ -88,7 +91,7 @@ def load_config(rest: list[str]):
         if len(msg) > 1 and msg[0] == msg[-1] and msg[0] in "'\"":  # repr-quoted by KeyError
             msg = msg[1:-1]
         if isinstance(e, AttributeError | KeyError):
-            msg = f"unknown config key {msg} (every key is listed in configs/default.py)"
+            msg = f"unknown config key {msg} ({KEYS})"
         raise SystemExit(f"error: {msg}") from None
     return config, paths[-1]
 

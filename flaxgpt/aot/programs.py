@@ -44,7 +44,7 @@ from flaxgpt.models.cache import AdapterCache, KVCache
 from flaxgpt.models.flops import flops_per_token
 from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.serve import runner
-from flaxgpt.train import grpo_rollout
+from flaxgpt.train import grpo_rollout, sections
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.steps import make_steps
 from flaxgpt.train.tasks import TASKS, task_name
@@ -82,7 +82,7 @@ def model_config(config, vocab_size: int = 0):
     vocab, source = vocab_size, "--vocab_size"
     if not vocab and config.model.get("vocab_size"):
         vocab, source = config.model.vocab_size, "the recipe"
-    meta = Path(config.data.dir) / "meta.json"
+    meta = Path(sections.of(config).data.dir) / "meta.json"
     if not vocab and meta.is_file():
         vocab, source = json.loads(meta.read_text()).get("vocab_size", 0), str(meta)
     if not vocab:
@@ -122,9 +122,8 @@ def _batch(shapes: dict, sharding_, leading=()):
 def train_programs(config, mc, devices, groups) -> list[Program]:
     name = task_name(config) if models.kind_of(mc) == "gpt" else "seq2seq"
     task = TASKS[name].without_data(config, mc)
-    mesh = sharding.make_mesh(
-        config.mesh.data, config.mesh.fsdp, devices, expert=config.mesh.get("expert", 1)
-    )
+    m = sections.of(config).mesh
+    mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert)
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
     steps = make_steps(config, task, mesh)
@@ -280,12 +279,13 @@ def rollout_programs(config, mc, devices) -> list[Program]:
     base in lora.base_dtype and the adapters unmerged (models.lora.step_fn). Over the training mesh's
     devices (GRPOOnlineTask._engine_over): the weights placed by SERVE_RULES, the slots by rows."""
     n = len(devices)
-    lora_on = bool(config.get("lora") and config.lora.rank)
+    s = sections.of(config)
+    lora_on = bool(s.lora.rank)
     if n > 1:  # as the trainer refuses them
         grpo_rollout.check_over_devices(len({d.process_index for d in devices}))
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
     if lora_on:  # as GRPOOnlineTask: the same spec, base and dtype
-        c, rep = config.lora, sharding.replicated(mesh)
+        c, rep = s.lora, sharding.replicated(mesh)
         spec = lora.LoraSpec.make(cfg, c.rank, c.alpha, c.dropout, c.targets)
         boxed = gpt.abstract_params(cfg)
         base = lora.quantize_base(nn.unbox(boxed), c.base_dtype)
@@ -293,12 +293,12 @@ def rollout_programs(config, mc, devices) -> list[Program]:
         base = _abstract(base, lora.base_shardings(serve, base))
         adapters = _abstract(jax.eval_shape(lambda: lora.init_adapters(cfg, spec, jax.random.key(0))), rep)
         step, param_bytes = lora.step_fn(cfg, spec, base, adapters), per_device_bytes((base, adapters))
-    W, chunk = cfg.block_size, min(config.grpo.max_completion_length, grpo_rollout.CHUNK)
+    W, chunk = cfg.block_size, min(s.grpo.max_completion_length, grpo_rollout.CHUNK)
     progs = serve_programs(
         mc, devices, slots=config.batch_size, max_len=W, chunk=chunk, prefill_chunk=W,
         decoding=(cfg, step, mesh, param_bytes),
     )  # fmt: skip
-    what = f"LoRA r {config.lora.rank} over a {config.lora.base_dtype} base" if lora_on else "the parameters"
+    what = f"LoRA r {s.lora.rank} over a {s.lora.base_dtype} base" if lora_on else "the parameters"
     return [
         dataclasses.replace(p, name=p.name.replace("serve.", "rollout."), note=f"{p.note}; {what}")
         for p in progs
@@ -328,7 +328,8 @@ def build(
                 quantize=quantize,
                 speculative_tokens=speculative_tokens,
             )
-        grpo = config.data.get("format") == "prompts" and config.grpo.get("rollout", "generate") == "engine"
+        s = sections.of(config)
+        grpo = s.data.format == "prompts" and s.grpo.rollout == "engine"
         if "rollout" in groups and grpo:
             out += rollout_programs(config, mc, devices)
     return out

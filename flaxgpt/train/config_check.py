@@ -5,8 +5,11 @@ written or anything is compiled.
     config_check.check(config)                                 # trainer.train's first line
 
 Each message names the flag to change (`--config.batch_size=0 ...`), what the value must be and why.
-The model section is also mapped through models.config_from, so the model configs' own checks
-(n_embd divisible by n_head, known activations ...) run here too.
+The data, mesh, lora, dpo and grpo sections are read as sections.Sections (their types and rules are
+there); here are the run's own keys, the optim, model and seq2seq sections and the rules that read
+init_from (fresh_start: loader.init_kind), batch_size or the data. The model section is also mapped
+through models.config_from, so the model configs' own checks (n_embd divisible by n_head, known
+activations ...) run here too.
 """
 
 from __future__ import annotations
@@ -18,14 +21,12 @@ import sys
 from pathlib import Path
 
 import ml_collections
-import numpy as np
 
+from flaxgpt.train import sections
+from flaxgpt.train.sections import ConfigError, typed
 
-class ConfigError(ValueError):
-    """A run config or recipe file that cannot be used; the message is one line."""
-
-
-# key: (lowest allowed value, what it is). Integers.
+# the run's own keys and the optim, model and seq2seq sections (data, mesh, lora, dpo and grpo are typed:
+# flaxgpt.train.sections). key: (lowest allowed value, what it is). Integers.
 INTS = {
     "batch_size": (1, "sequences per optimizer step"),
     "grad_accum": (1, "micro-batches per step"),
@@ -38,12 +39,10 @@ INTS = {
     "optim.warmup_steps": (0, "warmup steps"),
     "optim.decay_steps": (0, "steps of the cosine decay; 0 = max_iters"),
     "optim.loss_chunk": (0, "positions per chunk of the chunked cross-entropy; 0 = plain"),
-    "mesh.cpu_devices": (0, "CPU devices; 0 = one per core"),
     "seq2seq.eval_pairs": (0, "val pairs decoded at each evaluation"),
     "seq2seq.eval_batch": (1, "sources decoded at once"),
     "seq2seq.eval_beam_size": (1, "beam width during evaluation"),
     "seq2seq.beam_size": (1, "beam width for translating"),
-    "lora.rank": (0, "LoRA rank; 0 = off"),
 }
 # key: (low, high, low included, high included, what it is). Finite floats.
 FLOATS = {
@@ -58,10 +57,7 @@ FLOATS = {
     "peak_flops": (0.0, math.inf, True, False, "per-device peak FLOP/s; 0 = guess"),
     "seq2seq.alpha": (0.0, math.inf, True, False, "the length penalty"),
     "model.dropout": (0.0, 1.0, True, False, "a dropout rate"),
-    "lora.dropout": (0.0, 1.0, True, False, "the LoRA dropout rate"),
     "model.layer_norm_epsilon": (0.0, math.inf, False, False, "LayerNorm's epsilon"),
-    "dpo.beta": (0.0, math.inf, False, False, "DPO's beta"),
-    "dpo.label_smoothing": (0.0, 0.5, True, False, "the probability a preference label is flipped"),
 }
 # dropout rates where -1 means "model.dropout"
 DEFAULTED_RATES = ("model.embd_dropout", "model.attn_dropout", "model.resid_dropout")
@@ -77,13 +73,6 @@ def _get(config, key: str):
     return node
 
 
-def _range(low, high, low_in, high_in) -> str:
-    left = f">= {low:g}" if low_in else f"> {low:g}"
-    if math.isinf(high):
-        return left
-    return f"in [{low:g}, {high:g}{']' if high_in else ')'}" if low_in else f"in ({low:g}, {high:g})"
-
-
 def check(config) -> None:
     """Raises ConfigError naming the first value that cannot train (nothing is read or written)."""
     if not isinstance(config, ml_collections.ConfigDict):
@@ -92,61 +81,30 @@ def check(config) -> None:
             "get_config() must return one (start from configs/default.py)"
         )
     for key, (low, what) in INTS.items():
-        value = _get(config, key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise ConfigError(f"--config.{key}={value!r} must be an integer ({what})")
-        if value < low:
-            raise ConfigError(f"--config.{key}={value} must be >= {low} ({what})")
+        if (value := _get(config, key)) is not None:
+            typed(key, value, int, {"why": what, "range": (low, None, True, False)})
     rates = {key: (0.0, 1.0, True, False, "a dropout rate; -1 = model.dropout") for key in DEFAULTED_RATES}
-    for key, (low, high, low_in, high_in, what) in {**FLOATS, **rates}.items():
+    for key, (*bounds, what) in {**FLOATS, **rates}.items():
         value = _get(config, key)
-        if value is None or (key in DEFAULTED_RATES and value == -1):
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float | np.number):
-            raise ConfigError(f"--config.{key}={value!r} must be a number ({what})")
-        ok = math.isfinite(value) and (value >= low if low_in else value > low)
-        ok = ok and (math.isinf(high) or (value <= high if high_in else value < high))
-        if not ok:
-            raise ConfigError(f"--config.{key}={value} must be {_range(low, high, low_in, high_in)} ({what})")
+        if value is not None and not (key in DEFAULTED_RATES and value == -1):
+            typed(key, value, float, {"why": what, "range": (*bounds,)})
     if config.get("batch_size") and config.get("grad_accum"):
         micro_batch(config)
-    for axis in ("data", "fsdp"):  # -1: the devices the other axis leaves (sharding.make_mesh)
-        size = _get(config, f"mesh.{axis}")
-        if size is None:
-            continue
-        if isinstance(size, bool) or not isinstance(size, int | np.integer):
-            raise ConfigError(f"--config.mesh.{axis}={size!r} must be an integer")
-        if size != -1 and size < 1:
-            raise ConfigError(f"--config.mesh.{axis}={size} must be >= 1, or -1 for all devices left")
-    expert = _get(config, "mesh.expert")
-    if expert is not None and (
-        isinstance(expert, bool) or not isinstance(expert, int | np.integer) or expert < 1
-    ):
-        raise ConfigError(
-            f"--config.mesh.expert={expert!r} must be an integer >= 1 (devices splitting the experts)"
-        )
-    if _get(config, "mesh.data") == -1 and _get(config, "mesh.fsdp") == -1:
-        raise ConfigError("only one of --config.mesh.data and --config.mesh.fsdp may be -1")
-    if _get(config, "lora.rank"):
+    s = sections.of(config)  # data, mesh, lora, dpo, grpo: their types and rules
+    if s.lora.rank:
         if fresh_start(config):
             raise ConfigError(
-                f"lora.rank={config.lora.rank} adapts a pretrained model, not init_from={config.init_from!r};"
+                f"lora.rank={s.lora.rank} adapts a pretrained model, not init_from={config.init_from!r};"
                 " set --config.init_from to a Hugging Face model directory or a GPT-2 name"
             )
         if config.get("eval_tasks"):
             raise ConfigError(
                 "eval_tasks are not scored during LoRA training; merge the adapter and evaluate"
             )
-        if config.lora.base_dtype not in ("float32", "bfloat16", "int8"):
-            raise ConfigError(
-                f"--config.lora.base_dtype={config.lora.base_dtype!r}: float32 | bfloat16 | int8"
-            )
-    if config.get("data") and config.data.get("format") == "pairs":
+    if s.data.format == "pairs":
         _check_dpo(config)
-    if config.get("data") and config.data.get("format") == "prompts":
-        _check_grpo(config)
+    if s.data.format == "prompts":
+        _check_grpo(config, s)
     if "model" not in config:
         raise ConfigError("the run config has no `model` section (start from configs/default.py)")
     for key in ("dtype", "param_dtype"):
@@ -164,74 +122,24 @@ def check(config) -> None:
 
 
 def _check_dpo(config) -> None:
-    """data.format = pairs: a pretrained policy to tune, a known loss, a reference DPO can use."""
-    dpo = config.get("dpo")
-    if dpo is None:
-        raise ConfigError(
-            "data.format=pairs trains DPO but the config has no `dpo` section (configs/default.py)"
-        )
-    if dpo.loss not in ("sigmoid", "ipo"):
-        raise ConfigError(f"--config.dpo.loss={dpo.loss!r}: sigmoid (DPO) | ipo")
-    if dpo.label_smoothing and dpo.loss != "sigmoid":
-        raise ConfigError(
-            f"--config.dpo.label_smoothing={dpo.label_smoothing} smooths the sigmoid loss, not ipo"
-        )
+    """data.format = pairs: a pretrained policy to tune, a decoder-only model (the dpo section's own
+    rules are sections.DPOSection's)."""
     if fresh_start(config):
         raise ConfigError(
             f"DPO tunes a pretrained model, not init_from={config.init_from!r}; set --config.init_from "
             "to a Hugging Face directory (the SFT model: also the reference)"
         )
-    if dpo.reference and config.get("lora") and config.lora.rank:
-        raise ConfigError(
-            f"--config.dpo.reference={dpo.reference!r} with LoRA: the reference is the base with the "
-            "adapters off; set dpo.reference='' (or lora.rank=0 for a separate reference)"
-        )
     if config.model.get("kind", "gpt") != "gpt":
         raise ConfigError("data.format=pairs (DPO) trains a decoder-only model (model.kind gpt)")
 
 
-def _check_grpo(config) -> None:
-    """data.format = prompts: a group of >= 2, known loss and options, rewards that load, batches of
-    whole groups, and prompts + completions that fit the window (the prepared data's longest prompt)."""
-    g = config.get("grpo")
-    if g is None:
-        raise ConfigError(
-            "data.format=prompts trains GRPO but the config has no `grpo` section (configs/default.py)"
-        )
-    from flaxgpt.train import grpo_task, rewards  # (here: load_recipe stays light)
+def _check_grpo(config, s: sections.Sections) -> None:
+    """data.format = prompts: batches of whole groups, rewards that load, a reference when beta > 0,
+    and prompts + completions that fit the window (the prepared data's longest prompt); the grpo
+    section's own rules are sections.GRPOSection's."""
+    from flaxgpt.train import rewards  # (here: load_recipe stays light)
 
-    G = g.num_generations
-    if G < 2:
-        raise ConfigError(
-            f"--config.grpo.num_generations={G}: a group needs >= 2 completions (G = 1: every advantage is 0)"
-        )
-    choices = {
-        "loss_type": grpo_task.LOSS_TYPES,
-        "scale_rewards": grpo_task.SCALES,
-        "importance_sampling_level": grpo_task.LEVELS,
-    }
-    rollout = g.get("rollout", "generate")  # a run saved before the field: generate's rollouts
-    if rollout not in grpo_task.ROLLOUTS:
-        raise ConfigError(f"--config.grpo.rollout={rollout!r}; choose one of {', '.join(grpo_task.ROLLOUTS)}")
-    if rollout == "generate" and config.get("lora") and config.lora.rank:
-        if config.lora.base_dtype == "int8":
-            raise ConfigError(
-                "grpo.rollout=generate samples from the base with the adapters merged, which an int8 "
-                "base (lora.base_dtype) cannot hold: use grpo.rollout=engine (adapters unmerged)"
-            )
-    for key, allowed in choices.items():
-        if g[key] not in allowed:
-            raise ConfigError(f"--config.grpo.{key}={g[key]!r}; choose one of {', '.join(allowed)}")
-    for key, low in (("max_completion_length", 1), ("num_iterations", 1), ("eval_prompts", 0)):
-        if g[key] < low:
-            raise ConfigError(f"--config.grpo.{key}={g[key]} must be >= {low}")
-    if g.temperature <= 0 or not 0 < g.top_p <= 1 or g.epsilon < 0 or g.beta < 0:
-        raise ConfigError(
-            f"--config.grpo: temperature {g.temperature} must be > 0, top_p {g.top_p} in (0, 1], "
-            f"epsilon {g.epsilon} and beta {g.beta} >= 0"
-        )
-    if g.delta and g.delta <= 1:
-        raise ConfigError(f"--config.grpo.delta={g.delta} caps the ratio: > 1, or 0 for off")
+    g, G = s.grpo, s.grpo.num_generations
     if config.batch_size % G or micro_batch(config) % G:
         raise ConfigError(
             f"batch_size {config.batch_size} (completions) and batch_size // grad_accum must be multiples "
@@ -242,12 +150,12 @@ def _check_grpo(config) -> None:
         rewards.Rewards(funcs, list(g.reward_weights) or None)
     except ValueError as e:
         raise ConfigError(f"--config.grpo.reward_funcs: {e}") from None
-    if g.beta and not (config.get("lora") and config.lora.rank) and fresh_start(config):
+    if g.beta and not s.lora.rank and fresh_start(config):
         raise ConfigError(
             f"grpo.beta={g.beta} needs a reference: LoRA (the base) or init_from a pretrained model "
             f"(its weights), not init_from={config.init_from!r}"
         )
-    meta = Path(config.data.dir) / "meta.json"  # the window: the longest prompt + a whole completion
+    meta = Path(s.data.dir) / "meta.json"  # the window: the longest prompt + a whole completion
     try:
         longest = int(json.loads(meta.read_text()).get("max_prompt_tokens", 0))
     except (OSError, ValueError):
@@ -255,7 +163,7 @@ def _check_grpo(config) -> None:
     T = config.model.get("block_size", 0)
     if T and longest + g.max_completion_length > T:
         raise ConfigError(
-            f"{config.data.dir} has a prompt of {longest} tokens: + grpo.max_completion_length "
+            f"{s.data.dir} has a prompt of {longest} tokens: + grpo.max_completion_length "
             f"{g.max_completion_length} > model.block_size {T}; shorten either or raise block_size"
         )
 

@@ -37,10 +37,11 @@ from flax import linen as nn
 
 from flaxgpt import sharding
 from flaxgpt.models import gpt
+from flaxgpt.train import sections
 from flaxgpt.train.lm_task import LMTask, start_from
 from flaxgpt.train.losses import chunked_token_logprobs, token_logprobs
 
-LOSSES = ("sigmoid", "ipo")  # config.dpo.loss
+LOSSES = sections.DPO_LOSSES  # config.dpo.loss
 
 
 def pair_sums(x_BT, segment_ids_BT):
@@ -97,7 +98,7 @@ class DPOTask(LMTask):
     def _set_model(self, config, model_config: gpt.GPTConfig) -> None:
         reference = self.pretrained  # init_from's weights (LMTask.__init__ loaded them)
         super()._set_model(config, model_config)
-        c = config.dpo
+        c = sections.of(config).dpo
         self.beta, self.dpo_loss, self.dpo_smoothing = float(c.beta), c.loss, float(c.label_smoothing)
         if self.lora is not None:
             return  # the reference is the base, adapters off

@@ -40,7 +40,7 @@ from flaxgpt.data import tokenizers
 from flaxgpt.decode import sampling
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
-from flaxgpt.train import grpo_rollout, grpo_task, rewards
+from flaxgpt.train import grpo_rollout, grpo_task, rewards, sections
 from flaxgpt.train.lm_task import LMTask
 
 
@@ -67,12 +67,14 @@ class GRPOOnlineTask(LMTask):
     splits = ()  # no loss to evaluate on fixed batches: evaluations sample the held-out prompts
 
     def __init__(self, config):
-        g = config.grpo
+        s = sections.of(config)
         self.format, self.shards = "prompts", False
-        self.data = prompts_lib.PromptData(config.data.dir)
+        self.data = prompts_lib.PromptData(s.data.dir)
         self.data_dir = self.data.dir
         self._start_from(config)
-        self.data.check(self.model_config.block_size, self.model_config.vocab_size, g.max_completion_length)
+        self.data.check(
+            self.model_config.block_size, self.model_config.vocab_size, s.grpo.max_completion_length
+        )
         self.tokenizer = tokenizers.from_meta(self.data.meta["tokenizer"])
         self._set_model(config, self.model_config)
 
@@ -83,21 +85,17 @@ class GRPOOnlineTask(LMTask):
         task = cls.__new__(cls)
         task.format, task.shards = "prompts", False
         task.data = task.data_dir = task.tokenizer = None
-        needs_start = (config.get("lora") and config.lora.rank) or config.grpo.beta
+        s = sections.of(config)
+        needs_start = s.lora.rank or s.grpo.beta
         task.pretrained = nn.unbox(gpt.abstract_params(model_config)) if needs_start else None
         task._set_model(config, model_config)
         return task
 
     def _set_model(self, config, model_config: gpt.GPTConfig) -> None:
-        g = config.grpo
+        g = sections.of(config).grpo  # checked: rollout=generate never meets an int8 base (Sections.check)
         start = self.pretrained  # init_from's weights: the reference when beta > 0 without LoRA
         super()._set_model(config, model_config)
-        self.rollout_by = g.get("rollout", "generate")  # a run saved before the field: generate
-        if self.lora is not None and config.lora.base_dtype == "int8" and self.rollout_by == "generate":
-            raise ValueError(
-                "grpo.rollout=generate samples from the base with the adapters merged, which an int8 "
-                "base (lora.base_dtype) cannot hold: use grpo.rollout=engine (adapters unmerged)"
-            )
+        self.rollout_by = g.rollout
         self.G, self.num_iterations = int(g.num_generations), int(g.num_iterations)
         self.max_new, self.temperature, self.top_p = int(g.max_completion_length), g.temperature, g.top_p
         # a row is a prompt and its completion (T + 1 tokens): T as long as the longest prompt and a

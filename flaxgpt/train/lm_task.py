@@ -34,6 +34,7 @@ from flaxgpt.data import batches as data_lib
 from flaxgpt.data import fineweb, packing
 from flaxgpt.models import gpt, lora, moe
 from flaxgpt.models import registry as models
+from flaxgpt.train import sections
 from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
 
 FORMATS = ("tokens", "shards", "packed")  # config.data.format
@@ -69,19 +70,19 @@ class LMTask:
     formats = FORMATS  # the data.format values this task reads (DPOTask: pairs)
 
     def __init__(self, config):
-        self.format = config.data.get("format", "tokens")
+        d = sections.of(config).data
+        self.format = d.format
         if self.format not in self.formats:
             raise ValueError(f"data.format={self.format!r}; choose one of {', '.join(self.formats)}")
         self.shards = self.format == "shards"
         if self.format in ("packed", "pairs"):
-            self.data = packing.PackedData(config.data.dir, kind=self.format)
+            self.data = packing.PackedData(d.dir, kind=self.format)
         elif self.shards:  # shards need the window length, which the model section fixes
             block_size = config.model.block_size
-            d = config.data
             self.data = fineweb.ShardData(d.dir, block_size, d.align_to_bos, d.val_tokens)
             self.splits = ("val",)  # the fixed val set; training loss is logged every step anyway
         else:
-            self.data = data_lib.TokenData(config.data.dir)
+            self.data = data_lib.TokenData(d.dir)
         self.data_dir = self.data.dir  # its meta.json (the tokenizer) goes into the run directory
         self._start_from(config)
         if not self.shards:
@@ -102,7 +103,7 @@ class LMTask:
         task = cls.__new__(cls)
         task.shards, task.data, task.data_dir = False, None, None
         # LoRA's frozen base as shapes: lora.quantize_base and place_frozen keep them abstract
-        lora_on = config.get("lora") and config.lora.rank
+        lora_on = sections.of(config).lora.rank
         task.pretrained = nn.unbox(gpt.abstract_params(model_config)) if lora_on else None
         task._set_model(config, model_config)
         return task
@@ -111,8 +112,8 @@ class LMTask:
         self.model_config = model_config
         self.model = gpt.GPT(model_config)
         self.lora, self.frozen = None, None  # LoRA: the adapters' spec and the frozen base
-        if config.get("lora") and config.lora.rank:
-            c = config.lora
+        c = sections.of(config).lora
+        if c.rank:
             self.lora = lora.LoraSpec.make(self.model_config, c.rank, c.alpha, c.dropout, c.targets)
             self.frozen, self.pretrained = lora.quantize_base(self.pretrained, c.base_dtype), None
         self.seed = config.seed

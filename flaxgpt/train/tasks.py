@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from flaxgpt.train import sections
 from flaxgpt.train.dpo_task import DPOTask
 from flaxgpt.train.grpo_online import GRPOOnlineTask
 from flaxgpt.train.lm_task import LMTask
@@ -51,7 +52,7 @@ def task_name(config) -> str:
     kind = config.model.get("kind", "gpt")
     if kind not in ("gpt", "seq2seq"):
         raise ValueError(f"unknown model.kind {kind!r}; known: gpt, seq2seq")
-    tuning = {"pairs": "dpo", "prompts": "grpo"}.get(config.data.get("format"))
+    tuning = {"pairs": "dpo", "prompts": "grpo"}.get(sections.of(config).data.format)
     return tuning if kind == "gpt" and tuning else kind
 
 

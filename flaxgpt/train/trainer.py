@@ -38,6 +38,7 @@ from flaxgpt.models.flops import flops_per_token
 from flaxgpt.runs import checkpoint as ckpt_lib
 from flaxgpt.runs import checksum, run_dir, run_lock
 from flaxgpt.runs.metrics import MetricsWriter, closing_lines, peak_flops_per_device
+from flaxgpt.train import sections
 from flaxgpt.train.config_check import check as check_config
 from flaxgpt.train.config_check import micro_batch, schedule_note
 from flaxgpt.train.preemption import StopSignal
@@ -49,7 +50,7 @@ def start_process(config) -> None:
     """What the process settles before JAX starts its backends: the multi-host handshake, the CPU's
     split into devices, and (on one CPU device) steps that reuse their memory."""
     sharding.maybe_initialize_distributed(config)
-    sharding.configure_cpu_devices(config.mesh.cpu_devices, micro_batch(config))
+    sharding.configure_cpu_devices(sections.of(config).mesh.cpu_devices, micro_batch(config))
     runtime.keep_cpu_step_memory()
 
 
@@ -60,8 +61,8 @@ class Trainer:
         self.config, self.print = config, print_fn
         self.micro_rows = micro_batch(config)
         self.task = make_task(config)
-        expert = config.mesh.get("expert", 1)
-        self.mesh = sharding.make_mesh(config.mesh.data, config.mesh.fsdp, devices, expert=expert)
+        m = sections.of(config).mesh
+        self.mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert)
         sharding.check_batch(self.micro_rows, self.mesh, "batch_size // grad_accum")
         if self.micro_rows % jax.process_count():
             raise ValueError(

@@ -1,0 +1,293 @@
+"""A recipe's data, mesh, lora, dpo and grpo sections as typed, frozen dataclasses: every field with its
+type, its default and why it is there, read from the recipe's ConfigDict with one-line errors. The
+checker reads the types: an unknown key is answered with the field it most likely means, a value of the
+wrong type names the key, the type and the value, a `Literal` lists its choices and a number outside
+its range (`opt(low=, high=)`) says the range. A rule between fields of one section is that section's
+`check`; a rule between sections is `Sections.check`: each refusal is written once.
+
+    s = of(config)                  # Sections(data, mesh, lora, dpo, grpo), every rule checked
+    s.lora.rank, s.grpo.rollout     # what the tasks, the trainer and flaxgpt aot read
+    c.lora = ml_collections.ConfigDict(defaults("lora"))   # configs/default.py's, from the fields
+
+Rules that also read the run's top-level keys (batch_size, init_from, eval_tasks) or its data are
+config_check's.
+"""
+
+import dataclasses
+import difflib
+import math
+import typing
+from typing import ClassVar, Literal
+
+import numpy as np
+
+from flaxgpt.models import lora as lora_lib
+from flaxgpt.train import grpo_task
+
+DPO_LOSSES = ("sigmoid", "ipo")  # dpo.loss: DPO's sigmoid loss | IPO's squared one (dpo_task)
+FORMATS = ("tokens", "shards", "packed", "pairs", "prompts")  # data.format: the tasks' (train.tasks)
+PLURALS = {str: "strings", int: "integers", float: "numbers", bool: "booleans"}  # a tuple's items
+
+
+class ConfigError(ValueError):
+    """A run config or recipe file that cannot be used; the message is one line."""
+
+
+def opt(default, why: str, low=None, high=None, *, low_in: bool = True, high_in: bool = False):
+    """A section's field: its default, why it is there (said in its errors) and, for a number, its
+    range (`low` / `high`, None: unbounded; included or not)."""
+    return dataclasses.field(default=default, metadata={"why": why, "range": (low, high, low_in, high_in)})
+
+
+def describe_range(low, high, low_in: bool, high_in: bool) -> str:
+    """ ">= 0", "> 0", "in [0, 1)", "in (0, 1]": a range as an error names it."""
+    left = f">= {low:g}" if low_in else f"> {low:g}"
+    if high is None or math.isinf(high):
+        return left
+    return f"in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
+
+
+def _is_number(value, kind) -> bool:
+    if isinstance(value, bool | np.bool_):
+        return False
+    return isinstance(value, int | np.integer) or (kind is float and isinstance(value, float | np.floating))
+
+
+def typed(key: str, value, kind, meta: dict):
+    """`value` of the field `key` as its type `kind` says (int, float, bool, str, a Literal's choices,
+    a tuple of one of them) and inside its range, or a one-line ConfigError naming the key, what it
+    must be and the value."""
+    why = f" ({meta['why']})" if meta.get("why") else ""
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(f"--config.{key}={value!r}; choose one of {', '.join(choices)}")
+        return value
+    if typing.get_origin(kind) is tuple:
+        item, items = typing.get_args(kind)[0], None
+        try:
+            items = tuple(typed(key, v, item, {}) for v in value) if isinstance(value, tuple | list) else None
+        except ConfigError:
+            pass
+        if items is None:
+            raise ConfigError(f"--config.{key}={value!r} must be a tuple of {PLURALS[item]}{why}")
+        return items
+    if kind is bool:
+        if not isinstance(value, bool | np.bool_):
+            raise ConfigError(f"--config.{key}={value!r} must be True or False{why}")
+        return bool(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"--config.{key}={value!r} must be a string{why}")
+        return value
+    if not _is_number(value, kind):
+        raise ConfigError(
+            f"--config.{key}={value!r} must be {'an integer' if kind is int else 'a number'}{why}"
+        )
+    value = kind(value)
+    low, high, low_in, high_in = meta.get("range", (None, None, True, False))
+    ok = math.isfinite(value) and (low is None or (value >= low if low_in else value > low))
+    ok = ok and (high is None or (value <= high if high_in else value < high))
+    if not ok:
+        where = describe_range(-math.inf if low is None else low, high, low_in, high_in)
+        raise ConfigError(f"--config.{key}={value} must be {where}{why}")
+    return value
+
+
+class Section:
+    """A typed section: its fields are checked (and normalized) by their types when it is made, then
+    the section's own `check`."""
+
+    name: ClassVar[str]  # its key in a recipe
+
+    def __post_init__(self):
+        kinds = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            value = typed(f"{self.name}.{f.name}", getattr(self, f.name), kinds[f.name], f.metadata)
+            object.__setattr__(self, f.name, value)
+        self.check()
+
+    def check(self) -> None:
+        """The rules between this section's fields (none by default)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection(Section):
+    """Where the prepared data is and how the task reads it (flaxgpt prepare writes it)."""
+
+    name: ClassVar[str] = "data"
+    dir: str = opt("data/shakespeare_char", "folder with train.bin, val.bin, meta.json: flaxgpt.data.prepare")
+    format: Literal[FORMATS] = opt(
+        "tokens",
+        "tokens (train.bin/val.bin, random windows) | shards (speedrun *.bin, in order) | packed (chat "
+        "SFT) | pairs (DPO: flaxgpt prepare --dataset pairs) | prompts (GRPO: --dataset prompts)",
+    )
+    align_to_bos: bool = opt(False, "shards: every training window starts at a document's first token")
+    val_tokens: int = opt(10_485_760, "shards: the fixed val set, the first this many val tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection(Section):
+    """How the devices are arranged (flaxgpt.sharding.make_mesh): data parallel x FSDP x experts."""
+
+    name: ClassVar[str] = "mesh"
+    data: int = opt(-1, "data-parallel devices; -1 = all devices left after fsdp")
+    fsdp: int = opt(1, "devices that shard parameters and optimizer state, ZeRO-3 style")
+    expert: int = opt(1, "mixture of experts: devices that split the experts, expert parallelism", 1)
+    cpu_devices: int = opt(0, "CPU: split the host into this many devices; 0 = one per core", 0)
+
+    def check(self) -> None:
+        for axis in ("data", "fsdp"):  # -1: the devices the other axis leaves (sharding.make_mesh)
+            size = getattr(self, axis)
+            if size != -1 and size < 1:
+                raise ConfigError(f"--config.mesh.{axis}={size} must be >= 1, or -1 for all devices left")
+        if self.data == -1 and self.fsdp == -1:
+            raise ConfigError("only one of --config.mesh.data and --config.mesh.fsdp may be -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSection(Section):
+    """LoRA (flaxgpt/models/lora.py): low-rank adapters trained on a frozen pretrained base (init_from)."""
+
+    name: ClassVar[str] = "lora"
+    rank: int = opt(0, "adapter rank r; 0 = off, full fine-tuning", 0)
+    alpha: float = opt(16.0, "the adapters' output is scaled by alpha / r")
+    dropout: float = opt(0.0, "dropout on each adapted layer's input, adapter path only, in training", 0, 1)
+    targets: str = opt(
+        "all-linear",
+        "all-linear | a comma list: q,k,v,o,gate,up,down (Llama family) or qkv,o,up,down (GPT-2)",
+    )
+    base_dtype: Literal[lora_lib.BASE_DTYPES] = opt("float32", "the frozen base; int8: QLoRA-style")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPOSection(Section):
+    """DPO (data.format = pairs, flaxgpt/train/dpo_task.py): the policy is tuned toward chosen responses
+    against a frozen reference (LoRA: the base with the adapters off; full fine-tuning: a copy)."""
+
+    name: ClassVar[str] = "dpo"
+    beta: float = opt(
+        0.1, "how far the policy may move from the reference: TRL's beta, IPO's tau", 0, low_in=False
+    )
+    loss: Literal[DPO_LOSSES] = opt(
+        "sigmoid", "sigmoid: DPO | ipo: IPO, per-token averaged log-ratios as TRL"
+    )
+    label_smoothing: float = opt(0.0, "sigmoid: conservative DPO, the probability a label is flipped", 0, 0.5)
+    reference: str = opt("", "full fine-tuning: the reference's HF directory; '' = init_from's weights")
+
+    def check(self) -> None:
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise ConfigError(
+                f"--config.dpo.label_smoothing={self.label_smoothing} smooths the sigmoid loss, "
+                f"not {self.loss}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOSection(Section):
+    """GRPO (data.format = prompts, flaxgpt/train/grpo_online.py): each step samples num_generations
+    completions of batch_size // num_generations prompts from the current weights, scores them with the
+    rewards and trains on the group-normalised advantages. Names and defaults are TRL 1.16's."""
+
+    name: ClassVar[str] = "grpo"
+    num_generations: int = opt(8, "G: completions a prompt, >= 2; batch_size counts completions")
+    max_completion_length: int = opt(
+        256, "sampled tokens a completion at most; prompt + this <= block_size", 1
+    )
+    temperature: float = opt(
+        1.0, "sampling temperature; the log-probs are of the same softened distribution", 0, low_in=False
+    )
+    top_p: float = opt(1.0, "nucleus sampling of the rollouts; 1 = off", 0, 1, low_in=False, high_in=True)
+    rollout: Literal[grpo_task.ROLLOUTS] = opt(
+        "engine",
+        "who samples: engine (serve.engine, continuous batching; LoRA unmerged, any base) | generate",
+    )
+    loss_type: Literal[grpo_task.LOSS_TYPES] = opt("dapo", "how token losses are averaged: docs/grpo.md")
+    scale_rewards: Literal[grpo_task.SCALES] = opt("group", "advantages over the group's std | batch | none")
+    epsilon: float = opt(0.2, "the ratio's clip range starts at 1 - epsilon", 0)
+    epsilon_high: float = opt(-1.0, "... and ends at 1 + epsilon_high, DAPO's clip-higher; -1 = epsilon")
+    delta: float = opt(0.0, "two-sided clipping: the unclipped ratio capped at delta > 1; 0 = off")
+    beta: float = opt(0.0, "weight of the k3 KL to the reference: LoRA's base, else init_from's weights", 0)
+    num_iterations: int = opt(1, "optimizer steps on each rollout; > 1: the sampling policy's logps kept", 1)
+    importance_sampling_level: Literal[grpo_task.LEVELS] = opt("token", "sequence: GSPO, one ratio each")
+    mask_truncated_completions: bool = opt(False, "completions that hit max_completion_length train nothing")
+    reward_funcs: tuple[str, ...] = opt(
+        ("answer",), "rewards, flaxgpt/train/rewards.py: answer | format=REGEX | length=N | module:function"
+    )
+    reward_weights: tuple[float, ...] = opt((), "one weight a reward; () = all 1")
+    eval_prompts: int = opt(64, "held-out (val) prompts sampled once each at an evaluation: val_reward", 0)
+
+    def check(self) -> None:
+        G = self.num_generations
+        if G < 2:
+            raise ConfigError(
+                f"--config.grpo.num_generations={G}: a group needs >= 2 completions "
+                "(G = 1: every advantage is 0)"
+            )
+        if self.delta and self.delta <= 1:
+            raise ConfigError(f"--config.grpo.delta={self.delta} caps the ratio: > 1, or 0 for off")
+
+
+SECTIONS = {
+    "data": DataSection,
+    "mesh": MeshSection,
+    "lora": LoraSection,
+    "dpo": DPOSection,
+    "grpo": GRPOSection,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sections:
+    """A run's typed sections; made, they have passed every rule between them."""
+
+    data: DataSection
+    mesh: MeshSection
+    lora: LoraSection
+    dpo: DPOSection
+    grpo: GRPOSection
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        """The refusals between sections."""
+        lora, dpo, grpo = self.lora, self.dpo, self.grpo
+        if self.data.format == "pairs" and dpo.reference and lora.rank:
+            raise ConfigError(
+                f"--config.dpo.reference={dpo.reference!r} with LoRA: the reference is the base with the "
+                "adapters off; set dpo.reference='' (or lora.rank=0 for a separate reference)"
+            )
+        if (
+            self.data.format == "prompts"
+            and grpo.rollout == "generate"
+            and lora.rank
+            and lora.base_dtype == "int8"
+        ):
+            raise ConfigError(
+                "grpo.rollout=generate samples from the base with the adapters merged, which an int8 "
+                "base (lora.base_dtype) cannot hold: use grpo.rollout=engine (adapters unmerged)"
+            )
+
+
+def read(cls: type[Section], section) -> Section:
+    """A recipe's section (a ConfigDict or dict; None: every default) as `cls`: a key that is no field
+    is an error naming the field it most likely means."""
+    values = {} if section is None else dict(section.items())
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+            hint = f"did you mean {cls.name}.{near[0]}?" if near else f"{cls.name} has {', '.join(names)}"
+            raise ConfigError(f"unknown config key '{cls.name}.{key}'; {hint}")
+    return cls(**values)
+
+
+def of(config) -> Sections:
+    """The typed sections of a run config (a recipe's ConfigDict), every rule checked."""
+    return Sections(**{name: read(cls, config.get(name)) for name, cls in SECTIONS.items()})
+
+
+def defaults(name: str) -> dict:
+    """The section `name`'s fields and defaults, as a recipe holds them (configs/default.py)."""
+    return {f.name: f.default for f in dataclasses.fields(SECTIONS[name])}
