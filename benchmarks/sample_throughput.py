@@ -32,6 +32,7 @@ import time
 
 import harness  # noqa: E402  (first: the benchmarks' one sys.path rule, see harness.py)
 import numpy as np
+from decode_bench import row, timed_generate
 
 PROMPT_LEN = 16
 
@@ -75,39 +76,6 @@ def hf_side(batches, n_new, repeats) -> dict:
 
 
 # ---------------------------------------------------------------- the flaxgpt side
-
-
-def timed_generate(step, cfg, prompt_BP, n_new, repeats):
-    """-> (compile + 2 tokens seconds, median tok/s, tokens of the last run)."""
-    import jax
-
-    from flaxgpt.decode import sampling
-    from flaxgpt.models.cache import KVCache
-
-    B = prompt_BP.shape[0]
-    W = sampling.cache_length(cfg.block_size, PROMPT_LEN, n_new)
-
-    def run(n):
-        cache = KVCache.for_config(cfg, B, W)
-        t0 = time.perf_counter()
-        toks, lens = sampling.generate(
-            step,
-            cache,
-            prompt_BP,
-            np.full(B, PROMPT_LEN),
-            max_new_tokens=n,
-            rng=jax.random.key(0),
-            temperature=0,
-        )
-        assert (lens == n).all(), lens
-        return time.perf_counter() - t0, toks
-
-    warm, _ = run(2)
-    times = []
-    for _ in range(repeats):
-        dt, toks = run(n_new)
-        times.append(dt)
-    return warm, B * n_new / float(np.median(times)), toks
 
 
 def quality(cfg, params, modes, step_of):
@@ -167,10 +135,6 @@ def speculative_run(cfg, params, step_of, n_new, repeats, k=4):
         rng=jax.random.key(0), temperature=0,
     )  # fmt: skip
     return dict(tok_s=n_new / dt, stats=runs[-1][2], same=bool((runs[-1][1] == plain).all()), k=k)
-
-
-def row(*cells, widths=(26, 12, 12, 10, 12, 12)):
-    print("".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths))))
 
 
 def flax_side(a, extras: bool) -> dict:
