@@ -1,5 +1,5 @@
-"""No file of the repository names a place on one machine: a home or work folder (/work/..., /home/NAME,
-/Users/NAME, /root), a scratch or mount point (/tmp, /mnt, /scratch, /data) or a Windows user folder.
+"""No file of the repository names a place on one machine: a path under a home or work folder (/work,
+/home, /Users, /root), a scratch or mount point (/tmp, /mnt, /scratch, /data) or a Windows user folder.
 Commands and defaults say out/..., data/..., ../other_checkout, $HOME or tempfile.gettempdir() instead.
 System paths any Linux has (/proc, /usr, /etc, /dev) are not one machine's."""
 
