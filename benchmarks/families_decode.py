@@ -16,12 +16,14 @@ benchmarks/decode_bench.py.
 
 from __future__ import annotations
 
+import argparse
+
 import decode_bench  # first: it imports harness (the benchmarks' one sys.path rule)
 
 MODELS = ["gemma3-style", "qwen3-style"]
 
 
-def hf_config(a, name: str):
+def hf_config(a: argparse.Namespace, name: str):
     import transformers
 
     shared = dict(

@@ -13,14 +13,16 @@ the harness and the table: benchmarks/decode_bench.py.
 
 from __future__ import annotations
 
+import argparse
+
 import decode_bench  # first: it imports harness (the benchmarks' one sys.path rule)
 
 
-def models(a) -> list[str]:
+def models(a: argparse.Namespace) -> list[str]:
     return ["gpt2", *(f"llama-style J={j}" for j in a.n_kv_heads.split(","))]
 
 
-def hf_config(a, name: str):
+def hf_config(a: argparse.Namespace, name: str):
     import transformers
 
     if name == "gpt2":
@@ -32,7 +34,7 @@ def hf_config(a, name: str):
     )  # fmt: skip
 
 
-def add_flags(p) -> None:
+def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n_kv_heads", default="12,4", help="key/value heads of the Llama-style runs")
 
 

@@ -13,12 +13,14 @@ implementation (reported). Weights, timing, the harness and the table: benchmark
 
 from __future__ import annotations
 
+import argparse
+
 import decode_bench  # first: it imports harness (the benchmarks' one sys.path rule)
 
 VOCAB = 32000
 
 
-def hf_config(a, name: str):
+def hf_config(a: argparse.Namespace, name: str):
     import transformers
 
     return transformers.MixtralConfig(
@@ -30,7 +32,7 @@ def hf_config(a, name: str):
     )  # fmt: skip
 
 
-def add_flags(p) -> None:
+def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=512, help="width (heads of 64, width/256 KV heads)")
     p.add_argument("--experts", type=int, default=8, help="experts per layer (each token through 2)")
     p.add_argument("--expert_hidden", type=int, default=1792, help="each expert's hidden size")
