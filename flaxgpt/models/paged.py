@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from flaxgpt.kernels import target
 from flaxgpt.models.attention import attend_cached, causal_mask
 from flaxgpt.models.cache import Cache, KVCache, KVLayer
 
@@ -86,14 +87,22 @@ class PagedLayer(KVLayer):
         page_Bn = jnp.take_along_axis(self.table_BM, m_Bn, axis=1, mode="clip")
         page_Bn = jnp.where(m_Bn < self.table_BM.shape[1], page_Bn, P)  # past the row: dropped
         local_BT = positions_BT - m_Bn[:, :1] * page  # each position's place in its row's n pages
+        # XLA:CPU decoding (one query a row) writes single positions and reads the pages without a
+        # transposed copy (_attend_rows): whole-page writes and the dot's [J, B, S, K] operand copied
+        # 16 pages and 8 windows a step for 4 layers, and GRPO's rollouts ran 0.79x the contiguous
+        # cache's. TPU keeps whole pages (the tiling note in `put`), GPUs and TPUs their kernels.
+        rows_path = T == 1 and not window and self.impl == "xla" and target.platform() == "cpu"
 
         def put(buf_JPpK, new_BTJK):
-            # read the pages whole, set the positions, write them back whole: TPU tiles a head's page
-            # [page, K] as the paged kernel reads it, and writing single positions (a row of a tile)
-            # made XLA lay the pool out position-major instead, copying every layer's pages at every
-            # step and prefill chunk (docs/aot.md). Rows never write one page together (block_manager.py:
-            # shared pages are full; idle rows share only the scratch page, which no one reads); pages
-            # read past a row's positions go back as they were
+            if rows_path:  # a CPU decoding step: each row's one new position, in place
+                new_JBK = jnp.transpose(new_BTJK[:, 0], (1, 0, 2)).astype(buf_JPpK.dtype)
+                return buf_JPpK.at[:, page_Bn[:, 0], local_BT[:, 0]].set(new_JBK, mode="drop")
+            # elsewhere read the pages whole, set the positions, write them back whole: TPU tiles a
+            # head's page [page, K] as the paged kernel reads it, and writing single positions (a row
+            # of a tile) made XLA lay the pool out position-major instead, copying every layer's pages
+            # at every step and prefill chunk (docs/aot.md). Rows never write one page together
+            # (block_manager.py: shared pages are full; idle rows share only the scratch page, which
+            # no one reads); pages read past a row's positions go back as they were
             pages_JBnpK = jnp.take(buf_JPpK, page_Bn, axis=1, mode="clip")
             flat_JBNK = pages_JBnpK.reshape(J, B, n * page, K)
             new_JBTK = jnp.transpose(new_BTJK, (2, 0, 1, 3)).astype(buf_JPpK.dtype)
@@ -103,6 +112,8 @@ class PagedLayer(KVLayer):
         layer = self.replace(k_JPpK=put(self.k_JPpK, k_BTJK), v_JPpK=put(self.v_JPpK, v_BTJK))
         if attend_kw.get("sow") is not None:  # attention maps need every probability at once
             return layer._attend_xla(q_BTHK, positions_BT, window, attend_kw), layer
+        if rows_path:
+            return layer._attend_rows(q_BTHK, positions_BT, **attend_kw), layer
         if self.impl == "xla" or T > 1 or window:
             return layer._attend_blocks(q_BTHK, positions_BT, window, **attend_kw), layer
         scale, softcap = attend_kw.get("scale", 0.0), attend_kw.get("softcap", 0.0)
@@ -181,6 +192,29 @@ class PagedLayer(KVLayer):
         _, sum_JBR, y_JBRK = jax.lax.fori_loop(0, groups, group, init)
         y_JBGTK = (y_JBRK / sum_JBR[..., None]).reshape(J, B, G, T, K)
         return jnp.transpose(y_JBGTK, (1, 3, 0, 2, 4)).reshape(B, T, H, K).astype(q_BTHK.dtype)
+
+    def _attend_rows(self, q_BTHK, positions_BT, scale=0.0, softcap=0.0, sow=None):
+        """One query a row over its whole window as products and sums, not dots (the CPU's decoding
+        path): a dot wants its batch axes leading, so XLA:CPU transposed each gathered window into a
+        copy before the dot; a product-and-sum fusion reads the gathered pages as they come. Decoding
+        reads each key once per query head, so there is no matrix product to lose."""
+        del sow  # handled by the caller (_attend_xla)
+        B, _, H, K = q_BTHK.shape
+        J, _, page, _ = self.k_JPpK.shape
+        M, G = self.table_BM.shape[1], H // J
+        acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)  # as attend_cached: fp32 at least
+        q_JBGK = jnp.transpose(q_BTHK[:, 0].reshape(B, J, G, K), (1, 0, 2, 3)).astype(acc)
+        q_JBGK = q_JBGK * (scale or 1 / math.sqrt(K))
+        k_JBMpK = jnp.take(self.k_JPpK, self.table_BM, axis=1, mode="clip")
+        v_JBMpK = jnp.take(self.v_JPpK, self.table_BM, axis=1, mode="clip")
+        s_JBGMp = jnp.sum(q_JBGK[:, :, :, None, None] * k_JBMpK[:, :, None].astype(acc), axis=-1)
+        if softcap:  # as attend_cached
+            s_JBGMp = softcap * jnp.tanh(s_JBGMp / softcap)
+        seen_BMp = jnp.arange(M * page).reshape(M, page) <= positions_BT[:, :1, None]
+        s_JBGMp = jnp.where(seen_BMp[None, :, None], s_JBGMp, -jnp.inf)
+        p_JBGMp = jax.nn.softmax(s_JBGMp, axis=(-2, -1))
+        y_JBGK = jnp.sum(p_JBGMp[..., None] * v_JBMpK[:, :, None].astype(acc), axis=(3, 4))
+        return jnp.transpose(y_JBGK, (1, 0, 2, 3)).reshape(B, 1, H, K).astype(q_BTHK.dtype)
 
     def _attend_xla(self, q_BTHK, positions_BT, window, attend_kw):
         k_NSK, v_NSK = self.rows_NSK()
