@@ -236,7 +236,7 @@ def serve_programs(
         PagedKVCache.for_slots(cfg, slots, W, page=PAGE, impl=impl, extra_pages=1)
     )  # noqa: E731
     state = placed(lambda: runner.empty_state(pool(), slots, cfg.vocab_size))
-    rows = placed(lambda: jax.tree.map(jnp.asarray, runner.RowSampling.of(max_new_tokens=1)))
+    rows = placed(lambda: jax.tree.map(jnp.asarray, sampling.Rows.of(max_new_tokens=1)))
     rep = sharding.replicated(mesh)
     prompt = jax.ShapeDtypeStruct((1, P), jnp.int32, sharding=rep)  # the largest prompt bucket
     table = jax.ShapeDtypeStruct((1, W // PAGE), jnp.int32, sharding=rep)

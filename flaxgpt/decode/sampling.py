@@ -226,7 +226,7 @@ class Rows:
     gives row b the key fold_in(rng, b), and the serving engine a request's choice b
     fold_in(key(seed), b): the same tokens for the same seed."""
 
-    key_B: jax.Array  # typed PRNG keys
+    key_B: jax.Array  # typed PRNG keys, or (seed, stream) pairs u32 [B, 2] of host rows (`of`, `keyed`)
     temperature_B: jax.Array  # f32, 0 = greedy
     top_k_B: jax.Array  # i32, 0 = off
     top_p_B: jax.Array  # f32 in (0, 1], 1 = off
@@ -260,6 +260,49 @@ class Rows:
             bias_BL=jnp.broadcast_to(bias_L, (batch, MAX_LOGIT_BIAS)),
             logprobs_B=full(logprobs, jnp.int32),
         )
+
+    @classmethod
+    def of(cls, s: Sampling | None = None, *, max_new_tokens, seed=0, stream=0, logprobs=-1) -> Rows:
+        """One request's row on the host (the serving engine's, GRPO's): numpy values, so one compiled
+        program serves any settings, its key given as (seed, stream) and made inside the program
+        (`keyed`): fold_in(key(seed), stream), the key generate(rng=key(seed)) gives its row `stream`
+        (the same tokens for the same seed). logprobs: -1 none, else the top alternatives wanted."""
+        s = s or Sampling()
+        ids_L, bias_L = bias_arrays(s.logit_bias)
+        one = lambda x, dtype: np.full((1,), x, dtype)  # noqa: E731
+        return cls(
+            key_B=np.array([[seed, stream]], np.uint32),
+            temperature_B=one(s.temperature, np.float32),
+            top_k_B=one(s.top_k, np.int32),
+            top_p_B=one(s.top_p, np.float32),
+            max_new_B=one(max_new_tokens, np.int32),
+            eos_B=one(-1 if s.eos_id is None else s.eos_id, np.int32),
+            min_p_B=one(s.min_p, np.float32),
+            presence_B=one(s.presence_penalty, np.float32),
+            frequency_B=one(s.frequency_penalty, np.float32),
+            repetition_B=one(s.repetition_penalty, np.float32),
+            bias_ids_BL=ids_L[None],
+            bias_BL=bias_L[None],
+            logprobs_B=one(-1 if logprobs is None else logprobs, np.int32),
+        )
+
+    def keyed(self) -> Rows:
+        """These rows with typed keys: (seed, stream) pairs (`of`) made into fold_in(key(seed), stream)."""
+        if jax.dtypes.issubdtype(self.key_B.dtype, jax.dtypes.prng_key):
+            return self
+        key = lambda pair: jax.random.fold_in(jax.random.key(pair[0]), pair[1])  # noqa: E731
+        return self.replace(key_B=jax.vmap(key)(jnp.asarray(self.key_B)))
+
+    @property
+    def penalized(self) -> bool:
+        """Some row's draws depend on the tokens seen so far (the engine then tracks its prompt's tokens);
+        host rows only."""
+        return bool(np.any((self.repetition_B != 1) | (self.presence_B != 0) | (self.frequency_B != 0)))
+
+    @staticmethod
+    def stack(rows: list[Rows]) -> Rows:
+        """Host rows, one after another, as the rows of one batch."""
+        return jax.tree_util.tree_map(lambda *x: np.concatenate(x), *rows)
 
 
 def bias_arrays(logit_bias) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """The serving engine: continuous batching over one page pool, as a block manager and a runner.
 
     engine = Engine(gpt.step_fn(config, params), config, slots=8, max_len=1024, prefix_blocks=256)
-    settings = RowSampling.of(sampling.Sampling(temperature=0.8), max_new_tokens=64, seed=7)
+    settings = sampling.Rows.of(sampling.Sampling(temperature=0.8), max_new_tokens=64, seed=7)
     prefix = engine.prefill(prompt_ids, settings)
     engine.insert(prefix, slot=3)              # the request now owns row 3
     job = engine.start_prefill(prompt_ids, rows, adapter=2, salt=b"sql")   # or in chunks:
@@ -41,12 +41,13 @@ import itertools
 import jax
 import numpy as np
 
+from flaxgpt.decode.sampling import Rows
 from flaxgpt.models.cache import AdapterCache
 from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.serve.block_manager import SCRATCH, BlockManager, OutOfPages
-from flaxgpt.serve.runner import Logprobs, Prefix, RowSampling, Runner
+from flaxgpt.serve.runner import Logprobs, Prefix, Runner
 
-__all__ = ["Engine", "Logprobs", "Prefix", "PrefillJob", "RowSampling", "prompt_buckets"]
+__all__ = ["Engine", "Logprobs", "Prefix", "PrefillJob", "prompt_buckets"]
 
 
 def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -71,7 +72,7 @@ class PrefillJob:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt_ids, rows: RowSampling, adapter: int, hit: int, last: int, hold: bool):
+    def __init__(self, prompt_ids, rows: Rows, adapter: int, hit: int, last: int, hold: bool):
         self.prompt_ids, self.rows, self.adapter, self.hold = list(prompt_ids), rows, adapter, hold
         self.mask = None  # the first token's structured-output bitmask (int32 [W]; None: any token)
         self.echo = False  # each prompt token's logprobs wanted: every chunk runs, none from the cache
@@ -205,7 +206,7 @@ class Engine:
     # ------------------------------------------------------------ prefill
 
     def start_prefill(
-        self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"", hold: bool = False,
+        self, prompt_ids, rows: Rows, adapter: int = 0, salt: bytes = b"", hold: bool = False,
         mask=None, echo: bool = False,
     ) -> PrefillJob:  # fmt: skip
         """Check the request and take its pages: its longest cached prefix (blocks hashed from `salt`,
@@ -217,12 +218,12 @@ class Engine:
         n = len(prompt_ids)
         if n < 1:
             raise ValueError("the prompt is empty; start it with an end-of-text token")
-        if n + int(rows.max_new) > self.max_len:
+        if n + int(rows.max_new_B[0]) > self.max_len:
             raise ValueError(
-                f"prompt ({n} tokens) + max_new_tokens ({int(rows.max_new)}) exceeds the context "
+                f"prompt ({n} tokens) + max_new_tokens ({int(rows.max_new_B[0])}) exceeds the context "
                 f"window of {self.max_len} tokens"
             )
-        job = PrefillJob(prompt_ids, rows, adapter, 0, n + int(rows.max_new) - 1, hold)
+        job = PrefillJob(prompt_ids, rows, adapter, 0, n + int(rows.max_new_B[0]) - 1, hold)
         job.mask, job.echo = mask, echo
         # an echoed prompt matches nothing (its salt unique): a cached position has no logits to report
         salt = salt + b"echo" + job.owner[1].to_bytes(8, "little") if echo else salt
@@ -273,7 +274,7 @@ class Engine:
         return prefix._replace(owner=job.owner)
 
     def prefill(
-        self, prompt_ids, rows: RowSampling, adapter: int = 0, salt: bytes = b"", hold: bool = False,
+        self, prompt_ids, rows: Rows, adapter: int = 0, salt: bytes = b"", hold: bool = False,
         mask=None,
     ) -> Prefix:  # fmt: skip
         """Run the prompt through the model; the first new token is in `prefix.first`. Its pages are
@@ -305,19 +306,19 @@ class Engine:
             self._draft_insert(prefix, slot, self.blocks.table(slot_owner(slot)))
         self._taken([slot])
 
-    def fork(self, prefix: Prefix, rows: RowSampling) -> Prefix:
+    def fork(self, prefix: Prefix, rows: Rows) -> Prefix:
         """The prefilled prompt of `prefix` for another request (n completions of one prompt: GRPO's
         group) without a second prefill: the prompt's full blocks shared, its partial block copied, its
-        own settings and first token (drawn as a prefill with `rows` draws it). rows.max_new must fit
+        own settings and first token (drawn as a prefill with `rows` draws it). its max_new must fit
         the window as the prefill's did."""
         owner = ("fork", next(PrefillJob._ids))
         length = int(prefix.length)
-        copy = self._fork_pages(prefix.owner, owner, length, length + int(rows.max_new) - 1)
+        copy = self._fork_pages(prefix.owner, owner, length, length + int(rows.max_new_B[0]) - 1)
         self._no_draft("fork")
         self.runner.copy_pages(*copy)
         return self.runner.fork(prefix, rows)._replace(owner=owner)
 
-    def insert_group(self, prefix: Prefix, rows: list[RowSampling], slots: list[int]) -> jax.Array:
+    def insert_group(self, prefix: Prefix, rows: list[Rows], slots: list[int]) -> jax.Array:
         """fork + insert for several requests on one prompt in one call (GRPO's G completions): request
         r takes slot slots[r] with rows[r]; the prefix is consumed. -> their first tokens [R] (on the
         device)."""
@@ -328,7 +329,9 @@ class Engine:
         for r, slot in enumerate(slots):
             if self.blocks.holds(slot_owner(slot)):
                 self._end(slot)
-            s, d = self._fork_pages(prefix.owner, slot_owner(slot), length, length + int(rows[r].max_new) - 1)
+            s, d = self._fork_pages(
+                prefix.owner, slot_owner(slot), length, length + int(rows[r].max_new_B[0]) - 1
+            )
             src, dst = src + s, dst + d
         self.cancel(prefix)
         self.runner.copy_pages(src, dst)

@@ -44,7 +44,6 @@ from flaxgpt.decode.sampling import (
     Rows,
     Sampling,
     adjust_logits,
-    bias_arrays,
     decode_chunk,
     feed,
     finished,
@@ -54,74 +53,6 @@ from flaxgpt.decode.sampling import (
     token_logprobs,
 )
 from flaxgpt.models.cache import AdapterCache
-
-
-class RowSampling(NamedTuple):
-    """One request's row of `Rows` on the host (a decode.sampling.Sampling, its length, its key, what it
-    reports) as numpy values, so the same compiled program serves any of them; `device_rows` turns it
-    into the row inside a program."""
-
-    seed: np.ndarray  # u32; token i is drawn with fold_in(fold_in(key(seed), stream), i)
-    stream: np.ndarray  # i32: the row of `generate`'s batch this request matches (choice index)
-    temperature: np.ndarray  # f32, 0 = greedy
-    top_k: np.ndarray  # i32, 0 = off
-    top_p: np.ndarray  # f32 in (0, 1], 1 = off
-    max_new: np.ndarray  # i32 >= 1
-    eos: np.ndarray  # i32, -1 = none
-    min_p: np.ndarray  # f32, 0 = off
-    presence: np.ndarray  # f32
-    frequency: np.ndarray  # f32
-    repetition: np.ndarray  # f32, 1 = off
-    bias_ids: np.ndarray  # i32 [MAX_LOGIT_BIAS], -1 = unused
-    bias: np.ndarray  # f32 [MAX_LOGIT_BIAS]
-    logprobs: np.ndarray  # i32: -1 = none, else the top alternatives wanted
-
-    @classmethod
-    def of(cls, sampling: Sampling | None = None, *, max_new_tokens, seed=0, stream=0, logprobs=-1):
-        s = sampling or Sampling()
-        ids_L, bias_L = bias_arrays(s.logit_bias)
-        return cls(
-            seed=np.uint32(seed),
-            stream=np.int32(stream),
-            temperature=np.float32(s.temperature),
-            top_k=np.int32(s.top_k),
-            top_p=np.float32(s.top_p),
-            max_new=np.int32(max_new_tokens),
-            eos=np.int32(-1 if s.eos_id is None else s.eos_id),
-            min_p=np.float32(s.min_p),
-            presence=np.float32(s.presence_penalty),
-            frequency=np.float32(s.frequency_penalty),
-            repetition=np.float32(s.repetition_penalty),
-            bias_ids=ids_L,
-            bias=bias_L,
-            logprobs=np.int32(-1 if logprobs is None else logprobs),
-        )
-
-    @property
-    def penalized(self) -> bool:
-        """Its draws depend on the tokens seen so far (the engine then tracks its prompt's tokens)."""
-        return float(self.repetition) != 1 or float(self.presence) != 0 or float(self.frequency) != 0
-
-    def device_rows(self) -> Rows:
-        """This request as one row of the decode loop's settings (traced): key fold_in(key(seed), stream),
-        the key `generate(rng=key(seed))` gives its row `stream`."""
-        one = lambda x: jnp.asarray(x)[None]  # noqa: E731
-        key = jax.random.fold_in(jax.random.key(self.seed), self.stream)
-        return Rows(
-            key_B=jnp.reshape(key, (1,)),
-            temperature_B=one(self.temperature),
-            top_k_B=one(self.top_k),
-            top_p_B=one(self.top_p),
-            max_new_B=one(self.max_new),
-            eos_B=one(self.eos),
-            min_p_B=one(self.min_p),
-            presence_B=one(self.presence),
-            frequency_B=one(self.frequency),
-            repetition_B=one(self.repetition),
-            bias_ids_BL=one(self.bias_ids),
-            bias_BL=one(self.bias),
-            logprobs_B=one(self.logprobs),
-        )
 
 
 class Logprobs(NamedTuple):
@@ -159,7 +90,7 @@ def _first(rows_1: Rows, logits_1V, seen_1V, mask_1W, max_k: int):
 
 
 def _prefill(
-    step_fn, state: DecodeState, table_1M, adapter, chunk_1P, start, size, rows: RowSampling, seen_1V,
+    step_fn, state: DecodeState, table_1M, adapter, chunk_1P, start, size, rows: Rows, seen_1V,
     mask_1W, max_k: int, targets_1P=None,
 ):  # fmt: skip
     """Prompt positions start .. start + size - 1 (chunk_1P right-padded to its bucket P) of one request
@@ -176,7 +107,7 @@ def _prefill(
     at = None if targets_1P is not None else jnp.reshape(size - 1, (1,))
     logits_1TV, row = step_fn(chunk_1P, positions_1P, row, logits_at=at)
     last_1V = logits_1TV[:, -1] if at is not None else jnp.take(logits_1TV, size - 1, axis=1)
-    rows_1 = rows.device_rows()
+    rows_1 = rows.keyed()
     first_1, done_1, lp = _first(rows_1, last_1V, seen_1V, mask_1W, max_k)
     echo = None
     if targets_1P is not None:
@@ -189,10 +120,10 @@ def _prefill(
     return state.replace(cache=pool), prefix
 
 
-def _fork(logits_V, seen_V, rows: RowSampling, max_k: int):
+def _fork(logits_V, seen_V, rows: Rows, max_k: int):
     """(first, done, rows, logprobs) of another request on the same prompt: its first token from the
     logits."""
-    rows_1 = rows.device_rows()
+    rows_1 = rows.keyed()
     first_1, done_1, lp = _first(rows_1, logits_V[None], seen_V[None], None, max_k)
     return first_1[0], done_1[0], rows_1, jax.tree_util.tree_map(lambda x: x[0], lp)
 
@@ -221,11 +152,11 @@ def _insert(state: DecodeState, prefix: Prefix, slots_R, table_RM):
     )
 
 
-def _insert_group(state: DecodeState, prefix: Prefix, rows: RowSampling, slots_R, table_RM, max_k: int):
+def _insert_group(state: DecodeState, prefix: Prefix, rows: Rows, slots_R, table_RM, max_k: int):
     """R requests on one prefilled prompt into slots slots_R, request r with the settings rows[r]
     (fields [R]), each first token drawn from the prefill's logits as fork's -> (state, first_R)."""
     R = slots_R.shape[0]
-    rows_R = jax.tree_util.tree_map(lambda x: x[:, 0], jax.vmap(RowSampling.device_rows)(rows))
+    rows_R = rows.keyed()
     V = prefix.logits.shape[-1]
     logits_RV = adjust_logits(
         rows_R, jnp.broadcast_to(prefix.logits, (R, V)), jnp.zeros((R, V), jnp.int32),
@@ -387,7 +318,7 @@ class Runner:
         self.page_bytes = sum(x.nbytes for x in (*inner.k, *inner.v)) // inner.k[0].shape[1]
 
     def prefill(
-        self, table_M, adapter: int, chunk_1P, start: int, size: int, rows: RowSampling, seen_V=None,
+        self, table_M, adapter: int, chunk_1P, start: int, size: int, rows: Rows, seen_V=None,
         mask_W=None, targets_P=None,
     ) -> Prefix:  # fmt: skip
         """seen_V: the prompt's tokens (bool [V]; None: none, for a request without penalties); mask_W:
@@ -401,7 +332,7 @@ class Runner:
         )  # fmt: skip
         return prefix
 
-    def fork(self, prefix: Prefix, rows: RowSampling) -> Prefix:
+    def fork(self, prefix: Prefix, rows: Rows) -> Prefix:
         first, done, rows_1, lp = self.p["fork"](prefix.logits, prefix.seen, rows, max_k=self.max_k)
         return prefix._replace(first=first, done=done, rows=rows_1, logprobs=lp)
 
@@ -412,8 +343,8 @@ class Runner:
         )  # fmt: skip
         self._table[slot] = table_M
 
-    def insert_group(self, prefix: Prefix, rows: list[RowSampling], slots: list[int], tables_RM) -> jax.Array:
-        stacked = RowSampling(*(np.stack(f) for f in zip(*rows, strict=True)))
+    def insert_group(self, prefix: Prefix, rows: list[Rows], slots: list[int], tables_RM) -> jax.Array:
+        stacked = Rows.stack(rows)
         self.state, first_R = self.p["insert_group"](
             self.state, prefix._replace(owner=None, echo=None), stacked, np.asarray(slots, np.int32),
             np.asarray(tables_RM, np.int32), max_k=self.max_k,

@@ -44,10 +44,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flaxgpt.decode.sampling import Sampling
+from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.serve import ngram
 from flaxgpt.serve.detokenize import Detokenizer
-from flaxgpt.serve.engine import Engine, RowSampling
+from flaxgpt.serve.engine import Engine
 
 log = logging.getLogger("flaxgpt.serve")
 
@@ -99,7 +99,7 @@ class TooManyTokens(TooManySequences):
 @dataclass(eq=False)
 class Sequence:
     prompt_ids: list[int]
-    rows: RowSampling
+    rows: Rows
     stop: list[str] = field(default_factory=list)
     emit: object = print
     ids: list[int] = field(default_factory=list)  # generated so far
@@ -187,10 +187,10 @@ class Scheduler:
         with self.lock:
             if not self.accepting:
                 raise Draining("the server is shutting down")
-            over = [s for s in seqs if self.max_tokens and int(s.rows.max_new) > self.max_tokens]
+            over = [s for s in seqs if self.max_tokens and int(s.rows.max_new_B[0]) > self.max_tokens]
             if over:
                 raise TooManyTokens(
-                    f"max_tokens is {int(over[0].rows.max_new)}; this server generates at most "
+                    f"max_tokens is {int(over[0].rows.max_new_B[0])}; this server generates at most "
                     f"{self.max_tokens} tokens per completion: ask for fewer"
                 )
             if len(seqs) > self.engine.slots + self.max_queue:
@@ -248,7 +248,7 @@ class Scheduler:
     def _warm_up(self):
         """Compile every program now, so no request waits for XLA: a prefill per bucket, insert, generate
         for one step and for `chunk`."""
-        rows = RowSampling.of(Sampling(temperature=1.0, top_k=1), max_new_tokens=2)
+        rows = Rows.of(Sampling(temperature=1.0, top_k=1), max_new_tokens=2)
         for i, b in enumerate(self.engine.buckets):
             # prompts that differ in their first token: none reuses another's blocks, each runs its bucket
             prefix = self.engine.prefill([i] + [0] * (min(b, self.engine.max_len - 2) - 1), rows)
@@ -441,9 +441,9 @@ class Scheduler:
         for slot, seq in active.items():
             r = seq.rows
             plain = seq.logprobs is None and seq.grammar is None and not r.penalized
-            if seq.finished or seq.cancelled or float(r.temperature) != 0 or not plain:
+            if seq.finished or seq.cancelled or float(r.temperature_B[0]) != 0 or not plain:
                 continue
-            room = int(r.max_new) - len(seq.ids) - 1  # the step's own token comes on top of the drafts
+            room = int(r.max_new_B[0]) - len(seq.ids) - 1  # the step's own token comes on top of the drafts
             if self.engine.draft is not None:
                 n_B[slot] = max(min(K, room), 0)
                 continue
@@ -461,7 +461,8 @@ class Scheduler:
                 gap = None if seq.last_at is None else now - seq.last_at
                 self.metrics.tokens(len(new_ids), first_after, gap)
                 seq.last_at = now
-            eos = device_done and int(seq.rows.eos) >= 0 and new_ids and new_ids[-1] == int(seq.rows.eos)
+            eos_id = int(seq.rows.eos_B[0])
+            eos = device_done and eos_id >= 0 and new_ids and new_ids[-1] == eos_id
             ended = False  # a stop token or the grammar's end: the reply ends at that token
             for i, t in enumerate(new_ids):
                 if t in seq.stop_ids:

@@ -33,9 +33,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from flaxgpt.data import chat
+from flaxgpt.decode.sampling import Rows
 from flaxgpt.serve import openai_api as api
 from flaxgpt.serve import tools
-from flaxgpt.serve.engine import RowSampling
 from flaxgpt.serve.grammar import GrammarError
 from flaxgpt.serve.metrics import ServeMetrics
 from flaxgpt.serve.middleware import Operations
@@ -212,7 +212,7 @@ def create_app(
             for j in range(req.n):
                 eos = None if req.ignore_eos else eos_id
                 sampling = req.sampling.replace(eos_id=eos)
-                rows = RowSampling.of(
+                rows = Rows.of(
                     sampling, max_new_tokens=req.max_tokens, seed=req.seed, stream=j, logprobs=req.logprobs
                 )
                 index = i * req.n + j

@@ -46,7 +46,7 @@ from flaxgpt.train.lm_task import LMTask
 
 def rollout_seed(seed: int, step: int, process_index: int) -> int:
     """The u32 seed of a step's rollout on a process (step -1: evaluations): an engine request's
-    seed is a number (serve.engine.RowSampling), so generate's rollouts take key(seed) too."""
+    seed is a number (decode.sampling.Rows.of), so generate's rollouts take key(seed) too."""
     return int(np.random.SeedSequence([seed % 2**32, step + 1, process_index]).generate_state(1)[0])
 
 

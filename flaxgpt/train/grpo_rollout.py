@@ -21,7 +21,7 @@ copied into each one's own page), each first token drawn from the prefill's logi
 Over several devices (a training mesh of one host) the engine runs over them all (Engine(mesh=...):
 the weights as the trainer placed them for it, by sharding.SERVE_RULES; the pool's heads split).
 
-Keys: completion n (prompt n // G's) decodes with RowSampling(seed=s, stream=n), the key
+Keys: completion n (prompt n // G's) decodes with Rows.of(..., seed=s, stream=n), the key
 fold_in(key(s), n) that `generate(rng=key(s))` gives its row n, so the tokens are those of
 grpo_task.sample_groups(..., rng=jax.random.key(s)) (up to float rounding of the other shapes: the
 engine prefills one prompt at a time, padded to its bucket).
@@ -35,9 +35,9 @@ import collections
 
 import jax
 
-from flaxgpt.decode.sampling import Sampling
+from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.models import gpt, lora
-from flaxgpt.serve.engine import Engine, RowSampling
+from flaxgpt.serve.engine import Engine
 
 # decode steps a generate call at most: a whole completion where it fits (one host round trip; the
 # loop stops early when every slot is done), as generate's chunk; a freed slot waits out the call
@@ -98,8 +98,8 @@ class EngineRollouts:
         self.engine.step_fn = step_fn  # a jit argument: this step's weights, no recompile
         return self.engine
 
-    def _rows(self, n: int, seed: int) -> RowSampling:
-        return RowSampling.of(self.sampling, max_new_tokens=self.max_new, seed=seed, stream=n)
+    def _rows(self, n: int, seed: int) -> Rows:
+        return Rows.of(self.sampling, max_new_tokens=self.max_new, seed=seed, stream=n)
 
     def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
         """(prompts, completion ids): N = prompts x G token lists, prompt-major (completion n is prompt

@@ -17,13 +17,13 @@ import torch
 import transformers
 
 from flaxgpt.decode.beam_search import beam_search
-from flaxgpt.decode.sampling import Sampling, generate
+from flaxgpt.decode.sampling import Rows, Sampling, generate
 from flaxgpt.decode.speculative import speculative_generate
 from flaxgpt.hf import pretrained as hf
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import init_params, step_fn
 from flaxgpt.serve import launch
-from flaxgpt.serve.engine import Engine, RowSampling
+from flaxgpt.serve.engine import Engine
 from tests.hf.test_families import TINY
 from tests.hf.test_llama import torch_greedy
 from tests.serve.test_engine import run
@@ -101,7 +101,7 @@ def test_engine_whole_and_chunked_prefill_equal_transformers(family):
     and slot decoding over rings: transformers' greedy tokens for requests sharing the slots."""
     config, params, model = family
     prompts = [PROMPTS[0].tolist(), PROMPTS[1, :21].tolist(), PROMPTS[1, :5].tolist()]
-    rows = RowSampling.of(Sampling(temperature=0), max_new_tokens=12)
+    rows = Rows.of(Sampling(temperature=0), max_new_tokens=12)
     expect = [torch_greedy(model, p, 12) for p in prompts]
     for prefill_chunk in (None, 10):
         engine = Engine(

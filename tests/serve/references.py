@@ -9,15 +9,15 @@ from flaxgpt.models.gpt import step_fn
 
 
 def alone(step, config, window: int, prompt, rows) -> list[int]:
-    """A request's tokens from generate alone (batch 1), with its RowSampling's settings and seed.
+    """A request's tokens from generate alone (batch 1), with its Rows.of settings and seed.
     The prompt is right-padded to a multiple of 16 (at most the window): one prefill program for
     prompts of similar lengths."""
     padded = np.zeros((1, min(window, -(-len(prompt) // 16) * 16)), np.int32)
     padded[0, : len(prompt)] = prompt
     toks, n = generate(
         step, KVCache.for_config(config, 1, window), padded, [len(prompt)],
-        max_new_tokens=int(rows.max_new), rng=jax.random.key(int(rows.seed)),
-        temperature=float(rows.temperature), top_k=int(rows.top_k), top_p=float(rows.top_p),
+        max_new_tokens=int(rows.max_new_B[0]), rng=jax.random.key(int(rows.key_B[0, 0])),
+        temperature=float(rows.temperature_B[0]), top_k=int(rows.top_k_B[0]), top_p=float(rows.top_p_B[0]),
     )  # fmt: skip
     return toks[0, : n[0]].tolist()
 

@@ -20,10 +20,9 @@ import transformers
 
 import flaxgpt
 from flaxgpt.data.hf_tokenizer import HFTokenizer
-from flaxgpt.decode.sampling import Sampling
+from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.serve import launch
 from flaxgpt.serve.adapters import AdapterPool
-from flaxgpt.serve.engine import RowSampling
 from tests.hf.test_llama import make_hf_model
 from tests.hf.test_llama_cli import make_tokenizer
 from tests.hf.test_peft import LLAMA_TARGETS, make_adapter
@@ -107,7 +106,7 @@ def test_engine_rows_of_different_adapters_match_merged(dirs, reference):
         adapters=named, max_adapters=2, max_lora_rank=8,
     )  # fmt: skip
     engine, pool = sched.engine, sched.adapters
-    rows = RowSampling.of(Sampling(temperature=0.0), max_new_tokens=N)
+    rows = Rows.of(Sampling(temperature=0.0), max_new_tokens=N)
     got, held = {}, {}
 
     def start(b, name, i):
@@ -219,7 +218,7 @@ def test_served_adapters_match_merged_and_load_unload_at_run_time(dirs, referenc
 
 def run_rows(engine, pool, cases, salts=True):
     """(adapter name or None, prompt index) cases, one slot each, greedy to N tokens -> (tokens, hits)."""
-    rows = RowSampling.of(Sampling(temperature=0.0), max_new_tokens=N)
+    rows = Rows.of(Sampling(temperature=0.0), max_new_tokens=N)
     out, hits, held = {}, [], []
     for b, (name, i) in enumerate(cases):
         adapter = pool.get(name) if name else None

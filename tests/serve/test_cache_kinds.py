@@ -5,8 +5,8 @@ import jax
 import numpy as np
 import pytest
 
-from flaxgpt.decode.sampling import Sampling, generate
-from flaxgpt.serve.engine import Engine, RowSampling
+from flaxgpt.decode.sampling import Rows, Sampling, generate
+from flaxgpt.serve.engine import Engine
 from tests.decode.test_cache_kinds import CFG, KINDS, PROMPTS, SAMPLED, make_cache, model_steps
 
 
@@ -24,7 +24,7 @@ def test_the_engine_gives_one_request_what_generate_gives(steps, kind):
     engine = Engine(steps[0], CFG, slots=2, max_len=W, chunk=4, max_k=16, prefill_chunk=16, page=4)
     prompt = PROMPTS[1].tolist()
     for i, settings in enumerate([dict(temperature=0.0), SAMPLED, dict(temperature=1.3, top_p=0.7)]):
-        rows = RowSampling.of(Sampling(**settings), max_new_tokens=14, seed=10 + i)
+        rows = Rows.of(Sampling(**settings), max_new_tokens=14, seed=10 + i)
         prefix = engine.prefill(prompt, rows)
         got = [int(prefix.first)]
         engine.insert(prefix, i % 2)

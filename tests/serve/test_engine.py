@@ -4,11 +4,11 @@ import jax
 import numpy as np
 import pytest
 
-from flaxgpt.decode.sampling import Sampling, generate, select_rows
+from flaxgpt.decode.sampling import Rows, Sampling, generate, select_rows
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import LLAMA_STYLE, GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
-from flaxgpt.serve.engine import Engine, RowSampling, prompt_buckets
+from flaxgpt.serve.engine import Engine, prompt_buckets
 from tests.serve import references
 
 W = 64
@@ -63,7 +63,7 @@ def requests(seed=0):
     for i, (t, k, p) in enumerate(SETTINGS):
         prompt = rng.integers(0, CFG.vocab_size, size=int(rng.integers(1, 20))).tolist()
         n = int(rng.integers(1, 30))
-        rows = RowSampling.of(Sampling(temperature=t, top_k=k, top_p=p), max_new_tokens=n, seed=i)
+        rows = Rows.of(Sampling(temperature=t, top_k=k, top_p=p), max_new_tokens=n, seed=i)
         out.append((prompt, rows))
     return out
 
@@ -74,7 +74,7 @@ def test_staggered_requests_equal_each_alone_and_generate(step):
     alone = run(new_engine(step, slots=1), reqs)
     assert together == alone
     for (prompt, rows), got in zip(reqs, together, strict=True):
-        assert len(got) == int(rows.max_new)
+        assert len(got) == int(rows.max_new_B[0])
         # generate alone, with the request's seed as its rng: the same tokens, sampled ones included
         assert got == references.alone(step, CFG, W, prompt, rows)
 
@@ -128,7 +128,7 @@ def test_mixture_of_experts_serves_what_generate_gives():
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, MOE.vocab_size, n).tolist() for n in (3, 13, 1, 20, 7)]
     engine = Engine(step, MOE, slots=2, chunk=3, max_k=8, prefill_chunk=8, buckets=(8,))
-    greedy = RowSampling.of(Sampling(temperature=0), max_new_tokens=12)
+    greedy = Rows.of(Sampling(temperature=0), max_new_tokens=12)
     got = run(engine, [(p, greedy) for p in prompts], arrive_every=2)
     batch_BP = np.array([p + [0] * (20 - len(p)) for p in prompts])
     want, n = generate(
@@ -142,19 +142,19 @@ def test_mixture_of_experts_serves_what_generate_gives():
 def test_eos_release_and_bad_requests(step):
     engine = new_engine(step, slots=3)
     GREEDY = Sampling(temperature=0)
-    greedy = run(new_engine(step, slots=1), [([1, 2, 3], RowSampling.of(GREEDY, max_new_tokens=20))])[0]
+    greedy = run(new_engine(step, slots=1), [([1, 2, 3], Rows.of(GREEDY, max_new_tokens=20))])[0]
     eos = greedy[5]
-    rows = RowSampling.of(Sampling(temperature=0, eos_id=eos), max_new_tokens=20)
+    rows = Rows.of(Sampling(temperature=0, eos_id=eos), max_new_tokens=20)
     got = run(engine, [([1, 2, 3], rows)])[0]
     assert got == greedy[: greedy.index(eos) + 1]
     # a released slot stops at once and its row is reusable
-    engine.insert(engine.prefill([4, 5], RowSampling.of(Sampling(temperature=0), max_new_tokens=30)), 1)
+    engine.insert(engine.prefill([4, 5], Rows.of(Sampling(temperature=0), max_new_tokens=30)), 1)
     engine.release(1)
     assert engine.generate()[1][1] == 0
     with pytest.raises(ValueError, match="context window of 64"):
-        engine.prefill([1] * 60, RowSampling.of(max_new_tokens=5))
+        engine.prefill([1] * 60, Rows.of(max_new_tokens=5))
     with pytest.raises(ValueError, match="empty"):
-        engine.prefill([], RowSampling.of(max_new_tokens=5))
+        engine.prefill([], Rows.of(max_new_tokens=5))
     assert prompt_buckets(64) == (16, 24, 32, 48, 64) and engine.n_programs == 10
     assert prompt_buckets(100) == (16, 24, 32, 48, 64, 96, 100)
 
@@ -204,7 +204,7 @@ def test_quantized_weights_serve_what_generate_gives(mode, tmp_path):
     step = gpt_step_fn(loaded.config, loaded.params)
     engine = Engine(step, loaded.config, slots=2, chunk=3, max_k=8)
     prompt = [3, 1, 4, 1, 5]
-    got = run(engine, [(prompt, RowSampling.of(Sampling(temperature=0), max_new_tokens=12))])[0]
+    got = run(engine, [(prompt, Rows.of(Sampling(temperature=0), max_new_tokens=12))])[0]
     want, _ = generate(
         gpt_step_fn(qconfig, qparams), KVCache.for_config(qconfig, 1, W), np.array([prompt]), [5],
         max_new_tokens=12, rng=jax.random.key(0), temperature=0,
@@ -221,7 +221,7 @@ def chat_requests(seed=1):
     for i, (t, k, p) in enumerate(SETTINGS[:5]):
         tail = rng.integers(0, CFG.vocab_size, int(rng.integers(1, 12))).tolist()
         prompt = system + (turn if i % 2 else []) + tail
-        rows = RowSampling.of(
+        rows = Rows.of(
             Sampling(temperature=t, top_k=k, top_p=p), max_new_tokens=int(rng.integers(3, 15)), seed=i
         )
         out.append((prompt, rows))
@@ -242,8 +242,8 @@ def test_prefix_cache_and_chunked_prefill_decode_what_generate_gives(step):
     assert max(hits) >= 12 and len(engine.blocks.blocks) == 6  # bounded: LRU evicted the rest
     # a hit never covers the last prompt token, whose logits the prefill must compute
     p = reqs[0][0][:12]
-    engine.drop(engine.prefill(p, RowSampling.of(max_new_tokens=2)))
-    assert hit_of(engine, p, RowSampling.of(max_new_tokens=2)) == 8
+    engine.drop(engine.prefill(p, Rows.of(max_new_tokens=2)))
+    assert hit_of(engine, p, Rows.of(max_new_tokens=2)) == 8
     engine.blocks.check()
     for (prompt, rows), got in zip(reqs, alone, strict=True):
         assert got == references.alone(step, CFG, W, prompt, rows)
@@ -256,7 +256,7 @@ def test_reply_kv_is_kept_for_the_next_turn(step):
     rng = np.random.default_rng(3)
     prompt, kept, asked = rng.integers(0, CFG.vocab_size, 10).tolist(), 0, 0
     for turn in range(3):
-        rows = RowSampling.of(Sampling(temperature=0.9, top_k=8), max_new_tokens=9, seed=turn)
+        rows = Rows.of(Sampling(temperature=0.9, top_k=8), max_new_tokens=9, seed=turn)
         hit = hit_of(engine, prompt, rows)
         assert hit == kept // 4 * 4 and (turn == 0 or hit > asked)  # past the last turn's prompt
         asked = len(prompt)

@@ -7,8 +7,8 @@ import httpx
 import numpy as np
 
 from flaxgpt.data.tokenizers import CharTokenizer
-from flaxgpt.decode.sampling import Sampling
-from flaxgpt.serve.engine import Engine, RowSampling
+from flaxgpt.decode.sampling import Rows, Sampling
+from flaxgpt.serve.engine import Engine
 from flaxgpt.serve.launch import scheduler_for
 from flaxgpt.serve.scheduler import Failed, Scheduler, Sequence
 from flaxgpt.serve.server import create_app
@@ -24,7 +24,7 @@ def test_a_client_gone_mid_prefill_gives_its_pages_back(step):  # noqa: F811
     engine = Engine(step, CFG, slots=SLOTS, chunk=2, prefill_chunk=4, page=PAGE, prefix_blocks=BLOCKS)
     sched = Scheduler(engine, CharTokenizer(CHARS), max_num_batched_tokens=5)
     events = []
-    rows = RowSampling.of(Sampling(temperature=0), max_new_tokens=4)
+    rows = Rows.of(Sampling(temperature=0), max_new_tokens=4)
     sched.submit(Sequence([1, 2, 3], rows, emit=events.append))
     sched._admit()  # nobody decodes yet: prefilled whole, then it decodes
     free_before = len(engine.blocks.free_pages)
@@ -78,7 +78,7 @@ def test_a_poisoned_request_fails_alone_with_a_500(params, step):  # noqa: F811
     bad = answers.pop(1)
     assert bad.status_code == 500 and "a NaN in the step" in bad.json()["error"]["message"]
     for prompt, r in zip([prompts[0], *prompts[2:], "ROMEO: again"], [*answers, after], strict=True):
-        rows = RowSampling.of(Sampling(temperature=0.0), max_new_tokens=6)
+        rows = Rows.of(Sampling(temperature=0.0), max_new_tokens=6)
         assert r.status_code == 200
         assert r.json()["choices"][0]["text"] == tok.decode(
             references.alone(step, CFG, W, tok.encode(prompt), rows)

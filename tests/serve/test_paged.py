@@ -10,12 +10,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from flaxgpt.data.tokenizers import CharTokenizer
-from flaxgpt.decode.sampling import Sampling
+from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.models.gpt import GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
 from flaxgpt.models.paged import paged_impl
 from flaxgpt.serve.block_manager import OutOfPages, block_digests
-from flaxgpt.serve.engine import Engine, RowSampling, slot_owner
+from flaxgpt.serve.engine import Engine, slot_owner
 from tests.serve import references
 
 # every engine here (and the server's) has these shapes and settings: they share compiled programs
@@ -62,7 +62,7 @@ def test_shared_prefixes_decode_what_each_request_gives_alone(step):
         reqs.append(
             (
                 (system if i % 3 else []) + tail,
-                RowSampling.of(s, max_new_tokens=int(rng.integers(2, 9)), seed=i),
+                Rows.of(s, max_new_tokens=int(rng.integers(2, 9)), seed=i),
             )
         )
     most_shared, engine = 0, new_engine(step)
@@ -101,7 +101,7 @@ def test_a_shared_prefix_is_mapped_not_copied(step):
     rng = np.random.default_rng(1)
     system = rng.integers(0, CFG.vocab_size, 16).tolist()
     a, b = system + [1, 2, 3], system + [4, 5, 6, 7, 8]
-    rows = RowSampling.of(max_new_tokens=6)  # greedy
+    rows = Rows.of(max_new_tokens=6)  # greedy
     prefix_a = engine.prefill(a, rows)  # positions up to 24: blocks 0-3; its 2 full prompt blocks cached
     engine.insert(prefix_a, 0)
     assert len(bm.blocks) == 2 and len(bm.free_pages) == bm.pages - 1 - 4
@@ -132,7 +132,7 @@ def test_a_shared_prefix_is_mapped_not_copied(step):
     kept_b = engine.keep(1, b + out[1][:-1])  # 26: b's own block 2; the cache is now full (4 blocks)
     assert (kept_a, kept_b) == (1, 1) and len(bm.blocks) == 4 and engine.kv_memory()["shared_blocks"] == 0
     assert len(bm.free_pages) == bm.pages - 1 - 4  # the rows' other pages came back
-    short = RowSampling.of(max_new_tokens=2)
+    short = Rows.of(max_new_tokens=2)
     assert engine.start_prefill(b + out[1][:-1] + [9], short).hit == 24  # the reply is reused
     engine.cancel(job := engine.start_prefill(a + out[0][:-1] + [9], short))
     assert job.hit == 24 and not bm.holds(job.owner) and bm.refs[shared[0]] == 2  # cache + the job above
@@ -146,9 +146,7 @@ def test_a_shared_prefix_is_mapped_not_copied(step):
     assert digests_c[0] in bm.blocks and digests_c[1] not in bm.blocks
     with pytest.raises(OutOfPages, match="out of KV pages"):
         for _ in range(2 * SLOTS):  # jobs never inserted nor cancelled hold their pages
-            engine.start_prefill(
-                rng.integers(0, CFG.vocab_size, 20).tolist(), RowSampling.of(max_new_tokens=12)
-            )
+            engine.start_prefill(rng.integers(0, CFG.vocab_size, 20).tolist(), Rows.of(max_new_tokens=12))
     bm.check()
     with pytest.raises(ValueError, match="not a multiple of the page size 8"):
         Engine(step, CFG, slots=SLOTS, max_len=W - 4, page=PAGE)
@@ -192,7 +190,7 @@ def test_paged_server_tokens_and_kv_metrics(params, step):
     sched.close()
     m = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     for prompt, got in zip(prompts, texts, strict=True):
-        rows = RowSampling.of(Sampling(temperature=0.0), max_new_tokens=8)
+        rows = Rows.of(Sampling(temperature=0.0), max_new_tokens=8)
         assert got == tok.decode(references.alone(step, CFG, W, tok.encode(prompt), rows))
     # a slot's window: M pages of [2 kv heads, PAGE positions, head_dim 8] float32, k and v, 2 layers
     assert m["flaxgpt_kv_bytes_per_slot"] == M * 2 * PAGE * 8 * 4 * 2 * 2

@@ -6,11 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from flaxgpt.decode.sampling import MAX_LOGPROBS, Sampling, select_rows
+from flaxgpt.decode.sampling import MAX_LOGPROBS, Rows, Sampling, select_rows
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
-from flaxgpt.serve.engine import Engine, RowSampling
+from flaxgpt.serve.engine import Engine
 
 W = 64
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=W, vocab_size=40)
@@ -84,14 +84,14 @@ def test_penalties_and_bias_follow_vllm_definitions_per_row(step, engine):
     """Three rows of one batch, each with other penalties: greedy tokens equal a float64 loop over the
     model's logits with vLLM's processing; a row without penalties is plain greedy."""
     prompts = [[5, 6, 7, 5, 6, 7, 5], [1, 2, 3, 1, 2], [9, 9, 9, 4]]
-    reqs = [(p, RowSampling.of(s, max_new_tokens=12)) for p, s in zip(prompts, PENALTIES)]
+    reqs = [(p, Rows.of(s, max_new_tokens=12)) for p, s in zip(prompts, PENALTIES)]
     got, _ = run(engine, reqs)
     for (prompt, _), s, tokens in zip(reqs, PENALTIES, got):
         want = []
         for _ in range(12):
             want.append(int(np.argmax(vllm_adjusted(logits_after(step, prompt + want), s, prompt, want))))
         assert tokens == want, (s, tokens, want)
-    plain, _ = run(engine, [(prompts[0], RowSampling.of(Sampling(temperature=0), max_new_tokens=12))])
+    plain, _ = run(engine, [(prompts[0], Rows.of(Sampling(temperature=0), max_new_tokens=12))])
     assert plain[0] != got[0]  # the penalties changed something: the test can fail
 
 
@@ -99,10 +99,10 @@ def test_logit_bias_forces_and_bans():
     prompt = [4, 2, 8]
     step = gpt_step_fn(CFG, init_params(CFG, jax.random.key(1)))
     engine = Engine(step, CFG, slots=2, chunk=3, max_k=8)
-    forced = RowSampling.of(Sampling(temperature=0.9, logit_bias=((17, 100.0),)), max_new_tokens=6, seed=3)
-    greedy, _ = run(engine, [(prompt, RowSampling.of(Sampling(temperature=0), max_new_tokens=6))])
+    forced = Rows.of(Sampling(temperature=0.9, logit_bias=((17, 100.0),)), max_new_tokens=6, seed=3)
+    greedy, _ = run(engine, [(prompt, Rows.of(Sampling(temperature=0), max_new_tokens=6))])
     top = greedy[0][0]
-    banned = RowSampling.of(Sampling(temperature=0, logit_bias=((top, -100.0),)), max_new_tokens=6)
+    banned = Rows.of(Sampling(temperature=0, logit_bias=((top, -100.0),)), max_new_tokens=6)
     got, _ = run(engine, [(prompt, forced), (prompt, banned)])
     assert got[0] == [17] * 6
     assert top not in got[1]
@@ -133,7 +133,7 @@ def test_mask_constrains_every_token_of_its_row_only(engine):
     for t in (3, 5, 30):
         allowed[t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(2**31))
     anything = np.full(words, -1, np.int32)
-    rows = RowSampling.of(Sampling(temperature=1.0), max_new_tokens=10, seed=5)
+    rows = Rows.of(Sampling(temperature=1.0), max_new_tokens=10, seed=5)
     got, _ = run(engine, [([1, 2, 3], rows), ([1, 2, 3], rows)], masks=[allowed, anything])
     assert set(got[0]) <= {3, 5, 30} and len(got[0]) == 10
     assert not set(got[1]) <= {3, 5, 30}
@@ -144,7 +144,7 @@ def test_logprobs_are_the_models_log_softmax(step, engine):
     and penalties), within 1e-5 of float64; rows that did not ask get nothing computed for them."""
     prompt = [7, 1, 8, 2]
     s = Sampling(temperature=0.7, repetition_penalty=1.3)
-    got, lps = run(engine, [(prompt, RowSampling.of(s, max_new_tokens=7, seed=2, logprobs=5))])
+    got, lps = run(engine, [(prompt, Rows.of(s, max_new_tokens=7, seed=2, logprobs=5))])
     for i, (chosen, top_ids, top) in enumerate(lps[0]):
         x = logits_after(step, prompt + got[0][:i])
         ref = x - np.logaddexp.reduce(x)
@@ -152,14 +152,14 @@ def test_logprobs_are_the_models_log_softmax(step, engine):
         assert abs(float(chosen) - ref[got[0][i]]) < 1e-5
         np.testing.assert_array_equal(np.asarray(top_ids)[:5], order[:5])
         np.testing.assert_allclose(np.asarray(top)[:5], ref[order[:5]], atol=1e-5)
-    _, none = run(engine, [(prompt, RowSampling.of(s, max_new_tokens=4, seed=2))])
+    _, none = run(engine, [(prompt, Rows.of(s, max_new_tokens=4, seed=2))])
     assert all(float(c) == 0 for c, _, _ in none[0][1:])
 
 
 def test_echo_prompt_logprobs(step, engine):
     """An echo prefill reports each prompt token's logprob given the tokens before it, in chunks."""
     prompt = [3, 14, 15, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
-    rows = RowSampling.of(Sampling(temperature=0), max_new_tokens=1, logprobs=2)
+    rows = Rows.of(Sampling(temperature=0), max_new_tokens=1, logprobs=2)
     job = engine.start_prefill(prompt, rows, echo=True)
     while (prefix := engine.prefill_step(job, 8)) is None:
         pass

@@ -6,11 +6,11 @@ import jax
 import numpy as np
 
 from flaxgpt.data.tokenizers import CharTokenizer
-from flaxgpt.decode.sampling import Sampling
+from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.models.gpt import GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
 from flaxgpt.serve import ngram
-from flaxgpt.serve.engine import Engine, RowSampling
+from flaxgpt.serve.engine import Engine
 from flaxgpt.serve.metrics import ServeMetrics
 from flaxgpt.serve.scheduler import Finish, Scheduler, Sequence
 from tests.serve.test_paged import BLOCKS, CFG, CHARS, PAGE, SLOTS, W, params, step  # noqa: F401
@@ -50,10 +50,10 @@ def test_greedy_replies_equal_the_server_without_drafting(step):  # noqa: F811
     motif = list(rng.integers(0, CFG.vocab_size, 5))
     prompts = [motif * 3, list(rng.integers(0, CFG.vocab_size, 9)), motif * 2 + [1], [2, 3, 2, 3, 2, 3]]
     rows = [
-        RowSampling.of(Sampling(temperature=0), max_new_tokens=16),
-        RowSampling.of(Sampling(temperature=0), max_new_tokens=17),
-        RowSampling.of(Sampling(temperature=0.9), max_new_tokens=20, seed=4),  # never drafts
-        RowSampling.of(Sampling(temperature=0), max_new_tokens=3),  # fewer new tokens than a draft
+        Rows.of(Sampling(temperature=0), max_new_tokens=16),
+        Rows.of(Sampling(temperature=0), max_new_tokens=17),
+        Rows.of(Sampling(temperature=0.9), max_new_tokens=20, seed=4),  # never drafts
+        Rows.of(Sampling(temperature=0), max_new_tokens=3),  # fewer new tokens than a draft
     ]
     plain, _ = serve_all(step, prompts, rows, speculate=0)
     fast, metrics = serve_all(step, prompts, rows, speculate=4)
