@@ -161,11 +161,11 @@ def sample(a, run):
 
     from flaxgpt import gpt_step_fn, loader
     from flaxgpt.data.tokenizers import TextStream, encode_prompt
-    from flaxgpt.decode import sampling
+    from flaxgpt.decode import sampler, sampling
     from flaxgpt.models import quantize
     from flaxgpt.models.cache import KVCache
 
-    sampling.check_sampling_args(a.temperature, a.top_k, a.top_p)
+    sampler.check_sampling_args(a.temperature, a.top_k, a.top_p)
     if a.quantize is not None:
         quantize.check_mode(a.quantize)
     if a.max_new_tokens < 0 or (a.max_new_tokens == 0 and not a.attention_png):
@@ -227,10 +227,10 @@ def chat(a, run):
 
     from flaxgpt import gpt_step_fn, loader
     from flaxgpt.data import chat as chat_lib
-    from flaxgpt.decode import sampling
+    from flaxgpt.decode import sampler, sampling
     from flaxgpt.models.cache import KVCache
 
-    sampling.check_sampling_args(a.temperature, a.top_k, a.top_p)
+    sampler.check_sampling_args(a.temperature, a.top_k, a.top_p)
     if a.max_new_tokens < 1:
         raise ValueError(f"--max_new_tokens must be >= 1, got {a.max_new_tokens}")
     tok = run.tokenizer

@@ -43,7 +43,6 @@ C chunk, N new tokens.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterator
 
 import jax
@@ -51,63 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-# ---------------------------------------------------------------- selection (pure functions)
+from flaxgpt.decode.sampler import (
+    MAX_LOGPROBS,
+    check_sampling_args,
+    greedy,
+    select_rows,
+    token_logprobs,
+)
 
-
-def top_k_mask(logits_BV: jax.Array, k: int) -> jax.Array:
-    """-inf everywhere but the k largest logits of each row (ties with the k-th are kept)."""
-    if k <= 0 or k >= logits_BV.shape[-1]:
-        return logits_BV
-    kth_B1 = jax.lax.top_k(logits_BV, k)[0][..., -1:]
-    return jnp.where(logits_BV >= kth_B1, logits_BV, -jnp.inf)
-
-
-def top_p_mask(logits_BV: jax.Array, p: float, *, is_sorted: bool = False) -> jax.Array:
-    """Nucleus: keep the smallest set of largest logits whose probability reaches p.
-
-    A token is kept when the probability of the tokens strictly above it is < p, so the most
-    likely token always survives; ties with the last kept logit are kept too.
-    """
-    if p >= 1.0:
-        return logits_BV
-    logits_BV = logits_BV.astype(jnp.float32)
-    sorted_BV = logits_BV if is_sorted else -jnp.sort(-logits_BV, axis=-1)  # descending
-    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-    above_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    n_keep_B1 = jnp.sum(above_BV < p, axis=-1, keepdims=True)  # >= 1
-    threshold_B1 = jnp.take_along_axis(sorted_BV, n_keep_B1 - 1, axis=-1)
-    return jnp.where(logits_BV >= threshold_B1, logits_BV, -jnp.inf)
-
-
-def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B, min_p_B):
-    """Lowest kept logit of each row from its K largest (sorted descending) -> (thr_B, fits_B).
-
-    min-p keeps tokens with probability >= min_p times the most likely one's, top-k the logits >=
-    the k-th largest (ties kept): the kept set is both; top-p then keeps the smallest set of largest
-    kept logits whose probability, renormalised over the kept set, reaches p (vLLM's order: min-p,
-    then top-k and top-p). fits_B: the K candidates decided it (else the row needs all V sorted).
-    """
-    B, K = sorted_BK.shape
-    V = scaled_BV.shape[-1]
-    topk_on_B = (top_k_B > 0) & (top_k_B < V)
-    kth_B = jnp.take_along_axis(sorted_BK, jnp.clip(top_k_B - 1, 0, K - 1)[:, None], -1)[:, 0]
-    kth_B = jnp.where(topk_on_B, kth_B, -jnp.inf)
-    # p(x) >= min_p * p(max)  <=>  logit(x) >= logit(max) + log(min_p)
-    min_p_thr_B = jnp.where(min_p_B > 0, sorted_BK[:, 0] + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
-    kth_B = jnp.maximum(kth_B, min_p_thr_B)
-    kept_BV = scaled_BV >= kth_B[:, None]
-    lse_B = jax.nn.logsumexp(jnp.where(kept_BV, scaled_BV, -jnp.inf), axis=-1)
-    kept_BK = sorted_BK >= kth_B[:, None]
-    probs_BK = jnp.where(kept_BK, jnp.exp(sorted_BK - lse_B[:, None]), 0.0)
-    cum_BK = jnp.cumsum(probs_BK, axis=-1)
-    n_keep_B = jnp.sum(((cum_BK - probs_BK) < top_p_B[:, None]) & kept_BK, axis=-1)  # >= 1
-    nucleus_B = jnp.take_along_axis(sorted_BK, jnp.maximum(n_keep_B, 1)[:, None] - 1, -1)[:, 0]
-    thr_B = jnp.where(top_p_B < 1, nucleus_B, kth_B)
-    fits_B = (~topk_on_B | (top_k_B <= K)) & ((top_p_B >= 1) | (cum_BK[:, -1] >= top_p_B) | ~kept_BK[:, -1])
-    return thr_B, fits_B
-
-
-MAX_LOGPROBS = 20  # top alternatives a row may ask for (OpenAI's limit): a static width of the outputs
 MAX_LOGIT_BIAS = 300  # logit_bias entries a request may carry: a static width of the settings
 
 
@@ -133,85 +83,6 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple = ()  # ((token id, bias), ...)
-
-
-def greedy(logits_XV):
-    """The highest-scoring token along the last axis, compared in fp32 (bf16 ties break differently)."""
-    return jnp.argmax(logits_XV.astype(jnp.float32), axis=-1).astype(jnp.int32)
-
-
-def _categorical_in_blocks(key, x_V, block: int = 256):
-    """One draw from softmax(x_V) in two: a block of `block` tokens by its total probability
-    (logsumexp of its logits), then a token within that block; P(block) P(token | block) is the
-    token's probability, and it takes V / block + block random numbers instead of V."""
-    V = x_V.shape[-1]
-    n = -(-V // block)
-    x_NS = jnp.pad(x_V, (0, n * block - V), constant_values=-jnp.inf).reshape(n, block)
-    key_n, key_s = jax.random.split(key)
-    b = jax.random.categorical(key_n, jax.nn.logsumexp(x_NS, axis=-1))
-    return (b * block + jax.random.categorical(key_s, x_NS[b])).astype(jnp.int32)
-
-
-def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, min_p_B=None, max_k: int = 256):
-    """One token per row, each row with its own key and settings (arrays, so one program serves all).
-
-    temperature 0 is greedy; else logits / temperature, min-p (0 = off), top-k (0 = off), top-p
-    (1 = off), then a draw with the row's key over the tokens the filters keep. Filters look at the
-    `max_k` largest logits (lax.top_k); only when some row's top_k or nucleus reaches past them is the whole
-    vocabulary sorted, and a row's result never depends on whether that happened (each row uses one
-    path, chosen by itself). The draw is _categorical_in_blocks': V / 256 + 256 random numbers
-    per row where jax.random.categorical takes V (threefry: 35 ms for 16 rows of GPT-2's 50257 on a
-    2-core CPU, a fifth of a decoding step).
-    """
-    logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
-    B, V = logits_BV.shape
-    K = min(max_k, V)
-    greedy_B = temperature_B <= 0
-    min_p_B = jnp.zeros((B,), jnp.float32) if min_p_B is None else min_p_B
-    scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
-    filter_B = ~greedy_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1) | (min_p_B > 0))
-
-    def candidates(_):
-        return _threshold(jax.lax.top_k(scaled_BV, K)[0], scaled_BV, top_k_B, top_p_B, min_p_B)
-
-    def everything(_):
-        return _threshold(-jnp.sort(-scaled_BV, axis=-1), scaled_BV, top_k_B, top_p_B, min_p_B)[0]
-
-    none = (jnp.full((B,), -jnp.inf), jnp.ones((B,), bool))
-    thr_B, fits_B = jax.lax.cond(jnp.any(filter_B), candidates, lambda _: none, None)
-    full_B = filter_B & ~fits_B
-    thr_full_B = jax.lax.cond(jnp.any(full_B), everything, lambda _: none[0], None)
-    thr_B = jnp.where(full_B, thr_full_B, jnp.where(filter_B, thr_B, -jnp.inf))
-    masked_BV = jnp.where(scaled_BV >= thr_B[:, None], scaled_BV, -jnp.inf)
-
-    def draw(_):  # each row its own key: a row's token never depends on its neighbours, nor on max_k
-        return jax.vmap(_categorical_in_blocks)(keys_B, masked_BV)
-
-    drawn_B = jax.lax.cond(jnp.any(~greedy_B), draw, lambda _: jnp.zeros((B,), jnp.int32), None)
-    return jnp.where(greedy_B, greedy(logits_BV), drawn_B)
-
-
-def sample_logits(rng, logits_BV, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-    """One token per row: greedy when temperature == 0, else temperature, then top-k, then top-p
-    (select_rows with these settings on every row; row b draws with fold_in(rng, b))."""
-    if temperature == 0:
-        return greedy(logits_BV)
-    logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
-    B = logits_BV.shape[0]
-    keys_B = jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(B))
-    full = lambda x, dtype: jnp.full((B,), x, dtype)  # noqa: E731
-    return select_rows(
-        keys_B, logits_BV, full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32)
-    )
-
-
-def check_sampling_args(temperature: float, top_k: int, top_p: float):
-    if not (math.isfinite(temperature) and temperature >= 0):  # nan and inf too: they sample garbage
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:  # (False for nan)
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}; 1 disables nucleus sampling")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 = no top-k), got {top_k}")
 
 
 # ---------------------------------------------------------------- the decode loop (generate's, the engine's)
@@ -352,28 +223,6 @@ def adjust_logits(rows: Rows, logits_BV, counts_BV=None, seen_BV=None, mask_BW=N
 
     on_B = (rows.repetition_B != 1) | (rows.frequency_B != 0) | (rows.presence_B != 0)
     return jax.lax.cond(jnp.any(on_B), penalize, lambda x: x, logits_BV)
-
-
-def token_logprobs(logits_BV, tok_B, want_B):
-    """-> (logprob_B of tok_B, top ids [B, MAX_LOGPROBS], their logprobs): float32 log-softmax of the
-    logits as the model gave them (before bias, penalties and temperature: vLLM's default), zeros
-    unless some row wants them (want_B >= 0)."""
-    B, V = logits_BV.shape
-    K = MAX_LOGPROBS
-
-    def compute(_):
-        lp_BV = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
-        top_lp_BK, top_ids_BK = jax.lax.top_k(lp_BV, min(K, V))
-        if V < K:  # a tiny vocabulary: the missing alternatives at -inf
-            top_lp_BK = jnp.pad(top_lp_BK, ((0, 0), (0, K - V)), constant_values=-jnp.inf)
-            top_ids_BK = jnp.pad(top_ids_BK, ((0, 0), (0, K - V)))
-        chosen_B = jnp.take_along_axis(lp_BV, tok_B[:, None], -1)[:, 0]
-        return chosen_B, top_ids_BK.astype(jnp.int32), top_lp_BK
-
-    def none(_):
-        return jnp.zeros((B,), jnp.float32), jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K), jnp.float32)
-
-    return jax.lax.cond(jnp.any(want_B >= 0), compute, none, None)
 
 
 def next_tokens(rows: Rows, count_B, logits_BV, max_k: int = 256):

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from flaxgpt.decode.sampling import Sampling, check_sampling_args, greedy, top_k_mask, top_p_mask
+from flaxgpt.decode.sampler import check_sampling_args, greedy, top_k_mask, top_p_mask
+from flaxgpt.decode.sampling import Sampling
 
 
 class SpecStats(NamedTuple):

@@ -29,6 +29,10 @@ ByteFallback turns a whole run of byte tokens into U+FFFDs when the run holds an
 characters returned before it in that run included, and a U+FFFD returned after MAX_PENDING tokens
 may be repeated when later bytes regroup. Valid text is never lost; for valid UTF-8 the result is
 exactly decode(prompt + reply)[len(decode(prompt)):] (tests/serve/test_detokenize.py).
+
+Also the scheduler's other text rules: `WithSpecial` (a tokenizer whose decode keeps special tokens, for
+requests that ask for them) and `held_back` (the end of a reply not to emit yet: a partial character
+or the start of a stop string).
 """
 
 from __future__ import annotations
@@ -103,3 +107,27 @@ class Detokenizer:
 def _no_start(text: str) -> bool:
     """A window that opens on no text or inside a character (its first bytes decode to U+FFFD)."""
     return not text or text.startswith(INCOMPLETE)
+
+
+class WithSpecial:
+    """A tokenizer whose decode keeps special tokens (a Hugging Face tokenizer's skip them)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids) -> str:
+        inner = getattr(self.tokenizer, "tok", None)
+        if inner is None:  # tiktoken and characters: no token is skipped
+            return self.tokenizer.decode(ids)
+        return inner.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def held_back(text: str, stop: list[str]) -> int:
+    """Characters at the end of `text` not to emit yet: a partial UTF-8 character or stop string."""
+    n = len(text) - len(text.rstrip("\ufffd"))
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                n = max(n, k)
+                break
+    return n

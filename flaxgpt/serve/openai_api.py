@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from flaxgpt.data import chat
-from flaxgpt.decode.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, Sampling
+from flaxgpt.decode.sampler import MAX_LOGPROBS
+from flaxgpt.decode.sampling import MAX_LOGIT_BIAS, Sampling
 
 OPENAI_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxgpt import sharding
+from flaxgpt.decode.sampler import greedy, token_logprobs
 from flaxgpt.decode.sampling import (
     GPU_LOOP_OPTIONS,
     PAD,
@@ -47,10 +48,8 @@ from flaxgpt.decode.sampling import (
     decode_chunk,
     feed,
     finished,
-    greedy,
     next_tokens,
     take,
-    token_logprobs,
 )
 from flaxgpt.models.cache import AdapterCache
 

@@ -6,21 +6,19 @@
     seq.cancel()                                    # any thread: its slot is freed before the next chunk
     sched.drain(); sched.close()                    # in-flight sequences finish, new ones are refused
 
-Each turn of the thread starts waiting sequences in every free slot, then plans its tokens under
-one budget, `max_num_batched_tokens` (vLLM v1's): a token for each decoding row, the rest prefill
-chunks of at most `engine.prefill_chunk` prompt tokens, oldest first, so a long prompt delays running
-streams by about one budget of work per turn, not by its whole prefill (every prompt to its end when
-no slot decodes: a burst). It emits the first token of each finished prefill at once, then runs one
-`engine.generate()` for all slots (one step while prompts are still prefilling or a slot is free for
-the next arrival, else `chunk`) and hands each
-sequence its new tokens. Text is
-decoded on this thread, a few tokens at a time against the prompt's last tokens (serve/detokenize.py:
-the text that follows the prompt), streamed as it grows, holding back an incomplete UTF-8 character
-and any tail that could begin a stop string. A sequence with a grammar (structured outputs, a forced
-tool call) runs one step at a time: its Matcher writes its row of the bitmask before each step and
-takes the token after it; its end ends the sequence. Logprobs travel with the deltas. A sequence that
-ends offers its slot's KV (prompt and reply) to the prefix cache (`engine.keep`) before the slot is
-reused.
+Each turn of the thread starts waiting sequences in every free slot, then plans its tokens under one
+budget, `max_num_batched_tokens` (vLLM v1's): a token for each decoding row, the rest prefill chunks of
+at most `engine.prefill_chunk` prompt tokens, oldest first, so a long prompt delays running streams by
+about one budget of work per turn, not by its whole prefill (every prompt to its end when no slot
+decodes: a burst). It emits the first token of each finished prefill at once, then runs one
+`engine.generate()` for all slots (one step while prompts are still prefilling or a slot is free for the
+next arrival, else `chunk`) and hands each sequence its new tokens. Text is decoded on this thread, a few
+tokens at a time against the prompt's last tokens (serve/detokenize.py: the text that follows the
+prompt), streamed as it grows, holding back an incomplete UTF-8 character and any tail that could begin a
+stop string. A sequence with a grammar (structured outputs, a forced tool call) runs one step at a time:
+its Matcher writes its row of the bitmask before each step and takes the token after it; its end ends the
+sequence. Logprobs travel with the deltas. A sequence that ends offers its slot's KV (prompt and reply)
+to the prefix cache (`engine.keep`) before the slot is reused.
 
 `emit(event)` is called on this thread with `Delta(text)` and then one `Finish(reason,
 completion_tokens)` or `Failed(message)`; callers in an event loop hand it over with
@@ -46,7 +44,7 @@ import numpy as np
 
 from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.serve import ngram
-from flaxgpt.serve.detokenize import Detokenizer
+from flaxgpt.serve.detokenize import Detokenizer, WithSpecial, held_back
 from flaxgpt.serve.engine import Engine
 
 log = logging.getLogger("flaxgpt.serve")
@@ -119,30 +117,6 @@ class Sequence:
 
     def cancel(self):
         self.cancelled = True  # read by the engine thread (a plain bool is atomic enough)
-
-
-class _WithSpecial:
-    """A tokenizer whose decode keeps special tokens (a Hugging Face tokenizer's skip them)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def decode(self, ids) -> str:
-        inner = getattr(self.tokenizer, "tok", None)
-        if inner is None:  # tiktoken and characters: no token is skipped
-            return self.tokenizer.decode(ids)
-        return inner.decode([int(i) for i in ids], skip_special_tokens=False)
-
-
-def _held_back(text: str, stop: list[str]) -> int:
-    """Characters at the end of `text` not to emit yet: a partial UTF-8 character or stop string."""
-    n = len(text) - len(text.rstrip("\ufffd"))
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                n = max(n, k)
-                break
-    return n
 
 
 class Scheduler:
@@ -476,7 +450,7 @@ class Scheduler:
             seq.ids.extend(new_ids)
             hidden = eos or (ended and seq.ids[-1] in seq.stop_ids)  # not part of the text
             if seq.detok is None:  # the text that follows the prompt, decoded a few tokens at a time
-                tok = _WithSpecial(self.tokenizer) if seq.special else self.tokenizer
+                tok = WithSpecial(self.tokenizer) if seq.special else self.tokenizer
                 seq.detok = Detokenizer(tok, seq.prompt_ids)
             seq.detok.add(new_ids[:-1] if hidden else new_ids)
             if ended or device_done:
@@ -490,7 +464,7 @@ class Scheduler:
             elif device_done:
                 reason = "stop" if eos else "length"
             else:
-                reason, text = None, text[: len(text) - _held_back(text, seq.stop)]
+                reason, text = None, text[: len(text) - held_back(text, seq.stop)]
             entries = [] if lps is None else lps[: len(new_ids) - hidden]
             if new_ids or len(text) > seq.sent:  # an empty delta too: clients see tokens arrive
                 seq.emit(Delta(text[seq.sent :], entries))

@@ -4,7 +4,8 @@ import jax
 import numpy as np
 import pytest
 
-from flaxgpt.decode.sampling import Rows, Sampling, generate, select_rows
+from flaxgpt.decode.sampler import select_rows
+from flaxgpt.decode.sampling import Rows, Sampling, generate
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import LLAMA_STYLE, GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn

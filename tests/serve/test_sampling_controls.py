@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from flaxgpt.decode.sampling import MAX_LOGPROBS, Rows, Sampling, select_rows
+from flaxgpt.decode.sampler import MAX_LOGPROBS, select_rows
+from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt import GPTConfig, init_params
 from flaxgpt.models.gpt import step_fn as gpt_step_fn
