@@ -88,8 +88,8 @@ class PagedLayer(KVLayer):
         page_Bn = jnp.where(m_Bn < self.table_BM.shape[1], page_Bn, P)  # past the row: dropped
         local_BT = positions_BT - m_Bn[:, :1] * page  # each position's place in its row's n pages
         # XLA:CPU decoding (one query a row) writes single positions and reads the pages without a
-        # transposed copy (_attend_rows): whole-page writes and the dot's [J, B, S, K] operand copied
-        # 16 pages and 8 windows a step for 4 layers, and GRPO's rollouts ran 0.79x the contiguous
+        # transposed copy (_attend_blocks' products): whole-page writes and the dot's [J, B, S, K]
+        # operand copied 16 pages and 8 windows a step for 4 layers; GRPO's rollouts ran 0.79x the contiguous
         # cache's. TPU keeps whole pages (the tiling note in `put`), GPUs and TPUs their kernels.
         rows_path = T == 1 and not window and self.impl == "xla" and target.platform() == "cpu"
 
@@ -112,10 +112,8 @@ class PagedLayer(KVLayer):
         layer = self.replace(k_JPpK=put(self.k_JPpK, k_BTJK), v_JPpK=put(self.v_JPpK, v_BTJK))
         if attend_kw.get("sow") is not None:  # attention maps need every probability at once
             return layer._attend_xla(q_BTHK, positions_BT, window, attend_kw), layer
-        if rows_path:
-            return layer._attend_rows(q_BTHK, positions_BT, **attend_kw), layer
         if self.impl == "xla" or T > 1 or window:
-            return layer._attend_blocks(q_BTHK, positions_BT, window, **attend_kw), layer
+            return layer._attend_blocks(q_BTHK, positions_BT, window, products=rows_path, **attend_kw), layer
         scale, softcap = attend_kw.get("scale", 0.0), attend_kw.get("softcap", 0.0)
         q_BHK = (q_BTHK[:, 0] * (scale or 1 / math.sqrt(K))).astype(q_BTHK.dtype)  # the kernels do not scale
         lengths_B = (positions_BT[:, 0] + 1).astype(jnp.int32)
@@ -144,13 +142,19 @@ class PagedLayer(KVLayer):
         """Each row's pages in order as the contiguous cache lays them out: ([B*J, S, K], [B*J, S, K])."""
         return gather_rows(self.k_JPpK, self.table_BM), gather_rows(self.v_JPpK, self.table_BM)
 
-    def _attend_blocks(self, q_BTHK, positions_BT, window=0, scale=0.0, softcap=0.0, sow=None):
+    def _attend_blocks(
+        self, q_BTHK, positions_BT, window=0, products=False, scale=0.0, softcap=0.0, sow=None
+    ):
         """Attention over each row's pages a group of pages at a time, with an online softmax
         (running max, sum and weighted values per query): the xla path (CPUs; prefills and windows on
         every target). Gathering a row's whole window first ([B*J, S, K], then transposed for the dot)
         copied the cache twice per layer and step and ran 1.7x slower than the contiguous cache on a
         2-core CPU; a group of blocks of 128 positions stays in cache and is read once. Groups past
-        every query's position are not visited (the loop's bound is the batch's last position)."""
+        every query's position are not visited (the loop's bound is the batch's last position).
+        products: scores and values as products and sums, not dots (XLA:CPU decoding, one query a row):
+        a dot wants its batch axes leading, so XLA:CPU copied each gathered group transposed before
+        the dot; a product-and-sum fusion reads the gathered pages as they come, and one query a row
+        reads each key once per query head: there is no matrix product to lose."""
         del sow  # handled by the caller (_attend_xla)
         B, T, H, K = q_BTHK.shape
         J, _, page, _ = self.k_JPpK.shape
@@ -166,9 +170,12 @@ class PagedLayer(KVLayer):
             pages_Bn = jax.lax.dynamic_slice_in_dim(self.table_BM, g * per, per, axis=1)
             k_JBNK = jnp.take(self.k_JPpK, pages_Bn, axis=1, mode="clip").reshape(J, B, per * page, K)
             v_JBNK = jnp.take(self.v_JPpK, pages_Bn, axis=1, mode="clip").reshape(J, B, per * page, K)
-            s_JBRN = jnp.einsum(
-                "jbrk,jbnk->jbrn", q_JBRK, k_JBNK.astype(q_JBRK.dtype), preferred_element_type=acc
-            )
+            if products:
+                s_JBRN = jnp.sum(q_JBRK[:, :, :, None].astype(acc) * k_JBNK[:, :, None].astype(acc), axis=-1)
+            else:
+                s_JBRN = jnp.einsum(
+                    "jbrk,jbnk->jbrn", q_JBRK, k_JBNK.astype(q_JBRK.dtype), preferred_element_type=acc
+                )
             s_JBRN = s_JBRN * scale
             if softcap:  # as attend_cached
                 s_JBRN = softcap * jnp.tanh(s_JBRN / softcap)
@@ -181,9 +188,13 @@ class PagedLayer(KVLayer):
             safe_JBR = jnp.where(jnp.isfinite(new_JBR), new_JBR, 0.0)  # a group a query sees nothing of
             p_JBRN = jnp.exp(s_JBRN - safe_JBR[..., None])
             keep_JBR = jnp.exp(max_JBR - safe_JBR)
-            y_JBRK = y_JBRK * keep_JBR[..., None] + jnp.einsum(
-                "jbrn,jbnk->jbrk", p_JBRN.astype(v_JBNK.dtype), v_JBNK, preferred_element_type=acc
-            )
+            if products:
+                pv_JBRK = jnp.sum(p_JBRN[..., None] * v_JBNK[:, :, None].astype(acc), axis=3)
+            else:
+                pv_JBRK = jnp.einsum(
+                    "jbrn,jbnk->jbrk", p_JBRN.astype(v_JBNK.dtype), v_JBNK, preferred_element_type=acc
+                )
+            y_JBRK = y_JBRK * keep_JBR[..., None] + pv_JBRK
             return new_JBR, sum_JBR * keep_JBR + p_JBRN.sum(-1), y_JBRK
 
         R = G * T
@@ -192,29 +203,6 @@ class PagedLayer(KVLayer):
         _, sum_JBR, y_JBRK = jax.lax.fori_loop(0, groups, group, init)
         y_JBGTK = (y_JBRK / sum_JBR[..., None]).reshape(J, B, G, T, K)
         return jnp.transpose(y_JBGTK, (1, 3, 0, 2, 4)).reshape(B, T, H, K).astype(q_BTHK.dtype)
-
-    def _attend_rows(self, q_BTHK, positions_BT, scale=0.0, softcap=0.0, sow=None):
-        """One query a row over its whole window as products and sums, not dots (the CPU's decoding
-        path): a dot wants its batch axes leading, so XLA:CPU transposed each gathered window into a
-        copy before the dot; a product-and-sum fusion reads the gathered pages as they come. Decoding
-        reads each key once per query head, so there is no matrix product to lose."""
-        del sow  # handled by the caller (_attend_xla)
-        B, _, H, K = q_BTHK.shape
-        J, _, page, _ = self.k_JPpK.shape
-        M, G = self.table_BM.shape[1], H // J
-        acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)  # as attend_cached: fp32 at least
-        q_JBGK = jnp.transpose(q_BTHK[:, 0].reshape(B, J, G, K), (1, 0, 2, 3)).astype(acc)
-        q_JBGK = q_JBGK * (scale or 1 / math.sqrt(K))
-        k_JBMpK = jnp.take(self.k_JPpK, self.table_BM, axis=1, mode="clip")
-        v_JBMpK = jnp.take(self.v_JPpK, self.table_BM, axis=1, mode="clip")
-        s_JBGMp = jnp.sum(q_JBGK[:, :, :, None, None] * k_JBMpK[:, :, None].astype(acc), axis=-1)
-        if softcap:  # as attend_cached
-            s_JBGMp = softcap * jnp.tanh(s_JBGMp / softcap)
-        seen_BMp = jnp.arange(M * page).reshape(M, page) <= positions_BT[:, :1, None]
-        s_JBGMp = jnp.where(seen_BMp[None, :, None], s_JBGMp, -jnp.inf)
-        p_JBGMp = jax.nn.softmax(s_JBGMp, axis=(-2, -1))
-        y_JBGK = jnp.sum(p_JBGMp[..., None] * v_JBMpK[:, :, None].astype(acc), axis=(3, 4))
-        return jnp.transpose(y_JBGK, (1, 0, 2, 3)).reshape(B, 1, H, K).astype(q_BTHK.dtype)
 
     def _attend_xla(self, q_BTHK, positions_BT, window, attend_kw):
         k_NSK, v_NSK = self.rows_NSK()
