@@ -114,23 +114,8 @@ class Rows:
     @classmethod
     def same(cls, rng, batch: int, s: Sampling, max_new, logprobs: int = -1) -> Rows:
         """`batch` rows with the settings `s` and max_new; row b's key fold_in(rng, b)."""
-        full = lambda x, dtype: jnp.full((batch,), x, dtype)  # noqa: E731
-        ids_L, bias_L = bias_arrays(s.logit_bias)
-        return cls(
-            key_B=jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(batch)),
-            temperature_B=full(s.temperature, jnp.float32),
-            top_k_B=full(s.top_k, jnp.int32),
-            top_p_B=full(s.top_p, jnp.float32),
-            max_new_B=full(max_new, jnp.int32),
-            eos_B=full(-1 if s.eos_id is None else s.eos_id, jnp.int32),
-            min_p_B=full(s.min_p, jnp.float32),
-            presence_B=full(s.presence_penalty, jnp.float32),
-            frequency_B=full(s.frequency_penalty, jnp.float32),
-            repetition_B=full(s.repetition_penalty, jnp.float32),
-            bias_ids_BL=jnp.broadcast_to(ids_L, (batch, MAX_LOGIT_BIAS)),
-            bias_BL=jnp.broadcast_to(bias_L, (batch, MAX_LOGIT_BIAS)),
-            logprobs_B=full(logprobs, jnp.int32),
-        )
+        keys_B = jax.vmap(lambda b: jax.random.fold_in(rng, b))(jnp.arange(batch))
+        return cls._filled(jnp, keys_B, s, max_new, logprobs)
 
     @classmethod
     def of(cls, s: Sampling | None = None, *, max_new_tokens, seed=0, stream=0, logprobs=-1) -> Rows:
@@ -138,23 +123,30 @@ class Rows:
         program serves any settings, its key given as (seed, stream) and made inside the program
         (`keyed`): fold_in(key(seed), stream), the key generate(rng=key(seed)) gives its row `stream`
         (the same tokens for the same seed). logprobs: -1 none, else the top alternatives wanted."""
-        s = s or Sampling()
+        keys_B = np.array([[seed, stream]], np.uint32)
+        return cls._filled(np, keys_B, s or Sampling(), max_new_tokens, -1 if logprobs is None else logprobs)
+
+    @classmethod
+    def _filled(cls, xp, key_B, s: Sampling, max_new, logprobs: int) -> Rows:
+        """Rows with these keys (one per row) and every row the settings `s`, as `xp` arrays (jax.numpy
+        inside a program, numpy on the host)."""
+        B = key_B.shape[0]
+        full = lambda x, dtype: xp.full((B,), x, dtype)  # noqa: E731
         ids_L, bias_L = bias_arrays(s.logit_bias)
-        one = lambda x, dtype: np.full((1,), x, dtype)  # noqa: E731
         return cls(
-            key_B=np.array([[seed, stream]], np.uint32),
-            temperature_B=one(s.temperature, np.float32),
-            top_k_B=one(s.top_k, np.int32),
-            top_p_B=one(s.top_p, np.float32),
-            max_new_B=one(max_new_tokens, np.int32),
-            eos_B=one(-1 if s.eos_id is None else s.eos_id, np.int32),
-            min_p_B=one(s.min_p, np.float32),
-            presence_B=one(s.presence_penalty, np.float32),
-            frequency_B=one(s.frequency_penalty, np.float32),
-            repetition_B=one(s.repetition_penalty, np.float32),
-            bias_ids_BL=ids_L[None],
-            bias_BL=bias_L[None],
-            logprobs_B=one(-1 if logprobs is None else logprobs, np.int32),
+            key_B=key_B,
+            temperature_B=full(s.temperature, xp.float32),
+            top_k_B=full(s.top_k, xp.int32),
+            top_p_B=full(s.top_p, xp.float32),
+            max_new_B=full(max_new, xp.int32),
+            eos_B=full(-1 if s.eos_id is None else s.eos_id, xp.int32),
+            min_p_B=full(s.min_p, xp.float32),
+            presence_B=full(s.presence_penalty, xp.float32),
+            frequency_B=full(s.frequency_penalty, xp.float32),
+            repetition_B=full(s.repetition_penalty, xp.float32),
+            bias_ids_BL=xp.broadcast_to(ids_L, (B, MAX_LOGIT_BIAS)),
+            bias_BL=xp.broadcast_to(bias_L, (B, MAX_LOGIT_BIAS)),
+            logprobs_B=full(logprobs, xp.int32),
         )
 
     def keyed(self) -> Rows:

@@ -111,6 +111,12 @@ def run_lm_eval(model_dir, tasks: dict[str, str], tasks_dir, batch_size: int = 1
         limit=limit,
         bootstrap_iters=0,  # no standard errors: they cost more than the evaluation here
     )
+    return results_by_task(out, tasks, names)
+
+
+def results_by_task(out: dict, tasks, names) -> dict:
+    """lm_eval.simple_evaluate's output (log_samples=True) -> {task: its metrics without standard
+    errors, and "loglikelihoods": each example's (hellaswag: a list per example, one per ending)}."""
     results = {}
     for task, name in zip(tasks, names):
         metrics = {k.split(",")[0]: v for k, v in out["results"][name].items() if "stderr" not in k}

@@ -26,6 +26,16 @@ def sentence(rng, n):
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+def write_hellaswag(path, rng, n: int) -> None:
+    """n random HellaSwag-format examples (4 endings each) drawn with rng."""
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b = sentence(rng, rng.randint(3, 12)), sentence(rng, rng.randint(1, 4))
+            endings = [sentence(rng, rng.randint(1, 8)) + rng.choice(["", ".", " [step]"]) for _ in range(4)]
+            doc = {"activity_label": "Baking [x]", "ctx_a": a, "ctx_b": b, "ctx": a + " " + b.capitalize()}
+            f.write(json.dumps({**doc, "endings": endings, "label": str(rng.randint(0, 3)), "ind": i}) + "\n")
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """A tiny random GPT-2 (block 64) saved as Hugging Face files, and small task files."""
@@ -38,12 +48,7 @@ def files(tmp_path_factory):
     model.save_pretrained(root / "model")
     write_gpt2_tokenizer(root / "model")
     rng = random.Random(0)
-    with open(root / "hellaswag.jsonl", "w") as f:
-        for i in range(10):
-            a, b = sentence(rng, rng.randint(3, 12)), sentence(rng, rng.randint(1, 4))
-            endings = [sentence(rng, rng.randint(1, 8)) + rng.choice(["", ".", " [step]"]) for _ in range(4)]
-            doc = {"activity_label": "Baking [x]", "ctx_a": a, "ctx_b": b, "ctx": a + " " + b.capitalize()}
-            f.write(json.dumps({**doc, "endings": endings, "label": str(rng.randint(0, 3)), "ind": i}) + "\n")
+    write_hellaswag(root / "hellaswag.jsonl", rng, 10)
     with open(root / "lambada.jsonl", "w") as f:
         for n in (5, 9, 14, 3, 20, 7, 11, 90):  # 90 words: more than the window, cut on the left
             f.write(json.dumps({"text": sentence(rng, n)}) + "\n")

@@ -29,16 +29,12 @@ pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")  # lm-eval's API models retry with it (lm-eval[api])
 
 from flaxgpt.eval import evaluate as fe  # noqa: E402
+from flaxgpt.eval.reference import results_by_task  # noqa: E402
+from tests.eval.test_eval import sentence, write_hellaswag  # noqa: E402
 from tests.serve.test_serve import free_port, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-WORDS = "the a cat dog runs quickly over lazy fox jumps into house then water, she he cuts bowl [title]"
-WORDS = WORDS.split()
 BLOCK = 64
-
-
-def sentence(rng, n):
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 def greedy_texts(model, tok, rng, k):
@@ -71,12 +67,7 @@ def files(tmp_path_factory):
     write_gpt2_tokenizer(root / "model")
     tok = transformers.AutoTokenizer.from_pretrained(root / "model")
     rng = random.Random(0)
-    with open(root / "hellaswag.jsonl", "w") as f:
-        for i in range(8):
-            a, b = sentence(rng, rng.randint(3, 12)), sentence(rng, rng.randint(1, 4))
-            endings = [sentence(rng, rng.randint(1, 8)) + rng.choice(["", ".", " [step]"]) for _ in range(4)]
-            doc = {"activity_label": "Baking [x]", "ctx_a": a, "ctx_b": b, "ctx": a + " " + b.capitalize()}
-            f.write(json.dumps({**doc, "endings": endings, "label": str(rng.randint(0, 3)), "ind": i}) + "\n")
+    write_hellaswag(root / "hellaswag.jsonl", rng, 8)
     texts = [sentence(rng, n) for n in (5, 9, 14, 3, 25)] + greedy_texts(model, tok, rng, 4)
     assert max(len(tok.encode(t)) for t in texts) < BLOCK
     with open(root / "lambada.jsonl", "w") as f:
@@ -126,14 +117,7 @@ def lm_eval_over_http(url, files):
         log_samples=True,
         bootstrap_iters=0,
     )
-    results = {}
-    for task, name in zip(tasks, names):
-        metrics = {k.split(",")[0]: v for k, v in out["results"][name].items() if "stderr" not in k}
-        samples = sorted(out["samples"][name], key=lambda s: s["doc_id"])
-        lls = [[float(r[0]) for r in s["filtered_resps"]] for s in samples]
-        metrics["loglikelihoods"] = lls if task == "hellaswag" else [x[0] for x in lls]
-        results[task] = metrics
-    return results
+    return results_by_task(out, tasks, names)
 
 
 def flaxgpt_eval(files, task, tmp_path):
