@@ -76,12 +76,10 @@ def flaxgpt_full_val(out: Path, data_dir: Path, quantize: str | None = None) -> 
 
     from flaxgpt.loader import load
     from flaxgpt.models import gpt
-    from flaxgpt.models.quantize import intercepted
 
     _, cfg, params, _ = load(out, quantize=quantize)
 
-    @jax.jit
-    @intercepted  # quantized weights go through qmatmul; float32 ones as they are
+    @jax.jit  # quantized weights go through qmatmul (models/linear.py); float32 ones as they are
     def token_losses(p, x, y):
         logp = jax.nn.log_softmax(gpt.GPT(cfg).apply({"params": p}, x), axis=-1)
         return -np.take_along_axis(logp, y[..., None], axis=-1)[..., 0]

@@ -18,6 +18,7 @@ from flax import linen as nn
 
 from flaxgpt.kernels import target
 from flaxgpt.models.layers import norm, normal_init, zeros_init
+from flaxgpt.models.linear import Linear
 from flaxgpt.models.rope import RoPE
 
 Dtype = Any
@@ -207,6 +208,7 @@ class SelfAttention(nn.Module):
     param_dtype: Dtype = jnp.float32
     impl: str = "xla"
     deterministic: bool = True
+    lora: Any = None  # models.lora.LoraSpec: c_attn's and c_proj's adapters (models/linear.py)
 
     @nn.compact
     def __call__(
@@ -223,7 +225,8 @@ class SelfAttention(nn.Module):
         H = self.n_head
         J = self.n_kv_head or H
         K = self.head_dim or D // H
-        qkv_BTE = nn.Dense(
+        adapted = dict(lora=self.lora, deterministic=self.deterministic)
+        qkv_BTE = Linear(
             (H + 2 * J) * K,  # columns q | k | v, heads inside each (3D for GPT-2)
             use_bias=self.qkv_bias,
             dtype=self.dtype,
@@ -231,6 +234,7 @@ class SelfAttention(nn.Module):
             kernel_init=normal_init(0.02, ("embed", "heads")),
             bias_init=zeros_init(("heads",)),
             name="c_attn",
+            **adapted,
         )(x_BTD.reshape(B * T, D))  # 2-D operands: see MLP
         q_BTHK, k_BTJK, v_BTJK = jnp.split(qkv_BTE.reshape(B, T, H + 2 * J, K), [H, H + J], axis=2)
         if ve_BTD is not None:  # value embeddings (the speedrun's): v = l0 * v + l1 * ve, l learned
@@ -280,7 +284,7 @@ class SelfAttention(nn.Module):
                 softcap=self.softcap,
                 window=self.window,
             )
-        y_BTD = nn.Dense(
+        y_BTD = Linear(
             D,
             use_bias=self.use_bias,
             dtype=self.dtype,
@@ -288,6 +292,7 @@ class SelfAttention(nn.Module):
             kernel_init=normal_init(self.out_init_std, ("heads", "embed")),
             bias_init=zeros_init(("embed",)),
             name="c_proj",
+            **adapted,
         )(y_BTHK.reshape(B * T, H * K)).reshape(B, T, D)
         y_BTD = nn.Dropout(self.resid_dropout)(y_BTD, deterministic=self.deterministic)
         return y_BTD, kv

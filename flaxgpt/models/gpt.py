@@ -11,6 +11,8 @@ name-for-name copy. The same module is a Llama / Mistral / Qwen2 decoder with th
 the second block of GPTConfig (RoPE, RMSNorm, SwiGLU, grouped-query attention, ...; presets
 "smollm2-135m", "llama-3.2-1b", ...); their weights map onto these names by flaxgpt.hf.families.
 With `num_experts` a block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen3-MoE).
+Its linear layers and token table (models/linear.py) apply float or quantized weights, and with
+`lora` (a models.lora.LoraSpec) the "lora" collection's adapters over them.
 With `scan_layers` the blocks live stacked under `h` with a leading [L] axis;
 `stack_layers` / `unstack_layers` convert between the layouts.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,7 @@ from flaxgpt.models.attention import SelfAttention
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt_config import LLAMA_STYLE, REMAT_POLICIES, GPTConfig  # noqa: F401  (flaxgpt.models.gpt.GPTConfig)
 from flaxgpt.models.layers import MLP, norm, normal_init, ones_init, sinusoidal_positions
+from flaxgpt.models.linear import Embedding, Linear
 from flaxgpt.models.moe import ROUTER, MoE
 
 
@@ -45,6 +49,7 @@ class Block(nn.Module):
     config: GPTConfig
     deterministic: bool = True
     layer: int = 0  # the block's index: window and rotary base may differ per layer (Gemma)
+    lora: Any = None  # models.lora.LoraSpec: how the "lora" collection's adapters apply (models/linear.py)
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None, segment_ids_BT=None, real_BT=None):
@@ -78,6 +83,7 @@ class Block(nn.Module):
             param_dtype=pdtype,
             impl=c.attention_impl,
             deterministic=self.deterministic,
+            lora=self.lora,
             name="attn",
         )(ln("ln_1")(x_BTD), positions_BT, kv, ve_BTD=ve_BTD, segment_ids_BT=segment_ids_BT, real_BT=real_BT)
         if c.post_norms:  # Gemma: normalise the branch's output too (its post_attention_layernorm)
@@ -91,6 +97,7 @@ class Block(nn.Module):
             dtype=dtype,
             param_dtype=pdtype,
             deterministic=self.deterministic,
+            lora=self.lora,
             name="mlp",
         )
         if c.layer_is_sparse(self.layer):  # a mixture of experts (Mixtral, Qwen2/3-MoE): models/moe.py
@@ -117,11 +124,12 @@ class ScannedBlock(nn.Module):
 
     config: GPTConfig
     deterministic: bool = True
+    lora: Any = None
 
     @nn.compact
     def __call__(self, carry, kv):
         x_BTD, positions_BT, seg_BT, real_BT = carry
-        block = Block(self.config, self.deterministic, name="block")
+        block = Block(self.config, self.deterministic, lora=self.lora, name="block")
         x_BTD, kv = block(x_BTD, positions_BT, kv, segment_ids_BT=seg_BT, real_BT=real_BT)
         return (x_BTD, positions_BT, seg_BT, real_BT), kv
 
@@ -163,6 +171,7 @@ def tied_head_few_rows(wte_VD: jax.Array, x_ND: jax.Array) -> jax.Array:
 
 class GPT(nn.Module):
     config: GPTConfig
+    lora: Any = None  # models.lora.LoraSpec: the "lora" collection's adapters added (models/lora.py)
 
     @nn.compact
     def __call__(
@@ -196,7 +205,7 @@ class GPT(nn.Module):
         if implicit_positions:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
 
-        wte = nn.Embed(
+        wte = Embedding(
             c.padded_vocab_size,
             c.n_embd,
             dtype=dtype,
@@ -270,7 +279,7 @@ class GPT(nn.Module):
                 split_rngs={"params": True, "dropout": True},
                 length=c.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(c, deterministic, name="h")((x_BTD, positions_BT, seg_BT, real_BT), stacked)
+            )(c, deterministic, self.lora, name="h")((x_BTD, positions_BT, seg_BT, real_BT), stacked)
             if stacked is not None:
                 kv_layers = [jax.tree_util.tree_map(lambda x, i=i: x[i], stacked) for i in range(c.n_layer)]
             return x_BTD, kv_layers
@@ -287,7 +296,7 @@ class GPT(nn.Module):
             if i >= n_enc and skips:
                 x_BTD = x_BTD + skip_weights[i - n_enc].astype(x_BTD.dtype) * skips.pop()
             kv = None if kv_layers is None else kv_layers[i]
-            block = block_cls(c, deterministic, layer=i, name=f"h_{i}")
+            block = block_cls(c, deterministic, layer=i, lora=self.lora, name=f"h_{i}")
             x_BTD, kv = block(x_BTD, positions_BT, kv, ve_layers[i], seg_BT, real_BT)
             if i < n_enc:
                 skips.append(x_BTD)
@@ -316,7 +325,7 @@ class GPT(nn.Module):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)  # 2-D operands: see layers.MLP
         if not c.tie_embeddings:
-            lm_head = nn.Dense(
+            lm_head = Linear(
                 c.padded_vocab_size,
                 use_bias=False,
                 dtype=dtype,
@@ -431,16 +440,13 @@ def step_fn(config: GPTConfig, params) -> jax.tree_util.Partial:
         cache = KVCache.for_config(config, batch=B, max_len=W)
         tokens_BN, lengths_B = sampling.generate(step_fn(config, params), cache, prompt_BP, ...)
 
-    Params from `quantize_params` decode through the quantized matmuls.
+    Params from `quantize_params` decode through the quantized matmuls (models/linear.py).
     """
     if config.scan_layers:  # decode unrolled: each layer reads its own cache buffer in place
         params = unstack_layers(params, config.n_layer)
         config = dataclasses.replace(config, scan_layers=False)
     config = dataclasses.replace(config, remat="none")  # no gradients here
-    apply = _apply_with_cache(config)
-    if quantize.is_quantized(params):
-        apply = quantize.intercepted(apply)
-    return jax.tree_util.Partial(apply, params)
+    return jax.tree_util.Partial(_apply_with_cache(config), params)
 
 
 def quantize_params(config: GPTConfig, params, mode: str):

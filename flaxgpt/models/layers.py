@@ -1,7 +1,7 @@
 """Building blocks shared by the GPT and the encoder-decoder Transformer.
 
 One implementation of each: parameter initializers, activations, norms, the MLP and sinusoidal
-positions (attention is in attention.py).
+positions (attention is in attention.py; the linear layers, float, quantized or adapted, in linear.py).
 
 Shape letters used in names:
   B batch, T query length, S key length (the cache length when decoding),
@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+
+from flaxgpt.models.linear import Linear
 
 Dtype = Any
 
@@ -131,15 +133,17 @@ class MLP(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     deterministic: bool = True
+    lora: Any = None  # models.lora.LoraSpec: c_fc's and c_proj's adapters (models/linear.py)
 
     @nn.compact
     def __call__(self, x_BTD):
         D = x_BTD.shape[-1]
+        adapted = dict(lora=self.lora, deterministic=self.deterministic)
         # Tokens flattened to one axis: with [B, T, D] operands the weight gradients contract
         # two axes, and XLA on CPU then transposes the [B*T, F] activations (fused with the GELU
         # derivative) before each weight-gradient matmul, a third of the step's time.
         x_ND = x_BTD.reshape(-1, D)
-        h_NE = nn.Dense(
+        h_NE = Linear(
             2 * self.hidden if self.glu else self.hidden,
             use_bias=self.use_bias,
             dtype=self.dtype,
@@ -147,6 +151,7 @@ class MLP(nn.Module):
             kernel_init=normal_init(0.02, ("embed", "mlp")),
             bias_init=zeros_init(("mlp",)),
             name="c_fc",
+            **adapted,
         )(x_ND)
         if self.glu:
             if self.activation == "silu":
@@ -156,7 +161,7 @@ class MLP(nn.Module):
                 h_NF = activation_fn(self.activation)(gate_NF) * up_NF
         else:
             h_NF = activation_fn(self.activation)(h_NE)
-        y_ND = nn.Dense(
+        y_ND = Linear(
             D,
             use_bias=self.use_bias,
             dtype=self.dtype,
@@ -164,6 +169,7 @@ class MLP(nn.Module):
             kernel_init=normal_init(self.out_init_std, ("mlp", "embed")),
             bias_init=zeros_init(("embed",)),
             name="c_proj",
+            **adapted,
         )(h_NF)
         y_BTD = y_ND.reshape(x_BTD.shape)
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)

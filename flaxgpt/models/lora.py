@@ -5,10 +5,10 @@
     logits_BTV = apply(config, spec, base, adapters, tokens_BT)  # base frozen: not differentiated
     params = merge(config, spec, base, adapters)                 # W + (alpha / r) A B, a plain GPT
 
-Each targeted Dense computes y = x W + dropout(x) A B * alpha / r with A [K, r] (random) and
-B [r, N] (zeros: training starts at the base model). The model code is unchanged: `apply` runs
-GPT under `nn.intercept_methods` and adds the adapters to the Dense calls that have them, as
-quantize.intercepted routes quantized weights. Adapters live in their own variable collection
+Each targeted linear layer computes y = x W + dropout(x) A B * alpha / r with A [K, r] (random) and
+B [r, N] (zeros: training starts at the base model). `apply` runs GPT(config, lora=spec), whose
+linear layers (models/linear.py) add the adapters they find at their own paths and MoE layers give
+their stacks theirs (moe.LoraExperts). Adapters live in their own variable collection
 "lora", at the same paths as the Dense they adapt (h_0/attn/c_attn/q_a ...; stacked [L, ...]
 under h/block with scan_layers), so the trainer differentiates and checkpoints only them and
 the base is a frozen argument (sharded as for full fine-tuning).
@@ -23,9 +23,9 @@ own column block of the fused output; GPT-2 itself fuses c_attn, so its adapter 
                             tensors, an A [E, K, r] / B [E, r, N] pair per stack (moe.LoraExperts)
 "all-linear" is every Linear of them (never the LM head or the expert stacks, as PEFT's "all-linear").
 
-An int8 or bf16 base (`quantize_base`: QLoRA-style, adapters stay float32) goes through the
-XLA dequantize-then-dot here rather than quantize's CPU decoding kernel, which has no gradient
-(models.multi_lora, which only decodes, takes the kernel: `_dense(..., grad=False)`).
+An int8 or bf16 base (`quantize_base`: QLoRA-style, adapters stay float32) is applied as the
+quantized model alone applies it (linear.qdot: kernels.qmatmul, with a gradient for the activations),
+the adapters' float32 terms added to its output.
 
 Why not qwix's LoraProvider (qwix 0.1.8): it gives each weight one A/B pair, so it cannot hold
 PEFT's separate q/k/v (gate/up) adapters on flaxgpt's fused kernels; it quantizes the base in its
@@ -44,11 +44,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
 
-from flaxgpt.models import quantize
 from flaxgpt.models.gpt import GPT, GPTConfig, unstack_layers
-from flaxgpt.models.moe import LoraExperts, MoE
+from flaxgpt.models.moe import EXPERT_PARAMS  # expert target -> the stacked weight it adapts
 from flaxgpt.models.quantize import QuantizedWeight, quantize_rows
 
 # target -> (the Dense it adapts inside a block, the Dense's name); columns come from `_columns`
@@ -65,8 +63,6 @@ SITES = {
     "experts_up": ("mlp",),
     "experts_down": ("mlp",),
 }
-# expert target -> the stacked weight it adapts (models/moe.py), one [E, ...] adapter pair per stack
-EXPERT_PARAMS = {"experts_gate_up": "experts_fc", "experts_up": "experts_fc", "experts_down": "experts_proj"}
 LLAMA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 GPT2_TARGETS = ("qkv", "o", "up", "down")
 MLP_TARGETS = ("gate", "up", "down")
@@ -125,7 +121,7 @@ class LoraSpec:
     alpha: float
     dropout: float
     targets: tuple[str, ...]
-    columns: tuple[tuple[str, int, int], ...]  # (target, start, stop): static, for the interceptor
+    columns: tuple[tuple[str, int, int], ...]  # (target, start, stop): static, for linear.Linear
     rslora: bool = False  # scale alpha / sqrt(r) (PEFT's use_rslora) instead of alpha / r
 
     @property
@@ -242,115 +238,36 @@ def check_adapters(config: GPTConfig, spec: LoraSpec, adapters, what: str = "ada
 # ---------------------------------------------------------------- the forward pass
 
 
-def _dense(module: nn.Dense, x, kernel, next_fun, args, kwargs, *, grad: bool = True):
-    """The base Dense: as linen computes it, or a quantized kernel by XLA's differentiable dot (grad);
-    grad=False (decoding: models.multi_lora) by quantize's own matmul, the quantized model's values."""
-    if not isinstance(kernel, QuantizedWeight):
-        return next_fun(*args, **kwargs)
-    if not grad:  # qmatmul: the CPU decoding kernel, which has no gradient
-        return quantize._dense(module, x, kernel)
-    y = jax.lax.dot_general(
-        x.astype(jnp.float32), kernel.w.astype(jnp.float32), (((x.ndim - 1,), (1,)), ((), ()))
-    )
-    y = y * kernel.scale
-    if module.use_bias:
-        y = y + module.get_variable("params", "bias")
-    return y.astype(module.dtype or x.dtype)
-
-
-def _add_adapters(module: nn.Dense, spec: LoraSpec, x, y, parts):
-    """y + x A B * scale for each (target, start, stop) of `parts` (in column order) on its columns of y.
-
-    The adapters of one Dense (q, k, v of c_attn; gate, up of c_fc) share one x @ [A_q | A_k | A_v]
-    (x read once), and the scale goes on those r columns rather than the N output columns.
-    """
-    r = spec.rank
-    names = [t for t, _, _ in parts]
-    a_KR = jnp.concatenate([module.get_variable("lora", f"{t}_a") for t in names], axis=-1)  # R = P r
-    xa_NR = (x.astype(jnp.float32) @ a_KR) * spec.scale
-    deltas = [
-        xa_NR[..., i * r : (i + 1) * r] @ module.get_variable("lora", f"{t}_b") for i, t in enumerate(names)
-    ]
-    return join_deltas(y, parts, deltas)
-
-
-def join_deltas(y, parts, deltas):
-    """y with each delta added on its (target, start, stop) columns of `parts` (in column order): the
-    deltas join y in one concatenation, one pass over y where an `.at[].add` per adapter took one each."""
-    out, at = [], 0
-    for (_, start, stop), delta in zip(parts, deltas, strict=True):
-        if start > at:  # columns no adapter writes (e.g. k when only q and v are targets)
-            out.append(y[..., at:start])
-        out.append(y[..., start:stop] + delta.astype(y.dtype))
-        at = stop
-    if at < y.shape[-1]:
-        out.append(y[..., at:])
-    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
-
-
-def _interceptor(spec: LoraSpec, deterministic: bool):
-    by_site: dict = {}
-    for t, start, stop in spec.columns:
-        if t not in EXPERT_PARAMS:
-            by_site.setdefault(SITES[t][1], []).append((t, start, stop))
-    by_stack = {EXPERT_PARAMS[t]: t for t in spec.targets if t in EXPERT_PARAMS}
-
-    def intercept(next_fun, args, kwargs, context):
-        module = context.module
-        if context.method_name == "adapted" and isinstance(module, MoE):  # an expert stack
-            name, w = args
-            t = by_stack.get(name)
-            if t is None or not module.has_variable("lora", f"{t}_a"):
-                return w
-            a, b = (module.get_variable("lora", f"{t}_{x}") for x in "ab")
-            return LoraExperts(w, a, b, spec.scale)
-        if context.method_name != "__call__" or not isinstance(module, nn.Dense):
-            return next_fun(*args, **kwargs)
-        (x,) = args
-        y = _dense(module, x, module.get_variable("params", "kernel"), next_fun, args, kwargs)
-        parts = [p for p in by_site.get(module.name, ()) if module.has_variable("lora", f"{p[0]}_a")]
-        if not parts:
-            return y
-        if spec.dropout and not deterministic:  # one mask per Dense input, shared by its adapters (PEFT)
-            keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - spec.dropout, x.shape)
-            x = jnp.where(keep, x / (1.0 - spec.dropout), 0.0).astype(x.dtype)
-        return _add_adapters(module, spec, x, y, sorted(parts, key=lambda p: p[1]))
-
-    return intercept
-
-
 @functools.cache
-def _model(config: GPTConfig):
-    return GPT(config)
+def _model(config: GPTConfig, spec: LoraSpec):
+    return GPT(config, lora=spec)
 
 
 def apply(
     config: GPTConfig, spec: LoraSpec, base, adapters, tokens_BT, *, deterministic=True, rng=None, **kw
 ):
     """GPT(config)(tokens) with the adapters added; `rng` (dropout) when not deterministic."""
-    with nn.intercept_methods(_interceptor(spec, deterministic)):
-        return _model(config).apply(
-            {"params": base, "lora": adapters},
-            tokens_BT,
-            deterministic=deterministic,
-            rngs=None if rng is None else {"dropout": rng},
-            **kw,
-        )
+    return _model(config, spec).apply(
+        {"params": base, "lora": adapters},
+        tokens_BT,
+        deterministic=deterministic,
+        rngs=None if rng is None else {"dropout": rng},
+        **kw,
+    )
 
 
 @functools.cache
 def _apply_with_cache(config: GPTConfig, spec: LoraSpec):
-    model, intercept = GPT(config), _interceptor(spec, deterministic=True)
+    model = GPT(config, lora=spec)
 
     def apply(base, adapters, tokens_BT, positions_BT, cache, logits_at=None):
-        with nn.intercept_methods(intercept):
-            return model.apply(
-                {"params": base, "lora": adapters},
-                tokens_BT,
-                positions=positions_BT,
-                cache=cache,
-                logits_at=logits_at,
-            )
+        return model.apply(
+            {"params": base, "lora": adapters},
+            tokens_BT,
+            positions=positions_BT,
+            cache=cache,
+            logits_at=logits_at,
+        )
 
     return apply
 

@@ -35,9 +35,12 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from flaxgpt.models.layers import MLP, Dtype, activation_fn, normal_init, swiglu
+from flaxgpt.models.linear import Linear
 from flaxgpt.models.quantize import QuantizedWeight
 
 ROUTER = "router"  # the collection the sparse layers sow their statistics into
+# LoRA's expert targets -> the stacked weight each adapts: an [E, ...] adapter pair a stack (models/lora.py)
+EXPERT_PARAMS = {"experts_gate_up": "experts_fc", "experts_up": "experts_fc", "experts_down": "experts_proj"}
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "a", "b"], meta_fields=["scale"])
@@ -70,12 +73,13 @@ class MoE(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     deterministic: bool = True
+    lora: object = None  # models.lora.LoraSpec: the expert stacks' adapters ("lora" collection), scale
 
     @nn.compact
     def __call__(self, x_BTD):
         E, C, F, D = self.num_experts, self.experts_per_token, self.hidden, x_BTD.shape[-1]
         x_ND = x_BTD.reshape(-1, D)
-        logits_NE = nn.Dense(
+        logits_NE = Linear(
             E,
             use_bias=False,
             dtype=self.dtype,
@@ -113,8 +117,12 @@ class MoE(nn.Module):
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
 
     def adapted(self, name: str, w):
-        """The stacked expert weight `name` as the matmuls use it: `w` itself here. The seam LoRA
-        intercepts (models/lora.py), returning LoraExperts(w, A, B, scale) for an adapted stack."""
+        """The stacked expert weight `name` as the matmuls use it: `w` itself, or LoraExperts(w, A, B,
+        scale) where the "lora" collection holds an adapter pair for it (models/lora.py lays them out)."""
+        for t, stack in EXPERT_PARAMS.items():
+            if self.lora is not None and stack == name and self.has_variable("lora", f"{t}_a"):
+                a, b = (self.get_variable("lora", f"{t}_{x}") for x in "ab")
+                return LoraExperts(w, a, b, self.lora.scale)
         return w
 
     def _shared_expert(self, x_ND):
@@ -132,7 +140,7 @@ class MoE(nn.Module):
         )(x_ND)
         if not self.shared_gate:
             return y_ND
-        gate = nn.Dense(
+        gate = Linear(
             1, use_bias=False, kernel_init=normal_init(0.02, ("embed", None)), name="shared_expert_gate", **kw
         )
         # fp32 sigmoid, as the router's softmax

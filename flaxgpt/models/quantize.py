@@ -2,7 +2,7 @@
 
     qconfig, qparams = gpt.quantize_params(config, params, "int8")   # or "bf16"
     step = gpt.step_fn(qconfig, qparams)      # decodes through qmatmul (sampling.generate etc.)
-    loss = quantize.intercepted(loss_fn)(qparams, ...)   # any other use of the linen model
+    logits = gpt.GPT(qconfig).apply({"params": qparams}, tokens)   # any other use: the same model
 
 Every Dense kernel [K, N] becomes a `QuantizedWeight` holding w [N, K] (rows are output
 channels) and scale [N]: int8 w = round(kernel / scale) with scale = max|kernel[:, n]| / 127,
@@ -15,11 +15,11 @@ table (no copy). Position embeddings, LayerNorms and biases stay float32 (under 
 bytes, and each step reads one row of wpe); activations, attention, the KV cache, softmax and
 the logits stay float32.
 
-The model code is unchanged: `intercepted(fn)` runs fn under `nn.intercept_methods`, which
-routes every `nn.Dense` and `nn.Embed` whose parameter is a `QuantizedWeight` through `qmatmul`
-(a CPU kernel that reads the compact weights directly); `gpt.step_fn` does this for quantized
-params. A stack of expert weights is no Dense: the MoE layer (models/moe.py) reads its quantized
-stack itself. Nothing here knows the GPT: `gpt.quantize_params` picks what to quantize.
+This module only makes and lays out the weights; the layers apply them: a linear layer or the
+token table holding a `QuantizedWeight` (models/linear.py: Linear, Embedding) goes through
+kernels.qmatmul (a CPU kernel that reads the compact weights directly), a quantized stack of expert
+weights through the MoE layer's matmuls (models/moe.py), whatever adapters sit over them. Nothing
+here knows the GPT: `gpt.quantize_params` picks what to quantize.
 Decoding then reads 1 (int8) or 2 (bf16) bytes per weight instead of 4.
 
 A weight on one device is quantized there (one jitted program, the host path's values); host
@@ -38,11 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
-
-from flaxgpt.kernels.qmatmul import qmatmul
 
 MODES = ("int8", "bf16")
 _DTYPES = {"int8": jnp.int8, "bf16": jnp.bfloat16}
@@ -56,7 +53,7 @@ def check_mode(mode: str) -> str:
 
 @struct.dataclass
 class QuantizedWeight:
-    w: jax.Array  # [N, K] int8 or bfloat16: one row per output channel (first leaf: see _embed)
+    w: jax.Array  # [N, K] int8 or bfloat16: one row per output channel (first leaf: linear.Embedding)
     scale: jax.Array  # [N] float32 (ones for bf16)
     # (a stack of kernels, quantize_stacked: w [E, K, N] as the float stack lay, scale [E, N])
 
@@ -209,48 +206,6 @@ def weight_bytes(params) -> int:
     return sum(seen.values())
 
 
-def _dense(module: nn.Dense, x, kernel: QuantizedWeight):
-    K = x.shape[-1]
-    y_MN = qmatmul(x.reshape(-1, K), kernel.w, kernel.scale)
-    if module.use_bias:
-        y_MN = y_MN + module.get_variable("params", "bias")
-    return y_MN.reshape(*x.shape[:-1], -1).astype(module.dtype or x.dtype)
-
-
-def _embed(module: nn.Embed, tokens, table: QuantizedWeight):
-    # rows only: a [V, D] table's first leaf keeps its [V, D] shape, which Embed.setup checks
-    rows = jnp.take(table.w, tokens, axis=0).astype(jnp.float32) * table.scale[tokens][..., None]
-    return rows.astype(module.dtype or jnp.float32)
-
-
-def _interceptor(next_fun, args, kwargs, context):
-    module = context.module
-    if context.method_name == "__call__" and isinstance(module, nn.Dense):
-        kernel = module.get_variable("params", "kernel")
-        if isinstance(kernel, QuantizedWeight):
-            return _dense(module, *args, kernel)
-    if isinstance(module, nn.Embed) and context.method_name in ("__call__", "attend"):
-        table = module.get_variable("params", "embedding")
-        if isinstance(table, QuantizedWeight):
-            if context.method_name == "attend":
-                (x,) = args
-                return qmatmul(x.reshape(-1, x.shape[-1]), table.w, table.scale).reshape(*x.shape[:-1], -1)
-            return _embed(module, *args, table)
-    return next_fun(*args, **kwargs)
-
-
 def is_quantized(params) -> bool:
     leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     return any(isinstance(x, QuantizedWeight) for x in leaves)
-
-
-@functools.cache
-def intercepted(apply):
-    """`apply` with every Dense / Embed holding a QuantizedWeight routed through qmatmul."""
-
-    @functools.wraps(apply)
-    def run(*args, **kwargs):
-        with nn.intercept_methods(_interceptor):
-            return apply(*args, **kwargs)
-
-    return run

@@ -59,7 +59,7 @@ def test_load_matches_peft(adapted):
     base_dir, adapter_dir, _, want = adapted
     config, merged = flaxgpt.load_pretrained(str(base_dir), adapter=str(adapter_dir))
     assert np.abs(flax_logits(config, merged) - want).max() < 1e-4
-    # unmerged: the adapters added by the interceptor, over the float32 and a scan-layers base
+    # unmerged: the adapters added by the linear layers, over the float32 and a scan-layers base
     config, base = hf.load_pretrained(str(base_dir), scan_layers=True)
     spec, adapters = hf_peft.load_adapter(str(adapter_dir), config)
     got = jax.jit(lambda b, a: lora.apply(config, spec, b, a, TOKENS))(base, adapters)

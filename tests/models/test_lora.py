@@ -1,4 +1,4 @@
-"""models/lora.py on tiny random GPTs: the intercepted forward equals the merged weights' forward
+"""models/lora.py on tiny random GPTs: the adapted forward equals the merged weights' forward
 (fused q|k|v and gate|up column blocks, scan_layers or not), gradients reach only the adapters,
 bf16 and int8 bases, dropout only in training, and the target errors."""
 

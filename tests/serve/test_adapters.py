@@ -267,12 +267,31 @@ def test_adapters_with_the_prefix_cache_and_chunked_prefill(dirs, reference):
     assert hits == [4] and a1 == reference["a1", 2] and a2 != reference["a2", 2]
 
 
+def merged_over_int8(root, run, cases) -> list[list[int]]:
+    """Each case's greedy tokens from generate over the plain float32 GPT whose weights are the int8
+    run's dequantized (w * scale) with the case's adapter merged in (lora.merge): the exact reference of
+    an adapter over int8 weights, up to float32 rounding."""
+    from flaxgpt import loader
+    from flaxgpt.models import lora
+    from tests.models.test_multi_lora import dequantized
+
+    deq, out = dequantized(run.params), {}
+    for name in {n for n, _ in cases}:
+        params = deq
+        if name is not None:
+            spec, tree = loader.load_adapter(str(root / name), run.config)
+            params = lora.merge(run.config, spec, deq, tree)
+        out[name] = references.greedy_rows(run.config, params, PROMPTS, W, N)
+    return [out[name][i] for name, i in cases]
+
+
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_adapters_over_a_mesh(dirs, reference, quantize):
     """Adapters x --mesh 4 (x int8 weights) x the prefix cache x chunked prefill, on CPU devices: the
     base loaded straight into its devices' slices (SERVE_RULES), the adapter stack on every device;
     rows of a1, a2 and the base give their merged models' greedy tokens (float weights; int8: the
-    one-device engine's over the same int8 weights)."""
+    one-device engine's over the same int8 weights, and those are the tokens of each adapter merged in
+    float32 into the dequantized int8 weights: adapter slots over int8 serve, composed, not refused)."""
     import jax
 
     from flaxgpt import sharding
@@ -296,5 +315,6 @@ def test_adapters_over_a_mesh(dirs, reference, quantize):
         one_run, _ = launch.load(init_from=str(dirs / "base"), quantize=quantize)
         one = launch.scheduler_for(one_run.config, one_run.params, None, **kw)
         want = run_rows(one.engine, one.adapters, cases)[0]
+        assert want == merged_over_int8(dirs, one_run, cases)
     assert got == want
     assert many.engine.state.fill_B.sharding.is_equivalent_to(sharding.batch_sharding(mesh), 1)

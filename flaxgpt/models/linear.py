@@ -1,0 +1,178 @@
+"""The GPT's linear layers and token table, each knowing how its weight is applied (vLLM's one
+LinearMethod per representation), composed by the layer itself:
+
+    y = Linear(N, name="c_attn", lora=spec)(x_MK)      # kernel [K, N] and bias [N], as nn.Dense's
+    rows = Embedding(V, D, name="wte")(tokens_BT)        # embedding [V, D], as nn.Embed's
+
+The base weight is what the "params" collection holds at the layer's path:
+  float (float32, or a bfloat16 cast):  nn.Dense's own product (the same promotion and dot);
+  quantized (quantize.QuantizedWeight: int8 or bfloat16 w [N, K] with per-row scales [N]): `qdot`,
+      kernels.qmatmul (the C++ kernel for decoding's few rows on CPU, XLA's dot for many), with a
+      gradient for x so LoRA trains over it (QLoRA).
+Adapters are what the "lora" collection holds at the same path (models/lora.py lays them out), added
+to the base's output on their columns, whatever the base is:
+  LoRA (`lora`, a models.lora.LoraSpec: columns, scale, dropout): {t}_a [K, r], {t}_b [r, N_t] for
+      each target t this layer holds: y + dropout(x) A B * scale (`add_adapters`);
+  adapter slots (models/multi_lora.py): {t}_a [S, K, R], {t}_b [S, R, N_t] stacked over S slots and
+      `rows` [B], each batch row's slot; row b adds x A[rows[b]] B[rows[b]] (`add_slots`).
+So an adapter over an int8 or bf16 base, and a batch of rows with different adapters over one, are
+the base's own product plus the adapters' float32 terms; nothing is refused and nothing is ordered.
+A mixture of experts' stacked weights compose the same way by type (models/moe.py: QuantizedWeight,
+LoraExperts). Parameter names and paths are nn.Dense's and nn.Embed's, so checkpoints, Hugging Face
+and PEFT key maps see no difference.
+
+Shape letters: M rows (B*T), K input features, N output features, r an adapter's rank, S slots,
+B batch rows, T positions, R the slots' rank, P = R times the targets one layer holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen.dtypes import promote_dtype
+
+from flaxgpt.kernels.qmatmul import qmatmul
+from flaxgpt.models.quantize import QuantizedWeight
+
+Dtype = Any
+
+ROWS = "rows"  # the "lora" collection's per-row slot index beside stacked adapters (models/multi_lora.py)
+
+
+@jax.custom_vjp
+def qdot(x_MK, w_NK, scale_N):
+    """x @ (w * scale)^T -> [M, N] float32 by kernels.qmatmul, differentiable in x (the weights are frozen:
+    the CPU kernel has no gradient of its own, and a quantized weight is never trained)."""
+    return qmatmul(x_MK, w_NK, scale_N)
+
+
+def _qdot_fwd(x_MK, w_NK, scale_N):
+    return qmatmul(x_MK, w_NK, scale_N), (x_MK, w_NK, scale_N)
+
+
+def _qdot_bwd(res, dy_MN):
+    x_MK, w_NK, scale_N = res
+    dx_MK = (dy_MN * scale_N) @ w_NK.astype(jnp.float32)  # dy (w * s), the weights read once more
+    return dx_MK.astype(x_MK.dtype), None, None
+
+
+qdot.defvjp(_qdot_fwd, _qdot_bwd)
+
+
+class Linear(nn.Module):
+    """y = x W (+ b) with W float or quantized, plus the "lora" collection's adapters at this path."""
+
+    features: int
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Any = nn.initializers.lecun_normal()
+    bias_init: Any = nn.initializers.zeros_init()
+    lora: Any = None  # models.lora.LoraSpec (columns, scale, dropout); None: no adapters
+    deterministic: bool = True  # False: LoRA dropout on (a "dropout" rng)
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
+        if not isinstance(kernel, QuantizedWeight):
+            kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        if isinstance(kernel, QuantizedWeight):
+            y = qdot(x.reshape(-1, x.shape[-1]), kernel.w, kernel.scale)
+            y = y if bias is None else y + bias
+            y = y.reshape(*x.shape[:-1], -1).astype(self.dtype or x.dtype)
+        else:  # nn.Dense's product, step for step
+            x_, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
+            y = jax.lax.dot_general(x_, kernel, (((x_.ndim - 1,), (0,)), ((), ())))
+            if bias is not None:
+                y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        if self.lora is None:
+            return y
+        parts = sorted(
+            (p for p in self.lora.columns if self.has_variable("lora", f"{p[0]}_a")), key=lambda p: p[1]
+        )
+        if not parts:
+            return y
+        get = lambda name: self.get_variable("lora", name)  # noqa: E731
+        if self.has_variable("lora", ROWS):
+            return add_slots(x, y, parts, get, get(ROWS))
+        if self.lora.dropout and not self.deterministic:  # one mask per input, shared by its adapters (PEFT)
+            keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.lora.dropout, x.shape)
+            x = jnp.where(keep, x / (1.0 - self.lora.dropout), 0.0).astype(x.dtype)
+        return add_adapters(x, y, parts, get, self.lora.scale)
+
+
+def add_adapters(x, y, parts, get, scale: float):
+    """y + x A B * scale for each (target, start, stop) of `parts` (in column order) on its columns of y;
+    get(name) reads an adapter tensor. The adapters of one layer (q, k, v of c_attn; gate, up of c_fc)
+    share one x @ [A_q | A_k | A_v] (x read once), and the scale goes on those r columns rather than
+    the N output columns."""
+    names = [t for t, _, _ in parts]
+    r = get(f"{names[0]}_a").shape[-1]
+    a_KP = jnp.concatenate([get(f"{t}_a") for t in names], axis=-1)  # P = targets x r
+    xa_MP = (x.astype(jnp.float32) @ a_KP) * scale
+    deltas = [xa_MP[..., i * r : (i + 1) * r] @ get(f"{t}_b") for i, t in enumerate(names)]
+    return join_deltas(y, parts, deltas)
+
+
+def add_slots(x, y, parts, get, rows_B):
+    """y + (x A[s]) B[s] for each batch row's slot s = rows_B[b] (scales folded into B). The layers are
+    called on [B * T, K] rows, row b's positions together. A decoding step (one position a row) runs x
+    through every slot's A, keeps each row's own slot, and contracts over (slot, rank) with the B stack:
+    the stack read once a step, not an adapter copied per row. A prefill gathers each row's adapter once
+    and uses it over all its positions."""
+    B, R = rows_B.shape[0], get(f"{parts[0][0]}_a").shape[-1]
+    x_BTK = x.reshape(B, -1, x.shape[-1]).astype(jnp.float32)
+    a_SKP = jnp.concatenate([get(f"{t}_a") for t, _, _ in parts], axis=-1)  # P = targets x R
+    if x_BTK.shape[1] == 1:  # S x more multiply-adds, on a rank-R sliver of the layer
+        mask_BS = jax.nn.one_hot(rows_B, a_SKP.shape[0], dtype=jnp.float32)
+        xa_BTSP = jnp.einsum("btk,skp->btsp", x_BTK, a_SKP) * mask_BS[:, None, :, None]
+        deltas = [
+            jnp.einsum("btsr,srn->btn", xa_BTSP[..., i * R : (i + 1) * R], get(f"{t}_b"))
+            for i, (t, _, _) in enumerate(parts)
+        ]
+    else:
+        take = lambda w_SXY: jnp.take(w_SXY, rows_B, axis=0)  # noqa: E731
+        xa_BTP = jnp.einsum("btk,bkp->btp", x_BTK, take(a_SKP))
+        deltas = [
+            jnp.einsum("btr,brn->btn", xa_BTP[..., i * R : (i + 1) * R], take(get(f"{t}_b")))
+            for i, (t, _, _) in enumerate(parts)
+        ]
+    return join_deltas(y, parts, [d_BTN.reshape(*y.shape[:-1], -1) for d_BTN in deltas])
+
+
+def join_deltas(y, parts, deltas):
+    """y with each delta added on its (target, start, stop) columns of `parts` (in column order): the
+    deltas join y in one concatenation, one pass over y where an `.at[].add` per adapter took one each."""
+    out, at = [], 0
+    for (_, start, stop), delta in zip(parts, deltas, strict=True):
+        if start > at:  # columns no adapter writes (e.g. k when only q and v are targets)
+            out.append(y[..., at:start])
+        out.append(y[..., start:stop] + delta.astype(y.dtype))
+        at = stop
+    if at < y.shape[-1]:
+        out.append(y[..., at:])
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=-1)
+
+
+class Embedding(nn.Embed):
+    """nn.Embed whose table may be quantized (quantize.QuantizedWeight: rows w [V, D], scale [V]): a
+    lookup dequantizes the rows it reads, `attend` (a tied head) is one quantized matmul."""
+
+    def __call__(self, inputs):
+        table = self.embedding
+        if not isinstance(table, QuantizedWeight):
+            return super().__call__(inputs)
+        rows = jnp.take(table.w, inputs, axis=0).astype(jnp.float32) * table.scale[inputs][..., None]
+        return rows.astype(self.dtype or jnp.float32)
+
+    def attend(self, query):
+        table = self.embedding
+        if not isinstance(table, QuantizedWeight):
+            return super().attend(query)
+        return qdot(query.reshape(-1, query.shape[-1]), table.w, table.scale).reshape(*query.shape[:-1], -1)
