@@ -26,12 +26,12 @@ from flaxgpt.train.optim import make_optimizer  # noqa: E402
 
 
 class SyntheticTask:
-    """Just the loss of lm_task.LMTask: no dataset needed to compile."""
+    """Just the language-model loss (lm_task.LMObjective's over a full policy): no dataset needed."""
 
     def __init__(self, config: gpt.GPTConfig):
         self.model = gpt.GPT(config)
 
-    def loss(self, params, batch, rng, train: bool):
+    def loss(self, params, batch, rng, train: bool, frozen=None):
         logits_BTV = self.model.apply({"params": params}, batch["inputs"], deterministic=not train)
         return cross_entropy(logits_BTV, batch["targets"])
 

@@ -47,7 +47,7 @@ from flaxgpt.serve import runner
 from flaxgpt.train import grpo_rollout, sections
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.steps import make_steps
-from flaxgpt.train.tasks import TASKS, task_name
+from flaxgpt.train.tasks import Task
 
 PAGE = grpo_rollout.PAGE  # the engine's page size: serve.py's --prefix_block default, GRPO's engine
 
@@ -120,14 +120,13 @@ def _batch(shapes: dict, sharding_, leading=()):
 
 
 def train_programs(config, mc, devices, groups) -> list[Program]:
-    name = task_name(config) if models.kind_of(mc) == "gpt" else "seq2seq"
-    task = TASKS[name].without_data(config, mc)
+    task = Task.abstract(config, mc)
     m = sections.of(config).mesh
     mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert)
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
     steps = make_steps(config, task, mesh)
-    state = _abstract(steps.abstract_state, steps.state_shardings).replace(frozen=steps.frozen)  # LoRA's base
+    state = _abstract(steps.abstract_state, steps.state_shardings).replace(frozen=steps.frozen)  # Frozen
     n = len(devices)
     sizes = {"parameters": per_device_bytes(state.params), "optimizer": per_device_bytes(state.opt_state)}
     fpt = flops_per_token(mc, task.tokens_per_row)
@@ -277,14 +276,14 @@ def rollout_programs(config, mc, devices) -> list[Program]:
     the engine's prefill (a whole window's prompt) and generate step, batch_size slots (a step's
     completions), a window of block_size, over the policy's weights: the parameters, or with LoRA the
     base in lora.base_dtype and the adapters unmerged (models.lora.step_fn). Over the training mesh's
-    devices (GRPOOnlineTask._engine_over): the weights placed by SERVE_RULES, the slots by rows."""
+    devices (grpo_online.Rollouts._engine_over): the weights placed by SERVE_RULES, the slots by rows."""
     n = len(devices)
     s = sections.of(config)
     lora_on = bool(s.lora.rank)
     if n > 1:  # as the trainer refuses them
         grpo_rollout.check_over_devices(len({d.process_index for d in devices}))
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
-    if lora_on:  # as GRPOOnlineTask: the same spec, base and dtype
+    if lora_on:  # as the GRPO task (train.policy.LoraPolicy): the same spec, base and dtype
         c, rep = s.lora, sharding.replicated(mesh)
         spec = lora.LoraSpec.make(cfg, c.rank, c.alpha, c.dropout, c.targets)
         boxed = gpt.abstract_params(cfg)

@@ -1,4 +1,4 @@
-"""Training: the trainer loop and its jitted step, the tasks (GPT and encoder-decoder), losses,
+"""Training: the trainer loop and its jitted step, the tasks (objectives x policies x batch sources), losses,
 optimizers, preemption, the typed config sections (sections) and the config check.
 
 May import: flaxgpt.models, flaxgpt.data, flaxgpt.runs, flaxgpt.loader (resolve_init: where init_from

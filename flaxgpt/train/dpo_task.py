@@ -1,14 +1,14 @@
-"""DPO (Rafailov et al. 2023) as a trainer task: preference tuning on pairs (data.format = pairs).
+"""DPO (Rafailov et al. 2023) as an objective: preference tuning on pairs (data.format = pairs; the
+batches are lm_task.TokenBatches of flaxgpt prepare --dataset pairs, flaxgpt.data.preference).
 
-    task = DPOTask(config)          # config: configs/dpo_llama.py (its `dpo` section), data from
-                                    # flaxgpt prepare --dataset pairs (flaxgpt.data.preference)
-    loss_sum, (n_pairs, sums) = task.loss(params, batch, rng, train=True, frozen=reference)
-    logps = task.pair_logps(params, batch, frozen)   # per pair: policy / reference, chosen / rejected
+    objective = DPOObjective(config, model_config)   # config: configs/dpo_llama.py (its `dpo` section)
+    loss_sum, (n_pairs, sums) = objective.loss(policy, params, frozen, batch, rng, train=True)
+    logps = objective.pair_logps(policy, params, frozen, batch)   # policy / reference, chosen / rejected
 
-The policy is LMTask's model call (LoRA or full fine-tuning); the reference is
-- LoRA: the same frozen base with the adapters off (`frozen` is the base, as for SFT);
-- full fine-tuning: a frozen copy of init_from's weights, or of dpo.reference's (same architecture),
-  held in `frozen` and placed with the parameters' shardings.
+The policy's model call is lm_task.forward's (train.policy: LoRA or full fine-tuning); the reference is
+- LoRA: the same frozen base with the adapters off (Frozen.base, as for SFT);
+- full fine-tuning: a frozen copy of init_from's weights, or of dpo.reference's (same architecture):
+  Frozen.reference (`reference`), placed with the parameters' shardings.
 Both run in the same jitted step; the reference's log-probabilities are a stop_gradient.
 
 A sequence's log-probability is the sum over its completion tokens (loss_mask) of log p(token), as
@@ -32,14 +32,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import linen as nn
 
-from flaxgpt import sharding
 from flaxgpt.models import gpt
 from flaxgpt.train import sections
-from flaxgpt.train.lm_task import LMTask, start_from
+from flaxgpt.train.lm_task import forward, start_from
 from flaxgpt.train.losses import chunked_token_logprobs, token_logprobs
+from flaxgpt.train.policy import Frozen
 
 LOSSES = sections.DPO_LOSSES  # config.dpo.loss
 
@@ -81,78 +79,65 @@ def check_reference(policy: gpt.GPTConfig, reference: gpt.GPTConfig, name: str) 
         )
 
 
-class DPOTask(LMTask):
-    """DPO / IPO on preference pairs; the model, LoRA and batches are LMTask's."""
+def reference(config, model_config: gpt.GPTConfig, start, mode):
+    """Frozen.reference of full fine-tuning: dpo.reference's weights (its architecture checked), else
+    a copy of init_from's (`start`; the policy's start is donated and updated in place). ABSTRACT
+    mode reads no checkpoint: the start's shapes are the reference's."""
+    name = sections.of(config).dpo.reference
+    if name and mode.name == "real":
+        ref = start_from(name, model_config)
+        check_reference(model_config, ref.config, name)
+        return ref.params
+    if start is None:
+        raise ValueError(
+            "DPO needs a reference: set --config.init_from to the model to tune (its SFT checkpoint)"
+        )
+    return start if name else mode.copy(start)
 
-    formats = ("pairs",)
 
-    @classmethod
-    def without_data(cls, config, model_config: gpt.GPTConfig) -> DPOTask:
-        """The task with the reference (or LoRA's base) as shapes: flaxgpt.aot compiles its steps."""
-        task = cls.__new__(cls)
-        task.shards, task.data, task.data_dir = False, None, None
-        task.pretrained = nn.unbox(gpt.abstract_params(model_config))
-        task._set_model(config, model_config)
-        return task
+class DPOObjective:
+    """DPO / IPO on preference pairs, over a policy's model call (lm_task.forward)."""
 
-    def _set_model(self, config, model_config: gpt.GPTConfig) -> None:
-        reference = self.pretrained  # init_from's weights (LMTask.__init__ loaded them)
-        super()._set_model(config, model_config)
+    needs_reference = True  # full fine-tuning: Frozen.reference (LoRA: the base, adapters off)
+
+    def __init__(self, config, model_config: gpt.GPTConfig, data=None):
+        self.model_config, self.tokens_per_row = model_config, model_config.block_size
+        self.loss_chunk = config.optim.get("loss_chunk", 0)
         c = sections.of(config).dpo
         self.beta, self.dpo_loss, self.dpo_smoothing = float(c.beta), c.loss, float(c.label_smoothing)
-        if self.lora is not None:
-            return  # the reference is the base, adapters off
-        if c.reference:
-            ref = start_from(c.reference, model_config)
-            check_reference(model_config, ref.config, c.reference)
-            reference = ref.params
-        if reference is None:
-            raise ValueError(
-                "DPO needs a reference: set --config.init_from to the model to tune (its SFT checkpoint)"
-            )
-        # init_from's weights: a copy of their own, as the policy's start is donated and updated in place
-        shared = not c.reference and not isinstance(jax.tree.leaves(reference)[0], jax.ShapeDtypeStruct)
-        self.frozen = jax.tree.map(lambda x: np.array(x, copy=True), reference) if shared else reference
+
+    def reference(self, config, start, mode):
+        return reference(config, self.model_config, start, mode)
 
     def batch_shapes(self, n_rows: int) -> dict:
         T = self.model_config.block_size
-        shapes = super().batch_shapes(n_rows)
-        return {**shapes, "loss_mask": ((n_rows, T), "float32"), "segment_ids": ((n_rows, T), "int32")}
+        return {
+            "inputs": ((n_rows, T), "int32"),
+            "targets": ((n_rows, T), "int32"),
+            "loss_mask": ((n_rows, T), "float32"),
+            "segment_ids": ((n_rows, T), "int32"),
+        }
 
-    def place_frozen(self, mesh):
-        """LoRA: the base (LMTask's); full fine-tuning: the reference, sharded as the parameters."""
-        if self.lora is not None:
-            return super().place_frozen(mesh)
-        shardings = sharding.param_shardings(gpt.abstract_params(self.model_config), mesh)
-        if isinstance(jax.tree.leaves(self.frozen)[0], jax.ShapeDtypeStruct):  # flaxgpt.aot
-            place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-            return jax.tree.map(place, self.frozen, shardings), shardings
-        return jax.device_put(self.frozen, shardings), shardings
-
-    def _completion_logps(self, params, batch, rng, train, frozen):
+    def _completion_logps(self, policy, params, frozen, batch, rng, train):
         """Each pair's summed completion log-probabilities: (chosen_BP, rejected_BP)."""
-        out, head = self.forward(params, batch, rng, train, frozen)
+        out, head, _ = forward(policy, params, frozen, batch, rng, train, self.loss_chunk)
         if head is None:
             logp_BT = token_logprobs(out, batch["targets"])
         else:  # never the whole [B, T, V] float32 logits
             logp_BT = chunked_token_logprobs(out, head, batch["targets"], self.loss_chunk)
         return pair_sums(logp_BT * batch["loss_mask"], batch["segment_ids"])
 
-    def pair_logps(self, params, batch, frozen, rng=None, train: bool = False) -> dict:
+    def pair_logps(self, policy, params, frozen: Frozen, batch, rng=None, train: bool = False) -> dict:
         """{policy,ref}_{chosen,rejected} log-probabilities and n_{chosen,rejected} tokens, [B, P]."""
-        if self.lora is not None:  # the reference: the same base, no adapter
-            policy = self._completion_logps(params, batch, rng, train, frozen)
-            ref = self._completion_logps({}, batch, None, False, frozen)
-        else:
-            policy = self._completion_logps(params, batch, rng, train, None)
-            ref = self._completion_logps(frozen, batch, None, False, None)
+        policy_lp = self._completion_logps(policy, params, frozen, batch, rng, train)
+        ref = self._completion_logps(policy, policy.reference_params(frozen), frozen, batch, None, False)
         ref = jax.lax.stop_gradient(ref)
         n = pair_sums(batch["loss_mask"], batch["segment_ids"])
         names = ("policy_chosen", "policy_rejected", "ref_chosen", "ref_rejected", "n_chosen", "n_rejected")
-        return dict(zip(names, (*policy, *ref, *n), strict=True))
+        return dict(zip(names, (*policy_lp, *ref, *n), strict=True))
 
-    def loss(self, params, batch, rng, train: bool, frozen=None):
-        logps = self.pair_logps(params, batch, frozen, rng, train)
+    def loss(self, policy, params, frozen: Frozen, batch, rng, train: bool):
+        logps = self.pair_logps(policy, params, frozen, batch, rng, train)
         losses_BP, (chosen_BP, rejected_BP) = dpo_losses(logps, self.beta, self.dpo_loss, self.dpo_smoothing)
         pair_BP = (logps["n_chosen"] > 0).astype(jnp.float32)  # the row's pair slots that hold a pair
         sums = {

@@ -1,11 +1,12 @@
-"""GRPO as a trainer task (data.format = prompts): each step's batch is sampled from the current
-weights, scored and turned into advantages; the jitted train step then runs GRPOTask's loss on it.
+"""GRPO's online batch source (data.format = prompts): each step's batch is sampled from the current
+weights, scored and turned into advantages; the jitted train step then runs grpo_task.GRPOObjective's
+loss on it (train.tasks composes them with the policy: full fine-tuning or LoRA).
 
-    task = GRPOOnlineTask(config)     # config: configs/grpo_toy.py (its `grpo` section), data from
-                                      # flaxgpt prepare --dataset prompts (flaxgpt.data.prompts)
-    batch, info = task.rollout(params, frozen, step, n_rows, process_index)   # host arrays, metrics
-    loss_sum, (weight, sums) = task.loss(params, batch, rng, train=True, frozen=frozen)
-    task.evaluate(params)             # {"val_reward": ...}: one sampled completion a held-out prompt
+    data, model_config, start = open_prompts(config)   # configs/grpo_toy.py (its `grpo` section), data
+                                                       # from flaxgpt prepare --dataset prompts
+    rollouts = Rollouts(config, data, policy, objective(config, model_config, data))
+    batch, info = rollouts.rollout(params, frozen, step, n_rows, process_index)   # host arrays, metrics
+    rollouts.evaluate(params, frozen)   # {"val_reward": ...}: one sampled completion a held-out prompt
 
 A rollout: batch_size // G prompts of the step (PromptData.batch), G completions each sampled from
 the policy's current weights by the serving engine (grpo.rollout = engine: grpo_rollout, LoRA's
@@ -27,12 +28,10 @@ Shape letters: N completions of a step (prompts x G), G group size, T positions.
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
 import numpy as np
-from flax import linen as nn
 
 from flaxgpt import sharding
 from flaxgpt.data import prompts as prompts_lib
@@ -40,8 +39,9 @@ from flaxgpt.data import tokenizers
 from flaxgpt.decode import sampling
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
+from flaxgpt.models import registry as models
 from flaxgpt.train import grpo_rollout, grpo_task, rewards, sections
-from flaxgpt.train.lm_task import LMTask
+from flaxgpt.train.lm_task import start_from
 
 
 def rollout_seed(seed: int, step: int, process_index: int) -> int:
@@ -59,95 +59,73 @@ def reward_names(specs) -> list[str]:
     return names
 
 
-class GRPOOnlineTask(LMTask):
-    """GRPO on a prompts dataset; the model, LoRA and parameters are LMTask's, the loss GRPOTask's."""
+def open_prompts(config):
+    """(prompts, model config, start): the recipe's prompts dataset, the model init_from gives with its
+    weights (None: fresh), checked against each other."""
+    s = sections.of(config)
+    data = prompts_lib.PromptData(s.data.dir)
+    recipe = models.config_from(config.model, data.vocab_size)
+    init = start_from(config.init_from, recipe, data.meta.get("tokenizer"))
+    data.check(init.config.block_size, init.config.vocab_size, s.grpo.max_completion_length)
+    return data, init.config, init.params
 
-    formats = ("prompts",)
+
+def objective(config, model_config: gpt.GPTConfig, data=None) -> grpo_task.GRPOObjective:
+    """The recipe's GRPO objective. A row is a prompt and its completion (T + 1 tokens): T as long as
+    the longest prompt and a whole completion need (a multiple of 8), not the model's whole window
+    (without prompts to measure, flaxgpt aot's: the window)."""
+    g = sections.of(config).grpo
+    opts = grpo_task.GRPOOptions(
+        loss_type=g.loss_type,
+        epsilon=g.epsilon,
+        epsilon_high=None if g.epsilon_high < 0 else g.epsilon_high,
+        delta=g.delta or None,
+        beta=g.beta,
+        importance_sampling_level=g.importance_sampling_level,
+        max_completion_length=int(g.max_completion_length),
+        temperature=g.temperature,
+    )
+    T, max_new = model_config.block_size, int(g.max_completion_length)
+    if data is not None:
+        T = min(T, -(-(data.max_prompt_tokens + max_new - 1) // 8) * 8)
+    return grpo_task.GRPOObjective(opts, T, int(g.num_iterations))
+
+
+class Rollouts:
+    """GRPO's batch source: each train batch sampled from the policy's current weights, scored and
+    turned into advantages (see the module docstring)."""
+
     online = True  # the trainer takes each batch from rollout(), after the previous update
     splits = ()  # no loss to evaluate on fixed batches: evaluations sample the held-out prompts
 
-    def __init__(self, config):
-        s = sections.of(config)
-        self.format, self.shards = "prompts", False
-        self.data = prompts_lib.PromptData(s.data.dir)
-        self.data_dir = self.data.dir
-        self._start_from(config)
-        self.data.check(
-            self.model_config.block_size, self.model_config.vocab_size, s.grpo.max_completion_length
-        )
-        self.tokenizer = tokenizers.from_meta(self.data.meta["tokenizer"])
-        self._set_model(config, self.model_config)
-
-    @classmethod
-    def without_data(cls, config, model_config: gpt.GPTConfig) -> GRPOOnlineTask:
-        """The task's model and loss as shapes, no prompts read (flaxgpt.aot compiles its train step;
-        the rollout is not one of the programs compiled)."""
-        task = cls.__new__(cls)
-        task.format, task.shards = "prompts", False
-        task.data = task.data_dir = task.tokenizer = None
-        s = sections.of(config)
-        needs_start = s.lora.rank or s.grpo.beta
-        task.pretrained = nn.unbox(gpt.abstract_params(model_config)) if needs_start else None
-        task._set_model(config, model_config)
-        return task
-
-    def _set_model(self, config, model_config: gpt.GPTConfig) -> None:
+    def __init__(self, config, data, policy, objective: grpo_task.GRPOObjective):
         g = sections.of(config).grpo  # checked: rollout=generate never meets an int8 base (Sections.check)
-        start = self.pretrained  # init_from's weights: the reference when beta > 0 without LoRA
-        super()._set_model(config, model_config)
-        self.rollout_by = g.rollout
+        self.data, self.data_dir, self.seed = data, data.dir, config.seed
+        self.policy, self.objective, self.model_config = policy, objective, policy.model_config
+        self.tokenizer = tokenizers.from_meta(data.meta["tokenizer"])
         self.G, self.num_iterations = int(g.num_generations), int(g.num_iterations)
         self.max_new, self.temperature, self.top_p = int(g.max_completion_length), g.temperature, g.top_p
-        # a row is a prompt and its completion (T + 1 tokens): T as long as the longest prompt and a
-        # whole completion need (a multiple of 8), not the model's whole window (aot, with no prompts
-        # to measure: the window)
-        longest = self.data.max_prompt_tokens if self.data is not None else None
-        T = model_config.block_size
-        self.T = T if longest is None else min(T, -(-(longest + self.max_new - 1) // 8) * 8)
-        self.tokens_per_row = self.T
         self.scale, self.eval_prompts = g.scale_rewards, g.eval_prompts
         self.mask_truncated = g.mask_truncated_completions
-        self.opts = grpo_task.GRPOOptions(
-            loss_type=g.loss_type,
-            epsilon=g.epsilon,
-            epsilon_high=None if g.epsilon_high < 0 else g.epsilon_high,
-            delta=g.delta or None,
-            beta=g.beta,
-            importance_sampling_level=g.importance_sampling_level,
-            max_completion_length=self.max_new,
-            temperature=g.temperature,
-        )
-        # full fine-tuning with beta > 0: init_from's weights, a copy (the policy's start is donated)
-        self.reference = None
-        if g.beta and self.lora is None:
-            abstract = isinstance(jax.tree.leaves(start)[0], jax.ShapeDtypeStruct)
-            self.reference = start if abstract else jax.tree.map(lambda x: np.array(x, copy=True), start)
-        self.objective = grpo_task.GRPOTask(self.model_config, self.opts, self.lora, self.reference)
         self.rewards = rewards.Rewards.make(list(g.reward_funcs), list(g.reward_weights) or None)
         self.names = reward_names(g.reward_funcs)
-        self._logps = jax.jit(lambda p, b, f: self.objective.token_logps(p, b, f)[0])
+        self._logps = jax.jit(lambda p, b, f: objective.token_logps(policy, p, f, b)[0])
         self.engine = None
-        if self.rollout_by == "engine":  # one engine for the run: slots for a step's completions
-            longest = self.data.max_prompt_tokens if self.data is not None else model_config.block_size
+        if g.rollout == "engine":  # one engine for the run: slots for a step's completions
+            mc = self.model_config
             self.engine = grpo_rollout.EngineRollouts(
-                model_config,
-                Sampling(temperature=g.temperature, top_p=g.top_p, eos_id=self._eos()),
+                mc,
+                Sampling(temperature=g.temperature, top_p=g.top_p, eos_id=data.eos_id),
                 max_new_tokens=self.max_new,
                 slots=max(config.batch_size // jax.process_count(), 1),
-                max_len=sampling.cache_length(model_config.block_size, longest, self.max_new),
-                lora_spec=self.lora,
+                max_len=sampling.cache_length(mc.block_size, data.max_prompt_tokens, self.max_new),
+                lora_spec=policy.lora,
             )
 
-    def place_frozen(self, mesh):
-        frozen, shardings = super().place_frozen(mesh)
-        if self.reference is not None and not isinstance(
-            jax.tree.leaves(self.reference)[0], jax.ShapeDtypeStruct
-        ):
-            ref_shardings = sharding.param_shardings(gpt.abstract_params(self.model_config), mesh)
-            self.reference = jax.device_put(self.reference, ref_shardings)
+    def on_mesh(self, mesh, frozen) -> None:
+        """The trainer placed the weights on `mesh`: the engine follows them over several devices."""
         if self.engine is not None and mesh.size > 1:
             self._engine_over(mesh, frozen)
-        return frozen, shardings
 
     def _engine_over(self, mesh, frozen) -> None:
         """The engine over the training mesh's devices, on a (data 1, fsdp n) mesh of them as serve.py
@@ -160,51 +138,25 @@ class GRPOOnlineTask(LMTask):
         boxed = gpt.abstract_params(self.model_config)
         self._serve_shardings = sharding.param_shardings(boxed, emesh, sharding.SERVE_RULES)
         self._engine_base = None
-        if frozen is not None and not isinstance(jax.tree.leaves(frozen)[0], jax.ShapeDtypeStruct):
+        if frozen.base is not None:
             # a copy, never the trainer's buffers: the train step donates its state (the base too), and
             # a leaf placed alike (an int8 base's) would alias a donated buffer
-            shardings = lora.base_shardings(self._serve_shardings, frozen)
-            self._engine_base = jax.device_put(frozen, shardings, may_alias=False)
+            shardings = lora.base_shardings(self._serve_shardings, frozen.base)
+            self._engine_base = jax.device_put(frozen.base, shardings, may_alias=False)
 
     def _engine_weights(self, params, frozen):
         """The engine's weights: the parameters, or LoRA's (base, adapters); over several devices
         placed for the engine's mesh (the adapters, small, whole on every device)."""
         if self.engine.mesh is None:
-            return params if self.lora is None else (frozen, params)
-        if self.lora is None:
+            return params if self.policy.lora is None else (frozen.base, params)
+        if self.policy.lora is None:
             return jax.device_put(params, self._serve_shardings)
         return self._engine_base, jax.device_put(params, sharding.replicated(self.engine.mesh))
 
-    def batch_shapes(self, n_rows: int) -> dict:
-        T = self.T
-        shapes = {
-            "inputs": ((n_rows, T), "int32"),
-            "targets": ((n_rows, T), "int32"),
-            "loss_mask": ((n_rows, T), "float32"),
-            "advantages": ((n_rows,), "float32"),
-        }
-        if self.num_iterations > 1:
-            shapes["old_logp"] = ((n_rows, T), "float32")
-        if self.opts.beta:
-            shapes["ref_logp"] = ((n_rows, T), "float32")
-        return shapes
-
     def batch(self, split: str, step: int, n_rows: int, process_index: int) -> dict:
         """The trainer's fixed batch (a checkpoint's recorded loss): no completion token, loss 0."""
-        return {k: np.zeros(shape, dtype) for k, (shape, dtype) in self.batch_shapes(n_rows).items()}
-
-    def loss(self, params, batch, rng, train: bool, frozen=None):
-        return self.objective.loss(params, batch, rng, train, frozen)
-
-    def _eos(self):
-        return None if self.data is None else self.data.eos_id
-
-    def policy_weights(self, params, frozen):
-        """The weights generate's rollouts sample from: the parameters, or LoRA's base with the adapters
-        merged (the engine's take LoRA's (base, adapters) unmerged)."""
-        if self.lora is None:
-            return params
-        return _merge(self.model_config, self.lora, frozen, params)
+        shapes = self.objective.batch_shapes(n_rows)
+        return {k: np.zeros(shape, dtype) for k, (shape, dtype) in shapes.items()}
 
     def sample(self, params, frozen, rows, group_size: int, seed: int):
         """(prompt ids, completion ids, completion texts) of group_size completions a row, prompt-major;
@@ -215,7 +167,7 @@ class GRPOOnlineTask(LMTask):
             prompt_ids, completion_ids = self.engine.sample(weights, ids, group_size, seed=seed)
         else:
             prompt_ids, completion_ids = grpo_task.sample_groups(
-                self.model_config, self.policy_weights(params, frozen), ids, group_size,
+                self.model_config, self.policy.weights(params, frozen), ids, group_size,
                 rng=jax.random.key(seed), max_new_tokens=self.max_new, temperature=self.temperature,
                 top_p=self.top_p, eos_id=self.data.eos_id,
             )  # fmt: skip
@@ -240,15 +192,14 @@ class GRPOOnlineTask(LMTask):
         prompt_ids, completion_ids, texts = self.sample(params, frozen, rows, G, seed)
         total_N, per_NK = self.score(rows, G, texts, completion_ids)
         adv_N, zero_std_N = grpo_task.group_advantages(total_N, G, self.scale)
-        batch = grpo_task.rollout_batch(prompt_ids, completion_ids, self.T, adv_N)
+        batch = grpo_task.rollout_batch(prompt_ids, completion_ids, self.objective.T, adv_N)
         cut_N = grpo_task.truncated(completion_ids, [self.data.eos_id])
         if self.mask_truncated:  # TRL: a completion cut by the length limit teaches nothing
             batch["loss_mask"][cut_N] = 0.0
         if self.num_iterations > 1:  # the sampling policy's, kept while this rollout trains
             batch["old_logp"] = np.asarray(self._logps(params, batch, frozen))
-        if self.opts.beta:
-            reference = {} if self.lora is not None else self.reference  # LoRA: adapters off
-            batch["ref_logp"] = np.asarray(self._logps(reference, batch, frozen))
+        if self.objective.opts.beta:  # LoRA: the base, adapters off; else Frozen.reference
+            batch["ref_logp"] = np.asarray(self._logps(self.policy.reference_params(frozen), batch, frozen))
         info = {
             "reward": float(np.nanmean(total_N)),
             "reward_std": float(np.nanmean(np.nanstd(total_N.reshape(-1, G), axis=1, ddof=1))),
@@ -262,7 +213,7 @@ class GRPOOnlineTask(LMTask):
         info["rollout_time"] = time.perf_counter() - t0
         return batch, info
 
-    def evaluate(self, params, frozen=None) -> dict:
+    def evaluate(self, params, frozen) -> dict:
         """Mean reward of one completion sampled (fixed key) for each of the first eval_prompts
         held-out prompts: val_reward and val_rewards/<name> per function."""
         rows = self.data.splits["val"][: self.eval_prompts]
@@ -273,8 +224,3 @@ class GRPOOnlineTask(LMTask):
         out = {"val_reward": float(np.nanmean(total_N))}
         out.update({f"val_rewards/{n}": float(np.nanmean(per_NK[:, k])) for k, n in enumerate(self.names)})
         return out
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _merge(model_config, spec, base, adapters):
-    return lora.merge(model_config, spec, base, adapters)

@@ -4,10 +4,10 @@ TRL 1.16's GRPOTrainer computes it, over flaxgpt's model call (full fine-tuning 
     prompts, completions = sample_groups(model_config, params, prompt_ids, G, rng=key, max_new_tokens=64)
     adv_N, zero_std_N = group_advantages(rewards_N, G, scale="group")   # N = prompts x G, grouped
     batch = rollout_batch(prompt_ids, completion_ids, T)                # one completion a row
-    task = GRPOTask(model_config, GRPOOptions(loss_type="dapo", beta=0.04), lora_spec=None)
-    logp_BT, entropy_BT = task.token_logps(params, batch, frozen)       # the policy's, on the completions
-    batch["ref_logp"] = task.reference_logps(batch, frozen)             # beta > 0: LoRA off / frozen copy
-    loss_sum, (weight, sums) = task.loss(params, batch, rng, train=True, frozen=frozen)
+    objective = GRPOObjective(GRPOOptions(loss_type="dapo", beta=0.04), row_tokens=T)
+    logp_BT, entropy_BT = objective.token_logps(policy, params, frozen, batch)   # the policy's (train.policy)
+    batch["ref_logp"] = objective.reference_logps(policy, frozen, batch)      # beta > 0: LoRA off / copy
+    loss_sum, (weight, sums) = objective.loss(policy, params, frozen, batch, rng, train=True)
 
 A batch row is a prompt then its completion, right-padded; `inputs` / `targets` are the row shifted by
 one, `loss_mask` is 1 on the completion's tokens (targets), `advantages` one value a row. The
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxgpt.decode import sampling
-from flaxgpt.models import gpt, lora
+from flaxgpt.models import gpt
 from flaxgpt.models.cache import KVCache
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
@@ -269,48 +269,53 @@ def _masked_mean(x, mask_BT):
     return jnp.sum(x * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0)
 
 
-# ---------------------------------------------------------------- the task: the model call
+# ---------------------------------------------------------------- the objective over a policy
 
 
-class GRPOTask:
-    """GRPO's loss over flaxgpt's GPT: full fine-tuning (params are the model's; the reference a
-    frozen copy) or LoRA (params are the adapters, `frozen` the base; the reference is the base with
-    the adapters off). loss(params, batch, rng, train, frozen) -> (loss_sum, (weight, metric sums)),
-    the contract of train.steps (metrics are scaled by the weight, so the step's division gives them)."""
+class GRPOObjective:
+    """GRPO's loss over a policy's model call (train.policy: full fine-tuning, the reference a frozen
+    copy in Frozen.reference; or LoRA, the reference the base with the adapters off).
+    loss(policy, params, frozen, batch, rng, train) -> (loss_sum, (weight, metric sums)), the contract
+    of train.steps (metrics are scaled by the weight, so the step's division gives them). Rows are
+    T tokens (`row_tokens`), num_iterations > 1 adds old_logp to a batch, beta > 0 ref_logp."""
 
-    def __init__(self, model_config: gpt.GPTConfig, opts: GRPOOptions, lora_spec=None, reference=None):
-        self.model_config, self.opts, self.lora = model_config, opts, lora_spec
-        self.model = gpt.GPT(model_config)
-        self.reference = reference  # full fine-tuning with beta > 0: the frozen copy's parameters
-        if opts.beta and lora_spec is None and reference is None:
+    def __init__(self, opts: GRPOOptions, row_tokens: int = 0, num_iterations: int = 1):
+        self.opts, self.T, self.num_iterations = opts, row_tokens, num_iterations
+        self.tokens_per_row = row_tokens
+        self.needs_reference = bool(opts.beta)  # full fine-tuning: a frozen copy of the start
+
+    def reference(self, config, start, mode):
+        """Frozen.reference of full fine-tuning with beta > 0: a copy of the start's weights."""
+        if start is None:
             raise ValueError("grpo.beta > 0 needs a reference: LoRA (the base) or a frozen copy of the start")
+        return mode.copy(start)
 
-    def _logits(self, params, batch, rng, train: bool, frozen):
-        if self.lora is not None:  # params {}: the base alone (the reference)
-            return lora.apply(self.model_config, self.lora, frozen, params, batch["inputs"],
-                              deterministic=not train, rng=rng)  # fmt: skip
-        return self.model.apply(
-            {"params": params},
-            batch["inputs"],
-            deterministic=not train,
-            rngs={"dropout": rng} if train else None,
-        )
+    def batch_shapes(self, n_rows: int) -> dict:
+        T = self.T
+        shapes = {
+            "inputs": ((n_rows, T), "int32"),
+            "targets": ((n_rows, T), "int32"),
+            "loss_mask": ((n_rows, T), "float32"),
+            "advantages": ((n_rows,), "float32"),
+        }
+        if self.num_iterations > 1:
+            shapes["old_logp"] = ((n_rows, T), "float32")
+        if self.opts.beta:
+            shapes["ref_logp"] = ((n_rows, T), "float32")
+        return shapes
 
-    def token_logps(self, params, batch, frozen=None, rng=None, train: bool = False):
+    def token_logps(self, policy, params, frozen, batch, rng=None, train: bool = False):
         """(logp_BT, entropy_BT) of the batch's targets under the policy (temperature-scaled)."""
-        logits_BTV = self._logits(params, batch, rng, train, frozen)
+        logits_BTV = policy.apply(params, frozen, batch["inputs"], rng=rng, train=train)
         return completion_logps(logits_BTV, batch["targets"], self.opts.temperature)
 
-    def reference_logps(self, batch, frozen=None):
+    def reference_logps(self, policy, frozen, batch):
         """The reference's log-probs [B, T], no gradient: LoRA's base alone, or the frozen copy."""
-        if self.lora is not None:
-            logp_BT, _ = self.token_logps({}, batch, frozen)
-        else:
-            logp_BT, _ = self.token_logps(self.reference, batch)
+        logp_BT, _ = self.token_logps(policy, policy.reference_params(frozen), frozen, batch)
         return jax.lax.stop_gradient(logp_BT)
 
-    def loss(self, params, batch, rng, train: bool, frozen=None):
-        logp_BT, entropy_BT = self.token_logps(params, batch, frozen, rng, train)
+    def loss(self, policy, params, frozen, batch, rng, train: bool):
+        logp_BT, entropy_BT = self.token_logps(policy, params, frozen, batch, rng, train)
         loss_sum, weight, metrics = grpo_loss(
             logp_BT, batch["loss_mask"], batch["advantages"], self.opts,
             old_logp_BT=batch.get("old_logp"), ref_logp_BT=batch.get("ref_logp"), entropy_BT=entropy_BT,

@@ -1,11 +1,16 @@
-"""The decoder-only GPT as a trainer task (config.model.kind = "gpt"): next-token prediction on a
-prepared token dataset (flaxgpt.data.prepare), or on the speedrun's token shards (data.format = shards,
-flaxgpt.data.fineweb: windows in order, evaluated on the fixed val set only), or on packed rows
-(data.format = packed, flaxgpt.data.packing: chat SFT or packed documents; the loss counts the
-rows' loss_mask tokens and attention stays inside each example's segment).
+"""The decoder-only GPT's language-model objective and its fixed batches (config.model.kind = "gpt"):
+next-token prediction on a prepared token dataset (flaxgpt.data.prepare), or on the speedrun's token
+shards (data.format = shards, flaxgpt.data.fineweb: windows in order, evaluated on the fixed val set
+only), or on packed rows (data.format = packed, flaxgpt.data.packing: chat SFT or packed documents;
+the loss counts the rows' loss_mask tokens and attention stays inside each example's segment).
 
-    task = LMTask(config)     # config: a configs/*.py recipe (ml_collections)
-    loss_sum, n_tokens = task.loss(params, task.batch("train", step, rows, 0), rng, train=True)
+    data, model_config, start = open_data(config)   # config: a configs/*.py recipe (ml_collections)
+    objective = LMObjective(config, model_config)
+    batches = TokenBatches(config, data, policy)    # policy: train.policy.make_policy(config, model_config)
+    batch = batches.batch("train", step, rows, 0)
+    loss_sum, n_tokens = objective.loss(policy, params, frozen, batch, rng, train=True)
+
+(train.tasks composes them with a policy: train.policy's FullPolicy or LoraPolicy.)
 
 init_from (`start_from`: loader.resolve_init with the recipe's model config) = auto | resume | scratch
 builds the model from the recipe's `model` section (models.config_from); a GPT-2 name or a Hugging Face
@@ -14,8 +19,8 @@ the recipe's layout (loader.LAYOUT_FIELDS), and the recipe's run-time fields (mo
 flaxgpt run directory its latest checkpoint as saved (SFT, then GRPO or DPO from it; its tokenizer must
 be the dataset's), with the recipe's run-time fields.
 
-With `lora.rank` > 0 the pretrained weights become the frozen base (`frozen`, in lora.base_dtype) and
-the trained parameters are LoRA adapters only (flaxgpt/models/lora.py): `loss(adapters, ..., frozen=base)`.
+With `lora.rank` > 0 the pretrained weights become the frozen base (train.policy.Frozen.base, in
+lora.base_dtype) and the trained parameters are LoRA adapters only (flaxgpt/models/lora.py).
 
 A mixture of experts (model.num_experts > 0) trains on the loss + router_aux_loss_coef x the load-balancing
 loss + router_z_loss_coef x the z-loss (models/moe.py), logged as router_aux and router_z; evaluations and
@@ -27,17 +32,15 @@ from __future__ import annotations
 import functools
 
 import jax
-from flax import linen as nn
 
-from flaxgpt import loader, sharding
+from flaxgpt import loader
 from flaxgpt.data import batches as data_lib
 from flaxgpt.data import fineweb, packing
-from flaxgpt.models import gpt, lora, moe
+from flaxgpt.models import gpt, moe
 from flaxgpt.models import registry as models
 from flaxgpt.train import sections
 from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
-
-FORMATS = ("tokens", "shards", "packed")  # config.data.format
+from flaxgpt.train.policy import Frozen
 
 
 def start_from(init_from: str, recipe, data_tokenizer=None) -> loader.Init:
@@ -62,132 +65,92 @@ def start_from(init_from: str, recipe, data_tokenizer=None) -> loader.Init:
     return init
 
 
-class LMTask:
-    """Next-token prediction: windows of block_size tokens, loss on every position."""
+def open_data(config):
+    """(data, model config, start): the recipe's dataset (data.format tokens | shards | packed | pairs),
+    the model init_from gives with the start's weights (None: fresh), checked against each other."""
+    d = sections.of(config).data
+    if d.format in ("packed", "pairs"):
+        data = packing.PackedData(d.dir, kind=d.format)
+    elif d.format == "shards":  # shards need the window length, which the model section fixes
+        data = fineweb.ShardData(d.dir, config.model.block_size, d.align_to_bos, d.val_tokens)
+    else:
+        data = data_lib.TokenData(d.dir)
+    recipe = models.config_from(config.model, data.vocab_size)
+    init = start_from(config.init_from, recipe, data.meta.get("tokenizer"))
+    if d.format != "shards":
+        data.check(init.config.block_size, init.config.vocab_size)
+    return data, init.config, init.params
 
-    kind = "gpt"
-    splits = ("train", "val")
-    formats = FORMATS  # the data.format values this task reads (DPOTask: pairs)
 
-    def __init__(self, config):
-        d = sections.of(config).data
-        self.format = d.format
-        if self.format not in self.formats:
-            raise ValueError(f"data.format={self.format!r}; choose one of {', '.join(self.formats)}")
-        self.shards = self.format == "shards"
+class TokenBatches:
+    """The fixed batches of a prepared dataset: train batches follow the step; eval batch i of a split
+    is the same at every evaluation."""
+
+    online = False
+
+    def __init__(self, config, data, policy, objective=None):
+        self.data, self.data_dir = data, data.dir  # its meta.json (the tokenizer) goes into the run directory
+        self.format, self.seed = sections.of(config).data.format, config.seed
+        self.block_size = policy.model_config.block_size
+        # shards: the fixed val set; training loss is logged every step anyway
+        self.splits = ("val",) if self.format == "shards" else ("train", "val")
+
+    def batch(self, split: str, step: int, n_rows: int, process_index: int):
+        if self.format == "shards":
+            return self.data.batch(split, step, n_rows, process_index, jax.process_count())
         if self.format in ("packed", "pairs"):
-            self.data = packing.PackedData(d.dir, kind=self.format)
-        elif self.shards:  # shards need the window length, which the model section fixes
-            block_size = config.model.block_size
-            self.data = fineweb.ShardData(d.dir, block_size, d.align_to_bos, d.val_tokens)
-            self.splits = ("val",)  # the fixed val set; training loss is logged every step anyway
-        else:
-            self.data = data_lib.TokenData(d.dir)
-        self.data_dir = self.data.dir  # its meta.json (the tokenizer) goes into the run directory
-        self._start_from(config)
-        if not self.shards:
-            self.data.check(self.model_config.block_size, self.model_config.vocab_size)
-        self._set_model(config, self.model_config)
+            return self.data.batch(split, step, n_rows, self.seed, process_index, jax.process_count())
+        tokens = self.data.splits["train" if split != "val" else "val"]
+        stream = {
+            "train": data_lib.TRAIN_STREAM,
+            "val": data_lib.VAL_STREAM,
+            "train_eval": data_lib.TRAIN_EVAL_STREAM,
+        }[split]
+        return data_lib.get_batch(tokens, self.block_size, n_rows, self.seed, step, process_index, stream)
 
-    def _start_from(self, config) -> None:
-        """model_config and pretrained (the parameters to start from, None for a fresh model) of
-        init_from: the recipe's model, or the checkpoint's architecture with the recipe's rest (a
-        run directory's tokenizer checked against the data's)."""
-        recipe = models.config_from(config.model, self.data.vocab_size)
-        init = start_from(config.init_from, recipe, self.data.meta.get("tokenizer"))
-        self.model_config, self.pretrained = init.config, init.params
+    def on_mesh(self, mesh, frozen) -> None:
+        """Nothing follows the weights' placement."""
 
-    @classmethod
-    def without_data(cls, config, model_config: gpt.GPTConfig) -> LMTask:
-        """The task's model and loss with no dataset read (flaxgpt.aot compiles its steps); no batches."""
-        task = cls.__new__(cls)
-        task.shards, task.data, task.data_dir = False, None, None
-        # LoRA's frozen base as shapes: lora.quantize_base and place_frozen keep them abstract
-        lora_on = sections.of(config).lora.rank
-        task.pretrained = nn.unbox(gpt.abstract_params(model_config)) if lora_on else None
-        task._set_model(config, model_config)
-        return task
+    def evaluate(self, params, frozen) -> dict:
+        return {}  # the loss is all: benchmark tasks are config.eval_tasks (eval.tasks.TrainingEvaluator)
 
-    def _set_model(self, config, model_config: gpt.GPTConfig) -> None:
+
+def forward(policy, params, frozen: Frozen, batch, rng, train: bool, loss_chunk: int = 0):
+    """(out, head, router): the policy on batch["inputs"] (segment ids when packed). out is the logits
+    [B, T, V], or with loss_chunk the hidden states [B, T, D] and head(hidden_BtD) -> logits; router a
+    mixture of experts' sown statistics (models/moe.py; None for a dense model). With LoRA too:
+    adapters change what the router sees."""
+    mutable = [moe.ROUTER] if policy.model_config.num_experts else False
+    kw = dict(segment_ids_BT=batch.get("segment_ids"), hidden=bool(loss_chunk))
+    out = policy.apply(params, frozen, batch["inputs"], rng=rng, train=train, mutable=mutable, **kw)
+    router = None
+    if mutable:
+        out, router = out[0], out[1][moe.ROUTER]
+    if not loss_chunk:
+        return out, None, router
+    head = functools.partial(gpt.head_logits, policy.model_config, policy.head_params(params, frozen))
+    return out, head, router
+
+
+class LMObjective:
+    """Next-token prediction: windows of block_size tokens, loss on every position (packed rows: on
+    their loss_mask tokens)."""
+
+    needs_reference = False
+
+    def __init__(self, config, model_config: gpt.GPTConfig, data=None):
         self.model_config = model_config
-        self.model = gpt.GPT(model_config)
-        self.lora, self.frozen = None, None  # LoRA: the adapters' spec and the frozen base
-        c = sections.of(config).lora
-        if c.rank:
-            self.lora = lora.LoraSpec.make(self.model_config, c.rank, c.alpha, c.dropout, c.targets)
-            self.frozen, self.pretrained = lora.quantize_base(self.pretrained, c.base_dtype), None
-        self.seed = config.seed
         self.label_smoothing = config.optim.label_smoothing
         self.loss_chunk = config.optim.get("loss_chunk", 0)  # positions per logits chunk; 0 = all at once
         self.tokens_per_row = model_config.block_size
 
     def batch_shapes(self, n_rows: int) -> dict:
-        """{name: (shape, dtype)} of `batch(split, step, n_rows, ...)`."""
+        """{name: (shape, dtype)} of a batch of n_rows."""
         T = self.model_config.block_size
         return {"inputs": ((n_rows, T), "int32"), "targets": ((n_rows, T), "int32")}
 
-    def place_frozen(self, mesh):
-        """LoRA: (the frozen base on `mesh`, its shardings), sharded as full fine-tuning shards the
-        parameters (FSDP); (None, None) without LoRA."""
-        if self.frozen is None:
-            return None, None
-        boxed = gpt.abstract_params(self.model_config)
-        shardings = lora.base_shardings(sharding.param_shardings(boxed, mesh), self.frozen)
-        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.frozen)):  # flaxgpt.aot
-            place = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-            return jax.tree.map(place, self.frozen, shardings), shardings
-        return jax.device_put(self.frozen, shardings), shardings
-
-    def abstract_params(self):
-        """The trained parameters, boxed with their logical axes (LoRA: the adapters, replicated)."""
-        if self.lora is not None:
-            return jax.eval_shape(self.init_params, jax.random.key(0))
-        return gpt.abstract_params(self.model_config)
-
-    def init_params(self, rng):
-        if self.lora is not None:
-            return lora.init_adapters(self.model_config, self.lora, rng)
-        return gpt.init_params(self.model_config, rng)
-
-    def forward(self, params, batch, rng, train: bool, frozen=None):
-        """(out, head): the model on batch["inputs"] (segment ids when packed). out is the logits
-        [B, T, V], or with loss_chunk the hidden states [B, T, D] and head(hidden_BtD) -> logits."""
-        out, head, _ = self.forward_with_router(params, batch, rng, train, frozen)
-        return out, head
-
-    def forward_with_router(self, params, batch, rng, train: bool, frozen=None):
-        """(out, head, router): forward's, and a mixture of experts' sown "router" statistics
-        (models/moe.py; None for a dense model). With LoRA too: adapters change what the router sees."""
-        kw = dict(
-            deterministic=not train, segment_ids_BT=batch.get("segment_ids"), hidden=bool(self.loss_chunk)
-        )
-        router = None
-        mutable = [moe.ROUTER] if self.model_config.num_experts else False
-        if self.lora is not None:  # params are the adapters; the base is not differentiated
-            spec, tokens_BT = self.lora, batch["inputs"]
-            out = lora.apply(
-                self.model_config, spec, frozen, params, tokens_BT, rng=rng, mutable=mutable, **kw
-            )
-        else:
-            out = self.model.apply(
-                {"params": params},
-                batch["inputs"],
-                rngs={"dropout": rng} if train else None,
-                mutable=mutable,
-                **kw,
-            )
-        if mutable:
-            out, router = out[0], out[1][moe.ROUTER]
-        if not self.loss_chunk:
-            return out, None, router
-        return (
-            out,
-            functools.partial(gpt.head_logits, self.model_config, params if self.lora is None else frozen),
-            router,
-        )
-
-    def loss(self, params, batch, rng, train: bool, frozen=None):
-        out, head, router = self.forward_with_router(params, batch, rng, train, frozen)
+    def loss(self, policy, params, frozen: Frozen, batch, rng, train: bool):
+        out, head, router = forward(policy, params, frozen, batch, rng, train, self.loss_chunk)
         targets_BT, mask_BT = batch["targets"], batch.get("loss_mask")
         if head is None:
             loss_sum, weight = cross_entropy(out, targets_BT, mask_BT, self.label_smoothing)
@@ -202,22 +165,3 @@ class LMTask:
         aux, z = moe.router_losses(router, c.num_experts)
         loss_sum = loss_sum + (c.router_aux_loss_coef * aux + c.router_z_loss_coef * z) * weight
         return loss_sum, (weight, {"router_aux": aux * weight, "router_z": z * weight})
-
-    def batch(self, split: str, step: int, n_rows: int, process_index: int):
-        """Train batches follow the step; eval batch i of a split is the same at every evaluation."""
-        if self.shards:
-            return self.data.batch(split, step, n_rows, process_index, jax.process_count())
-        if self.format in ("packed", "pairs"):
-            return self.data.batch(split, step, n_rows, self.seed, process_index, jax.process_count())
-        tokens = self.data.splits["train" if split != "val" else "val"]
-        stream = {
-            "train": data_lib.TRAIN_STREAM,
-            "val": data_lib.VAL_STREAM,
-            "train_eval": data_lib.TRAIN_EVAL_STREAM,
-        }[split]
-        return data_lib.get_batch(
-            tokens, self.model_config.block_size, n_rows, self.seed, step, process_index, stream
-        )
-
-    def evaluate(self, params) -> dict:
-        return {}  # the loss is all: benchmark tasks are config.eval_tasks (eval.tasks.TrainingEvaluator)

@@ -1,11 +1,12 @@
-"""The encoder-decoder as a trainer task (config.model.kind = "seq2seq") and its evaluation.
+"""The encoder-decoder's objective and batches (config.model.kind = "seq2seq") and its evaluation.
 
     flaxgpt prepare-seq2seq --task reverse --out_dir data/reverse
     python train.py --config configs/reverse.py
 
-The trainer sees the same interface as the GPT's (flaxgpt.train.tasks): the loss is the padding-masked,
-label-smoothed cross-entropy of teacher-forced targets; batches are padded pairs grouped by length.
-`Seq2SeqTask.evaluate(params)` adds token accuracy, exact match and BLEU (sacrebleu) on val.
+train.tasks composes them with a full policy (train.policy.FullPolicy), as the GPT's: the loss
+(Seq2SeqObjective) is the padding-masked, label-smoothed cross-entropy of teacher-forced targets;
+batches (PairBatches of open_pairs' data) are padded pairs grouped by length.
+`PairBatches.evaluate(params)` adds token accuracy, exact match and BLEU (sacrebleu) on val.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flaxgpt.data import batches as data_lib
 from flaxgpt.data import tokenizers
 from flaxgpt.decode.translate import generate
 from flaxgpt.models import registry as models
-from flaxgpt.models.seq2seq import Transformer, TransformerConfig, abstract_params, init_params
+from flaxgpt.models.seq2seq import Transformer, TransformerConfig
 from flaxgpt.train.losses import cross_entropy
 
 # decoding options of the `seq2seq` config section, with their defaults
@@ -33,46 +34,45 @@ EVAL_DEFAULTS = {
 }
 
 
-class Seq2SeqTask:
-    kind = "seq2seq"
-    splits = ("train", "val")
-    pretrained = None  # always trained from scratch
+def open_pairs(config):
+    """(the train and val pairs, model config, start None: always trained from scratch), checked."""
+    data = {s: data_lib.ParallelData(config.data.dir, s) for s in ("train", "val")}
+    meta = data["train"].meta
+    c = models.config_from(config.model, meta["vocab_size"])
+    if meta["vocab_size"] > c.vocab_size:
+        raise ValueError(
+            f"the dataset's vocabulary ({meta['vocab_size']}) is larger than the model's "
+            f"vocab_size ({c.vocab_size}); set --config.model.vocab_size=0 to use the dataset's"
+        )
+    if max(meta["max_src_len"], meta["max_tgt_len"]) > c.block_size:
+        raise ValueError(
+            f"{config.data.dir} has pairs of {meta['max_src_len']} / {meta['max_tgt_len']} "
+            f"tokens, longer than block_size {c.block_size}; raise --config.model.block_size "
+            "or prepare the data again with a smaller --max_len"
+        )
+    return data, c, None
 
-    def __init__(self, config):
-        self.data = {s: data_lib.ParallelData(config.data.dir, s) for s in ("train", "val")}
-        meta = self.data["train"].meta
-        self.data_dir = self.data["train"].dir  # its meta.json (the tokenizer) goes into the run directory
-        self.model_config = c = models.config_from(config.model, meta["vocab_size"])
-        if meta["vocab_size"] > c.vocab_size:
-            raise ValueError(
-                f"the dataset's vocabulary ({meta['vocab_size']}) is larger than the model's "
-                f"vocab_size ({c.vocab_size}); set --config.model.vocab_size=0 to use the dataset's"
-            )
-        if max(meta["max_src_len"], meta["max_tgt_len"]) > c.block_size:
-            raise ValueError(
-                f"{config.data.dir} has pairs of {meta['max_src_len']} / {meta['max_tgt_len']} "
-                f"tokens, longer than block_size {c.block_size}; raise --config.model.block_size "
-                "or prepare the data again with a smaller --max_len"
-            )
-        self.src_len, self.tgt_len = meta["max_src_len"], meta["max_tgt_len"]  # fixed padded shapes
+
+def _lengths(data, model_config) -> tuple[int, int]:
+    """(source, target) lengths batches are padded to: the data's longest, else block_size (aot)."""
+    if data is None:
+        return model_config.block_size, model_config.block_size
+    meta = data["train"].meta
+    return meta["max_src_len"], meta["max_tgt_len"]
+
+
+class Seq2SeqObjective:
+    """The padding-masked, label-smoothed cross-entropy of teacher-forced targets (full policy only)."""
+
+    needs_reference = False
+
+    def __init__(self, config, model_config: TransformerConfig, data=None):
+        self.model_config, self.label_smoothing = model_config, config.optim.label_smoothing
+        self.src_len, self.tgt_len = _lengths(data, model_config)  # fixed padded shapes
         self.tokens_per_row = self.tgt_len
-        self.seed, self.label_smoothing = config.seed, config.optim.label_smoothing
-        opts = config.get("seq2seq") or {}
-        self.opts = {k: opts.get(k, v) for k, v in EVAL_DEFAULTS.items()}
-        self.tokenizer = tokenizers.Seq2SeqTokenizer.from_meta(meta["tokenizer"])
-        self._batchers = {}
-
-    @classmethod
-    def without_data(cls, config, model_config: TransformerConfig) -> Seq2SeqTask:
-        """The model and loss with no dataset read (flaxgpt.aot), at its longest pairs: block_size."""
-        task = cls.__new__(cls)
-        task.model_config, task.data, task.data_dir, task._batchers = model_config, None, None, {}
-        task.src_len = task.tgt_len = task.tokens_per_row = model_config.block_size
-        task.seed, task.label_smoothing = config.seed, config.optim.label_smoothing
-        return task
 
     def batch_shapes(self, n_rows: int) -> dict:
-        """{name: (shape, dtype)} of the largest `batch(...)` (batches are bucketed up to these lengths)."""
+        """{name: (shape, dtype)} of the largest batch (batches are bucketed up to these lengths)."""
         S, T = self.src_len, self.tgt_len
         return {
             "src": ((n_rows, S), "int32"),
@@ -82,13 +82,7 @@ class Seq2SeqTask:
             "loss_mask": ((n_rows, T), "float32"),
         }
 
-    def abstract_params(self):
-        return abstract_params(self.model_config)
-
-    def init_params(self, rng):
-        return init_params(self.model_config, rng)
-
-    def loss(self, params, batch, rng, train: bool):
+    def loss(self, policy, params, frozen, batch, rng, train: bool):
         model = Transformer(self.model_config, deterministic=not train)
         logits_BTV = model.apply(
             {"params": params},
@@ -99,6 +93,23 @@ class Seq2SeqTask:
         )
         return cross_entropy(logits_BTV, batch["targets"], batch["loss_mask"], self.label_smoothing)
 
+
+class PairBatches:
+    """Padded pairs grouped by length: train batches follow the step; eval batch i of a split is the
+    same at every evaluation. `evaluate` decodes val (token accuracy, exact match, BLEU)."""
+
+    online = False
+    splits = ("train", "val")
+
+    def __init__(self, config, data, policy, objective=None):
+        self.data, self.data_dir = data, data["train"].dir  # its meta.json (the tokenizer): the run dir's
+        self.model_config, self.seed = policy.model_config, config.seed
+        self.src_len, self.tgt_len = _lengths(data, policy.model_config)
+        opts = config.get("seq2seq") or {}
+        self.opts = {k: opts.get(k, v) for k, v in EVAL_DEFAULTS.items()}
+        self.tokenizer = tokenizers.Seq2SeqTokenizer.from_meta(data["train"].meta["tokenizer"])
+        self._batchers = {}
+
     def _batcher(self, split: str, rows: int, seed: int) -> data_lib.Batcher:
         key = (split, rows, seed)
         if key not in self._batchers:
@@ -106,7 +117,6 @@ class Seq2SeqTask:
         return self._batchers[key]
 
     def batch(self, split: str, step: int, n_rows: int, process_index: int):
-        """Train batches follow the step; eval batch i of a split is the same at every evaluation."""
         n_proc = jax.process_count()
         if split == "val":
             rows, _ = data_lib.eval_rows(len(self.data["val"]), n_rows * n_proc, step)
@@ -115,11 +125,10 @@ class Seq2SeqTask:
         seed = self.seed if split == "train" else self.seed + 1  # train_eval: its own order
         return self._batcher("train", n_rows * n_proc, seed).batch(step, process_index, n_proc)
 
-    def place_frozen(self, mesh):
-        """No frozen base: the encoder-decoder trains all its parameters."""
-        return None, None
+    def on_mesh(self, mesh, frozen) -> None:
+        """Nothing follows the weights' placement."""
 
-    def evaluate(self, params, n_pairs: int | None = None) -> dict:
+    def evaluate(self, params, frozen=None, n_pairs: int | None = None) -> dict:
         """Token accuracy (teacher forcing), exact match and BLEU of decoded outputs on val."""
         return evaluate(
             self.model_config,

@@ -5,7 +5,8 @@ eval step, with the optimizer and shardings they are compiled with.
     state, metrics = steps.train_step(state, batch)   # batch leaves [grad_accum, micro_B, ...]
 
 The trainer (flaxgpt.train.trainer) runs them; flaxgpt.aot compiles them for a target ahead of time.
-LoRA (lora.rank > 0): `params` are the adapters, `frozen` the base (FSDP-sharded, never checkpointed).
+`frozen` is train.policy.Frozen(base, reference): LoRA's base and DPO / GRPO's reference, the weights
+that are not trained (FSDP-sharded, never checkpointed); with LoRA `params` are the adapters.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flax import struct
 
 from flaxgpt import sharding
 from flaxgpt.train.optim import make_optimizer
-from flaxgpt.train.tasks import task_loss
+from flaxgpt.train.policy import NONE, Frozen
 
 
 @struct.dataclass
@@ -28,7 +29,7 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # base key; dropout at step s uses fold_in(rng, s)
-    frozen: Any = None  # LoRA: the frozen base (never differentiated, never checkpointed); else None
+    frozen: Frozen = NONE  # the weights not trained: never differentiated, never checkpointed
 
 
 def _with_sums(aux):
@@ -38,7 +39,7 @@ def _with_sums(aux):
 
 def make_train_step(task, tx, schedule, grad_accum: int):
     """train_step(state, batch) with batch leaves [grad_accum, micro_B, ...]."""
-    grad_fn = jax.value_and_grad(task_loss(task, True), has_aux=True)
+    grad_fn = jax.value_and_grad(lambda p, b, r, f: task.loss(p, b, r, True, f), has_aux=True)
 
     def train_step(state: TrainState, batch):
         rng = jax.random.fold_in(state.rng, state.step)
@@ -85,11 +86,11 @@ class Steps(NamedTuple):
     param_shardings: Any
     abstract_state: Any
     state_shardings: Any  # of what checkpoints hold (frozen: None)
-    frozen: Any  # LoRA: the frozen base placed on the mesh, else None
+    frozen: Frozen  # the frozen weights placed on the mesh (LoRA's base, a reference)
     train_batch_sharding: Any  # leaves [grad_accum, micro_B, ...]
     eval_batch_sharding: Any
     train_step: Any  # jitted, state donated
-    eval_step: Any  # jitted: (params, batch, frozen) -> (loss_sum, weight); frozen None without LoRA
+    eval_step: Any  # jitted: (params, batch, frozen) -> (loss_sum, weight)
 
 
 def make_steps(config, task, mesh) -> Steps:
@@ -104,7 +105,7 @@ def make_steps(config, task, mesh) -> Steps:
 
     abstract_state = jax.eval_shape(init_state, jax.random.key(0))
     state_shardings = sharding.state_shardings(abstract_state, abstract_state.params, param_shardings, mesh)
-    frozen, frozen_shardings = task.place_frozen(mesh)  # LoRA's base, sharded as FSDP shards parameters
+    frozen, frozen_shardings = task.place_frozen(mesh)  # sharded as FSDP shards the parameters
     step_shardings = state_shardings.replace(frozen=frozen_shardings)  # checkpoints hold no frozen base
     train_batch_sharding = sharding.batch_sharding(mesh, leading_axes=1)
     eval_batch_sharding = sharding.batch_sharding(mesh)
@@ -116,10 +117,9 @@ def make_steps(config, task, mesh) -> Steps:
         out_shardings=(step_shardings, rep),
         donate_argnums=0,
     )
-    eval_loss = task_loss(task, False)
 
     def eval_sums(params, batch, frozen):  # (loss_sum, weight): what evaluations average
-        loss_sum, aux = eval_loss(params, batch, None, frozen)
+        loss_sum, aux = task.loss(params, batch, None, False, frozen)
         return loss_sum, _with_sums(aux)[0]
 
     eval_step = jax.jit(

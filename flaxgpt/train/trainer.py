@@ -4,9 +4,9 @@ evaluation, logging and checkpoints.
     summary = train(config)   # config: a configs/*.py recipe -> {"loss", "best_val_loss", "state", ...}
 
 The pure steps it runs (TrainState, the train step with gradient accumulation inside, the eval step)
-are flaxgpt.train.steps.make_steps'. Model-specific parts live in a task object (flaxgpt.train.tasks:
-`LMTask` for the GPT, `Seq2SeqTask` for the encoder-decoder), chosen by `config.model.kind`: model
-config, parameters, loss, batches and extra eval metrics. MFU counts FLOPs with
+are flaxgpt.train.steps.make_steps'. Model-specific parts live in the task (flaxgpt.train.tasks.Task:
+an objective x a policy x a batch source, chosen by `config.model.kind` and `data.format`): model
+config, parameters, loss, batches, frozen weights and extra eval metrics. MFU counts FLOPs with
 flaxgpt.models.flops.flops_per_token, the figure `flaxgpt summary` prints.
 
 Checkpoints (flaxgpt.runs.checkpoint) live in out_dir/checkpoints: `Trainer.init_state` restores the
@@ -15,7 +15,8 @@ at the end and on SIGTERM. The data position is the step, so a restored state co
 Each checkpoint records the run config and data meta it was trained with (a resume that changes the
 model or the tokenizer is refused: run_dir.check_resume) and the loss of its own weights on a fixed
 batch, so the checkpoint named after a NaN is one whose loss was finite and not exploding.
-LoRA (lora.rank > 0): `params` are the adapters, `frozen` the base (FSDP-sharded, never checkpointed).
+`state.frozen` is train.policy.Frozen(base, reference) (LoRA's base, DPO / GRPO's reference): FSDP-sharded,
+never checkpointed; with LoRA (lora.rank > 0) `params` are the adapters.
 `train` holds out_dir's lock (flaxgpt.runs.run_lock) from before anything is written until it returns.
 An `online` task (GRPO, flaxgpt.train.grpo_online) samples each step's batch from the weights the
 previous step made (`train_batch`), reusing one rollout for grpo.num_iterations steps; its rollout's
@@ -41,6 +42,7 @@ from flaxgpt.runs.metrics import MetricsWriter, closing_lines, peak_flops_per_de
 from flaxgpt.train import sections
 from flaxgpt.train.config_check import check as check_config
 from flaxgpt.train.config_check import micro_batch, schedule_note
+from flaxgpt.train.policy import shapes_on
 from flaxgpt.train.preemption import StopSignal
 from flaxgpt.train.steps import TrainState, make_steps, make_train_step  # noqa: F401 (re-exported)
 from flaxgpt.train.tasks import make_task
@@ -77,18 +79,14 @@ class Trainer:
         self.eval_batch_sharding = steps.eval_batch_sharding
         self.train_step, self.eval_step = steps.train_step, steps.eval_step
         self.frozen = steps.frozen
-        self.online = getattr(self.task, "online", False)  # GRPO: batches sampled from the weights
+        self.online = self.task.online  # GRPO: batches sampled from the weights
         self.batch_info, self._rollout = {}, None  # the last batch's metrics; an online task's batch
         self.tokens_per_step = config.batch_size * self.task.tokens_per_row
         # training FLOPs per token, the figure `flaxgpt summary` prints (for MFU)
         self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
         self.is_main = jax.process_index() == 0
         # restore onto the state's shardings: any mesh / device count, whatever the saving run had
-        self.restore_target = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            self.abstract_state,
-            self.state_shardings,
-        )
+        self.restore_target = shapes_on(self.abstract_state, self.state_shardings)
         # last: only a checked config gets a checkpoints directory (every process writes its own shards)
         if config.init_from == "resume" and not (Path(config.out_dir) / "checkpoints").is_dir():
             raise ckpt_lib.CheckpointError(
@@ -194,7 +192,7 @@ class Trainer:
         fetched = jax.device_get(sums)
         out = {f"{s}_loss": float(sum(p[0] for p in v) / sum(p[1] for p in v)) for s, v in fetched.items()}
         # the task's own metrics (seq2seq: accuracy, BLEU; GRPO: held-out rewards, sampled with LoRA's base)
-        out.update(self.task.evaluate(params, frozen) if self.online else self.task.evaluate(params))
+        out.update(self.task.evaluate(params, frozen))
         return out
 
     def write_run_files(self) -> Path | None:

@@ -157,7 +157,7 @@ def per_pair(task, params, frozen, tok, records):
     rows = [preference.pack_pairs([p], T) for p in pairs]
     batch = {k: np.concatenate([r[k] for r in rows]).astype(np.float32 if k == "loss_mask" else np.int32)
              for k in rows[0]}  # fmt: skip
-    out = jax.jit(task.pair_logps)(params, batch, frozen)
+    out = jax.jit(lambda p, f, b: task.objective.pair_logps(task.policy, p, f, b))(params, frozen, batch)
     return {k: np.asarray(v)[:, 0] for k, v in out.items()}
 
 
@@ -218,7 +218,7 @@ def test_equals_trl(model_dir, tmp_path, case):
 
         def hf_names(adapters, where):
             hf_peft.export_adapter(
-                cfg, t.task.lora, jax.tree.map(np.asarray, adapters), str(tmp_path / where)
+                cfg, t.task.policy.lora, jax.tree.map(np.asarray, adapters), str(tmp_path / where)
             )
             return load_file(str(tmp_path / where / "adapter_model.safetensors"))
 
@@ -252,7 +252,8 @@ def test_packing_grad_accum_and_the_losses(model_dir, tmp_path):
     assert meta["kind"] == "pairs" and meta["train_rows"] < meta["train_examples"]  # packed
     t, state = flax_trainer(tiny(model_dir, tmp_path / "d", tmp_path / "run"))
     rows = t.task.batch("train", 0, meta["train_rows"], 0)  # a permutation of every row
-    packed = jax.device_get(jax.jit(t.task.pair_logps)(state.params, rows, state.frozen))
+    pair_logps = lambda p, f, b: t.task.objective.pair_logps(t.task.policy, p, f, b)  # noqa: E731
+    packed = jax.device_get(jax.jit(pair_logps)(state.params, state.frozen, rows))
     held = packed["n_chosen"] > 0
     assert held.sum() == meta["train_examples"]
     alone = per_pair(

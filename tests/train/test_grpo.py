@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from flaxgpt.train import grpo_task as g
+from flaxgpt.train.policy import REAL
 
 
 def test_advantages_by_hand():
@@ -37,7 +38,7 @@ def test_advantages_by_hand():
         (lambda: g.GRPOOptions(loss_type="ppo"), "grpo.loss_type='ppo'; choose one of grpo"),
         (lambda: g.GRPOOptions(importance_sampling_level="row"), "importance_sampling_level='row'"),
         (lambda: g.GRPOOptions(top_entropy_quantile=0.0), "top_entropy_quantile=0.0 is not in (0, 1]"),
-        (lambda: g.GRPOTask(None, g.GRPOOptions(beta=0.1)), "grpo.beta > 0 needs a reference"),
+        (lambda: g.GRPOObjective(g.GRPOOptions(beta=0.1)).reference(None, None, REAL), "needs a reference"),
         (
             lambda: g.sample_groups(tiny_config(), None, [[1] * 12], 2, rng=None, max_new_tokens=5),
             "a prompt of 12 tokens + max_completion_length 5 > block_size 16",
@@ -96,15 +97,21 @@ def sevens(prompts, completions, completion_ids, **_):
 def test_rollouts_by_the_decode_loop_then_the_train_step_raise_the_reward():
     """The whole loop on a random tiny GPT: G completions a prompt sampled by flaxgpt's decode loop
     from the current parameters, rewards, group advantages, the trainer's jitted train step on
-    GRPOTask.loss: the mean reward rises from chance (1/16) by a wide margin in 10 steps."""
+    GRPOObjective.loss over a full policy: the mean reward rises from chance (1/16) by a wide margin
+    in 10 steps."""
     import optax
 
     from flaxgpt.models import gpt
     from flaxgpt.train import rewards
+    from flaxgpt.train.policy import FullPolicy
     from flaxgpt.train.steps import TrainState, make_train_step
 
     cfg = gpt.GPTConfig(**TINY)
-    task = g.GRPOTask(cfg, g.GRPOOptions(loss_type="dapo"))
+    objective, policy = g.GRPOObjective(g.GRPOOptions(loss_type="dapo")), FullPolicy(cfg)
+
+    class task:  # what the train step asks of a task: its loss
+        loss = staticmethod(lambda p, b, rng, train, frozen: objective.loss(policy, p, frozen, b, rng, train))
+
     tx = optax.adam(3e-2)
     params = gpt.init_params(cfg, jax.random.key(1))
     state = TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params), rng=jax.random.key(0))

@@ -118,7 +118,7 @@ def test_sft_then_grpo_from_the_run(tmp_path):
     weights and model (init_from the run directory), two steps through trainer.train; prompts with
     a character the run never saw, and a dataset of another vocabulary, are one line each."""
     from flaxgpt import loader
-    from flaxgpt.train.grpo_online import GRPOOnlineTask
+    from flaxgpt.train.tasks import make_task
 
     grpo_count.write_data(tmp_path, n=40)
     sft_data, sft_run, grpo_data = tmp_path / "sft_data", tmp_path / "sft", tmp_path / "grpo_data"
@@ -133,7 +133,7 @@ def test_sft_then_grpo_from_the_run(tmp_path):
 
     c = grpo_count.get_config()
     c.init_from, c.data.dir = str(sft_run), str(grpo_data)
-    task, sft = GRPOOnlineTask(c), loader.load(sft_run)
+    task, sft = make_task(c), loader.load(sft_run)
     assert task.model_config == sft.config  # the run's model, not the recipe's default one
     assert all(np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, (task.pretrained, sft.params))))
     over = {"init_from": str(sft_run), "max_iters": 2, "batch_size": 8, "grpo.num_generations": 4}

@@ -24,6 +24,7 @@ from flaxgpt.hf import families  # noqa: E402
 from flaxgpt.hf import peft as hf_peft  # noqa: E402
 from flaxgpt.hf.pretrained import load_pretrained  # noqa: E402
 from flaxgpt.train import grpo_task  # noqa: E402
+from flaxgpt.train.policy import Frozen, FullPolicy, LoraPolicy  # noqa: E402
 from tests.data.test_chat import make_chat_dir  # noqa: E402
 from tests.hf.test_llama import make_hf_model  # noqa: E402
 
@@ -146,8 +147,14 @@ def trl_side(directory, tmp_path, options, rank):
 @functools.cache
 def logps_program(cfg, temperature, spec):
     """The policy's per-token log-probs, jitted once for the cases that share them (compiles are slow)."""
-    task = grpo_task.GRPOTask(cfg, grpo_task.GRPOOptions(temperature=temperature), lora_spec=spec)
-    return jax.jit(lambda p, b, frozen: task.token_logps(p, b, frozen)[0])
+    objective = grpo_task.GRPOObjective(grpo_task.GRPOOptions(temperature=temperature))
+    policy = policy_of(cfg, spec)
+    return jax.jit(lambda p, b, frozen: objective.token_logps(policy, p, frozen, b)[0])
+
+
+def policy_of(cfg, spec):
+    """The policy our trainer composes: LoRA's over a float32 base, or full fine-tuning."""
+    return FullPolicy(cfg) if spec is None else LoraPolicy(cfg, spec, "float32")
 
 
 def hf_state(cfg, params, spec, where):
@@ -167,9 +174,9 @@ def test_equals_trl(model_dir, tmp_path, case):
     rank = options.pop("lora_rank", 0)
     inputs, trl_steps = trl_side(model_dir, tmp_path, options, rank)
     cfg, params = load_pretrained(str(model_dir))
-    spec, frozen = None, None
-    if rank:  # params: TRL's fresh adapters; frozen: the base
-        frozen, (spec, params) = params, hf_peft.load_adapter(str(tmp_path / "adapter"), cfg)
+    spec, base = None, None
+    if rank:  # params: TRL's fresh adapters; the frozen base: the model's
+        base, (spec, params) = params, hf_peft.load_adapter(str(tmp_path / "adapter"), cfg)
     ours = {k: v for k, v in options.items() if k in OURS}
     opts = grpo_task.GRPOOptions(max_completion_length=C, **ours)
     adv, _ = grpo_task.group_advantages(REWARDS, G, options.get("scale_rewards", "group"))
@@ -181,15 +188,16 @@ def test_equals_trl(model_dir, tmp_path, case):
         assert cut.tolist() == [False, True, False, True, False, False]
         batch["loss_mask"] = batch["loss_mask"] * ~cut[:, None]
     reference = jax.tree.map(jnp.array, params) if opts.beta and not rank else None  # a frozen copy
-    task = grpo_task.GRPOTask(cfg, opts, lora_spec=spec, reference=reference)
+    frozen, policy = Frozen(base=base, reference=reference), policy_of(cfg, spec)
+    objective = grpo_task.GRPOObjective(opts)
     logps = functools.partial(logps_program(cfg, opts.temperature, spec), frozen=frozen)
     if opts.beta:
-        batch["ref_logp"] = task.reference_logps(batch, frozen)
+        batch["ref_logp"] = objective.reference_logps(policy, frozen, batch)
     if options.get("num_iterations", 1) > 1:  # the old policy's: taken once, kept for every iteration
         batch["old_logp"] = logps(params, batch)
 
     def loss_fn(p, b):
-        loss_sum, (weight, sums) = task.loss(p, b, None, False, frozen)
+        loss_sum, (weight, sums) = objective.loss(policy, p, frozen, b, None, False)
         return loss_sum / weight, {k: v / weight for k, v in sums.items()}
 
     grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))

@@ -116,7 +116,7 @@ def test_fsdp_on_8_devices_equals_one_device(dirs, tmp_path):
     want, _ = steps(cfg1, jax.devices()[:1])
     np.testing.assert_allclose(got, want, rtol=2e-5)
     assert ref[-1] < ref[0]
-    kernel = state.frozen["h"]["block"]["mlp"]["c_fc"]["kernel"]  # [L, D, 2F]: split over fsdp
+    kernel = state.frozen.base["h"]["block"]["mlp"]["c_fc"]["kernel"]  # [L, D, 2F]: split over fsdp
     assert kernel.sharding.spec != jax.sharding.PartitionSpec() and "fsdp" in str(kernel.sharding.spec)
     assert len({s.data.shape for s in kernel.addressable_shards}) == 1
     assert kernel.addressable_shards[0].data.size * 4 == kernel.size

@@ -25,7 +25,7 @@ def test_tiny_moe_trains_and_logs_its_router_losses(data_dir):  # noqa: F811
     batch = t.global_batch("train", 0, cfg.batch_size, micro=True)
     params = state.params
     # the train step's loss is the language-model loss + 0.5 aux + 0.01 z, on the step's own params
-    lm_sum, weight = t.eval_step(params, jax.tree_util.tree_map(lambda x: x[0], batch), None)
+    lm_sum, weight = t.eval_step(params, jax.tree_util.tree_map(lambda x: x[0], batch), state.frozen)
     state, m = t.train_step(state, batch)
     expected = float(lm_sum / weight) + 0.5 * float(m["router_aux"]) + 0.01 * float(m["router_z"])
     np.testing.assert_allclose(float(m["loss"]), expected, rtol=1e-5)

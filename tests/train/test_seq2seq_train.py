@@ -17,7 +17,7 @@ from flaxgpt.data import prepare_seq2seq  # noqa: E402
 from flaxgpt.decode.translate import translate, translate_run  # noqa: E402
 from flaxgpt.models.gpt import GPTConfig  # noqa: E402
 from flaxgpt.train import (
-    seq2seq_task,  # noqa: E402
+    tasks,  # noqa: E402
     trainer,  # noqa: E402
 )
 
@@ -75,32 +75,33 @@ def trained(reverse_data, tmp_path_factory):
 
 def test_tiny_model_learns_to_reverse_held_out_strings(trained, reverse_data):
     c, summary, seconds = trained
-    task = seq2seq_task.Seq2SeqTask(c)
-    train_set = {tuple(task.data["train"].pair(i)[0]) for i in range(len(task.data["train"]))}
-    assert not any(tuple(task.data["val"].pair(i)[0]) in train_set for i in range(len(task.data["val"])))
-    metrics = task.evaluate(summary["state"].params, n_pairs=500)
+    task = tasks.make_task(c)
+    data = task.source.data
+    train_set = {tuple(data["train"].pair(i)[0]) for i in range(len(data["train"]))}
+    assert not any(tuple(data["val"].pair(i)[0]) in train_set for i in range(len(data["val"])))
+    metrics = task.source.evaluate(summary["state"].params, n_pairs=500)
     print(f"reverse: {metrics} after {seconds:.1f} s of training")
     assert metrics["val_exact_match"] >= 0.95, metrics
     assert metrics["val_token_accuracy"] >= 0.98 and metrics["val_bleu"] > 90
     assert summary["val_loss"] < 0.1
-    assert summary["val_exact_match"] >= 0.95  # the trainer's own evaluation (Seq2SeqTask.evaluate)
+    assert summary["val_exact_match"] >= 0.95  # the trainer's own evaluation (PairBatches.evaluate)
 
 
 def test_translate_and_beam_search_on_the_trained_model(trained):
     c, summary, _ = trained
-    task = seq2seq_task.Seq2SeqTask(c)
+    task = tasks.make_task(c)
     lines = ["abcdefgh", "j", "ghee", "ijjiabba"]
     params = jax.device_get(summary["state"].params)
     for beam in (1, 4):
-        out = translate(task.model_config, params, task.tokenizer, lines, beam_size=beam, batch_size=4)
+        out = translate(task.model_config, params, task.source.tokenizer, lines, beam_size=beam, batch_size=4)
         assert sum(o == line[::-1] for o, line in zip(out, lines)) >= 3, out
     with pytest.raises(ValueError, match="more than block_size - 1"):
-        translate(task.model_config, params, task.tokenizer, ["abcdefghijabcdefghij"])
+        translate(task.model_config, params, task.source.tokenizer, ["abcdefghijabcdefghij"])
     with pytest.warns(UserWarning, match="cut to"):
         translate(
             task.model_config,
             params,
-            task.tokenizer,
+            task.source.tokenizer,
             ["abcdefghijab"],
             truncate=True,
             beam_size=1,
@@ -117,30 +118,30 @@ def test_run_directory_records_the_seq2seq_model(trained):
 
 def test_loss_counts_only_target_tokens_and_smooths_labels(trained):
     c, summary, _ = trained
-    task = seq2seq_task.Seq2SeqTask(c)
+    task = tasks.make_task(c)
     params = jax.device_get(summary["state"].params)
     loss_fn = jax.jit(lambda p, b: task.loss(p, b, None, False))
     b = task.batch("train", 3, 8, 0)
     loss, n = loss_fn(params, b)
-    rows = task._batcher("train", 8, task.seed).rows(3)
-    assert n == b["loss_mask"].sum() == sum(len(task.data["train"].pair(i)[1]) + 1 for i in rows)
+    rows = task.source._batcher("train", 8, task.source.seed).rows(3)
+    assert n == b["loss_mask"].sum() == sum(len(task.source.data["train"].pair(i)[1]) + 1 for i in rows)
     b2 = dict(b, targets=np.where(b["loss_mask"] > 0, b["targets"], 7))  # change only padded targets
     np.testing.assert_allclose(loss_fn(params, b2)[0], loss, rtol=1e-6)
-    task.label_smoothing = 0.1
+    task.objective.label_smoothing = 0.1
     smoothed = jax.jit(lambda p, b: task.loss(p, b, None, False))(params, b)[0]
     assert float(smoothed) > float(loss) + 1e-3  # a confident model pays for smoothed targets
 
 
 def test_bad_data_and_mismatched_vocabularies_are_one_line_errors(reverse_data, tmp_path):
     with pytest.raises(ValueError, match="longer than block_size 5"):
-        seq2seq_task.Seq2SeqTask(reverse_config(reverse_data, tmp_path, **{"model.block_size": 5}))
+        tasks.make_task(reverse_config(reverse_data, tmp_path, **{"model.block_size": 5}))
     with pytest.raises(ValueError, match="vocabulary .* is larger than the model's vocab_size"):
-        seq2seq_task.Seq2SeqTask(reverse_config(reverse_data, tmp_path, **{"model.vocab_size": 5}))
+        tasks.make_task(reverse_config(reverse_data, tmp_path, **{"model.vocab_size": 5}))
     (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "char", "chars": ["x"]}}))
     with pytest.raises(ValueError, match="differs from"):  # before anything is written
         trainer.Trainer(reverse_config(reverse_data, tmp_path, **{"model.block_size": 12}))
     with pytest.raises(FileNotFoundError, match="prepare-seq2seq"):
-        seq2seq_task.Seq2SeqTask(reverse_config(tmp_path / "nothing", tmp_path / "run"))
+        tasks.make_task(reverse_config(tmp_path / "nothing", tmp_path / "run"))
 
 
 def test_translate_run_loads_a_saved_run(trained, tmp_path):
