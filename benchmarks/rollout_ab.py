@@ -8,8 +8,9 @@ commit's, the same model, prompts and settings, alternating (benchmarks/harness.
 A random Llama-style GPT (--layers x --dim, float32, vocabulary 512), --prompts prompts of 24 tokens x
 --group completions of --completion tokens each (temperature 1; EOS off, so every completion runs its
 length), --slots slots; a round times --calls sample() calls after one untimed (compiles) and reports
-their median. The other side runs DIR/benchmarks/rollout_ab.py (this file, copied there) so that its
-harness puts DIR's flaxgpt on the path. Figure: seconds a rollout (> 1: this checkout is faster).
+their median (wall and CPU seconds of the process). The other side runs DIR/benchmarks/rollout_ab.py
+(this file, copied there) so that its harness puts DIR's flaxgpt on the path. Figure: seconds a
+rollout (> 1: this checkout is faster).
 """
 
 from __future__ import annotations
@@ -42,14 +43,18 @@ def run_side(a) -> dict:
     rollouts = EngineRollouts(
         cfg, Sampling(temperature=1.0), max_new_tokens=a.completion, slots=a.slots, max_len=W
     )
-    times = []
+    times, cpu = [], []
     for call in range(a.calls + 1):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         _, out = rollouts.sample(params, prompts, a.group, seed=call)
         if call:
             times.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - c)
     assert all(len(o) == a.completion for o in out), [len(o) for o in out]
-    return {"rollout_s": statistics.median(times), "tokens": a.prompts * a.group * a.completion}
+    return {
+        "rollout_s": statistics.median(times), "rollout_cpu_s": statistics.median(cpu),
+        "tokens": a.prompts * a.group * a.completion,
+    }  # fmt: skip
 
 
 def main(argv=None):
@@ -83,7 +88,11 @@ def main(argv=None):
         harness.Figure(
             "rollout s (lower: > 1x)", sides[1].name, "rollout_s", sides[0].name, "rollout_s",
             higher_is_better=False,
-        )
+        ),
+        harness.Figure(  # CPU seconds of the process: steadier than wall time on a shared machine
+            "rollout CPU s (lower: > 1x)", sides[1].name, "rollout_cpu_s", sides[0].name, "rollout_cpu_s",
+            higher_is_better=False,
+        ),
     ]  # fmt: skip
     report = harness.compare(sides, figures, rounds=a.rounds, pause=a.pause)
     print(report.table())

@@ -14,6 +14,13 @@ constant: the serving engine (serve/block_manager.py) maps one cached prefix's p
 rows at once and writes a prefill through a one-row table, without recompiling. `take_rows` copies
 pages' contents (each page belongs to one row).
 
+Windows in place (`windows_at` >= 0): the table is known to be the identity from page `windows_at`
+(row b's m-th page is windows_at + b*M + m: `for_slots`, and the engine's slot windows for GRPO's
+rollouts), so attention reads each row's pages from the pool seen as windows ([J, P/M, M, page, K], a
+reshape: P and windows_at multiples of M), not through a gather: on XLA:CPU the gather of every window
+at every layer and step made decoding over the pool about 1.2x slower than the contiguous cache. A
+table set through `with_table` is read as a table again (windows_at = -1).
+
 The model sees this cache through the step_fn protocol: `layer(i)` hands each attention a
 PagedLayer, whose `attend` writes the step's new keys and values into their pages and attends over
 the row's pages, on one of three paths (`impl`):
@@ -76,6 +83,7 @@ class PagedLayer(KVLayer):
     v_JPpK: jax.Array
     table_BM: jax.Array
     impl: str = struct.field(pytree_node=False)
+    windows_at: int = struct.field(pytree_node=False, default=-1)  # see the module docstring
 
     def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
         """Write the new keys/values at `positions_BT`, attend over each row's pages -> (y_BTHK, layer)."""
@@ -164,12 +172,27 @@ class PagedLayer(KVLayer):
         q_JBRK = jnp.transpose(q_BTHK.reshape(B, T, J, G, K), (2, 0, 3, 1, 4)).reshape(J, B, G * T, K)
         qpos_BR = jnp.broadcast_to(positions_BT[:, None, :], (B, G, T)).reshape(B, G * T)  # R = G*T rows
         scale = scale or 1 / math.sqrt(K)
+        rows, at = B, 0  # the cache's rows, and where they start among the rows attended
+        if self.windows_at >= 0:  # windows in place: every window of the pool is attended, the pool
+            # read as [J, P/M, M * page, K] (a reshape: free) and the queries padded to its P/M rows
+            # (at position 0, their outputs dropped). Taking the rows' windows out instead (a slice)
+            # copied them whole, every layer and step, as the gather did
+            B, at = self.k_JPpK.shape[1] // M, self.windows_at // M
+            q_JBRK = jnp.pad(q_JBRK, ((0, 0), (at, B - at - rows), (0, 0), (0, 0)))
+            qpos_BR = jnp.pad(qpos_BR, ((at, B - at - rows), (0, 0)))
+
+        def pages(buf_JPpK, g):  # group g's pages of every row: [J, B, per * page, K]
+            if self.windows_at >= 0:
+                w_JBMpK = buf_JPpK.reshape(J, B, M, page, K)
+                return jax.lax.dynamic_slice_in_dim(w_JBMpK, g * per, per, axis=2).reshape(
+                    J, B, per * page, K
+                )
+            pages_Bn = jax.lax.dynamic_slice_in_dim(self.table_BM, g * per, per, axis=1)
+            return jnp.take(buf_JPpK, pages_Bn, axis=1, mode="clip").reshape(J, B, per * page, K)
 
         def group(g, carry):
             max_JBR, sum_JBR, y_JBRK = carry
-            pages_Bn = jax.lax.dynamic_slice_in_dim(self.table_BM, g * per, per, axis=1)
-            k_JBNK = jnp.take(self.k_JPpK, pages_Bn, axis=1, mode="clip").reshape(J, B, per * page, K)
-            v_JBNK = jnp.take(self.v_JPpK, pages_Bn, axis=1, mode="clip").reshape(J, B, per * page, K)
+            k_JBNK, v_JBNK = pages(self.k_JPpK, g), pages(self.v_JPpK, g)
             if products:
                 s_JBRN = jnp.sum(q_JBRK[:, :, :, None].astype(acc) * k_JBNK[:, :, None].astype(acc), axis=-1)
             else:
@@ -199,10 +222,13 @@ class PagedLayer(KVLayer):
 
         R = G * T
         init = (jnp.full((J, B, R), -jnp.inf, acc), jnp.zeros((J, B, R), acc), jnp.zeros((J, B, R, K), acc))
-        groups = jnp.minimum(jnp.max(positions_BT) // (per * page) + 1, M // per)
-        _, sum_JBR, y_JBRK = jax.lax.fori_loop(0, groups, group, init)
-        y_JBGTK = (y_JBRK / sum_JBR[..., None]).reshape(J, B, G, T, K)
-        return jnp.transpose(y_JBGTK, (1, 3, 0, 2, 4)).reshape(B, T, H, K).astype(q_BTHK.dtype)
+        if M == per:  # one group: no loop (a loop's invariant read is copied out of it, whole)
+            _, sum_JBR, y_JBRK = group(0, init)
+        else:
+            groups = jnp.minimum(jnp.max(positions_BT) // (per * page) + 1, M // per)
+            _, sum_JBR, y_JBRK = jax.lax.fori_loop(0, groups, group, init)
+        y_JBGTK = (y_JBRK / sum_JBR[..., None])[:, at : at + rows].reshape(J, rows, G, T, K)
+        return jnp.transpose(y_JBGTK, (1, 3, 0, 2, 4)).reshape(rows, T, H, K).astype(q_BTHK.dtype)
 
     def _attend_xla(self, q_BTHK, positions_BT, window, attend_kw):
         k_NSK, v_NSK = self.rows_NSK()
@@ -217,13 +243,16 @@ class PagedKVCache(Cache):
     table_BM: jax.Array  # [B, M] int32: the page of each row's m-th block
     n_head: int = struct.field(pytree_node=False)  # J, the key/value heads stored
     impl: str = struct.field(pytree_node=False)  # the decode attention path (see the module docstring)
+    # >= 0: the table is the identity from this page, each row's window read in place (module docstring)
+    windows_at: int = struct.field(pytree_node=False, default=-1)
 
     @classmethod
     def for_slots(
         cls, config, slots: int, max_len: int, *, page: int = 16, impl: str = "xla", dtype=None, extra_pages=0
     ):
-        """Pages for `slots` rows of max_len positions each (identity table: slot b owns M pages), and
-        `extra_pages` more (a pool the slots share with the prefix cache: serve/block_manager.py)."""
+        """Pages for `slots` rows of max_len positions each (identity table: slot b owns M pages, its
+        window read in place), and `extra_pages` more after them (a pool the slots share with the prefix
+        cache: serve/block_manager.py)."""
         if max_len % page:
             raise ValueError(f"the window {max_len} is not a multiple of the page size {page}")
         if impl not in IMPLS:
@@ -233,7 +262,18 @@ class PagedKVCache(Cache):
         dtype = jnp.dtype(dtype or config.dtype)
         zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.n_layer))  # noqa: E731
         table = jnp.arange(slots * M, dtype=jnp.int32).reshape(slots, M)
-        return cls(k=zeros(), v=zeros(), table_BM=table, n_head=J, impl=impl)
+        windows_at = 0 if extra_pages % M == 0 else -1  # the pool seen as windows: whole windows only
+        return cls(k=zeros(), v=zeros(), table_BM=table, n_head=J, impl=impl, windows_at=windows_at)
+
+    def with_table(self, table_BM, windows_at: int = -1) -> PagedKVCache:
+        """The same pool read through another table (rows: its rows); windows_at >= 0 only where that
+        table is the identity from page windows_at (see the module docstring)."""
+        (B, M), P = table_BM.shape, self.k[0].shape[1]
+        if windows_at >= 0 and (windows_at + B * M > P or windows_at % M or P % M):
+            raise ValueError(
+                f"{B} windows of {M} pages from page {windows_at} are not whole windows of a {P}-page pool"
+            )
+        return self.replace(table_BM=table_BM, windows_at=windows_at)
 
     @property
     def max_len(self) -> int:
@@ -244,7 +284,7 @@ class PagedKVCache(Cache):
         return self.table_BM.shape[0]
 
     def layer(self, i: int) -> PagedLayer:
-        return PagedLayer(self.k[i], self.v[i], self.table_BM, self.impl)
+        return PagedLayer(self.k[i], self.v[i], self.table_BM, self.impl, self.windows_at)
 
     def with_layers(self, layers) -> PagedKVCache:
         """The cache made of the attention blocks' returned PagedLayers."""

@@ -59,18 +59,21 @@ def block_digests(tokens, block: int, salt: bytes = b"") -> list[bytes]:
 
 
 class BlockManager:
-    def __init__(self, *, pages: int, page: int, M: int, capacity: int):
+    def __init__(self, *, pages: int, page: int, M: int, capacity: int, reserved: range = range(0)):
         """pages: the device pool's pages (page 0: scratch); page: positions a page; M: pages an owner's
-        table maps (its window / page); capacity: the most blocks the prefix cache keeps (0: off)."""
-        if page < 1 or M < 1 or capacity < 0 or pages < 1 + M + capacity:
+        table maps (its window / page); capacity: the most blocks the prefix cache keeps (0: off);
+        reserved: pages that are not this manager's (the engine's slot windows)."""
+        n = len(reserved)
+        if page < 1 or M < 1 or capacity < 0 or pages < 1 + n + M + capacity or SCRATCH in reserved:
             raise ValueError(
                 f"a pool of {pages} pages of {page} cannot hold one window of {M} pages + {capacity} prefix "
-                f"blocks + the scratch page"
+                f"blocks + the scratch page" + (f" + {n} reserved" if n else "")
             )
-        self.pages, self.page, self.M, self.capacity = pages, page, M, capacity
+        self.pages, self.page, self.M, self.capacity, self.reserved = pages, page, M, capacity, reserved
         self.refs = np.zeros(pages, np.int32)
-        self.refs[SCRATCH] = 1  # held for good
-        self.free_pages = list(range(pages - 1, SCRATCH, -1))  # pop() gives low ids first
+        self.refs[SCRATCH] = 1  # held for good, as the reserved pages
+        self.refs[reserved.start : reserved.stop] = 1
+        self.free_pages = [p for p in range(pages - 1, SCRATCH, -1) if p not in reserved]  # pop(): low first
         self.blocks: collections.OrderedDict[bytes, int] = (
             collections.OrderedDict()
         )  # digest -> page, LRU first
@@ -183,6 +186,7 @@ class BlockManager:
         each once (AssertionError otherwise)."""
         want = np.zeros(self.pages, np.int64)
         want[SCRATCH] = 1
+        want[self.reserved.start : self.reserved.stop] = 1
         for table_M in self.tables.values():
             np.add.at(want, table_M[table_M != SCRATCH], 1)
         np.add.at(want, np.asarray(list(self.blocks.values()), np.int64), 1)

@@ -31,6 +31,11 @@ The pool holds 1 + slots * M + prefix_blocks pages (M = max_len / page): every s
 the prefix cache's blocks and the scratch page, so a request always finds its pages. A request must
 fit its window: prompt + max_new_tokens <= max_len.
 
+Slot windows (`slot_windows=True`, GRPO's rollouts): each slot owns pages M + b*M .. for good, and
+decoding reads them in place (models/paged.py `windows_at`: a slice of the pool, no gather per layer
+and step); a prefill takes pages for its prompt only, and `insert` copies them into the slot's window
+(a group's prompt into each of its slots: nothing shared). No prefix cache and no draft model then.
+
 Shape letters: B slots, M pages per row, P prompt bucket, C chunk.
 """
 
@@ -108,6 +113,7 @@ class Engine:
         spare_pages: int = 0,
         speculate: int = 0,
         draft=None,
+        slot_windows: bool = False,
     ):
         """config: the model's (its layers, key/value heads, head size and dtype size the pool);
         max_len: each request's window (default config.block_size), a multiple of `page`;
@@ -117,7 +123,8 @@ class Engine:
         spare_pages: pages beyond the slots' windows for prefixes held while they are forked (GRPO);
         speculate: drafted tokens a greedy row may have checked per step (`speculate()`; 0: off);
         draft: (step_fn, config) of a smaller model with the same vocabulary that drafts them
-        (`speculate_with_draft()`; None: drafts come from the caller, e.g. prompt lookup)."""
+        (`speculate_with_draft()`; None: drafts come from the caller, e.g. prompt lookup);
+        slot_windows: every slot's window its own pages, read in place (see the module docstring)."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         W = max_len or config.block_size  # whole pages: PagedKVCache.for_slots below says so if not
@@ -130,16 +137,27 @@ class Engine:
             raise ValueError(f"the largest prompt bucket must be {self.prefill_chunk}: {self.buckets}")
         M = W // page
         platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+        if slot_windows and (prefix_blocks or draft is not None):
+            raise ValueError("slot_windows copies prompts into each slot: no prefix cache, no draft model")
+        self.windows = None  # slot_windows: slot b's table [M], pages M + b*M .. (the pool's windows 1..)
+        extra = 1 + prefix_blocks + spare_pages  # the scratch page, the prefix cache's, spare
+        if slot_windows:  # whole windows: scratch and a prompt's pages, the slots', spare after them
+            self.windows = M + np.arange(slots * M, dtype=np.int32).reshape(slots, M)
+            extra = -(-(extra + M) // M) * M
 
-        def pool_for(c):  # a model's page pool: every slot's window, the prefix cache, spare, scratch
+        def pool_for(c):  # a model's page pool: every slot's window, then `extra` pages
             pool = PagedKVCache.for_slots(
-                c, slots, W, page=page, impl=impl or paged_impl(platform, c.head_dim),
-                extra_pages=1 + prefix_blocks + spare_pages,
-            )  # fmt: skip
-            return AdapterCache.wrap(pool.replace(table_BM=np.full((slots, M), SCRATCH, np.int32)))
+                c, slots, W, page=page, impl=impl or paged_impl(platform, c.head_dim), extra_pages=extra
+            )
+            if slot_windows:
+                return AdapterCache.wrap(pool.with_table(self.windows, windows_at=M))
+            return AdapterCache.wrap(pool.with_table(np.full((slots, M), SCRATCH, np.int32)))
 
         pool = pool_for(config)
-        self.blocks = BlockManager(pages=pool.inner.k[0].shape[1], page=page, M=M, capacity=prefix_blocks)
+        self.blocks = BlockManager(
+            pages=pool.inner.k[0].shape[1], page=page, M=M, capacity=prefix_blocks,
+            reserved=range(M, M + slots * M) if slot_windows else range(0),
+        )  # fmt: skip
         self.runner = Runner(
             step_fn, pool, slots=slots, chunk=chunk, max_k=max_k, vocab=config.vocab_size, mesh=mesh
         )
@@ -223,7 +241,9 @@ class Engine:
                 f"prompt ({n} tokens) + max_new_tokens ({int(rows.max_new_B[0])}) exceeds the context "
                 f"window of {self.max_len} tokens"
             )
-        job = PrefillJob(prompt_ids, rows, adapter, 0, n + int(rows.max_new_B[0]) - 1, hold)
+        # slot windows: the prompt's pages only (decoding writes the slot's own)
+        last = n - 1 if self.windows is not None else n + int(rows.max_new_B[0]) - 1
+        job = PrefillJob(prompt_ids, rows, adapter, 0, last, hold)
         job.mask, job.echo = mask, echo
         # an echoed prompt matches nothing (its salt unique): a cached position has no logits to report
         salt = salt + b"echo" + job.owner[1].to_bytes(8, "little") if echo else salt
@@ -296,7 +316,12 @@ class Engine:
     def insert(self, prefix: Prefix, slot: int):
         """The prefilled request takes slot `slot` (its previous occupant's pages let go); its pages
         become the slot's (the Prefix is consumed: fork it before, not after)."""
-        if prefix.owner is None:  # ended by its first token: the slot idles, finished
+        if self.windows is not None:  # its prompt's pages copied into the slot's window
+            if prefix.owner is not None:
+                self.runner.copy_pages(*self._window_copy(prefix, [slot]))
+                self.blocks.free(prefix.owner)
+            self.runner.insert(prefix, slot, self.windows[slot])
+        elif prefix.owner is None:  # ended by its first token: the slot idles, finished
             self._end(slot)
             self.runner.insert(prefix, slot, np.full(self.blocks.M, SCRATCH, np.int32))
             self._draft_insert(prefix, slot, np.full(self.blocks.M, SCRATCH, np.int32))
@@ -313,7 +338,11 @@ class Engine:
         the window as the prefill's did."""
         owner = ("fork", next(PrefillJob._ids))
         length = int(prefix.length)
-        copy = self._fork_pages(prefix.owner, owner, length, length + int(rows.max_new_B[0]) - 1)
+        if self.windows is not None:  # every prompt page shared (insert copies them into a window)
+            whole = -(-length // self.page) * self.page
+            copy = self._fork_pages(prefix.owner, owner, whole, whole - 1)
+        else:
+            copy = self._fork_pages(prefix.owner, owner, length, length + int(rows.max_new_B[0]) - 1)
         self._no_draft("fork")
         self.runner.copy_pages(*copy)
         return self.runner.fork(prefix, rows)._replace(owner=owner)
@@ -325,17 +354,21 @@ class Engine:
         if len(rows) != len(slots) or not rows:
             raise ValueError(f"{len(rows)} requests for {len(slots)} slots")
         self._no_draft("insert_group")
-        length, src, dst = int(prefix.length), [], []
-        for r, slot in enumerate(slots):
-            if self.blocks.holds(slot_owner(slot)):
-                self._end(slot)
-            s, d = self._fork_pages(
-                prefix.owner, slot_owner(slot), length, length + int(rows[r].max_new_B[0]) - 1
-            )
-            src, dst = src + s, dst + d
+        if self.windows is not None:  # the prompt's pages into each slot's window
+            src, dst = self._window_copy(prefix, slots)
+            tables = self.windows[slots]
+        else:  # its full blocks shared, its partial block copied into each slot's own page
+            length, src, dst = int(prefix.length), [], []
+            for r, slot in enumerate(slots):
+                if self.blocks.holds(slot_owner(slot)):
+                    self._end(slot)
+                s, d = self._fork_pages(
+                    prefix.owner, slot_owner(slot), length, length + int(rows[r].max_new_B[0]) - 1
+                )
+                src, dst = src + s, dst + d
+            tables = np.stack([self.blocks.table(slot_owner(s)) for s in slots])
         self.cancel(prefix)
         self.runner.copy_pages(src, dst)
-        tables = np.stack([self.blocks.table(slot_owner(s)) for s in slots])
         first_R = self.runner.insert_group(prefix, rows, slots, tables)
         self._taken(slots)
         return first_R
@@ -343,6 +376,12 @@ class Engine:
     def _fork_pages(self, owner, new_owner, length: int, last: int) -> tuple[list[int], list[int]]:
         copy = self._with_room(self.blocks.fork, owner, new_owner, length, last)
         return ([], []) if copy is None else ([copy[0]], [copy[1]])
+
+    def _window_copy(self, prefix: Prefix, slots) -> tuple[list[int], list[int]]:
+        """(source, destination) pages that put the prefix's prompt into each slot's window."""
+        n = -(-int(prefix.length) // self.page)
+        src = self.blocks.table(prefix.owner)[:n].tolist()
+        return src * len(slots), [int(p) for s in slots for p in self.windows[s][:n]]
 
     def _taken(self, slots):
         self._count[slots] = 1

@@ -99,7 +99,7 @@ def _prefill(
     Prefix then carries."""
     P = chunk_1P.shape[1]
     pool = state.cache
-    row = AdapterCache(pool.inner.replace(table_BM=table_1M), jnp.reshape(adapter, (1,)))
+    row = AdapterCache(pool.inner.with_table(table_1M), jnp.reshape(adapter, (1,)))
     # pads past the request's pages land on the scratch page or past the window (dropped); pads inside
     # its pages are overwritten by the next chunk or by decoding before any query can see them
     positions_1P = start + jnp.arange(P, dtype=jnp.int32)[None]
@@ -298,7 +298,8 @@ class Runner:
     def __init__(
         self, step_fn, pool: AdapterCache, *, slots: int, chunk: int, max_k: int, vocab: int, mesh=None
     ):
-        """pool: an AdapterCache over a PagedKVCache whose table has `slots` rows (all scratch); vocab:
+        """pool: an AdapterCache over a PagedKVCache whose table has `slots` rows (all scratch, or the
+        slots' own windows); vocab:
         the model's logits' width."""
         Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)
         self.step_fn = step_fn if isinstance(step_fn, Partial) else Partial(step_fn)
@@ -310,7 +311,7 @@ class Runner:
         # first call and a committed one in the next are two jit signatures (a compile mid-serving)
         where = jax.devices()[0] if mesh is None else sharding.row_shardings(state, mesh)
         self.state = jax.device_put(state, where)
-        self._table = np.zeros(pool.inner.table_BM.shape, np.int32)  # what the slots' table should be
+        self._table = np.array(pool.inner.table_BM, np.int32)  # what the slots' table should be
         self._stale = False  # the device's table differs from it (rows set by `idle` since the last upload)
         # read at /metrics scrapes from another thread: sizes now, not the (donated) buffers then
         inner = pool.inner
@@ -352,9 +353,13 @@ class Runner:
         return first_R
 
     def copy_pages(self, src: list[int], dst: list[int]):
+        """Page dst[r] takes page src[r]'s contents; padded to a power of two with scratch-to-scratch
+        copies (page 0: nobody reads it), so a few programs serve every count."""
         if src:
+            n = 1 << (len(src) - 1).bit_length()
+            pad = [0] * (n - len(src))
             self.state = self.p["copy_pages"](
-                self.state, np.asarray(src, np.int32), np.asarray(dst, np.int32)
+                self.state, np.asarray(src + pad, np.int32), np.asarray(dst + pad, np.int32)
             )
 
     def idle(self, slot: int, table_M):

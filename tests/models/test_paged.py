@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from flaxgpt.models.attention import attend_cached, causal_mask
 from flaxgpt.models.cache import write_cache
@@ -11,12 +12,20 @@ from flaxgpt.models.paged import PagedKVCache
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=40, n_kv_head=2)
 
 
-def test_paged_layer_reads_any_block_table():
-    """Pages in any order (a shuffled table): each step's attention equals the contiguous cache's."""
+@pytest.mark.parametrize("table", ["shuffled", "windows in place"])
+def test_paged_layer_reads_any_block_table(table):
+    """Pages in any order (a shuffled table, read through it) or each row's own consecutive pages
+    (for_slots' identity, read in place: windows_at): each step's attention equals the contiguous
+    cache's."""
     rng = np.random.default_rng(1)
     B, J, H, K, page, M = 2, 2, 4, 8, 4, 3
-    layer = PagedKVCache.for_slots(CFG, B, page * M, page=page).layer(0)
-    layer = layer.replace(table_BM=rng.permutation(B * M).astype(np.int32).reshape(B, M))
+    cache = PagedKVCache.for_slots(CFG, B, page * M, page=page, extra_pages=M)
+    assert cache.windows_at == 0
+    if table == "shuffled":
+        cache = cache.with_table(rng.permutation(B * M + M)[: B * M].astype(np.int32).reshape(B, M))
+    else:  # the windows after a window of other pages, as the engine's slot windows follow its scratch
+        cache = cache.with_table(M + np.arange(B * M, dtype=np.int32).reshape(B, M), windows_at=M)
+    layer = cache.layer(0)
     k_NSK = v_NSK = jax.numpy.zeros((B * J, page * M, K))
     for t in range(page * M):
         k, v = (rng.standard_normal((B, 1, J, K)).astype(np.float32) for _ in range(2))

@@ -60,11 +60,16 @@ def test_a_fork_shares_full_blocks_and_copies_the_partial_one():
 def test_random_schedules_keep_every_count_exact():
     """Admit (with shared system prompts, so cached blocks are mapped), fork, preempt (free mid-way),
     finish (cache the reply, then free), evict (by pressure and clear): after every operation each page's
-    count equals its holders and the free list is exactly the pages no one holds, once each."""
+    count equals its holders and the free list is exactly the pages no one holds, once each. Half the
+    schedules run beside reserved pages (the engine's slot windows), which are never handed out."""
     rng = np.random.default_rng(0)
     page, M, slots, capacity = 4, 6, 5, 7
-    for _ in range(20):
-        bm = BlockManager(pages=1 + (slots + 1) * M + capacity, page=page, M=M, capacity=capacity)
+    for i in range(20):
+        reserved = range(M, M + (i % 2) * slots * M)  # as the engine's: after the scratch page's window
+        bm = BlockManager(
+            pages=1 + len(reserved) + (slots + 1) * M + capacity, page=page, M=M, capacity=capacity,
+            reserved=reserved,
+        )  # fmt: skip
         systems = [rng.integers(0, 5, 8).tolist() for _ in range(2)]
         live, n = {}, 0
         for _ in range(120):
@@ -106,4 +111,5 @@ def test_random_schedules_keep_every_count_exact():
             bm.free(owner)
         bm.clear()
         bm.check()
-        assert len(bm.free_pages) == bm.pages - 1  # everything but the scratch page came back
+        assert len(bm.free_pages) == bm.pages - 1 - len(reserved)  # all but scratch and reserved came back
+        assert not set(bm.free_pages) & set(reserved)

@@ -23,8 +23,8 @@ def step():
     return gpt_step_fn(CFG, init_params(CFG, jax.random.key(0)))
 
 
-def new_engine(step, slots):  # slots 3 or 1, chunk 3: the tests share four compiled programs
-    return Engine(step, CFG, slots=slots, chunk=3, max_k=8)
+def new_engine(step, slots, windows=False):  # slots 3 or 1, chunk 3: the tests share the compiled programs
+    return Engine(step, CFG, slots=slots, chunk=3, max_k=8, slot_windows=windows)
 
 
 def hit_of(engine, prompt, rows) -> int:
@@ -74,6 +74,8 @@ def test_staggered_requests_equal_each_alone_and_generate(step):
     together = run(new_engine(step, slots=3), reqs, arrive_every=2)
     alone = run(new_engine(step, slots=1), reqs)
     assert together == alone
+    # each slot's window its own pages, read in place (GRPO's rollouts): the same tokens
+    assert run(new_engine(step, slots=3, windows=True), reqs, arrive_every=2) == together
     for (prompt, rows), got in zip(reqs, together, strict=True):
         assert len(got) == int(rows.max_new_B[0])
         # generate alone, with the request's seed as its rng: the same tokens, sampled ones included
@@ -82,14 +84,14 @@ def test_staggered_requests_equal_each_alone_and_generate(step):
 
 def test_one_prefill_serves_several_requests_by_fork_and_insert_group(step):
     """A prompt prefilled once, then given to 3 requests with their own settings and lengths (GRPO's
-    group: train/grpo_rollout.py): by fork + insert, and by insert_group in one call, each decodes
-    the tokens it decodes prefilled alone."""
+    group: train/grpo_rollout.py): by fork + insert, and by insert_group in one call, over shared
+    pages or copied into each slot's own window, each decodes the tokens it decodes prefilled alone."""
     reqs = requests()
     prompt, rows = reqs[1][0], [r for _, r in reqs[1:4]]  # sampled: plain, top-k, nucleus
     alone = run(new_engine(step, slots=3), [(prompt, r) for r in rows])
 
-    for grouped in (False, True):
-        engine = new_engine(step, slots=3)
+    for grouped, windows in ((False, False), (True, False), (False, True), (True, True)):
+        engine = new_engine(step, slots=3, windows=windows)
         prefix = engine.prefill(prompt, rows[0])
         out = {s: [] for s in range(3)}
         if grouped:
@@ -107,7 +109,7 @@ def test_one_prefill_serves_several_requests_by_fork_and_insert_group(step):
                 out[s] += tokens_BC[s, : new_B[s]].tolist()
             busy = not all(done_B)
         got = [[int(firsts[r]), *out[slot_of[r]]] for r in range(3)]
-        assert got == alone, grouped
+        assert got == alone, (grouped, windows)
     with pytest.raises(ValueError, match="2 requests for 1 slots"):
         engine.insert_group(prefix, rows[:2], [0])
 
