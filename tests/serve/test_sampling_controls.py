@@ -27,12 +27,18 @@ def engine(step):
     return Engine(step, CFG, slots=3, chunk=3, max_k=8)
 
 
+@jax.jit
+def _window_logits(step, tokens_1W):
+    logits, _ = step(tokens_1W, np.arange(W, dtype=np.int32)[None], KVCache.for_config(CFG, 1, W))
+    return logits[0]
+
+
 def logits_after(step, tokens) -> np.ndarray:
-    """float64 logits of the next token after `tokens`: the model over the whole sequence at once."""
-    cache = KVCache.for_config(CFG, 1, W)
-    t = np.asarray(tokens, np.int32)[None]
-    logits, _ = step(t, np.arange(len(tokens), dtype=np.int32)[None], cache)
-    return np.asarray(logits[0, -1], np.float64)
+    """float64 logits of the next token after `tokens`: the model over the whole sequence at once (padded
+    to the window, one compiled shape: causal attention keeps the padding out of position n - 1)."""
+    t = np.zeros((1, W), np.int32)
+    t[0, : len(tokens)] = tokens
+    return np.asarray(_window_logits(step, t)[len(tokens) - 1], np.float64)
 
 
 def vllm_adjusted(logits, s: Sampling, prompt, out) -> np.ndarray:
