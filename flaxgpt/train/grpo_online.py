@@ -99,7 +99,7 @@ class Rollouts:
     splits = ()  # no loss to evaluate on fixed batches: evaluations sample the held-out prompts
 
     def __init__(self, config, data, policy, objective: grpo_task.GRPOObjective):
-        g = sections.of(config).grpo  # checked: rollout=generate never meets an int8 base (Sections.check)
+        g = sections.of(config).grpo
         self.data, self.data_dir, self.seed = data, data.dir, config.seed
         self.policy, self.objective, self.model_config = policy, objective, policy.model_config
         self.tokenizer = tokenizers.from_meta(data.meta["tokenizer"])
@@ -165,11 +165,14 @@ class Rollouts:
         if self.engine is not None:
             weights = self._engine_weights(params, frozen)
             prompt_ids, completion_ids = self.engine.sample(weights, ids, group_size, seed=seed)
-        else:
+        else:  # LoRA: the adapters unmerged over the base (as the engine's), an int8 one too
+            spec, step = self.policy.lora, None
+            if spec is not None:
+                step = lora.step_fn(self.model_config, spec, frozen.base, params)
             prompt_ids, completion_ids = grpo_task.sample_groups(
-                self.model_config, self.policy.weights(params, frozen), ids, group_size,
+                self.model_config, params if spec is None else None, ids, group_size,
                 rng=jax.random.key(seed), max_new_tokens=self.max_new, temperature=self.temperature,
-                top_p=self.top_p, eos_id=self.data.eos_id,
+                top_p=self.top_p, eos_id=self.data.eos_id, step_fn=step,
             )  # fmt: skip
         eos = self.data.eos_id  # the text a reward reads ends before the end-of-sequence token
         texts = [self.tokenizer.decode(c[:-1] if c and c[-1] == eos else c) for c in completion_ids]

@@ -167,10 +167,12 @@ def rollout_batch(prompt_ids, completion_ids, T: int, advantages=None, pad: int 
 
 
 def sample_groups(model_config, params, prompt_ids, group_size: int, *, rng, max_new_tokens: int,
-                  temperature: float = 1.0, top_p: float = 1.0, eos_id=None):  # fmt: skip
-    """G completions of each prompt sampled from `params` (full weights; LoRA: merged) by flaxgpt's
-    decode loop (decode.sampling.generate, one cache row each) -> N = prompts x G token lists,
-    prompt-major (completion n is prompt n // G's), each ending with eos_id when it stopped there."""
+                  temperature: float = 1.0, top_p: float = 1.0, eos_id=None, step_fn=None):  # fmt: skip
+    """G completions of each prompt sampled from `params` (full weights) by flaxgpt's decode loop
+    (decode.sampling.generate, one cache row each) -> N = prompts x G token lists, prompt-major
+    (completion n is prompt n // G's), each ending with eos_id when it stopped there. step_fn: the
+    decoders' step to sample from instead (LoRA: models.lora.step_fn, the adapters unmerged over any
+    base, int8 included; params is then unused)."""
     prompts = [list(p) for p in prompt_ids for _ in range(group_size)]
     N, P = len(prompts), max(len(p) for p in prompts)
     W = sampling.cache_length(model_config.block_size, P, max_new_tokens)
@@ -184,7 +186,7 @@ def sample_groups(model_config, params, prompt_ids, group_size: int, *, rng, max
         prompt_NP[i, : len(p)] = p
     cache = KVCache.for_config(model_config, batch=N, max_len=W)
     tokens_NM, lengths_N = sampling.generate(
-        gpt.step_fn(model_config, params), cache, prompt_NP, [len(p) for p in prompts],
+        step_fn or gpt.step_fn(model_config, params), cache, prompt_NP, [len(p) for p in prompts],
         max_new_tokens=max_new_tokens, rng=rng, temperature=temperature, top_p=top_p, eos_id=eos_id,
     )  # fmt: skip
     return prompts, [tokens_NM[i, : lengths_N[i]].tolist() for i in range(N)]

@@ -252,21 +252,11 @@ class Sections:
 
     def check(self) -> None:
         """The refusals between sections."""
-        lora, dpo, grpo = self.lora, self.dpo, self.grpo
+        lora, dpo = self.lora, self.dpo
         if self.data.format == "pairs" and dpo.reference and lora.rank:
             raise ConfigError(
                 f"--config.dpo.reference={dpo.reference!r} with LoRA: the reference is the base with the "
                 "adapters off; set dpo.reference='' (or lora.rank=0 for a separate reference)"
-            )
-        if (
-            self.data.format == "prompts"
-            and grpo.rollout == "generate"
-            and lora.rank
-            and lora.base_dtype == "int8"
-        ):
-            raise ConfigError(
-                "grpo.rollout=generate samples from the base with the adapters merged, which an int8 "
-                "base (lora.base_dtype) cannot hold: use grpo.rollout=engine (adapters unmerged)"
             )
 
 

@@ -66,6 +66,15 @@ def test_lora_unmerged_rollouts_are_the_merged_models(params):
     got = rollouts.sample((params, adapters), PROMPTS, G, seed=7)[1]
     assert got == by_generate(lora.merge(CFG, spec, params, adapters), 7)[1]
     assert got != by_generate(params, 7)[1]  # the adapters change what is sampled
+    # over an int8 base (QLoRA-style): grpo.rollout=generate's step (the adapters unmerged, as the
+    # engine's) samples the engine's tokens
+    base = lora.quantize_base(params, "int8")
+    got = rollouts.sample((base, adapters), PROMPTS, G, seed=7)[1]
+    step = lora.step_fn(CFG, spec, base, adapters)
+    assert got == grpo_task.sample_groups(
+        CFG, None, PROMPTS, G, rng=jax.random.key(7), max_new_tokens=MAX_NEW,
+        temperature=SETTINGS.temperature, top_p=SETTINGS.top_p, eos_id=EOS, step_fn=step,
+    )[1]  # fmt: skip
 
 
 @pytest.mark.devices(4)

@@ -175,11 +175,13 @@ def llama_recipe(model):
 
 
 def test_qlora_with_beta_on_chat_prompts(tmp_path, llama_prompts):
-    """A tiny Llama with LoRA over its int8-quantized base (QLoRA; the engine's rollouts add the
-    adapters unmerged), chat prompts (its template), beta > 0 (the reference: the int8 base, adapters
-    off): the KL is 0 while the adapters are zero, > 0 after an update."""
+    """A tiny Llama with LoRA over its int8-quantized base (QLoRA), rolled out by generate (the adapters
+    unmerged, as the engine adds them: test_qlora_over_4_devices runs the engine's), chat prompts (its
+    template), beta > 0 (the reference: the int8 base, adapters off): the KL is 0 while the adapters
+    are zero, > 0 after an update."""
     model, data = llama_prompts
     over = {
+        "grpo.rollout": "generate",
         "lora.rank": 4, "lora.alpha": 8.0, "lora.base_dtype": "int8", "grpo.num_generations": 2,
         "batch_size": 4, "max_iters": 2, "eval_interval": 2, "grpo.beta": 0.04,
         "grpo.reward_funcs": ("answer", "length=3"), "grpo.reward_weights": (1.0, 0.5),
@@ -224,12 +226,6 @@ def test_bad_grpo_settings_fail_in_one_line_and_write_nothing(tmp_path):
         "must be multiples of grpo.num_generations 8": {"batch_size": 12},
         "grpo.beta=0.1 needs a reference": {"grpo.beta": 0.1},
         "grpo.rollout='vllm'; choose one of engine, generate": {"grpo.rollout": "vllm"},
-        "grpo.rollout=generate samples from the base with the adapters merged, which an int8": {
-            "grpo.rollout": "generate",
-            "lora.rank": 4,
-            "lora.base_dtype": "int8",
-            "init_from": "gpt2",
-        },  # fmt: skip
     }
     for message, over in cases.items():
         with pytest.raises((ConfigError, ValueError)) as e:

@@ -74,10 +74,6 @@ REFUSALS = {  # a combination that cannot train -> where it is refused (the one 
     "with LoRA: the reference is the base": (
         {"data__format": "pairs", "lora__rank": 4, "dpo__reference": "ref"}, "sections.py"
     ),
-    "which an int8 base (lora.base_dtype) cannot hold": (
-        {"data__format": "prompts", "grpo__rollout": "generate", "lora__rank": 4, "lora__base_dtype": "int8"},
-        "sections.py",
-    ),
 }  # fmt: skip
 
 
