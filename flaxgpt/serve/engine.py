@@ -32,9 +32,10 @@ the prefix cache's blocks and the scratch page, so a request always finds its pa
 fit its window: prompt + max_new_tokens <= max_len.
 
 Slot windows (`slot_windows=True`, GRPO's rollouts): each slot owns pages M + b*M .. for good, and
-decoding reads them in place (models/paged.py `windows_at`: a slice of the pool, no gather per layer
-and step); a prefill takes pages for its prompt only, and `insert` copies them into the slot's window
-(a group's prompt into each of its slots: nothing shared). No prefix cache and no draft model then.
+decoding reads them in place (models/paged.py `windows_at`: the pool read as windows, a reshape,
+no gather per layer and step); a prefill takes pages for its prompt only, and `insert` copies them
+into the slot's window (a group's prompt into each of its slots: nothing shared). No prefix cache and
+no draft model then.
 
 Shape letters: B slots, M pages per row, P prompt bucket, C chunk.
 """

@@ -299,8 +299,7 @@ class Runner:
         self, step_fn, pool: AdapterCache, *, slots: int, chunk: int, max_k: int, vocab: int, mesh=None
     ):
         """pool: an AdapterCache over a PagedKVCache whose table has `slots` rows (all scratch, or the
-        slots' own windows); vocab:
-        the model's logits' width."""
+        slots' own windows); vocab: the model's logits' width."""
         Partial = jax.tree_util.Partial  # a jit argument (params traced, not baked in)
         self.step_fn = step_fn if isinstance(step_fn, Partial) else Partial(step_fn)
         self.slots, self.chunk, self.max_k, self.mesh, self.vocab = slots, chunk, max_k, mesh, vocab
