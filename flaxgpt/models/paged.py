@@ -193,15 +193,44 @@ class PagedLayer(KVLayer):
             pages_Bn = jax.lax.dynamic_slice_in_dim(self.table_BM, g * per, per, axis=1)
             return jnp.take(buf_JPpK, pages_Bn, axis=1, mode="clip").reshape(J, B, per * page, K)
 
-        def group(g, carry):
-            max_JBR, sum_JBR, y_JBRK = carry
+        # one query a row over gathered pages (XLA:CPU decoding): the gather lays its result out row by
+        # row ([B, n, J, page, K]); products read in that order leave it where it is, while the J-major
+        # form of `pages` cost a transposed copy of every group's keys and values, each layer and step
+        # (GPT-2 124M, 16 rows x 512 positions: the engine's step 1.8x the contiguous cache's, now 1.1x)
+        rows_major = products and self.windows_at < 0
+        q_BJRK = jnp.transpose(q_JBRK, (1, 0, 2, 3)).astype(acc)
+
+        def rows_pages(buf_JPpK, g):  # group g's pages of every row, as gathered: [B, n, J, page, K]
+            pages_Bn = jax.lax.dynamic_slice_in_dim(self.table_BM, g * per, per, axis=1)
+            return jnp.moveaxis(jnp.take(buf_JPpK, pages_Bn, axis=1, mode="clip"), 0, 2).astype(acc)
+
+        def read(g):  # group g's scores [J, B, R, N], and its values weighted: [J, B, R, N] -> [J, B, R, K]
+            if rows_major:
+                k_BnJpK, v_BnJpK = rows_pages(self.k_JPpK, g), rows_pages(self.v_JPpK, g)
+                s_BnJRp = jnp.sum(q_BJRK[:, None, :, :, None] * k_BnJpK[:, :, :, None], axis=-1)
+
+                def weigh(p_JBRN):
+                    p_BnJRp = jnp.transpose(p_JBRN.reshape(J, B, -1, per, page), (1, 3, 0, 2, 4))
+                    pv_BJRK = jnp.sum(p_BnJRp[..., None] * v_BnJpK[:, :, :, None], axis=(1, 4))
+                    return jnp.transpose(pv_BJRK, (1, 0, 2, 3))
+
+                return jnp.transpose(s_BnJRp, (2, 0, 3, 1, 4)).reshape(J, B, -1, per * page), weigh
             k_JBNK, v_JBNK = pages(self.k_JPpK, g), pages(self.v_JPpK, g)
             if products:
                 s_JBRN = jnp.sum(q_JBRK[:, :, :, None].astype(acc) * k_JBNK[:, :, None].astype(acc), axis=-1)
-            else:
-                s_JBRN = jnp.einsum(
-                    "jbrk,jbnk->jbrn", q_JBRK, k_JBNK.astype(q_JBRK.dtype), preferred_element_type=acc
+                return s_JBRN, lambda p_JBRN: jnp.sum(
+                    p_JBRN[..., None] * v_JBNK[:, :, None].astype(acc), axis=3
                 )
+            s_JBRN = jnp.einsum(
+                "jbrk,jbnk->jbrn", q_JBRK, k_JBNK.astype(q_JBRK.dtype), preferred_element_type=acc
+            )
+            return s_JBRN, lambda p_JBRN: jnp.einsum(
+                "jbrn,jbnk->jbrk", p_JBRN.astype(v_JBNK.dtype), v_JBNK, preferred_element_type=acc
+            )
+
+        def group(g, carry):
+            max_JBR, sum_JBR, y_JBRK = carry
+            s_JBRN, weigh = read(g)
             s_JBRN = s_JBRN * scale
             if softcap:  # as attend_cached
                 s_JBRN = softcap * jnp.tanh(s_JBRN / softcap)
@@ -214,13 +243,7 @@ class PagedLayer(KVLayer):
             safe_JBR = jnp.where(jnp.isfinite(new_JBR), new_JBR, 0.0)  # a group a query sees nothing of
             p_JBRN = jnp.exp(s_JBRN - safe_JBR[..., None])
             keep_JBR = jnp.exp(max_JBR - safe_JBR)
-            if products:
-                pv_JBRK = jnp.sum(p_JBRN[..., None] * v_JBNK[:, :, None].astype(acc), axis=3)
-            else:
-                pv_JBRK = jnp.einsum(
-                    "jbrn,jbnk->jbrk", p_JBRN.astype(v_JBNK.dtype), v_JBNK, preferred_element_type=acc
-                )
-            y_JBRK = y_JBRK * keep_JBR[..., None] + pv_JBRK
+            y_JBRK = y_JBRK * keep_JBR[..., None] + weigh(p_JBRN)
             return new_JBR, sum_JBR * keep_JBR + p_JBRN.sum(-1), y_JBRK
 
         R = G * T
