@@ -21,7 +21,8 @@ averages both over the layers before multiplying them), and the mean squared log
 logits (ST-MoE's z-loss).
 
 Shape letters: N tokens (B*T), D model dim, E experts, C experts per token (top-k),
-A = N*C assignments, F each expert's hidden size (see layers.py for the rest).
+A = N*C assignments, F each expert's hidden size, S adapter slots of rank R, P = S*R (or an adapter's
+rank r), X any rows (see layers.py for the rest).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 from flaxgpt.models.layers import MLP, Dtype, activation_fn, normal_init, swiglu
-from flaxgpt.models.linear import Linear
+from flaxgpt.models.linear import ROWS, Linear
 from flaxgpt.models.quantize import QuantizedWeight
 
 ROUTER = "router"  # the collection the sparse layers sow their statistics into
@@ -43,18 +44,34 @@ ROUTER = "router"  # the collection the sparse layers sow their statistics into
 EXPERT_PARAMS = {"experts_gate_up": "experts_fc", "experts_up": "experts_fc", "experts_down": "experts_proj"}
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "a", "b"], meta_fields=["scale"])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["w", "a", "b"], meta_fields=["scale", "slots"]
+)
 @dataclasses.dataclass(frozen=True)
 class LoraExperts:
     """A stacked expert weight with a LoRA adapter per expert: expert e computes
     x @ w[e] + scale * (x @ a[e]) @ b[e], w [E, K, N] (float or quantized), a [E, K, r], b [E, r, N]
     (float32, as every flaxgpt adapter). The low-rank product is never formed: two more grouped
-    matmuls of r columns (PEFT's target_parameters LoRA gives the same output by W + s B A)."""
+    matmuls of r columns (PEFT's target_parameters LoRA gives the same output by W + s B A).
+
+    Adapter slots (models/multi_lora.py, `slots` S > 0): a [E, K, S*R] and b [E, S*R, N] hold every
+    slot's rank-R adapter side by side (scales folded into b), and each row keeps its own slot's R
+    columns of x @ a[e] (`low_rank`): S times a rank-R sliver of the work, the stacks read in place
+    rather than an adapter gathered per row."""
 
     w: jax.Array | QuantizedWeight
     a: jax.Array
     b: jax.Array
     scale: float
+    slots: int = 0  # 0: one adapter; S: a slot stack, each row's slot given beside its tokens
+
+    def low_rank(self, xa_XP, slot_X):
+        """x @ a's columns [..., rows, P] as b reads them: times the scale, or (a slot stack) each
+        row's own slot's R columns kept and the others zeroed; slot_X [rows] is each row's slot."""
+        if not self.slots:
+            return xa_XP * self.scale
+        keep_XS = jax.nn.one_hot(slot_X, self.slots, dtype=xa_XP.dtype)
+        return xa_XP * jnp.repeat(keep_XS, xa_XP.shape[-1] // self.slots, axis=-1)
 
 
 class MoE(nn.Module):
@@ -109,8 +126,12 @@ class MoE(nn.Module):
         # quantized stacks (models/quantize.py: int8 or bf16 decoding) stay compact until the matmul
         cast = lambda w: w if isinstance(w, QuantizedWeight) else w.astype(self.dtype)  # noqa: E731
         w_fc, w_proj = self.adapted("experts_fc", cast(w_fc)), self.adapted("experts_proj", cast(w_proj))
+        slot_N = None  # each token's adapter slot: its batch row's (models/multi_lora.py)
+        if self.has_variable("lora", ROWS):
+            rows_B = self.get_variable("lora", ROWS)
+            slot_N = jnp.repeat(rows_B, x_ND.shape[0] // rows_B.shape[0])
         args = (x_ND.astype(self.dtype), weights_NC, experts_NC, w_fc, w_proj, self._expert_mlp)
-        y_ND = expert_parallel(*args) if expert_axis_size() > 1 else mix_experts(*args)
+        y_ND = expert_parallel(*args, slot_N) if expert_axis_size() > 1 else mix_experts(*args, slot_N=slot_N)
         if self.shared_hidden:
             y_ND = y_ND + self._shared_expert(x_ND)
         y_BTD = y_ND.reshape(x_BTD.shape)
@@ -118,11 +139,18 @@ class MoE(nn.Module):
 
     def adapted(self, name: str, w):
         """The stacked expert weight `name` as the matmuls use it: `w` itself, or LoraExperts(w, A, B,
-        scale) where the "lora" collection holds an adapter pair for it (models/lora.py lays them out)."""
+        scale) where the "lora" collection holds an adapter pair for it (models/lora.py lays them out),
+        or where it holds adapter slots (a [S, E, K, R], b [S, E, R, N] and `rows`: multi_lora.py)
+        LoraExperts with the slots side by side in the rank, experts first as the stack's own axis."""
         for t, stack in EXPERT_PARAMS.items():
             if self.lora is not None and stack == name and self.has_variable("lora", f"{t}_a"):
                 a, b = (self.get_variable("lora", f"{t}_{x}") for x in "ab")
-                return LoraExperts(w, a, b, self.lora.scale)
+                if not self.has_variable("lora", ROWS):
+                    return LoraExperts(w, a, b, self.lora.scale)
+                S, E, K, R = a.shape
+                a_EKP = jnp.transpose(a, (1, 2, 0, 3)).reshape(E, K, S * R)  # P = S x R, slot-major
+                b_EPN = jnp.transpose(b, (1, 0, 2, 3)).reshape(E, S * R, b.shape[-1])
+                return LoraExperts(w, a_EKP, b_EPN, 1.0, slots=S)  # scales are in b
         return w
 
     def _shared_expert(self, x_ND):
@@ -168,11 +196,12 @@ class MoE(nn.Module):
         self.sow(ROUTER, "z", jnp.mean(jnp.square(z_N)))
 
 
-def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0):
+def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0, slot_N=None):
     """sum_c weights_NC[n, c] * expert_{experts_NC[n, c]}(x_ND[n]) -> [N, D], over the experts held
     here: w_fc [E_l, D, 2F or F], w_proj [E_l, F, D] (float or quantized: expert_matmul) are experts
     first .. first + E_l - 1 (all of them on one device); assignments to other experts add nothing
-    (another device adds them).
+    (another device adds them). slot_N [N]: each token's adapter slot, where the stacks are
+    LoraExperts of adapter slots (else None).
 
     The tokens sorted by expert into a grouped matmul (`sorted_mix`), except on CPUs and GPUs for a
     few tokens that hit about every expert anyway (decoding a batch, a prefill chunk: N * C >= E_l,
@@ -183,13 +212,13 @@ def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | ja
     N, C = experts_NC.shape
     E_l = experts_held(w_fc)
     if N * C < E_l or N > 4 * E_l:
-        return sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first)
-    sorted_, dense = (lambda *a, f=f: f(*a[:5], act, a[5]) for f in (sorted_mix, dense_mix))
-    args = (x_ND, weights_NC, experts_NC, w_fc, w_proj, jnp.asarray(first, jnp.int32))
+        return sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first, slot_N)
+    sorted_, dense = (lambda *a, f=f: f(*a[:5], act, *a[5:]) for f in (sorted_mix, dense_mix))
+    args = (x_ND, weights_NC, experts_NC, w_fc, w_proj, jnp.asarray(first, jnp.int32), slot_N)
     return jax.lax.platform_dependent(*args, cpu=dense, cuda=dense, rocm=dense, default=sorted_)
 
 
-def dense_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0):
+def dense_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0, slot_N=None):
     """mix_experts with every token through every expert held here, each output weighted by the
     token's routing weight for that expert (0 where it did not pick it): E_l / C times the FLOPs of
     the sorted path, each expert's weights read once (a matmul batched over the stack)."""
@@ -197,24 +226,25 @@ def dense_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.
     own_NCE = (experts_NC - first)[..., None] == jnp.arange(E_l)
     weights_NE = jnp.sum(jnp.where(own_NCE, weights_NC[..., None], 0), axis=1)
     x_END = jnp.broadcast_to(x_ND, (E_l, *x_ND.shape))
-    y_END = _batched_matmul(act(_batched_matmul(x_END, w_fc)), w_proj)
+    y_END = _batched_matmul(act(_batched_matmul(x_END, w_fc, slot_N)), w_proj, slot_N)
     return jnp.einsum("end,ne->nd", y_END, weights_NE.astype(y_END.dtype))
 
 
-def _batched_matmul(x_ENK, w):
+def _batched_matmul(x_ENK, w, slot_N=None):
     """x_ENK[e] @ w[e] for every expert: float [E, K, F], or quantized (scale [E, F] per expert and
-    output channel, applied to the product as expert_matmul does), or adapted (LoraExperts)."""
+    output channel, applied to the product as expert_matmul does), or adapted (LoraExperts; slot_N
+    [N] each token's slot in an adapter-slot stack)."""
     if isinstance(w, LoraExperts):
         y_ENF = _batched_matmul(x_ENK, w.w)
-        xa_ENR = jnp.einsum("enk,ekr->enr", x_ENK.astype(jnp.float32), w.a) * w.scale
-        return y_ENF + jnp.einsum("enr,erf->enf", xa_ENR, w.b).astype(y_ENF.dtype)
+        xa_ENP = w.low_rank(jnp.einsum("enk,ekp->enp", x_ENK.astype(jnp.float32), w.a), slot_N)
+        return y_ENF + jnp.einsum("enp,epf->enf", xa_ENP, w.b).astype(y_ENF.dtype)
     if not isinstance(w, QuantizedWeight):
         return jnp.einsum("enk,ekf->enf", x_ENK, w)
     y_ENF = jnp.einsum("enk,ekf->enf", x_ENK, w.w.astype(x_ENK.dtype))
     return y_ENF * w.scale[:, None, :].astype(y_ENF.dtype)
 
 
-def sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0):
+def sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0, slot_N=None):
     """mix_experts by a grouped matmul over the assignments sorted by expert (dropless)."""
     N, C = experts_NC.shape
     E_l = experts_held(w_fc)
@@ -225,10 +255,11 @@ def sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax
     group_A = jnp.where(held_A, local_A, E_l)
     order_A = jnp.argsort(group_A, stable=True)
     group_sizes_E = jnp.bincount(group_A, length=E_l + 1)[:E_l].astype(jnp.int32)
-    x_AD = x_ND[order_A // C]  # the token each sorted assignment came from
+    token_A = order_A // C  # the token each sorted assignment came from
+    x_AD, slot_A = x_ND[token_A], None if slot_N is None else slot_N[token_A]
     expert_A = jnp.minimum(group_A[order_A], E_l - 1)  # each sorted row's expert (any, past the groups)
-    h_AF = act(expert_matmul(x_AD, w_fc, group_sizes_E, expert_A))
-    y_AD = expert_matmul(h_AF, w_proj, group_sizes_E, expert_A)
+    h_AF = act(expert_matmul(x_AD, w_fc, group_sizes_E, expert_A, slot_A))
+    y_AD = expert_matmul(h_AF, w_proj, group_sizes_E, expert_A, slot_A)
     # back to token order (a gather by the inverse permutation, not a scatter-add), then the
     # weighted sum over each token's C experts
     inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(N * C))
@@ -245,26 +276,28 @@ def expert_axis_size() -> int:
     return 1 if mesh.empty or EXPERT_AXIS not in mesh.axis_names else mesh.shape[EXPERT_AXIS]
 
 
-def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act):
+def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, slot_N=None):
     """mix_experts with the experts split over the mesh's "expert" axis (E / n per device) and the
     tokens over every axis: each device gathers the tokens of its expert group (all-gather), runs
     them through its own experts only, and the partial outputs are summed back onto the devices that
-    hold each token (reduce-scatter). Expert weights arrive whole in D and F (FSDP gathers them)."""
+    hold each token (reduce-scatter). Expert weights arrive whole in D and F (FSDP gathers them), and
+    their adapters with them (split by expert: adapter slots too); a token's slot travels with it."""
     mesh = jax.sharding.get_abstract_mesh()
     n, E = mesh.shape[EXPERT_AXIS], experts_held(w_fc)
     if E % n:
         raise ValueError(f"num_experts {E} is not divisible by the {n} devices of the expert mesh axis")
     rows, experts = P(tuple(mesh.axis_names)), P(EXPERT_AXIS)
 
-    def local(x_ND, weights_NC, experts_NC, w_fc, w_proj):
+    def local(x_ND, weights_NC, experts_NC, w_fc, w_proj, slot_N):
         gather = lambda a: jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)  # noqa: E731
         first = jax.lax.axis_index(EXPERT_AXIS) * (E // n)
-        y_ND = mix_experts(gather(x_ND), gather(weights_NC), gather(experts_NC), w_fc, w_proj, act, first)
+        tokens = (gather(x_ND), gather(weights_NC), gather(experts_NC))
+        y_ND = mix_experts(*tokens, w_fc, w_proj, act, first, gather(slot_N))
         return jax.lax.psum_scatter(y_ND, EXPERT_AXIS, scatter_dimension=0, tiled=True)
 
-    specs = (rows, rows, rows, experts, experts)
+    specs = (rows, rows, rows, experts, experts, rows)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=rows)(
-        x_ND, weights_NC, experts_NC, w_fc, w_proj
+        x_ND, weights_NC, experts_NC, w_fc, w_proj, slot_N
     )
 
 
@@ -275,15 +308,16 @@ def experts_held(w) -> int:
     return w.shape[0]
 
 
-def expert_matmul(x_AD, w, group_sizes_E, expert_A):
+def expert_matmul(x_AD, w, group_sizes_E, expert_A, slot_A=None):
     """grouped_matmul with float weights [E, D, F] or quantized ones (quantize.QuantizedWeight: int8
     or bf16 w [E, D, F] and scale [E, F], per expert and output channel): (x @ (q * s))[a, f] is
     (x @ q)[a, f] * s[expert_A[a], f], so the scales multiply each row's output by its expert's; or
-    adapted ones (LoraExperts): each row's low-rank term through the same groups, in float32."""
+    adapted ones (LoraExperts): each row's low-rank term through the same groups, in float32 (slot_A
+    [A]: each row's slot, in an adapter-slot stack)."""
     if isinstance(w, LoraExperts):
         y_AF = expert_matmul(x_AD, w.w, group_sizes_E, expert_A)
-        xa_AR = grouped_matmul(x_AD.astype(jnp.float32), w.a, group_sizes_E) * w.scale
-        return y_AF + grouped_matmul(xa_AR, w.b, group_sizes_E).astype(y_AF.dtype)
+        xa_AP = w.low_rank(grouped_matmul(x_AD.astype(jnp.float32), w.a, group_sizes_E), slot_A)
+        return y_AF + grouped_matmul(xa_AP, w.b, group_sizes_E).astype(y_AF.dtype)
     if not isinstance(w, QuantizedWeight):
         return grouped_matmul(x_AD, w, group_sizes_E)
     y_AF = grouped_matmul(x_AD, w.w.astype(x_AD.dtype), group_sizes_E)

@@ -14,7 +14,10 @@ each row's adapter, a decoding step reads the stack once for the whole batch). E
 every target the model has at one rank R: an adapter of rank r < R fills its first r columns of A
 and rows of B (the rest zeros add nothing), a target it does not adapt stays zeros, and its scale
 alpha / r (or / sqrt(r)) is folded into its B, so adapters of any rank, alpha and targets share one
-compiled program. The stack is a jit argument of the step_fn (a Partial), so loading an adapter is a
+compiled program. A mixture of experts' slots hold its expert stacks' adapters too: A [S, E, K, R]
+and B [S, E, R, N], each token through its own row's slot of its expert's pair (moe.LoraExperts with
+`slots`: every slot's rank-R columns side by side, each row keeping its own), E times a Linear's
+adapter in memory. The stack is a jit argument of the step_fn (a Partial), so loading an adapter is a
 write into the stack, not a recompile; the slot index travels with each row in its cache
 (models.cache.AdapterCache), so decoders and the serving engine see only step_fn(tokens_BT,
 positions_BT, cache) as for a plain GPT.
@@ -27,7 +30,7 @@ added to it, so a slot-0 row decodes as the quantized model and an adapter's row
 QLoRA's forward (models.lora over the same quantized weights), which no merge could hold in int8.
 
 Shape letters: S slots, B batch rows, K a layer's input features, N its output features, R the
-stack's rank.
+stack's rank, E experts.
 """
 
 from __future__ import annotations
@@ -70,8 +73,8 @@ class MultiLora:
             params = unstack_layers(params, config.n_layer)
         self.config = dataclasses.replace(config, scan_layers=False, remat="none")
         self.params, self.slots, self.rank = params, slots, rank
-        # every target the model has, at the stack's rank: one layout for any adapter
-        self.spec = lora.LoraSpec.make(self.config, rank, rank, targets="all-linear")
+        # every target the model has (expert stacks too), at the stack's rank: one layout for any adapter
+        self.spec = lora.LoraSpec.make(self.config, rank, rank, targets=lora.model_targets(self.config))
         self.shapes = lora.adapter_shapes(self.config, self.spec)
         model = GPT(self.config, lora=self.spec)
 
@@ -105,12 +108,6 @@ class MultiLora:
                 f"{what} has rank {spec.rank}; this server's adapter slots hold rank <= {self.rank}"
             )
         spec = lora.LoraSpec.make(self.config, spec.rank, spec.alpha, spec.dropout, spec.targets, spec.rslora)
-        experts = [t for t in spec.targets if t in lora.EXPERT_PARAMS]
-        if experts:  # the slots hold Linear adapters; a per-row expert stack would be E times their size
-            raise ValueError(
-                f"{what} adapts expert weights ({', '.join(experts)}), which served adapter slots do not "
-                "hold: merge it into the base (flaxgpt peft merge) and serve the merged model"
-            )
         lora.check_adapters(self.config, spec, adapters, what=what)
         adapters = jax.device_get(adapters)
         flat = {}
@@ -120,9 +117,9 @@ class MultiLora:
             for name in path:
                 src = src.get(name, {})
             for t in spec.targets:
-                if f"{t}_a" in src:
-                    node[f"{t}_a"][:, : spec.rank] = np.asarray(src[f"{t}_a"], np.float32)
-                    node[f"{t}_b"][: spec.rank] = np.asarray(src[f"{t}_b"], np.float32) * spec.scale
+                if f"{t}_a" in src:  # A [(E,) K, r] and B [(E,) r, N]: an expert stack's lead with E
+                    node[f"{t}_a"][..., : spec.rank] = np.asarray(src[f"{t}_a"], np.float32)
+                    node[f"{t}_b"][..., : spec.rank, :] = np.asarray(src[f"{t}_b"], np.float32) * spec.scale
             flat[path] = node
         return lora._nest(flat)
 

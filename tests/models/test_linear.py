@@ -1,6 +1,7 @@
 """models/linear.py: every weight representation composes with every adapter kind. For {float, bf16,
 int8} weights x {no adapter, LoRA, adapter slots (rows of two adapters and one of none)} x {a dense
-Llama-style GPT, a mixture of experts}, the forward equals the merged float32 reference: the weights
+Llama-style GPT, a mixture of experts (its expert stacks adapted too, by LoRA and by slots)}, the
+forward equals the merged float32 reference: the weights
 as the quantized model holds them, dequantized to float32 (exact: int8 times its scale, bf16 widened),
 with each adapter merged in (lora.merge), through a plain float GPT. Only float32 rounding separates
 them: x W + (x A)(s B) against x (W + s A B), and qmatmul's CPU kernel sums in another order."""
@@ -80,10 +81,13 @@ def test_every_weight_with_every_adapter_kind_equals_the_merged_float_model(mode
     close(np.asarray(got), want)
     assert np.abs(want - reference(qconfig, deq)).max() > 0.1 * np.abs(want).max()  # adapters matter
 
-    # adapter slots: rows of two adapters (other ranks, scales, targets) and one of none
+    # adapter slots: rows of two adapters (other ranks, scales, targets; a mixture of experts' expert
+    # stacks: each token through its row's slot of its expert's pair) and one of none
     specs = [
-        lora.LoraSpec.make(qconfig, 4, 8.0),
-        lora.LoraSpec.make(qconfig, 2, 3.0, targets="k,v,o" if config is MOE else "q,up", rslora=True),
+        lora.LoraSpec.make(qconfig, 4, 8.0, targets=",".join(lora.model_targets(qconfig))),
+        lora.LoraSpec.make(
+            qconfig, 2, 3.0, targets="v,o,experts_down" if config is MOE else "q,up", rslora=True
+        ),
     ]
     trees = [random_adapters(qconfig, s, seed=i + 1) for i, s in enumerate(specs)]
     multi = MultiLora(qconfig, qparams, slots=3, rank=4)
@@ -114,3 +118,39 @@ def test_an_int8_linear_trains_its_adapters_through_qmatmul():
     y = layer.apply({"params": {"kernel": q, "bias": params["bias"]}}, x_MK)
     assert isinstance(q, QuantizedWeight)
     close(np.asarray(y), np.asarray(x_MK @ deq_KN))
+
+
+@pytest.mark.devices(8)
+def test_expert_adapter_slots_over_an_expert_mesh_equal_one_device():
+    """Adapter slots on a mixture of experts split over an "expert" mesh axis of 4 (moe.expert_parallel:
+    each token's slot travels with it to its experts' devices, the slot stacks split by expert): the
+    prefill's and a decoding step's logits equal one device's."""
+    from flaxgpt import sharding
+
+    config = dataclasses.replace(MOE, n_layer=2)
+    params = gpt.init_params(config, jax.random.key(0))
+    spec = lora.LoraSpec.make(config, 4, 8.0, targets="q,experts_gate_up,experts_down")
+    multi = MultiLora(config, params, slots=3, rank=4)
+    stack = multi.empty_stack()
+    for slot in (1, 2):
+        stack = multi.write(stack, slot, multi.slot_weights(spec, random_adapters(config, spec, seed=slot)))
+    rows_B = np.array([1, 2, 0, 1, 2, 0, 1, 2], np.int32)  # 8 rows: one a device
+    tokens_BT = np.random.RandomState(1).randint(0, 64, (8, T)).astype(np.int32)
+    mesh = sharding.make_mesh(data=1, fsdp=2, expert=4)
+
+    def logits(step):
+        cache = AdapterCache(KVCache.for_config(config, 8, config.block_size), rows_B)
+        out = []
+        for start, stop in [(0, T - 1), (T - 1, T)]:
+            positions = np.broadcast_to(np.arange(start, stop, dtype=np.int32), (8, stop - start))
+            logits_BTV, cache = step(multi.step_fn(stack), tokens_BT[:, start:stop], positions, cache)
+            out.append(np.asarray(logits_BTV))
+        return np.concatenate(out, axis=1)
+
+    call = lambda step_fn, *args: step_fn(*args)  # noqa: E731
+    split = sharding.under_mesh(call, mesh)
+    cache = AdapterCache(KVCache.for_config(config, 8, config.block_size), rows_B)
+    step = (multi.step_fn(stack), tokens_BT[:, :1], np.zeros((8, 1), np.int32), cache)
+    assert "shard_map" in str(jax.make_jaxpr(split)(*step))  # moe.expert_parallel, not a replicated step
+    on_mesh = lambda *args: jax.jit(split)(*jax.device_put(args, sharding.replicated(mesh)))  # noqa: E731
+    close(logits(on_mesh), logits(jax.jit(call)))

@@ -164,14 +164,14 @@ def test_bad_configs_are_one_line():
         lora.LoraSpec.make(GPTConfig(**TINY), 4, 8.0, targets="q,gate")
     with pytest.raises(ValueError, match=r"lora dropout 0.1 cannot apply to expert weights \(experts_down\)"):
         lora.LoraSpec.make(GPTConfig(**TINY), 4, 8.0, dropout=0.1, targets="q,experts_down")
-    # served adapter slots hold Linear adapters only: an expert adapter is refused, not dropped
+    # served adapter slots hold expert adapters too, a pair per expert (their logits: test_linear.py)
     from flaxgpt.models.multi_lora import MultiLora
 
     config = GPTConfig(**TINY)
     multi = MultiLora(config, abstract_params(config), slots=2, rank=4)
-    spec = lora.LoraSpec.make(config, 4, 8.0, targets="q,experts_gate_up")
-    with pytest.raises(ValueError, match=r"adapts expert weights \(experts_gate_up\), which served adapter"):
-        multi.slot_weights(spec, lora.init_adapters(config, spec, jax.random.key(0)))
+    spec = lora.LoraSpec.make(config, 2, 8.0, targets="q,experts_gate_up")
+    slot = multi.slot_weights(spec, lora.init_adapters(config, spec, jax.random.key(0)))
+    assert slot["h_0"]["mlp"]["experts_gate_up_a"].shape == (4, 32, 4)  # [E, D, R]: rank 2 padded to 4
     # config.json stores mlp_only_layers as a list: it comes back a tuple (the config stays hashable)
     assert hash(GPTConfig.from_dict({**GPTConfig(**TINY).to_dict(), "mlp_only_layers": [1]}))
 

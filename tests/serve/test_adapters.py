@@ -216,7 +216,7 @@ def test_served_adapters_match_merged_and_load_unload_at_run_time(dirs, referenc
     check([(None, 2), ("a1", 1), ("a3", 0)])  # still serving, nothing half-loaded
 
 
-def run_rows(engine, pool, cases, salts=True):
+def run_rows(engine, pool, cases, salts=True, prompts=PROMPTS):
     """(adapter name or None, prompt index) cases, one slot each, greedy to N tokens -> (tokens, hits)."""
     rows = Rows.of(Sampling(temperature=0.0), max_new_tokens=N)
     out, hits, held = {}, [], []
@@ -224,7 +224,7 @@ def run_rows(engine, pool, cases, salts=True):
         adapter = pool.get(name) if name else None
         slot = pool.acquire(adapter)
         salt = adapter.key if adapter is not None and salts else b""
-        job = engine.start_prefill(PROMPTS[i], rows, adapter=slot, salt=salt)
+        job = engine.start_prefill(prompts[i], rows, adapter=slot, salt=salt)
         hits.append(job.hit)
         while (prefix := engine.prefill_step(job)) is None:
             pass
@@ -237,7 +237,7 @@ def run_rows(engine, pool, cases, salts=True):
         if done_B.all():
             break
     for b, (_, i) in enumerate(cases):  # the replies' blocks kept, under each adapter's salt
-        engine.keep(b, PROMPTS[i] + out[b][:-1])
+        engine.keep(b, prompts[i] + out[b][:-1])
         pool.release(held[b])
     return [out[b] for b in range(len(cases))], hits
 
@@ -318,3 +318,42 @@ def test_adapters_over_a_mesh(dirs, reference, quantize):
         assert want == merged_over_int8(dirs, one_run, cases)
     assert got == want
     assert many.engine.state.fill_B.sharding.is_equivalent_to(sharding.batch_sharding(mesh), 1)
+
+
+def test_expert_adapters_on_a_mixture_of_experts_match_merged(tmp_path):
+    """A tiny Mixtral (transformers') and two PEFT adapters on its expert stacks (target_parameters, one
+    with q too): rows of either adapter and of the base decode in one engine, each token through its
+    row's slot of its expert's adapter pair (prefills: the sorted expert path; steps: the dense one),
+    and give the greedy tokens of that adapter merged into the base."""
+    from flaxgpt.hf import peft as hf_peft
+    from flaxgpt.models import lora
+    from tests.hf.test_moe import make_hf_model as make_moe
+    from tests.models.test_multi_lora import random_adapters
+
+    make_moe("mixtral", tmp_path / "base")
+    config, params = flaxgpt.load_pretrained(str(tmp_path / "base"))
+    targets = {"e1": (4, 8.0, "q,experts_gate_up,experts_down"), "e2": (2, 4.0, "experts_down")}
+    for seed, (name, (r, alpha, t)) in enumerate(targets.items()):
+        spec = lora.LoraSpec.make(config, r, alpha, targets=t)
+        tree = random_adapters(config, spec, seed)
+        hf_peft.export_adapter(config, spec, tree, str(tmp_path / name), base=str(tmp_path / "base"))
+    prompts = [[1, 17, 42, 99, 5], [1, 120, 3, 77], [1, 8, 8, 60, 100, 31]]
+    want = {  # the merged models' tokens: (adapter or None, prompt index) -> tokens
+        (name, i): out
+        for name in (None, "e1", "e2")
+        for i, out in enumerate(
+            references.greedy_rows(
+                *flaxgpt.load_pretrained(str(tmp_path / "base"), adapter=name and str(tmp_path / name)),
+                prompts, W, N,
+            )
+        )
+    }  # fmt: skip
+    for i in range(len(prompts)):  # else the comparison would pass with the expert adapters ignored
+        assert len({tuple(want[name, i]) for name in (None, "e1", "e2")}) == 3, i
+    sched = launch.scheduler_for(
+        config, params, None, slots=4, max_len=W, prefill_chunk=16, prefix_cache_tokens=0,
+        adapters=[(n, str(tmp_path / n)) for n in targets], max_adapters=2, max_lora_rank=4,
+    )  # fmt: skip
+    cases = [("e1", 0), (None, 1), ("e2", 2), ("e2", 0)]
+    got = run_rows(sched.engine, sched.adapters, cases, prompts=prompts)[0]
+    assert got == [want[c] for c in cases]
