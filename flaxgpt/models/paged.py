@@ -184,25 +184,26 @@ class PagedLayer(KVLayer):
             q_JBRK = jnp.pad(q_JBRK, ((0, 0), (at, B - at - rows), (0, 0), (0, 0)))
             qpos_BR = jnp.pad(qpos_BR, ((at, B - at - rows), (0, 0)))
 
+        def group_pages(g):  # group g's page ids of every row: [B, per]
+            return jax.lax.dynamic_slice_in_dim(self.table_BM, g * per, per, axis=1)
+
         def pages(buf_JPpK, g):  # group g's pages of every row: [J, B, per * page, K]
             if self.windows_at >= 0:
                 w_JBMpK = buf_JPpK.reshape(J, B, M, page, K)
                 return jax.lax.dynamic_slice_in_dim(w_JBMpK, g * per, per, axis=2).reshape(
                     J, B, per * page, K
                 )
-            pages_Bn = jax.lax.dynamic_slice_in_dim(self.table_BM, g * per, per, axis=1)
-            return jnp.take(buf_JPpK, pages_Bn, axis=1, mode="clip").reshape(J, B, per * page, K)
+            return jnp.take(buf_JPpK, group_pages(g), axis=1, mode="clip").reshape(J, B, per * page, K)
 
         # one query a row over gathered pages (XLA:CPU decoding): the gather lays its result out row by
         # row ([B, n, J, page, K]); products read in that order leave it where it is, while the J-major
         # form of `pages` cost a transposed copy of every group's keys and values, each layer and step
         # (GPT-2 124M, 16 rows x 512 positions: the engine's step 1.8x the contiguous cache's, now 1.1x)
         rows_major = products and self.windows_at < 0
-        q_BJRK = jnp.transpose(q_JBRK, (1, 0, 2, 3)).astype(acc)
+        q_BJRK = jnp.transpose(q_JBRK, (1, 0, 2, 3)).astype(acc) if rows_major else None
 
         def rows_pages(buf_JPpK, g):  # group g's pages of every row, as gathered: [B, n, J, page, K]
-            pages_Bn = jax.lax.dynamic_slice_in_dim(self.table_BM, g * per, per, axis=1)
-            return jnp.moveaxis(jnp.take(buf_JPpK, pages_Bn, axis=1, mode="clip"), 0, 2).astype(acc)
+            return jnp.moveaxis(jnp.take(buf_JPpK, group_pages(g), axis=1, mode="clip"), 0, 2).astype(acc)
 
         def read(g):  # group g's scores [J, B, R, N], and its values weighted: [J, B, R, N] -> [J, B, R, K]
             if rows_major:
