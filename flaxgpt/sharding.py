@@ -231,6 +231,14 @@ def row_shardings(tree, mesh: Mesh):
     return jax.tree.map(lambda x: rows if x.ndim and x.shape[0] % mesh.size == 0 else rep, tree)
 
 
+def shapes_on(tree, shardings):
+    """ShapeDtypeStructs of `tree` (arrays or shapes) placed by `shardings` (one sharding for every
+    leaf, or a matching tree): the abstract arguments flaxgpt aot compiles with."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 

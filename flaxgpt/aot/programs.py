@@ -15,9 +15,10 @@
 - rollout (GRPO recipes, grpo.rollout = engine): the engine's prefill and generate step as the
   trainer's rollouts run them (train.grpo_rollout): batch_size slots over the policy's weights
   (LoRA: adapters unmerged over the base in lora.base_dtype, int8 included), on one device.
-- sample and serve take int8 / bf16 weights (`quantize`): gpt.quantize_params on the abstract
-  parameters gives their layout and placement. Both are traced under their mesh (one device of the
-  target's, or the serving mesh), so the kernels are the target's (no CPU qmatmul custom call).
+- sample and serve take int8 / bf16 weights (`quantize`): gpt.quantize_params traced over the abstract
+  parameters gives their layout and placement (`abstract_quantized`). Both are traced under their
+  mesh (one device of the target's, or the serving mesh), so the kernels are the target's (no CPU
+  qmatmul custom call).
 
 A recipe that fine-tunes a pretrained model takes the architecture loader.resolve_init reads without the
 weights: a flaxgpt run's saved model section, a Hugging Face config.json, or the preset of a name the
@@ -35,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from jax.sharding import AxisType, NamedSharding
 
 from flaxgpt import loader, sharding
 from flaxgpt.decode import sampling
@@ -44,7 +46,7 @@ from flaxgpt.models.cache import AdapterCache, KVCache
 from flaxgpt.models.flops import flops_per_token
 from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.serve import runner
-from flaxgpt.train import grpo_rollout, sections
+from flaxgpt.train import grpo_rollout, policy, sections
 from flaxgpt.train.config_check import micro_batch
 from flaxgpt.train.steps import make_steps
 from flaxgpt.train.tasks import Task
@@ -95,13 +97,6 @@ def model_config(config, vocab_size: int = 0):
     return init.config, f"vocab {recipe.vocab_size}: {source}" if init.kind == "fresh" else init.where
 
 
-def _abstract(tree, shardings):
-    """ShapeDtypeStructs of `tree` placed by `shardings` (one sharding for all, or a matching tree)."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings), tree)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
 def per_device_bytes(tree) -> int:
     """Bytes one device holds of an abstract, sharded tree (the largest shard of each leaf; a leaf
     found twice counts once: a tied head's quantized table is the embedding's)."""
@@ -126,7 +121,8 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
     steps = make_steps(config, task, mesh)
-    state = _abstract(steps.abstract_state, steps.state_shardings).replace(frozen=steps.frozen)  # Frozen
+    state = sharding.shapes_on(steps.abstract_state, steps.state_shardings)
+    state = state.replace(frozen=steps.frozen)  # Frozen
     n = len(devices)
     sizes = {"parameters": per_device_bytes(state.params), "optimizer": per_device_bytes(state.opt_state)}
     fpt = flops_per_token(mc, task.tokens_per_row)
@@ -167,10 +163,28 @@ def _decoding(mc, devices, quantize=None):
     mesh = sharding.make_mesh(1, len(devices), devices)
     cfg = dataclasses.replace(mc, scan_layers=False, remat="none")
     boxed = gpt.abstract_params(cfg)
-    params = _abstract(nn.unbox(boxed), sharding.param_shardings(boxed, mesh, sharding.SERVE_RULES))
+    params = sharding.shapes_on(nn.unbox(boxed), sharding.param_shardings(boxed, mesh, sharding.SERVE_RULES))
     if quantize:
-        cfg, params = gpt.quantize_params(cfg, params, quantize)
+        cfg, params = gpt.quantized_config(cfg), abstract_quantized(cfg, params, mesh, quantize)
     return cfg, gpt.step_fn(cfg, params), mesh, per_device_bytes(params)
+
+
+def abstract_quantized(cfg, params, mesh, mode: str):
+    """gpt.quantize_params' weights of abstract, placed parameters, nothing computed: the real function
+    traced (jax.make_jaxpr) over a copy of the mesh whose axes are Explicit, so JAX's sharding rules
+    place each result as its computation goes (a kernel's transpose placed transposed, scales as the
+    rows they scale, as models/quantize.py places weights split over a real mesh), then put back on
+    `mesh`. An output returned twice (a tied head's table) stays one leaf, as in the concrete tree."""
+    explicit = mesh.abstract_mesh.update_axis_types({a: AxisType.Explicit for a in mesh.axis_names})
+    on = lambda m, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, a.sharding.spec))  # noqa: E731
+    with jax.sharding.use_abstract_mesh(explicit):
+        traced, out = jax.make_jaxpr(lambda p: gpt.quantize_params(cfg, p, mode)[1], return_shape=True)(
+            jax.tree.map(lambda a: on(explicit, a), params)
+        )
+    leaves, tree = jax.tree.flatten(out)
+    first = {}  # each output variable's one leaf
+    leaves = [first.setdefault(v, on(mesh, a)) for v, a in zip(traced.jaxpr.outvars, leaves, strict=True)]
+    return jax.tree.unflatten(tree, leaves)
 
 
 def _scalar(dtype, mesh):
@@ -185,9 +199,11 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize=None
     cfg, step, mesh, param_bytes = _decoding(mc, devices[:1], quantize)
     one = sharding.replicated(mesh)
     W = P = cfg.block_size
-    cache = _abstract(jax.eval_shape(lambda: KVCache.for_config(cfg, batch, W)), one)
+    cache = sharding.shapes_on(jax.eval_shape(lambda: KVCache.for_config(cfg, batch, W)), one)
     how = sampling.Sampling(temperature=0.8, top_k=200)  # sample.py's defaults (settings are arrays)
-    rows = _abstract(jax.eval_shape(lambda: sampling.Rows.same(jax.random.key(0), batch, how, 1)), one)
+    rows = sharding.shapes_on(
+        jax.eval_shape(lambda: sampling.Rows.same(jax.random.key(0), batch, how, 1)), one
+    )
     prompt = jax.ShapeDtypeStruct((batch, P), jnp.int32, sharding=one)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=one)
     args = (step, cache, prompt, lengths, rows)
@@ -197,7 +213,7 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize=None
         flops_per_token(cfg, P)["forward"] * batch * P, {"parameters": param_bytes},
         f"batch {batch}, prompt {P}, cache {W}{_weights(quantize)}", mesh=mesh,
     )  # fmt: skip
-    state = _abstract(prefill.trace().out_info[0], one)
+    state = sharding.shapes_on(prefill.trace().out_info[0], one)
     stop = jax.ShapeDtypeStruct((batch,), jnp.bool_, sharding=one)
     decode = Program(
         "sample.decode", sampling.decode_chunk, (step, state, stop),
@@ -228,7 +244,7 @@ def serve_programs(
 
     def placed(make):
         tree = jax.eval_shape(make)
-        return _abstract(tree, sharding.row_shardings(tree, mesh))
+        return sharding.shapes_on(tree, sharding.row_shardings(tree, mesh))
 
     impl = paged_impl(devices[0].platform, cfg.head_dim)
     pool = lambda: AdapterCache.wrap(
@@ -283,15 +299,14 @@ def rollout_programs(config, mc, devices) -> list[Program]:
     if n > 1:  # as the trainer refuses them
         grpo_rollout.check_over_devices(len({d.process_index for d in devices}))
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
-    if lora_on:  # as the GRPO task (train.policy.LoraPolicy): the same spec, base and dtype
-        c, rep = s.lora, sharding.replicated(mesh)
-        spec = lora.LoraSpec.make(cfg, c.rank, c.alpha, c.dropout, c.targets)
+    if lora_on:  # the GRPO task's policy (train.policy.LoraPolicy) over the decoding config
+        pol = policy.make_policy(config, cfg)
         boxed = gpt.abstract_params(cfg)
-        base = lora.quantize_base(nn.unbox(boxed), c.base_dtype)
+        base = policy.ABSTRACT.run(pol.base, nn.unbox(boxed))  # in lora.base_dtype
         serve = sharding.param_shardings(boxed, mesh, sharding.SERVE_RULES)
-        base = _abstract(base, lora.base_shardings(serve, base))
-        adapters = _abstract(jax.eval_shape(lambda: lora.init_adapters(cfg, spec, jax.random.key(0))), rep)
-        step, param_bytes = lora.step_fn(cfg, spec, base, adapters), per_device_bytes((base, adapters))
+        base = sharding.shapes_on(base, lora.base_shardings(serve, base))
+        adapters = sharding.shapes_on(pol.abstract_params(), sharding.replicated(mesh))
+        step, param_bytes = lora.step_fn(cfg, pol.lora, base, adapters), per_device_bytes((base, adapters))
     W, chunk = cfg.block_size, min(s.grpo.max_completion_length, grpo_rollout.CHUNK)
     progs = serve_programs(
         mc, devices, slots=config.batch_size, max_len=W, chunk=chunk, prefill_chunk=W,

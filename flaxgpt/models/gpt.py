@@ -468,5 +468,9 @@ def quantize_params(config: GPTConfig, params, mode: str):
     qparams["wte"] = {"embedding": table}
     if config.tie_embeddings:
         qparams["lm_head"] = {"kernel": table}  # the same arrays: one copy in memory
-    config = dataclasses.replace(config, tie_embeddings=False, scan_layers=False, remat="none")
-    return config, qparams
+    return quantized_config(config), qparams
+
+
+def quantized_config(config: GPTConfig) -> GPTConfig:
+    """The config quantize_params' weights decode with: an untied head (the table shared), unrolled."""
+    return dataclasses.replace(config, tie_embeddings=False, scan_layers=False, remat="none")

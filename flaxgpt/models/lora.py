@@ -289,26 +289,19 @@ def step_fn(config: GPTConfig, spec: LoraSpec, base, adapters) -> jax.tree_util.
 def quantize_base(base, dtype: str):
     """The frozen base in `dtype`: float32 as is, bfloat16 by a cast, int8 with per-output-channel
     scales on every Dense kernel of the blocks (quantize.quantize_rows; embeddings, head and norms stay
-    float32). A base of jax.ShapeDtypeStructs gives the abstract result (ahead-of-time compiles)."""
+    float32). jax.eval_shape of it gives the abstract base (ahead-of-time compiles: train.policy's
+    ABSTRACT mode), placed by the caller (base_shardings)."""
     if dtype not in BASE_DTYPES:
         raise ValueError(f"lora base_dtype {dtype!r}: choose one of {', '.join(BASE_DTYPES)}")
     if dtype == "float32":
         return base
     if dtype == "bfloat16":
-        cast = lambda x: (
-            jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) if _abstract(x) else jnp.asarray(x, jnp.bfloat16)
-        )  # noqa: E731
-        return jax.tree_util.tree_map(lambda x: cast(x) if x.ndim >= 2 else x, base)
+        return jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.bfloat16) if x.ndim >= 2 else x, base)
 
     def rows(kernel):  # [.., K, N] -> QuantizedWeight(w [.., N, K] int8, scale [.., N])
-        if _abstract(kernel):
-            *lead, k, n = kernel.shape
-            return QuantizedWeight(
-                jax.ShapeDtypeStruct((*lead, n, k), jnp.int8), jax.ShapeDtypeStruct((*lead, n), jnp.float32)
-            )
         if kernel.ndim == 2:
-            return quantize_rows(np.asarray(kernel).T, "int8")
-        layers = [quantize_rows(np.asarray(k).T, "int8") for k in kernel]  # scan_layers: per layer
+            return quantize_rows(kernel.T, "int8")
+        layers = [quantize_rows(k.T, "int8") for k in kernel]  # scan_layers: per layer
         return jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *layers)
 
     def visit(tree, in_block):
@@ -321,10 +314,6 @@ def quantize_base(base, dtype: str):
         return out
 
     return visit(dict(base), False)
-
-
-def _abstract(x) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def base_shardings(float_shardings, base):

@@ -23,12 +23,11 @@ here knows the GPT: `gpt.quantize_params` picks what to quantize.
 Decoding then reads 1 (int8) or 2 (bf16) bytes per weight instead of 4.
 
 A weight on one device is quantized there (one jitted program, the host path's values); host
-arrays and weights split over a mesh are quantized on the host, a weight at a time.
-
-Given jax.ShapeDtypeStructs (gpt.abstract_params, with or without shardings) the same functions
-build the quantized tree's layout without computing anything: `gpt.quantize_params(config,
-abstract, "int8")` is what flaxgpt.aot compiles the 8B model's int8 decoding with. A weight's
-placement follows it: w [N, K] is the kernel's transpose, placed transposed; the scales as its rows.
+arrays and weights split over a mesh are quantized on the host, a weight at a time, and placed as
+they were: w [N, K] is the kernel's transpose, placed transposed; the scales as the rows they scale.
+A traced weight takes the jitted path, so `jax.eval_shape(gpt.quantize_params, ...)` gives the
+quantized tree's layout without computing anything (flaxgpt.aot compiles int8 decoding with it and
+places it itself).
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
 MODES = ("int8", "bf16")
-_DTYPES = {"int8": jnp.int8, "bf16": jnp.bfloat16}
 
 
 def check_mode(mode: str) -> str:
@@ -63,20 +61,17 @@ class QuantizedWeight:
 
 
 def quantize_rows(w_NK, mode: str, sharding=None) -> QuantizedWeight:
-    """One scale per row (output channel): symmetric int8, or bfloat16 with scale 1. A
-    jax.ShapeDtypeStruct gives the layout alone (`abstract_rows`). Weights split over a mesh (a
-    NamedSharding: w_NK's own, or `sharding` for a host array) come back split the same way, the
-    scales as their rows: quantized on the host a weight at a time, each device receiving its slices."""
-    if isinstance(w_NK, jax.ShapeDtypeStruct):
-        return abstract_rows(w_NK, mode)
+    """One scale per row (output channel): symmetric int8, or bfloat16 with scale 1. Weights split
+    over a mesh (a NamedSharding: w_NK's own, or `sharding` for a host array) come back split the
+    same way, the scales as their rows: quantized on the host a weight at a time, each device
+    receiving its slices."""
     sharding = sharding or getattr(w_NK, "sharding", None)
-    if _on_one_device(w_NK, sharding):
-        return QuantizedWeight(*_symmetric_on_device(w_NK, mode, axis=1))
+    if _in_place(w_NK, sharding):
+        return QuantizedWeight(*_symmetric_on_device(w_NK, check_mode(mode), axis=1))
     q_NK, scale_N = _symmetric(np.asarray(w_NK, np.float32), mode, axis=1)
     if not isinstance(sharding, NamedSharding):
         return QuantizedWeight(jnp.asarray(q_NK), jnp.asarray(scale_N))
-    layout = abstract_rows(jax.ShapeDtypeStruct(q_NK.shape, np.float32, sharding=sharding), mode)
-    return _placed(QuantizedWeight(q_NK, scale_N), layout)
+    return _placed(QuantizedWeight(q_NK, scale_N), _scales_follow(sharding, rank=2))
 
 
 def quantize_stacked(w_EKN, mode: str) -> QuantizedWeight:
@@ -85,29 +80,27 @@ def quantize_stacked(w_EKN, mode: str) -> QuantizedWeight:
     caller multiplies each row's output by its kernel's scales: models/moe.py). A stack split over a
     mesh comes back split the same way (the scales as the stack and its columns)."""
     sharding = getattr(w_EKN, "sharding", None)
-    if isinstance(w_EKN, jax.ShapeDtypeStruct):
-        rows = None
-        if isinstance(sharding, NamedSharding):
-            spec = tuple(sharding.spec) + (None,) * (3 - len(sharding.spec))
-            rows = NamedSharding(sharding.mesh, PartitionSpec(spec[0], spec[2]))
-        E, _, N = w_EKN.shape
-        w = jax.ShapeDtypeStruct(w_EKN.shape, _DTYPES[check_mode(mode)], sharding=sharding)
-        return QuantizedWeight(w, jax.ShapeDtypeStruct((E, N), jnp.float32, sharding=rows))
-    if _on_one_device(w_EKN, sharding):
-        return QuantizedWeight(*_symmetric_on_device(w_EKN, mode, axis=1))
+    if _in_place(w_EKN, sharding):
+        return QuantizedWeight(*_symmetric_on_device(w_EKN, check_mode(mode), axis=1))
     w, scale = _symmetric(np.asarray(w_EKN, np.float32), mode, axis=1)
     if not isinstance(sharding, NamedSharding):
         return QuantizedWeight(jnp.asarray(w), jnp.asarray(scale))
-    return _placed(
-        QuantizedWeight(w, scale),
-        quantize_stacked(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sharding), mode),
-    )
+    return _placed(QuantizedWeight(w, scale), _scales_follow(sharding, rank=3))
 
 
-def _placed(host: QuantizedWeight, layout: QuantizedWeight) -> QuantizedWeight:
-    """Host arrays onto the layout's shardings, each device receiving only its slices."""
+def _scales_follow(sharding: NamedSharding, rank: int) -> QuantizedWeight:
+    """The shardings of a weight quantized over its axis 1 (the input dimension): w keeps the
+    weight's, the scales take it without that axis: rows [N] (w [N, K]: its first axis), or [E, N]
+    (a stack [E, K, N]: its first and last)."""
+    spec = tuple(sharding.spec) + (None,) * (rank - len(sharding.spec))
+    scales = sharding.spec[:1] if rank == 2 else (spec[0], spec[2])
+    return QuantizedWeight(sharding, NamedSharding(sharding.mesh, PartitionSpec(*scales)))
+
+
+def _placed(host: QuantizedWeight, shardings: QuantizedWeight) -> QuantizedWeight:
+    """Host arrays onto their shardings, each device receiving only its slices."""
     return jax.tree.map(
-        lambda x, a: jax.make_array_from_callback(x.shape, a.sharding, lambda index: x[index]), host, layout
+        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda index: x[index]), host, shardings
     )
 
 
@@ -123,14 +116,14 @@ def _symmetric(w, mode: str, axis: int) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def _on_one_device(w, sharding) -> bool:
-    """A concrete array on one device, not placed over a mesh: quantized where it lives."""
-    return (
-        isinstance(w, jax.Array)
-        and not isinstance(w, jax.core.Tracer)
-        and not isinstance(sharding, NamedSharding)
-        and len(w.sharding.device_set) == 1
-    )
+def _in_place(w, sharding) -> bool:
+    """Quantized by jax where the weight is: an array on one device, or a traced one (under jit, or
+    jax.eval_shape: the layout alone). Host arrays and weights placed over a mesh (`sharding`) are
+    quantized on the host."""
+    if not isinstance(w, jax.Array) or isinstance(sharding, NamedSharding):
+        return False
+    placed = getattr(w, "sharding", None)  # a traced array has none to read
+    return placed is None or len(placed.device_set) == 1
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "axis"))
@@ -138,10 +131,9 @@ def _symmetric_on_device(w, mode: str, axis: int):
     """_symmetric on the weight's own device, the same values: a GPU quantizes an 8B model's weights
     in seconds, where copying each to the host and back took minutes on an H100."""
     w = w.astype(jnp.float32)
-    scale_shape = w.shape[:axis] + w.shape[axis + 1 :]
-    if mode == "bf16":
-        return w.astype(jnp.bfloat16), jnp.ones(scale_shape, jnp.float32)
     absmax = jnp.abs(w).max(axis=axis)
+    if mode == "bf16":  # scales of 1 shaped (and, traced over a mesh, placed) as w's rows; XLA drops the max
+        return w.astype(jnp.bfloat16), jnp.ones_like(absmax)
     scale = jnp.where(absmax > 0, _divide(absmax, jnp.full(absmax.shape, 127.0, jnp.float32)), 1.0)
     q = _divide(w, jnp.broadcast_to(jnp.expand_dims(scale, axis), w.shape))
     return jnp.clip(jnp.rint(q), -127, 127).astype(jnp.int8), scale
@@ -153,25 +145,14 @@ def _divide(a, b):
     return a / jax.lax.optimization_barrier(b)
 
 
-def abstract_rows(w_NK: jax.ShapeDtypeStruct, mode: str) -> QuantizedWeight:
-    """quantize_rows' result as ShapeDtypeStructs, nothing computed: flaxgpt.aot compiles decoding
-    with it. w keeps w_NK's placement; the scales [N] are placed as its rows."""
-    sharding, rows = w_NK.sharding, None
-    if isinstance(sharding, NamedSharding):
-        rows = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[:1]))
-    w = jax.ShapeDtypeStruct(w_NK.shape, _DTYPES[check_mode(mode)], sharding=sharding)
-    return QuantizedWeight(w, jax.ShapeDtypeStruct(w_NK.shape[:1], jnp.float32, sharding=rows))
-
-
 def _transposed(x):
-    """x.T: a host array, a ShapeDtypeStruct, or a host array and its (transposed) NamedSharding."""
+    """x.T: where it is (quantize_rows quantizes it there), or a host array and its (transposed)
+    NamedSharding."""
     sharding = getattr(x, "sharding", None)
     if isinstance(sharding, NamedSharding):  # the spec padded to the rank, then reversed
         spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
         sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec[::-1]))
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(x.shape[::-1], x.dtype, sharding=sharding), None
-    if _on_one_device(x, sharding):  # stays there: quantize_rows quantizes it on its device
+    if _in_place(x, sharding):
         return x.T, None
     return np.asarray(x).T, sharding if isinstance(sharding, NamedSharding) else None
 

@@ -15,7 +15,7 @@ none. A LoRA policy's reference is its base with the adapters off, so it never n
 train state carries it (TrainState.frozen), the loss reads it, checkpoints never hold it.
 
 A `Mode` says once how a task holds its weights: REAL (arrays, placed by jax.device_put) or ABSTRACT
-(jax.ShapeDtypeStructs with shardings, for flaxgpt aot): the same code runs on both.
+(jax.ShapeDtypeStructs with shardings, for flaxgpt aot: the same functions, run by jax.eval_shape).
 """
 
 from __future__ import annotations
@@ -45,11 +45,6 @@ class Frozen:
 NONE = Frozen()  # a run with no frozen weights (seq2seq, full fine-tuning's LM)
 
 
-def shapes_on(tree, shardings):
-    """ShapeDtypeStructs of `tree` (arrays or shapes) placed by `shardings` (a matching tree)."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 def _host_copy(tree):
     """A host copy: the policy's start is donated and updated in place, its reference must not be."""
     return jax.tree.map(lambda x: np.array(x, copy=True), tree)
@@ -62,10 +57,12 @@ class Mode:
     name: str
     place: Callable  # (tree, shardings) -> the tree on them
     copy: Callable  # tree -> a copy that no donated buffer aliases
+    run: Callable  # (fn, *trees) -> fn(*trees): its arrays, or (ABSTRACT) their shapes
 
 
-REAL = Mode("real", jax.device_put, _host_copy)
-ABSTRACT = Mode("abstract", shapes_on, lambda tree: tree)  # flaxgpt aot: shapes, nothing allocated
+REAL = Mode("real", jax.device_put, _host_copy, lambda fn, *trees: fn(*trees))
+# flaxgpt aot: shapes, nothing allocated
+ABSTRACT = Mode("abstract", sharding.shapes_on, lambda tree: tree, jax.eval_shape)
 
 
 def frozen_shardings(model_config, frozen: Frozen, mesh) -> Frozen:
@@ -134,7 +131,7 @@ class LoraPolicy:
         return lora.init_adapters(self.model_config, self.lora, rng)
 
     def base(self, start):
-        """Frozen.base of the start's weights: them in lora.base_dtype (shapes stay shapes)."""
+        """Frozen.base of the start's weights: them in lora.base_dtype."""
         return lora.quantize_base(start, self.base_dtype)
 
     def apply(self, params, frozen: Frozen, tokens_BT, *, rng=None, train=False, mutable=False, **kw):

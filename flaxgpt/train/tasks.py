@@ -69,7 +69,7 @@ class Task:
         reference = None
         if self.objective.needs_reference and self.policy.lora is None:  # LoRA: the base, adapters off
             reference = self.objective.reference(config, start, mode)
-        self.frozen = Frozen(base=self.policy.base(start), reference=reference)  # host / abstract
+        self.frozen = Frozen(base=mode.run(self.policy.base, start), reference=reference)  # host / abstract
         # parameters to start from (init_from a pretrained model), else None (LoRA: the base is frozen)
         self.pretrained = start if self.policy.lora is None else None
         self.source = None if data is None else recipe.source(config, data, self.policy, self.objective)

@@ -42,7 +42,6 @@ from flaxgpt.runs.metrics import MetricsWriter, closing_lines, peak_flops_per_de
 from flaxgpt.train import sections
 from flaxgpt.train.config_check import check as check_config
 from flaxgpt.train.config_check import micro_batch, schedule_note
-from flaxgpt.train.policy import shapes_on
 from flaxgpt.train.preemption import StopSignal
 from flaxgpt.train.steps import TrainState, make_steps, make_train_step  # noqa: F401 (re-exported)
 from flaxgpt.train.tasks import make_task
@@ -86,7 +85,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.task.model_config, self.task.tokens_per_row)["train"]
         self.is_main = jax.process_index() == 0
         # restore onto the state's shardings: any mesh / device count, whatever the saving run had
-        self.restore_target = shapes_on(self.abstract_state, self.state_shardings)
+        self.restore_target = sharding.shapes_on(self.abstract_state, self.state_shardings)
         # last: only a checked config gets a checkpoints directory (every process writes its own shards)
         if config.init_from == "resume" and not (Path(config.out_dir) / "checkpoints").is_dir():
             raise ckpt_lib.CheckpointError(

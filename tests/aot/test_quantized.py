@@ -1,7 +1,8 @@
-"""int8 weights ahead of time: gpt.quantize_params on abstract parameters gives the concrete tree's
-layout (and placement), and int8 sampling / serving compile for a TPU without the CPU qmatmul kernel,
-the engine over 8 chips."""
+"""int8 weights ahead of time: gpt.quantize_params traced over abstract parameters gives the concrete
+tree's layout (and placement: programs.abstract_quantized), and int8 sampling / serving compile for a
+TPU without the CPU qmatmul kernel, the engine over 8 chips."""
 
+import operator
 import re
 
 import jax
@@ -28,12 +29,14 @@ def _abstract(config, mesh):
 def test_abstract_quantized_tree_is_the_concrete_layout(mode):
     _, concrete = gpt.quantize_params(CFG, gpt.init_params(CFG, jax.random.key(0)), mode)
     mesh = sharding.make_mesh(1, 8)
-    config, abstract = gpt.quantize_params(CFG, _abstract(CFG, mesh), mode)
+    config = gpt.quantized_config(CFG)
+    abstract = programs.abstract_quantized(CFG, _abstract(CFG, mesh), mesh, mode)
     assert not config.tie_embeddings and not config.scan_layers
     assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
     for a, c in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete), strict=True):
         assert isinstance(a, jax.ShapeDtypeStruct) and (a.shape, a.dtype) == (c.shape, c.dtype)
-    assert abstract["lm_head"]["kernel"] is abstract["wte"]["embedding"]  # tied: one table
+    head, table = (jax.tree.leaves(abstract[k]) for k in ("lm_head", "wte"))
+    assert all(map(operator.is_, head, table))  # tied: one table's arrays
     # placement follows the weight: c_fc kernel [embed, mlp] -> w [mlp, embed], its scales [mlp]
     fc = abstract["h_0"]["mlp"]["c_fc"]["kernel"]
     assert fc.w.sharding.spec == jax.P(None, "fsdp") and fc.scale.sharding.spec == jax.P(None)

@@ -125,7 +125,7 @@ def test_an_abstract_base_lowers_ahead_of_time(dtype):
     """What an ahead-of-time compile of a LoRA step sees: no weights, only shapes."""
     config = dataclasses.replace(LLAMA, scan_layers=True)
     spec = lora.LoraSpec.make(config, 4, 8.0)
-    base = lora.quantize_base(nn.unbox(gpt.abstract_params(config)), dtype)
+    base = jax.eval_shape(lambda b: lora.quantize_base(b, dtype), nn.unbox(gpt.abstract_params(config)))
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(base))
     adapters = jax.eval_shape(lambda: lora.init_adapters(config, spec, jax.random.key(0)))
     grad = jax.grad(lambda a, b: lora.apply(config, spec, b, a, TOKENS).sum())
