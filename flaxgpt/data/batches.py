@@ -20,8 +20,7 @@ import numpy as np
 from flaxgpt.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
 
 PREPARE_HINT = (
-    "prepare it with: flaxgpt prepare --dataset shakespeare_char "
-    "--out_dir {dir} (or --dataset text --input FILE --out_dir {dir})"
+    "prepare it with: flaxgpt prepare --dataset text --input FILE --out_dir {dir}"  # hints.py: a recipe's
 )
 TRAIN_STREAM, VAL_STREAM, TRAIN_EVAL_STREAM = 0, 1, 2  # separate random streams per purpose
 
@@ -97,14 +96,16 @@ class TokenData:
     meta.json's fields, each file's size (a whole number of tokens, the count meta.json records) and
     every id < vocab_size (ids past the vocabulary would train on garbage)."""
 
-    def __init__(self, data_dir: str | Path):
+    def __init__(self, data_dir: str | Path, hint: str | None = None):
+        """hint: 'prepare it with: COMMAND', the recipe's (flaxgpt.data.hints)."""
         self.dir = Path(data_dir)
-        hint = PREPARE_HINT.format(dir=self.dir)
+        hint = hint or PREPARE_HINT.format(dir=self.dir)
         self.meta = read_meta(self.dir, hint)
         dtype = np.dtype(self.meta["dtype"])
+        again = hint + " --overwrite"  # meta.json is there: prepare refuses to write over it without
         self.splits = {
             split: open_tokens(
-                self.dir / f"{split}.bin", dtype, self.meta.get(f"{split}_tokens"), self.vocab_size, hint
+                self.dir / f"{split}.bin", dtype, self.meta.get(f"{split}_tokens"), self.vocab_size, again
             )
             for split in ("train", "val")
         }
@@ -178,9 +179,12 @@ def to_global(
 class ParallelData:
     """One split of a prepared folder: pair i's tokens, memmapped."""
 
-    def __init__(self, data_dir: str | Path, split: str):
+    def __init__(self, data_dir: str | Path, split: str, hint: str | None = None):
         self.dir = Path(data_dir)
-        hint = f"prepare it with: flaxgpt prepare-seq2seq --task reverse --out_dir {self.dir}"
+        hint = (
+            hint
+            or f"prepare it with: flaxgpt prepare-seq2seq --task tsv --input PAIRS.tsv --out_dir {self.dir}"
+        )
         self.meta = read_meta(self.dir, hint)
         if self.meta.get("kind") != "seq2seq":
             raise ValueError(

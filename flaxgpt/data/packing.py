@@ -95,10 +95,11 @@ def padding_fraction(segment_ids_RT: np.ndarray) -> float:
 class PackedData:
     """A packed dataset's splits, memmapped and checked against meta.json on opening."""
 
-    def __init__(self, data_dir: str | Path, kind: str = "packed"):
-        """kind: packed (chat SFT, packed documents) | pairs (DPO, flaxgpt.data.preference)."""
+    def __init__(self, data_dir: str | Path, kind: str = "packed", hint: str | None = None):
+        """kind: packed (chat SFT, packed documents) | pairs (DPO, flaxgpt.data.preference); hint:
+        'prepare it with: COMMAND', the recipe's (flaxgpt.data.hints)."""
         self.dir = Path(data_dir)
-        hint = HINT if kind == "packed" else PAIRS_HINT
+        hint = hint or (HINT if kind == "packed" else PAIRS_HINT)
         self.meta = read_meta(self.dir, hint)
         if self.meta.get("kind") != kind:
             held = self.meta.get("kind", "token")

@@ -145,15 +145,18 @@ def prepare_prompts(args, make_tokenizer) -> dict:
 class PromptData:
     """A prompts dataset's splits, read whole (prompts are few and small) and checked on opening."""
 
-    def __init__(self, data_dir):
+    def __init__(self, data_dir, hint: str | None = None):
+        """hint: 'prepare it with: COMMAND', the recipe's (flaxgpt.data.hints)."""
         self.dir = Path(data_dir)
+        hint = hint or HINT
         try:
             self.meta = json.loads((self.dir / "meta.json").read_text())
         except (OSError, ValueError) as e:
-            raise ValueError(f"{self.dir}/meta.json cannot be read ({type(e).__name__}); {HINT}") from None
+            raise ValueError(f"{self.dir}/meta.json cannot be read ({type(e).__name__}); {hint}") from None
         if self.meta.get("kind") != "prompts":
             raise ValueError(
-                f"{self.dir} holds a {self.meta.get('kind', 'token')} dataset, not prompts; {HINT}"
+                f"{self.dir} holds a {self.meta.get('kind', 'token')} dataset, not prompts; "
+                f"{hint} --overwrite"
             )
         self.splits = {}
         for split in ("train", "val"):
@@ -161,7 +164,7 @@ class PromptData:
             try:
                 self.splits[split] = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
             except (OSError, ValueError) as e:
-                raise ValueError(f"{path} cannot be read ({type(e).__name__}); {HINT} --overwrite") from None
+                raise ValueError(f"{path} cannot be read ({type(e).__name__}); {hint} --overwrite") from None
         self.eos_id = int(self.meta["eos_id"])
         self.max_prompt_tokens = int(self.meta["max_prompt_tokens"])
 

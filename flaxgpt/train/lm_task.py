@@ -35,7 +35,7 @@ import jax
 
 from flaxgpt import loader
 from flaxgpt.data import batches as data_lib
-from flaxgpt.data import fineweb, packing
+from flaxgpt.data import fineweb, hints, packing
 from flaxgpt.models import gpt, moe
 from flaxgpt.models import registry as models
 from flaxgpt.train import sections
@@ -69,12 +69,13 @@ def open_data(config):
     """(data, model config, start): the recipe's dataset (data.format tokens | shards | packed | pairs),
     the model init_from gives with the start's weights (None: fresh), checked against each other."""
     d = sections.of(config).data
+    hint = hints.prepare_hint(config)  # the command this recipe's data needs
     if d.format in ("packed", "pairs"):
-        data = packing.PackedData(d.dir, kind=d.format)
+        data = packing.PackedData(d.dir, kind=d.format, hint=hint)
     elif d.format == "shards":  # shards need the window length, which the model section fixes
         data = fineweb.ShardData(d.dir, config.model.block_size, d.align_to_bos, d.val_tokens)
     else:
-        data = data_lib.TokenData(d.dir)
+        data = data_lib.TokenData(d.dir, hint)
     recipe = models.config_from(config.model, data.vocab_size)
     init = start_from(config.init_from, recipe, data.meta.get("tokenizer"))
     if d.format != "shards":

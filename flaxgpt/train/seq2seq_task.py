@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from flaxgpt.data import batches as data_lib
-from flaxgpt.data import tokenizers
+from flaxgpt.data import hints, tokenizers
 from flaxgpt.decode.translate import generate
 from flaxgpt.models import registry as models
 from flaxgpt.models.seq2seq import Transformer, TransformerConfig
@@ -36,7 +36,8 @@ EVAL_DEFAULTS = {
 
 def open_pairs(config):
     """(the train and val pairs, model config, start None: always trained from scratch), checked."""
-    data = {s: data_lib.ParallelData(config.data.dir, s) for s in ("train", "val")}
+    hint = hints.prepare_hint(config)  # the command this recipe's data needs
+    data = {s: data_lib.ParallelData(config.data.dir, s, hint) for s in ("train", "val")}
     meta = data["train"].meta
     c = models.config_from(config.model, meta["vocab_size"])
     if meta["vocab_size"] > c.vocab_size:
