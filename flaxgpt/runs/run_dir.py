@@ -92,10 +92,20 @@ def check_data(out_dir, data_dir) -> dict:
     return meta
 
 
+def _plain(v):
+    """A value as its JSON record holds it: tuples are lists (a saved config reads its tuples back as
+    lists, and ('answer',) is the setting ['answer'] was)."""
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
+
+
 def _flat(d, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    """{"a": {"b": 1}} -> {"a.b": 1}, leaves as JSON holds them (_plain)."""
     if not isinstance(d, dict):
-        return {prefix: d}
+        return {prefix: _plain(d)}
     out = {}
     for k, v in d.items():
         out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))

@@ -1,6 +1,7 @@
 """flaxgpt.runs.run_dir: write a run's files, load a GPT and a seq2seq run back, one-line errors."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -147,3 +148,33 @@ def test_write_run_files_refuses_another_vocabulary(gpt_run, tmp_path):
         write_run_files(out, {"model": cfg}, other)
     with pytest.raises(RunError, match="cannot be read .*prepare the dataset first"):
         write_run_files(tmp_path / "new", {"model": cfg}, tmp_path / "no_data")
+
+
+RECIPES = sorted(
+    p for p in (Path(__file__).resolve().parents[2] / "configs").glob("*.py") if p.stem != "__init__"
+)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_resuming_a_recipe_unchanged_reports_no_changed_settings(path):
+    """The checkpoint holds the run config as JSON (tuples read back as lists): no change to report (#55)."""
+    from flaxgpt.runs.run_dir import check_resume
+    from flaxgpt.train import config_check
+
+    tiny = gpt.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
+    now = config_check.load_recipe(str(path)).to_dict()
+    saved = json.loads(json.dumps({**now, "model": models.section_of(tiny)}))
+    assert check_resume({"config": saved}, 5, tiny, {}, now) == []
+
+
+def test_resuming_with_a_real_change_reports_it():
+    from flaxgpt.runs.run_dir import check_resume
+
+    tiny = gpt.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
+    saved = {"grpo": {"reward_funcs": ["answer"]}, "optim": {"learning_rate": 6e-4}}
+    saved["model"] = json.loads(json.dumps(models.section_of(tiny)))
+    now = {"grpo": {"reward_funcs": ("answer", "format")}, "optim": {"learning_rate": 1e-4}}
+    assert check_resume({"config": saved}, 5, tiny, {}, now) == [
+        "grpo.reward_funcs: ['answer'] -> ['answer', 'format']",
+        "optim.learning_rate: 0.0006 -> 0.0001",
+    ]
