@@ -286,10 +286,15 @@ def main(argv=None):
         max_body_bytes=a.max_body_bytes,
     )
     print(
-        f"serving {a.model_name or name} on http://{a.host}:{a.port} (GET /health is ok once compiled)",
+        f"serving {a.model_name or name} on http://{a.host}:{a.port}; compiling (GET /health is ok once "
+        "compiled, and a `ready on` line says so)",
         flush=True,
     )
-    server.serve(app, sched, host=a.host, port=a.port)
+    ready = (  # printed once compiled and listening (server.serve)
+        f"ready on http://{a.host}:{a.port}: model {a.model_name or name}, context {W} tokens "
+        "(a prompt plus max_tokens must fit)"
+    )
+    server.serve(app, sched, host=a.host, port=a.port, ready_line=ready)
     return 0
 
 

@@ -327,3 +327,25 @@ def test_every_guide_is_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text()
     missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"(docs/{p.name}" not in readme]
     assert not missing, f"guides the README does not link: {missing}"
+
+
+def test_serving_docs_curl_examples_fit_the_quickstart_model():
+    """Every /v1/completions body in docs/serving.md is a valid request to the quickstart's model
+    (Tiny Shakespeare characters, context 64): none gets the 400 a newcomer would (#55)."""
+    import json
+
+    from flaxgpt.data.tokenizers import CharTokenizer
+    from flaxgpt.serve import openai_api
+
+    text = (ROOT / "docs" / "serving.md").read_text()
+    shakespeare = (ROOT / "flaxgpt" / "assets" / "tinyshakespeare.txt").read_text(encoding="utf-8")
+    tok = CharTokenizer(sorted(set(shakespeare)))
+    bodies = re.findall(r"curl [^\n]*/v1/completions -H '[^']*' \\?\s*-d '([^']*)'", text)
+    assert len(bodies) >= 4, bodies
+    for body in bodies:
+        req = json.loads(body)
+        if "response_format" in req or "structured_outputs" in req:
+            req = {k: v for k, v in req.items() if k not in ("response_format", "structured_outputs")}
+        openai_api.parse_completion(req, model="m", tokenizer=tok, vocab_size=tok.vocab_size, max_len=64)
+    for n in re.findall(r'model="shakespeare_char_cpu"[^\n]*max_tokens=(\d+)', text):
+        assert len("ROMEO:") + int(n) <= 64

@@ -398,9 +398,18 @@ async def _collect(request, events, seqs, replies, cid, model, prompt_tokens, wh
     return JSONResponse(whole_json(cid, model, choices, usage))
 
 
-def serve(app, sched: Scheduler, *, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 600):
+def serve(
+    app,
+    sched: Scheduler,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    drain_timeout: float = 600,
+    ready_line: str | None = None,
+):
     """Run uvicorn until SIGINT or SIGTERM. SIGTERM drains: new requests get 503 while the
-    in-flight ones finish (at most drain_timeout s), then the server exits; a second signal quits."""
+    in-flight ones finish (at most drain_timeout s), then the server exits; a second signal quits.
+    ready_line: printed once the engine is compiled and the socket listens (serve.py's `ready on`)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -420,5 +429,16 @@ def serve(app, sched: Scheduler, *, host: str = "127.0.0.1", port: int = 8000, d
             threading.Thread(target=wait, daemon=True).start()
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30)
-    Server(config).run()
+    srv = Server(config)
+
+    def say_ready():
+        while not sched.ready.wait(0.1) or not srv.started:
+            if srv.should_exit or not sched.thread.is_alive():
+                return
+            time.sleep(0.05)
+        print(ready_line, flush=True)
+
+    if ready_line:
+        threading.Thread(target=say_ready, daemon=True).start()
+    srv.run()
     sched.close()

@@ -75,6 +75,25 @@ def server(tmp_path_factory):
     proc.wait(timeout=30)
 
 
+def test_ready_line_names_the_address_model_and_context(server):
+    """Once healthy, serve.py has said where it listens, what it serves and the window (#55)."""
+    proc, url = server
+    lines = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("ready on "):
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert lines and lines[-1].strip() == (
+        f"ready on {url}: model tiny, context {W} tokens (a prompt plus max_tokens must fit)"
+    ), "".join(lines)
+
+
 def complete(url, **body):
     return httpx.post(f"{url}/v1/completions", json={"model": "tiny", **body}, timeout=60)
 
