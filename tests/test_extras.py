@@ -105,7 +105,7 @@ sys.meta_path.insert(0, Blocker())
     "argv, blocked, extra",
     [
         (["serve.py", "--init_from", "gpt2", "--random_init"], ("starlette",), "serve"),
-        (["train.py", "--config.tensorboard=True", "--config.max_iters=0"], ("tensorboardX",), "tensorboard"),
+        (["train.py", "--config.tensorboard=True", "--config.max_iters=1"], ("tensorboardX",), "tensorboard"),
     ],
 )
 def test_a_script_without_its_extra_is_one_line_and_exit_1(tmp_path, argv, blocked, extra):

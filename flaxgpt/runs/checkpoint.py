@@ -241,8 +241,8 @@ class Checkpointer:
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(
-                f"{self.out_dir} has no checkpoint (init_from=resume needs one); "
-                "use init_from=scratch or point out_dir at a run with checkpoints"
+                f"{self.out_dir} has no checkpoint yet (a run saves one every ckpt_interval steps and at "
+                "its end); train it further, or point out_dir at a run with checkpoints"
             )
         if step is None:
             return steps[-1]

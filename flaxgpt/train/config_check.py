@@ -30,7 +30,7 @@ from flaxgpt.train.sections import ConfigError, typed
 INTS = {
     "batch_size": (1, "sequences per optimizer step"),
     "grad_accum": (1, "micro-batches per step"),
-    "max_iters": (0, "optimizer steps"),
+    "max_iters": (1, "optimizer steps to train to; 0 would leave an empty run"),
     "eval_interval": (1, "steps between evaluations"),
     "eval_iters": (1, "batches per split in each evaluation"),
     "log_interval": (1, "steps between log lines"),

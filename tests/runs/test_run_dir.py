@@ -134,6 +134,10 @@ def test_missing_or_broken_files_are_one_line_errors(gpt_run, tmp_path):
     with pytest.raises(CheckpointError, match="has no checkpoints directory") as e:
         load_run(run)
     one_line(e)
+    (run / "checkpoints").mkdir()  # a run stopped before its first checkpoint: sample.py's advice (#55)
+    with pytest.raises(CheckpointError, match="has no checkpoint yet .*; train it further, or point") as e:
+        load_run(run)
+    assert "init_from" not in one_line(e)
     with pytest.raises(CheckpointError, match="has no checkpoint for step 7; it has steps \\[1, 2\\]"):
         load_run(src, step=7)
     (run / "config.json").write_text(json.dumps({"model": {"kind": "rnn"}}))
