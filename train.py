@@ -83,7 +83,13 @@ def fail():
 def parse_flags(argv):
     """Runs the recipe file once (one-line errors for a broken one), then applies the overrides to
     its config, locked: a misspelt --config.lerning_rate is an error naming the key it means."""
-    from flaxgpt.train.config_check import ConfigError, load_recipe, overrides, unknown_override
+    from flaxgpt.train.config_check import (
+        ConfigError,
+        load_recipe,
+        override_type_error,
+        overrides,
+        unknown_override,
+    )
 
     path, rest = split_recipe(argv)
     if path is None and not {"--help", "-help", "--helpfull", "-h"} & set(rest):
@@ -95,6 +101,9 @@ def parse_flags(argv):
     message = unknown_override(recipe, rest)
     if message:  # before ml_collections, whose message knows one section only
         sys.exit(f"error: {message} ({KEYS_HINT})")
+    message = override_type_error(recipe, rest)
+    if message:  # ml_collections' own is int()'s ("invalid literal for int() with base 10")
+        sys.exit(f"error: {message}")
     try:  # the override flags are defined from `rest` here: a misspelt key fails already
         config_flags.DEFINE_config_dict(
             "config", recipe, "the recipe's config (--config FILE)", lock_config=True, sys_argv=rest

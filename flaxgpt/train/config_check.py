@@ -275,6 +275,31 @@ def unknown_override(config, argv) -> str | None:
     return None
 
 
+KINDS = {bool: "True or False", int: "an integer", float: "a number"}  # what an override must be
+
+
+def override_type_error(config, argv) -> str | None:
+    """`--config.batch_size=abc must be an integer (the recipe has 64)` for the first `--config.key=value`
+    override that cannot become its key's type (int, float, bool), or None when every one can."""
+    for key, value in overrides(argv).items():
+        node = config
+        for part in key.split("."):
+            node = node[part] if hasattr(node, "keys") and part in node else None
+        kind = next((k for k in KINDS if type(node) is k), None)  # bool before int: exact types only
+        if kind is None or not any(a.startswith((f"--config.{key}=", f"-config.{key}=")) for a in argv):
+            continue
+        try:
+            if kind is bool:
+                ok = value.strip().lower() in ("true", "false", "t", "f", "1", "0")
+            else:
+                ok = kind(value.strip()) is not None
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"--config.{key}={value} must be {KINDS[kind]} (the recipe has {node!r})"
+    return None
+
+
 def schedule_note(config, schedule) -> str | None:
     """One line when max_iters cuts the learning-rate schedule short (the run ends inside the warmup,
     or before a cosine / wsd decay reaches min_lr), with the lr the last step gets; else None.

@@ -139,7 +139,9 @@ def test_recipes_are_locked_and_complete():
 BAD = {
     "unknown key": (["--config.optim.lerning_rate=1"], "unknown config key 'optim.lerning_rate'; did you"),
     "flat key": (["--config.learning_rate=1"], "did you mean optim.learning_rate?"),
-    "wrong type": (["--config.max_iters=lots"], "--config.max_iters=lots"),
+    "wrong type": (["--config.max_iters=lots"], "--config.max_iters=lots must be an integer"),
+    "not a number": (["--config.optim.learning_rate=fast"], "learning_rate=fast must be a number"),
+    "not a bool": (["--config.tensorboard=yes"], "--config.tensorboard=yes must be True or False"),
     "no data": (["--config.data.dir=nowhere"], "flaxgpt prepare"),
     "short data": (["--config.model.block_size=8000"], "fewer than block_size + 1"),
     "batch vs devices": (["--config.batch_size=3"], "not divisible by the 2 data-parallel devices"),
