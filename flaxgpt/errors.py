@@ -26,3 +26,27 @@ def run_cli(main, argv=None, errors=ERRORS, describe=str) -> int:
         print(f"error: {describe(e)}", file=sys.stderr)
         return 1
     return status if isinstance(status, int) else 0
+
+
+def parser(**kwargs):
+    """An argparse.ArgumentParser whose usage errors are one line with a did-you-mean for a mistyped
+    choice (`error: --dataset 'shakespear' is not one of shakespeare_char, ...; did you mean
+    shakespeare?`), exit status 2; --help still prints the whole usage."""
+    import argparse
+    import difflib
+    import re
+
+    class OneLine(argparse.ArgumentParser):
+        def error(self, message):
+            m = re.match(
+                r"argument (\S+?)(?:/\S+)?: invalid choice: '([^']*)' \(choose from (.*)\)$", message
+            )
+            if m:
+                flag, value, options = m.group(1), m.group(2), re.findall(r"'([^']*)'", m.group(3))
+                near = difflib.get_close_matches(value, options, n=1, cutoff=0.6)
+                message = f"{flag} {value!r} is not one of {', '.join(options)}" + (
+                    f"; did you mean {near[0]}?" if near else ""
+                )
+            self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+    return OneLine(**kwargs)

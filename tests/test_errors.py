@@ -34,3 +34,34 @@ def test_only_the_commands_errors_are_caught(capsys):
         errors.run_cli(lambda _: int("x"), errors=(PrepareError,))
     assert errors.run_cli(prepare, errors=(PrepareError,), describe=lambda e: f"prepare: {e}") == 1
     assert capsys.readouterr().err == "error: prepare: no input\n"
+
+
+def test_prepare_with_a_mistyped_dataset_is_one_line_with_did_you_mean(capsys):
+    """Not argparse's whole usage (#55): one line, the choices, the one it most likely means, status 2."""
+    from flaxgpt.data import prepare, prepare_seq2seq
+
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["--dataset", "shakespear", "--out_dir", "x"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage" not in err
+    assert err.startswith("error: --dataset 'shakespear' is not one of shakespeare_char, shakespeare, text")
+    assert "; did you mean shakespeare? (see flaxgpt prepare --help)" in err
+    with pytest.raises(SystemExit):
+        prepare_seq2seq.main(["--task", "revers", "--out_dir", "x"])
+    assert "did you mean reverse?" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        prepare.main(["--dataset", "shakespeare"])  # other usage errors: one line too
+    err = capsys.readouterr().err
+    assert err == "error: the following arguments are required: --out_dir (see flaxgpt prepare --help)\n"
+
+
+def test_a_near_miss_model_name_offline_says_which_it_means(tmp_path, monkeypatch):
+    from flaxgpt.hf import files
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConnectionError, match=r"did you mean gpt2-xl\? Else: downloading it needs") as e:
+        files.resolve("gpt2-xxl", cache_dir=str(tmp_path))
+    assert "\n" not in str(e.value)
+    assert files.near_name("gpt2-small") == "did you mean gpt2?"
+    assert files.near_name("gpt2-medium") is None and files.near_name("my/own-model") is None

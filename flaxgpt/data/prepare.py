@@ -29,7 +29,6 @@ running the same command again.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.resources
 import json
@@ -329,7 +328,7 @@ def prepare_packed(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="flaxgpt prepare", description=__doc__.split("\n")[0])
+    p = errors.parser(prog="flaxgpt prepare", description=__doc__.split("\n")[0])  # one-line usage errors
     p.add_argument(
         "--dataset",
         required=True,

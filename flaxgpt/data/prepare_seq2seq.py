@@ -14,7 +14,6 @@ shared by source and target (flaxgpt.data.tokenizers.Seq2SeqTokenizer).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -259,7 +258,9 @@ def load_hf_pairs(args):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="flaxgpt prepare-seq2seq", description=__doc__.split("\n")[0])
+    p = errors.parser(
+        prog="flaxgpt prepare-seq2seq", description=__doc__.split("\n")[0]
+    )  # one-line usage errors
     p.add_argument(
         "--task", required=True, choices=TASKS, help="reverse | numbers (synthetic), tsv, files, hf"
     )

@@ -75,7 +75,7 @@ def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
             if kind in ("RepositoryNotFoundError", "GatedRepoError") and repo == repos[-1]:
                 raise FileNotFoundError(
                     f"no public hub repo {repo!r} and no local directory of that name; "
-                    "GPT-2 sizes: " + ", ".join(GPT2_NAMES)
+                    + (near_name(path) or "GPT-2 sizes: " + ", ".join(GPT2_NAMES))
                 ) from e
             last = e  # not cached / offline / no network: the message below
     if unreachable:
@@ -84,11 +84,29 @@ def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
         why = "HF_HUB_OFFLINE is set"
     else:
         why = f"the hub could not be reached ({type(last).__name__})"
+    near = near_name(path)  # a typo: the name it means, before the network advice
     raise ConnectionError(  # an OSError: callers catching file errors catch this too
         f"{name_or_path!r} is not a local directory nor in the Hugging Face cache, and {why}: "
-        "downloading it needs the network, or pass a local directory with "
-        f"{CONFIG_FILE} and {WEIGHTS_FILE}"
+        + (f"{near} Else: " if near else "")
+        + f"downloading it needs the network, or pass a local directory with {CONFIG_FILE} and {WEIGHTS_FILE}"
     )
+
+
+def near_name(name: str) -> str | None:
+    """'did you mean gpt2-medium?' when `name` is a near miss of a GPT-2 size or a model the family
+    table knows (hf.families.PUBLISHED, the presets), else None."""
+    import difflib
+
+    from flaxgpt.hf import families
+    from flaxgpt.models.gpt_config import GPTConfig
+
+    known = [*GPT2_NAMES, *families.PUBLISHED, *GPTConfig.PRESETS]
+    if name in known:
+        return None
+    if name.lower() in ("gpt2-small", "gpt2-124m", "gpt-2"):  # what people call the 124M model
+        return "did you mean gpt2?"
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return f"did you mean {close[0]}?" if close else None
 
 
 def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
