@@ -349,3 +349,25 @@ def test_serving_docs_curl_examples_fit_the_quickstart_model():
         openai_api.parse_completion(req, model="m", tokenizer=tok, vocab_size=tok.vocab_size, max_len=64)
     for n in re.findall(r'model="shakespeare_char_cpu"[^\n]*max_tokens=(\d+)', text):
         assert len("ROMEO:") + int(n) <= 64
+
+
+def test_the_readme_clone_is_not_taken_for_the_package(tmp_path):
+    """A clone folder named `flaxgpt` shadows the installed package from its parent directory (an empty
+    namespace package: `cannot import name 'GPT' from 'flaxgpt' (unknown location)`, #55). The
+    README's clone folder has another name; the same layout named `flaxgpt` shows why."""
+    line = next(x for x in (ROOT / "README.md").read_text().splitlines() if x.startswith("git clone"))
+    folder = shlex.split(line.split("&&")[0])[-1]
+    assert folder != "flaxgpt" and shlex.split(line.split("&&")[1].split("#")[0]) == ["cd", folder]
+    probe = [sys.executable, "-c", "from flaxgpt import GPT"]
+    clean = {k: v for k, v in env().items() if k != "PYTHONPATH"}  # the installed package, as a user has it
+    for name, ok in ((folder, True), ("flaxgpt", False)):
+        (tmp_path / name / "flaxgpt").mkdir(parents=True)  # the clone: the package folder inside
+        (tmp_path / name / "README.md").write_text("")
+        r = subprocess.run(probe, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=120)
+        if ok:
+            assert r.returncode == 0, (name, r.stderr[-1000:])
+        elif r.returncode:  # an editable install's finder (pip's default) is shadowed; a path entry is not
+            assert "(unknown location)" in r.stderr, r.stderr[-1000:]
+        (tmp_path / name / "flaxgpt").rmdir()
+        (tmp_path / name / "README.md").unlink()
+        (tmp_path / name).rmdir()
