@@ -178,9 +178,15 @@ def main(argv: list[str] | None = None) -> str:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("run", help="a run directory (holding metrics.jsonl) or a metrics.jsonl file")
+    p.add_argument("run", nargs="?", help="a run directory (holding metrics.jsonl) or a metrics.jsonl file")
+    p.add_argument("--out_dir", help="the run directory, as every other command takes it (or give it first)")
     p.add_argument("--out", default=None, help="PNG path (default: metrics.png in the run directory)")
     args = p.parse_args(argv)
+    if args.run and args.out_dir and args.run != args.out_dir:
+        p.error(f"two runs given ({args.run} and --out_dir {args.out_dir}); give one")
+    args.run = args.run or args.out_dir
+    if not args.run:
+        p.error("give the run: flaxgpt plot --out_dir out/RUN (or flaxgpt plot out/RUN)")
     extras.require("plot", "flaxgpt plot")
     try:
         path = plot_metrics(args.run, args.out)

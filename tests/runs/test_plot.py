@@ -59,6 +59,17 @@ def test_cli_writes_a_png(tmp_path, capsys):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_cli_takes_out_dir_like_every_command(tmp_path, capsys):
+    """`flaxgpt plot --out_dir RUN`, as train.py, sample.py and serve.py name a run (#55)."""
+    write_run(tmp_path)
+    plot.main(["--out_dir", str(tmp_path), "--out", str(tmp_path / "curves.png")])
+    assert f"wrote {tmp_path / 'curves.png'}" in capsys.readouterr().out
+    for argv in ([], [str(tmp_path), "--out_dir", str(tmp_path / "other")]):
+        with pytest.raises(SystemExit):
+            plot.main(argv)
+        assert "give" in capsys.readouterr().err
+
+
 def test_grpo_rewards_get_a_panel(tmp_path):
     w = MetricsWriter(tmp_path, tensorboard=False, enabled=True, print_fn=lambda *a: None)
     for step in range(1, 5):
