@@ -1,4 +1,4 @@
-"""Sample text from a trained run or from GPT-2.
+r"""Sample text from a trained run or from GPT-2.
 
     python sample.py --out_dir out/shakespeare_char --start "ROMEO:" --num_samples 5 --max_new_tokens 500
     python sample.py --init_from gpt2 --start "The meaning of life is" --temperature 0.8 --top_k 200

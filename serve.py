@@ -4,7 +4,7 @@
     python serve.py --init_from gpt2 --slots 8 --port 8000             # GPT-2 weights (HF cache or download)
     python serve.py --init_from gpt2 --random_init                     # GPT-2's shape, random weights
     python serve.py --init_from gpt2 --quantize int8                   # int8 weights: faster decoding
-    python serve.py --init_from path/to/Meta-Llama-3-8B --dtype bfloat16 --mesh 8 --slots 16 \
+    python serve.py --init_from path/to/Meta-Llama-3-8B --dtype bfloat16 --mesh 8 --slots 16 \\
         --max_len 8192 --prefill_chunk 128       # split over 8 devices (a v5e-8): docs/serving_ops.md
     python serve.py --init_from path/to/SmolLM2-135M --adapter path/to/peft_adapter   # base + LoRA merged
     python serve.py --init_from path/to/SmolLM2-135M --adapter sql=adapters/sql --adapter chat=out/lora_run

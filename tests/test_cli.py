@@ -88,3 +88,17 @@ def test_prepare_then_summary_end_to_end(tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["config"]["n_layer"] == 2 and s["totals"]["total"] > 0
+
+
+@pytest.mark.parametrize("script", ["sample.py", "serve.py"])
+def test_script_help_examples_keep_their_line_breaks(script):
+    """A `\\` line continuation in a script's docstring shows in --help as written, not as one line with a
+    run of spaces where the break was (sample.py's --attention_png example, #55)."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, env=ENV, cwd=ROOT
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    examples = [x for x in r.stdout.splitlines() if x.lstrip().startswith(("python ", "flaxgpt "))]
+    assert examples
+    for line in examples:
+        assert "      " not in line.split("#")[0].strip(), line
