@@ -23,7 +23,7 @@ def get_config():
     c.model.block_size = 16  # a line is 11 characters: 8 letters, "=", a digit, the newline
     c.model.dropout = 0.0
     c.model.pad_vocab_multiple = 1
-    c.init_from = "scratch"
+    c.init_from = "auto"  # fresh, or the run's latest checkpoint: the same command resumes
     c.batch_size = 64
     c.max_iters = 300
     c.optim.learning_rate = 3e-3

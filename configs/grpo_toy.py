@@ -53,7 +53,7 @@ def get_config():
     c.model.block_size = 16  # "abc>" + 4 completion tokens fit
     c.model.dropout = 0.0  # the rollout's and the update's log-probs alike
     c.model.pad_vocab_multiple = 1
-    c.init_from = "scratch"
+    c.init_from = "auto"  # fresh, or the run's latest checkpoint: the same command resumes
     c.grpo.num_generations = 8
     c.grpo.max_completion_length = 4  # 3 letters + the newline that ends a completion
     c.grpo.reward_funcs = ("configs.grpo_toy:copy_reward",)

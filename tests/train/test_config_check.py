@@ -178,3 +178,10 @@ def test_a_max_iters_that_cuts_the_schedule_short_is_noted():
         and "\n" not in msg
     )
     assert note(max_iters=50, optim__decay_steps=0) is None
+
+
+def test_every_recipe_resumes_by_running_its_command_again():
+    """init_from=scratch refuses an out_dir with checkpoints, so a recipe that set it could not be rerun
+    to resume as the README says (configs/grpo_toy.py, #55); auto starts fresh or resumes."""
+    for path in RECIPES:
+        assert config_check.load_recipe(str(path)).init_from != "scratch", path.name
