@@ -129,7 +129,8 @@ def duration(seconds: float) -> str:
 
 def format_line(row: dict, total: int | None = None) -> str:
     """`step 250/2000 | loss 1.8123 | lr 9.6e-04 | 17,512 tok/s | 43.9 ms | 1m16s left`, or an eval
-    line. Without `total`: `step    250` and no time left; MFU only where a peak is known."""
+    line; GRPO's `reward`, `reward_std` and `kl` follow the loss (TRL's names). Without `total`:
+    `step    250` and no time left; MFU only where a peak is known."""
     width = len(str(total)) if total else 6
     parts = [f"step {row['step']:>{width}}" + (f"/{total}" if total else "")]
     if "val_loss" in row:
@@ -148,6 +149,9 @@ def format_line(row: dict, total: int | None = None) -> str:
         ]
         return "eval " + " | ".join(parts)
     parts.append(f"loss {row['loss']:.4f}")
+    for key in ("reward", "reward_std", "kl"):  # GRPO's, named as TRL logs them
+        if isinstance(row.get(key), int | float):
+            parts.append(f"{key} {row[key]:.4f}")
     if "lr" in row:
         parts.append(f"lr {row['lr']:.2e}")
     if "tokens_per_sec" in row:
