@@ -67,6 +67,21 @@ def split_recipe(argv) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+def short_help() -> str:
+    """train.py --help: the docstring and the three kinds of option; the options themselves are in
+    configs/default.py and docs/training.md (--helpfull: absl's, with the whole recipe)."""
+    return (
+        "usage: python train.py [--config FILE] [--config.KEY=VALUE ...] [--verbose]\n\n"
+        f"{__doc__.strip()}\n\n"
+        "options:\n"
+        "  --config FILE           a recipe (configs/*.py); default configs/shakespeare_char_cpu.py\n"
+        "  --config.KEY=VALUE      override one setting, e.g. --config.optim.learning_rate=3e-4;\n"
+        "                          every key with its default and why: configs/default.py, docs/training.md\n"
+        f"  --verbose               {flags.FLAGS['verbose'].help}\n"
+        "  --helpfull              absl's help, the whole recipe's values included\n"
+    )
+
+
 def fail():
     """The run stopped with a one-line error, already printed (errors.run_cli): exit 1 right away.
 
@@ -92,6 +107,9 @@ def parse_flags(argv):
     )
 
     path, rest = split_recipe(argv)
+    if {"--help", "-help", "-h"} & set(rest):  # absl's would print the whole recipe as a default
+        print(short_help(), end="")
+        sys.exit(0)
     if path is None and not {"--help", "-help", "--helpfull", "-h"} & set(rest):
         print(f"no --config: using {os.path.relpath(DEFAULT_RECIPE)} (the quickstart's recipe)", flush=True)
     try:

@@ -114,6 +114,14 @@ def test_without_config_it_names_the_recipe_it_uses(tmp_path):
     assert "no --config: using" not in help_text
 
 
+def test_help_is_short_and_points_at_the_options(tmp_path):
+    """--help: the docstring and the kinds of option, not absl's dump of the whole recipe (#55)."""
+    r = run([str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "grpo_toy.py"), "--help"], tmp_path)
+    assert r.returncode == 0 and r.stdout.startswith("usage: python train.py [--config FILE]"), r.stderr
+    assert len(r.stdout.splitlines()) < 40 and "reward_funcs" not in r.stdout
+    assert "configs/default.py, docs/training.md" in r.stdout and "--helpfull" in r.stdout
+
+
 def test_recipes_are_locked_and_complete():
     sys.path.insert(0, str(ROOT))
     from configs import default, gpt2_124m, shakespeare_char, shakespeare_char_cpu
