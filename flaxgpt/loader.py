@@ -183,11 +183,17 @@ def _pretrained_config(source: str, fields: dict):
         return families.config_from_hf(hf, **fields), f"{source}/config.json"
     preset = families.preset_for(source)
     if preset is None:
+        from flaxgpt.hf.files import near_name
+
+        near = near_name(source)  # a typo of a preset or a published name: say which
         raise ValueError(
             f"init_from={source!r}: not a flaxgpt run, a Hugging Face directory (config.json) nor a "
             "model the family table knows (hf.families.PUBLISHED, or a preset: "
             f"{', '.join(GPTConfig.PRESETS)}); "
-            "point it at the model's directory (or train the run it names first) or train from scratch"
+            + (
+                near
+                or "point it at the model's directory (or train the run it names first) or train from scratch"
+            )
         )
     return GPTConfig.preset(preset, **fields), f"the {preset} preset (init_from={source})"
 

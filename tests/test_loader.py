@@ -196,3 +196,5 @@ def test_resolve_init_reads_names_only_through_the_family_table():
         with pytest.raises(ValueError, match="nor a model the family table knows") as e:
             loader.resolve_init(name, recipe, abstract=True)
         assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"the family table knows .*; did you mean llama-3-8b\?$"):
+        loader.resolve_init("llama-3-8c", recipe, abstract=True)  # a typo of a preset (#55)
