@@ -291,7 +291,9 @@ def test_sharded_engine_gives_the_one_device_tokens(mode, rules):
         abstract = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(boxed), shardings
         )
-        shardings = jax.tree.map(lambda a: a.sharding, gpt.quantize_params(CFG, abstract, mode)[1])
+        from flaxgpt.aot.programs import abstract_quantized
+
+        shardings = jax.tree.map(lambda a: a.sharding, abstract_quantized(CFG, abstract, mesh, mode))
     placed = jax.device_put(params, shardings)
     w = jax.tree.leaves(placed["h_0"]["mlp"]["c_fc"]["kernel"])[0]
     assert w.addressable_shards[0].data.size == w.size // 8  # an eighth of each weight per device
