@@ -132,7 +132,7 @@ def parse_args(argv):
         type=int,
         default=None,
         help="tokens one engine turn runs while slots decode: one per decoding slot, the rest prefill "
-        "chunks, oldest prompt first (default: --prefill_chunk + --slots)",
+        "chunks, oldest prompt first (default: 2048, at least --prefill_chunk, + --slots)",
     )
     p.add_argument(
         "--prefix_cache_tokens",

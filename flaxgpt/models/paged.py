@@ -24,7 +24,7 @@ table set through `with_table` is read as a table again (windows_at = -1).
 The model sees this cache through the step_fn protocol: `layer(i)` hands each attention a
 PagedLayer, whose `attend` writes the step's new keys and values into their pages and attends over
 the row's pages, on one of three paths (`impl`):
-  xla         plain JAX: each row's pages a group of 128 positions at a time, an online softmax
+  xla         plain JAX: each row's pages a group at a time (128 positions; 32 decoding), an online softmax
               over the groups (any query length; what CPUs run, as fast as the contiguous cache)
   pallas_tpu  jax.experimental.pallas.ops.tpu.paged_attention (one query per row: decoding)
   pallas_gpu  jax.experimental.pallas.ops.gpu.paged_attention (one query per row: decoding)

@@ -134,10 +134,14 @@ class Scheduler:
         """max_tokens: the most new tokens one sequence may ask for (None: the window's limit);
         adapters: the AdapterPool (serve/adapters.py) whose slots the sequences' adapters decode in;
         max_num_batched_tokens: the tokens one turn runs while slots decode (a token per decoding row,
-        the rest prefill chunks; default: the engine's prefill_chunk + its slots)."""
+        the rest prefill chunks; default: 2048 prompt tokens, at least one prefill_chunk, + its slots)."""
         self.engine, self.tokenizer, self.eos_id, self.max_queue = engine, tokenizer, eos_id, max_queue
         self.max_tokens, self.adapters = max_tokens, adapters
-        self.max_num_batched_tokens = max_num_batched_tokens or engine.prefill_chunk + engine.slots
+        # the default takes several prompts a turn: with one chunk a turn, each prompt of a burst that
+        # arrives while a stream decodes waited one more decode step than the one before it (16 clients,
+        # prompts 16-256: TTFT p99 0.86x d9de538's engine, which prefilled every waiting prompt a turn)
+        budget = max(2048, engine.prefill_chunk) + engine.slots
+        self.max_num_batched_tokens = max_num_batched_tokens or budget
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.pending: collections.deque[Sequence] = collections.deque()
