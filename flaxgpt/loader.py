@@ -185,7 +185,7 @@ def _pretrained_config(source: str, fields: dict):
     if preset is None:
         from flaxgpt.hf.files import near_name
 
-        near = near_name(source)  # a typo of a preset or a published name: say which
+        near = near_name(source, families.PUBLISHED)  # a typo of a preset or a published name
         raise ValueError(
             f"init_from={source!r}: not a flaxgpt run, a Hugging Face directory (config.json) nor a "
             "model the family table knows (hf.families.PUBLISHED, or a preset: "

@@ -92,15 +92,15 @@ def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
     )
 
 
-def near_name(name: str) -> str | None:
-    """'did you mean gpt2-medium?' when `name` is a near miss of a GPT-2 size or a model the family
-    table knows (hf.families.PUBLISHED, the presets), else None."""
+def near_name(name: str, known=()) -> str | None:
+    """'did you mean gpt2-medium?' when `name` is a near miss of a GPT-2 size, a preset or one of
+    `known` (the loader passes the family table's hf.families.PUBLISHED: this module is below
+    hf.families in the import order), else None."""
     import difflib
 
-    from flaxgpt.hf import families
     from flaxgpt.models.gpt_config import GPTConfig
 
-    known = [*GPT2_NAMES, *families.PUBLISHED, *GPTConfig.PRESETS]
+    known = [*GPT2_NAMES, *known, *GPTConfig.PRESETS]
     if name in known:
         return None
     if name.lower() in ("gpt2-small", "gpt2-124m", "gpt-2"):  # what people call the 124M model

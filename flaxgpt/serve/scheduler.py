@@ -137,11 +137,8 @@ class Scheduler:
         the rest prefill chunks; default: 2048 prompt tokens, at least one prefill_chunk, + its slots)."""
         self.engine, self.tokenizer, self.eos_id, self.max_queue = engine, tokenizer, eos_id, max_queue
         self.max_tokens, self.adapters = max_tokens, adapters
-        # the default takes several prompts a turn: with one chunk a turn, each prompt of a burst that
-        # arrives while a stream decodes waited one more decode step than the one before it (16 clients,
-        # prompts 16-256: TTFT p99 0.86x d9de538's engine, which prefilled every waiting prompt a turn)
-        budget = max(2048, engine.prefill_chunk) + engine.slots
-        self.max_num_batched_tokens = max_num_batched_tokens or budget
+        # several prompts a turn: one chunk a turn cost a burst a decode step per prompt (TTFT p99 0.86x)
+        self.max_num_batched_tokens = max_num_batched_tokens or max(2048, engine.prefill_chunk) + engine.slots
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.pending: collections.deque[Sequence] = collections.deque()
