@@ -266,11 +266,17 @@ def serve_programs(
         f"prompt chunk {P} into a window of {W}{where}", mesh=mesh,
     )  # fmt: skip
     stop = jax.ShapeDtypeStruct((slots,), jnp.bool_, sharding=sharding.row_shardings(state.done_B, mesh))
+    # KV bytes one slot's whole window takes (the pool's pages over its page count), as /metrics'
+    # flaxgpt_kv_bytes_per_slot says of the running server: what one more slot costs
+    shapes = jax.eval_shape(pool).inner  # shapes only: the pool of an 8B model is gigabytes
+    kv = [*shapes.k, *shapes.v]
+    slot_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in kv) // kv[0].shape[1] * (W // PAGE)
     generate = Program(
         "serve.generate", progs["generate"], (step, state, stop),
         {"chunk": chunk, "max_k": 256, "logprobs": True}, n,
         flops_per_token(cfg, W)["forward"] * slots * chunk, {"parameters": param_bytes},
-        f"{slots} slots x window {W} in pages of {PAGE} ({impl}){where}, {chunk} tokens per call",
+        f"{slots} slots x window {W} in pages of {PAGE} ({impl}), KV {slot_bytes / 2**20:.1f} MiB a slot"
+        f"{where}, {chunk} tokens per call",
         chunk * (param_bytes + per_device_bytes(state.cache)), mesh=mesh,
     )  # fmt: skip
     if not speculative_tokens:
