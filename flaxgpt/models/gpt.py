@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
+from flaxgpt.kernels import linear_xent
 from flaxgpt.models import quantize
 from flaxgpt.models.attention import SelfAttention
 from flaxgpt.models.cache import KVCache
@@ -190,7 +191,8 @@ class GPT(nn.Module):
         `segment_ids_BT` (training on packed rows, no cache): attention stays inside each run of
         equal ids and positions restart at 0 in each, so every example sees what it would alone.
         With `hidden` (training, no cache), the final hidden states [B, T, D] (after ln_f) come back
-        instead: `head_logits` applies the head, a chunk at a time (losses.chunked_cross_entropy)."""
+        instead: `head_logits` applies the head, a chunk at a time (losses.chunked_cross_entropy), or
+        `unembedding` hands it to the fused loss (losses.fused_cross_entropy)."""
         c = self.config
         check_tokens(tokens_BT, c, cache)
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -359,6 +361,22 @@ def head_logits(config: GPTConfig, params, x_BTD: jax.Array) -> jax.Array:
     else:
         logits_NV = jnp.dot(x_ND, params["lm_head"]["kernel"].astype(dtype))
     return finish_logits(config, logits_NV.reshape(B, T, -1))
+
+
+def unembedding(config: GPTConfig, params) -> linear_xent.Head:
+    """The LM head as head_logits applies it, for the fused loss (train/losses.py): its weight in
+    config.dtype, tied ([Vp, D] token table) or not ([D, Vp] lm_head kernel), and the soft-cap."""
+    dtype = jnp.dtype(config.dtype)
+    if config.tie_embeddings:
+        table_VD = params["wte"]["embedding"].astype(dtype)
+        return linear_xent.Head(table_VD, "VD", config.vocab_size, config.logit_softcap)
+    kernel = params["lm_head"]["kernel"]
+    kind = getattr(kernel, "dtype", None)  # a QuantizedWeight (quantize_params) has none
+    if kind is None or not jnp.issubdtype(kind, jnp.floating):
+        raise ValueError(
+            "the fused loss takes a float lm_head, not a quantized one: set optim.loss_impl=logits"
+        )
+    return linear_xent.Head(kernel.astype(dtype), "DV", config.vocab_size, config.logit_softcap)
 
 
 def check_tokens(tokens_BT, config: GPTConfig, cache=None):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from flaxgpt.kernels import linear_xent
 from flaxgpt.models.attention import ATTENTION_IMPLS, CrossAttention, SelfAttention, padding_mask
 from flaxgpt.models.cache import KVCache, Seq2SeqCache
 from flaxgpt.models.layers import (
@@ -289,8 +290,17 @@ class Transformer(nn.Module):
             source_R=jnp.arange(memory_BSD.shape[0], dtype=jnp.int32),
         )
 
-    def decode(self, tgt_BT, memory_BSD, src_lengths_B, cache: Seq2SeqCache | None = None, positions=None):
-        """Target tokens [B, T] -> logits [B, T, V] (float32).
+    def decode(
+        self,
+        tgt_BT,
+        memory_BSD,
+        src_lengths_B,
+        cache: Seq2SeqCache | None = None,
+        positions=None,
+        hidden=False,
+    ):
+        """Target tokens [B, T] -> logits [B, T, V] (float32); with `hidden` (teacher forcing, no
+        cache) the decoder's final states [B, T, D] instead, for the fused loss (`unembedding`).
 
         Without a cache the decoder attends causally over `tgt` and projects `memory`.
         With one, `tgt` sits at `positions` [B, T], its keys and values are written into
@@ -312,6 +322,8 @@ class Transformer(nn.Module):
             kv_layers.append(kv)
         if c.pre_ln:
             x_BTD = self.dec_ln(x_BTD)
+        if hidden and cache is None:
+            return x_BTD
         logits_BTV = table.attend(x_BTD) if c.tie_embeddings else self.lm_head(x_BTD)
         # padded vocabulary rows exist for speed only: callers never see them
         logits_BTV = logits_BTV[..., : c.vocab_size].astype(jnp.float32)
@@ -319,9 +331,18 @@ class Transformer(nn.Module):
             return logits_BTV
         return logits_BTV, cache.replace(self_kv=cache.self_kv.with_layers(kv_layers))
 
-    def __call__(self, src_BS, src_lengths_B, tgt_in_BT):
-        """Teacher forcing: logits [B, T, V] for the next target token at each position."""
-        return self.decode(tgt_in_BT, self.encode(src_BS, src_lengths_B), src_lengths_B)
+    def __call__(self, src_BS, src_lengths_B, tgt_in_BT, hidden=False):
+        """Teacher forcing: logits [B, T, V] for the next target token at each position (or with
+        `hidden` the decoder's final states [B, T, D])."""
+        return self.decode(tgt_in_BT, self.encode(src_BS, src_lengths_B), src_lengths_B, hidden=hidden)
+
+
+def unembedding(config: TransformerConfig, params) -> linear_xent.Head:
+    """The output layer as decode applies it (in config.dtype), for the fused loss (train/losses.py)."""
+    dtype = jnp.dtype(config.dtype)
+    if config.tie_embeddings:
+        return linear_xent.Head(params["embed"]["embedding"].astype(dtype), "VD", config.vocab_size)
+    return linear_xent.Head(params["lm_head"]["kernel"].astype(dtype), "DV", config.vocab_size)
 
 
 def _check_length(what: str, n: int, limit: int):

@@ -39,6 +39,7 @@ INTS = {
     "optim.warmup_steps": (0, "warmup steps"),
     "optim.decay_steps": (0, "steps of the cosine decay; 0 = max_iters"),
     "optim.loss_chunk": (0, "positions per chunk of the chunked cross-entropy; 0 = plain"),
+    "optim.loss_block": (0, "vocabulary columns per block of the fused loss; 0 = the default"),
     "seq2seq.eval_pairs": (0, "val pairs decoded at each evaluation"),
     "seq2seq.eval_batch": (1, "sources decoded at once"),
     "seq2seq.eval_beam_size": (1, "beam width during evaluation"),
@@ -54,6 +55,7 @@ FLOATS = {
     "optim.eps": (0.0, math.inf, False, False, "AdamW's epsilon"),
     "optim.grad_clip": (0.0, math.inf, True, False, "the gradient-norm clip; 0 = off"),
     "optim.label_smoothing": (0.0, 1.0, True, False, "label smoothing"),
+    "optim.z_loss": (0.0, math.inf, True, False, "the z-loss coefficient"),
     "peak_flops": (0.0, math.inf, True, False, "per-device peak FLOP/s; 0 = guess"),
     "seq2seq.alpha": (0.0, math.inf, True, False, "the length penalty"),
     "model.dropout": (0.0, 1.0, True, False, "a dropout rate"),
@@ -90,6 +92,9 @@ def check(config) -> None:
             typed(key, value, float, {"why": what, "range": (*bounds,)})
     if config.get("batch_size") and config.get("grad_accum"):
         micro_batch(config)
+    impl = _get(config, "optim.loss_impl")
+    if impl is not None and impl not in ("auto", "logits", "fused"):  # train.losses.LOSS_IMPLS
+        raise ConfigError(f"--config.optim.loss_impl={impl!r} is not one of auto, logits, fused")
     s = sections.of(config)  # data, mesh, lora, dpo, grpo: their types and rules
     if s.lora.rank:
         if fresh_start(config):

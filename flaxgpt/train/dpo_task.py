@@ -35,8 +35,8 @@ import jax.numpy as jnp
 
 from flaxgpt.models import gpt
 from flaxgpt.train import sections
-from flaxgpt.train.lm_task import forward, start_from
-from flaxgpt.train.losses import chunked_token_logprobs, token_logprobs
+from flaxgpt.train.lm_task import LossPath, forward, start_from
+from flaxgpt.train.losses import chunked_token_logprobs, fused_token_logprobs, token_logprobs
 from flaxgpt.train.policy import Frozen
 
 LOSSES = sections.DPO_LOSSES  # config.dpo.loss
@@ -102,7 +102,7 @@ class DPOObjective:
 
     def __init__(self, config, model_config: gpt.GPTConfig, data=None):
         self.model_config, self.tokens_per_row = model_config, model_config.block_size
-        self.loss_chunk = config.optim.get("loss_chunk", 0)
+        self.path = LossPath(config)
         c = sections.of(config).dpo
         self.beta, self.dpo_loss, self.dpo_smoothing = float(c.beta), c.loss, float(c.label_smoothing)
 
@@ -120,11 +120,14 @@ class DPOObjective:
 
     def _completion_logps(self, policy, params, frozen, batch, rng, train):
         """Each pair's summed completion log-probabilities: (chosen_BP, rejected_BP)."""
-        out, head, _ = forward(policy, params, frozen, batch, rng, train, self.loss_chunk)
-        if head is None:
+        fused, p = self.path.fused(), self.path
+        out, head, _ = forward(policy, params, frozen, batch, rng, train, p.chunk, fused)
+        if fused:  # the log-probs blockwise over the vocabulary (losses.fused_token_logprobs)
+            logp_BT, _ = fused_token_logprobs(out, head, batch["targets"], block=p.block)
+        elif head is None:
             logp_BT = token_logprobs(out, batch["targets"])
         else:  # never the whole [B, T, V] float32 logits
-            logp_BT = chunked_token_logprobs(out, head, batch["targets"], self.loss_chunk)
+            logp_BT = chunked_token_logprobs(out, head, batch["targets"], p.chunk)
         return pair_sums(logp_BT * batch["loss_mask"], batch["segment_ids"])
 
     def pair_logps(self, policy, params, frozen: Frozen, batch, rng=None, train: bool = False) -> dict:

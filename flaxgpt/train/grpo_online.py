@@ -88,7 +88,10 @@ def objective(config, model_config: gpt.GPTConfig, data=None) -> grpo_task.GRPOO
     T, max_new = model_config.block_size, int(g.max_completion_length)
     if data is not None:
         T = min(T, -(-(data.max_prompt_tokens + max_new - 1) // 8) * 8)
-    return grpo_task.GRPOObjective(opts, T, int(g.num_iterations))
+    o = config.optim
+    return grpo_task.GRPOObjective(
+        opts, T, int(g.num_iterations), o.get("loss_impl", "logits"), o.get("loss_block", 0)
+    )
 
 
 class Rollouts:

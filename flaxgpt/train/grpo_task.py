@@ -51,6 +51,7 @@ import numpy as np
 from flaxgpt.decode import sampling
 from flaxgpt.models import gpt
 from flaxgpt.models.cache import KVCache
+from flaxgpt.train import losses
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
 SCALES = ("group", "batch", "none")  # scale_rewards
@@ -281,8 +282,11 @@ class GRPOObjective:
     of train.steps (metrics are scaled by the weight, so the step's division gives them). Rows are
     T tokens (`row_tokens`), num_iterations > 1 adds old_logp to a batch, beta > 0 ref_logp."""
 
-    def __init__(self, opts: GRPOOptions, row_tokens: int = 0, num_iterations: int = 1):
+    def __init__(self, opts: GRPOOptions, row_tokens: int = 0, num_iterations: int = 1,
+                 loss_impl: str = "logits", loss_block: int = 0):  # fmt: skip
         self.opts, self.T, self.num_iterations = opts, row_tokens, num_iterations
+        losses.check_loss_impl(loss_impl)  # a bad optim.loss_impl fails here
+        self.loss_impl, self.loss_block = loss_impl, loss_block  # the log-probs' path (losses.use_fused)
         self.tokens_per_row = row_tokens
         self.needs_reference = bool(opts.beta)  # full fine-tuning: a frozen copy of the start
 
@@ -308,6 +312,11 @@ class GRPOObjective:
 
     def token_logps(self, policy, params, frozen, batch, rng=None, train: bool = False):
         """(logp_BT, entropy_BT) of the batch's targets under the policy (temperature-scaled)."""
+        if losses.use_fused(self.loss_impl):  # blocks of the vocabulary: no [B, T, V] logits
+            hidden_BTD = policy.apply(params, frozen, batch["inputs"], rng=rng, train=train, hidden=True)
+            unembed = gpt.unembedding(policy.model_config, policy.head_params(params, frozen))
+            t, block = self.opts.temperature, self.loss_block
+            return losses.fused_token_logprobs(hidden_BTD, unembed, batch["targets"], t, block)
         logits_BTV = policy.apply(params, frozen, batch["inputs"], rng=rng, train=train)
         return completion_logps(logits_BTV, batch["targets"], self.opts.temperature)
 

@@ -25,6 +25,10 @@ lora.base_dtype) and the trained parameters are LoRA adapters only (flaxgpt/mode
 A mixture of experts (model.num_experts > 0) trains on the loss + router_aux_loss_coef x the load-balancing
 loss + router_z_loss_coef x the z-loss (models/moe.py), logged as router_aux and router_z; evaluations and
 LoRA runs use the language-model loss alone.
+
+The loss is the fused linear + cross-entropy (losses.fused_cross_entropy: no [B, T, V] logits) when
+optim.loss_impl says so (losses.use_fused: "auto" = on GPU and TPU), else the logits' cross-entropy,
+optim.loss_chunk positions at a time when that is set; optim.z_loss adds PaLM's z-loss on either path.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from flaxgpt.data import batches as data_lib
 from flaxgpt.data import fineweb, hints, packing
 from flaxgpt.models import gpt, moe
 from flaxgpt.models import registry as models
-from flaxgpt.train import sections
+from flaxgpt.train import losses, sections
 from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
 from flaxgpt.train.policy import Frozen
 
@@ -116,17 +120,34 @@ class TokenBatches:
         return {}  # the loss is all: benchmark tasks are config.eval_tasks (eval.tasks.TrainingEvaluator)
 
 
-def forward(policy, params, frozen: Frozen, batch, rng, train: bool, loss_chunk: int = 0):
+class LossPath:
+    """How a GPT task turns hidden states into its loss: optim.loss_impl, loss_chunk, loss_block."""
+
+    def __init__(self, config):
+        self.impl = config.optim.get("loss_impl", "logits")
+        losses.check_loss_impl(self.impl)  # a bad name fails here, not at the first step
+        self.chunk = config.optim.get("loss_chunk", 0)  # positions per logits chunk; 0 = all at once
+        self.block = config.optim.get("loss_block", 0)  # the fused loss's vocabulary block; 0 = default
+
+    def fused(self) -> bool:
+        """Asked while tracing: "auto" follows the devices the step is traced for (kernels.target)."""
+        return losses.use_fused(self.impl)
+
+
+def forward(policy, params, frozen: Frozen, batch, rng, train: bool, loss_chunk: int = 0, fused=False):
     """(out, head, router): the policy on batch["inputs"] (segment ids when packed). out is the logits
-    [B, T, V], or with loss_chunk the hidden states [B, T, D] and head(hidden_BtD) -> logits; router a
-    mixture of experts' sown statistics (models/moe.py; None for a dense model). With LoRA too:
-    adapters change what the router sees."""
+    [B, T, V]; with loss_chunk the hidden states [B, T, D] and head(hidden_BtD) -> logits; with `fused`
+    the hidden states and head = gpt.unembedding (a kernels.linear_xent.Head); router a mixture of
+    experts' sown statistics (models/moe.py; None for a dense model). With LoRA too: adapters change
+    what the router sees."""
     mutable = [moe.ROUTER] if policy.model_config.num_experts else False
-    kw = dict(segment_ids_BT=batch.get("segment_ids"), hidden=bool(loss_chunk))
+    kw = dict(segment_ids_BT=batch.get("segment_ids"), hidden=bool(loss_chunk) or fused)
     out = policy.apply(params, frozen, batch["inputs"], rng=rng, train=train, mutable=mutable, **kw)
     router = None
     if mutable:
         out, router = out[0], out[1][moe.ROUTER]
+    if fused:
+        return out, gpt.unembedding(policy.model_config, policy.head_params(params, frozen)), router
     if not loss_chunk:
         return out, None, router
     head = functools.partial(gpt.head_logits, policy.model_config, policy.head_params(params, frozen))
@@ -142,7 +163,8 @@ class LMObjective:
     def __init__(self, config, model_config: gpt.GPTConfig, data=None):
         self.model_config = model_config
         self.label_smoothing = config.optim.label_smoothing
-        self.loss_chunk = config.optim.get("loss_chunk", 0)  # positions per logits chunk; 0 = all at once
+        self.z_loss = config.optim.get("z_loss", 0.0)
+        self.path = LossPath(config)
         self.tokens_per_row = model_config.block_size
 
     def batch_shapes(self, n_rows: int) -> dict:
@@ -151,14 +173,20 @@ class LMObjective:
         return {"inputs": ((n_rows, T), "int32"), "targets": ((n_rows, T), "int32")}
 
     def loss(self, policy, params, frozen: Frozen, batch, rng, train: bool):
-        out, head, router = forward(policy, params, frozen, batch, rng, train, self.loss_chunk)
-        targets_BT, mask_BT = batch["targets"], batch.get("loss_mask")
-        if head is None:
-            loss_sum, weight = cross_entropy(out, targets_BT, mask_BT, self.label_smoothing)
+        fused, p = self.path.fused(), self.path
+        out, head, router = forward(policy, params, frozen, batch, rng, train, p.chunk, fused)
+        targets_BT, mask_BT, ls, z = (
+            batch["targets"],
+            batch.get("loss_mask"),
+            self.label_smoothing,
+            self.z_loss,
+        )
+        if fused:  # no [B, T, V] logits, forward or backward: blocks of the vocabulary
+            loss_sum, weight = losses.fused_cross_entropy(out, head, targets_BT, mask_BT, ls, z, p.block)
+        elif head is None:
+            loss_sum, weight = cross_entropy(out, targets_BT, mask_BT, ls, z)
         else:  # the [B, T, V] float32 logits never exist: the head runs one chunk of positions at a time
-            loss_sum, weight = chunked_cross_entropy(
-                out, head, targets_BT, mask_BT, self.label_smoothing, self.loss_chunk
-            )
+            loss_sum, weight = chunked_cross_entropy(out, head, targets_BT, mask_BT, ls, p.chunk, z)
         if router is None or not train:  # evaluations compare the language-model loss alone
             return loss_sum, weight
         # the router losses are means over the batch: times the weight, as the summed loss is

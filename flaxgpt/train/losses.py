@@ -4,6 +4,8 @@
     loss_sum, n_tokens = chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT, chunk=128)
     logp_BT = token_logprobs(logits_BTV, targets_BT)              # DPO: log p of each target
     logp_BT = chunked_token_logprobs(hidden_BTD, head, targets_BT, chunk=128)
+    loss_sum, n_tokens = fused_cross_entropy(hidden_BTD, unembed, targets_BT, mask_BT)  # fused
+    logp_BT, entropy_BT = fused_token_logprobs(hidden_BTD, unembed, targets_BT)
 
 Sums, not means: the train step adds micro-batches' sums and divides once by the token count,
 so k micro-batches give exactly the gradient of one big batch.
@@ -12,12 +14,23 @@ so k micro-batches give exactly the gradient of one big batch.
 hidden states to its logits, one chunk of `chunk` positions of every row at a time (a lax.scan), and
 jax.checkpoint makes the backward pass recompute each chunk's logits instead of keeping them. Chunks
 run along time, not rows, so every chunk keeps the batch's sharding (each device its own rows).
+
+`fused_cross_entropy` / `fused_token_logprobs` are the same values from the hidden states and the
+unembedding (`unembed`, a kernels.linear_xent.Head, from gpt.unembedding) blocked over the vocabulary
+instead (kernels/linear_xent.py): neither the forward nor the backward pass holds more than one
+[B*T, block] block of logits, and the gradients w.r.t. the hidden states and the head's weight come
+from one hand-written backward. `use_fused(optim.loss_impl)` is the training switch (docs/training.md).
+`z_loss` (PaLM's, 0 = off) adds z_loss * logsumexp(logits)^2 per counted token on either path.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from flaxgpt.models import head as head_lib
+
+LOSS_IMPLS = ("auto", "logits", "fused")
 
 
 def token_logprobs(logits_BTV, targets_BT):
@@ -26,7 +39,7 @@ def token_logprobs(logits_BTV, targets_BT):
     return jnp.take_along_axis(logprobs_BTV, targets_BT[..., None], axis=-1)[..., 0]
 
 
-def cross_entropy(logits_BTV, targets_BT, mask_BT=None, label_smoothing: float = 0.0):
+def cross_entropy(logits_BTV, targets_BT, mask_BT=None, label_smoothing: float = 0.0, z_loss: float = 0.0):
     """(sum of per-token losses, number of counted tokens), both float32."""
     logits_BTV = logits_BTV.astype(jnp.float32)  # fp32 log-softmax even when the model runs in bf16
     if label_smoothing > 0:
@@ -35,6 +48,8 @@ def cross_entropy(logits_BTV, targets_BT, mask_BT=None, label_smoothing: float =
         nll_BT = (1.0 - label_smoothing) * nll_BT - label_smoothing * logprobs_BTV.mean(axis=-1)
     else:
         nll_BT = _nll(logits_BTV, targets_BT)
+    if z_loss:
+        nll_BT = nll_BT + z_loss * jnp.square(jax.nn.logsumexp(logits_BTV, axis=-1))
     mask_BT = jnp.ones_like(nll_BT) if mask_BT is None else mask_BT.astype(jnp.float32)
     return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
 
@@ -79,7 +94,9 @@ def _by_chunk(chunk: int, *xs_BT):
     return tuple(map(split, xs_BT))
 
 
-def chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT=None, label_smoothing=0.0, chunk=128):
+def chunked_cross_entropy(
+    hidden_BTD, head, targets_BT, mask_BT=None, label_smoothing=0.0, chunk=128, z_loss=0.0
+):
     """cross_entropy(head(hidden_BTD), ...) computed `chunk` positions at a time.
 
     head: [B, t, D] hidden states -> [B, t, V] logits (closing over the head's weights; gradients
@@ -90,7 +107,7 @@ def chunked_cross_entropy(hidden_BTD, head, targets_BT, mask_BT=None, label_smoo
 
     @jax.checkpoint  # the backward recomputes this chunk's logits: only [B, chunk, V] live at once
     def one_chunk(x_BtD, targets_Bt, mask_Bt):
-        return cross_entropy(head(x_BtD), targets_Bt, mask_Bt, label_smoothing)
+        return cross_entropy(head(x_BtD), targets_Bt, mask_Bt, label_smoothing, z_loss)
 
     def body(carry, xs):
         loss_sum, weight = one_chunk(*xs)
@@ -112,3 +129,49 @@ def chunked_token_logprobs(hidden_BTD, head, targets_BT, chunk=128):
 
     _, logp_nBt = jax.lax.scan(one_chunk, None, _by_chunk(chunk, hidden_BTD, targets_BT))
     return jnp.swapaxes(logp_nBt, 0, 1).reshape(B, -1)[:, :T]
+
+
+def check_loss_impl(loss_impl: str) -> str:
+    """optim.loss_impl, or a one-line error naming the choices (touches no device)."""
+    if loss_impl not in LOSS_IMPLS:
+        raise ValueError(f"optim.loss_impl {loss_impl!r}: choose one of {', '.join(LOSS_IMPLS)}")
+    return loss_impl
+
+
+def use_fused(loss_impl: str) -> bool:
+    """optim.loss_impl -> whether the loss takes the fused path, asked while tracing: "auto" is fused
+    on GPU and TPU (the devices the step is traced for: kernels.target) and not on CPU, where the
+    blocked form measured slower (docs/benchmarks.md)."""
+    if check_loss_impl(loss_impl) != "auto":
+        return loss_impl == "fused"
+    return head_lib.fused_by_default()
+
+
+def _stats(hidden_BTD, unembed, targets_BT, scale=1.0, block=0):
+    B, T, D = hidden_BTD.shape
+    x_ND = hidden_BTD.reshape(B * T, D).astype(unembed.w.dtype)  # the head's compute dtype
+    s = head_lib.stats(x_ND, unembed, targets_BT.reshape(B * T), scale=scale, block=block)
+    return head_lib.Stats(*(v.reshape(B, T) for v in s))
+
+
+def fused_cross_entropy(
+    hidden_BTD, unembed, targets_BT, mask_BT=None, label_smoothing=0.0, z_loss=0.0, block=0
+):
+    """cross_entropy(logits of unembed on hidden_BTD, ...) without the [B, T, V] logits: the same
+    (loss sum, token count), float32. block: vocabulary columns at a time (0: kernels.linear_xent.BLOCK)."""
+    s = _stats(hidden_BTD, unembed, targets_BT, block=block)
+    nll_BT = s.lse - s.target
+    if label_smoothing > 0:  # mean log p over the vocabulary = mean logit - lse
+        mean_logp_BT = s.total / unembed.vocab_size - s.lse
+        nll_BT = (1.0 - label_smoothing) * nll_BT - label_smoothing * mean_logp_BT
+    if z_loss:
+        nll_BT = nll_BT + z_loss * jnp.square(s.lse)
+    mask_BT = jnp.ones_like(nll_BT) if mask_BT is None else mask_BT.astype(jnp.float32)
+    return jnp.sum(nll_BT * mask_BT), jnp.sum(mask_BT)
+
+
+def fused_token_logprobs(hidden_BTD, unembed, targets_BT, temperature=1.0, block=0):
+    """(log p(target) [B, T], entropy [B, T]) of softmax(logits / temperature), float32, from the
+    hidden states without the [B, T, V] logits (token_logprobs; grpo_task.completion_logps)."""
+    s = _stats(hidden_BTD, unembed, targets_BT, scale=1.0 / temperature, block=block)
+    return s.target - s.lse, s.entropy

@@ -20,7 +20,8 @@ from flaxgpt.data import batches as data_lib
 from flaxgpt.data import hints, tokenizers
 from flaxgpt.decode.translate import generate
 from flaxgpt.models import registry as models
-from flaxgpt.models.seq2seq import Transformer, TransformerConfig
+from flaxgpt.models.seq2seq import Transformer, TransformerConfig, unembedding
+from flaxgpt.train import losses
 from flaxgpt.train.losses import cross_entropy
 
 # decoding options of the `seq2seq` config section, with their defaults
@@ -69,6 +70,9 @@ class Seq2SeqObjective:
 
     def __init__(self, config, model_config: TransformerConfig, data=None):
         self.model_config, self.label_smoothing = model_config, config.optim.label_smoothing
+        self.z_loss, self.loss_impl = config.optim.get("z_loss", 0.0), config.optim.get("loss_impl", "logits")
+        self.loss_block = config.optim.get("loss_block", 0)
+        losses.check_loss_impl(self.loss_impl)  # a bad optim.loss_impl fails here
         self.src_len, self.tgt_len = _lengths(data, model_config)  # fixed padded shapes
         self.tokens_per_row = self.tgt_len
 
@@ -84,15 +88,25 @@ class Seq2SeqObjective:
         }
 
     def loss(self, policy, params, frozen, batch, rng, train: bool):
-        model = Transformer(self.model_config, deterministic=not train)
-        logits_BTV = model.apply(
+        model, fused = (
+            Transformer(self.model_config, deterministic=not train),
+            losses.use_fused(self.loss_impl),
+        )
+        out = model.apply(
             {"params": params},
             batch["src"],
             batch["src_lengths"],
             batch["inputs"],
+            hidden=fused,
             rngs={"dropout": rng} if train else None,
         )
-        return cross_entropy(logits_BTV, batch["targets"], batch["loss_mask"], self.label_smoothing)
+        targets_BT, mask_BT, ls = batch["targets"], batch["loss_mask"], self.label_smoothing
+        if fused:  # the decoder's states and the output layer blockwise: no [B, T, V] logits
+            unembed = unembedding(self.model_config, params)
+            return losses.fused_cross_entropy(
+                out, unembed, targets_BT, mask_BT, ls, self.z_loss, self.loss_block
+            )
+        return cross_entropy(out, targets_BT, mask_BT, ls, self.z_loss)
 
 
 class PairBatches:
