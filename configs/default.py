@@ -58,7 +58,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.embed_learning_rate = 0.0  # muon: AdamW peak learning rate of wte/wpe; 0 = learning_rate
     c.optim.head_learning_rate = 0.0  # muon: AdamW peak learning rate of an untied lm_head; 0 = learning_rate
 
-    c.mesh = ml_collections.ConfigDict(sections.defaults("mesh"))  # data x fsdp x expert devices; cpu_devices
+    # data x fsdp x expert x context devices (context: each sequence split, docs/training.md); cpu_devices
+    c.mesh = ml_collections.ConfigDict(sections.defaults("mesh"))
 
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator_address = ""  # host:port of process 0 for multi-host GPU; "" = auto/none

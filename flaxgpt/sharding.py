@@ -8,6 +8,9 @@ SERVE_RULES place the weights for decoding over several devices (the MLP and voc
 A mixture of experts may add an "expert" axis (make_mesh(..., expert=n)): the stacked expert weights
 are split over it by their "expert" axis, and each token visits the devices of its experts
 (models/moe.py: expert_parallel); rules_for(mesh) is the table for such a mesh.
+A "context" axis (make_mesh(..., context=n), innermost) splits every sequence: the activations'
+"length" axis is split over it (rules_for), batches' rows over the other axes, and attention runs
+over it (models/context_attention.py: ring or Ulysses).
 Loading weights goes through one seam, Placement: every loader puts each leaf from host memory with
 it, whole onto the default device (Placement()) or straight into a mesh's slices (`put`).
 
@@ -26,9 +29,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp")
 EXPERT_AXIS = "expert"  # the third axis of a mesh that splits a mixture of experts' experts
-BATCH_AXES = ("data", "fsdp")  # the batch is split over every device
+CONTEXT_AXIS = "context"  # the last axis of a mesh that splits sequences (models/context_attention.py)
+BATCH_AXES = ("data", "fsdp")  # the batch is split over every device (but a context axis's)
 LOGICAL_RULES = (
     ("batch", BATCH_AXES),
+    ("length", None),  # activations' sequence axis: over "context" where the mesh has one (rules_for)
     ("embed", "fsdp"),
     ("vocab", None),
     ("heads", None),
@@ -45,6 +50,7 @@ LOGICAL_RULES = (
 # weights ask); the KV cache is split by slots (row_shardings), each device attending its own.
 SERVE_RULES = (
     ("batch", None),
+    ("length", None),
     ("embed", None),
     ("vocab", "fsdp"),
     ("heads", None),
@@ -166,10 +172,18 @@ def cpu_device_count(cores: int, batch_rows: int) -> int:
     return max(d for d in range(1, cores + 1) if batch_rows % d == 0)
 
 
-def make_mesh(data: int = -1, fsdp: int = 1, devices=None, expert: int = 1) -> Mesh:
+def make_mesh(data: int = -1, fsdp: int = 1, devices=None, expert: int = 1, context: int = 1) -> Mesh:
     """A ("data", "fsdp") mesh over `devices` (default: all); -1 on one axis means the rest. With
-    expert > 1, a ("data", "fsdp", "expert") mesh: data x fsdp groups of `expert` devices."""
+    expert > 1, a ("data", "fsdp", "expert") mesh: data x fsdp groups of `expert` devices. With
+    context > 1, a last "context" axis: groups of `context` neighbouring devices, each splitting the
+    sequences of the rows the group holds (the ring's traffic stays between neighbours)."""
     devices = list(jax.devices() if devices is None else devices)
+    if context != 1:
+        if context < 1 or len(devices) % context:
+            raise ValueError(f"mesh.context {context} does not divide the {len(devices)} devices")
+        groups = make_mesh(data, fsdp, devices[: len(devices) // context], expert=expert)
+        shape = (*groups.devices.shape, context)
+        return Mesh(np.asarray(devices).reshape(shape), (*groups.axis_names, CONTEXT_AXIS))
     if expert != 1:
         if expert < 1 or len(devices) % expert:
             raise ValueError(f"mesh.expert {expert} does not divide the {len(devices)} devices")
@@ -191,12 +205,25 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None, expert: int = 1) -> M
     return Mesh(np.asarray(devices).reshape(data, fsdp), MESH_AXES)
 
 
+def batch_axes(mesh) -> tuple:
+    """The mesh axes a batch's rows are split over: all but a context axis (which splits sequences)."""
+    return tuple(a for a in mesh.axis_names if a != CONTEXT_AXIS)
+
+
+def batch_devices(mesh) -> int:
+    """How many ways a batch's rows are split (the devices of `batch_axes`)."""
+    return int(np.prod([mesh.shape[a] for a in batch_axes(mesh)]))
+
+
 def rules_for(mesh, rules=LOGICAL_RULES):
     """`rules` for `mesh`: as they are, or for a mesh with an "expert" axis, rows split over it too
-    and expert weights split by it."""
-    if EXPERT_AXIS not in mesh.axis_names:
-        return rules
-    table = {"batch": tuple(mesh.axis_names), "expert": EXPERT_AXIS}
+    and expert weights split by it; with a "context" axis, the activations' tokens ("length") split
+    over it (rows never are)."""
+    table = {}
+    if EXPERT_AXIS in mesh.axis_names:
+        table.update({"batch": batch_axes(mesh), "expert": EXPERT_AXIS})
+    if CONTEXT_AXIS in mesh.axis_names:
+        table["length"] = CONTEXT_AXIS
     return tuple((name, table.get(name, axes)) for name, axes in rules)
 
 
@@ -219,8 +246,10 @@ def under_mesh(fn, mesh: Mesh, rules=LOGICAL_RULES):
 
 
 def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
-    """Rows split over every device; `leading_axes` unsplit axes before them (micro-batches)."""
-    return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), tuple(mesh.axis_names)))
+    """Rows split over every device (but a context axis's: each context group holds its rows' token
+    ids whole, 4 bytes a token, and the model splits the activations); `leading_axes` unsplit axes
+    before them (micro-batches)."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), batch_axes(mesh)))
 
 
 def row_shardings(tree, mesh: Mesh):
@@ -228,7 +257,8 @@ def row_shardings(tree, mesh: Mesh):
     device where they divide, else replicated. The serving engine's caches ([slots * heads, S, K]:
     slots, or heads of a one-row cache) and per-slot arrays, as the model's activations are split."""
     rows, rep = batch_sharding(mesh), replicated(mesh)
-    return jax.tree.map(lambda x: rows if x.ndim and x.shape[0] % mesh.size == 0 else rep, tree)
+    n = batch_devices(mesh)
+    return jax.tree.map(lambda x: rows if x.ndim and x.shape[0] % n == 0 else rep, tree)
 
 
 def shapes_on(tree, shardings):
@@ -244,7 +274,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def check_batch(batch_rows: int, mesh: Mesh, what: str = "batch_size") -> None:
-    n = mesh.devices.size
+    n = batch_devices(mesh)
     if batch_rows % n:
         raise ValueError(
             f"{what} {batch_rows} is not divisible by the {n} data-parallel devices "

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from flaxgpt.kernels import target
+from flaxgpt.models import context_attention
 from flaxgpt.models.layers import norm, normal_init, zeros_init
 from flaxgpt.models.linear import Linear
 from flaxgpt.models.rope import RoPE
@@ -207,6 +208,7 @@ class SelfAttention(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     impl: str = "xla"
+    context_impl: str = "ring"  # a mesh context axis (models/context_attention.py): ring | ulysses
     deterministic: bool = True
     lora: Any = None  # models.lora.LoraSpec: c_attn's and c_proj's adapters (models/linear.py)
 
@@ -257,6 +259,8 @@ class SelfAttention(nn.Module):
                 q_BTHK, k_BTJK, v_BTJK, positions_BT, window=self.window, real_BT=real_BT,
                 sow=sow, scale=self.scale, softcap=self.softcap,
             )  # fmt: skip
+        elif context_attention.axis_size() > 1:  # sequences split over the mesh's context axis
+            y_BTHK = self._over_context(q_BTHK, k_BTJK, v_BTJK, mask_BHTS, segment_ids_BT, sow)
         else:
             is_causal = False
             if self.causal:
@@ -296,6 +300,33 @@ class SelfAttention(nn.Module):
         )(y_BTHK.reshape(B * T, H * K)).reshape(B, T, D)
         y_BTD = nn.Dropout(self.resid_dropout)(y_BTD, deterministic=self.deterministic)
         return y_BTD, kv
+
+    def _over_context(self, q_BTHK, k_BTJK, v_BTJK, mask_BHTS, segment_ids_BT, sow):
+        """Causal attention of sequences split over the mesh's context axis (context_attention)."""
+        if not self.causal or mask_BHTS is not None:
+            raise ValueError("a mesh context axis takes causal self-attention only: set mesh.context=1")
+        if sow is not None or (self.attn_dropout > 0 and not self.deterministic):
+            raise ValueError(
+                "attention dropout and sown attention weights need the whole sequence on one device: "
+                "set model.attn_dropout=0 or mesh.context=1"
+            )
+        impl = resolve_attention_impl(self.impl, self.dtype)
+        kw = dict(scale=self.scale, softcap=self.softcap, window=self.window)
+
+        def local_attend(q_BTHK, k_BTJK, v_BTJK, seg_BT):  # Ulysses: a device's heads, whole sequence
+            T, H, J = q_BTHK.shape[1], q_BTHK.shape[2], k_BTJK.shape[2]
+            mask_BHTS = causal_mask(jnp.arange(T)[None], T, self.window)
+            if seg_BT is not None:
+                mask_BHTS = mask_BHTS & segment_mask(seg_BT)
+            if J < H:
+                k_BTJK, v_BTJK = jnp.repeat(k_BTJK, H // J, axis=2), jnp.repeat(v_BTJK, H // J, axis=2)
+            return attend(
+                q_BTHK, k_BTJK, v_BTJK, mask_BHTS, impl=impl, is_causal=True, segment_ids_BT=seg_BT, **kw
+            )
+
+        return context_attention.attend(
+            q_BTHK, k_BTJK, v_BTJK, segment_ids_BT, impl=self.context_impl, local_attend=local_attend, **kw
+        )
 
 
 class CrossAttention(nn.Module):

@@ -56,10 +56,10 @@ class Block(nn.Module):
     def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None, segment_ids_BT=None, real_BT=None):
         c = self.config
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-        # activations keep their rows split over the devices (a no-op without axis rules: see
-        # sharding.under_mesh); else with FSDP's "embed"-sharded weights XLA may keep every device's
-        # activations whole for the batch and split the features instead
-        x_BTD = nn.with_logical_constraint(x_BTD, ("batch", None, None))
+        # activations keep their rows split over the devices and their tokens over a context axis (a
+        # no-op without axis rules: see sharding.under_mesh); else with FSDP's "embed"-sharded weights
+        # XLA may keep every device's activations whole for the batch and split the features instead
+        x_BTD = nn.with_logical_constraint(x_BTD, ("batch", "length", None))
         # GPT-2: residual projections start smaller so the residual stream's variance does not
         # grow with depth; the speedrun starts them at zero (each block starts as the identity)
         out_std = 0.0 if c.zero_init_proj else 0.02 / math.sqrt(2 * c.n_layer)
@@ -83,6 +83,7 @@ class Block(nn.Module):
             dtype=dtype,
             param_dtype=pdtype,
             impl=c.attention_impl,
+            context_impl=c.context_impl,
             deterministic=self.deterministic,
             lora=self.lora,
             name="attn",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from flaxgpt.models.attention import ATTENTION_IMPLS
+from flaxgpt.models.context_attention import CONTEXT_IMPLS
 from flaxgpt.models.layers import ACTIVATIONS, NORMS, SINUSOID_LAYOUTS
 from flaxgpt.models.rope import ROPE_SCALINGS, RoPE
 
@@ -64,6 +65,7 @@ class GPTConfig:
     param_dtype: str = "float32"  # parameter and optimizer-state dtype
     pad_vocab_multiple: int = 1  # round the embedding rows up to this (64 is fast); 1 = exact
     attention_impl: str = "auto"  # auto | xla | cudnn | pallas (see attention.attend)
+    context_impl: str = "ring"  # ring | ulysses: over a mesh context axis (models/context_attention.py)
     scan_layers: bool = False  # nn.scan over the blocks: compile time independent of depth
     remat: str = "none"  # none | full | dots | dots_no_batch | offload_dots_no_batch (see gpt._remat_policy)
     # modern decoders (Llama, Mistral, Qwen2); the defaults are GPT-2's
@@ -126,6 +128,7 @@ class GPTConfig:
             "sinusoid_layout": SINUSOID_LAYOUTS,
             "activation": ACTIVATIONS,
             "attention_impl": ATTENTION_IMPLS,
+            "context_impl": CONTEXT_IMPLS,
             "remat": REMAT_POLICIES,
             "norm": NORMS,
             "rope_scaling": ROPE_SCALINGS,

@@ -29,6 +29,7 @@ RUNTIME_FIELDS = (
     "resid_dropout",
     "dtype",
     "attention_impl",
+    "context_impl",
     "remat",
 )
 

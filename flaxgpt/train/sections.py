@@ -128,12 +128,19 @@ class DataSection(Section):
 
 @dataclasses.dataclass(frozen=True)
 class MeshSection(Section):
-    """How the devices are arranged (flaxgpt.sharding.make_mesh): data parallel x FSDP x experts."""
+    """How the devices are arranged (flaxgpt.sharding.make_mesh): data parallel x FSDP x experts x
+    context (sequences split over devices)."""
 
     name: ClassVar[str] = "mesh"
     data: int = opt(-1, "data-parallel devices; -1 = all devices left after fsdp")
     fsdp: int = opt(1, "devices that shard parameters and optimizer state, ZeRO-3 style")
     expert: int = opt(1, "mixture of experts: devices that split the experts, expert parallelism", 1)
+    context: int = opt(
+        1,
+        "devices that split every sequence (attention over them: model.context_impl ring | ulysses); "
+        "ring needs the sequence length divisible by 2 x this",
+        1,
+    )
     cpu_devices: int = opt(0, "CPU: split the host into this many devices; 0 = one per core", 0)
 
     def check(self) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 
 from flaxgpt import runtime, sharding
 from flaxgpt.data import batches as data_lib
-from flaxgpt.models import gpt
+from flaxgpt.models import context_attention, gpt
 from flaxgpt.models import registry as models
 from flaxgpt.models.flops import flops_per_token
 from flaxgpt.runs import checkpoint as ckpt_lib
@@ -63,7 +63,12 @@ class Trainer:
         self.micro_rows = micro_batch(config)
         self.task = make_task(config)
         m = sections.of(config).mesh
-        self.mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert)
+        self.mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert, context=m.context)
+        if m.context > 1:  # what the context axis cannot split: one line, before compiling
+            if self.task.kind != "gpt":
+                raise ValueError("mesh.context splits a GPT's sequences; a seq2seq run takes mesh.context=1")
+            c = self.task.model_config
+            context_attention.check(c.block_size, c.n_head, m.context, c.context_impl)
         sharding.check_batch(self.micro_rows, self.mesh, "batch_size // grad_accum")
         if self.micro_rows % jax.process_count():
             raise ValueError(

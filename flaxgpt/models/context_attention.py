@@ -1,0 +1,250 @@
+"""Attention over the mesh's "context" axis, which splits every sequence of a batch over its devices
+(flaxgpt.sharding.make_mesh(context=N)): the load-balanced ring and the all-to-all over heads (Ulysses),
+picked by GPTConfig.context_impl. SelfAttention calls `attend` when the mesh it is traced for has a
+context axis of more than one device; the rest of the model is unchanged (the rules table splits its
+activations' "length" axis over "context", so positions, RoPE and the MLP are split as data).
+
+ring (Liu et al. 2023, load-balanced as MaxText and torchtitan do): each sequence, cut into 2N chunks,
+lies on the devices in order (device d: chunks 2d and 2d+1); inside the attention every device trades
+for chunks d and 2N-1-d (two ppermutes, undone on the way out), so under the causal mask each device
+has the same work. The batch itself is not permuted: the model sees its sequence in order. Keys and
+values then go round the ring (ppermute d -> d+1, N-1 times); each device merges the blocks' softmax
+in float32 with a running max and sum (the online softmax). A visiting block from an earlier device
+is seen whole by our queries through its first chunk only, one from a later device only by our second
+chunk: each step computes a quarter of the [2C, 2C] block pair, as the causal mask leaves it.
+Windows and packed documents (segment ids, travelling with the keys) are masks on the tokens' global
+positions, so they hold across chunk boundaries. Gradients are JAX's autodiff of the ring (each
+step rematerialised); the backward keeps every visiting block, as a K/V all-gather would.
+
+ulysses (Jacobs et al. 2023): an all-to-all turns the sequence split into a head split, each device
+attends H/N heads over the whole sequence with the ordinary kernel (attention.attend, handed in as
+`local_attend`: XLA, cuDNN or splash), and a second all-to-all turns it back. N must divide the heads.
+
+Shape letters: as attention.py (B, T, H, J, G, K); N the context devices, C = T / 2N a chunk, L = 2C
+the tokens a device holds, S the keys of a block.
+May import: nothing of flaxgpt (attention.py hands Ulysses its within-device attention).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+CONTEXT_AXIS = "context"  # the mesh axis that splits sequences (flaxgpt.sharding.make_mesh)
+CONTEXT_IMPLS = ("ring", "ulysses")
+# masked logits: finite, so a query row that sees no key of a block keeps a finite running max
+_NEG = -1e30
+
+
+def axis_size() -> int:
+    """Devices on the "context" axis of the mesh being traced for (1: none)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or CONTEXT_AXIS not in mesh.axis_names else mesh.shape[CONTEXT_AXIS]
+
+
+def check(T: int, H: int, n: int, impl: str) -> None:
+    """One-line errors for a sequence of T tokens and H query heads over n context devices. Lengths
+    that do not divide are refused, never padded: padding would change what the loss counts."""
+    if impl not in CONTEXT_IMPLS:
+        raise ValueError(f"unknown context_impl {impl!r}; choose one of {CONTEXT_IMPLS}")
+    if impl == "ring" and T % (2 * n):
+        raise ValueError(
+            f"sequence length {T} is not divisible by 2 x mesh.context = {2 * n} (ring attention's load "
+            f"balancing cuts each sequence into {2 * n} chunks); use a length that is a multiple of {2 * n}"
+        )
+    bad = [f"{what} {size}" for what, size in (("n_head", H), ("sequence length", T)) if size % n]
+    if impl == "ulysses" and bad:
+        raise ValueError(
+            f"context_impl=ulysses splits the heads and the tokens over mesh.context = {n}, which does not "
+            f"divide {' or '.join(bad)}; use context_impl=ring or another mesh.context"
+        )
+
+
+def attend(
+    q_BTHK,
+    k_BTJK,
+    v_BTJK,
+    segment_ids_BT=None,
+    *,
+    impl="ring",
+    window=0,
+    scale=0.0,
+    softcap=0.0,
+    local_attend=None,
+):
+    """Causal self-attention of sequences split over the mesh's context axis -> [B, T, H, K].
+
+    `segment_ids_BT` (packed rows) keeps each query inside its document; `window` limits it to its
+    last `window` keys; `scale` 0 = 1/sqrt(K); `softcap` as attention.attend. `local_attend(q, k, v,
+    segment_ids)` is the within-device attention Ulysses runs on the whole sequence (H / N heads)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n = mesh.shape[CONTEXT_AXIS]
+    B, T, H, K = q_BTHK.shape
+    check(T, H, n, impl)
+    packed = segment_ids_BT is not None
+    seg_BT = segment_ids_BT if packed else jnp.zeros((B, T), jnp.int32)
+    rows = tuple(a for a in mesh.axis_names if a != CONTEXT_AXIS) or None
+    tokens, heads = P(rows, CONTEXT_AXIS), P(rows, CONTEXT_AXIS, None, None)
+    if impl == "ring":
+        scale = scale or 1.0 / math.sqrt(K)
+        fn = functools.partial(_ring, n=n, window=window, scale=scale, softcap=softcap, packed=packed)
+    else:
+        fn = functools.partial(_ulysses, n=n, local_attend=local_attend, packed=packed)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, tokens), out_specs=heads)(
+        q_BTHK, k_BTJK, v_BTJK, seg_BT
+    )
+
+
+# ----------------------------------------------------------------------------- the load-balanced layout
+
+
+def _home(c: int, n: int) -> int:
+    """The device that holds chunk c (of 2n) in the balanced layout: chunks d and 2n-1-d on device d."""
+    return c if c < n else 2 * n - 1 - c
+
+
+def _permutations(n: int):
+    """(even, odd): where each device's first (chunk 2d) and second (chunk 2d+1) chunk go. Each is a
+    permutation of the devices: even chunks land on the even devices below n (as chunk d) and on the
+    odd ones (as chunk 2n-1-d), odd chunks the other way round."""
+    return [(d, _home(2 * d, n)) for d in range(n)], [(d, _home(2 * d + 1, n)) for d in range(n)]
+
+
+def _to_balanced(x_BL, d, n: int):
+    """[B, L, ...] holding chunks 2d, 2d+1 -> chunks d, 2n-1-d."""
+    even, odd = _permutations(n)
+    first, second = jnp.split(x_BL, 2, axis=1)
+    a = jax.lax.ppermute(first, CONTEXT_AXIS, even)
+    b = jax.lax.ppermute(second, CONTEXT_AXIS, odd)
+    # an even device's chunk d is even, so it came by the first permutation; an odd device's by the second
+    return jnp.where(d % 2 == 0, jnp.concatenate([a, b], 1), jnp.concatenate([b, a], 1))
+
+
+def _from_balanced(x_BL, d, n: int):
+    """The inverse of _to_balanced: [B, L, ...] holding chunks d, 2n-1-d -> chunks 2d, 2d+1."""
+    even, odd = _permutations(n)
+    first, second = jnp.split(x_BL, 2, axis=1)
+    even_chunk = jnp.where(d % 2 == 0, first, second)
+    odd_chunk = jnp.where(d % 2 == 0, second, first)
+    a = jax.lax.ppermute(even_chunk, CONTEXT_AXIS, [(dst, src) for src, dst in even])
+    b = jax.lax.ppermute(odd_chunk, CONTEXT_AXIS, [(dst, src) for src, dst in odd])
+    return jnp.concatenate([a, b], 1)
+
+
+def _positions(d, n: int, C: int):
+    """[L] the sequence positions of the tokens device d holds in the balanced layout."""
+    return jnp.concatenate([d * C + jnp.arange(C), (2 * n - 1 - d) * C + jnp.arange(C)])
+
+
+# ----------------------------------------------------------------------------- ring
+
+
+def _ring(q_BLHK, k_BLJK, v_BLJK, seg_BL, *, n, window, scale, softcap, packed):
+    """One device's part of the ring (inside shard_map over the context axis)."""
+    d = jax.lax.axis_index(CONTEXT_AXIS)
+    q_BLHK, k_BLJK, v_BLJK = (_to_balanced(x, d, n) for x in (q_BLHK, k_BLJK, v_BLJK))
+    seg_BL = _to_balanced(seg_BL, d, n) if packed else seg_BL  # unread unless packed
+    B, L, H, K = q_BLHK.shape
+    J, C = k_BLJK.shape[2], L // 2
+    q_BLJGK = q_BLHK.reshape(B, L, J, H // J, K)  # query head h reads key/value head h // G
+    pos_L = _positions(d, n, C)
+    blocks = functools.partial(_block, scale=scale, softcap=softcap, window=window, packed=packed)
+    # the device's own keys first (causal inside), then the others' as they come round the ring
+    state = blocks(q_BLJGK, k_BLJK, v_BLJK, pos_L, pos_L, seg_BL, seg_BL)
+    visit = jax.checkpoint(functools.partial(_visit, blocks=blocks))  # the backward recomputes a block
+    ring = [(i, (i + 1) % n) for i in range(n)]
+
+    def step(carry, i):  # a scan, not a loop: one block program whatever N
+        state, kv = carry
+        kv = tuple(jax.lax.ppermute(x, CONTEXT_AXIS, ring) for x in kv)
+        src = (d - i) % n  # the device these keys started on
+        k_seg_BL = kv[2] if packed else seg_BL
+        state = _merge(
+            state, visit(q_BLJGK, kv[0], kv[1], k_seg_BL, pos_L, _positions(src, n, C), seg_BL, src < d)
+        )
+        return (state, kv), None
+
+    kv = (k_BLJK, v_BLJK, seg_BL) if packed else (k_BLJK, v_BLJK)  # segment ids travel with their keys
+    (state, _), _ = jax.lax.scan(step, (state, kv), jnp.arange(1, n))
+    _, l_BJGL, o_BJGLK = state
+    y_BJGLK = o_BJGLK / l_BJGL[..., None]  # every query sees at least its own key: l > 0
+    y_BLHK = jnp.transpose(y_BJGLK, (0, 3, 1, 2, 4)).reshape(B, L, H, K).astype(q_BLHK.dtype)
+    return _from_balanced(y_BLHK, d, n)
+
+
+def _visit(q_BLJGK, k_BLJK, v_BLJK, kv_seg_BL, q_pos_L, kv_pos_L, q_seg_BL, earlier, *, blocks):
+    """The softmax statistics of our queries against another device's block, computing only the
+    quarter the causal mask leaves: from an earlier device (`earlier`), every query of ours sees its
+    first chunk and none its second (later than all of ours); from a later one, only our second chunk
+    sees it, both of its chunks."""
+    C = q_BLJGK.shape[1] // 2
+
+    def from_earlier():
+        k, v, pos, seg = k_BLJK[:, :C], v_BLJK[:, :C], kv_pos_L[:C], kv_seg_BL[:, :C]
+        return blocks(q_BLJGK, k, v, q_pos_L, pos, q_seg_BL, seg)
+
+    def from_later():
+        stats = blocks(q_BLJGK[:, C:], k_BLJK, v_BLJK, q_pos_L[C:], kv_pos_L, q_seg_BL[:, C:], kv_seg_BL)
+        m, total, o = stats
+        none = (jnp.full_like(m, _NEG), jnp.zeros_like(total), jnp.zeros_like(o))  # our first chunk: nothing
+        return tuple(jnp.concatenate([e, x], axis=3) for e, x in zip(none, stats))
+
+    return jax.lax.cond(earlier, from_earlier, from_later)
+
+
+def _block(
+    q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, *, scale, softcap, window, packed
+):
+    """Queries against one block of keys -> (max [B, J, G, L], sum [B, J, G, L], unnormalised output
+    [B, J, G, L, K]) of the masked softmax, in float32 (float64 for float64).
+
+    The seam for a fused kernel: on TPU or GPU a splash or cuDNN call that returns the block's output
+    and its log-sum-exp would replace this (m = lse, l = 1, o = output); not wired, not measured."""
+    acc = jnp.promote_types(q_BLJGK.dtype, jnp.float32)
+    logits_BJGLS = jnp.einsum("bljgk,bsjk->bjgls", q_BLJGK, k_BSJK, preferred_element_type=acc) * scale
+    if softcap:
+        logits_BJGLS = softcap * jnp.tanh(logits_BJGLS / softcap)
+    visible_LS = kv_pos_S[None, :] <= q_pos_L[:, None]
+    if window:
+        visible_LS &= kv_pos_S[None, :] > q_pos_L[:, None] - window
+    visible_BLS = visible_LS[None]
+    if packed:  # no query sees another document's keys
+        visible_BLS = visible_BLS & (q_seg_BL[:, :, None] == kv_seg_BS[:, None, :])
+    visible_B11LS = visible_BLS[:, None, None]
+    logits_BJGLS = jnp.where(visible_B11LS, logits_BJGLS, _NEG)
+    m_BJGL = jnp.max(logits_BJGLS, axis=-1)
+    p_BJGLS = jnp.where(visible_B11LS, jnp.exp(logits_BJGLS - m_BJGL[..., None]), 0.0)
+    o_BJGLK = jnp.einsum(
+        "bjgls,bsjk->bjglk", p_BJGLS.astype(v_BSJK.dtype), v_BSJK, preferred_element_type=acc
+    )
+    return m_BJGL, jnp.sum(p_BJGLS, axis=-1), o_BJGLK
+
+
+def _merge(a, b):
+    """Two blocks' softmax statistics of the same queries -> those of both (the online softmax)."""
+    (m_a, l_a, o_a), (m_b, l_b, o_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    w_a, w_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
+    return m, l_a * w_a + l_b * w_b, o_a * w_a[..., None] + o_b * w_b[..., None]
+
+
+# ----------------------------------------------------------------------------- Ulysses
+
+
+def _ulysses(q_BLHK, k_BLJK, v_BLJK, seg_BL, *, n, local_attend, packed):
+    """One device's part of Ulysses: its H / N heads over the whole sequence, in order."""
+    H, J = q_BLHK.shape[2], k_BLJK.shape[2]
+    if J % n:  # fewer key/value heads than devices (grouped-query): each device takes its query heads' own
+        k_BLJK, v_BLJK = jnp.repeat(k_BLJK, H // J, axis=2), jnp.repeat(v_BLJK, H // J, axis=2)
+
+    def to_heads(x_BLHK):  # [B, T/N, h, K] -> [B, T, h/N, K]: device i sends head group j to device j
+        return jax.lax.all_to_all(x_BLHK, CONTEXT_AXIS, split_axis=2, concat_axis=1, tiled=True)
+
+    seg_BT = jax.lax.all_gather(seg_BL, CONTEXT_AXIS, axis=1, tiled=True) if packed else None
+    # head groups are contiguous, so the key/value heads a device holds are its query heads' (h // G)
+    y_BTHK = local_attend(to_heads(q_BLHK), to_heads(k_BLJK), to_heads(v_BLJK), seg_BT)
+    return jax.lax.all_to_all(y_BTHK, CONTEXT_AXIS, split_axis=1, concat_axis=2, tiled=True)
