@@ -65,3 +65,17 @@ def test_a_near_miss_model_name_offline_says_which_it_means(tmp_path, monkeypatc
     assert "\n" not in str(e.value)
     assert files.near_name("gpt2-small") == "did you mean gpt2?"
     assert files.near_name("gpt2-medium") is None and files.near_name("my/own-model") is None
+
+
+def test_did_you_mean_is_one_lookup_and_one_phrase():
+    """The one owner of every did-you-mean (#51): parser choices, config keys, section fields, model names."""
+    assert errors.did_you_mean("shakespear", ["shakespeare_char", "shakespeare", "text"]) == (
+        "did you mean shakespeare?"
+    )
+    assert errors.did_you_mean("zzzz", ["shakespeare", "text"]) == ""
+    # a mapping suggests what each spelling stands for (a section's field -> its dotted key)
+    assert errors.nearest("rnak", {"rank": "lora.rank", "alpha": "lora.alpha"}) == "lora.rank"
+    # the cutoff is the caller's: model names ask for a closer match than a choice does
+    assert errors.nearest("gpt2-xxxl", ["gpt2-xl"], cutoff=0.6) == "gpt2-xl"
+    assert errors.nearest("gpt2-xxxl", ["gpt2-xl"], cutoff=0.9) is None
+    assert errors.suggest("gpt2") == "did you mean gpt2?"

@@ -4,6 +4,7 @@ and exported by pretrained (gpt2.py's weight loop for GPT-2, rotary.py's for the
 adapters both ways (peft.py), and the files of a checkpoint (sharded safetensors, the hub cache).
 
 May import: flaxgpt.models, flaxgpt.data, flaxgpt.runs (the one "is this a run directory?" rule, so
-export never writes into one), flaxgpt.sharding (a Placement puts each loaded leaf on its devices).
+export never writes into one), flaxgpt.sharding (a Placement puts each loaded leaf on its devices),
+flaxgpt.errors (the one did-you-mean).
 The loader and the `flaxgpt hf` / `flaxgpt peft` commands sit above: flaxgpt.loader, flaxgpt.hf_cli.
 """

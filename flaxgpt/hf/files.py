@@ -96,17 +96,16 @@ def near_name(name: str, known=()) -> str | None:
     """'did you mean gpt2-medium?' when `name` is a near miss of a GPT-2 size, a preset or one of
     `known` (the loader passes the family table's hf.families.PUBLISHED: this module is below
     hf.families in the import order), else None."""
-    import difflib
-
+    from flaxgpt import errors
     from flaxgpt.models.gpt_config import GPTConfig
 
     known = [*GPT2_NAMES, *known, *GPTConfig.PRESETS]
     if name in known:
         return None
     if name.lower() in ("gpt2-small", "gpt2-124m", "gpt-2"):  # what people call the 124M model
-        return "did you mean gpt2?"
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
-    return f"did you mean {close[0]}?" if close else None
+        return errors.suggest("gpt2")
+    # 0.8, stricter than a choice's 0.6: any path or hub id reaches here, and most are no typo
+    return errors.did_you_mean(name, known, cutoff=0.8) or None
 
 
 def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:

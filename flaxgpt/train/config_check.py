@@ -22,6 +22,7 @@ from pathlib import Path
 
 import ml_collections
 
+from flaxgpt import errors
 from flaxgpt.train import sections
 from flaxgpt.train.sections import ConfigError, typed
 
@@ -244,19 +245,13 @@ def suggest_key(config, key: str) -> str | None:
     """The existing key a misspelt or misplaced `key` most likely means, across sections:
     `learning_rate` -> `optim.learning_rate` (nanoGPT's flat spelling), `optim.lerning_rate` ->
     `optim.learning_rate`, `n_layr` -> `model.n_layer`; None when nothing is close."""
-    import difflib
-
     keys = flat_keys(config)
     leaf = key.rpartition(".")[2]
     same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
     if same_leaf:
         return same_leaf[0]
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
-    if close:
-        return close[0]
-    leaves = {k.rpartition(".")[2]: k for k in reversed(keys)}
-    close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.75)
-    return leaves[close[0]] if close else None
+    leaves = {k.rpartition(".")[2]: k for k in reversed(keys)}  # a leaf: its first key
+    return errors.nearest(key, keys, cutoff=0.75) or errors.nearest(leaf, leaves, cutoff=0.75)
 
 
 def overrides(argv) -> dict[str, str]:
@@ -276,7 +271,7 @@ def unknown_override(config, argv) -> str | None:
     for key in overrides(argv):
         if key not in keys and not any(k.startswith(key + ".") for k in keys):
             near = suggest_key(config, key)
-            return f"unknown config key {key!r}" + (f"; did you mean {near}?" if near else "")
+            return f"unknown config key {key!r}" + (f"; {errors.suggest(near)}" if near else "")
     return None
 
 

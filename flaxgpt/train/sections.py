@@ -14,13 +14,13 @@ config_check's.
 """
 
 import dataclasses
-import difflib
 import math
 import typing
 from typing import ClassVar, Literal
 
 import numpy as np
 
+from flaxgpt import errors
 from flaxgpt.models import lora as lora_lib
 from flaxgpt.train import grpo_task
 
@@ -274,8 +274,8 @@ def read(cls: type[Section], section) -> Section:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in values:
         if key not in names:
-            near = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-            hint = f"did you mean {cls.name}.{near[0]}?" if near else f"{cls.name} has {', '.join(names)}"
+            near = errors.did_you_mean(key, {n: f"{cls.name}.{n}" for n in names})
+            hint = near or f"{cls.name} has {', '.join(names)}"
             raise ConfigError(f"unknown config key '{cls.name}.{key}'; {hint}")
     return cls(**values)
 
