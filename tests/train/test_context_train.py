@@ -1,0 +1,71 @@
+"""Training with sequences split over a mesh "context" axis (mesh.context) on 8 simulated CPU devices:
+context 2 and data 2 x fsdp 2 x context 2 (ring attention) train exactly like one device
+(losses, gradient norms, parameters); a block_size the axis cannot balance fails in one line."""
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ package
+
+from configs import default  # noqa: E402
+from flaxgpt.data import prepare  # noqa: E402
+from flaxgpt.train import trainer  # noqa: E402
+
+pytestmark = pytest.mark.devices(8)
+
+TEXT = "".join(f"the {i % 9} quick foxes jumped over {i % 4} lazy dogs.\n" for i in range(200))
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "foxes"
+    prepare.prepare_text(TEXT, out, "char", 0.1, "generated")
+    return out
+
+
+def config(data_dir, data=-1, fsdp=1, context=1, impl="ring", block_size=16):
+    c = default.get_config()
+    c.data.dir = str(data_dir)
+    c.out_dir, c.init_from = str(data_dir.parent / "never_written"), "scratch"
+    c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 1, 2, 32, block_size
+    # RoPE, grouped-query heads and a window that crosses the chunks (block 16, context 2: chunks of 4)
+    c.model.pos_embedding, c.model.n_kv_head, c.model.sliding_window = "rope", 1, 6
+    c.model.pad_vocab_multiple, c.model.context_impl = 8, impl
+    c.mesh.data, c.mesh.fsdp, c.mesh.context = data, fsdp, context
+    c.batch_size, c.eval_iters, c.max_iters, c.tensorboard = 8, 1, STEPS, False
+    c.optim.warmup_steps, c.optim.learning_rate = 1, 3e-3
+    return c
+
+
+def train(cfg, devices=None):
+    t = trainer.Trainer(cfg, devices=devices, print_fn=lambda *a: None)
+    state, metrics = t.init_state(), []
+    for step in range(STEPS):
+        state, m = t.train_step(state, t.global_batch("train", step, cfg.batch_size, micro=True))
+        metrics.append((float(m["loss"]), float(m["grad_norm"])))
+    return np.array(metrics), state
+
+
+@pytest.fixture(scope="module")
+def one_device(data_dir):
+    return train(config(data_dir), jax.devices()[:1])
+
+
+# Ulysses is checked against one device in tests/models/test_context_attention.py (attention and a GPT)
+@pytest.mark.parametrize("data, fsdp, context, impl", [(-1, 1, 2, "ring"), (2, 2, 2, "ring")])
+def test_context_trains_like_one_device(data_dir, one_device, data, fsdp, context, impl):
+    got, state = train(config(data_dir, data, fsdp, context, impl))
+    want, want_state = one_device
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)  # losses and gradient norms
+    for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(want_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_block_size_the_ring_cannot_balance(data_dir):
+    with pytest.raises(ValueError, match="sequence length 18 is not divisible by 2 x mesh.context = 4"):
+        trainer.Trainer(config(data_dir, context=2, block_size=18), print_fn=lambda *a: None)
