@@ -3,5 +3,6 @@ optimizers, preemption, the typed config sections (sections) and the config chec
 
 May import: flaxgpt.models, flaxgpt.data, flaxgpt.runs, flaxgpt.loader (resolve_init: where init_from
 starts, a run or pretrained weights), flaxgpt.eval, flaxgpt.decode, flaxgpt.serve (GRPO's
-rollouts by the engine), flaxgpt.sharding, flaxgpt.runtime, flaxgpt.errors.
+rollouts by the engine), flaxgpt.sharding, flaxgpt.cluster, flaxgpt.runtime,
+flaxgpt.errors.
 """

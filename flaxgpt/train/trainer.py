@@ -31,7 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from flaxgpt import runtime, sharding
+from flaxgpt import cluster, runtime, sharding
 from flaxgpt.data import batches as data_lib
 from flaxgpt.models import context_attention, gpt
 from flaxgpt.models import registry as models
@@ -50,7 +50,7 @@ from flaxgpt.train.tasks import make_task
 def start_process(config) -> None:
     """What the process settles before JAX starts its backends: the multi-host handshake, the CPU's
     split into devices, and (on one CPU device) steps that reuse their memory."""
-    sharding.maybe_initialize_distributed(config)
+    cluster.join(config.distributed)  # Slurm, Open MPI, SkyPilot, a GKE JobSet, a TPU pod, or the settings
     sharding.configure_cpu_devices(sections.of(config).mesh.cpu_devices, micro_batch(config))
     runtime.keep_cpu_step_memory()
 

@@ -1,15 +1,22 @@
 """Multi-host training on one machine: 2 processes x 4 CPU devices, joined by jax.distributed
 (gloo collectives), train exactly like one process with 8 devices; only process 0 writes files.
 
-The test starts this file twice as a script (`python tests/test_multihost.py PROCESS PORT DATA OUT`),
-each process a worker that calls `flaxgpt.train.trainer.train` with the config.distributed flags.
+Each process is started as the engine starts it: with the engine's own environment variables
+(Slurm's srun, Open MPI's mpirun, SkyPilot) or the explicit --config.distributed settings, and found
+by flaxgpt.cluster. The test starts this file twice as a script
+(`python tests/train/test_multihost.py ENGINE PROCESS PORT DATA OUT [MAX_ITERS PACE]`), each process
+a worker that calls `flaxgpt.train.trainer.train`. A SIGTERM to both (a Slurm preemption, a GKE node
+drain, SkyPilot's spot recovery) saves one step on both, and the next start resumes it exactly.
 """
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,38 +28,90 @@ TEXT = "".join(f"{i % 6} cats and {i % 11} mice met at noon.\n" for i in range(2
 PROCESSES, LOCAL_DEVICES, STEPS = 2, 4, 3
 
 
-def config(data_dir, out_dir):
+def engine_env(engine: str, process_id: int, port: int) -> dict:
+    """The variables `engine` gives process `process_id` of a 2-process job on this one machine
+    (JAX_COORDINATOR_PORT, jax's own variable, puts the coordinator on a free port)."""
+    port_env = {"JAX_COORDINATOR_PORT": str(port)}
+    if engine == "slurm":  # srun -N1 -n2: what every task of the step sees
+        return {
+            "SLURM_JOB_ID": "4242",
+            "SLURM_NTASKS": "2",
+            "SLURM_PROCID": str(process_id),
+            "SLURM_LOCALID": str(process_id),
+            "SLURM_STEP_NODELIST": "localhost",
+            "SLURM_JOB_NODELIST": "localhost",
+            "SLURM_STEP_NUM_NODES": "1",
+            **port_env,
+        }
+    if engine == "ompi":  # Open MPI 4's mpirun -np 2
+        return {
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_RANK": str(process_id),
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(process_id),
+            "OMPI_MCA_orte_hnp_uri": "1531576320.0;tcp://127.0.0.1:34911",
+            **port_env,
+        }
+    if engine == "skypilot":  # num_nodes: 2
+        return {
+            "SKYPILOT_NUM_NODES": "2",
+            "SKYPILOT_NODE_RANK": str(process_id),
+            "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1",
+            **port_env,
+        }
+    assert engine == "settings", engine
+    return {}
+
+
+def config(data_dir, out_dir, local_devices=LOCAL_DEVICES):
     from configs import default
 
     c = default.get_config()
     c.data.dir, c.out_dir, c.init_from = str(data_dir), str(out_dir), "scratch"
     c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 1, 2, 32, 16
     c.model.pad_vocab_multiple = 8
-    c.mesh.data, c.mesh.fsdp = 2, 4  # data across the hosts, parameters split within each
+    c.mesh.data, c.mesh.fsdp = 2, local_devices  # data across the hosts, parameters split within each
     c.batch_size, c.max_iters, c.eval_interval, c.eval_iters, c.log_interval = 16, STEPS, 100, 1, 1
     c.optim.warmup_steps, c.optim.learning_rate = 1, 3e-3
     c.tensorboard = False
     return c
 
 
-def worker(process_id: int, port: int, data_dir: str, out_dir: str) -> None:
+def worker(engine, process_id: int, port: int, data_dir, out_dir, max_iters, pace, local_devices) -> None:
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU cross-process collectives
     from flaxgpt.train import trainer
 
-    cfg = config(data_dir, out_dir)
-    cfg.distributed.coordinator_address = f"localhost:{port}"
-    cfg.distributed.num_processes, cfg.distributed.process_id = PROCESSES, process_id
-    summary = trainer.train(cfg, print_fn=lambda *a: None)
+    cfg = config(data_dir, out_dir, local_devices)
+    cfg.max_iters, cfg.init_from = max_iters, "auto"  # a run started again resumes
+    if engine == "settings":
+        cfg.distributed.coordinator_address = f"localhost:{port}"
+        cfg.distributed.num_processes, cfg.distributed.process_id = PROCESSES, process_id
+
+    class Paced(trainer.Trainer):  # a step every `pace` seconds: a signal lands a few steps in
+        def after_step(self, step, state):
+            time.sleep(pace)
+
+    trainer.Trainer = Paced  # train() builds this one
+    summary = trainer.train(cfg, print_fn=lambda *a: print(*a, flush=True))
     facts = dict(
         process=jax.process_index(),
         processes=jax.process_count(),
         devices=jax.device_count(),
         local_devices=jax.local_device_count(),
         loss=summary["loss"],
+        joined=cluster_engine(),
     )
     print("RESULT " + json.dumps(facts), flush=True)
+
+
+def cluster_engine() -> str | None:
+    """The engine flaxgpt.cluster found in this process's environment and settings."""
+    from flaxgpt import cluster
+
+    cfg = config("", "")
+    how = cluster.detect(cfg.distributed, os.environ)
+    return "settings" if how is None else how.engine
 
 
 def free_port() -> int:
@@ -61,7 +120,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def reference_losses(cfg) -> list[float]:
+def reference_losses(cfg, steps=STEPS) -> list[float]:
     """One process, 8 devices, fed the global batch the two processes assemble from their shares."""
     import jax
     import numpy as np
@@ -69,10 +128,11 @@ def reference_losses(cfg) -> list[float]:
     from flaxgpt.data import batches as data_lib
     from flaxgpt.train import trainer
 
-    t = trainer.Trainer(cfg, print_fn=lambda *a: None)
+    devices = jax.devices()[: PROCESSES * cfg.mesh.fsdp]  # as many as the two processes had
+    t = trainer.Trainer(cfg, devices=devices, print_fn=lambda *a: None)
     state, losses = t.init_state(), []
     rows = cfg.batch_size // PROCESSES
-    for step in range(STEPS):
+    for step in range(steps):
         shares = [t.task.batch("train", step, rows, p) for p in range(PROCESSES)]  # process 0's rows first
         local = {k: np.concatenate([s[k] for s in shares]) for k in shares[0]}
         batch = data_lib.to_global(data_lib.split_micro(local, cfg.grad_accum), t.train_batch_sharding, 1)
@@ -81,90 +141,90 @@ def reference_losses(cfg) -> list[float]:
     return losses
 
 
-@pytest.mark.devices(8)  # the one-process reference
-def test_two_processes_train_like_one(tmp_path):
-    import numpy as np
-
-    from flaxgpt.data import prepare
-
-    data_dir, out_dir = tmp_path / "data", tmp_path / "run"
-    prepare.prepare_text(TEXT, data_dir, "char", 0.1, "generated")
+def start(engine, data_dir, out_dir, max_iters=STEPS, pace=0.0, local_devices=LOCAL_DEVICES):
+    """Both processes of a job (Popen), each with its engine's variables (none left from this one)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = {k: v for k, v in env.items() if not re.match(r"(SLURM|OMPI|SKYPILOT|JOBSET)_|JAX_COORD", k)}
     env.update(
         JAX_PLATFORMS="cpu",
-        JAX_NUM_CPU_DEVICES=str(LOCAL_DEVICES),
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+        JAX_NUM_CPU_DEVICES=str(local_devices),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
+        PYTHONUNBUFFERED="1",
     )
     port = free_port()
-    procs = [
+    args = [str(port), str(data_dir), str(out_dir), str(max_iters), str(pace), str(local_devices)]
+    return [
         subprocess.Popen(
-            [sys.executable, __file__, str(i), str(port), str(data_dir), str(out_dir)],
+            [sys.executable, __file__, engine, str(i), *args],
             cwd=ROOT,
-            env=env,
+            env={**env, **engine_env(engine, i, port)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
         for i in range(PROCESSES)
     ]
+
+
+def finish(procs, before: str = "") -> list[str]:
+    """Each process's output, after checking that it exited 0."""
     try:
         outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
+    outputs[0] = before + outputs[0]
     for i, (p, out) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"process {i} failed:\n{out[-3000:]}"
+    return outputs
+
+
+def metrics_losses(out_dir) -> dict:
+    """step -> loss from metrics.jsonl, checking that no step was written twice (process 1 writes none)."""
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    logged = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert len(logged) == sum("loss" in r for r in rows), "a step logged twice: process 1 wrote"
+    return logged
+
+
+def prepared(tmp_path):
+    from flaxgpt.data import prepare
+
+    data_dir = tmp_path / "data"
+    prepare.prepare_text(TEXT, data_dir, "char", 0.1, "generated")
+    return data_dir
+
+
+@pytest.mark.slow  # two jax processes a run
+@pytest.mark.devices(8)  # the one-process reference
+@pytest.mark.parametrize("engine, local", [("settings", LOCAL_DEVICES), ("skypilot", 1)])
+def test_two_processes_train_like_one(engine, local, tmp_path):
+    """The explicit settings with parameters split over each process's 4 devices (FSDP); SkyPilot's
+    variables with one device a process (a quicker compile: the join is what is tested)."""
+    import numpy as np
+
+    data_dir, out_dir = prepared(tmp_path), tmp_path / "run"
+    outputs = finish(start(engine, data_dir, out_dir, local_devices=local))
     facts = [
         json.loads(line[7:]) for out in outputs for line in out.splitlines() if line.startswith("RESULT ")
     ]
     assert [f["process"] for f in facts] == [0, 1]
-    assert all(f["processes"] == 2 and f["devices"] == 8 and f["local_devices"] == 4 for f in facts)
+    assert all(f["processes"] == 2 and f["local_devices"] == local for f in facts)
+    assert all(f["devices"] == 2 * local for f in facts)
+    assert facts[0]["joined"] == facts[1]["joined"] == engine
 
-    # only process 0 wrote: one metrics line per step, no duplicates from process 1
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    logged = {r["step"]: r["loss"] for r in rows if "loss" in r}
-    assert sorted(logged) == list(range(1, STEPS + 1)) and len(logged) == sum("loss" in r for r in rows)
-    assert {"config.json", "meta.json", "metrics.jsonl"} <= {p.name for p in out_dir.iterdir()}
+    # only process 0 wrote: one metrics line per step, the run files, and it alone printed
+    logged = metrics_losses(out_dir)
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    assert {"config.json", "meta.json", "metrics.jsonl", "checkpoints"} <= {p.name for p in out_dir.iterdir()}
+    assert "compiled the train step" in outputs[0] and "compiled the train step" not in outputs[1]
 
-    want = reference_losses(config(data_dir, tmp_path / "unused"))
+    want = reference_losses(config(data_dir, tmp_path / "unused", local))
     np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], want, atol=1e-5, rtol=1e-5)
     assert facts[0]["loss"] == facts[1]["loss"]  # every process saw the same (global) loss
     assert abs(facts[0]["loss"] - logged[STEPS]) < 1e-6  # metrics.jsonl rounds to 6 decimals
 
 
-def test_tpu_pod_detection(monkeypatch):
-    """initialize() runs on TPU VMs of a multi-host slice: GKE's variable or the GCE metadata server."""
-    import importlib.util
-    import io
-    import urllib.request
-
-    from flaxgpt import sharding
-
-    monkeypatch.delenv("TPU_WORKER_HOSTNAMES", raising=False)
-    assert not sharding._on_tpu_pod()  # no libtpu on this machine
-    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1k-w-0,t1k-w-1,t1k-w-2,t1k-w-3")
-    assert sharding._on_tpu_pod()
-    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "t1k-w-0")
-    assert not sharding._on_tpu_pod()
-
-    monkeypatch.delenv("TPU_WORKER_HOSTNAMES")
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name: object() if name == "libtpu" else find_spec(name)
-    )
-    asked = []
-
-    def metadata(request, timeout):
-        asked.append((request.full_url, request.get_header("Metadata-flavor")))
-        return io.BytesIO(endpoints)
-
-    monkeypatch.setattr(urllib.request, "urlopen", metadata)
-    endpoints = b"10.130.0.2,10.130.0.3,10.130.0.4,10.130.0.5"
-    assert sharding._on_tpu_pod()
-    assert asked[0] == (sharding.TPU_WORKERS_URL, "Google")
-    endpoints = b"10.130.0.2"  # a single-host TPU VM
-    assert not sharding._on_tpu_pod()
-
-
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    engine, process, port, data, out, max_iters, pace, local_devices = sys.argv[1:]
+    worker(engine, int(process), int(port), data, out, int(max_iters), float(pace), int(local_devices))

@@ -1,0 +1,166 @@
+"""The environment interface, its checks, and one episode played out in text.
+
+    class MyEnv(Environment):                        # in a user's file, named "myfile:MyEnv" in the recipe
+        max_turns = 4
+        def reset(self, prompt, **row) -> str | None  # row: the prompt's data fields (its answer, ...)
+        def step(self, action) -> Step                # Step(observation, reward, done)
+
+    env = load("flaxgpt.envs.calculator:Calculator")
+    episode = run_episode(env, prompt, row, policy)   # policy(messages) -> the model's next reply
+
+A step's `observation` goes back to the model as a tool message and `reward` adds up over the episode
+(the recipe's reward functions still score the final reply on top). ToolEnvironment is the usual
+kind: actions are tool calls in a family's format, read with serve.tools' parsers (what serve.py
+returns as tool_calls is what the environment runs), each call answered by `call(name, arguments)`;
+a reply without a call is the final answer and ends the episode. A call the parser cannot read, or
+one that fails, is an observation the model sees ("error: ..."), never an exception, as vLLM answers
+a malformed call. What the environment does wrong (raises, returns a reward that is not a finite
+number, or an observation over the limit) is an EnvError of one line naming the environment and the
+prompt: the trainer drops that episode's group and keeps the step's others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+
+from flaxgpt.serve import tools as tool_calls
+
+# a reply that opens a call in this family's format but parses to none: the model tried and failed
+_MARKERS = {
+    "hermes": tool_calls.HERMES_OPEN,
+    "mistral": tool_calls.MISTRAL_MARK,
+    "llama3_json": tool_calls.PYTHON_TAG,
+}
+
+
+class EnvError(ValueError):
+    """An environment that misbehaved; the message is one line naming it and the prompt."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    observation: str | None  # the tool message the model reads next (None: nothing to say)
+    reward: float = 0.0
+    done: bool = False
+
+
+class Environment:
+    """The interface (subclassing is optional: any object with reset / step / max_turns will do)."""
+
+    max_turns: int = 4  # replies per episode; then it ends, truncated
+
+    def reset(self, prompt: str, **row) -> str | None:
+        """Start an episode for `prompt`; row: its data fields. Returns a first observation or None."""
+        return None
+
+    def step(self, action: str) -> Step:
+        raise NotImplementedError
+
+
+class ToolEnvironment(Environment):
+    """Actions are tool calls in `family`'s format (serve.tools.FAMILIES) over `tools` (OpenAI schemas)."""
+
+    family: str = "hermes"
+    tools: list = []
+
+    def call(self, name: str, arguments: dict) -> str:
+        raise NotImplementedError
+
+    def final_reward(self, reply: str) -> float:
+        """The reward of the reply that ends the episode (default 0: the recipe's reward functions
+        score it)."""
+        return 0.0
+
+    def step(self, action: str) -> Step:
+        _, calls = tool_calls.parse(self.family, action, self.tools)
+        if not calls:
+            marker = _MARKERS.get(self.family)
+            tried = marker in action if marker else False
+            if tried or (self.family == "llama3_json" and action.lstrip().startswith("{")):
+                return Step("error: the tool call could not be read (malformed JSON or an unknown tool)")
+            return Step(None, self.final_reward(action), True)
+        answers = []
+        for c in calls:
+            f = c["function"]
+            try:
+                answers.append(str(self.call(f["name"], json.loads(f["arguments"]))))
+            except Exception as e:  # a bad argument is the model's mistake: it reads why and tries again
+                answers.append(f"error: {type(e).__name__}: {e}")
+        return Step("\n".join(answers))
+
+
+@dataclasses.dataclass
+class Episode:
+    messages: list[dict]  # the prompt, then the model's replies and the observations, in order
+    reward: float  # the environment's rewards summed
+    turns: int  # the model's replies
+    truncated: bool  # max_turns reached before the environment said done
+
+
+def load(spec: str, **kwargs) -> Environment:
+    """`module:Class` (importable: a shipped one, or a file in the working directory) -> an instance."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        example = "flaxgpt.envs.calculator:Calculator"
+        raise EnvError(f"environment {spec!r}: write it as module:Class (e.g. {example})")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise EnvError(f"environment {spec!r} cannot be loaded ({type(e).__name__}: {e})") from None
+    env = cls(**kwargs)
+    for attr in ("reset", "step"):
+        if not callable(getattr(env, attr, None)):
+            raise EnvError(f"environment {spec!r} has no {attr}() method (see flaxgpt.envs.base.Environment)")
+    return env
+
+
+def run_episode(env, prompt: str, row: dict, policy, max_observation_chars: int = 8000) -> Episode:
+    """Play one episode: the model (`policy(messages) -> reply text`) against `env`."""
+    name = type(env).__name__
+    where = f"environment {name} on prompt {prompt[:60]!r}"
+    messages = [{"role": "user", "content": prompt}]
+    try:
+        first = env.reset(prompt, **row)
+    except Exception as e:
+        raise EnvError(f"{where}: reset raised {type(e).__name__}: {e}") from None
+    if first is not None:
+        messages.append({"role": "tool", "content": _checked_text(first, where, max_observation_chars)})
+    total, turns, max_turns = 0.0, 0, int(getattr(env, "max_turns", Environment.max_turns))
+    while turns < max_turns:
+        reply = policy(messages)
+        messages.append({"role": "assistant", "content": reply})
+        turns += 1
+        try:
+            step = env.step(reply)
+        except Exception as e:
+            raise EnvError(f"{where}: step {turns} raised {type(e).__name__}: {e}") from None
+        if not isinstance(step, Step):
+            try:
+                step = Step(*step)
+            except TypeError:
+                said = f"{where}: step {turns} returned {step!r}, not (observation, reward, done)"
+                raise EnvError(said) from None
+        reward = step.reward
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise EnvError(f"{where}: step {turns} returned the reward {reward!r}, not a finite number")
+        total += float(reward)
+        if step.observation is not None:
+            text = _checked_text(step.observation, where, max_observation_chars)
+            messages.append({"role": "tool", "content": text})
+        if step.done:
+            return Episode(messages, total, turns, truncated=False)
+    return Episode(messages, total, turns, truncated=True)
+
+
+def _checked_text(observation, where: str, limit: int) -> str:
+    if not isinstance(observation, str):
+        raise EnvError(f"{where}: an observation must be text, not {type(observation).__name__}")
+    if len(observation) > limit:
+        raise EnvError(
+            f"{where}: an observation of {len(observation)} characters is over the limit of {limit}; "
+            "cut it in the environment"
+        )
+    return observation

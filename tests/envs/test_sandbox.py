@@ -1,0 +1,72 @@
+"""The Python executor's sandbox against hostile programs: each one ends as an observation, within its
+limits, and leaves nothing behind outside its directory; the trainer's process is untouched."""
+
+import os
+import time
+
+import pytest
+
+from flaxgpt.envs.sandbox import Limits, run_python
+
+FAST = Limits(cpu_s=1, wall_s=3, memory_mb=512, file_mb=1, output_chars=1000)
+
+
+def test_a_well_behaved_program_prints_and_writes_inside_its_directory():
+    r = run_python("open('a.txt', 'w').write('hi')\nprint(open('a.txt').read(), 2 ** 10)", FAST)
+    assert (r.stdout, r.exit_code, r.reason) == ("hi 1024\n", 0, None)
+    assert r.observation() == "hi 1024"
+
+
+@pytest.mark.parametrize("source", ["while True: pass", "import time\ntime.sleep(60)"])
+def test_a_program_that_never_ends_is_stopped_by_its_limits(source):
+    t0 = time.perf_counter()
+    r = run_python(source, FAST)
+    assert time.perf_counter() - t0 < FAST.wall_s + 2
+    assert r.exit_code is None and r.reason in ("CPU limit", "wall-clock limit")
+    assert "[stopped:" in r.observation()
+
+
+@pytest.mark.parametrize(
+    "source, said",
+    [
+        ("import os\nwhile True:\n    os.fork()", "does not allow os.fork"),  # a fork bomb
+        ("import os\nos.system('echo hi')", "does not allow os.system"),
+        ("import subprocess", "does not allow importing subprocess"),
+        ("import multiprocessing", "does not allow importing multiprocessing"),
+        ("import socket", "does not allow importing socket"),
+        ("import ctypes", "does not allow importing ctypes"),
+        ("import os\nos.kill(os.getppid(), 9)", "does not allow signals to other processes"),
+        ("x = bytearray(10 * 2**30)", "MemoryError"),  # 10 GB
+        ("import gc\ngc.get_objects()", "does not allow gc.get_objects"),
+    ],
+)
+def test_hostile_programs_fail_inside_the_sandbox(source, said):
+    r = run_python(source, FAST)
+    assert r.exit_code == 1 and said in r.stderr, r
+
+
+def test_writes_outside_its_directory_are_refused(tmp_path):
+    target = tmp_path / "escaped.txt"
+    for source in (
+        f"open({str(target)!r}, 'w').write('x')",
+        f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
+        f"import os\nos.chdir('/')\nopen({str(target)[1:]!r}, 'a')",  # relative, after a chdir
+        "open('../../escaped.txt', 'w')",
+        f"import os\nos.remove({__file__!r})",
+        f"import os\nos.rename({__file__!r}, 'stolen.py')",
+        "import os\nos.symlink('/', 'root')",
+    ):
+        r = run_python(source, FAST)
+        assert r.exit_code == 1 and "PermissionError" in r.stderr, (source, r)
+    assert not target.exists() and os.path.exists(__file__)
+
+
+def test_exit_output_and_errors_come_back_as_observations():
+    assert run_python("import sys\nprint('bye')\nsys.exit(3)", FAST).observation() == "bye\n[exit code 3]"
+    r = run_python("print('a' * 5000 + 'z')", Limits(output_chars=200))
+    assert len(r.stdout) < 300 and "[... 4802 characters cut ...]" in r.stdout and r.stdout.endswith("az\n")
+    r = run_python("print('x' * 10**7)", FAST)  # over the 1 MB file size limit
+    assert r.exit_code != 0 or r.reason == "file size limit"
+    r = run_python("1 / 0", FAST)
+    assert r.stderr.startswith("Traceback") and "<tool>" in r.stderr and "ZeroDivisionError" in r.stderr
+    assert '"<string>"' not in r.stderr.splitlines()[1]  # the trace starts at the tool's own code
