@@ -4,8 +4,9 @@
     runtime.setup()            # train.py, sample.py, serve.py and the flaxgpt command call this
 
 Importing a flaxgpt module changes nothing global; `setup()` is where the quieting lives: orbax's log
-lines that carry nothing for the user, tensorstore's unraisable "Event loop is closed" stragglers, and
-absl's verbosity (orbax logs every save and load at INFO through absl). `keep_cpu_step_memory()` is
+lines that carry nothing for the user, tensorstore's unraisable "Event loop is closed" stragglers,
+absl's verbosity (orbax logs every save and load at INFO through absl) and libtpu's warnings on a
+machine without a TPU (`skip_absent_tpu`). `keep_cpu_step_memory()` is
 the trainer's: how XLA:CPU's per-step buffers are allocated.
 
 May import: flaxgpt.sharding.
@@ -14,6 +15,7 @@ May import: flaxgpt.sharding.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import sys
 
@@ -57,8 +59,48 @@ def quiet_closed_loop(hook):
     return unraisable
 
 
+def skip_absent_tpu() -> bool:
+    """Lets jax's TPU backend fail at once, without starting libtpu, when no TPU chip is on this
+    machine; returns whether it did. Call it before JAX starts its backends.
+
+    Why: with JAX_PLATFORMS unset jax starts every platform it has a plugin for and keeps those that
+    work. With libtpu installed (the tpu-aot extra) on a machine without a TPU, libtpu starts anyway
+    and writes five lines to stderr (its accelerator type and worker hostnames cannot be found)
+    before jax falls back to the CPU, on every train.py / sample.py run. jax already skips CUDA when
+    no NVIDIA device is visible; this is the same test for the TPU, with jax's own PCI check
+    (hardware_utils, as jax's cloud_tpu_init uses). Nothing is skipped when JAX_PLATFORMS names the
+    platforms (asking for the TPU still fails loudly), under JAX_FORCE_TPU_INIT, once a backend has
+    started, or when a TPU chip is present: libtpu's messages are then about a real TPU. Compiling
+    for a TPU (flaxgpt aot) loads libtpu through its topology, not the backend, so still works.
+    """
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("libtpu") is None:  # nothing would start: jax not even imported
+        return False
+    import jax
+    from jax._src import hardware_utils, xla_bridge
+
+    if jax.config.jax_platforms or "JAX_FORCE_TPU_INIT" in os.environ:
+        return False
+    factories = getattr(xla_bridge, "_backend_factories", None)  # private: another jax, no change
+    if not isinstance(factories, dict) or "tpu" not in factories or xla_bridge.backends_are_initialized():
+        return False
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0:
+        return False
+    factories["tpu"] = dataclasses.replace(factories["tpu"], factory=_no_tpu)  # still a known platform
+    return True
+
+
+def _no_tpu():
+    # raised where libtpu would have started: jax notes it (at INFO) and goes on with the other platforms
+    raise RuntimeError("no TPU chip on this machine (flaxgpt.runtime.skip_absent_tpu)")
+
+
 def setup(verbosity: str | None = "warning") -> None:
-    """Installs the filters above (once per process) and sets absl's verbosity (None: leave it)."""
+    """Installs the filters above (once per process), skips an absent TPU (`skip_absent_tpu`) and
+    sets absl's verbosity (None: leave it)."""
+    skip_absent_tpu()
     for name in ("absl", "asyncio"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, QuietOrbax) for f in logger.filters):

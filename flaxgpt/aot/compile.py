@@ -9,11 +9,11 @@
 
 Overrides are train.py's (`--config.section.key=value`, the recipe locked). For each program (train,
 eval, sample = prefill + decode, serve = prefill + generate, rollout = GRPO's engine prefill +
-generate) one line, figures per device: parameters,
-optimizer state, temporaries and the total against the target's memory, the attention kernel,
-compile time, FLOPs, the roofline step-time bound and MFU ceiling; then its collectives; with serve,
-the serve.py command that runs the compiled programs (`serve_command`). Exit 1 when
-a program does not fit (with --headroom F: within (1 - F) of the memory). --dump DIR writes the
+generate) a progress line as it is compiled (`compiled train in N.N s`), then one line of the table,
+figures per device: parameters, optimizer state, temporaries and the total against the target's
+memory, the attention kernel, compile time, FLOPs, the roofline step-time bound and MFU ceiling; then
+its collectives; with serve, the serve.py command that runs the compiled programs (`serve_command`).
+Exit 1 when a program does not fit (with --headroom F: within (1 - F) of the memory). --dump DIR writes the
 optimized HLO of each program. TPU targets need libtpu (`pip install "jax[tpu]==<jax version>"`),
 GPU ones the CUDA plugin (`pip install "jax[cuda12]==<jax version>"`); no accelerator is needed.
 """
@@ -21,6 +21,7 @@ GPU ones the CUDA plugin (`pip install "jax[cuda12]==<jax version>"`); no accele
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -113,7 +114,11 @@ def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0, quan
         )  # fmt: skip
     except ValueError as e:  # a mesh or batch that does not divide the target's devices
         raise SystemExit(f"error: {e} (target {target.name}: {len(devices)} devices)") from None
-    rows = [report.analyze(p, target, dump) for p in progs]
+    rows = []
+    for program in progs:  # one line as each compiles: a big model's programs take minutes together
+        rows.append(report.analyze(program, target, dump))
+        failed = " (out of memory: does not fit)" if rows[-1].error else ""
+        print_fn(f"compiled {program.name} in {rows[-1].compile_s:.1f} s{failed}")
     budget = report.grpo_budget(rows)  # a GRPO recipe: the train step and its engine on one device
     return rows + ([budget] if budget else []), mc
 
@@ -152,7 +157,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows, mc = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,
                    quantize=args.quantize, serve_devices=args.serve_devices, dump=args.dump,
-                   speculative_tokens=args.speculative_tokens)  # fmt: skip
+                   speculative_tokens=args.speculative_tokens,
+                   print_fn=functools.partial(print, flush=True))  # fmt: skip
     from flaxgpt.aot import report
 
     print(

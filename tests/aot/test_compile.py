@@ -2,6 +2,8 @@
 compiles and is reported (memory, kernel, collectives, FLOPs); an FSDP mesh shows its all-gathers; bad
 input is one line."""
 
+import re
+
 import pytest
 
 from configs import default
@@ -25,10 +27,15 @@ def tiny(**kw):
 
 def test_every_program_compiles_for_v5e_8_and_is_reported():
     target = targets.get("v5e-8")
-    rows, mc = aot.run(tiny(), target, print_fn=lambda *_: None)
+    lines = []
+    rows, mc = aot.run(tiny(), target, print_fn=lines.append)
     by = {r.program: r for r in rows}
     serve = ["serve.prefill", "serve.generate"]
     assert list(by) == ["train", "eval", "sample.prefill", "sample.decode", *serve]
+    # a progress line as each program is compiled (#55: minutes of silence for a big model), its time
+    assert lines[0].startswith("model: ") and len(lines) == 1 + len(rows)
+    for line, r in zip(lines[1:], rows):
+        assert line == f"compiled {r.program} in {r.compile_s:.1f} s"
     train = by["train"]
     assert train.devices == 8 and train.fits(0.1)
     # parameters replicated over the data-parallel mesh: each device holds all of them in float32
@@ -146,6 +153,7 @@ def test_a_recipe_that_does_not_fit_exits_1_with_the_table(capsys, tmp_path):
     code = aot.main(["--config", str(recipe), "--target", "v5e-1", "--programs", "train"])
     out, err = capsys.readouterr()
     assert code == 1 and "train" in out and "NO" in out and "does not fit v5e-1" in err
+    assert re.search(r"^compiled train in \d+\.\d s", out, re.M)  # the progress line, as it compiled
 
 
 def test_recipes_name_their_targets():
