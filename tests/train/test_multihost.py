@@ -195,7 +195,7 @@ def prepared(tmp_path):
     return data_dir
 
 
-@pytest.mark.slow  # two jax processes a run
+@pytest.mark.slow  # two jax processes a run; Slurm's run is test_sigterm_to_both_saves_and_resumes_exactly's
 @pytest.mark.devices(8)  # the one-process reference
 @pytest.mark.parametrize("engine, local", [("settings", LOCAL_DEVICES), ("skypilot", 1)])
 def test_two_processes_train_like_one(engine, local, tmp_path):
@@ -223,6 +223,41 @@ def test_two_processes_train_like_one(engine, local, tmp_path):
     np.testing.assert_allclose([logged[s] for s in range(1, STEPS + 1)], want, atol=1e-5, rtol=1e-5)
     assert facts[0]["loss"] == facts[1]["loss"]  # every process saw the same (global) loss
     assert abs(facts[0]["loss"] - logged[STEPS]) < 1e-6  # metrics.jsonl rounds to 6 decimals
+
+
+@pytest.mark.slow
+@pytest.mark.devices(8)  # the one-process reference
+def test_sigterm_to_both_saves_and_resumes_exactly(tmp_path):
+    """Slurm's preemption (as a GKE drain and SkyPilot's spot recovery) sends SIGTERM to every
+    process: both finish the same step, save it, exit 0; the same command resumes, and the losses of
+    the cut-and-resumed run are the uninterrupted run's."""
+    import numpy as np
+
+    from flaxgpt.runs.checkpoint import Checkpointer
+
+    data_dir, out_dir, steps = prepared(tmp_path), tmp_path / "run", 12
+    procs = start("slurm", data_dir, out_dir, max_iters=steps, pace=0.2, local_devices=1)
+    seen = []
+    for line in procs[0].stdout:  # process 0 prints the step lines
+        seen.append(line)
+        m = re.match(r"step\s+(\d+)(?:/\d+)? \|", line)
+        if m and int(m.group(1)) >= 3:
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            break
+    out = finish(procs, "".join(seen))[0]
+    saved = Checkpointer(out_dir).latest_step()
+    assert 3 <= saved < steps and f"SIGTERM: saved step {saved} to {out_dir}/checkpoints;" in out
+    assert sorted(metrics_losses(out_dir)) == list(range(1, saved + 1))
+
+    out = finish(start("slurm", data_dir, out_dir, max_iters=steps, local_devices=1))[0]
+    assert f"resumed from {out_dir}/checkpoints/{saved}" in out
+    logged = metrics_losses(out_dir)
+    assert sorted(logged) == list(range(1, steps + 1))
+    reference = config(data_dir, tmp_path / "unused", 1)
+    reference.max_iters = steps  # the schedule's length
+    want = reference_losses(reference, steps)
+    np.testing.assert_allclose([logged[s] for s in range(1, steps + 1)], want, atol=1e-5, rtol=1e-5)
 
 
 if __name__ == "__main__":
