@@ -17,6 +17,7 @@ Mind the names: Gemma's post_attention_layernorm is the norm on the attention's 
 from __future__ import annotations
 
 from flaxgpt.hf import files as hf_files
+from flaxgpt.hf import llama as hf_llama
 from flaxgpt.hf.llama import ARCH_FIELDS
 from flaxgpt.models.gpt_config import GPTConfig
 
@@ -59,22 +60,15 @@ def _window_pattern(hf: dict, model_type: str) -> int:
     return n
 
 
-def _rope(params: dict, model_type: str) -> dict:
-    """One rope_parameters entry -> rope_theta / rope_scaling / rope_factor (default or linear)."""
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ("default", "linear"):
-        raise ValueError(f"{model_type} rope_type {kind!r} is not implemented; implemented: default, linear")
-    out = {"rope_theta": float(params.get("rope_theta", 10000.0))}
-    if kind == "linear":
-        out.update(rope_scaling="linear", rope_factor=float(params["factor"]))
-    return out
-
-
 def _rope_fields(hf: dict, model_type: str) -> dict:
-    """Global and local rotary settings from either config.json format."""
+    """Global and local rotary settings from either config.json format; the global entry's scaling
+    is any of llama.ROPE_TYPES, the window layers' unscaled."""
     params = hf.get("rope_parameters") or {}
     if GLOBAL in params:  # transformers 5: one entry per layer type
-        out = _rope(params[GLOBAL], model_type)
+        glob = params[GLOBAL]
+        # transformers reads yarn's truncate from rope_parameters itself, not the layer type's entry
+        glob = {**glob, "truncate": params.get("truncate", True)} if "truncate" in glob else glob
+        out = hf_llama.rope_fields(glob, glob.get("rope_theta", 10000.0), hf)
         local = params.get(LOCAL, {})
         if local.get("rope_type", "default") != "default":
             raise ValueError(
@@ -83,9 +77,8 @@ def _rope_fields(hf: dict, model_type: str) -> dict:
         local_theta = float(local.get("rope_theta", out["rope_theta"]))
     else:  # older files: rope_theta + rope_scaling (global), rope_local_base_freq (Gemma 3)
         scaling = hf.get("rope_scaling") or params
-        out = _rope(
-            {**scaling, "rope_theta": hf.get("rope_theta", params.get("rope_theta", 10000.0))}, model_type
-        )
+        theta = scaling.get("rope_theta", hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+        out = hf_llama.rope_fields(scaling, theta, hf)
         local_theta = float(hf.get("rope_local_base_freq", out["rope_theta"]))
     if model_type == "gemma3_text":
         out["rope_local_theta"] = local_theta
@@ -109,14 +102,16 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         "use_bidirectional_attention": True if hf.get("use_bidirectional_attention") else None,
     }
     max_len = hf.get("max_position_embeddings", 8192)
+    rope = _rope_fields(hf, model_type)
     window = hf["sliding_window"]
     if window > max_len:
         raise ValueError(
             f"{model_type} sliding_window {window} is longer than max_position_embeddings {max_len}; "
             "fix config.json (a window covers at most the context)"
         )
+    fields["block_size"] = fields.get("block_size") or max_len  # yarn, dynamic may run longer if asked
     block_size = hf_files.checked_block_size(
-        model_type, unsupported, fields, ARCH_FIELDS, max_len, "max_position_embeddings"
+        model_type, unsupported, fields, ARCH_FIELDS, *hf_llama.rope_reach(rope, max_len)
     )
     softcaps = {
         key: float(hf.get(key) or 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")
@@ -146,7 +141,7 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
         attn_softcap=softcaps["attn_logit_softcapping"],
         logit_softcap=softcaps["final_logit_softcapping"],
-        **_rope_fields(hf, model_type),
+        **rope,
         **fields,
     )
 
@@ -157,9 +152,7 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
     a model that changed)."""
     c = config
     types = [GLOBAL if not c.layer_window(i) else LOCAL for i in range(c.n_layer)]
-    glob = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling == "linear":
-        glob.update(rope_type="linear", factor=c.rope_factor)
+    glob = hf_llama.rope_parameters(c)
     if model_type == "gemma3_text":
         local = {"rope_type": "default", "rope_theta": c.rope_local_theta or c.rope_theta}
         rope = {GLOBAL: glob, LOCAL: local}
@@ -177,7 +170,7 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         "num_key_value_heads": c.kv_heads,
         "head_dim": c.head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": c.block_size,
+        "max_position_embeddings": hf_llama.max_position_embeddings(c, model_type),
         "rms_norm_eps": c.layer_norm_epsilon,
         "tie_word_embeddings": c.tie_embeddings,
         "rope_parameters": rope,

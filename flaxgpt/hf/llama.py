@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from flaxgpt.hf import files as hf_files
 from flaxgpt.models.gpt_config import GPTConfig
+from flaxgpt.models.rope import yarn_attention_factor
 
 # HF name inside layer i (after "model.layers.{i}.") -> (flaxgpt path inside h_{i}, the part of a
 # fused flaxgpt tensor it fills: q / k / v columns of c_attn, gate / up columns of c_fc, or None)
@@ -40,13 +41,16 @@ QWEN3_LAYER_KEYS = {
 }
 
 
-ROPE_TYPES = ("default", "linear", "llama3")  # rope types flaxgpt implements ("default": rope_scaling="none")
+# rope types flaxgpt implements, transformers' names ("default": rope_scaling="none")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+NOT_IMPLEMENTED = {"longrope": "Phi-3's LongRoPE; no family flaxgpt loads uses it"}
 WINDOWED = ("mistral", "mixtral")  # the families whose config.json's sliding_window is the attention's
 # GPTConfig fields a checkpoint fixes; the others (dropout, dtype, remat, block_size, ...) are free
 ARCH_FIELDS = tuple(
     "vocab_size n_layer n_head n_kv_head n_embd mlp_hidden pos_embedding norm activation glu "
     "tie_embeddings bias qkv_bias layer_norm_epsilon rope_theta rope_scaling rope_factor "
-    "rope_low_freq_factor rope_high_freq_factor rope_original_max_len sliding_window qk_norm "
+    "rope_low_freq_factor rope_high_freq_factor rope_original_max_len rope_attention_factor "
+    "rope_beta_fast rope_beta_slow rope_truncate sliding_window qk_norm "
     "logit_softcap head_size window_pattern rope_local_theta query_pre_attn_scalar attn_softcap post_norms "
     "embed_scale".split()
 )
@@ -55,26 +59,114 @@ ARCH_FIELDS = tuple(
 # ---------------------------------------------------------------- configs
 
 
-def _rope_fields(hf: dict) -> dict:
-    """rope_theta and scaling from either config.json format: transformers < 5 (rope_theta,
-    rope_scaling) or >= 5 (rope_parameters holding both)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or params
+def rope_fields(scaling: dict, theta: float, hf: dict) -> dict:
+    """One rotary entry of a config.json (rope_scaling, or a rope_parameters dict; "rope_type" or the
+    older "type") -> GPTConfig's rope fields, read as transformers' modeling_rope_utils reads it.
+    `hf`: the whole config.json (max_position_embeddings; a top-level original_max_position_embeddings
+    overrides the entry's, as transformers' standardize_rope_params does). Shared by every family."""
+    model_type = hf.get("model_type")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
     if kind not in ROPE_TYPES:
-        implemented = ", ".join(ROPE_TYPES)
-        raise ValueError(f"rope scaling type {kind!r} is not implemented; implemented: {implemented}")
+        why = f" ({NOT_IMPLEMENTED[kind]})" if kind in NOT_IMPLEMENTED else ""
+        have = ", ".join(ROPE_TYPES)
+        raise ValueError(
+            f"{model_type} rope scaling type {kind!r} is not implemented{why}; implemented: {have}"
+        )
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"{model_type} partial_rotary_factor {scaling['partial_rotary_factor']} is not supported"
+        )
     out = {"rope_theta": float(theta)}
-    if kind != "default":
-        out.update(rope_scaling=kind, rope_factor=float(scaling["factor"]))
+    if kind == "default":
+        return out
+    max_len = hf.get("max_position_embeddings", 2048)
+    original = (
+        hf.get("original_max_position_embeddings")
+        or scaling.get("original_max_position_embeddings")
+        or max_len
+    )
+    factor = scaling.get("factor")
+    if factor is None and kind == "yarn":  # transformers: the ratio of the two lengths (DeepSeek-V3)
+        factor = max_len / original
+    if factor is None:
+        raise ValueError(f"{model_type} {kind} rope scaling has no factor; add it to config.json")
+    out.update(rope_scaling=kind, rope_factor=float(factor))
     if kind == "llama3":
         out.update(
             rope_low_freq_factor=float(scaling["low_freq_factor"]),
             rope_high_freq_factor=float(scaling["high_freq_factor"]),
-            rope_original_max_len=int(scaling["original_max_position_embeddings"]),
+            rope_original_max_len=int(original),
         )
+    if kind == "yarn":
+        attention = scaling.get("attention_factor")
+        if attention is None and scaling.get("mscale") and scaling.get("mscale_all_dim"):
+            attention = yarn_attention_factor(factor, scaling["mscale"], scaling["mscale_all_dim"])
+        if attention is not None and not attention > 0:
+            raise ValueError(f"{model_type} yarn attention_factor must be > 0, got {attention}")
+        out.update(
+            rope_original_max_len=int(original),
+            rope_attention_factor=float(attention or 0.0),  # 0: YaRN's default from the factor
+            rope_beta_fast=float(scaling.get("beta_fast") or 32.0),  # transformers' `or`: 0 is the default
+            rope_beta_slow=float(scaling.get("beta_slow") or 1.0),
+            rope_truncate=bool(scaling.get("truncate", True)),
+        )
+    if kind == "dynamic":  # transformers scales from max_position_embeddings, not an original length
+        out.update(rope_original_max_len=int(max_len))
     return out
+
+
+def rope_reach(rope: dict, max_len: int) -> tuple[int, str]:
+    """(the longest block_size a checkpoint allows, its name in the error): max_position_embeddings, or
+    for yarn and dynamic the original context times the factor when longer (Qwen's YaRN configs keep
+    max_position_embeddings at the original 32k: the point of the scaling is to run past it)."""
+    if rope.get("rope_scaling") not in ("yarn", "dynamic"):
+        return max_len, "max_position_embeddings"
+    original, factor = rope["rope_original_max_len"], rope["rope_factor"]
+    reach = int(original * factor)
+    if reach <= max_len:
+        return max_len, "max_position_embeddings"
+    return reach, f"{rope['rope_scaling']} reach (original {original} x factor {factor})"
+
+
+def _rope_fields(hf: dict) -> dict:
+    """rope_theta and scaling from either config.json format: transformers < 5 (rope_theta,
+    rope_scaling) or >= 5 (rope_parameters holding both); rope_scaling wins, as in transformers."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    # the entry's own rope_theta first: transformers only fills it in from the top-level one
+    theta = scaling.get("rope_theta", hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    return rope_fields(scaling, theta, hf)
+
+
+def rope_parameters(c: GPTConfig) -> dict:
+    """transformers' rotary entry (rope_type, rope_theta and what the type reads) for c's global
+    rotary embedding; every flaxgpt scaling has a transformers rope_type of the same name."""
+    rope = {"rope_type": "default" if c.rope_scaling == "none" else c.rope_scaling}
+    if c.rope_scaling != "none":
+        rope["factor"] = c.rope_factor
+    rope["rope_theta"] = c.rope_theta
+    if c.rope_scaling == "llama3":
+        rope.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor)
+    if c.rope_scaling in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = c.rope_original_max_len
+    if c.rope_scaling == "yarn":
+        rope.update(beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow, truncate=c.rope_truncate)
+        if c.rope_attention_factor:
+            rope["attention_factor"] = c.rope_attention_factor
+    return rope
+
+
+def max_position_embeddings(c: GPTConfig, model_type: str) -> int:
+    """config.json's max_position_embeddings: the context (block_size), which dynamic NTK also scales
+    from, so a dynamic model is written only when the two agree (a one-line refusal otherwise)."""
+    if c.pos_embedding == "rope" and c.rope_scaling == "dynamic" and c.block_size != c.rope_original_max_len:
+        raise ValueError(
+            f"a {model_type} checkpoint cannot hold block_size={c.block_size} with rope_scaling='dynamic': "
+            f"its max_position_embeddings is both the context and the length dynamic NTK scales from "
+            f"(rope_original_max_len={c.rope_original_max_len}); set block_size={c.rope_original_max_len} "
+            "to export (the model still runs longer prompts)"
+        )
+    return c.block_size
 
 
 def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
@@ -102,8 +194,10 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         else None,
     }
     max_len = hf.get("max_position_embeddings", 2048)
+    rope = _rope_fields(hf)
+    fields["block_size"] = fields.get("block_size") or max_len  # yarn, dynamic may run longer if asked
     block_size = hf_files.checked_block_size(
-        model_type, unsupported, fields, ARCH_FIELDS, max_len, "max_position_embeddings"
+        model_type, unsupported, fields, ARCH_FIELDS, *rope_reach(rope, max_len)
     )
     window = hf.get("sliding_window") if model_type in WINDOWED else None
     return GPTConfig(
@@ -125,24 +219,9 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         sliding_window=window if window and window < block_size else 0,  # a window >= the context is none
-        **_rope_fields(hf),
+        **rope,
         **fields,
     )
-
-
-def _rope_scaling(c: GPTConfig) -> dict | None:
-    """config.json's rope_scaling for c's rotary scaling (None: unscaled); flaxgpt's scalings have
-    transformers' rope_type names."""
-    if c.rope_scaling == "none":
-        return None
-    rope = {"rope_type": c.rope_scaling, "factor": c.rope_factor, "rope_theta": c.rope_theta}
-    if c.rope_scaling == "llama3":
-        rope.update(
-            low_freq_factor=c.rope_low_freq_factor,
-            high_freq_factor=c.rope_high_freq_factor,
-            original_max_position_embeddings=c.rope_original_max_len,
-        )
-    return rope
 
 
 def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict | None = None) -> dict:
@@ -160,11 +239,11 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         "num_key_value_heads": c.kv_heads,
         "head_dim": c.head_dim if family.qk_norm else c.n_embd // c.n_head,  # others read D / H only
         "hidden_act": "silu",
-        "max_position_embeddings": c.block_size,
+        "max_position_embeddings": max_position_embeddings(c, model_type),
         "rms_norm_eps": c.layer_norm_epsilon,
         "tie_word_embeddings": c.tie_embeddings,
         "rope_theta": c.rope_theta,  # both config.json formats: rope_theta + rope_scaling read everywhere
-        "rope_scaling": _rope_scaling(c),
+        "rope_scaling": None if c.rope_scaling == "none" else rope_parameters(c),
         "attention_dropout": c.attn_dropout,
         "initializer_range": 0.02,
         "dtype": "float32",

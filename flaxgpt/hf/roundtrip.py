@@ -30,12 +30,26 @@ from flaxgpt.models.gpt_config import GPTConfig
 # layers, rematerialisation, the attention kernel). Whoever loads the checkpoint chooses them again.
 NOT_EXPORTED = frozenset(
     "dropout embd_dropout attn_dropout resid_dropout zero_init_proj router_aux_loss_coef "
-    "router_z_loss_coef dtype param_dtype pad_vocab_multiple scan_layers remat attention_impl".split()
+    "router_z_loss_coef dtype param_dtype pad_vocab_multiple scan_layers remat attention_impl "
+    "context_impl".split()
 )
-# the rotary fields in the order the scalings read them: none reads the first 2, linear 3, llama3 all
-ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor")
-ROPE_FIELDS += ("rope_original_max_len",)
-ROPE_READS = {"none": 2, "linear": 3, "llama3": 6}
+# the rotary fields each scaling reads (models/rope.py); the others change nothing given it
+_BASE = ("rope_theta", "rope_scaling")
+ROPE_READS = {
+    "none": _BASE,
+    "linear": (*_BASE, "rope_factor"),
+    "llama3": (
+        *_BASE,
+        "rope_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_original_max_len",
+    ),
+    "yarn": (*_BASE, "rope_factor", "rope_original_max_len", "rope_attention_factor", "rope_beta_fast")
+    + ("rope_beta_slow", "rope_truncate"),
+    "dynamic": (*_BASE, "rope_factor", "rope_original_max_len"),
+}
+ROPE_FIELDS = tuple(dict.fromkeys(name for reads in ROPE_READS.values() for name in reads))
 EXPERT_FIELDS = ("experts_per_token", "expert_hidden", "norm_topk_prob", "decoder_sparse_step")
 EXPERT_FIELDS += ("mlp_only_layers",)
 
@@ -51,8 +65,10 @@ def normal_form(c: GPTConfig) -> dict:
         query_pre_attn_scalar=0.0 if c.query_pre_attn_scalar == c.head_dim else c.query_pre_attn_scalar,
         sinusoid_layout=c.sinusoid_layout if c.pos_embedding == "sinusoidal" else None,
     )
-    reads = ROPE_READS[c.rope_scaling] if c.pos_embedding == "rope" else 0
-    out.update({name: out[name] if i < reads else None for i, name in enumerate(ROPE_FIELDS)})
+    reads = ROPE_READS[c.rope_scaling] if c.pos_embedding == "rope" else ()
+    out.update({name: out[name] if name in reads else None for name in ROPE_FIELDS})
+    if "rope_attention_factor" in reads:  # YaRN's 0 stands for its default
+        out["rope_attention_factor"] = c.rope.mscale
     out.update(_windows(c))
     out.update(_experts(c))
     return out

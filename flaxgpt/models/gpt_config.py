@@ -75,11 +75,15 @@ class GPTConfig:
     n_kv_head: int = 0  # key/value heads: 0 = n_head, 1 = multi-query, else grouped-query
     qk_norm: bool = False  # normalise each head's queries and keys (with `norm`) before attention
     rope_theta: float = 10000.0  # pos_embedding=rope: base of the rotary frequencies
-    rope_scaling: str = "none"  # none | llama3 (Llama 3.1's long context) | linear (positions / factor)
-    rope_factor: float = 1.0  # llama3 / linear: context extension factor
+    rope_scaling: str = "none"  # none | llama3 (Llama 3.1) | linear | yarn | dynamic (NTK): models/rope.py
+    rope_factor: float = 1.0  # llama3 / linear / yarn / dynamic: context extension factor
     rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are scaled
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept
-    rope_original_max_len: int = 8192  # llama3: the pretraining context
+    rope_original_max_len: int = 8192  # llama3 / yarn / dynamic: the pretraining context (models/rope.py)
+    rope_attention_factor: float = 0.0  # yarn: cos and sin times this; 0 = YaRN's 0.1 ln(factor) + 1
+    rope_beta_fast: float = 32.0  # yarn: frequencies turning more often over the original context kept
+    rope_beta_slow: float = 1.0  # yarn: ... less often divided by factor; a linear ramp between
+    rope_truncate: bool = True  # yarn: the ramp's ends rounded to whole frequencies
     sliding_window: int = 0  # each query sees the last sliding_window keys (Mistral); 0 = all
     logit_softcap: float = 0.0  # logits = cap * tanh(logits / cap) (Gemma 2); 0 = off
     # Gemma 2 / 3 and Qwen3 (defaults leave every model above as it was)
@@ -233,6 +237,10 @@ class GPTConfig:
             self.rope_low_freq_factor,
             self.rope_high_freq_factor,
             self.rope_original_max_len,
+            self.rope_attention_factor,
+            self.rope_beta_fast,
+            self.rope_beta_slow,
+            self.rope_truncate,
         )
 
     @property

@@ -4,6 +4,7 @@ line naming fields that do differ; and a few such exports, weights and all, comp
 after loading back. Configs alone for the draws: no downloads, no transformers."""
 
 import dataclasses
+import math
 import random
 import re
 
@@ -60,7 +61,11 @@ DOMAIN = {
     "rope_factor": (1.0, 4.0),
     "rope_low_freq_factor": (1.0, 2.0),
     "rope_high_freq_factor": (4.0, 8.0),
-    "rope_original_max_len": (8, 8192),
+    "rope_original_max_len": (8, 32, 8192),
+    "rope_attention_factor": (0.0, 1.5),
+    "rope_beta_fast": (32.0, 16.0),
+    "rope_beta_slow": (1.0, 2.0),
+    "rope_truncate": BOOL,
     "sliding_window": lambda d: (0, 5, d["block_size"], 2 * d["block_size"]),
     "logit_softcap": (0.0, 30.0),
     "head_size": lambda d: (0, d["n_embd"] // d["n_head"], 12),
@@ -230,6 +235,14 @@ SAME_MODEL = [
         dict(rope_factor=8.0, rope_high_freq_factor=2.0, head_size=64, sliding_window=8192),
     ),
     ("smollm2-135m", "llama", dict(rope_scaling="linear", rope_factor=2.0, rope_original_max_len=4)),
+    # YaRN's attention factor 0 stands for 0.1 ln(factor) + 1; llama3's low/high factors are not yarn's
+    (
+        "smollm2-135m",
+        "llama",
+        dict(rope_scaling="yarn", rope_factor=4.0, rope_attention_factor=0.1 * math.log(4.0) + 1.0),
+    ),
+    ("smollm2-135m", "qwen2", dict(qkv_bias=True, rope_scaling="yarn", rope_low_freq_factor=3.0)),
+    ("smollm2-135m", "llama", dict(rope_scaling="dynamic", rope_original_max_len=8192, rope_beta_fast=2.0)),
     ("mistral-7b-v0.1", "mistral", dict(block_size=1024)),  # its 4096 window covers the context
     ("gemma-2-2b", "gemma2", dict(sliding_window=0, window_pattern=0)),  # every layer global
     ("gemma-2-2b", "gemma2", dict(query_pre_attn_scalar=0.0, head_size=256)),

@@ -218,11 +218,11 @@ def test_bad_input_is_one_line_errors(family, tmp_path):
     raises_one_line(
         ValueError, supported, hf.load_pretrained, write(str(tmp_path / "gemma"), model_type="gemma")
     )
-    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    d = write(str(tmp_path / "yarn"), rope_scaling=yarn, rope_parameters=yarn)
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    d = write(str(tmp_path / "longrope"), rope_scaling=longrope, rope_parameters=longrope)
     raises_one_line(
         ValueError,
-        "rope scaling type 'yarn' is not implemented; implemented: default, linear, llama3",
+        "rope scaling type 'longrope' is not implemented .*; implemented: default, linear, llama3, yarn, dyn",
         hf.load_pretrained,
         d,
     )
@@ -387,9 +387,9 @@ def test_config_errors_name_the_values():
     with pytest.raises(ValueError, match="n_head 6 is not divisible by n_kv_head 4"):
         GPTConfig(**base, n_kv_head=4)
     with pytest.raises(
-        ValueError, match="rope_scaling='yarn' is not one of \\('none', 'llama3', 'linear'\\)"
+        ValueError, match="rope_scaling='longrope' is not one of \\('none', 'llama3', 'linear', 'yarn'"
     ):
-        GPTConfig(**base, rope_scaling="yarn")
+        GPTConfig(**base, rope_scaling="longrope")
     with pytest.raises(ValueError, match="rotary embeddings need an even head_dim, got 7"):
         GPTConfig(**{**base, "n_head": 7, "n_embd": 49})
     with pytest.raises(ValueError, match="norm='batchnorm' is not one of"):
