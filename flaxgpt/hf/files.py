@@ -85,10 +85,13 @@ def resolve(name_or_path: str, cache_dir: str | None = None) -> str:
     else:
         why = f"the hub could not be reached ({type(last).__name__})"
     near = near_name(path)  # a typo: the name it means, before the network advice
+    cache = cache_dir or constants.HF_HUB_CACHE  # where a copy made elsewhere must go ($HF_HUB_CACHE)
     raise ConnectionError(  # an OSError: callers catching file errors catch this too
-        f"{name_or_path!r} is not a local directory nor in the Hugging Face cache, and {why}: "
+        f"{name_or_path!r} is not a local directory nor in the Hugging Face cache {cache}, and {why}: "
         + (f"{near} Else: " if near else "")
-        + f"downloading it needs the network, or pass a local directory with {CONFIG_FILE} and {WEIGHTS_FILE}"
+        + f"downloading it needs the network (once, into that cache: hf download {repos[-1]} "
+        "--include '*.json' --include '*.safetensors'), or pass a "
+        f"local directory with {CONFIG_FILE} and {WEIGHTS_FILE} (docs/pretrained.md, 'Offline')"
     )
 
 

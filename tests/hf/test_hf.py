@@ -224,7 +224,10 @@ def test_hub_names_offline(small, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     empty = str(tmp_path / "empty_cache")
     for name in ("gpt2-xl", "not-a-gpt2-size"):
-        with pytest.raises(ConnectionError, match="needs the network, or pass a local directory"):
+        with pytest.raises(
+            ConnectionError,
+            match=r"needs the network \(once, into that cache: hf download .*\), or pass a local directory",
+        ):
             hf.load_pretrained(name, cache_dir=empty)
     # a hub cache laid out as huggingface_hub writes it is found without the network
     directory, _, ref = small
