@@ -72,6 +72,8 @@ def skip_absent_tpu() -> bool:
     platforms (asking for the TPU still fails loudly), under JAX_FORCE_TPU_INIT, once a backend has
     started, or when a TPU chip is present: libtpu's messages are then about a real TPU. Compiling
     for a TPU (flaxgpt aot) loads libtpu through its topology, not the backend, so still works.
+    Where libtpu is installed this imports jax, which a command that never uses it (`flaxgpt prepare`)
+    then pays for (~2 s on the 2-core AVX2 machine); elsewhere it returns before importing anything.
     """
     import importlib.util
     import os
