@@ -13,8 +13,10 @@ in float32 with a running max and sum (the online softmax). A visiting block fro
 is seen whole by our queries through its first chunk only, one from a later device only by our second
 chunk: each step computes a quarter of the [2C, 2C] block pair, as the causal mask leaves it.
 Windows and packed documents (segment ids, travelling with the keys) are masks on the tokens' global
-positions, so they hold across chunk boundaries. Gradients are JAX's autodiff of the ring (each
-step rematerialised); the backward keeps every visiting block, as a K/V all-gather would.
+positions, so they hold across chunk boundaries. The backward is written out (a custom_vjp, as flash
+attention's): the forward keeps only its own q, k, v, output and log-sum-exp; the keys and values go
+round again, each block's softmax is recomputed, and its dK, dV travel with it back home, so no device
+ever holds more than its own and one visiting block.
 
 ulysses (Jacobs et al. 2023): an all-to-all turns the sequence split into a head split, each device
 attends H/N heads over the whole sequence with the ordinary kernel (attention.attend, handed in as
@@ -149,31 +151,78 @@ def _ring(q_BLHK, k_BLJK, v_BLJK, seg_BL, *, n, window, scale, softcap, packed):
     q_BLHK, k_BLJK, v_BLJK = (_to_balanced(x, d, n) for x in (q_BLHK, k_BLJK, v_BLJK))
     seg_BL = _to_balanced(seg_BL, d, n) if packed else seg_BL  # unread unless packed
     B, L, H, K = q_BLHK.shape
-    J, C = k_BLJK.shape[2], L // 2
-    q_BLJGK = q_BLHK.reshape(B, L, J, H // J, K)  # query head h reads key/value head h // G
-    pos_L = _positions(d, n, C)
+    q_BLJGK = q_BLHK.reshape(B, L, k_BLJK.shape[2], -1, K)  # query head h reads key/value head h // G
+    y_BJGLK = _ring_core(q_BLJGK, k_BLJK, v_BLJK, seg_BL, (n, window, scale, softcap, packed))
+    y_BLHK = jnp.transpose(y_BJGLK, (0, 3, 1, 2, 4)).reshape(B, L, H, K).astype(q_BLHK.dtype)
+    return _from_balanced(y_BLHK, d, n)
+
+
+def _ring_setup(q_BLJGK, cfg):
+    """(d, C, positions [L] of this device's tokens, the block statistics function, the ring's pairs)."""
+    n, window, scale, softcap, packed = cfg
+    d, C = jax.lax.axis_index(CONTEXT_AXIS), q_BLJGK.shape[1] // 2
     blocks = functools.partial(_block, scale=scale, softcap=softcap, window=window, packed=packed)
+    return d, C, _positions(d, n, C), blocks, [(i, (i + 1) % n) for i in range(n)]
+
+
+def _ring_forward(q_BLJGK, k_BLJK, v_BLJK, seg_BL, cfg):
+    return _ring_fwd(q_BLJGK, k_BLJK, v_BLJK, seg_BL, cfg)[0]
+
+
+def _ring_fwd(q_BLJGK, k_BLJK, v_BLJK, seg_BL, cfg):
+    """Softmax attention over every device's keys -> (output [B, J, G, L, K] in float32, residuals)."""
+    n, packed = cfg[0], cfg[4]
+    d, C, pos_L, blocks, ring = _ring_setup(q_BLJGK, cfg)
     # the device's own keys first (causal inside), then the others' as they come round the ring
     state = blocks(q_BLJGK, k_BLJK, v_BLJK, pos_L, pos_L, seg_BL, seg_BL)
-    visit = jax.checkpoint(functools.partial(_visit, blocks=blocks))  # the backward recomputes a block
-    ring = [(i, (i + 1) % n) for i in range(n)]
 
     def step(carry, i):  # a scan, not a loop: one block program whatever N
         state, kv = carry
         kv = tuple(jax.lax.ppermute(x, CONTEXT_AXIS, ring) for x in kv)
         src = (d - i) % n  # the device these keys started on
-        k_seg_BL = kv[2] if packed else seg_BL
-        state = _merge(
-            state, visit(q_BLJGK, kv[0], kv[1], k_seg_BL, pos_L, _positions(src, n, C), seg_BL, src < d)
-        )
-        return (state, kv), None
+        kv_seg_BL = kv[2] if packed else seg_BL
+        src_pos_L = _positions(src, n, C)
+        stats = _visit(q_BLJGK, kv[0], kv[1], kv_seg_BL, pos_L, src_pos_L, seg_BL, src < d, blocks=blocks)
+        return (_merge(state, stats), kv), None
 
     kv = (k_BLJK, v_BLJK, seg_BL) if packed else (k_BLJK, v_BLJK)  # segment ids travel with their keys
-    (state, _), _ = jax.lax.scan(step, (state, kv), jnp.arange(1, n))
-    _, l_BJGL, o_BJGLK = state
+    ((m_BJGL, l_BJGL, o_BJGLK), _), _ = jax.lax.scan(step, (state, kv), jnp.arange(1, n))
     y_BJGLK = o_BJGLK / l_BJGL[..., None]  # every query sees at least its own key: l > 0
-    y_BLHK = jnp.transpose(y_BJGLK, (0, 3, 1, 2, 4)).reshape(B, L, H, K).astype(q_BLHK.dtype)
-    return _from_balanced(y_BLHK, d, n)
+    lse_BJGL = m_BJGL + jnp.log(l_BJGL)
+    return y_BJGLK, (q_BLJGK, k_BLJK, v_BLJK, seg_BL, y_BJGLK, lse_BJGL)
+
+
+def _ring_bwd(cfg, res, dy_BJGLK):
+    """The ring's backward, flash-style: keys and values go round again, each block's softmax is
+    recomputed from the saved log-sum-exp, and the block's dK, dV travel with it back to its device
+    (N hops in all), so no device keeps the other devices' keys."""
+    n, scale, softcap, packed = cfg[0], cfg[2], cfg[3], cfg[4]
+    q_BLJGK, k_BLJK, v_BLJK, seg_BL, y_BJGLK, lse_BJGL = res
+    d, C, pos_L, _, ring = _ring_setup(q_BLJGK, cfg)
+    grads = functools.partial(_block_grads, scale=scale, softcap=softcap, window=cfg[1], packed=packed)
+    D_BJGL = jnp.sum(dy_BJGLK * y_BJGLK, axis=-1)  # softmax backward's row term: sum_k dy y
+    q_side = (dy_BJGLK, lse_BJGL, D_BJGL)
+    dq_BLJGK, dk_BLJK, dv_BLJK = grads(q_BLJGK, k_BLJK, v_BLJK, pos_L, pos_L, seg_BL, seg_BL, *q_side)
+
+    def step(carry, i):
+        dq_BLJGK, kv, dkv = carry
+        kv, dkv = (tuple(jax.lax.ppermute(x, CONTEXT_AXIS, ring) for x in xs) for xs in (kv, dkv))
+        src = (d - i) % n
+        kv_seg_BL = kv[2] if packed else seg_BL
+        args = (q_BLJGK, kv[0], kv[1], kv_seg_BL, pos_L, _positions(src, n, C), seg_BL, q_side)
+        dq, dk, dv = _visit_grads(*args, src < d, grads=grads)
+        return (dq_BLJGK + dq, kv, (dkv[0] + dk, dkv[1] + dv)), None
+
+    kv = (k_BLJK, v_BLJK, seg_BL) if packed else (k_BLJK, v_BLJK)
+    (dq_BLJGK, _, dkv), _ = jax.lax.scan(step, (dq_BLJGK, kv, (dk_BLJK, dv_BLJK)), jnp.arange(1, n))
+    # the block held last came from device d + 1: one more hop brings its dK, dV home
+    dk_BLJK, dv_BLJK = (jax.lax.ppermute(x, CONTEXT_AXIS, ring) for x in dkv)
+    cast = lambda g, x: g.astype(x.dtype)  # noqa: E731
+    return cast(dq_BLJGK, q_BLJGK), cast(dk_BLJK, k_BLJK), cast(dv_BLJK, v_BLJK), None
+
+
+_ring_core = jax.custom_vjp(_ring_forward, nondiff_argnums=(4,))
+_ring_core.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _visit(q_BLJGK, k_BLJK, v_BLJK, kv_seg_BL, q_pos_L, kv_pos_L, q_seg_BL, earlier, *, blocks):
@@ -196,6 +245,37 @@ def _visit(q_BLJGK, k_BLJK, v_BLJK, kv_seg_BL, q_pos_L, kv_pos_L, q_seg_BL, earl
     return jax.lax.cond(earlier, from_earlier, from_later)
 
 
+def _visit_grads(q_BLJGK, k_BLJK, v_BLJK, kv_seg_BL, q_pos_L, kv_pos_L, q_seg_BL, q_side, earlier, *, grads):
+    """_visit's backward: (dq [B, L, J, G, K], dk, dv [B, L, J, K]) of the same quarter."""
+    C = q_BLJGK.shape[1] // 2
+
+    def from_earlier():  # every query, the block's first chunk: its second chunk's dk, dv are 0
+        k, v, pos, seg = k_BLJK[:, :C], v_BLJK[:, :C], kv_pos_L[:C], kv_seg_BL[:, :C]
+        dq, dk, dv = grads(q_BLJGK, k, v, q_pos_L, pos, q_seg_BL, seg, *q_side)
+        return dq, jnp.concatenate([dk, jnp.zeros_like(dk)], 1), jnp.concatenate([dv, jnp.zeros_like(dv)], 1)
+
+    def from_later():  # our second chunk's queries, the whole block: our first chunk's dq is 0
+        later = tuple(x[:, :, :, C:] for x in q_side)  # [B, J, G, L, ...] rows of the second chunk
+        dq, dk, dv = grads(
+            q_BLJGK[:, C:], k_BLJK, v_BLJK, q_pos_L[C:], kv_pos_L, q_seg_BL[:, C:], kv_seg_BL, *later
+        )
+        return jnp.concatenate([jnp.zeros_like(dq), dq], 1), dk, dv
+
+    return jax.lax.cond(earlier, from_earlier, from_later)
+
+
+def _visible(q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, window, packed):
+    """[B, 1, 1, L, S] True where a query may see a key: causal by their sequence positions, within the
+    window, in the same document."""
+    visible_LS = kv_pos_S[None, :] <= q_pos_L[:, None]
+    if window:
+        visible_LS &= kv_pos_S[None, :] > q_pos_L[:, None] - window
+    visible_BLS = visible_LS[None]
+    if packed:  # no query sees another document's keys
+        visible_BLS = visible_BLS & (q_seg_BL[:, :, None] == kv_seg_BS[:, None, :])
+    return visible_BLS[:, None, None]
+
+
 def _block(
     q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, *, scale, softcap, window, packed
 ):
@@ -208,13 +288,7 @@ def _block(
     logits_BJGLS = jnp.einsum("bljgk,bsjk->bjgls", q_BLJGK, k_BSJK, preferred_element_type=acc) * scale
     if softcap:
         logits_BJGLS = softcap * jnp.tanh(logits_BJGLS / softcap)
-    visible_LS = kv_pos_S[None, :] <= q_pos_L[:, None]
-    if window:
-        visible_LS &= kv_pos_S[None, :] > q_pos_L[:, None] - window
-    visible_BLS = visible_LS[None]
-    if packed:  # no query sees another document's keys
-        visible_BLS = visible_BLS & (q_seg_BL[:, :, None] == kv_seg_BS[:, None, :])
-    visible_B11LS = visible_BLS[:, None, None]
+    visible_B11LS = _visible(q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, window, packed)
     logits_BJGLS = jnp.where(visible_B11LS, logits_BJGLS, _NEG)
     m_BJGL = jnp.max(logits_BJGLS, axis=-1)
     p_BJGLS = jnp.where(visible_B11LS, jnp.exp(logits_BJGLS - m_BJGL[..., None]), 0.0)
@@ -222,6 +296,28 @@ def _block(
         "bjgls,bsjk->bjglk", p_BJGLS.astype(v_BSJK.dtype), v_BSJK, preferred_element_type=acc
     )
     return m_BJGL, jnp.sum(p_BJGLS, axis=-1), o_BJGLK
+
+
+def _block_grads(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, dy_BJGLK, lse_BJGL, D_BJGL,
+                 *, scale, softcap, window, packed):  # fmt: skip
+    """The gradients of one block's share of the attention -> (dq [B, L, J, G, K], dk, dv [B, S, J, K]),
+    its softmax recomputed from the whole row's log-sum-exp (`lse_BJGL`); `D_BJGL` = sum(dy * y)."""
+    acc = jnp.promote_types(q_BLJGK.dtype, jnp.float32)
+    q, k, v = (x.astype(acc) for x in (q_BLJGK, k_BSJK, v_BSJK))
+    logits_BJGLS = jnp.einsum("bljgk,bsjk->bjgls", q, k) * scale
+    if softcap:
+        logits_BJGLS = softcap * jnp.tanh(logits_BJGLS / softcap)
+    visible_B11LS = _visible(q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, window, packed)
+    p_BJGLS = jnp.where(visible_B11LS, jnp.exp(logits_BJGLS - lse_BJGL[..., None]), 0.0)
+    dv_BSJK = jnp.einsum("bjgls,bjglk->bsjk", p_BJGLS, dy_BJGLK)
+    dp_BJGLS = jnp.einsum("bjglk,bsjk->bjgls", dy_BJGLK, v)
+    ds_BJGLS = p_BJGLS * (dp_BJGLS - D_BJGL[..., None])
+    if softcap:  # d(cap tanh(x / cap)) / dx = 1 - tanh^2
+        ds_BJGLS = ds_BJGLS * (1.0 - jnp.square(logits_BJGLS / softcap))
+    ds_BJGLS = ds_BJGLS * scale
+    dq_BLJGK = jnp.einsum("bjgls,bsjk->bljgk", ds_BJGLS, k)
+    dk_BSJK = jnp.einsum("bjgls,bljgk->bsjk", ds_BJGLS, q)
+    return dq_BLJGK, dk_BSJK, dv_BSJK
 
 
 def _merge(a, b):
