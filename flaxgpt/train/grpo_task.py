@@ -105,6 +105,14 @@ def _nanstd(x, axis=None):
     return np.where(n > 1, np.sqrt(var), np.nan)
 
 
+def check_group_size(G: int) -> None:
+    """The one refusal of groups too small to compare (a recipe's grpo section and group_advantages)."""
+    if G < 2:
+        raise ValueError(
+            f"grpo.num_generations={G}: a group needs >= 2 completions (G = 1: every advantage is 0)"
+        )
+
+
 def group_advantages(rewards_N, group_size: int, scale: str = "group"):
     """(advantages [N], zero_std [N]) of rewards [N] laid out as N // G groups of G completions of one
     prompt: the reward less its group's mean, over the group's (scale group) or the step's (batch)
@@ -113,10 +121,7 @@ def group_advantages(rewards_N, group_size: int, scale: str = "group"):
     if scale not in SCALES:
         raise ValueError(f"grpo.scale_rewards={scale!r}; choose one of {', '.join(SCALES)}")
     G = int(group_size)
-    if G < 2:
-        raise ValueError(
-            f"grpo.num_generations={G}: a group needs >= 2 completions (G = 1: every advantage is 0)"
-        )
+    check_group_size(G)
     r_N = np.asarray(rewards_N, np.float64)
     if r_N.ndim != 1 or r_N.size % G:
         raise ValueError(f"{r_N.size} rewards are not groups of num_generations={G}")

@@ -225,12 +225,10 @@ class GRPOSection(Section):
     eval_prompts: int = opt(64, "held-out (val) prompts sampled once each at an evaluation: val_reward", 0)
 
     def check(self) -> None:
-        G = self.num_generations
-        if G < 2:
-            raise ConfigError(
-                f"--config.grpo.num_generations={G}: a group needs >= 2 completions "
-                "(G = 1: every advantage is 0)"
-            )
+        try:
+            grpo_task.check_group_size(self.num_generations)
+        except ValueError as e:  # the objective's rule, said as the flag to change
+            raise ConfigError(f"--config.{e}") from None
         if self.delta and self.delta <= 1:
             raise ConfigError(f"--config.grpo.delta={self.delta} caps the ratio: > 1, or 0 for off")
 
