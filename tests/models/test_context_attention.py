@@ -133,11 +133,14 @@ def tiny_gpt(**kw):
     return GPTConfig(**base)
 
 
-@pytest.mark.parametrize("impl", ["ring", "ulysses"])
-def test_gpt_split_over_context_equals_one_device(impl):
-    """A GPT (RoPE, GQA, a window, packed rows) on data 2 x context 4: its logits and parameter
-    gradients are one device's; positions restart per document across the chunk boundaries."""
-    config = tiny_gpt(context_impl=impl)
+@pytest.mark.parametrize(
+    "impl, layers", [("ring", {}), ("ulysses", {}), ("ring", {"scan_layers": True, "remat": "full"})]
+)
+def test_gpt_split_over_context_equals_one_device(impl, layers):
+    """A GPT (RoPE, GQA, a window, packed rows; also scanned and rematerialised layers) on data 2 x
+    context 4: its logits and parameter gradients are one device's; positions restart per document
+    across the chunk boundaries."""
+    config = tiny_gpt(context_impl=impl, **layers)
     rng = np.random.default_rng(1)
     tokens = jnp.asarray(rng.integers(0, 64, size=(B, T)), jnp.int32)
     seg = packed_ids(rng)
