@@ -59,7 +59,7 @@ def no_libtpu(monkeypatch):
 
 def test_one_process_joins_nothing():
     assert cluster.detect(settings(), {}) is None
-    assert cluster.detect(settings(), {"HOME": "/home/u", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}) is None
+    assert cluster.detect(settings(), {"LANG": "C.UTF-8", "KUBERNETES_SERVICE_HOST": "10.0.0.1"}) is None
     # a job of one: srun -n1, mpirun -np 1, one SkyPilot node, a one-pod JobSet
     assert cluster.detect(settings(), {**SLURM, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
     assert cluster.detect(settings(), {**OMPI, "OMPI_COMM_WORLD_SIZE": "1"}) is None

@@ -5,8 +5,8 @@ validates with), as the installed skypilot gives them.
 The `skypilot` package pulls ~460 MB of dependencies and takes minutes to install, too much for CI, so
 tests/launch/test_skypilot.py validates against this file instead. Regenerate it when SkyPilot changes:
 
-    python -m venv /tmp/sky && /tmp/sky/bin/pip install skypilot
-    /tmp/sky/bin/python tests/launch/make_skypilot_schema.py
+    python -m venv sky-venv && sky-venv/bin/pip install skypilot   # a scratch venv
+    sky-venv/bin/python tests/launch/make_skypilot_schema.py
 """
 
 import json

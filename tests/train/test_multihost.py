@@ -93,6 +93,7 @@ def worker(engine, process_id: int, port: int, data_dir, out_dir, max_iters, pac
             time.sleep(pace)
 
     trainer.Trainer = Paced  # train() builds this one
+    wrote = watch_writes(out_dir)
     summary = trainer.train(cfg, print_fn=lambda *a: print(*a, flush=True))
     facts = dict(
         process=jax.process_index(),
@@ -101,8 +102,34 @@ def worker(engine, process_id: int, port: int, data_dir, out_dir, max_iters, pac
         local_devices=jax.local_device_count(),
         loss=summary["loss"],
         joined=cluster_engine(),
+        wrote=sorted(set(wrote)),
     )
     print("RESULT " + json.dumps(facts), flush=True)
+
+
+def watch_writes(under) -> list[str]:
+    """The files under `under` this process opens for writing from Python (metrics, run files, the
+    lock, orbax's Python-side files), relative paths, as it goes."""
+    import builtins
+    import io
+
+    wrote, real_open, real_os_open = [], io.open, os.open
+
+    def seen(file, writing):
+        if writing and isinstance(file, (str, os.PathLike)) and str(file).startswith(str(under)):
+            wrote.append(os.path.relpath(file, under))
+
+    def watched_open(file, mode="r", *args, **kwargs):
+        seen(file, any(c in mode for c in "wax+"))
+        return real_open(file, mode, *args, **kwargs)
+
+    def watched_os_open(path, flags, *args, **kwargs):
+        seen(path, flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+        return real_os_open(path, flags, *args, **kwargs)
+
+    builtins.open = io.open = watched_open
+    os.open = watched_os_open
+    return wrote
 
 
 def cluster_engine() -> str | None:
@@ -213,7 +240,12 @@ def test_two_processes_train_like_one(engine, local, tmp_path):
     assert all(f["devices"] == 2 * local for f in facts)
     assert facts[0]["joined"] == facts[1]["joined"] == engine
 
-    # only process 0 wrote: one metrics line per step, the run files, and it alone printed
+    # only process 0 wrote the run files, the metrics and the lock, and it alone printed; process 1
+    # wrote (from Python) only its own files of the checkpoint: its write probe, orbax's process_1
+    assert {"metrics.jsonl", ".config.json.tmp", ".meta.json.tmp", "train.lock"} <= set(facts[0]["wrote"])
+    assert facts[1]["wrote"] and all(
+        re.fullmatch(r"checkpoints/.*[._]1", path) for path in facts[1]["wrote"]
+    ), facts[1]["wrote"]
     logged = metrics_losses(out_dir)
     assert sorted(logged) == list(range(1, STEPS + 1))
     assert {"config.json", "meta.json", "metrics.jsonl", "checkpoints"} <= {p.name for p in out_dir.iterdir()}
