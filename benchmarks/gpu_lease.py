@@ -13,6 +13,9 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
   metrics.jsonl (the trainer's own figures; steps after the first)
 - step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu`), GPT-2 124M, T 1024,
   batch 16
+- fused_loss: the same step (the recipe's micro-batch) with the loss from the logits, then through the
+  fused linear + cross-entropy (`--loss_impl fused`, train/losses.py), then that with its Triton kernels
+  (FLAXGPT_XENT=pallas, kernels/pallas_xent.py; on the CPU the XLA form again): step time and peak memory
 - decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, bf16 and int8 weights at batch 1 and
   64, the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS); decode_gpt2_plain: the same
   without (`graphs=False`)
@@ -53,6 +56,7 @@ BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
 PARTS = {
     "recipe": 90,
     "step": 60,
+    "fused_loss": 150,  # three compiles and runs of the step (~30 s each on 2026-11-27's `step`)
     "nanogpt": 70,
     "decode_gpt2": 100,
     "decode_gpt2_plain": 100,
@@ -63,7 +67,7 @@ PARTS = {
 }
 # what one call of at most 10 minutes holds
 GROUPS = {
-    "train": ("recipe", "step", "nanogpt"),  # ~3 min
+    "train": ("recipe", "step", "fused_loss", "nanogpt"),  # ~5 min
     "decode": ("decode_gpt2", "decode_llama8b", "decode_llama8b_reduce", "hf_generate"),  # ~7 min
     "tests": ("tests",),  # ~3.5 min
 }
@@ -90,6 +94,30 @@ def part_step(a) -> None:
         step_ms=r["step_ms"],
         peak_gib=r["peak_memory_gib"],
     )
+
+
+def part_fused_loss(a) -> None:
+    # the loss from the logits; the fused linear + cross-entropy's XLA form; its Triton kernels (opt-in)
+    for label, impl, kernels in (
+        ("logits", "logits", "xla"),
+        ("fused", "fused", "xla"),
+        ("pallas", "fused", "pallas"),
+    ):
+        out = a.work / f"step_{label}.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--json", str(out)]
+        cmd += ["--step", "cpu", "--steps", "3"] if a.dry_run else ["--step", "gpu"]
+        env = {**os.environ, "FLAXGPT_XENT": kernels}
+        subprocess.run(cmd + ["--loss_impl", impl], check=True, cwd=ROOT, env=env)
+        r = json.loads(out.read_text())
+        emit(
+            part="fused_loss",
+            what=f"train step, batch {r['batch_size']}, loss {label}",
+            tokens_per_s=r["tokens_per_s"],
+            mfu=r["mfu"],
+            step_ms=r["step_ms"],
+            peak_gib=r["peak_memory_gib"],
+            result=f"loss {r['loss']}",
+        )
 
 
 def _random_data(path: Path, vocab: str, tokens: int) -> None:

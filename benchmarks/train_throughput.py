@@ -7,6 +7,7 @@
     python benchmarks/train_throughput.py --step cpu      # the step alone: the recipe's model on the CPU
     python benchmarks/train_throughput.py --step gpu --batch_size 32 --remat dots --json out.json
     python benchmarks/train_throughput.py --step gpu --check_attention   # cuDNN == XLA (bf16) first
+    python benchmarks/train_throughput.py --step gpu --loss_impl fused   # the fused linear + cross-entropy
 
 The recipe (the default) is what a user runs: train.py with its data loading, logging and evaluation.
 Each implementation runs once per round in its own process (benchmarks/harness.py: the order
@@ -381,7 +382,8 @@ def build_step(args):
     p_shardings = sharding.param_shardings(boxed, mesh)
     s_shardings = sharding.state_shardings(abstract, abstract.params, p_shardings, mesh)
     batch_sharding = sharding.batch_sharding(mesh, leading_axes=1)
-    train_step = trainer.make_train_step(SyntheticTask(config), tx, schedule, grad_accum=1)
+    task = SyntheticTask(config) if args.loss_impl == "logits" else FusedLossTask(config)
+    train_step = trainer.make_train_step(task, tx, schedule, grad_accum=1)
     step = jax.jit(
         train_step,
         in_shardings=(s_shardings, batch_sharding),
@@ -396,6 +398,25 @@ def build_step(args):
     batch = jax.device_put({"inputs": tokens_1BT[..., :-1], "targets": tokens_1BT[..., 1:]}, batch_sharding)
     fpt = summary.flops_per_token(config)["train"]  # as the trainer's MFU
     return config, mesh, step, state, batch, fpt, metrics.peak_flops_per_device(args.peak_flops or m["peak"])
+
+
+class FusedLossTask:
+    """compile_time.SyntheticTask's loss through the fused linear + cross-entropy (train/losses.py):
+    the hidden states and the unembedding, no [B, T, V] logits."""
+
+    def __init__(self, config):
+        from flaxgpt.models import gpt
+
+        self.config, self.model = config, gpt.GPT(config)
+
+    def loss(self, params, batch, rng, train: bool, frozen=None):
+        from flaxgpt.models import gpt
+        from flaxgpt.train import losses
+
+        hidden_BTD = self.model.apply(
+            {"params": params}, batch["inputs"], deterministic=not train, hidden=True
+        )
+        return losses.fused_cross_entropy(hidden_BTD, gpt.unembedding(self.config, params), batch["targets"])
 
 
 def check_attention(impl: str) -> None:
@@ -470,6 +491,7 @@ def step_alone(args) -> None:
         model=f"L{config.n_layer} H{config.n_head} D{config.n_embd} T{T}",
         dtype=config.dtype,
         attention_impl=args.attention_impl,
+        loss_impl=args.loss_impl,
         scan_layers=args.scan_layers,
         remat=args.remat,
         batch_size=B,
@@ -512,6 +534,7 @@ def main():
     alone.add_argument("--batch_size", type=int, default=0, help="sequences per step (0 = the mode's)")
     alone.add_argument("--steps", type=int, default=0, help="timed steps (0 = the mode's)")
     alone.add_argument("--attention_impl", default="auto")
+    alone.add_argument("--loss_impl", choices=["logits", "fused"], default="logits", help="the loss's path")
     alone.add_argument("--scan_layers", action="store_true")
     alone.add_argument("--remat", default="none")
     alone.add_argument("--fsdp", type=int, default=1)

@@ -42,9 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.grad_clip = 1.0  # clip gradients to this global norm; 0 = off
     c.optim.label_smoothing = 0.0  # cross-entropy label smoothing
     c.optim.loss_chunk = 0  # GPT: logits computed this many positions at a time (no [B, T, V] fp32); 0 = all
-    c.optim.loss_impl = (
-        "auto"  # fused (linear + cross-entropy over vocab blocks) | logits | auto: fused off CPU
-    )
+    c.optim.loss_impl = "logits"  # logits | fused: linear + cross-entropy over vocab blocks, no [B, T, V]
     c.optim.loss_block = 0  # the fused loss's vocabulary columns per block; 0 = kernels.linear_xent.BLOCK
     c.optim.z_loss = 0.0  # PaLM's z-loss: + this x logsumexp(logits)^2 per token; 0 = off
     c.optim.cooldown_frac = 0.0  # wsd schedule: the final fraction of decay_steps that decays linearly

@@ -17,7 +17,12 @@ _spec.loader.exec_module(lease)
 def test_dry_run_parts_report_rows_and_failures(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     cmd = [sys.executable, "benchmarks/gpu_lease.py", "--dry_run", "--out", str(out), "--work", str(work)]
-    cmd += ["--parts", "recipe,decode_gpt2,nanogpt", "--nanogpt_model", str(tmp_path / "absent.py")]
+    cmd += [
+        "--parts",
+        "recipe,decode_gpt2,fused_loss,nanogpt",
+        "--nanogpt_model",
+        str(tmp_path / "absent.py"),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -30,6 +35,10 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     decodes = {r["what"]: r for r in by_part["decode_gpt2"]}
     assert set(decodes) == {f"decode tiny {m} batch {b}" for m in ("bf16", "int8") for b in (1, 4)}
     assert all(r["tokens_per_s"] > 0 for r in decodes.values())
+    fused = {r["what"].rpartition(" ")[2]: r for r in by_part["fused_loss"]}  # logits, fused, pallas
+    assert set(fused) == {"logits", "fused", "pallas"} and all(r["step_ms"] > 0 for r in fused.values())
+    # the same step from the same start: the same loss whichever path computes it
+    assert abs(float(fused["fused"]["result"][5:]) - float(fused["logits"]["result"][5:])) < 1e-3
     # the missing nanoGPT file is that part's one row, named in it; the other parts are unaffected
     assert by_part["nanogpt"][0]["what"].startswith("exit 1: no nanoGPT model.py at")
     assert "| recipe | train.py configs/shakespeare_char_cpu.py" in p.stdout

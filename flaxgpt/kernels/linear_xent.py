@@ -27,10 +27,11 @@ The vocabulary need not be a multiple of `block`: the last block starts at V - b
 columns an earlier block took; padded columns (V..Vp, the model's pad_vocab_multiple) are never read
 and get a zero gradient.
 
-This is the XLA form, used on every platform. On GPU the Pallas kernels of kernels/pallas_xent.py
-(Triton) do the same without writing the blocks to HBM at all (`pick_impl`: the rule, by the platform
-the program is traced for, kernels.target); the XLA form writes each [N, block] block to HBM and reads
-it back in the next fusion, which the compiled program shows (docs/accelerators.md).
+This is the XLA form, used on every platform: it writes each [N, block] block of logits to HBM (in
+the compute dtype) and reads it back in the next fusion, since XLA does not fuse a product with the
+reductions after it, and the backward recomputes the head's product. The Pallas kernels of
+kernels/pallas_xent.py (Triton; FLAXGPT_XENT=pallas on one GPU, `pick_impl`) keep the blocks on the
+chip but do not pay yet (their docstring; docs/accelerators.md has the compiled figures).
 
 Shape letters: N tokens (B*T), D features, V vocabulary, Vp padded vocabulary, v a block of V.
 """
@@ -102,9 +103,9 @@ def token_stats(
 
 
 def pick_impl(n_tokens: int, n_features: int, vocab_size: int) -> str:
-    """ "pallas" where the program is for a GPU (kernels.target) and the kernel's tiles cover the shapes
-    (pallas_xent.fits) on one device, else "xla"; FLAXGPT_XENT=xla keeps the XLA form on GPU too."""
-    if os.environ.get("FLAXGPT_XENT", "auto") == "xla" or target.platform() != "gpu":
+    """ "xla", unless FLAXGPT_XENT=pallas asks for the Triton kernels (pallas_xent: opt-in, its
+    docstring says why) and the program is for one GPU (kernels.target) whose shapes the tiles cover."""
+    if os.environ.get("FLAXGPT_XENT", "xla") != "pallas" or target.platform() != "gpu":
         return "xla"
     # XLA cannot split a Pallas call over devices (it would gather every row onto each): one GPU only
     mesh = jax.sharding.get_abstract_mesh()
@@ -136,11 +137,14 @@ class _Spec(NamedTuple):  # the static part: hashable, a custom_vjp's nondiff ar
         return jnp.minimum(i * self.block, self.vocab_size - self.block)
 
     def raw(self, x_ND, w, start):
-        """x @ w[:, start:start+block] -> [N, block] float32."""
+        """x @ w[:, start:start+block] -> [N, block] float32 (the product in w's dtype)."""
         axis = 1 if self.layout == "DV" else 0
         w_blk = jax.lax.dynamic_slice_in_dim(w, start, self.block, axis)
         dims = "dv" if self.layout == "DV" else "vd"
-        return jnp.einsum(f"nd,{dims}->nv", x_ND, w_blk, preferred_element_type=jnp.float32)
+        # in the compute dtype, as the logits path's head: on bf16 this halves the [N, block] block
+        # XLA writes between the product and the reductions (they cannot share a kernel)
+        raw_Nv = jnp.einsum(f"nd,{dims}->nv", x_ND, w_blk, preferred_element_type=w_blk.dtype)
+        return raw_Nv.astype(jnp.float32)
 
     def logits(self, raw_Nv):
         """(z, dz/draw) of a block's raw products."""

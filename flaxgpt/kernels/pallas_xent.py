@@ -18,6 +18,12 @@ in interpret mode on the CPU (how tests/kernels checks them); Mosaic GPU targets
 products only and is the place for a hand-scheduled GEMM, not yet for this.
 
 `fits(N, D, V)` says when the tiles cover the shapes; linear_xent uses the XLA form otherwise.
+
+Opt-in (FLAXGPT_XENT=pallas, linear_xent.pick_impl), not the default: compiled for an H100 it runs, but
+every ROWS-token program streams the whole unembedding (GPT-2's 77 MB, more than the L2) once per
+kernel, ~N / ROWS x D x V x 2 bytes a pass: HBM-bound well above the XLA form. Paying needs tiles of
+both tokens and vocabulary on the grid with the log-sum-exp merged across vocabulary tiles (Apple's
+Cut Cross-Entropy), which is what the next lease's measurement of this one is for.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-ROWS = 64  # tokens per tile
-COLS = 128  # vocabulary columns per tile
+# the largest tiles whose kernels fit an H100's 227 KiB of shared memory at D = 768 (flaxgpt aot
+# --target h100-1: 64 x 128 asked for 288-480 KiB); dw's accumulators are D x COLS float32
+ROWS = 32  # tokens per tile
+COLS = 64  # vocabulary columns per tile
 DEPTH = 128  # features per product step
 
 

@@ -94,8 +94,8 @@ def check(config) -> None:
     if config.get("batch_size") and config.get("grad_accum"):
         micro_batch(config)
     impl = _get(config, "optim.loss_impl")
-    if impl is not None and impl not in ("auto", "logits", "fused"):  # train.losses.LOSS_IMPLS
-        raise ConfigError(f"--config.optim.loss_impl={impl!r} is not one of auto, logits, fused")
+    if impl is not None and impl not in ("logits", "fused"):  # train.losses.LOSS_IMPLS
+        raise ConfigError(f"--config.optim.loss_impl={impl!r} is not one of logits, fused")
     s = sections.of(config)  # data, mesh, lora, dpo, grpo: their types and rules
     if s.lora.rank:
         if fresh_start(config):

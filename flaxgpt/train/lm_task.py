@@ -27,7 +27,7 @@ loss + router_z_loss_coef x the z-loss (models/moe.py), logged as router_aux and
 LoRA runs use the language-model loss alone.
 
 The loss is the fused linear + cross-entropy (losses.fused_cross_entropy: no [B, T, V] logits) when
-optim.loss_impl says so (losses.use_fused: "auto" = on GPU and TPU), else the logits' cross-entropy,
+optim.loss_impl says so (losses.use_fused; default "logits"), else the logits' cross-entropy,
 optim.loss_chunk positions at a time when that is set; optim.z_loss adds PaLM's z-loss on either path.
 """
 
@@ -130,7 +130,6 @@ class LossPath:
         self.block = config.optim.get("loss_block", 0)  # the fused loss's vocabulary block; 0 = default
 
     def fused(self) -> bool:
-        """Asked while tracing: "auto" follows the devices the step is traced for (kernels.target)."""
         return losses.use_fused(self.impl)
 
 

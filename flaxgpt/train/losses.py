@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from flaxgpt.models import head as head_lib
 
-LOSS_IMPLS = ("auto", "logits", "fused")
+LOSS_IMPLS = ("logits", "fused")
 
 
 def token_logprobs(logits_BTV, targets_BT):
@@ -139,12 +139,10 @@ def check_loss_impl(loss_impl: str) -> str:
 
 
 def use_fused(loss_impl: str) -> bool:
-    """optim.loss_impl -> whether the loss takes the fused path, asked while tracing: "auto" is fused
-    on GPU and TPU (the devices the step is traced for: kernels.target) and not on CPU, where the
-    blocked form measured slower (docs/benchmarks.md)."""
-    if check_loss_impl(loss_impl) != "auto":
-        return loss_impl == "fused"
-    return head_lib.fused_by_default()
+    """optim.loss_impl -> whether the loss takes the fused path. "logits" is the default: the fused
+    step measured slower on the CPU recipe and compiles to a slower bound for one H100 (it recomputes
+    the head's product); "fused" is for memory, where the [B, T, V] logits do not fit (docs/training.md)."""
+    return check_loss_impl(loss_impl) == "fused"
 
 
 def _stats(hidden_BTD, unembed, targets_BT, scale=1.0, block=0):

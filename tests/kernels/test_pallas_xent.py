@@ -31,7 +31,8 @@ def test_pallas_equals_reference_and_the_xla_form(layout, softcap, scale):
     want = (lse, z[np.arange(128), t], z.sum(1), -(p * np.log(p)).sum(1))
     got = token_stats(x, head, t, scale=scale, impl="pallas")
     for a, b, name in zip(got, want, got._fields, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+        # float32 sums of 200 logits up to ~80 in size: ~1e-6 of the largest term
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4, err_msg=name)
 
     ct = np.random.default_rng(1).normal(size=(4, 128)).astype(np.float32)
 
@@ -49,9 +50,11 @@ def test_pallas_equals_reference_and_the_xla_form(layout, softcap, scale):
     assert not np.any(np.asarray(dw_p)[:, 200:] if layout == "DV" else np.asarray(dw_p)[200:])
 
 
-def test_the_rule_picks_xla_off_gpu_and_where_tiles_do_not_fit():
+def test_the_rule_picks_xla_unless_asked_on_one_gpu(monkeypatch):
     assert pallas_xent.fits(128, 768, 50257) and not pallas_xent.fits(100, 768, 50257)
-    assert not pallas_xent.fits(128, 96, 50257) and not pallas_xent.fits(128, 768, 65)
+    assert not pallas_xent.fits(128, 96, 50257) and not pallas_xent.fits(128, 768, 40)
+    assert linear_xent.pick_impl(128, 768, 50257) == "xla"
+    monkeypatch.setenv("FLAXGPT_XENT", "pallas")
     assert linear_xent.pick_impl(128, 768, 50257) == ("pallas" if jax.default_backend() == "gpu" else "xla")
     x, w, t = np.zeros((100, 128), np.float32), np.zeros((128, 200), np.float32), np.zeros(100, np.int32)
     with pytest.raises(
