@@ -37,6 +37,9 @@ BAD = {  # override -> what the message says
     "layout": ("model.sinusoid_layout", "cosines", "sinusoid_layout='cosines' is not one of"),
     "fsdp=0": ("mesh.fsdp", 0, "--config.mesh.fsdp=0 must be >= 1, or -1 for all devices left"),
     "loss_chunk=-1": ("optim.loss_chunk", -1, "--config.optim.loss_chunk=-1 must be >= 0"),
+    "loss_impl": ("optim.loss_impl", "fast", "--config.optim.loss_impl='fast' is not one of logits, fused"),
+    "loss_block=-1": ("optim.loss_block", -1, "--config.optim.loss_block=-1 must be >= 0"),
+    "z_loss<0": ("optim.z_loss", -0.1, "--config.optim.z_loss=-0.1 must be >= 0 (the z-loss coefficient)"),
 }
 
 
