@@ -87,7 +87,10 @@ class MetricsWriter:
             return
         row = {"step": int(step), "time": round(time.time(), 3)}
         row.update({k: _plain(v) for k, v in metrics.items()})
-        self.jsonl.write(json.dumps(row) + "\n")
+        # strict JSON: a value that is not finite (GRPO's best_val_loss before any eval, a diverged
+        # loss) is null, which every parser reads; json.dumps' Infinity / NaN are rejected by many
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        self.jsonl.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.tb is not None:
             for k, v in row.items():
                 # a diverged run: the trainer reports it; tensorboardX would only warn

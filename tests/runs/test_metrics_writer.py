@@ -71,3 +71,29 @@ def test_missing_tensorboardx_is_said_once_and_the_run_goes_on(tmp_path, monkeyp
     )
     assert lines[1] == "step  1/10 | loss 2.5000 | 500.0 ms | 4s left" and len(lines) == 2
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.5
+
+
+def test_metrics_jsonl_is_strict_json_with_null_for_values_that_are_not_finite(tmp_path):
+    """GRPO runs log best_val_loss inf before any evaluation; a diverged loss is nan: both are null in
+    the file (json.dumps would write Infinity / NaN, which strict parsers reject), as printed on the
+    console they stay inf / nan."""
+    import json
+
+    import numpy as np
+
+    lines = []
+    w = MetricsWriter(tmp_path, enabled=True, print_fn=lines.append)
+    w.write(1, {"loss": np.float32(np.nan), "reward": 0.5, "lr": 1e-3})
+    w.write(2, {"val_loss": 2.0, "best_val_loss": float("inf")})
+    w.close()
+
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    rows = [
+        json.loads(line, parse_constant=refuse)
+        for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert rows[0]["loss"] is None and rows[0]["reward"] == 0.5
+    assert rows[1]["best_val_loss"] is None and rows[1]["val_loss"] == 2.0
+    assert "loss nan" in lines[0] and "best val inf" in lines[1]
