@@ -311,6 +311,11 @@ class SelfAttention(nn.Module):
                 "set model.attn_dropout=0 or mesh.context=1"
             )
         impl = resolve_attention_impl(self.impl, self.dtype)
+        if self.context_impl == "ulysses" and impl == "pallas":
+            raise ValueError(
+                "context_impl=ulysses cannot run the splash kernel (attention_impl=pallas, auto on TPU): "
+                "its own shard_map would nest inside Ulysses'; use context_impl=ring or attention_impl=xla"
+            )
         kw = dict(scale=self.scale, softcap=self.softcap, window=self.window)
 
         def local_attend(q_BTHK, k_BTJK, v_BTJK, seg_BT):  # Ulysses: a device's heads, whole sequence

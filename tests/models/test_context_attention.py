@@ -218,3 +218,10 @@ def test_bad_input_one_line():
         jax.jit(sharding.under_mesh(context_attention.attend, mesh))(x, x, x)
     with pytest.raises(ValueError, match="context_impl='zigzag'"):
         tiny_gpt(context_impl="zigzag")
+    # Ulysses around the splash kernel (whose own shard_map would nest inside Ulysses'): refused
+    config = tiny_gpt(context_impl="ulysses", attention_impl="pallas")
+    tokens = jnp.zeros((B, T), jnp.int32)
+    params = jax.eval_shape(GPT(config).init, jax.random.key(0), tokens)["params"]
+    apply = sharding.under_mesh(lambda p, t: GPT(config).apply({"params": p}, t), mesh)
+    with pytest.raises(ValueError, match="context_impl=ulysses cannot run the splash kernel"):
+        jax.jit(apply).trace(params, tokens)
