@@ -94,48 +94,6 @@ class Placement:
         return lambda path, x: put(x, functools.reduce(lambda t, k: t[k], path, shardings))
 
 
-def maybe_initialize_distributed(config) -> None:
-    """jax.distributed.initialize() on multi-host runs: TPU pods find each other themselves,
-    GPU clusters need distributed.coordinator_address, num_processes and process_id."""
-    d = config.distributed
-    if d.coordinator_address:
-        jax.distributed.initialize(
-            coordinator_address=d.coordinator_address,
-            num_processes=d.num_processes or None,
-            process_id=None if d.process_id < 0 else d.process_id,
-        )
-    elif _on_tpu_pod():
-        jax.distributed.initialize()
-
-
-TPU_WORKERS_URL = (
-    "http://metadata.google.internal/computeMetadata/v1/instance/attributes/worker-network-endpoints"
-)
-
-
-def _on_tpu_pod() -> bool:
-    """A Cloud TPU VM of a multi-host slice, found without starting a JAX backend (initialize() must
-    come first). GKE lists the peers in TPU_WORKER_HOSTNAMES; a TPU VM made with `gcloud compute
-    tpus tpu-vm create` has no such variable: its metadata server lists them (where jax looks too)."""
-    import importlib.util
-    import os
-    import urllib.request
-
-    if jax.distributed.is_initialized():
-        return False
-    hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
-    if hosts:
-        return len(hosts) > 1
-    if importlib.util.find_spec("libtpu") is None:  # jax[tpu] is not installed: not a TPU VM
-        return False
-    request = urllib.request.Request(TPU_WORKERS_URL, headers={"Metadata-Flavor": "Google"})
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return len([w for w in response.read().decode().split(",") if w]) > 1
-    except OSError:  # no metadata server: not on Google Cloud
-        return False
-
-
 def configure_cpu_devices(requested: int, batch_rows: int) -> int:
     """Split the CPU into several JAX devices, so data parallelism uses every core.
 
