@@ -75,17 +75,26 @@ def tiny_run(config, data, out, devices: int = 1, **over):
     return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_recipe_trains_logs_rewards_then_sample(tmp_path, capsys):
+def test_recipe_trains_logs_rewards_then_sample(tmp_path, capsys, caplog):
     """configs/grpo_toy.py through trainer.train (train.py's path), 3 steps of 2 prompts x G 4
     (num_iterations 2: steps 1 and 3 sample, step 2 reuses step 1's completions): every per-step
-    GRPO field is logged; sample.py loads the run."""
+    GRPO field is logged; the engine's decode and group-insert programs compile once over the run's
+    rollouts and evaluations (a slot state placed differently at the first rollout compiled them
+    twice); sample.py loads the run."""
+    import logging
+
     import sample
 
     over = {
         "max_iters": 3, "batch_size": 8, "eval_interval": 3, "model.n_layer": 1, "grpo.num_generations": 4,
         "grpo.eval_prompts": 8, "grpo.num_iterations": 2, "grpo.mask_truncated_completions": True,
     }  # fmt: skip
-    lines = tiny_run(grpo_toy.get_config(), toy_data(tmp_path), tmp_path / "run", **over)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING, logger="jax"):
+        lines = tiny_run(grpo_toy.get_config(), toy_data(tmp_path), tmp_path / "run", **over)
+    compiled = [
+        r.getMessage().split(" ")[1] for r in caplog.records if r.getMessage().startswith("Compiling ")
+    ]
+    assert compiled.count("jit(_decode_chunk)") == compiled.count("jit(_insert_group)") == 1, compiled
     steps = [x for x in lines if "reward" in x]
     assert [x["step"] for x in steps] == [1, 2, 3]
     fields = ("reward_std", "rewards/copy_reward/mean", "rewards/copy_reward/std", "frac_reward_zero_std")
