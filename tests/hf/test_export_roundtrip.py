@@ -61,7 +61,7 @@ DOMAIN = {
     "rope_factor": (1.0, 4.0),
     "rope_low_freq_factor": (1.0, 2.0),
     "rope_high_freq_factor": (4.0, 8.0),
-    "rope_original_max_len": (8, 32, 8192),
+    "rope_original_max_len": lambda d: (8, d["block_size"], 8192),  # dynamic exports at block_size
     "rope_attention_factor": (0.0, 1.5),
     "rope_beta_fast": (32.0, 16.0),
     "rope_beta_slow": (1.0, 2.0),
@@ -90,7 +90,8 @@ DOMAIN = {
     "router_z_loss_coef": (0.0, 0.001),
 }
 # drawn afresh every time, in this order (later ones read earlier ones)
-SIZES = "vocab_size block_size n_layer n_head n_embd n_kv_head mlp_hidden rope_scaling".split()
+SIZES = "vocab_size block_size n_layer n_head n_embd n_kv_head mlp_hidden rope_scaling rope_original_max_len"
+SIZES = SIZES.split()
 # drawn afresh when the style has them, and then non-zero: each family's own models come up
 STYLE_SIZES = (
     "head_size sliding_window query_pre_attn_scalar num_experts experts_per_token expert_hidden "
@@ -148,6 +149,7 @@ def test_every_field_is_drawn():
 def test_export_reads_back_equal_or_refuses_naming_a_field_that_differs():
     rng = random.Random(0)
     held = dict.fromkeys(families.FAMILIES, 0)
+    scalings_held = dict.fromkeys(ROPE_SCALINGS, 0)  # rotary models each scaling of which was exported
     refused = dict.fromkeys(families.FAMILIES, 0)
     for _ in range(DRAWS):
         config = draw(rng)
@@ -159,6 +161,7 @@ def test_export_reads_back_equal_or_refuses_naming_a_field_that_differs():
                 check_refusal(config, model_type, str(e))
                 continue
             held[model_type] += 1
+            scalings_held[config.rope_scaling] += config.pos_embedding == "rope"
             back = families.config_from_hf(hf_config)
             assert roundtrip.normal_form(back) == roundtrip.normal_form(written(config, model_type)), (
                 model_type,
@@ -169,6 +172,7 @@ def test_export_reads_back_equal_or_refuses_naming_a_field_that_differs():
             assert roundtrip.differences(written(config, model_type), dataclasses.replace(back, **free)) == []
     # every family both holds and refuses a good share of the draws
     assert min(held.values()) >= 10 and min(refused.values()) >= 10, (held, refused)
+    assert min(scalings_held.values()) >= 10, scalings_held
 
 
 def check_refusal(config, model_type, message):
