@@ -40,7 +40,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from flaxgpt import loader, sharding
 from flaxgpt.decode import sampling
-from flaxgpt.models import gpt, lora
+from flaxgpt.models import context_attention, gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import AdapterCache, KVCache
 from flaxgpt.models.flops import flops_per_token
@@ -117,7 +117,9 @@ def _batch(shapes: dict, sharding_, leading=()):
 def train_programs(config, mc, devices, groups) -> list[Program]:
     task = Task.abstract(config, mc)
     m = sections.of(config).mesh
-    mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert)
+    mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert, context=m.context)
+    if m.context > 1:  # as the trainer: a length the context axis cannot split, in one line
+        context_attention.check(mc.block_size, mc.n_head, m.context, getattr(mc, "context_impl", "ring"))
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
     steps = make_steps(config, task, mesh)
@@ -129,6 +131,8 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
     mesh_note = f"mesh data {mesh.shape['data']} x fsdp {mesh.shape['fsdp']}"
     if mesh.shape.get("expert", 1) > 1:
         mesh_note += f" x expert {mesh.shape['expert']}"
+    if mesh.shape.get("context", 1) > 1:
+        mesh_note += f" x context {mesh.shape['context']} ({mc.context_impl} attention)"
     out = []
     if "train" in groups:
         batch = _batch(task.batch_shapes(micro), steps.train_batch_sharding, (config.grad_accum,))
