@@ -118,8 +118,10 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
     task = Task.abstract(config, mc)
     m = sections.of(config).mesh
     mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert, context=m.context)
-    if m.context > 1:  # as the trainer: a length the context axis cannot split, in one line
-        context_attention.check(mc.block_size, mc.n_head, m.context, getattr(mc, "context_impl", "ring"))
+    if m.context > 1:  # as the trainer: what the context axis cannot split, in one line
+        if models.kind_of(mc) != "gpt":
+            raise ValueError("mesh.context splits a GPT's sequences; a seq2seq run takes mesh.context=1")
+        context_attention.check(mc.block_size, mc.n_head, m.context, mc.context_impl)
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
     steps = make_steps(config, task, mesh)
