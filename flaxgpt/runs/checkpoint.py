@@ -22,6 +22,7 @@ fail to save over the damaged step). Existing steps are never overwritten.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -36,6 +37,21 @@ from flaxgpt.runs import state_tree
 from flaxgpt.runs.checksum import inspect
 
 log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _quiet_read_only():
+    """orbax's "Given directory is read only" warning dropped (absl's logger) while a manager opens."""
+
+    def keep(record) -> bool:
+        return not record.getMessage().startswith("Given directory is read only")
+
+    absl_log = logging.getLogger("absl")
+    absl_log.addFilter(keep)
+    try:
+        yield
+    finally:
+        absl_log.removeFilter(keep)
 
 
 _PRNG_IMPLS = "_prng_impls"  # reserved key in extra: path -> PRNG impl name of each typed key
@@ -124,9 +140,11 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,  # unfinished saves of a killed run
             read_only=read_only,
             create=not read_only,
+            **({"save_interval_steps": 0} if read_only else {}),  # what orbax sets itself, with a warning
         )
         handlers = {"state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        with _quiet_read_only():  # flaxgpt.load / sample.py read a run: orbax's notice is not news
+            self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def _check_writable(self):
         probe = self.directory / f".write_probe.{jax.process_index()}"

@@ -460,3 +460,17 @@ def test_the_newest_good_step_outlives_later_saves(tmp_path):
     again.wait()
     assert again.all_steps() == [2, 6]
     again.close()
+
+
+def test_reading_a_run_prints_no_orbax_notices(tmp_path, caplog):
+    """flaxgpt.load / sample.py open the checkpoints read-only: orbax's two warnings about it (the save
+    interval it sets, the directory being read-only) are not news to the user."""
+    import logging
+
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    assert ckpt.save(1, train_state(), extra={"data_step": 1})
+    ckpt.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        Checkpointer(tmp_path, read_only=True, async_save=False).close()
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
