@@ -169,6 +169,24 @@ def test_lm_objective_fused_equals_logits(overrides, optim):
     _grads_equal(loss, params, lambda impl: lm_task.LMObjective(_recipe(loss_impl=impl, **optim), config))
 
 
+def test_lora_policy_fused_equals_logits():
+    """LoRA over a bf16 base: the head is the base's (policy.head_params), the adapters the gradient."""
+    from flaxgpt.models import lora
+    from flaxgpt.train.policy import LoraPolicy
+
+    config, base = _gpt(tie_embeddings=False)
+    policy = LoraPolicy(config, lora.LoraSpec.make(config, 4, 8.0), "bfloat16")
+    frozen = Frozen(base=policy.base(base))
+    adapters = jax.tree_util.tree_map(lambda a: a + 0.01, policy.init_params(jax.random.key(4)))
+    batch = _tokens()
+
+    def loss(objective, p):
+        total, weight = objective.loss(policy, p, frozen, batch, None, False)
+        return total / weight
+
+    _grads_equal(loss, adapters, lambda impl: lm_task.LMObjective(_recipe(loss_impl=impl), config))
+
+
 def test_dpo_objective_fused_equals_logits():
     config, params = _gpt(tie_embeddings=False)
     batch, policy = _tokens(B=2), FullPolicy(config)
