@@ -27,8 +27,7 @@ BOOL = (False, True)
 # every GPTConfig field -> the values a draw picks from (a function of the fields drawn so far where
 # they constrain it); a field GPTConfig gains fails test_every_field_is_drawn until it has a line here
 DOMAIN = {
-    # a run-time choice export should not write (hf/roundtrip.NOT_EXPORTED lacks it): the default only
-    "context_impl": ("ring",),
+    "context_impl": ("ring", "ulysses"),  # a run-time choice: not exported (hf/roundtrip.NOT_EXPORTED)
     "vocab_size": (50, 64, 257),
     "block_size": (16, 32, 64),
     "n_layer": (1, 2, 3, 4, 7),
