@@ -9,6 +9,7 @@
     tokens_BC, new_B, done_B = engine.generate()   # up to `chunk` tokens for every busy slot
     engine.keep(3, prompt_ids + reply)         # its end: its blocks stay for the next turn, its pages freed
     first_R = engine.insert_group(prefix, [rows_a, rows_b], [6, 7])    # several requests, one prefill
+    first = engine.extend(3, tool_ids, start, rows)   # slot windows: more prompt tokens, no re-prefill
 
 The interface is JetStream's (prefill, insert into a slot, generate for all slots); the scheduler
 (serve/scheduler.py) decides who goes where and when. It is made of two parts with one job each:
@@ -373,6 +374,37 @@ class Engine:
         first_R = self.runner.insert_group(prefix, rows, slots, tables)
         self._taken(slots)
         return first_R
+
+    def extend(self, slot: int, tokens, start: int, rows: Rows, adapter: int = 0) -> jax.Array:
+        """Slot `slot`'s request goes on with `tokens` as prompt tokens at positions start.. (a tool's
+        answer between an episode's turns, GRPO's), its history before `start` kept where it is in its
+        window, never prefilled again: the tokens run through the slot's table as prefill chunks, and
+        the slot decodes again from a first token drawn after them with `rows` (the settings, the key,
+        and max_new: the budget from there). Slot windows only (each slot's pages its own). -> that
+        first token (on the device)."""
+        n, start = len(tokens), int(start)
+        if self.windows is None:
+            raise ValueError("extend writes into a slot's own window: Engine(slot_windows=True)")
+        self._no_draft("extend")
+        if n < 1 or start < 1 or rows.penalized:
+            raise ValueError(
+                f"extend takes >= 1 token after position >= 1 (got {n} at {start}), no penalties"
+            )
+        if start + n + int(rows.max_new_B[0]) > self.max_len:
+            raise ValueError(
+                f"{start} positions + {n} new prompt tokens + max_new_tokens {int(rows.max_new_B[0])} "
+                f"exceed the context window of {self.max_len} tokens"
+            )
+        table, done = self.windows[slot], 0
+        while done < n:  # in prefill_chunk pieces, each padded to its bucket
+            size = min(n - done, self.prefill_chunk)
+            chunk_1P = np.zeros((1, self.bucket(size)), np.int32)
+            chunk_1P[0, :size] = tokens[done : done + size]
+            prefix = self.runner.prefill(table, adapter, chunk_1P, start + done, size, rows)
+            done += size
+        self.runner.insert(prefix, slot, table)
+        self._taken([slot])
+        return prefix.first
 
     def _fork_pages(self, owner, new_owner, length: int, last: int) -> tuple[list[int], list[int]]:
         copy = self._with_room(self.blocks.fork, owner, new_owner, length, last)
