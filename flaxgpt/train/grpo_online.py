@@ -74,23 +74,13 @@ def objective(config, model_config: gpt.GPTConfig, data=None) -> grpo_task.GRPOO
     """The recipe's GRPO objective. A row is a prompt and its completion (T + 1 tokens): T as long as
     the longest prompt and a whole completion need (a multiple of 8), not the model's whole window
     (without prompts to measure, flaxgpt aot's: the window)."""
-    g = sections.of(config).grpo
-    opts = grpo_task.GRPOOptions(
-        loss_type=g.loss_type,
-        epsilon=g.epsilon,
-        epsilon_high=None if g.epsilon_high < 0 else g.epsilon_high,
-        delta=g.delta or None,
-        beta=g.beta,
-        importance_sampling_level=g.importance_sampling_level,
-        max_completion_length=int(g.max_completion_length),
-        temperature=g.temperature,
-    )
+    g = sections.of(config).grpo  # a grpo_task.GRPOOptions: the objective's options and the run's
     T, max_new = model_config.block_size, int(g.max_completion_length)
     if data is not None:
         T = min(T, -(-(data.max_prompt_tokens + max_new - 1) // 8) * 8)
     o = config.optim
     return grpo_task.GRPOObjective(
-        opts, T, int(g.num_iterations), o.get("loss_impl", "logits"), o.get("loss_block", 0)
+        g, T, int(g.num_iterations), o.get("loss_impl", "logits"), o.get("loss_block", 0)
     )
 
 

@@ -43,6 +43,7 @@ Shape letters: B rows (completions), T positions, N completions of a step (promp
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,7 @@ from flaxgpt.decode import sampling
 from flaxgpt.models import gpt
 from flaxgpt.models.cache import KVCache
 from flaxgpt.train import losses
+from flaxgpt.train.typed import ConfigError, Section, opt
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo")
 SCALES = ("group", "batch", "none")  # scale_rewards
@@ -61,37 +63,37 @@ STD_EPS = 1e-4  # TRL's: advantages / (std + 1e-4)
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOOptions:
-    """The objective's settings; names and defaults are TRL 1.16's GRPOConfig's."""
+class GRPOOptions(Section):
+    """The objective's settings, each checked by its type and range when made (train/typed.py); names
+    and defaults are TRL 1.16's. The recipe's grpo section (sections.GRPOSection) is these fields and
+    the run's own (group size, rollouts, rewards): each field and its rule are written here once."""
 
-    loss_type: str = "dapo"
-    epsilon: float = 0.2  # the clip range's low side: r >= 1 - epsilon
-    epsilon_high: float | None = None  # its high side (DAPO's clip-higher); None: epsilon
-    delta: float | None = None  # cap on r in the unclipped term (two-sided clipping); None: off
-    beta: float = 0.0  # weight of the k3 KL against the reference; 0: no reference at all
-    importance_sampling_level: str = "token"  # "sequence": GSPO's one ratio a completion
-    max_completion_length: int = 512  # dr_grpo's constant normalizer
-    temperature: float = 1.0  # the sampling temperature: log-probs are of logits / temperature
-    top_entropy_quantile: float = 1.0  # < 1: train only on the highest-entropy tokens
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
+    name: ClassVar[str] = "grpo"
+    loss_type: Literal[LOSS_TYPES] = opt("dapo", "how token losses are averaged: docs/grpo.md")
+    epsilon: float = opt(0.2, "the ratio's clip range starts at 1 - epsilon", 0)
+    epsilon_high: float = opt(-1.0, "... and ends at 1 + epsilon_high, DAPO's clip-higher; -1 = epsilon")
+    delta: float = opt(0.0, "two-sided clipping: the unclipped ratio capped at delta > 1; 0 = off")
+    beta: float = opt(0.0, "weight of the k3 KL to the reference: LoRA's base, else init_from's weights", 0)
+    importance_sampling_level: Literal[LEVELS] = opt("token", "sequence: GSPO, one ratio each")
+    max_completion_length: int = opt(
+        256, "sampled tokens a completion at most; prompt + this <= block_size; dr_grpo's normalizer", 1
+    )
+    temperature: float = opt(
+        1.0, "sampling temperature; the log-probs are of the same softened distribution", 0, low_in=False
+    )
+    top_entropy_quantile: float = opt(
+        1.0, "< 1: train only on the highest-entropy tokens", 0, 1, low_in=False, high_in=True
+    )
+    sapo_temperature_pos: float = opt(1.0, "SAPO's gate temperature for positive advantages", 0, low_in=False)
+    sapo_temperature_neg: float = opt(1.05, "... and for negative ones", 0, low_in=False)
 
-    def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"grpo.loss_type={self.loss_type!r}; choose one of {', '.join(LOSS_TYPES)}")
-        if self.importance_sampling_level not in LEVELS:
-            raise ValueError(
-                f"grpo.importance_sampling_level={self.importance_sampling_level!r}; choose one of "
-                f"{', '.join(LEVELS)}"
-            )
-        if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"grpo.top_entropy_quantile={self.top_entropy_quantile} is not in (0, 1]")
-        if self.temperature <= 0:
-            raise ValueError(f"grpo.temperature={self.temperature} must be > 0")
+    def check(self) -> None:
+        if self.delta and self.delta <= 1:
+            raise ConfigError(f"--config.grpo.delta={self.delta} caps the ratio: > 1, or 0 for off")
 
     @property
     def eps_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+        return self.epsilon if self.epsilon_high < 0 else self.epsilon_high
 
 
 # ---------------------------------------------------------------- rewards -> advantages
@@ -244,7 +246,7 @@ def grpo_loss(logp_BT, mask_BT, advantages_B, opts: GRPOOptions, old_logp_BT=Non
     else:
         clipped = jnp.clip(ratio, lo, hi)
         # capped for the clip metrics too, as TRL's (its KL above keeps the uncapped ratio)
-        ratio = ratio if opts.delta is None else jnp.minimum(ratio, opts.delta)
+        ratio = jnp.minimum(ratio, opts.delta) if opts.delta else ratio
         loss = -jnp.minimum(ratio * adv_B1, clipped * adv_B1)
     if entropy_BT is not None and opts.top_entropy_quantile < 1.0:
         loss = loss * _entropy_mask(entropy_BT, mask_BT, opts.top_entropy_quantile)

@@ -14,101 +14,17 @@ config_check's.
 """
 
 import dataclasses
-import math
-import typing
 from typing import ClassVar, Literal
-
-import numpy as np
 
 from flaxgpt import errors
 from flaxgpt.models import lora as lora_lib
 from flaxgpt.train import grpo_task
+from flaxgpt.train.typed import ConfigError, Section, opt, typed
+
+__all__ = ["ConfigError", "Section", "Sections", "defaults", "of", "opt", "read", "typed"]
 
 DPO_LOSSES = ("sigmoid", "ipo")  # dpo.loss: DPO's sigmoid loss | IPO's squared one (dpo_task)
 FORMATS = ("tokens", "shards", "packed", "pairs", "prompts")  # data.format: the tasks' (train.tasks)
-PLURALS = {str: "strings", int: "integers", float: "numbers", bool: "booleans"}  # a tuple's items
-
-
-class ConfigError(ValueError):
-    """A run config or recipe file that cannot be used; the message is one line."""
-
-
-def opt(default, why: str, low=None, high=None, *, low_in: bool = True, high_in: bool = False):
-    """A section's field: its default, why it is there (said in its errors) and, for a number, its
-    range (`low` / `high`, None: unbounded; included or not)."""
-    return dataclasses.field(default=default, metadata={"why": why, "range": (low, high, low_in, high_in)})
-
-
-def describe_range(low, high, low_in: bool, high_in: bool) -> str:
-    """ ">= 0", "> 0", "in [0, 1)", "in (0, 1]": a range as an error names it."""
-    left = f">= {low:g}" if low_in else f"> {low:g}"
-    if high is None or math.isinf(high):
-        return left
-    return f"in {'[' if low_in else '('}{low:g}, {high:g}{']' if high_in else ')'}"
-
-
-def _is_number(value, kind) -> bool:
-    if isinstance(value, bool | np.bool_):
-        return False
-    return isinstance(value, int | np.integer) or (kind is float and isinstance(value, float | np.floating))
-
-
-def typed(key: str, value, kind, meta: dict):
-    """`value` of the field `key` as its type `kind` says (int, float, bool, str, a Literal's choices,
-    a tuple of one of them) and inside its range, or a one-line ConfigError naming the key, what it
-    must be and the value."""
-    why = f" ({meta['why']})" if meta.get("why") else ""
-    if typing.get_origin(kind) is Literal:
-        choices = typing.get_args(kind)
-        if not isinstance(value, str) or value not in choices:
-            raise ConfigError(f"--config.{key}={value!r}; choose one of {', '.join(choices)}")
-        return value
-    if typing.get_origin(kind) is tuple:
-        item, items = typing.get_args(kind)[0], None
-        try:
-            items = tuple(typed(key, v, item, {}) for v in value) if isinstance(value, tuple | list) else None
-        except ConfigError:
-            pass
-        if items is None:
-            raise ConfigError(f"--config.{key}={value!r} must be a tuple of {PLURALS[item]}{why}")
-        return items
-    if kind is bool:
-        if not isinstance(value, bool | np.bool_):
-            raise ConfigError(f"--config.{key}={value!r} must be True or False{why}")
-        return bool(value)
-    if kind is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"--config.{key}={value!r} must be a string{why}")
-        return value
-    if not _is_number(value, kind):
-        raise ConfigError(
-            f"--config.{key}={value!r} must be {'an integer' if kind is int else 'a number'}{why}"
-        )
-    value = kind(value)
-    low, high, low_in, high_in = meta.get("range", (None, None, True, False))
-    ok = math.isfinite(value) and (low is None or (value >= low if low_in else value > low))
-    ok = ok and (high is None or (value <= high if high_in else value < high))
-    if not ok:
-        where = describe_range(-math.inf if low is None else low, high, low_in, high_in)
-        raise ConfigError(f"--config.{key}={value} must be {where}{why}")
-    return value
-
-
-class Section:
-    """A typed section: its fields are checked (and normalized) by their types when it is made, then
-    the section's own `check`."""
-
-    name: ClassVar[str]  # its key in a recipe
-
-    def __post_init__(self):
-        kinds = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):
-            value = typed(f"{self.name}.{f.name}", getattr(self, f.name), kinds[f.name], f.metadata)
-            object.__setattr__(self, f.name, value)
-        self.check()
-
-    def check(self) -> None:
-        """The rules between this section's fields (none by default)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,32 +107,21 @@ class DPOSection(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOSection(Section):
+class GRPOSection(grpo_task.GRPOOptions):
     """GRPO (data.format = prompts, flaxgpt/train/grpo_online.py): each step samples num_generations
     completions of batch_size // num_generations prompts from the current weights, scores them with the
-    rewards and trains on the group-normalised advantages. Names and defaults are TRL 1.16's."""
+    rewards and trains on the group-normalised advantages. The objective's fields (loss_type, epsilon,
+    beta, temperature, ...) and their rules are grpo_task.GRPOOptions'; these are the run's. Names and
+    defaults are TRL 1.16's."""
 
-    name: ClassVar[str] = "grpo"
     num_generations: int = opt(8, "G: completions a prompt, >= 2; batch_size counts completions")
-    max_completion_length: int = opt(
-        256, "sampled tokens a completion at most; prompt + this <= block_size", 1
-    )
-    temperature: float = opt(
-        1.0, "sampling temperature; the log-probs are of the same softened distribution", 0, low_in=False
-    )
     top_p: float = opt(1.0, "nucleus sampling of the rollouts; 1 = off", 0, 1, low_in=False, high_in=True)
     rollout: Literal[grpo_task.ROLLOUTS] = opt(
         "engine",
         "who samples: engine (serve.engine, continuous batching; LoRA unmerged, any base) | generate",
     )
-    loss_type: Literal[grpo_task.LOSS_TYPES] = opt("dapo", "how token losses are averaged: docs/grpo.md")
     scale_rewards: Literal[grpo_task.SCALES] = opt("group", "advantages over the group's std | batch | none")
-    epsilon: float = opt(0.2, "the ratio's clip range starts at 1 - epsilon", 0)
-    epsilon_high: float = opt(-1.0, "... and ends at 1 + epsilon_high, DAPO's clip-higher; -1 = epsilon")
-    delta: float = opt(0.0, "two-sided clipping: the unclipped ratio capped at delta > 1; 0 = off")
-    beta: float = opt(0.0, "weight of the k3 KL to the reference: LoRA's base, else init_from's weights", 0)
     num_iterations: int = opt(1, "optimizer steps on each rollout; > 1: the sampling policy's logps kept", 1)
-    importance_sampling_level: Literal[grpo_task.LEVELS] = opt("token", "sequence: GSPO, one ratio each")
     mask_truncated_completions: bool = opt(False, "completions that hit max_completion_length train nothing")
     reward_funcs: tuple[str, ...] = opt(
         ("answer",), "rewards, flaxgpt/train/rewards.py: answer | format=REGEX | length=N | module:function"
@@ -225,12 +130,11 @@ class GRPOSection(Section):
     eval_prompts: int = opt(64, "held-out (val) prompts sampled once each at an evaluation: val_reward", 0)
 
     def check(self) -> None:
+        super().check()
         try:
             grpo_task.check_group_size(self.num_generations)
         except ValueError as e:  # the objective's rule, said as the flag to change
             raise ConfigError(f"--config.{e}") from None
-        if self.delta and self.delta <= 1:
-            raise ConfigError(f"--config.grpo.delta={self.delta} caps the ratio: > 1, or 0 for off")
 
 
 SECTIONS = {

@@ -37,7 +37,7 @@ def test_advantages_by_hand():
         (lambda: g.rollout_batch([[]], [[3]], 3), "row 0: an empty prompt"),
         (lambda: g.GRPOOptions(loss_type="ppo"), "grpo.loss_type='ppo'; choose one of grpo"),
         (lambda: g.GRPOOptions(importance_sampling_level="row"), "importance_sampling_level='row'"),
-        (lambda: g.GRPOOptions(top_entropy_quantile=0.0), "top_entropy_quantile=0.0 is not in (0, 1]"),
+        (lambda: g.GRPOOptions(top_entropy_quantile=0.0), "top_entropy_quantile=0.0 must be in (0, 1]"),
         (lambda: g.GRPOObjective(g.GRPOOptions(beta=0.1)).reference(None, None, REAL), "needs a reference"),
         (
             lambda: g.sample_groups(tiny_config(), None, [[1] * 12], 2, rng=None, max_new_tokens=5),

@@ -43,7 +43,7 @@ def test_the_defaults_are_the_recipes_and_the_types_hold():
 
 BAD = {  # change -> the one-line message
     "lora__rnak": (4, "unknown config key 'lora.rnak'; did you mean lora.rank?"),
-    "grpo__zzz": (1, "unknown config key 'grpo.zzz'; grpo has num_generations, max_completion_length,"),
+    "grpo__zzz": (1, "unknown config key 'grpo.zzz'; grpo has loss_type, epsilon, epsilon_high,"),
     "lora__rank": ("4", "--config.lora.rank='4' must be an integer (adapter rank r"),
     "lora__alpha": (True, "--config.lora.alpha=True must be a number"),
     "lora__targets": (3, "--config.lora.targets=3 must be a string"),
