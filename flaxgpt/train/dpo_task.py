@@ -29,6 +29,7 @@ Shape letters: B rows, T positions, P pairs a row can hold (T // 2).
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +63,8 @@ def dpo_losses(logps: dict, beta: float, loss: str, label_smoothing: float = 0.0
         n_chosen_BP, n_rejected_BP = (jnp.maximum(logps[k], 1) for k in ("n_chosen", "n_rejected"))
         d_BP = chosen_BP / n_chosen_BP - rejected_BP / n_rejected_BP
         losses_BP = (d_BP - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"dpo.loss={loss!r}; choose one of {', '.join(LOSSES)}")
+    else:  # a caller past the recipe's section: its rule, said the same way
+        sections.typed("dpo.loss", loss, typing.get_type_hints(sections.DPOSection)["loss"], {})
     rewards = jax.lax.stop_gradient((beta * chosen_BP, beta * rejected_BP))
     return losses_BP, rewards
 
