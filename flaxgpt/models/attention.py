@@ -248,8 +248,8 @@ class SelfAttention(nn.Module):
             q_BTHK = norm(*norm_args, "q_norm", axes=(None,))(q_BTHK)
             k_BTJK = norm(*norm_args, "k_norm", axes=(None,))(k_BTJK)
         if self.rope is not None:  # keys enter the cache rotated
-            q_BTHK = self.rope.apply(q_BTHK, positions_BT)
-            k_BTJK = self.rope.apply(k_BTJK, positions_BT)
+            q_BTHK = self.rope.apply(q_BTHK, positions_BT, real_BT)  # real_BT: dynamic's lengths
+            k_BTJK = self.rope.apply(k_BTJK, positions_BT, real_BT)
 
         sow = None
         if self.is_mutable_collection("intermediates"):

@@ -89,11 +89,14 @@ class RoPE:
             return 1.0
         return self.attention_factor or yarn_attention_factor(self.factor)
 
-    def apply(self, x_BTHK: jax.Array, positions_BT: jax.Array) -> jax.Array:
-        """x rotated by each row's positions; angles, sin and cos in float32 (float64 for float64)."""
+    def apply(
+        self, x_BTHK: jax.Array, positions_BT: jax.Array, real_BT: jax.Array | None = None
+    ) -> jax.Array:
+        """x rotated by each row's positions; angles, sin and cos in float32 (float64 for float64).
+        `real_BT` (dynamic only): False on a right-padded prefill's padding, which sets no row's length."""
         acc = jnp.promote_types(x_BTHK.dtype, jnp.float32)
         if self.scaling == "dynamic":
-            inv_freq_Bk = self._dynamic_inv_freq(positions_BT, acc)
+            inv_freq_Bk = self._dynamic_inv_freq(positions_BT, acc, real_BT)
         else:
             inv_freq_Bk = jnp.asarray(self.inv_freq(), acc)[None]
         angles_BTk = positions_BT[..., None].astype(acc) * inv_freq_Bk[:, None, :]
@@ -106,9 +109,9 @@ class RoPE:
         cos_BT1k, sin_BT1k = cos_BTk[:, :, None, :], sin_BTk[:, :, None, :]
         return _rotate(x_BTHK.astype(acc), cos_BT1k, sin_BT1k).astype(x_BTHK.dtype)
 
-    def _dynamic_inv_freq(self, positions_BT: jax.Array, acc) -> jax.Array:
-        """[B, K/2] dynamic NTK frequencies: theta raised for each row's length L = its largest position
-        + 1, theta * (factor L / original - (factor - 1)) ** (K / (K - 2)), unscaled up to original.
+    def _dynamic_inv_freq(self, positions_BT: jax.Array, acc, real_BT: jax.Array | None = None) -> jax.Array:
+        """[B, K/2] dynamic NTK frequencies: theta raised for each row's length L = its largest real
+        position + 1, theta * (factor L / original - (factor - 1)) ** (K / (K - 2)), unscaled up to original.
 
         Why per call and per row, traced: transformers recomputes theta in each forward whose longest
         position passes the longest seen so far, and keeps the keys already cached as they were rotated.
@@ -119,8 +122,11 @@ class RoPE:
         row, not the batch's maximum as transformers takes: a request's tokens do not depend on the
         others decoding beside it. What follows: a prompt prefilled in chunks rotates each chunk with
         its own theta (transformers fed those chunks does the same), and a right-padded prefill takes L
-        from the padded buffer, as transformers' batch maximum would."""
+        from the row's real tokens (`real_BT`), so each prompt of a batch rotates as it would alone;
+        the padding's keys, rotated with that L too, are never attended to and are overwritten."""
         K = self.head_dim
+        if real_BT is not None:  # padding's positions run past the prompt: they must not set L
+            positions_BT = jnp.where(real_BT, positions_BT, 0)
         length_B = jnp.max(positions_BT, axis=-1).astype(acc) + 1
         length_B = jnp.maximum(length_B, self.original_max_len)
         stretch_B = self.factor * length_B / self.original_max_len - (self.factor - 1)

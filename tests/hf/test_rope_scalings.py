@@ -130,6 +130,35 @@ def test_greedy_decoding_past_the_original_context_and_export_match_transformers
     )
 
 
+def test_dynamic_right_padded_batch_prefill_gives_each_row_what_it_gets_alone(tmp_path):
+    """Prompts of 80, 50 and 20 tokens (two past the original 32) right-padded into one batch: each
+    row's prefill logits and greedy tokens are transformers' for that prompt alone (its theta from its
+    own length, not the padded buffer's 80)."""
+    make("llama", "dynamic", str(tmp_path))
+    config, params = hf.load_pretrained(str(tmp_path), block_size=BLOCK)
+    lengths = [80, 50, 20]
+    prompt_BP = np.zeros((len(lengths), max(lengths)), np.int32)
+    for b, n in enumerate(lengths):
+        prompt_BP[b, :n] = PROMPT[0, :n] if b != 1 else PROMPT[0, -n:]
+    cache = KVCache.for_config(config, batch=len(lengths), max_len=BLOCK)
+    positions = np.broadcast_to(np.arange(prompt_BP.shape[1]), prompt_BP.shape)
+    logits_B1V, _ = jax.jit(gpt_step_fn(config, params))(
+        prompt_BP, positions, cache, logits_at=np.asarray(lengths) - 1
+    )
+    out, _ = generate(
+        gpt_step_fn(config, params), KVCache.for_config(config, batch=len(lengths), max_len=BLOCK),
+        prompt_BP, lengths, max_new_tokens=6, rng=jax.random.key(0), temperature=0.0,
+    )  # fmt: skip
+    for b, n in enumerate(lengths):
+        alone = prompt_BP[b : b + 1, :n]
+        # a fresh model per prompt: transformers' dynamic NTK keeps the longest length it has seen
+        fresh = FAMILIES["llama"][1].from_pretrained(str(tmp_path)).eval()
+        want = ref_logits(fresh, alone)[0, -1]
+        np.testing.assert_allclose(np.asarray(logits_B1V[b, 0]), want, atol=1e-4, rtol=0)
+        fresh = FAMILIES["llama"][1].from_pretrained(str(tmp_path)).eval()
+        assert [int(t) for t in out[b, :6]] == torch_greedy(fresh, alone[0].tolist(), 6)
+
+
 # ---------------------------------------------------------------- the frequencies, without a model
 
 
