@@ -103,6 +103,23 @@ def init_kind(source) -> str:
     return "run" if is_run_dir(source) else "pretrained"
 
 
+def data_tokenizer(source) -> str | None:
+    """The tokenizer the training data of a model starting from `source` (an init_from value) is
+    written with: None for a fresh model (any: prepare's default), "gpt2" for a GPT-2 model by name
+    (the family table's; flaxgpt ships its BPE), else the source itself (a run's or a Hugging Face
+    model's own tokenizer). For `flaxgpt prepare` commands in errors (data.hints)."""
+    if not str(source) or init_kind(source) == "fresh":
+        return None
+    if not Path(source).exists():
+        from flaxgpt.hf import families
+        from flaxgpt.models.gpt_config import GPTConfig
+
+        preset = families.preset_for(source)
+        if preset is not None and families.family_of(GPTConfig.preset(preset)) == "gpt2":
+            return "gpt2"
+    return str(source)
+
+
 def resolve_init(
     source,
     recipe=None,

@@ -1,18 +1,18 @@
 """The `flaxgpt prepare` command that writes a recipe's data, for the one-line missing-data errors.
 
-    prepare_command(config)  # flaxgpt prepare --dataset shakespeare --tokenizer gpt2 --out_dir data/...
+    prepare_command(config, "gpt2")  # flaxgpt prepare --dataset shakespeare --tokenizer gpt2 --out_dir ...
 
-Built from the recipe's data.dir, data.format and init_from: the tokenizer is the model's (gpt2 for a
-GPT-2 name, the directory for a Hugging Face model or a flaxgpt run), and the dataset the one the
-folder's name says (shakespeare_char, shakespeare, openwebtext, fineweb, reverse, numbers, wmt14),
-else your own text (`--dataset text --input FILE`).
+Built from the recipe's data.dir and data.format and the tokenizer its model reads (the caller's:
+loader.data_tokenizer(init_from) says it: gpt2 for a GPT-2 name, the directory for a Hugging Face
+model or a flaxgpt run, None for a fresh model), and the dataset the one the folder's name says
+(shakespeare_char, shakespeare, openwebtext, fineweb, reverse, numbers, wmt14), else your own text
+(`--dataset text --input FILE`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-FRESH = ("", "auto", "resume", "scratch")
 DATASETS = (  # a folder name's start -> its dataset: the recipes' own folders (configs/*.py)
     ("shakespeare_char", "--dataset shakespeare_char"),
     ("shakespeare", "--dataset shakespeare"),
@@ -29,18 +29,11 @@ TASKS = (  # encoder-decoder recipes: flaxgpt prepare-seq2seq
 )
 
 
-def tokenizer_of(init_from: str) -> str | None:
-    """The tokenizer the data needs for init_from's model: gpt2 | a directory | None (a fresh model:
-    any tokenizer, prepare's default)."""
-    if init_from in FRESH:
-        return None
-    return "gpt2" if init_from.startswith("gpt2") and not Path(init_from).exists() else init_from
-
-
-def prepare_command(config) -> str:
-    """The command that prepares config.data.dir for this recipe."""
+def prepare_command(config, tok: str | None) -> str:
+    """The command that prepares config.data.dir for this recipe, whose model reads tokenizer `tok`
+    (loader.data_tokenizer's: "gpt2", a directory, or None for a fresh model)."""
     out, fmt = str(config.data.dir), config.data.get("format", "tokens")
-    name, tok = Path(out).name, tokenizer_of(str(config.get("init_from", "")))
+    name = Path(out).name
     model = tok if tok not in (None, "gpt2") else "MODEL_DIR"
     block = config.get("model", {}).get("block_size", 0)
     if fmt == "packed":
@@ -83,6 +76,6 @@ def is_hf_dir(path: str) -> bool:
     return p.parts[:1] != ("out",)
 
 
-def prepare_hint(config, overwrite: bool = False) -> str:
+def prepare_hint(config, tok: str | None, overwrite: bool = False) -> str:
     """'prepare it with: COMMAND' (with --overwrite where a part of the dataset is there already)."""
-    return "prepare it with: " + prepare_command(config) + (" --overwrite" if overwrite else "")
+    return "prepare it with: " + prepare_command(config, tok) + (" --overwrite" if overwrite else "")

@@ -33,7 +33,7 @@ import time
 import jax
 import numpy as np
 
-from flaxgpt import sharding
+from flaxgpt import loader, sharding
 from flaxgpt.data import hints, tokenizers
 from flaxgpt.data import prompts as prompts_lib
 from flaxgpt.decode import sampling
@@ -63,7 +63,8 @@ def open_prompts(config):
     """(prompts, model config, start): the recipe's prompts dataset, the model init_from gives with its
     weights (None: fresh), checked against each other."""
     s = sections.of(config)
-    data = prompts_lib.PromptData(s.data.dir, hints.prepare_hint(config))
+    hint = hints.prepare_hint(config, loader.data_tokenizer(config.get("init_from", "")))
+    data = prompts_lib.PromptData(s.data.dir, hint)
     recipe = models.config_from(config.model, data.vocab_size)
     init = start_from(config.init_from, recipe, data.meta.get("tokenizer"))
     data.check(init.config.block_size, init.config.vocab_size, s.grpo.max_completion_length)

@@ -73,7 +73,8 @@ def open_data(config):
     """(data, model config, start): the recipe's dataset (data.format tokens | shards | packed | pairs),
     the model init_from gives with the start's weights (None: fresh), checked against each other."""
     d = sections.of(config).data
-    hint = hints.prepare_hint(config)  # the command this recipe's data needs
+    # the command this recipe's data needs, with the tokenizer init_from's model reads
+    hint = hints.prepare_hint(config, loader.data_tokenizer(config.get("init_from", "")))
     if d.format in ("packed", "pairs"):
         data = packing.PackedData(d.dir, kind=d.format, hint=hint)
     elif d.format == "shards":  # shards need the window length, which the model section fixes

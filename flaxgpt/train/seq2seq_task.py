@@ -16,6 +16,7 @@ import functools
 import jax
 import numpy as np
 
+from flaxgpt import loader
 from flaxgpt.data import batches as data_lib
 from flaxgpt.data import hints, tokenizers
 from flaxgpt.decode.translate import generate
@@ -37,7 +38,8 @@ EVAL_DEFAULTS = {
 
 def open_pairs(config):
     """(the train and val pairs, model config, start None: always trained from scratch), checked."""
-    hint = hints.prepare_hint(config)  # the command this recipe's data needs
+    # the command this recipe's data needs, with the tokenizer init_from's model reads
+    hint = hints.prepare_hint(config, loader.data_tokenizer(config.get("init_from", "")))
     data = {s: data_lib.ParallelData(config.data.dir, s, hint) for s in ("train", "val")}
     meta = data["train"].meta
     c = models.config_from(config.model, meta["vocab_size"])

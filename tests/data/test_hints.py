@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from flaxgpt import loader
 from flaxgpt.data import batches, hints
 from flaxgpt.train import config_check
 
@@ -47,7 +48,7 @@ def test_every_recipe_is_told_its_own_prepare_command(path):
     want = documented(path, config.data.dir)
     if want is None:
         pytest.skip("the recipe documents no prepare command (a base recipe)")
-    got, want = options(hints.prepare_command(config)), options(want)
+    got, want = options(hints.prepare_command(config, loader.data_tokenizer(config.init_from))), options(want)
     assert got["command"] == want["command"]
     for key in ("--dataset", "--task", "--hf_name", "--out_dir"):
         assert got.get(key) == want.get(key), (key, got, want)
