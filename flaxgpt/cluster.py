@@ -3,6 +3,7 @@ processes there are and which one this is, decided from the environment before J
 
     from flaxgpt import cluster
     cluster.join(config.distributed)   # the trainer's first act (train.py, GRPO); None on one process
+    cluster.join()                       # a command without a recipe (flaxgpt eval, serve.py): the engine's
 
 `detect(distributed, env)` is the decision, a pure function of the recipe's `distributed` section and
 the environment; `join` calls jax.distributed.initialize with it. In order, the first that applies:
@@ -60,6 +61,19 @@ TPU_WORKERS_URL = (
 
 
 @dataclasses.dataclass(frozen=True)
+class Settings:
+    """A recipe's `distributed` section as configs/default.py leaves it: nothing set, the engine decides.
+    Commands without a recipe (flaxgpt eval, serve.py) join with these."""
+
+    coordinator_address: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+
+
+UNSET = Settings()
+
+
+@dataclasses.dataclass(frozen=True)
 class Join:
     """How this process joins its job. A None field is left to jax's cluster detection."""
 
@@ -80,7 +94,7 @@ class Join:
         return kwargs
 
 
-def join(distributed, env: Mapping[str, str] | None = None) -> Join | None:
+def join(distributed=UNSET, env: Mapping[str, str] | None = None) -> Join | None:
     """Joins the job this process is part of (jax.distributed.initialize), once; returns how, or None
     for a single process. Must run before anything starts a JAX backend."""
     if jax.distributed.is_initialized():  # a second train() in the same process (tests, tools)

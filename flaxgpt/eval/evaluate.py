@@ -10,6 +10,11 @@ Prints the results as JSON (--output FILE also writes them, with the per-example
 on a training run (--out_dir) appends them to its metrics.jsonl at the checkpoint's step as
 `<task>_<metric>`. A progress bar on stderr counts scored tokens. Bad input is a one-line error.
 See the README's Evaluation section for the data files and the numbers GPT-2 gets.
+
+Under a multi-process launcher (Slurm's srun, mpirun, SkyPilot, a GKE JobSet, a TPU pod: found by
+flaxgpt.cluster, no flag) every process runs the same command: each scores its share of the requests
+on its own devices (flaxgpt.eval.shards), and process 0 alone prints and writes the results.
+Translation is not split: every process decodes every pair.
 """
 
 from __future__ import annotations
@@ -117,13 +122,22 @@ def evaluate(a, kind, config, params, tokenizer) -> dict:
         return et.translation(
             config, params, tokenizer, pairs, beam_size=a.beam_size, alpha=a.alpha, truncate=a.truncate
         )
+    import jax
+
     from flaxgpt.eval.scoring import Scorer
+    from flaxgpt.eval.shards import ProcessShards
 
     window = a.window or config.block_size
     if window > config.block_size:
         raise ValueError(f"--window {window} is longer than the model's block_size {config.block_size}")
     data = et.load_data(a.task, a.data, a.limit)
-    scorer = Scorer(config, params, batch_tokens=a.batch_tokens, progress=not a.no_progress)
+    main_process = jax.process_index() == 0
+    scorer = Scorer(
+        config, params, batch_tokens=a.batch_tokens, progress=main_process and not a.no_progress,
+        devices=jax.local_devices(),
+    )  # fmt: skip
+    if jax.process_count() > 1:
+        scorer = ProcessShards(scorer)
     start = time.perf_counter()
     conventions = ("lm_eval", "nanogpt") if a.convention == "both" else (a.convention,)
     metrics = et.score_task(
@@ -138,9 +152,10 @@ def evaluate(a, kind, config, params, tokenizer) -> dict:
 
 def main(argv=None) -> dict:
     a = parse_args(sys.argv[1:] if argv is None else argv)
-    from flaxgpt import extras, sharding
+    from flaxgpt import cluster, extras, sharding
 
     extras.require_hf(a.init_from, "flaxgpt eval --init_from")  # before loading anything
+    cluster.join()  # Slurm, Open MPI, SkyPilot, a GKE JobSet, a TPU pod: every process scores a share
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     sharding.configure_cpu_devices(a.cpu_devices or cores, 1)
@@ -148,6 +163,10 @@ def main(argv=None) -> dict:
     metrics = evaluate(a, kind, config, params, tokenizer)
     results = {"task": a.task, "data": a.data, "model": a.init_from or a.out_dir, "step": step, **metrics}
     summary = {k: v for k, v in results.items() if not isinstance(v, list)}
+    import jax
+
+    if jax.process_index():  # every process has every score; process 0 alone reports them
+        return results
     print(json.dumps(summary, indent=2))
     if a.output:
         with open(a.output, "w") as f:

@@ -169,7 +169,18 @@ def reference_losses(cfg, steps=STEPS) -> list[float]:
 
 
 def start(engine, data_dir, out_dir, max_iters=STEPS, pace=0.0, local_devices=LOCAL_DEVICES):
-    """Both processes of a job (Popen), each with its engine's variables (none left from this one)."""
+    """Both processes of a training job (this file as the worker script)."""
+    return launch(
+        lambda port: [__file__, engine, "{i}", str(port), str(data_dir), str(out_dir), str(max_iters),
+                      str(pace), str(local_devices)],
+        engine, local_devices,
+    )  # fmt: skip
+
+
+def launch(args, engine: str, local_devices: int = 1):
+    """The PROCESSES processes of a job (Popen, output piped): `python ARGS` each, with `engine`'s
+    variables (none left from this process) and `local_devices` CPU devices. args(port) -> the
+    arguments, where "{i}" becomes the process's index (the settings' process_id)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env = {k: v for k, v in env.items() if not re.match(r"(SLURM|OMPI|SKYPILOT|JOBSET)_|JAX_COORD", k)}
     env.update(
@@ -179,10 +190,9 @@ def start(engine, data_dir, out_dir, max_iters=STEPS, pace=0.0, local_devices=LO
         PYTHONUNBUFFERED="1",
     )
     port = free_port()
-    args = [str(port), str(data_dir), str(out_dir), str(max_iters), str(pace), str(local_devices)]
     return [
         subprocess.Popen(
-            [sys.executable, __file__, engine, str(i), *args],
+            [sys.executable, *(a.replace("{i}", str(i)) for a in args(port))],
             cwd=ROOT,
             env={**env, **engine_env(engine, i, port)},
             stdout=subprocess.PIPE,
