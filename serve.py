@@ -135,6 +135,14 @@ def parse_args(argv):
         "chunks, oldest prompt first (default: 2048, at least --prefill_chunk, + --slots)",
     )
     p.add_argument(
+        "--mixed_step",
+        type=int,
+        default=0,
+        help="prompts whose rest is at most this many tokens (a chat turn after a prefix-cache hit) run "
+        "it in the next decode step, beside the decoding slots, instead of a prefill call of their own "
+        "(one [slots, T] program per width T: powers of two from 8, and this; 0: off)",
+    )
+    p.add_argument(
         "--prefix_cache_tokens",
         type=int,
         default=4096,
@@ -198,7 +206,9 @@ def parse_args(argv):
         p.error("--draft and --speculative_ngram are two ways to draft tokens: give one")
     if a.draft and a.speculative_tokens < 1:
         p.error(f"--speculative_tokens must be >= 1 with --draft, got {a.speculative_tokens}")
-    for name in ("prefill_chunk", "prefix_cache_tokens", "speculative_ngram"):
+    if a.mixed_step and (a.draft or a.speculative_ngram):
+        p.error("--mixed_step runs without drafting (--draft, --speculative_ngram): give one")
+    for name in ("prefill_chunk", "prefix_cache_tokens", "speculative_ngram", "mixed_step"):
         if getattr(a, name) < 0:
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
     for name in ("prefix_block", "max_body_bytes", "max_tokens", "max_num_batched_tokens"):
@@ -264,6 +274,7 @@ def main(argv=None):
         mesh=mesh,
         speculate=a.speculative_ngram or (a.speculative_tokens if a.draft else 0),
         draft=draft,
+        mixed=a.mixed_step,
     )
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(

@@ -3,6 +3,7 @@
     python benchmarks/serve_chat.py --rounds 4        # 8 conversations x 4 turns, 4 at a time, ~5 minutes
     python benchmarks/serve_chat.py --conversations 2 --turns 2 --pause 1    # smoke run
     python benchmarks/serve_chat.py --against ../old   # cache on: another checkout's serve.py vs this one's
+    python benchmarks/serve_chat.py --against ../old --this_args '--mixed_step 64'   # a flag DIR lacks
 
 A random-weight char-level GPT (6 layers, 384 wide, window 1024; no download) behind serve.py on
 127.0.0.1. Every conversation starts with the same 200-token system prompt; turn t sends the system
@@ -64,6 +65,7 @@ def run_side(a, cache_tokens: int, run_dir: str, root=serve_process.ROOT) -> lis
     import httpx
 
     cmd = ["--out_dir", run_dir, "--slots", str(a.clients), "--prefix_cache_tokens", str(cache_tokens)]
+    cmd += a.this_args.split() if root == serve_process.ROOT else []
     with serve_process.running([*cmd, *a.serve_args.split()], root=root) as (url, _):
         rng = np.random.default_rng(a.seed)
         system = "".join(rng.choice(LETTERS, 200))
@@ -93,6 +95,11 @@ def main(argv=None):
     p.add_argument("--serve_args", default="", help="more serve.py flags for both sides, e.g. '--chunk 2'")
     harness.add_arguments(p)
     p.add_argument("--against", default=None, help="two cache-on sides: DIR's serve.py and this checkout's")
+    p.add_argument(
+        "--this_args",
+        default="",
+        help="serve.py flags of this checkout's sides only: '--mixed_step 64'",
+    )
     p.add_argument("--side", default=None, choices=[*SIDES, "against"], help=argparse.SUPPRESS)
     p.add_argument("--run_dir", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)

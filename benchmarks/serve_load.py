@@ -5,7 +5,7 @@
     python benchmarks/serve_load.py --prefill_ab --pause 10   # chunked prefill vs whole prompts, ~12 min
     python benchmarks/serve_load.py --adapters 8 --pause 10   # the load over 8 LoRA adapters vs the base
     git worktree add ../old d9de538 && python benchmarks/serve_load.py --against ../old --skip_hf
-        # this checkout's serve.py vs another commit's, same load and flags
+        # this checkout's serve.py vs another commit's, same load and flags (--this_args: more of its own)
     python benchmarks/serve_load.py --json_schema_fraction 0.5 --requests 32 --pause 5   # half constrained
     python benchmarks/serve_load.py --logprobs 5 --requests 32 --pause 5     # every request with logprobs
 
@@ -204,6 +204,7 @@ def run_server_side(a, reqs):
             cmd += [f"--adapter={n}={root}/{n}" for n in names]
             cmd += ["--max_adapters", str(a.adapters), "--max_lora_rank", str(a.lora_rank)]
             reqs = [{**r, "model": names[i % len(names)]} for i, r in enumerate(reqs)]
+        cmd += [] if a.against_side else a.this_args.split()
         return _serve_and_load(a, cmd, reqs, root=a.against if a.against_side else serve_process.ROOT)
 
 
@@ -452,6 +453,9 @@ def parse(argv):
         "--against", default=None, help="two serve.py sides: this checkout's and DIR's (a worktree)"
     )
     p.add_argument("--against_side", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--this_args", default="", help="serve.py flags for this checkout's side only, e.g. '--mixed_step 64'"
+    )
     p.add_argument(
         "--small",
         action="store_true",

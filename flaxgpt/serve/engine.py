@@ -43,8 +43,6 @@ Shape letters: B slots, M pages per row, P prompt bucket, C chunk.
 
 from __future__ import annotations
 
-import itertools
-
 import jax
 import numpy as np
 
@@ -52,46 +50,11 @@ from flaxgpt.decode.sampling import Rows
 from flaxgpt.models.cache import AdapterCache
 from flaxgpt.models.paged import PagedKVCache, paged_impl
 from flaxgpt.serve.block_manager import SCRATCH, BlockManager, OutOfPages
+from flaxgpt.serve.mixed import mixed_widths, plan_rows
+from flaxgpt.serve.prefill_job import PrefillJob, prompt_buckets, slot_owner
 from flaxgpt.serve.runner import Logprobs, Prefix, Runner
 
 __all__ = ["Engine", "Logprobs", "Prefix", "PrefillJob", "prompt_buckets"]
-
-
-def prompt_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from `smallest` and the midpoints between them (16, 24, 32, 48, 64, 96, ...)
-    up to max_len, and max_len itself."""
-    # prefill is compute-bound: with midpoints a prompt is padded by under a third (powers of two
-    # alone: up to half), for two compiled programs per doubling
-    out, b = [], smallest
-    while b < max_len:
-        out += [b] + ([b * 3 // 2] if b * 3 // 2 < max_len else [])
-        b *= 2
-    return (*out, max_len)
-
-
-def slot_owner(slot: int):
-    return ("slot", slot)
-
-
-class PrefillJob:
-    """A request being prefilled (host side): its pages (the block manager's, as owner `self`) and how
-    far its prompt has gone in."""
-
-    _ids = itertools.count()
-
-    def __init__(self, prompt_ids, rows: Rows, adapter: int, hit: int, last: int, hold: bool):
-        self.prompt_ids, self.rows, self.adapter, self.hold = list(prompt_ids), rows, adapter, hold
-        self.mask = None  # the first token's structured-output bitmask (int32 [W]; None: any token)
-        self.echo = False  # each prompt token's logprobs wanted: every chunk runs, none from the cache
-        self.echoed: list[Logprobs] = []  # per chunk, [size] ... each
-        self.hit = hit  # prompt tokens whose keys and values came from the prefix cache
-        self.done_upto = hit  # positions < done_upto are in its pages
-        self.last = last  # the last position it may write (prompt + max_new - 1)
-        self.owner = ("job", next(self._ids))
-
-    @property
-    def left(self) -> int:
-        return len(self.prompt_ids) - self.done_upto
 
 
 class Engine:
@@ -116,6 +79,7 @@ class Engine:
         speculate: int = 0,
         draft=None,
         slot_windows: bool = False,
+        mixed: int = 0,
     ):
         """config: the model's (its layers, key/value heads, head size and dtype size the pool);
         max_len: each request's window (default config.block_size), a multiple of `page`;
@@ -126,7 +90,9 @@ class Engine:
         speculate: drafted tokens a greedy row may have checked per step (`speculate()`; 0: off);
         draft: (step_fn, config) of a smaller model with the same vocabulary that drafts them
         (`speculate_with_draft()`; None: drafts come from the caller, e.g. prompt lookup);
-        slot_windows: every slot's window its own pages, read in place (see the module docstring)."""
+        slot_windows: every slot's window its own pages, read in place (see the module docstring);
+        mixed: the most prompt tokens a row feeds in one mixed step (`hold`, `mixed`; 0: off), whose
+        widths are the powers of two from 8 below it and it."""
         if slots < 1 or chunk < 1:
             raise ValueError(f"slots and chunk must be >= 1, got slots {slots} chunk {chunk}")
         W = max_len or config.block_size  # whole pages: PagedKVCache.for_slots below says so if not
@@ -139,6 +105,8 @@ class Engine:
             raise ValueError(f"the largest prompt bucket must be {self.prefill_chunk}: {self.buckets}")
         M = W // page
         platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+        if mixed and (slot_windows or draft is not None):  # its held rows would need the draft's too
+            raise ValueError("the mixed step runs without slot_windows and without a draft model")
         if slot_windows and (prefix_blocks or draft is not None):
             raise ValueError("slot_windows copies prompts into each slot: no prefix cache, no draft model")
         self.windows = None  # slot_windows: slot b's table [M], pages M + b*M .. (the pool's windows 1..)
@@ -189,6 +157,8 @@ class Engine:
         self._count = np.zeros(slots, np.int32)
         self._stop = np.zeros(slots, bool)
         self._finished = np.ones(slots, bool)  # as the last generate said (free slots too)
+        self.held: dict[int, PrefillJob] = {}  # slot -> the prefilling request holding it (`hold`)
+        self.mixed_widths = mixed_widths(mixed, W)  # the mixed step's (0: off)
 
     # the weights: a Partial the scheduler (adapter swaps) and GRPO (each step's weights) replace
     @property
@@ -208,9 +178,11 @@ class Engine:
         """Prefill per bucket, insert, generate for `chunk` steps and for one step, and the two halves of
         a step under a structured-output mask (the echo prefills compile on the first echo request of
         each bucket), and the speculative step when drafting is on (with a draft model: its prefills,
-        insert, its K + 1 decode steps and the state sync too)."""
+        insert, its K + 1 decode steps and the state sync too), and with the mixed step its `hold` and
+        a step per width."""
         draft = 0 if self.draft is None else len(self.buckets) + 3
-        return len(self.buckets) + 4 + (self.chunk > 1) + (self.speculate_k > 0) + draft
+        mixed = len(self.mixed_widths) + 1 if self.mixed_widths else 0
+        return len(self.buckets) + 4 + (self.chunk > 1) + (self.speculate_k > 0) + draft + mixed
 
     def kv_memory(self) -> dict:
         """Bytes a slot's whole window takes, and the pool's pages: held by no one, held more than once
@@ -271,10 +243,7 @@ class Engine:
         P = self.bucket(size)
         chunk_1P = np.zeros((1, P), np.int32)
         chunk_1P[0, :size] = job.prompt_ids[start : start + size]
-        seen = None
-        if job.rows.penalized:  # the repetition penalty reads the prompt's tokens
-            seen = np.zeros(self.vocab, bool)
-            seen[job.prompt_ids] = True
+        seen = job.seen(self.vocab)
         targets = None
         if job.echo:  # the next prompt token after each position (the last one's is the first new token)
             targets = np.zeros(P, np.int32)
@@ -437,6 +406,7 @@ class Engine:
         self._end(slot)
 
     def _end(self, slot: int):
+        self.held.pop(slot, None)
         if self.blocks.holds(slot_owner(slot)):
             self.blocks.free(slot_owner(slot))
             self.runner.idle(slot, np.full(self.blocks.M, SCRATCH, np.int32))
@@ -456,6 +426,35 @@ class Engine:
         if self.draft is not None:
             raise ValueError(f"{what} (GRPO's groups) does not run with a draft model")
 
+    # ------------------------------------------------------------ the mixed step (serve/mixed.py)
+
+    def hold(self, job: PrefillJob, slot: int):
+        """The prefilling request `job` takes slot `slot` now (its previous occupant's pages let go): its
+        pages become the slot's, its settings the slot's row, which plain steps skip until `mixed` has
+        run the rest of its prompt. Not for echo, structured-output, held or drafted requests."""
+        if not self.mixed_widths or job.echo or job.hold or job.mask is not None:
+            raise ValueError("hold: an Engine(mixed=N) and a request without echo, hold or mask")
+        self.blocks.move(job.owner, slot_owner(slot))
+        table = self.blocks.table(slot_owner(slot))
+        self.runner.hold(slot, table, job.adapter, job.rows, job.seen(self.vocab), job.done_upto)
+        self.held[slot], self._count[slot], self._stop[slot], self._finished[slot] = job, 0, False, False
+
+    def mixed(self, plan: dict[int, int]):
+        """One step: each held slot in `plan` feeds its next plan[slot] prompt tokens, every decoding slot
+        one token -> generate(steps=1)'s outputs; a prompt then in has its first new token there (its
+        full blocks join the prefix cache; a first token that ends it frees its pages, as prefill_step)."""
+        forced_BT, n_B, ends_B = plan_rows(plan, self.held, self.slots, self.mixed_widths)
+        out_B1, count, done, self.logprobs = self.runner.mixed(self._stop.copy(), forced_BT, n_B, ends_B)
+        for slot in plan:
+            job = self.held[slot]
+            job.done_upto += int(n_B[slot])
+            if not job.left:
+                del self.held[slot]
+                self.blocks.cache(slot_owner(slot), job.prompt_ids)
+                if done[slot]:
+                    self._end(slot)
+        return self._after(out_B1, count, done)
+
     def speculate_with_draft(self, allowed_B):
         """One speculative step with the draft model: it decodes K + 1 greedy tokens for every slot
         from the target's state (the last one only writes the K-th draft's keys), slot b checks the
@@ -474,8 +473,12 @@ class Engine:
         if np.shape(drafts_BK) != (self.slots, self.speculate_k):
             raise ValueError(f"drafts must be [slots, speculate] = [{self.slots}, {self.speculate_k}]")
         out_BC, count, done, self.logprobs = self.runner.speculate(self._stop.copy(), drafts_BK, n_B)
+        return self._after(out_BC, count, done)
+
+    def _after(self, out_BC, count, done):
+        """A step's outputs (tokens, new tokens per slot, done), its counts kept for the next."""
         new_B, self._count = count - self._count, count
-        self._finished = done
+        self._finished = done & ~np.isin(np.arange(self.slots), list(self.held))  # held: not ended
         return out_BC, new_B, done.copy()
 
     def generate(self, steps: int | None = None, mask_BW=None):
@@ -494,6 +497,4 @@ class Engine:
         else:
             fill = mask_BW if callable(mask_BW) else lambda: mask_BW
             out_BC, count, done, self.logprobs = self.runner.generate_masked(self._stop.copy(), fill)
-        new_B, self._count = count - self._count, count
-        self._finished = done
-        return out_BC, new_B, done.copy()
+        return self._after(out_BC, count, done)

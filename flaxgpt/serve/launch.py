@@ -68,6 +68,7 @@ def scheduler_for(
     mesh=None,
     speculate=0,
     draft=None,
+    mixed=0,
 ) -> Scheduler:
     """The engine (a window of max_len, default block_size, in pages of prefix_block positions) and its
     thread, not started. prefill_chunk: prompt tokens per prefill call (None: a whole prompt);
@@ -82,6 +83,7 @@ def scheduler_for(
     speculate: drafted tokens checked per step for greedy requests (0: off), by prompt lookup
     (serve/ngram.py) or, with draft = (config, params) of a smaller model with the same vocabulary,
     by that model (its own page pool over the same block tables; it drafts for adapters' rows too).
+    mixed: the most prompt tokens a request's last part may run in a decode step (serve/mixed.py; 0: off).
     Every pair composes: adapters with the prefix cache (its blocks hashed with the adapter), with a
     mesh, over int8 / bf16 weights; chunked prefill with all of them."""
     from flaxgpt.models import gpt
@@ -90,7 +92,7 @@ def scheduler_for(
     W = min(max_len or config.block_size, config.block_size)
     kw = dict(
         slots=slots, max_len=W, chunk=chunk, prefill_chunk=prefill_chunk, page=prefix_block,
-        prefix_blocks=prefix_cache_tokens // prefix_block, mesh=mesh, speculate=speculate,
+        prefix_blocks=prefix_cache_tokens // prefix_block, mesh=mesh, speculate=speculate, mixed=mixed,
         draft=None if draft is None else (gpt.step_fn(*draft), draft[0]),
     )  # fmt: skip
     sched_kw = dict(max_queue=max_queue, max_tokens=max_tokens, max_num_batched_tokens=max_num_batched_tokens)

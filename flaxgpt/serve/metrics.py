@@ -79,6 +79,11 @@ class ServeMetrics:
             "flaxgpt_spec_tokens_per_step", "new tokens per drafting row and step since start", registry=r
         ).set_function(lambda: (self._spec[0] + self._spec[2]) / self._spec[0] if self._spec[0] else 0.0)
 
+        self.mixed_tokens = Counter(  # serve.py --mixed_step
+            "flaxgpt_mixed_prompt_tokens", "prompt tokens run in a decode step, beside the decoding slots",
+            registry=r,
+        )  # fmt: skip
+
     def _rate(self) -> float:
         return self._hit / self._query if self._query else 0.0
 

@@ -22,7 +22,8 @@ divide (each device holds its heads of every page), the slots' arrays by slots.
 
 Compiled programs: one prefill per prompt bucket, insert, the page copy, generate for `chunk` steps
 and for one step, and a structured-output step in two halves (feed, then take under the bitmask the
-host computed meanwhile); an echo request's prefill per bucket on first use.
+host computed meanwhile); an echo request's prefill per bucket on first use; with the mixed step
+(serve/mixed.py) its `hold` and one step per width.
 
 Shape letters: B slots, M pages per row, P prompt bucket, V vocab, C chunk, R requests of a group.
 """
@@ -52,6 +53,7 @@ from flaxgpt.decode.sampling import (
     take,
 )
 from flaxgpt.models.cache import AdapterCache
+from flaxgpt.serve.mixed import hold, mixed_step
 
 
 class Logprobs(NamedTuple):
@@ -256,6 +258,8 @@ _PROGRAMS = (  # (function, static arguments, donated arguments, compiler option
     (_take, ("max_k",), ("state",), None),
     (_speculate, ("max_k",), ("state",), None),
     (_sync, (), ("state",), None),
+    (hold, (), ("state",), None),  # the mixed step's (serve/mixed.py)
+    (mixed_step, ("max_k",), ("state",), None),
 )
 
 
@@ -266,7 +270,7 @@ def programs(mesh=None) -> dict:
     out = {}
     for f, static, donated, options in _PROGRAMS:
         g = f if mesh is None else sharding.under_mesh(f, mesh, sharding.SERVE_RULES)
-        out[f.__name__.lstrip("_")] = jax.jit(
+        out[f.__name__.lstrip("_").removesuffix("_step")] = jax.jit(
             g, static_argnames=static, donate_argnames=donated, compiler_options=options
         )
     out["generate"] = decode_chunk if mesh is None else jax.jit(
@@ -397,6 +401,24 @@ class Runner:
             max_k=self.max_k,
         )  # fmt: skip
         return self._host(out_BT, lp)
+
+    def hold(self, slot: int, table_M, adapter: int, rows: Rows, seen_V, start: int):
+        """Slot `slot` taken by a prefilling request (serve/mixed.py hold); seen_V as prefill's."""
+        seen_V = np.zeros(self.vocab, bool) if seen_V is None else seen_V
+        self.state = self.p["hold"](
+            self.state, np.asarray([slot], np.int32), np.asarray(table_M, np.int32)[None], np.int32(adapter),
+            rows, np.asarray(seen_V)[None], np.int32(start),
+        )  # fmt: skip
+        self._table[slot] = table_M
+
+    def mixed(self, stop_B, forced_BT, n_B, ends_B):
+        """One mixed step (serve/mixed.py mixed_step) -> generate's outputs for one step."""
+        self._upload_table()
+        self.state, out_B1, lp = self.p["mixed"](
+            self.step_fn, self.state, stop_B, np.asarray(forced_BT, np.int32), np.asarray(n_B, np.int32),
+            np.asarray(ends_B, bool), max_k=self.max_k,
+        )  # fmt: skip
+        return self._host(out_B1, lp)
 
     def sync(self, last_B, fill_B, done_B):
         """A draft model's slots set to where the target's are (its pending token, its length, which

@@ -37,8 +37,6 @@ import logging
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
@@ -46,77 +44,19 @@ from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.serve import ngram
 from flaxgpt.serve.detokenize import Detokenizer, WithSpecial, held_back
 from flaxgpt.serve.engine import Engine
+from flaxgpt.serve.sequence import (
+    Delta,
+    Draining,
+    Failed,
+    Finish,
+    QueueFull,
+    Sequence,
+    TokenLogprob,
+    TooManySequences,
+    TooManyTokens,
+)
 
 log = logging.getLogger("flaxgpt.serve")
-
-
-class TokenLogprob(NamedTuple):
-    """A token of a reply (or of an echoed prompt) with its float32 logprob and the top alternatives
-    [(id, logprob)] the request asked for (None: the first prompt token, which has none)."""
-
-    id: int
-    logprob: float | None
-    top: list
-
-
-class Delta(NamedTuple):
-    text: str
-    logprobs: list = []  # TokenLogprob of the tokens behind this delta (requests with logprobs)
-    prompt: list | None = None  # the first delta of an echo request: TokenLogprob per prompt token
-
-
-class Finish(NamedTuple):
-    reason: str  # "stop" (EOS or a stop string) | "length" (max_new_tokens)
-    completion_tokens: int
-
-
-class Failed(NamedTuple):
-    message: str
-
-
-class QueueFull(Exception):
-    def __init__(self, retry_after: int):
-        super().__init__(f"every slot is busy and the queue is full; retry after {retry_after} s")
-        self.retry_after = retry_after
-
-
-class Draining(Exception):
-    pass
-
-
-class TooManySequences(ValueError):
-    """A request that could never be queued, however idle the server: more sequences than slots + queue."""
-
-
-class TooManyTokens(TooManySequences):
-    """A request asking for more new tokens than the server's limit (serve.py --max_tokens)."""
-
-    param = "max_tokens"
-
-
-@dataclass(eq=False)
-class Sequence:
-    prompt_ids: list[int]
-    rows: Rows
-    stop: list[str] = field(default_factory=list)
-    emit: object = print
-    ids: list[int] = field(default_factory=list)  # generated so far
-    sent: int = 0  # characters of text already emitted
-    cancelled: bool = False
-    finished: bool = False
-    submitted: float = 0.0  # perf_counter at submit (time to first token counts the queue)
-    adapter: object = None  # an adapters.Adapter (None: the base)
-    adapter_slot: int = 0  # the engine's adapter slot it holds while it runs
-    last_at: float | None = None  # when its latest tokens were handed over
-    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: no)
-    echo: bool = False  # report the prompt's tokens with their logprobs first
-    grammar: object = None  # a serve.grammar Matcher: its bitmask constrains each token
-    stop_ids: frozenset = frozenset()  # token ids that end it (not part of the text)
-    special: bool = False  # its text keeps special tokens (a tool-call marker such as [TOOL_CALLS])
-    detok: object = None  # its Detokenizer (serve/detokenize.py), made at its first token
-
-    def cancel(self):
-        self.cancelled = True  # read by the engine thread (a plain bool is atomic enough)
 
 
 class Scheduler:
@@ -144,6 +84,7 @@ class Scheduler:
         self.pending: collections.deque[Sequence] = collections.deque()
         self.active: dict[int, Sequence] = {}  # slot -> sequence (prefilling or decoding)
         self.prefilling: dict[int, object] = {}  # slot -> its PrefillJob (None: not started), oldest first
+        self.plan: dict[int, int] = {}  # this turn's mixed step: held slot -> its prompt's last tokens
         self.metrics = None  # a ServeMetrics (flaxgpt/serve/metrics.py) once an app serves us
         self.lock = threading.Condition()
         self.ready = threading.Event()
@@ -228,6 +169,10 @@ class Scheduler:
             # prompts that differ in their first token: none reuses another's blocks, each runs its bucket
             prefix = self.engine.prefill([i] + [0] * (min(b, self.engine.max_len - 2) - 1), rows)
             self.engine.insert(prefix, 0)  # each in turn: the slot's previous pages go back
+        for w in self.engine.mixed_widths:  # the mixed step's hold and each width
+            self.engine.blocks.clear()  # no warm-up prompt reuses another's blocks: each runs its width
+            self.engine.hold(self.engine.start_prefill([1] * w, rows), 0)
+            self.engine.mixed({0: w})
         self.engine.generate(steps=1)
         any_token_BW = np.full((self.engine.slots, self.engine.mask_words), -1, np.int32)
         self.engine.generate(steps=1, mask_BW=any_token_BW)  # the structured-output step
@@ -302,7 +247,7 @@ class Scheduler:
             return 0
         try:
             if job is None:  # matched against the prefix cache only now: a burst of prompts with one
-                # system prompt reuses the blocks the first of them just cached
+                # system prompt reuses the blocks the first of them just cached (then mixed if short)
                 salt = b"" if seq.adapter is None else seq.adapter.key
                 mask = None
                 if seq.grammar is not None:
@@ -315,6 +260,11 @@ class Scheduler:
                 self.prefilling[slot] = job
                 if self.metrics is not None:
                     self.metrics.admitted(len(seq.prompt_ids), job.hit)
+            if self._mixes(seq, job, tokens):  # its slot held, its prompt's rest in this turn's step
+                self.engine.hold(job, slot)
+                del self.prefilling[slot]
+                self.plan[slot] = job.left
+                return job.left
             before = job.done_upto
             prefix = self.engine.prefill_step(job, tokens)
             ran = job.done_upto - before
@@ -340,6 +290,15 @@ class Scheduler:
         self._advance(slot, seq, [first], done, lps)
         return ran
 
+    def _mixes(self, seq: Sequence, job, tokens: int | None) -> bool:
+        """The rest of its prompt runs in the next step beside the decoding rows (Engine.mixed): on
+        where the engine has the mixed step, the rest fits its widest width and the budget, and no
+        sequence this turn needs what only the two programs do (a grammar's mask, echo, drafts)."""
+        widths = self.engine.mixed_widths
+        if not widths or self.engine.speculate_k or seq.echo or job.left > widths[-1]:
+            return False
+        return job.left <= (tokens or job.left) and all(s.grammar is None for s in self.active.values())
+
     @staticmethod
     def _entry(seq: Sequence, token: int, chosen, top_ids_K, top_K) -> TokenLogprob:
         k = seq.logprobs or 0
@@ -359,8 +318,9 @@ class Scheduler:
             active = {slot: seq for slot, seq in self.active.items() if slot not in self.prefilling}
         for slot, seq in active.items():
             if seq.cancelled:
-                self._free(slot, release=True)
+                self._free(slot, release=True)  # a held slot's pages too (the engine forgets it)
                 self._count("cancelled")
+        plan, self.plan = {s: n for s, n in self.plan.items() if s in self.engine.held}, {}
         try:
             # prompts still prefilling: one step, then back to their next chunk (their first token
             # waits for one decode step per chunk, not `chunk` steps); a free slot: one step too, so
@@ -379,8 +339,12 @@ class Scheduler:
                     return mask_BW
 
                 one = True
-            drafts = None if constrained else self._drafts(active)
-            if drafts is not None:  # speculative: drafted tokens checked in the same model call
+            drafts = None if constrained or plan else self._drafts(active)
+            if plan:  # held prompts' last tokens beside one decode step (no grammar, no drafts: _mixes)
+                tokens_BC, new_B, done_B = self.engine.mixed(plan)
+                if self.metrics is not None:
+                    self.metrics.mixed_tokens.inc(sum(plan.values()))
+            elif drafts is not None:  # speculative: drafted tokens checked in the same model call
                 if self.engine.draft is not None:  # drafted by the draft model (n_B: how many it may)
                     tokens_BC, new_B, done_B = self.engine.speculate_with_draft(drafts[1] > 0)
                 else:

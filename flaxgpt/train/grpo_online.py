@@ -40,7 +40,7 @@ from flaxgpt.decode import sampling
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
-from flaxgpt.train import grpo_rollout, grpo_task, rewards, sections
+from flaxgpt.train import grpo_async, grpo_dynamic, grpo_rollout, grpo_task, rewards, sections
 from flaxgpt.train.lm_task import start_from
 
 
@@ -81,8 +81,9 @@ def objective(config, model_config: gpt.GPTConfig, data=None) -> grpo_task.GRPOO
         T = min(T, -(-(data.max_prompt_tokens + max_new - 1) // 8) * 8)
     o = config.optim
     return grpo_task.GRPOObjective(
-        g, T, int(g.num_iterations), o.get("loss_impl", "logits"), o.get("loss_block", 0)
-    )
+        g, T, int(g.num_iterations), o.get("loss_impl", "logits"), o.get("loss_block", 0),
+        off_policy=g.off_policy_steps > 0,
+    )  # fmt: skip
 
 
 class Rollouts:
@@ -101,6 +102,10 @@ class Rollouts:
         self.max_new, self.temperature, self.top_p = int(g.max_completion_length), g.temperature, g.top_p
         self.scale, self.eval_prompts = g.scale_rewards, g.eval_prompts
         self.mask_truncated = g.mask_truncated_completions
+        self.dynamic_rounds = g.dynamic_sampling_rounds if g.dynamic_sampling else None
+        self.pipeline = None  # off_policy_steps > 0: rollouts k steps ahead on a thread of their own
+        if g.off_policy_steps:
+            self.pipeline = grpo_async.Pipeline(self.sampled, g.off_policy_steps, config.max_iters)
         self.rewards = rewards.Rewards.make(list(g.reward_funcs), list(g.reward_weights) or None)
         self.names = reward_names(g.reward_funcs)
         self._logps = jax.jit(lambda p, b, f: objective.token_logps(policy, p, f, b)[0])
@@ -181,18 +186,48 @@ class Rollouts:
         )
 
     def rollout(self, params, frozen, step: int, n_rows: int, process_index: int = 0):
-        """(host batch of n_rows completions for `step`, metrics of the rollout)."""
+        """(host batch of n_rows completions for `step`, metrics of the rollout); off-policy
+        (grpo_async.Pipeline) sampled k steps earlier by older weights, on the rollout thread."""
+        if self.pipeline is not None:
+            return self.pipeline.take(params, frozen, step, n_rows, process_index)
+        return self.sampled(params, frozen, step, n_rows, process_index)
+
+    def before_update(self, params, step: int) -> None:
+        """The trainer's hook before update `step` is dispatched (it donates `params`)."""
+        if self.pipeline is not None:
+            self.pipeline.before_update(params, step)
+
+    def draw(self, params, frozen, step: int, n_prompts: int, process_index: int, r: int = 0):
+        """A step's prompts sampled and scored: (prompt ids, completion ids, total [N], per function
+        [N, K]); round r > 0 (dynamic sampling's refills): other prompts and keys, fixed by the seed."""
+        seed, data_seed = rollout_seed(self.seed, step, process_index), self.seed
+        if r:
+            seed = data_seed = rollout_seed(self.seed, step, process_index + r * jax.process_count())
+        rows = self.data.batch("train", step * jax.process_count() + process_index, n_prompts, data_seed)
+        prompt_ids, completion_ids, texts = self.sample(params, frozen, rows, self.G, seed)
+        return prompt_ids, completion_ids, *self.score(rows, self.G, texts, completion_ids)
+
+    def sampled(self, params, frozen, step: int, n_rows: int, process_index: int = 0):
+        """rollout's (batch, info), sampled now by `params` (the rewards logged: the step's prompts')."""
         t0 = time.perf_counter()
-        G = self.G
-        rows = self.data.batch("train", step * jax.process_count() + process_index, n_rows // G, self.seed)
-        seed = rollout_seed(self.seed, step, process_index)
-        prompt_ids, completion_ids, texts = self.sample(params, frozen, rows, G, seed)
-        total_N, per_NK = self.score(rows, G, texts, completion_ids)
-        adv_N, zero_std_N = grpo_task.group_advantages(total_N, G, self.scale)
+        G, extra = self.G, {}
+        drawn = self.draw(params, frozen, step, n_rows // G, process_index)
+        prompt_ids, completion_ids, total_N, per_NK = drawn
+        _, zero_std_N = grpo_task.group_advantages(total_N, G, self.scale)
+        if self.dynamic_rounds is not None:  # DAPO: groups of equal rewards dropped and refilled
+            more = lambda r: self.draw(params, frozen, step, n_rows // G, process_index, r)  # noqa: E731
+            (prompt_ids, completion_ids, total, trains_N), extra = grpo_dynamic.fill(
+                more, drawn, G, self.dynamic_rounds
+            )
+        adv_N, _ = grpo_task.group_advantages(total if extra else total_N, G, self.scale)
         batch = grpo_task.rollout_batch(prompt_ids, completion_ids, self.objective.T, adv_N)
         cut_N = grpo_task.truncated(completion_ids, [self.data.eos_id])
         if self.mask_truncated:  # TRL: a completion cut by the length limit teaches nothing
             batch["loss_mask"][cut_N] = 0.0
+        if extra:  # groups left equal after every refill round train nothing
+            batch["loss_mask"][~trains_N] = 0.0
+        if self.objective.off_policy:  # the sampling weights' log-probs: the loss's TIS weights
+            batch["behaviour_logp"] = np.asarray(self._logps(params, batch, frozen))
         if self.num_iterations > 1:  # the sampling policy's, kept while this rollout trains
             batch["old_logp"] = np.asarray(self._logps(params, batch, frozen))
         if self.objective.opts.beta:  # LoRA: the base, adapters off; else Frozen.reference
@@ -208,11 +243,16 @@ class Rollouts:
             info[f"rewards/{name}/mean"] = float(np.nanmean(per_NK[:, k]))
             info[f"rewards/{name}/std"] = float(np.nanstd(per_NK[:, k], ddof=1))
         info["rollout_time"] = time.perf_counter() - t0
-        return batch, info
+        return batch, {**info, **extra}
 
     def evaluate(self, params, frozen) -> dict:
         """Mean reward of one completion sampled (fixed key) for each of the first eval_prompts
         held-out prompts: val_reward and val_rewards/<name> per function."""
+        if self.pipeline is not None:  # the engine is the rollout thread's
+            return self.pipeline.call(self._evaluate, params, frozen)
+        return self._evaluate(params, frozen)
+
+    def _evaluate(self, params, frozen) -> dict:
         rows = self.data.splits["val"][: self.eval_prompts]
         if not rows:
             return {}

@@ -14,7 +14,10 @@ one, `loss_mask` is 1 on the completion's tokens (targets), `advantages` one val
 old policy's log-probs (`old_logp`, num_iterations > 1: taken once after the rollout and kept while
 the same completions are trained on again) and the reference's (`ref_logp`) are optional batch
 fields; without `old_logp` the ratio is against the detached current log-probs (1, with the
-gradient of the plain policy gradient), as TRL does with num_iterations = 1.
+gradient of the plain policy gradient), as TRL does with num_iterations = 1. Off-policy rollouts
+(grpo.off_policy_steps > 0: sampled by older weights) carry `behaviour_logp`, those weights' log-probs:
+each token's loss is weighted by min(pi_old / pi_behaviour, tis_cap) (truncated importance sampling,
+TRL's vLLM correction), before the KL term is added.
 
 The objective per completion token t (ratio r = pi / pi_old, A the row's advantage):
 - grpo, dr_grpo, dapo, bnpo, luspo: -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A), r capped at
@@ -86,6 +89,9 @@ class GRPOOptions(Section):
     )
     sapo_temperature_pos: float = opt(1.0, "SAPO's gate temperature for positive advantages", 0, low_in=False)
     sapo_temperature_neg: float = opt(1.05, "... and for negative ones", 0, low_in=False)
+    tis_cap: float = opt(
+        2.0, "off-policy rollouts: each token's loss times min(pi_old / pi_behaviour, tis_cap); 0 = off", 0
+    )
 
     def check(self) -> None:
         if self.delta and self.delta <= 1:
@@ -220,8 +226,9 @@ def _entropy_mask(entropy_BT, mask_BT, quantile: float):
 
 
 def grpo_loss(logp_BT, mask_BT, advantages_B, opts: GRPOOptions, old_logp_BT=None, ref_logp_BT=None,
-              entropy_BT=None):  # fmt: skip
-    """(loss_sum, weight, metrics): the loss is loss_sum / weight (see the module docstring)."""
+              entropy_BT=None, behaviour_logp_BT=None):  # fmt: skip
+    """(loss_sum, weight, metrics): the loss is loss_sum / weight (see the module docstring).
+    behaviour_logp_BT: the log-probs of the weights that sampled the batch (off-policy rollouts)."""
     mask_BT = mask_BT.astype(jnp.float32)
     adv_B1 = advantages_B.astype(jnp.float32)[:, None]
     old_BT = jax.lax.stop_gradient(logp_BT) if old_logp_BT is None else old_logp_BT
@@ -250,6 +257,10 @@ def grpo_loss(logp_BT, mask_BT, advantages_B, opts: GRPOOptions, old_logp_BT=Non
         loss = -jnp.minimum(ratio * adv_B1, clipped * adv_B1)
     if entropy_BT is not None and opts.top_entropy_quantile < 1.0:
         loss = loss * _entropy_mask(entropy_BT, mask_BT, opts.top_entropy_quantile)
+    if behaviour_logp_BT is not None and opts.tis_cap:  # truncated importance sampling, before the KL
+        tis_BT = jnp.minimum(jnp.exp(jax.lax.stop_gradient(old_BT) - behaviour_logp_BT), opts.tis_cap)
+        loss = loss * tis_BT
+        metrics["tis_weight"] = _masked_mean(tis_BT, mask_BT)
     if kl_BT is not None:
         loss = loss + opts.beta * kl_BT
     B = mask_BT.shape[0]
@@ -290,8 +301,9 @@ class GRPOObjective:
     T tokens (`row_tokens`), num_iterations > 1 adds old_logp to a batch, beta > 0 ref_logp."""
 
     def __init__(self, opts: GRPOOptions, row_tokens: int = 0, num_iterations: int = 1,
-                 loss_impl: str = "logits", loss_block: int = 0):  # fmt: skip
+                 loss_impl: str = "logits", loss_block: int = 0, off_policy: bool = False):  # fmt: skip
         self.opts, self.T, self.num_iterations = opts, row_tokens, num_iterations
+        self.off_policy = off_policy  # rollouts sampled by older weights: behaviour_logp in a batch
         losses.check_loss_impl(loss_impl)  # a bad optim.loss_impl fails here
         self.loss_impl, self.loss_block = loss_impl, loss_block  # the log-probs' path (losses.use_fused)
         self.tokens_per_row = row_tokens
@@ -315,6 +327,8 @@ class GRPOObjective:
             shapes["old_logp"] = ((n_rows, T), "float32")
         if self.opts.beta:
             shapes["ref_logp"] = ((n_rows, T), "float32")
+        if self.off_policy:
+            shapes["behaviour_logp"] = ((n_rows, T), "float32")
         return shapes
 
     def token_logps(self, policy, params, frozen, batch, rng=None, train: bool = False):
@@ -337,5 +351,6 @@ class GRPOObjective:
         loss_sum, weight, metrics = grpo_loss(
             logp_BT, batch["loss_mask"], batch["advantages"], self.opts,
             old_logp_BT=batch.get("old_logp"), ref_logp_BT=batch.get("ref_logp"), entropy_BT=entropy_BT,
+            behaviour_logp_BT=batch.get("behaviour_logp"),
         )  # fmt: skip
         return loss_sum, (weight, {k: v * weight for k, v in metrics.items()})

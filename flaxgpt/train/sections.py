@@ -128,6 +128,11 @@ class GRPOSection(grpo_task.GRPOOptions):
     )
     reward_weights: tuple[float, ...] = opt((), "one weight a reward; () = all 1")
     eval_prompts: int = opt(64, "held-out (val) prompts sampled once each at an evaluation: val_reward", 0)
+    off_policy_steps: int = opt(
+        0, "k > 0: step n's rollout sampled by step n-k's weights while steps train: grpo_async", 0
+    )
+    dynamic_sampling: bool = opt(False, "DAPO: groups whose rewards are all equal dropped and refilled")
+    dynamic_sampling_rounds: int = opt(4, "... with at most this many more prompt batches a step", 0)
 
     def check(self) -> None:
         super().check()
@@ -135,6 +140,11 @@ class GRPOSection(grpo_task.GRPOOptions):
             grpo_task.check_group_size(self.num_generations)
         except ValueError as e:  # the objective's rule, said as the flag to change
             raise ConfigError(f"--config.{e}") from None
+        if self.off_policy_steps and self.num_iterations > 1:
+            raise ConfigError(
+                f"--config.grpo.off_policy_steps={self.off_policy_steps} with grpo.num_iterations="
+                f"{self.num_iterations}: off-policy rollouts train once each; set one of them to its default"
+            )
 
 
 SECTIONS = {

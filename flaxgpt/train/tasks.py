@@ -109,6 +109,10 @@ class Task:
         """An online task's (host batch, metrics) sampled from the weights."""
         return self.source.rollout(params, frozen, step, n_rows, process_index)
 
+    def before_update(self, params, step: int) -> None:
+        """An online task's hook before update `step` is dispatched (the update donates `params`)."""
+        self.source.before_update(params, step)
+
     def evaluate(self, params, frozen: Frozen = NONE) -> dict:
         """The task's own metrics at an evaluation ({}: none)."""
         return self.source.evaluate(params, frozen)

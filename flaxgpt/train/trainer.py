@@ -376,8 +376,10 @@ class Trainer:
             if step == c.max_iters or c.eval_only:
                 break
             t0 = time.perf_counter()
+            if self.online:  # off-policy GRPO: a later step's rollout starts from these weights
+                self.task.before_update(state.params, step)
             state, metrics = self.train_step(state, batch)  # dispatched; runs while we go on
-            if self.online:  # the next batch needs this step's weights: nothing to overlap with
+            if self.online:  # the next batch needs this step's weights (off-policy: sampled meanwhile)
                 jax.block_until_ready(metrics)
                 metrics = {**metrics, **self.batch_info, "update_time": time.perf_counter() - t0}
             elif step + 1 < c.max_iters:  # the next step's batch, built while this one runs
