@@ -2,6 +2,7 @@
 
     class MyEnv(Environment):                        # in a user's file, named "myfile:MyEnv" in the recipe
         max_turns = 4
+        stop = None                                  # text that ends a reply early (a call's closing marker)
         def reset(self, prompt, **row) -> str | None  # row: the prompt's data fields (its answer, ...)
         def step(self, action) -> Step                # Step(observation, reward, done)
 
@@ -34,6 +35,10 @@ _MARKERS = {
     "mistral": tool_calls.MISTRAL_MARK,
     "llama3_json": tool_calls.PYTHON_TAG,
 }
+_CLOSERS = {"hermes": tool_calls.HERMES_CLOSE}  # a reply that closes a call ends there
+
+
+MAX_OBSERVATION_CHARS = 8000  # an observation longer than this is the environment's fault (cut it there)
 
 
 class EnvError(ValueError):
@@ -51,6 +56,7 @@ class Environment:
     """The interface (subclassing is optional: any object with reset / step / max_turns will do)."""
 
     max_turns: int = 4  # replies per episode; then it ends, truncated
+    stop: str | None = None  # a reply ends at its end of sequence, or after this text (None: EOS only)
 
     def reset(self, prompt: str, **row) -> str | None:
         """Start an episode for `prompt`; row: its data fields. Returns a first observation or None."""
@@ -65,6 +71,12 @@ class ToolEnvironment(Environment):
 
     family: str = "hermes"
     tools: list = []
+
+    @property
+    def stop(self) -> str | None:
+        """The family's closing marker (hermes' </tool_call>): a reply ends there, the call's result
+        follows; families without one (mistral, llama3_json) put the call in a whole reply."""
+        return _CLOSERS.get(self.family)
 
     def call(self, name: str, arguments: dict) -> str:
         raise NotImplementedError
@@ -117,39 +129,69 @@ def load(spec: str, **kwargs) -> Environment:
     return env
 
 
-def run_episode(env, prompt: str, row: dict, policy, max_observation_chars: int = 8000) -> Episode:
-    """Play one episode: the model (`policy(messages) -> reply text`) against `env`."""
-    name = type(env).__name__
-    where = f"environment {name} on prompt {prompt[:60]!r}"
-    messages = [{"role": "user", "content": prompt}]
+def where(env, prompt: str) -> str:
+    """How an EnvError names an episode: the environment and the prompt."""
+    return f"environment {type(env).__name__} on prompt {prompt[:60]!r}"
+
+
+def checked_reset(env, prompt: str, row: dict, max_observation_chars: int = MAX_OBSERVATION_CHARS):
+    """env.reset(prompt, **row), its first observation checked (None or text within the limit)."""
     try:
         first = env.reset(prompt, **row)
     except Exception as e:
-        raise EnvError(f"{where}: reset raised {type(e).__name__}: {e}") from None
+        raise EnvError(f"{where(env, prompt)}: reset raised {type(e).__name__}: {e}") from None
+    return None if first is None else _checked_text(first, where(env, prompt), max_observation_chars)
+
+
+def checked_step(
+    env, prompt: str, action: str, turn: int, max_observation_chars: int = MAX_OBSERVATION_CHARS
+) -> Step:
+    """env.step(action) for the episode's `turn`-th reply, as a Step whose reward is a finite float and
+    whose observation is None or text within the limit; anything else an EnvError of one line."""
+    at = f"{where(env, prompt)}: step {turn}"
+    try:
+        step = env.step(action)
+    except Exception as e:
+        raise EnvError(f"{at} raised {type(e).__name__}: {e}") from None
+    if not isinstance(step, Step):
+        try:
+            step = Step(*step)
+        except TypeError:
+            raise EnvError(f"{at} returned {step!r}, not (observation, reward, done)") from None
+    reward = step.reward
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise EnvError(f"{at} returned the reward {reward!r}, not a finite number")
+    text = None if step.observation is None else _checked_text(step.observation, at, max_observation_chars)
+    return Step(text, float(reward), bool(step.done))
+
+
+def turns_of(env, max_turns: int = 0) -> int:
+    """Replies an episode at most: `max_turns` (the recipe's) when > 0, else the environment's own."""
+    return int(max_turns) if max_turns > 0 else int(getattr(env, "max_turns", Environment.max_turns))
+
+
+def stop_of(env) -> str | None:
+    """The text that ends a reply early, before the end of sequence (a tool call's closing marker)."""
+    return getattr(env, "stop", None)
+
+
+def run_episode(
+    env, prompt: str, row: dict, policy, max_observation_chars: int = MAX_OBSERVATION_CHARS
+) -> Episode:
+    """Play one episode: the model (`policy(messages) -> reply text`) against `env`."""
+    messages = [{"role": "user", "content": prompt}]
+    first = checked_reset(env, prompt, row, max_observation_chars)
     if first is not None:
-        messages.append({"role": "tool", "content": _checked_text(first, where, max_observation_chars)})
-    total, turns, max_turns = 0.0, 0, int(getattr(env, "max_turns", Environment.max_turns))
+        messages.append({"role": "tool", "content": first})
+    total, turns, max_turns = 0.0, 0, turns_of(env)
     while turns < max_turns:
         reply = policy(messages)
         messages.append({"role": "assistant", "content": reply})
         turns += 1
-        try:
-            step = env.step(reply)
-        except Exception as e:
-            raise EnvError(f"{where}: step {turns} raised {type(e).__name__}: {e}") from None
-        if not isinstance(step, Step):
-            try:
-                step = Step(*step)
-            except TypeError:
-                said = f"{where}: step {turns} returned {step!r}, not (observation, reward, done)"
-                raise EnvError(said) from None
-        reward = step.reward
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise EnvError(f"{where}: step {turns} returned the reward {reward!r}, not a finite number")
-        total += float(reward)
+        step = checked_step(env, prompt, reply, turns, max_observation_chars)
+        total += step.reward
         if step.observation is not None:
-            text = _checked_text(step.observation, where, max_observation_chars)
-            messages.append({"role": "tool", "content": text})
+            messages.append({"role": "tool", "content": step.observation})
         if step.done:
             return Episode(messages, total, turns, truncated=False)
     return Episode(messages, total, turns, truncated=True)

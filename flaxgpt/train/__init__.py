@@ -4,6 +4,7 @@ themselves) and the config check.
 
 May import: flaxgpt.models, flaxgpt.data, flaxgpt.runs, flaxgpt.loader (resolve_init: where init_from
 starts, a run or pretrained weights), flaxgpt.eval, flaxgpt.decode, flaxgpt.serve (GRPO's
-rollouts by the engine), flaxgpt.sharding, flaxgpt.cluster, flaxgpt.runtime,
+rollouts by the engine), flaxgpt.envs (GRPO's environments),
+flaxgpt.sharding, flaxgpt.cluster, flaxgpt.runtime,
 flaxgpt.errors.
 """

@@ -40,7 +40,7 @@ from flaxgpt.decode import sampling
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
-from flaxgpt.train import grpo_async, grpo_dynamic, grpo_rollout, grpo_task, rewards, sections
+from flaxgpt.train import grpo_async, grpo_dynamic, grpo_episodes, grpo_rollout, grpo_task, rewards, sections
 from flaxgpt.train.lm_task import start_from
 
 
@@ -106,8 +106,12 @@ class Rollouts:
         self.pipeline = None  # off_policy_steps > 0: rollouts k steps ahead on a thread of their own
         if g.off_policy_steps:
             self.pipeline = grpo_async.Pipeline(self.sampled, g.off_policy_steps, config.max_iters)
-        self.rewards = rewards.Rewards.make(list(g.reward_funcs), list(g.reward_weights) or None)
-        self.names = reward_names(g.reward_funcs)
+        # an environment's episodes may be scored by it alone; its reward is the first column, "env"
+        funcs = list(g.reward_funcs)
+        self.rewards = None  # none with an environment that scores alone; else Rewards says what to name
+        if funcs or not g.env:
+            self.rewards = rewards.Rewards.make(funcs, list(g.reward_weights) or None)
+        self.names = ["env"] * bool(g.env) + reward_names(funcs)
         self._logps = jax.jit(lambda p, b, f: objective.token_logps(policy, p, f, b)[0])
         self.engine = None
         if g.rollout == "engine":  # one engine for the run: slots for a step's completions
@@ -120,6 +124,13 @@ class Rollouts:
                 max_len=sampling.cache_length(mc.block_size, data.max_prompt_tokens, self.max_new),
                 lora_spec=policy.lora,
             )
+        self.episodes = self._episodes(g, data)
+
+    def _episodes(self, g, data) -> grpo_episodes.Episodes | None:
+        """grpo.env: each completion an episode against it (grpo_episodes), on the engine."""
+        if not g.env:
+            return None
+        return grpo_episodes.Episodes(g.env, self.tokenizer, data.eos_id, self.max_new, g.max_turns)
 
     def on_mesh(self, mesh, frozen) -> None:
         """The trainer placed the weights on `mesh`: the engine follows them over several devices."""
@@ -161,6 +172,9 @@ class Rollouts:
         """(prompt ids, completion ids, completion texts) of group_size completions a row, prompt-major;
         completion n drawn with the key fold_in(key(seed), n) by the engine or by generate alike."""
         ids = [r["ids"] for r in rows]
+        if self.episodes is not None:  # texts: the final replies, which the reward functions score
+            weights = self._engine_weights(params, frozen)
+            return self.episodes.sample(self.engine, weights, ids, rows, group_size, seed=seed)
         if self.engine is not None:
             weights = self._engine_weights(params, frozen)
             prompt_ids, completion_ids = self.engine.sample(weights, ids, group_size, seed=seed)
@@ -181,9 +195,16 @@ class Rollouts:
         """(total [N], per function [N, K]) of completions, row n // group_size's."""
         rows_N = [r for r in rows for _ in range(group_size)]
         names = [f"prompt {r['prompt']!r}" for r in rows_N]
-        return self.rewards(
-            [r["prompt"] for r in rows_N], texts, [r["fields"] for r in rows_N], completion_ids, names
-        )
+        total_N, per_NK = np.zeros(len(texts)), np.zeros((len(texts), 0))
+        if self.rewards is not None:
+            total_N, per_NK = self.rewards(
+                [r["prompt"] for r in rows_N], texts, [r["fields"] for r in rows_N], completion_ids, names
+            )
+        if self.episodes is None:
+            return total_N, per_NK
+        # the environment's reward (NaN: its group dropped) and the functions' on the final reply
+        env_N = np.array([c.reward for c in completion_ids], np.float64)
+        return env_N + np.nan_to_num(total_N), np.concatenate([env_N[:, None], per_NK], axis=1)
 
     def rollout(self, params, frozen, step: int, n_rows: int, process_index: int = 0):
         """(host batch of n_rows completions for `step`, metrics of the rollout); off-policy

@@ -86,7 +86,8 @@ class EngineRollouts:
         base, adapters = weights
         return lora.step_fn(self.config, self.lora, base, adapters)
 
-    def _engine(self, weights) -> Engine:
+    def engine_for(self, weights) -> Engine:
+        """The run's engine (built at the first call) with these weights."""
         step_fn = self.step_fn(weights)
         if self.engine is None:
             # whole pages (positions past max_len are never written); no prefix cache: the weights
@@ -100,13 +101,16 @@ class EngineRollouts:
         self.engine.step_fn = step_fn  # a jit argument: this step's weights, no recompile
         return self.engine
 
-    def _rows(self, n: int, seed: int) -> Rows:
-        return Rows.of(self.sampling, max_new_tokens=self.max_new, seed=seed, stream=n)
+    def rows_for(self, n: int, seed: int, turn: int = 0, max_new: int | None = None) -> Rows:
+        """Completion n's settings and key: (seed, stream n); an episode's later turns (grpo_episodes)
+        draw from streams of their own, n + turn * 2**24, with the budget left (max_new)."""
+        stream = n + (turn << 24)  # a u32: completions < 2**24 a step, turns < 256
+        return Rows.of(self.sampling, max_new_tokens=max_new or self.max_new, seed=seed, stream=stream)
 
     def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
         """(prompts, completion ids): N = prompts x G token lists, prompt-major (completion n is prompt
         n // G's), each ending with the EOS id when it stopped there (grpo_task.sample_groups')."""
-        engine, G = self._engine(weights), int(group_size)
+        engine, G = self.engine_for(weights), int(group_size)
         N = len(prompt_ids) * G
         firsts, rest = [None] * N, [[] for _ in range(N)]  # first tokens stay on the device till the end
         waiting = collections.deque(range(N))
@@ -121,14 +125,14 @@ class EngineRollouts:
                 if G > 1 and n % G == 0 and len(free) >= G:
                     group = [waiting.popleft() for _ in range(G)]
                     slots = [free.pop() for _ in range(G)]
-                    rows = [self._rows(m, seed) for m in group]
+                    rows = [self.rows_for(m, seed) for m in group]
                     prefix = engine.prefill(prompt_ids[n // G], rows[0], hold=True)
                     first_G = engine.insert_group(prefix, rows, slots)
                     firsts[n : n + G] = [(first_G, g) for g in range(G)]
                     owner.update(zip(slots, group, strict=True))
                     continue
                 waiting.popleft()
-                rows = self._rows(n, seed)
+                rows = self.rows_for(n, seed)
                 if n % G == 0:  # a prompt's first completion: its one prefill
                     prefix = engine.prefill(prompt_ids[n // G], rows, hold=G > 1)
                 first = prefix if G == 1 else engine.fork(prefix, rows)  # as the prefill's draw with rows

@@ -154,9 +154,23 @@ def truncated(completion_ids, eos_ids) -> np.ndarray:
     return np.array([len(ids) == 0 or int(ids[-1]) not in eos for ids in completion_ids], bool)
 
 
+class Completion(list):
+    """A completion's tokens (a list) that are not all the model's: a multi-turn episode's replies with
+    the environment's observations between them (train/grpo_episodes.py). model[i] is 1 where token i
+    is the model's (trained), 0 where the environment wrote it (masked out of the loss); reward is the
+    environment's (NaN: its group was dropped)."""
+
+    def __init__(self, tokens, model, reward: float = float("nan")):
+        super().__init__(tokens)
+        self.model, self.reward = list(model), reward
+        if len(self.model) != len(self):
+            raise ValueError(f"{len(self.model)} model flags for {len(self)} tokens")
+
+
 def rollout_batch(prompt_ids, completion_ids, T: int, advantages=None, pad: int = 0) -> dict:
     """Rows of prompt + completion, right-padded to T + 1 tokens and split into inputs / targets [N, T];
-    loss_mask [N, T] marks the completion's targets. A row longer than T + 1 is an error naming it."""
+    loss_mask [N, T] marks the completion's targets (a Completion's: only the model's own tokens). A row
+    longer than T + 1 is an error naming it."""
     N = len(prompt_ids)
     if len(completion_ids) != N:
         raise ValueError(f"{N} prompts but {len(completion_ids)} completions")
@@ -174,6 +188,8 @@ def rollout_batch(prompt_ids, completion_ids, T: int, advantages=None, pad: int 
             )
         tokens[i, :n] = np.concatenate([np.asarray(p, np.int32), np.asarray(c, np.int32)])
         mask[i, len(p) - 1 : n - 1] = 1.0  # target j is token j + 1: the completion starts at len(p)
+        if isinstance(c, Completion):  # an episode's observations are the environment's: not trained
+            mask[i, len(p) - 1 : n - 1] = np.asarray(c.model, np.float32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
     if advantages is not None:
         batch["advantages"] = np.asarray(advantages, np.float32).reshape(N)

@@ -128,6 +128,8 @@ class GRPOSection(grpo_task.GRPOOptions):
     )
     reward_weights: tuple[float, ...] = opt((), "one weight a reward; () = all 1")
     eval_prompts: int = opt(64, "held-out (val) prompts sampled once each at an evaluation: val_reward", 0)
+    env: str = opt("", "module:Class: each completion an episode against it (grpo_episodes); '' = one-shot")
+    max_turns: int = opt(0, "an episode's replies at most; 0 = the environment's max_turns", 0)
     off_policy_steps: int = opt(
         0, "k > 0: step n's rollout sampled by step n-k's weights while steps train: grpo_async", 0
     )
@@ -140,6 +142,14 @@ class GRPOSection(grpo_task.GRPOOptions):
             grpo_task.check_group_size(self.num_generations)
         except ValueError as e:  # the objective's rule, said as the flag to change
             raise ConfigError(f"--config.{e}") from None
+        if self.env and self.rollout != "engine":  # episodes extend the engine's rows between turns
+            raise ConfigError(
+                f"--config.grpo.env={self.env!r} plays episodes on the engine: grpo.rollout=engine"
+            )
+        if not self.env and not self.reward_funcs:
+            raise ConfigError(
+                "--config.grpo.reward_funcs is empty: name a reward, or an environment (grpo.env)"
+            )
         if self.off_policy_steps and self.num_iterations > 1:
             raise ConfigError(
                 f"--config.grpo.off_policy_steps={self.off_policy_steps} with grpo.num_iterations="
