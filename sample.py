@@ -22,7 +22,8 @@ Attention maps (GPT models): --attention_png PATH draws the attention weights of
 for --layers x --heads ('all', '0,5', '-1' or '2:6') into a PNG grid, says where on stderr, then
 samples as usual; --max_new_tokens 0 writes the PNG and samples nothing.
 
-Faster decoding (GPT models): --quantize int8 (weight-only, per-output-channel scales) or bf16
+Faster decoding (GPT models): --quantize int8 (weight-only, per-output-channel scales), int4 (scales per
+group of 128 inputs; int4_g64, int4_g32) or bf16
 decodes with compact weights. --draft RUN_OR_GPT2 proposes --draft_tokens tokens per step with a
 smaller model of the same tokenizer that the model then verifies in one call: greedy output is
 unchanged, sampled output keeps the model's distribution; the acceptance rate goes to stderr.
@@ -68,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: the run's own")
-    p.add_argument("--quantize", help="int8 | bf16: weight-only quantized weights for decoding")
+    p.add_argument(
+        "--quantize", help="int8 | bf16 | int4 (int4_g64, int4_g32): weight-only quantized weights (decoding)"
+    )
     p.add_argument("--adapter", help="a PEFT LoRA adapter directory, merged into --init_from's weights")
     p.add_argument("--draft", help="speculative decoding: a smaller run directory or GPT-2 name/path")
     p.add_argument("--draft_tokens", type=int, default=4, help="tokens the draft proposes per step")

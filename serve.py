@@ -83,8 +83,7 @@ def parse_args(argv):
     p.add_argument(
         "--quantize",
         default=None,
-        choices=["int8", "bf16"],
-        help="weight-only quantized weights",
+        help="weight-only quantized weights: int8, bf16, int4 (int4_g64, int4_g32): models/quantize.py MODES",
     )
     p.add_argument("--slots", type=int, default=8, help="requests decoded together (rows of the KV cache)")
     p.add_argument(

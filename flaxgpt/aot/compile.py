@@ -42,7 +42,7 @@ def parse(argv):
     p.add_argument("--dump", default=None, help="write each program's optimized HLO here")
     p.add_argument("--slots", type=int, default=8, help="serve: the engine's slots")
     p.add_argument("--max_len", type=int, default=0, help="sample/serve: the cache window (0 = block_size)")
-    p.add_argument("--quantize", default=None, choices=("int8", "bf16"), help="sample/serve: weight-only")
+    p.add_argument("--quantize", default=None, help="sample/serve: weight-only (models/quantize.py MODES)")
     p.add_argument(
         "--serve_devices", type=int, default=1, help="serve: devices the engine runs over (weights fsdp)"
     )
@@ -103,6 +103,13 @@ def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0, quan
     devices = target.devices()  # first: the plugin's environment is set before jax starts it
     from flaxgpt.aot import programs as programs_lib
     from flaxgpt.aot import report
+    from flaxgpt.models.quantize import check_mode
+
+    if quantize is not None:
+        try:
+            check_mode(quantize)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
 
     if mc is None:
         mc, source = programs_lib.model_config(config, vocab_size)

@@ -1,6 +1,7 @@
-"""x @ w^T * scale with int8 or bfloat16 weights: a CPU kernel for decoding, XLA elsewhere.
+"""x @ w^T * scale with int8, bfloat16 or int4 weights: a CPU kernel for decoding, XLA elsewhere.
 
     y_MN = qmatmul(x_MK, w_NK, scale_N)      # w int8 or bfloat16, rows = output channels
+    y_MN = qmatmul(x_MK, w_NH, scale_NG)     # int4 packed as uint8 [N, K/2], scales per group: kernels.int4
 
 On CPU, few rows (decoding: M <= MAX_KERNEL_ROWS) go to a small C++ kernel registered with
 `jax.ffi` (csrc/qmatmul.cc): XLA on CPU converts an int8 or bf16 weight matrix to float32
@@ -11,6 +12,9 @@ backends, for many rows (prefill, where the step is compute-bound) or with
 FLAXGPT_QMATMUL=xla, or a program traced over several devices (XLA cannot split a custom call), the
 same product is the XLA dequantize-then-dot. FLAXGPT_QMATMUL=reduce is an experiment for GPUs and
 TPUs: up to REDUCE_ROWS rows (decoding) as a multiply and a row reduction over K instead of a dot.
+int4 weights take kernels.int4's XLA form on every platform (the C++ kernel reads int8 and bf16 only).
+FLAXGPT_QMATMUL=pallas: decoding rows times int8 or int4 weights through kernels.pallas_qgemv (Triton
+on GPUs, Pallas' interpreter elsewhere: a check, not a speed-up) wherever it tiles the shape.
 "Other backends" means the devices the program is traced for (kernels.target: the mesh context's, else
 this host's), so a program compiled ahead of time for a TPU or a GPU on this CPU holds no CPU custom call.
 """
@@ -30,7 +34,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from flaxgpt.kernels import target
+from flaxgpt.kernels import int4, pallas_qgemv, target
 
 MAX_KERNEL_ROWS = 64  # above this the product is compute-bound: XLA's dot is faster
 REDUCE_ROWS = 4  # FLAXGPT_QMATMUL=reduce (accelerators): decoding rows taken as a multiply-reduce
@@ -93,15 +97,24 @@ def _one_device() -> bool:
 
 
 def dequantize(w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
+    """The float32 weight [N, K] a quantized one stands for (int4: uint8 [N, K/2] with scales [N, G])."""
+    if w_NK.dtype == jnp.uint8:
+        return int4.dequantize(w_NK, scale_N)
     return w_NK.astype(jnp.float32) * scale_N[:, None]
 
 
 def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     """(x @ w^T) * scale in float32 -> [M, N]; w_NK is int8 or bfloat16."""
     M, N = x_MK.shape[0], w_NK.shape[0]
+    if os.environ.get("FLAXGPT_QMATMUL", "") == "pallas" and w_NK.dtype in (jnp.int8, jnp.uint8):
+        K = x_MK.shape[1]
+        if not pallas_qgemv.fits(M, N, K, K // scale_N.shape[1] if w_NK.dtype == jnp.uint8 else 0):
+            return pallas_qgemv.gemv(x_MK, w_NK, scale_N, interpret=target.platform() != "gpu")
+    if w_NK.dtype == jnp.uint8:  # int4, two to a byte
+        return int4.matmul(x_MK, w_NK, scale_N)
     name = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.bfloat16): "bfloat16"}.get(jnp.dtype(w_NK.dtype))
     if name is None:
-        raise ValueError(f"qmatmul weights must be int8 or bfloat16, got {w_NK.dtype}")
+        raise ValueError(f"qmatmul weights must be int8, bfloat16 or int4 (uint8), got {w_NK.dtype}")
     dims = (((1,), (1,)), ((), ()))
     if target.platform() != "cpu" and M <= REDUCE_ROWS and os.environ.get("FLAXGPT_QMATMUL", "") == "reduce":
         # an experiment for decoding on GPUs (benchmarks/gpu_lease.py decode_llama8b_reduce): each output

@@ -480,7 +480,7 @@ def quantize_params(config: GPTConfig, params, mode: str):
     if config.scan_layers:
         params = unstack_layers(params, config.n_layer)
     params = dict(params)
-    table = quantize.quantize_rows(params.pop("wte")["embedding"], mode)
+    table = quantize.quantize_rows(params.pop("wte")["embedding"], mode, name="wte")
     # a mixture of experts' stacked experts are quantized per expert; its routers stay float32: the
     # top-k is discrete (rounding the [D, E] router would change which experts run), and they are small
     qparams = quantize.quantize_tree(params, mode, stacked=("experts_fc", "experts_proj"), keep=("router",))

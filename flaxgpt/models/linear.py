@@ -6,7 +6,8 @@ LinearMethod per representation), composed by the layer itself:
 
 The base weight is what the "params" collection holds at the layer's path:
   float (float32, or a bfloat16 cast):  nn.Dense's own product (the same promotion and dot);
-  quantized (quantize.QuantizedWeight: int8 or bfloat16 w [N, K] with per-row scales [N]): `qdot`,
+  quantized (quantize.QuantizedWeight: int8 or bfloat16 w [N, K] with per-row scales [N], or int4
+      packed [N, K/2] with per-group scales [N, K/group]): `qdot`,
       kernels.qmatmul (the C++ kernel for decoding's few rows on CPU, XLA's dot for many), with a
       gradient for x so LoRA trains over it (QLoRA).
 Adapters are what the "lora" collection holds at the same path (models/lora.py lays them out), added
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.dtypes import promote_dtype
 
-from flaxgpt.kernels.qmatmul import qmatmul
+from flaxgpt.kernels.qmatmul import dequantize, qmatmul
 from flaxgpt.models.quantize import QuantizedWeight
 
 Dtype = Any
@@ -55,7 +56,10 @@ def _qdot_fwd(x_MK, w_NK, scale_N):
 
 def _qdot_bwd(res, dy_MN):
     x_MK, w_NK, scale_N = res
-    dx_MK = (dy_MN * scale_N) @ w_NK.astype(jnp.float32)  # dy (w * s), the weights read once more
+    if w_NK.dtype == jnp.uint8:  # int4: a scale per group, so the weight dequantized
+        dx_MK = dy_MN @ dequantize(w_NK, scale_N)
+    else:
+        dx_MK = (dy_MN * scale_N) @ w_NK.astype(jnp.float32)  # dy (w * s), the weights read once more
     return dx_MK.astype(x_MK.dtype), None, None
 
 
@@ -161,15 +165,24 @@ def join_deltas(y, parts, deltas):
 
 
 class Embedding(nn.Embed):
-    """nn.Embed whose table may be quantized (quantize.QuantizedWeight: rows w [V, D], scale [V]): a
+    """nn.Embed whose table may be quantized (quantize.QuantizedWeight: rows w [V, D], scale [V], or int4's
+    packed rows and group scales): a
     lookup dequantizes the rows it reads, `attend` (a tied head) is one quantized matmul."""
+
+    def setup(self):
+        table = self.get_variable("params", "embedding") if self.has_variable("params", "embedding") else None
+        if isinstance(table, QuantizedWeight):  # int4's rows are [V, D/2]: nn.Embed's [V, D] check skipped
+            self.embedding = table
+        else:
+            super().setup()
 
     def __call__(self, inputs):
         table = self.embedding
         if not isinstance(table, QuantizedWeight):
             return super().__call__(inputs)
-        rows = jnp.take(table.w, inputs, axis=0).astype(jnp.float32) * table.scale[inputs][..., None]
-        return rows.astype(self.dtype or jnp.float32)
+        flat = inputs.reshape(-1)
+        rows = dequantize(jnp.take(table.w, flat, axis=0), jnp.take(table.scale, flat, axis=0))
+        return rows.reshape(*inputs.shape, -1).astype(self.dtype or jnp.float32)
 
     def attend(self, query):
         table = self.embedding

@@ -1,12 +1,16 @@
-"""Weight-only quantization for decoding: int8 with per-output-channel scales, or bfloat16.
+"""Weight-only quantization for decoding: int8 with per-output-channel scales, bfloat16, or int4 with
+per-group scales.
 
-    qconfig, qparams = gpt.quantize_params(config, params, "int8")   # or "bf16"
+    qconfig, qparams = gpt.quantize_params(config, params, "int8")   # or "bf16", "int4" (groups of 128),
+                                                                     # "int4_g64", "int4_g32"
     step = gpt.step_fn(qconfig, qparams)      # decodes through qmatmul (sampling.generate etc.)
     logits = gpt.GPT(qconfig).apply({"params": qparams}, tokens)   # any other use: the same model
 
 Every Dense kernel [K, N] becomes a `QuantizedWeight` holding w [N, K] (rows are output
 channels) and scale [N]: int8 w = round(kernel / scale) with scale = max|kernel[:, n]| / 127,
 so each output channel keeps its own range; bf16 w is the kernel rounded to bfloat16 (scale 1).
+int4 w is uint8 [N, K/2], two symmetric 4-bit values a byte, with scale [N, K / group], one per
+output channel and group of inputs (kernels/int4.py owns the layout: compressed-tensors' bytes).
 A stack of kernels [E, K, N] (a mixture of experts' expert weights) keeps its layout, w [E, K, N],
 with scale [E, N]: each expert's output channels their own range (`quantize_stacked`).
 The token embedding table [V, D] is quantized by rows, which are both its lookup rows and the
@@ -20,7 +24,8 @@ token table holding a `QuantizedWeight` (models/linear.py: Linear, Embedding) go
 kernels.qmatmul (a CPU kernel that reads the compact weights directly), a quantized stack of expert
 weights through the MoE layer's matmuls (models/moe.py), whatever adapters sit over them. Nothing
 here knows the GPT: `gpt.quantize_params` picks what to quantize.
-Decoding then reads 1 (int8) or 2 (bf16) bytes per weight instead of 4.
+Decoding then reads 1 (int8), 2 (bf16) or 0.5 + 4 / group (int4) bytes per weight instead of 4.
+A mixture of experts' stacks take int8 or bf16 (int4 is refused there in one line).
 
 A weight on one device is quantized there (one jitted program, the host path's values); host
 arrays and weights split over a mesh are quantized on the host, a weight at a time, and placed as
@@ -40,7 +45,9 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-MODES = ("int8", "bf16")
+from flaxgpt.kernels import int4
+
+MODES = ("int8", "bf16", "int4", "int4_g64", "int4_g32")  # int4: groups of 128 inputs
 
 
 def check_mode(mode: str) -> str:
@@ -49,10 +56,18 @@ def check_mode(mode: str) -> str:
     return mode
 
 
+def int4_group(mode: str) -> int:
+    """The group size of an int4 mode ("int4": 128, "int4_g64": 64); 0 for int8 and bf16."""
+    if not check_mode(mode).startswith("int4"):
+        return 0
+    return int(mode.split("_g")[1]) if "_g" in mode else 128
+
+
 @struct.dataclass
 class QuantizedWeight:
     w: jax.Array  # [N, K] int8 or bfloat16: one row per output channel (first leaf: linear.Embedding)
     scale: jax.Array  # [N] float32 (ones for bf16)
+    # (int4: w uint8 [N, K/2], scale [N, K / group]: kernels.int4; the dtype tells them apart)
     # (a stack of kernels, quantize_stacked: w [E, K, N] as the float stack lay, scale [E, N])
 
     @property
@@ -60,15 +75,21 @@ class QuantizedWeight:
         return self.w.nbytes + self.scale.nbytes
 
 
-def quantize_rows(w_NK, mode: str, sharding=None) -> QuantizedWeight:
-    """One scale per row (output channel): symmetric int8, or bfloat16 with scale 1. Weights split
-    over a mesh (a NamedSharding: w_NK's own, or `sharding` for a host array) come back split the
-    same way, the scales as their rows: quantized on the host a weight at a time, each device
-    receiving its slices."""
+def quantize_rows(w_NK, mode: str, sharding=None, name: str = "a weight") -> QuantizedWeight:
+    """One scale per row (output channel): symmetric int8, or bfloat16 with scale 1; int4: one per row
+    and group of inputs. Weights split over a mesh (a NamedSharding: w_NK's own, or `sharding` for a
+    host array) come back split the same way, the scales as their rows: quantized on the host a
+    weight at a time, each device receiving its slices. `name` names the weight in errors."""
     sharding = sharding or getattr(w_NK, "sharding", None)
+    group = int4_group(mode)
+    if group and _in_place(w_NK, sharding):
+        return QuantizedWeight(*_int4_on_device(w_NK, group, name))
     if _in_place(w_NK, sharding):
         return QuantizedWeight(*_symmetric_on_device(w_NK, check_mode(mode), axis=1))
-    q_NK, scale_N = _symmetric(np.asarray(w_NK, np.float32), mode, axis=1)
+    if group:
+        q_NK, scale_N = (np.asarray(a) for a in int4.quantize(np.asarray(w_NK, np.float32), group, name))
+    else:
+        q_NK, scale_N = _symmetric(np.asarray(w_NK, np.float32), mode, axis=1)
     if not isinstance(sharding, NamedSharding):
         return QuantizedWeight(jnp.asarray(q_NK), jnp.asarray(scale_N))
     return _placed(QuantizedWeight(q_NK, scale_N), _scales_follow(sharding, rank=2))
@@ -79,6 +100,11 @@ def quantize_stacked(w_EKN, mode: str) -> QuantizedWeight:
     output channel, scale [E, N]; w keeps the stack's [E, K, N] layout, the grouped matmul's (its
     caller multiplies each row's output by its kernel's scales: models/moe.py). A stack split over a
     mesh comes back split the same way (the scales as the stack and its columns)."""
+    if int4_group(mode):
+        raise ValueError(
+            f"int4 quantizes 2-D weights, not a mixture of experts' stacked experts {tuple(w_EKN.shape)}: "
+            "use --quantize int8 or bf16 for MoE models"
+        )
     sharding = getattr(w_EKN, "sharding", None)
     if _in_place(w_EKN, sharding):
         return QuantizedWeight(*_symmetric_on_device(w_EKN, check_mode(mode), axis=1))
@@ -139,6 +165,16 @@ def _symmetric_on_device(w, mode: str, axis: int):
     return jnp.clip(jnp.rint(q), -127, 127).astype(jnp.int8), scale
 
 
+def _int4_on_device(w_NK, group: int, name: str):
+    int4.check_group(w_NK.shape[1], group, name)  # before tracing: one line, not a reshape error
+    return _int4_jit(w_NK, group)
+
+
+@functools.partial(jax.jit, static_argnames=("group",))
+def _int4_jit(w_NK, group: int):
+    return int4.quantize(w_NK, group)
+
+
 def _divide(a, b):
     """a / b rounded as numpy rounds it: XLA turns a division by a broadcast (or a constant) into a
     multiplication by its reciprocal, an ulp off; a materialized divisor keeps the division."""
@@ -162,16 +198,16 @@ def quantize_tree(params, mode: str, stacked: tuple = (), keep: tuple = ()):
     `stacked` -> quantize_stacked's; subtrees named in `keep` and the rest unchanged."""
     check_mode(mode)
 
-    def visit(tree):
+    def visit(tree, path=()):
         out = {}
         for name, value in tree.items():
             if name in keep:
                 out[name] = value
             elif isinstance(value, dict):
-                out[name] = visit(value)
+                out[name] = visit(value, (*path, name))
             elif name == "kernel" and np.ndim(value) == 2:
                 w_NK, sharding = _transposed(value)
-                out[name] = quantize_rows(w_NK, mode, sharding)
+                out[name] = quantize_rows(w_NK, mode, sharding, name=".".join(path))
             elif name in stacked and np.ndim(value) == 3:
                 out[name] = quantize_stacked(value, mode)
             else:

@@ -1,10 +1,10 @@
 """models/linear.py: every weight representation composes with every adapter kind. For {float, bf16,
-int8} weights x {no adapter, LoRA, adapter slots (rows of two adapters and one of none)} x {a dense
-Llama-style GPT, a mixture of experts (its expert stacks adapted too, by LoRA and by slots)}, the
-forward equals the merged float32 reference: the weights
-as the quantized model holds them, dequantized to float32 (exact: int8 times its scale, bf16 widened),
-with each adapter merged in (lora.merge), through a plain float GPT. Only float32 rounding separates
-them: x W + (x A)(s B) against x (W + s A B), and qmatmul's CPU kernel sums in another order."""
+int8, int4 (groups of 32)} weights x {no adapter, LoRA, adapter slots (rows of two adapters and one of
+none)} x {a dense Llama-style GPT, a mixture of experts (its expert stacks adapted too, by LoRA and by
+slots; int4 refused there)}, the forward equals the merged float32 reference: the weights as the
+quantized model holds them, dequantized to float32 (exact: int8 or int4 times its scale, bf16
+widened), with each adapter merged in (lora.merge), through a plain float GPT. Only float32 rounding
+separates them: x W + (x A)(s B) against x (W + s A B), and qmatmul's CPU kernel sums in another order."""
 
 import dataclasses
 
@@ -18,12 +18,13 @@ from flaxgpt.models.cache import AdapterCache, KVCache
 from flaxgpt.models.gpt import GPT, GPTConfig
 from flaxgpt.models.linear import Linear, qdot
 from flaxgpt.models.multi_lora import MultiLora
-from flaxgpt.models.quantize import QuantizedWeight, quantize_rows
+from flaxgpt.models.quantize import QuantizedWeight, quantize_rows, quantize_stacked
 from tests.models.test_lora import LLAMA
 from tests.models.test_moe import TINY as MOE_TINY
 from tests.models.test_multi_lora import dequantized, random_adapters
 
 DENSE = dataclasses.replace(LLAMA, n_layer=1)
+DENSE4 = dataclasses.replace(DENSE, mlp_hidden=64)  # int4's groups of 32 divide every K (48 does not)
 MOE = GPTConfig(**{**MOE_TINY, "n_layer": 1})
 ROWS_B = np.array([1, 2, 0], np.int32)  # two rows with different adapters, one with none
 B, T = len(ROWS_B), 8
@@ -64,9 +65,15 @@ def model(request):
     return config, jax.jit(gpt.init_params, static_argnums=0)(config, jax.random.key(0))
 
 
-@pytest.mark.parametrize("mode", ["float", "bf16", "int8"])
+@pytest.mark.parametrize("mode", ["float", "bf16", "int8", "int4_g32"])
 def test_every_weight_with_every_adapter_kind_equals_the_merged_float_model(model, mode):
     config, params = model
+    if mode.startswith("int4") and config is MOE:  # stacked experts: refused in one line
+        with pytest.raises(ValueError, match="int4 quantizes 2-D weights.*use --quantize int8 or bf16"):
+            gpt.quantize_params(config, params, mode)
+        return
+    if mode.startswith("int4"):
+        config, params = DENSE4, gpt.init_params(DENSE4, jax.random.key(0))
     qconfig, qparams = (config, params) if mode == "float" else gpt.quantize_params(config, params, mode)
     deq = dequantized(qparams)  # the exact float32 values the quantized weights stand for
 
@@ -154,3 +161,50 @@ def test_expert_adapter_slots_over_an_expert_mesh_equal_one_device():
     assert "shard_map" in str(jax.make_jaxpr(split)(*step))  # moe.expert_parallel, not a replicated step
     on_mesh = lambda *args: jax.jit(split)(*jax.device_put(args, sharding.replicated(mesh)))  # noqa: E731
     close(logits(on_mesh), logits(jax.jit(call)))
+
+
+def test_fp8_base_composes_with_lora_and_refuses_a_quantized_base():
+    """Linear(fp8=True): the float base through kernels.fp8.fp8_dot (plus bias), LoRA's adapters added
+    in float32 over it exactly as over a float base; an int8 base with fp8 is a one-line error."""
+    from flaxgpt.kernels.fp8 import fp8_dot
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
+    kernel = jnp.asarray(rng.standard_normal((16, 12)) * 0.1, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(12), jnp.float32)
+    spec = lora.LoraSpec(rank=2, alpha=4.0, dropout=0.0, targets=("q",), columns=(("q", 0, 12),))
+    a, b = jnp.asarray(rng.standard_normal((16, 2)), jnp.float32), jnp.asarray(rng.standard_normal((2, 12)))
+    variables = {"params": {"kernel": kernel, "bias": bias}, "lora": {"q_a": a, "q_b": b.astype(jnp.float32)}}
+    got = Linear(12, fp8=True, lora=spec).apply(variables, x)
+    want = fp8_dot(x, kernel) + bias + (x @ a) @ b * 2.0
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    plain = Linear(12, lora=spec).apply(variables, x)
+    assert 0 < np.abs(np.asarray(got - plain)).max() < 0.1 * np.abs(np.asarray(plain)).max()
+    quantized = {"params": {"kernel": quantize_rows(kernel.T, "int8"), "bias": bias}}
+    with pytest.raises(ValueError, match=r"model\.fp8.*quantized.*model\.fp8=False") as e:
+        Linear(12, fp8=True).apply(quantized, x)
+    assert "\n" not in str(e.value)
+
+
+def test_int4_linear_trains_its_adapters_and_refuses_groups_that_do_not_divide_k():
+    """int4 (groups of 32 over K = 64): qdot's product and gradient are the dequantized weight's; a group
+    that does not divide K, and a model whose MLP width it does not divide, are one line naming the fix."""
+    rng = np.random.RandomState(0)
+    w_KN = rng.standard_normal((64, 8)).astype(np.float32)
+    q = quantize_rows(w_KN.T, "int4_g32")
+    assert q.w.shape == (8, 32) and q.w.dtype == jnp.uint8 and q.scale.shape == (8, 2)
+    deq_KN = dequantized({"k": {"kernel": q}})["k"]["kernel"]
+    assert np.abs(deq_KN - w_KN).max() <= np.abs(w_KN).max() / 7.5  # within a step of its group's grid
+    x_MK = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32))
+    close(np.asarray(qdot(x_MK, q.w, q.scale)), np.asarray(x_MK @ deq_KN))
+    dx = jax.grad(lambda x: jnp.sum(jnp.sin(qdot(x, q.w, q.scale))))(x_MK)
+    close(np.asarray(dx), np.asarray(jax.grad(lambda x: jnp.sum(jnp.sin(x @ deq_KN)))(x_MK)))
+    with pytest.raises(ValueError, match=r"int4 group size 128 does not divide K=64 \(a weight's inputs\): "
+                       r"use --quantize int4_g64"):  # fmt: skip
+        quantize_rows(w_KN.T, "int4")
+    params = gpt.init_params(DENSE, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"group size 32 does not divide K=48 \(h_0.mlp.c_proj's inputs\): "
+                       r"use --quantize int8"):  # fmt: skip
+        gpt.quantize_params(DENSE, params, "int4_g32")
+    with pytest.raises(ValueError, match="int4 quantizes 2-D weights"):
+        quantize_stacked(np.zeros((2, 64, 8), np.float32), "int4")

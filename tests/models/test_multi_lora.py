@@ -41,12 +41,18 @@ def random_adapters(config, spec, seed):
 
 def dequantized(qparams):
     """The quantized weights as a plain GPT's float32 ones: a kernel [K, N] = (w [N, K] * scale).T, the
-    token table w * scale (its rows: lm_head's kernel is its transpose), an expert stack w * scale [E, N]."""
+    token table w * scale (its rows: lm_head's kernel is its transpose), an expert stack w * scale [E, N];
+    int4 unpacked here in numpy (kernels/int4.py's layout, read independently of it)."""
 
     def one(path, x):
         if not isinstance(x, quantize.QuantizedWeight):
             return x
         w, scale = np.asarray(x.w, np.float32), np.asarray(x.scale)
+        if x.w.dtype == np.uint8:  # int4: two a byte (low nibble first, stored + 8), a scale per group
+            u = np.asarray(x.w)
+            q = np.stack([u & 0xF, u >> 4], axis=-1).reshape(u.shape[0], -1).astype(np.float32) - 8
+            w = (q.reshape(*scale.shape, -1) * scale[..., None]).reshape(q.shape)
+            return w if path[-1].key == "embedding" else w.T
         if w.ndim == 3:
             return w * scale[:, None, :]
         return w * scale[:, None] if path[-1].key == "embedding" else (w * scale[:, None]).T

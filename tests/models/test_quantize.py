@@ -74,8 +74,8 @@ def test_weights_on_a_device_quantize_there_to_the_host_values(mode):
 
 
 def test_unknown_mode_is_one_line_error():
-    with pytest.raises(ValueError, match=r"unknown quantization mode 'int4'; choose one of int8, bf16"):
-        quantize_params(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8), {}, "int4")
+    with pytest.raises(ValueError, match=r"unknown quantization mode 'int3'; choose one of int8, bf16, int4"):
+        quantize_params(GPTConfig(vocab_size=8, n_layer=1, n_head=1, n_embd=8), {}, "int3")
 
 
 def _imported_gpt2(tmp_path):
@@ -129,7 +129,8 @@ def _loss(config, params, x, y):
 
 
 def test_trained_model_perplexity_within_one_percent():
-    """Train a tiny model on a learnable sequence; int8 and bf16 perplexity within 1% of fp32."""
+    """Train a tiny model on a learnable sequence; int8 and bf16 perplexity within 1% of fp32, int4 (groups
+    of 32 and 64) within 3%."""
     config = GPTConfig(vocab_size=16, block_size=32, n_layer=2, n_head=2, n_embd=64)
     rs = np.random.RandomState(0)
     table = rs.randint(0, 16, (16, 16))  # next token = table[previous two], 80% of the time
@@ -159,6 +160,8 @@ def test_trained_model_perplexity_within_one_percent():
     ppl = float(np.exp(_loss(config, params, x, y)))
     assert ppl < 8, ppl  # it learned something (uniform is 16)
     for mode in quantize.MODES:
+        if 64 % (quantize.int4_group(mode) or 1):
+            continue  # int4's groups of 128: wider than this model
         qconfig, qparams = quantize_params(config, params, mode)
         qppl = float(np.exp(_loss(qconfig, qparams, x, y)))
-        assert abs(qppl / ppl - 1) < 0.01, (mode, ppl, qppl)
+        assert abs(qppl / ppl - 1) < (0.03 if mode.startswith("int4") else 0.01), (mode, ppl, qppl)

@@ -1,0 +1,134 @@
+"""x @ w^T for decoding's few rows with int8 or int4 weights, a Pallas kernel for GPUs (the Triton backend).
+
+    y_MN = gemv(x_MK, w_NK, scale_N)             # int8 rows, one scale a row
+    y_MN = gemv(x_MK, w_NH, scale_NG)            # int4 packed two a byte, a scale per group (kernels.int4)
+    y_MN = gemv(..., interpret=True)             # the same program run by Pallas on the CPU (the tests)
+
+Decoding multiplies M <= MAX_ROWS rows by each weight once: the step reads every weight byte and does
+two FLOPs per byte, so it runs at the speed weights stream from HBM. XLA's int8 fusions read 2.0 TB/s on
+an H200 (of 4.8: docs/accelerators.md), and an int4 weight must be unpacked before XLA's dot. Here a
+program owns BLOCK_N output channels and walks K once: each weight tile is loaded once, widened
+(int4: split into its two nibbles, each multiplied by the even or odd inputs, so nothing is
+interleaved) and multiplied by every row of x held in registers, the products summed along K; int8's
+row scale, and int4's scale per group, multiply the partial sums, not the weights.
+
+Tiles never read past the arrays: the last block of channels (of K) starts at N - BLOCK_N (K - its
+block) and the part another block covered is masked (channels written twice carry equal values), so
+Triton's and the interpreter's views agree; it needs N >= BLOCK_N, int8's K >= BLOCK_K and int4's K a
+multiple of its group (quantize's rule). `fits` says whether a shape tiles; `gemv` refuses in one line
+the shapes that do not, naming XLA's form (kernels.qmatmul), which kernels.qmatmul then uses.
+
+Why Triton rather than Mosaic GPU: the kernel is loads, converts and row sums with no matrix-unit
+product, which the Triton backend compiles for every NVIDIA card JAX supports (A100, H100, H200
+alike) in jax 0.10 and 0.11 both, and which Pallas runs in interpret mode on a CPU (how
+tests/kernels checks it); Mosaic GPU targets Hopper's warpgroups, and its API moved between those
+jax versions.
+
+Opt-in (FLAXGPT_QMATMUL=pallas, kernels.qmatmul) until a lease measures it against XLA's fusion.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's dot is compute-bound
+BLOCK_N = 32  # output channels a program: an 8B layer's 4096 make 128 programs, about an H100's 132 SMs
+BLOCK_K = 256  # int8 inputs a step: a [32, 256] tile, 8 KiB
+INT4_BLOCK_K = 256  # int4 inputs a step (whole groups: 2 of 128, 4 of 64, 8 of 32)
+
+
+def fits(M: int, N: int, K: int, group: int = 0) -> str:
+    """'' when the kernel tiles the shape, else why not (group: int4's group size; 0: int8)."""
+    if M > MAX_ROWS:
+        return f"{M} rows > MAX_ROWS {MAX_ROWS} (prefill: a compute-bound dot)"
+    if N < BLOCK_N:
+        return f"N={N} output channels < BLOCK_N {BLOCK_N}"
+    if group and K % group:
+        return f"K={K} is not a multiple of the int4 group {group}"
+    if not group and K < BLOCK_K:
+        return f"K={K} < BLOCK_K {BLOCK_K}"
+    return ""
+
+
+def gemv(x_MK, w, scale, interpret: bool = False) -> jax.Array:
+    """x @ dequantize(w)^T -> [M, N] float32; w int8 [N, K] with scale [N], or int4 uint8 [N, K/2] with
+    scale [N, G] (group K / G)."""
+    M, K = x_MK.shape
+    N = w.shape[0]
+    int4 = w.dtype == jnp.uint8
+    group = K // scale.shape[1] if int4 else 0
+    if int4 and K != 2 * w.shape[1]:
+        raise ValueError(f"int4 weights {w.shape} hold {2 * w.shape[1]} inputs, x has K={K}")
+    why = fits(M, N, K, group)
+    if why:
+        raise ValueError(f"qgemv cannot tile x {x_MK.shape} @ w [{N}, {K}]: {why}; use XLA's form "
+                         "(kernels.qmatmul, FLAXGPT_QMATMUL unset)")  # fmt: skip
+    x_MK = x_MK.astype(jnp.float32)
+    scale = scale.astype(jnp.float32)
+    grid = (pl.cdiv(N, BLOCK_N),)
+    out = jax.ShapeDtypeStruct((M, N), jnp.float32)
+    params = plgpu.CompilerParams(num_warps=4, num_stages=3)
+    if int4:  # the even and odd inputs apart: each nibble multiplies its own half of x, no interleave
+        kernel = functools.partial(_int4_kernel, M, N, K, group)
+        args = (x_MK[:, 0::2], x_MK[:, 1::2], w, scale)
+    else:
+        kernel, args = functools.partial(_int8_kernel, M, N, K), (x_MK, w, scale)
+    call = pl.pallas_call(
+        kernel, grid=grid, out_shape=out, compiler_params=params, interpret=interpret, name="qgemv"
+    )
+    return call(*args)
+
+
+def _channels(N):
+    """This program's channels: BLOCK_N from min(i * BLOCK_N, N - BLOCK_N), in bounds."""
+    return pl.ds(jnp.minimum(pl.program_id(0) * BLOCK_N, N - BLOCK_N), BLOCK_N)
+
+
+def _int8_kernel(M, N, K, x_ref, w_ref, s_ref, o_ref):
+    rows = _channels(N)
+
+    def body(j, accs):
+        start = jnp.minimum(j * BLOCK_K, K - BLOCK_K)  # the last step ends at K
+        fresh = start + jnp.arange(BLOCK_K) >= j * BLOCK_K  # inputs no earlier step summed
+        w = jnp.where(fresh[None, :], w_ref[rows, pl.ds(start, BLOCK_K)].astype(jnp.float32), 0.0)
+        return tuple(acc + jnp.sum(w * x_ref[m, pl.ds(start, BLOCK_K)][None, :], axis=1)
+                     for m, acc in enumerate(accs))  # fmt: skip
+
+    init = tuple(jnp.zeros((BLOCK_N,), jnp.float32) for _ in range(M))
+    accs = jax.lax.fori_loop(0, pl.cdiv(K, BLOCK_K), body, init)
+    s = s_ref[rows]
+    for m, acc in enumerate(accs):
+        o_ref[m, rows] = acc * s
+
+
+def _int4_kernel(M, N, K, group, xe_ref, xo_ref, w_ref, s_ref, o_ref):
+    rows = _channels(N)
+    half = group // 2  # bytes of a group: its even inputs in the low nibbles, its odd in the high
+    n_groups = K // group
+    per_step = max(1, min(INT4_BLOCK_K // group, n_groups))
+
+    def body(j, accs):
+        first = jnp.minimum(j * per_step, n_groups - per_step)  # the last step ends at the last group
+        for i in range(per_step):  # whole groups: a partial sum each, times its scale
+            g = first + i
+            fresh = (g >= j * per_step).astype(jnp.float32)
+            cols = pl.ds(g * half, half)
+            packed = w_ref[rows, cols]
+            lo = (packed & 0xF).astype(jnp.float32) - 8.0
+            hi = (packed >> 4).astype(jnp.float32) - 8.0
+            s = s_ref[rows, pl.ds(g, 1)][:, 0] * fresh
+            accs = tuple(
+                acc + s * jnp.sum(lo * xe_ref[m, cols][None, :] + hi * xo_ref[m, cols][None, :], axis=1)
+                for m, acc in enumerate(accs)
+            )
+        return accs
+
+    init = tuple(jnp.zeros((BLOCK_N,), jnp.float32) for _ in range(M))
+    accs = jax.lax.fori_loop(0, pl.cdiv(n_groups, per_step), body, init)
+    for m, acc in enumerate(accs):
+        o_ref[m, rows] = acc

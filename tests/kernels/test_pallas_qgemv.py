@@ -1,0 +1,79 @@
+"""kernels/pallas_qgemv.py run by Pallas' interpreter on the CPU: decoding rows times int8 and int4
+weights equal the dequantized weights' float64 product (int4's groups of 64 and 128, K not a multiple
+of the kernel's step, N not a multiple of its block, 1 to MAX_ROWS rows); shapes it cannot tile are one
+line naming XLA's form; FLAXGPT_QMATMUL=pallas routes qmatmul through it."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxgpt.kernels import int4, pallas_qgemv, qmatmul
+from flaxgpt.models.quantize import quantize_rows
+
+TOL = 2e-6  # relative to the largest output: float32 sums in another order than float64's
+
+
+def reference(x_MK, q):
+    """float64 x @ w^T with w unpacked here in numpy (low nibble first, stored + 8, a scale per group)."""
+    w, scale = np.asarray(q.w), np.asarray(q.scale, np.float64)
+    if w.dtype == np.uint8:
+        v = np.stack([w & 0xF, w >> 4], axis=-1).reshape(w.shape[0], -1).astype(np.float64) - 8
+        w_NK = (v.reshape(*scale.shape, -1) * scale[..., None]).reshape(v.shape)
+    else:
+        w_NK = w.astype(np.float64) * scale[:, None]
+    return np.asarray(x_MK, np.float64) @ w_NK.T
+
+
+@pytest.mark.parametrize(
+    "mode,M,N,K",
+    [
+        ("int8", 1, 64, 512),  # whole blocks
+        ("int8", 3, 40, 300),  # K = 256 + 44, N = 32 + 8: both last blocks overlap the one before
+        ("int4", 1, 64, 384),  # groups of 128: 3 groups, two a step (the second step overlaps)
+        ("int4_g64", 8, 33, 320),  # groups of 64: 5 groups, four a step
+        ("int4_g64", 2, 32, 64),  # one group: fewer than a step's
+    ],
+)
+def test_interpreted_kernel_equals_the_dequantized_product(mode, M, N, K):
+    rng = np.random.RandomState(M * N + K)
+    q = quantize_rows(rng.standard_normal((N, K)).astype(np.float32), mode)
+    x_MK = rng.standard_normal((M, K)).astype(np.float32)
+    got = np.asarray(pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, interpret=True))
+    want = reference(x_MK, q)
+    assert got.shape == (M, N)
+    assert np.abs(got - want).max() / np.abs(want).max() < TOL
+    # XLA's forms (qmatmul, int4.matmul) give the same product
+    xla = np.asarray(qmatmul.qmatmul(jnp.asarray(x_MK), q.w, q.scale))
+    assert np.abs(xla - want).max() / np.abs(want).max() < TOL
+
+
+def test_shapes_it_cannot_tile_are_one_line_naming_xla():
+    x = jnp.ones((1, 512), jnp.float32)
+    q = quantize_rows(np.ones((16, 512), np.float32), "int8")  # 16 channels < BLOCK_N
+    with pytest.raises(ValueError, match=r"qgemv cannot tile .* N=16 output channels < BLOCK_N 32; use XLA"):
+        pallas_qgemv.gemv(x, q.w, q.scale, interpret=True)
+    q = quantize_rows(np.ones((32, 128), np.float32), "int8")
+    with pytest.raises(ValueError, match=r"K=128 < BLOCK_K 256; use XLA's form"):
+        pallas_qgemv.gemv(jnp.ones((1, 128)), q.w, q.scale, interpret=True)
+    q = quantize_rows(np.ones((32, 512), np.float32), "int4")
+    with pytest.raises(ValueError, match=r"16 rows > MAX_ROWS 8 \(prefill"):
+        pallas_qgemv.gemv(jnp.ones((16, 512)), q.w, q.scale, interpret=True)
+    assert pallas_qgemv.fits(1, 4096, 4096, 128) == "" and pallas_qgemv.fits(1, 4096, 4096) == ""
+    with pytest.raises(ValueError, match=r"group size 128 does not divide K=192 .*use --quantize int4_g64"):
+        int4.quantize(np.ones((32, 192), np.float32), 128)
+
+
+def test_opt_in_routes_qmatmul_through_the_kernel(monkeypatch):
+    """FLAXGPT_QMATMUL=pallas: qmatmul calls the kernel (interpreted off a GPU) where it tiles, XLA's form
+    where not; either way the dequantized product."""
+    calls = []
+    real = pallas_qgemv.gemv
+    monkeypatch.setattr(pallas_qgemv, "gemv", lambda *a, **k: calls.append(k) or real(*a, **k))
+    monkeypatch.setenv("FLAXGPT_QMATMUL", "pallas")
+    rng = np.random.RandomState(0)
+    q = quantize_rows(rng.standard_normal((64, 256)).astype(np.float32), "int4_g64")
+    for M in (2, 16):  # decoding rows: the kernel; a prefill's: XLA's
+        x = rng.standard_normal((M, 256)).astype(np.float32)
+        got = np.asarray(qmatmul.qmatmul(jnp.asarray(x), q.w, q.scale))
+        assert np.abs(got - reference(x, q)).max() / np.abs(reference(x, q)).max() < TOL
+    assert calls == [{"interpret": True}]
