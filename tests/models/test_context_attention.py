@@ -22,17 +22,10 @@ pytestmark = pytest.mark.devices(8)
 B, T, H, K = 4, 32, 4, 8
 
 
-def reference(q, k, v, seg, window=0, softcap=0.0):
-    """The single-device path SelfAttention takes: explicit causal (windowed) and segment masks."""
-    mask = causal_mask(jnp.arange(T)[None], T, window)
-    if seg is not None:
-        mask = mask & segment_mask(seg)
-    G = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-    return attend(q, k, v, mask, impl="xla", softcap=softcap)
+def local_attend(window, softcap):
+    """The single-device path SelfAttention takes (explicit causal, windowed and segment masks): the
+    reference the context axis is checked against, and what SelfAttention hands Ulysses per device."""
 
-
-def local_attend(window, softcap):  # what SelfAttention hands Ulysses: the single-device path
     def run(q, k, v, seg):
         Tl = q.shape[1]
         mask = causal_mask(jnp.arange(Tl)[None], Tl, window)
@@ -88,7 +81,7 @@ def test_equals_one_device(impl, layout, data, context):
     )  # the output's cotangent: every element weighed
     mesh = sharding.make_mesh(data=data, fsdp=1, context=context, devices=jax.devices()[: data * context])
     many = split(mesh, impl, window, softcap, packed)
-    one = functools.partial(reference, seg=seg if packed else None, window=window, softcap=softcap)
+    one = functools.partial(local_attend(window, softcap), seg=seg if packed else None)
 
     def forward_and_grads(f):  # one program: the output and its vjp against w
         def run(q, k, v):
