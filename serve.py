@@ -231,6 +231,7 @@ def main(argv=None):
     logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)  # and its access log, a line per request
     from flaxgpt.serve import launch, server
 
+    launch.check_one_process()  # srun -n 2, mpirun, a JobSet...: one server per host instead, in one line
     mesh = launch.serving_mesh(a.mesh, a.slots)  # more devices than there are: one line, nothing loaded
     run, name = launch.load(
         a.out_dir,

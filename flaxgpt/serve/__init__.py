@@ -9,7 +9,8 @@ metrics.
 
 May import: flaxgpt.decode (the decode loop and row sampling), flaxgpt.data (chat templates,
 tokenizers), flaxgpt.models (the cache kinds models.cache and models.paged for the engine and the
-runner; the model itself in launch), flaxgpt.loader, flaxgpt.sharding.
+runner; the model itself in launch), flaxgpt.loader, flaxgpt.sharding, flaxgpt.cluster (launch: is this
+one process of a multi-process job).
 
 The HTTP layer (server, openai_api, scheduler, adapters, middleware, metrics, grammar, tools, detokenize)
 imports no model module;

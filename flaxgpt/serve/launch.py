@@ -105,6 +105,28 @@ def scheduler_for(
     return Scheduler(engine, tokenizer, **sched_kw)
 
 
+def check_one_process(env=None) -> None:
+    """serve.py is one process: one HTTP server and scheduler over its own devices (--mesh splits the
+    model over them). Started as one of several processes of a job (Slurm's srun -n 2, mpirun, a
+    SkyPilot num_nodes > 1 task, a JobSet: flaxgpt.cluster finds it), a one-line ValueError says what
+    to do instead; a mesh over several hosts would need every host to run the engine's programs in
+    the scheduler's order (docs/serving_ops.md)."""
+    import os
+
+    from flaxgpt import cluster
+
+    how = cluster.detect(cluster.UNSET, os.environ if env is None else env)
+    if how is None:
+        return
+    which = "" if how.process_id is None else f" as process {how.process_id} of {how.num_processes}"
+    raise ValueError(
+        f"serve.py serves from one process, and {how.engine} started it{which} of a multi-process job: "
+        "start one server per host as a job of its own (Slurm: srun -N1 -n1 on each node; SkyPilot: "
+        "SkyServe replicas with num_nodes 1; GKE: a Deployment, not a JobSet), each with --mesh over "
+        "that host's devices, behind a load balancer (docs/serving_ops.md)"
+    )
+
+
 def serving_mesh(devices: int, slots: int):
     """serve.py --mesh N: the (data 1, fsdp N) mesh over the first N devices, the one `flaxgpt aot
     --serve_devices N` compiles for; None for N = 1 (one device). A one-line ValueError when this
