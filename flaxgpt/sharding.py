@@ -203,11 +203,22 @@ def under_mesh(fn, mesh: Mesh, rules=LOGICAL_RULES):
     return traced
 
 
-def batch_sharding(mesh: Mesh, leading_axes: int = 0) -> NamedSharding:
-    """Rows split over every device (but a context axis's: each context group holds its rows' token
-    ids whole, 4 bytes a token, and the model splits the activations); `leading_axes` unsplit axes
-    before them (micro-batches)."""
-    return NamedSharding(mesh, PartitionSpec(*([None] * leading_axes), batch_axes(mesh)))
+def batch_sharding(mesh: Mesh, leading_axes: int = 0, ndim: int = 0) -> NamedSharding:
+    """Rows split over every device but a context axis's; `leading_axes` unsplit axes before them
+    (micro-batches). For an array of `ndim` axes with a length axis after the rows (token ids,
+    targets, masks, segment ids: [..., B, T]), that axis split over a context axis as the
+    activations' "length" is (contiguous chunks: the ring's balanced layout is its own, inside
+    attention), so no device holds a sequence's ids whole."""
+    rows = (*([None] * leading_axes), batch_axes(mesh))
+    if CONTEXT_AXIS in mesh.axis_names and ndim > leading_axes + 1:
+        return NamedSharding(mesh, PartitionSpec(*rows, CONTEXT_AXIS))
+    return NamedSharding(mesh, PartitionSpec(*rows))
+
+
+def batch_shardings(mesh: Mesh, leading_axes: int = 0):
+    """A batch's sharding for each leaf, by its number of axes: ndim -> batch_sharding (what Steps
+    holds, data.batches.to_global places host rows with and flaxgpt aot compiles with)."""
+    return functools.partial(batch_sharding, mesh, leading_axes)
 
 
 def row_shardings(tree, mesh: Mesh):

@@ -107,11 +107,13 @@ def per_device_bytes(tree) -> int:
     return total
 
 
-def _batch(shapes: dict, sharding_, leading=()):
-    return {
-        k: jax.ShapeDtypeStruct(tuple(leading) + shape, dtype, sharding=sharding_)
-        for k, (shape, dtype) in shapes.items()
-    }
+def _batch(shapes: dict, sharding_of, leading=()):
+    """{name: ShapeDtypeStruct} placed as the trainer places batches (sharding_of: ndim -> sharding)."""
+    out = {}
+    for k, (shape, dtype) in shapes.items():
+        shape = tuple(leading) + shape
+        out[k] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_of(len(shape)))
+    return out
 
 
 def train_programs(config, mc, devices, groups) -> list[Program]:

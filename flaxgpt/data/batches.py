@@ -160,15 +160,15 @@ def split_micro(batch: dict[str, np.ndarray], grad_accum: int) -> dict[str, np.n
     return {k: v.reshape(grad_accum, v.shape[0] // grad_accum, *v.shape[1:]) for k, v in batch.items()}
 
 
-def to_global(
-    local: dict[str, np.ndarray], sharding: jax.sharding.NamedSharding, batch_axis: int = 0
-) -> dict[str, jax.Array]:
-    """Host-local rows -> global arrays, the batch axis concatenated across processes."""
+def to_global(local: dict[str, np.ndarray], sharding, batch_axis: int = 0) -> dict[str, jax.Array]:
+    """Host-local rows -> global arrays, the batch axis concatenated across processes; `sharding`
+    one for every leaf, or a function from a leaf's ndim to its own (sharding.batch_shardings)."""
 
     def make(x):
         shape = list(x.shape)
         shape[batch_axis] *= jax.process_count()
-        return jax.make_array_from_process_local_data(sharding, x, tuple(shape))
+        placed = sharding if isinstance(sharding, jax.sharding.Sharding) else sharding(x.ndim)
+        return jax.make_array_from_process_local_data(placed, x, tuple(shape))
 
     return {k: make(v) for k, v in local.items()}
 

@@ -87,8 +87,8 @@ class Steps(NamedTuple):
     abstract_state: Any
     state_shardings: Any  # of what checkpoints hold (frozen: None)
     frozen: Frozen  # the frozen weights placed on the mesh (LoRA's base, a reference)
-    train_batch_sharding: Any  # leaves [grad_accum, micro_B, ...]
-    eval_batch_sharding: Any
+    train_batch_sharding: Any  # ndim -> sharding of leaves [grad_accum, micro_B, ...] (to_global's)
+    eval_batch_sharding: Any  # ndim -> sharding of leaves [B, ...]
     train_step: Any  # jitted, state donated
     eval_step: Any  # jitted: (params, batch, frozen) -> (loss_sum, weight)
 
@@ -107,13 +107,14 @@ def make_steps(config, task, mesh) -> Steps:
     state_shardings = sharding.state_shardings(abstract_state, abstract_state.params, param_shardings, mesh)
     frozen, frozen_shardings = task.place_frozen(mesh)  # sharded as FSDP shards the parameters
     step_shardings = state_shardings.replace(frozen=frozen_shardings)  # checkpoints hold no frozen base
-    train_batch_sharding = sharding.batch_sharding(mesh, leading_axes=1)
-    eval_batch_sharding = sharding.batch_sharding(mesh)
+    # ndim -> a leaf's sharding: a context axis splits [B, T] leaves' T, never [B] ones (advantages)
+    train_batch_sharding = sharding.batch_shardings(mesh, leading_axes=1)
+    eval_batch_sharding = sharding.batch_shardings(mesh)
     rep = sharding.replicated(mesh)
     # traced under the mesh: "auto" attention and the Pallas kernel see the devices compiled for
     train_step = jax.jit(
         sharding.under_mesh(make_train_step(task, tx, schedule, config.grad_accum), mesh),
-        in_shardings=(step_shardings, train_batch_sharding),
+        in_shardings=(step_shardings, None),  # None: the batch as placed (train_batch_sharding)
         out_shardings=(step_shardings, rep),
         donate_argnums=0,
     )
@@ -124,7 +125,7 @@ def make_steps(config, task, mesh) -> Steps:
 
     eval_step = jax.jit(
         sharding.under_mesh(eval_sums, mesh),
-        in_shardings=(param_shardings, eval_batch_sharding, frozen_shardings),
+        in_shardings=(param_shardings, None, frozen_shardings),  # the batch by eval_batch_sharding
         out_shardings=rep,
     )
     return Steps(

@@ -11,26 +11,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ package
 
 from configs import default  # noqa: E402
-from flaxgpt.data import prepare  # noqa: E402
 from flaxgpt.train import trainer  # noqa: E402
 
 pytestmark = pytest.mark.devices(8)  # every mesh here spans 8 devices
 
-TEXT = "".join(f"the {i % 9} quick foxes jumped over {i % 4} lazy dogs.\n" for i in range(200))
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "foxes"
-    prepare.prepare_text(TEXT, out, "char", 0.1, "generated")
-    return out
-
-
-def config(data_dir, data=-1, fsdp=1, batch_size=16, **model):
+def config(foxes_dir, data=-1, fsdp=1, batch_size=16, **model):
     c = default.get_config()
-    c.data.dir = str(data_dir)
-    c.out_dir, c.init_from = str(data_dir.parent / "never_written"), "scratch"
+    c.data.dir = str(foxes_dir)
+    c.out_dir, c.init_from = str(foxes_dir.parent / "never_written"), "scratch"
     c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 1, 2, 32, 16
     c.model.pad_vocab_multiple = 8
     c.model.update(model)
@@ -50,8 +41,8 @@ def train(cfg, devices=None):
 
 
 @pytest.fixture(scope="module")
-def one_device(data_dir):
-    return train(config(data_dir), jax.devices()[:1])
+def one_device(foxes_dir):
+    return train(config(foxes_dir), jax.devices()[:1])
 
 
 def adam_moments(opt_state):
@@ -66,8 +57,8 @@ def adam_moments(opt_state):
 
 
 @pytest.mark.parametrize("data, fsdp", [(8, 1), (4, 2), (1, 8)])
-def test_mesh_trains_like_one_device(data_dir, one_device, data, fsdp):
-    losses, state = train(config(data_dir, data, fsdp))
+def test_mesh_trains_like_one_device(foxes_dir, one_device, data, fsdp):
+    losses, state = train(config(foxes_dir, data, fsdp))
     want_losses, want_state = one_device
     np.testing.assert_allclose(losses, want_losses, atol=1e-5, rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(want_state.params)):
@@ -85,21 +76,21 @@ def test_mesh_trains_like_one_device(data_dir, one_device, data, fsdp):
         assert bias.sharding.shard_shape(bias.shape) == bias.shape
 
 
-def test_scanned_layers_with_remat_shard_and_match(data_dir):
+def test_scanned_layers_with_remat_shard_and_match(foxes_dir):
     # scanned blocks draw their initial weights differently: compare with scanned on one device
-    want, _ = train(config(data_dir, scan_layers=True), jax.devices()[:1])
-    losses, state = train(config(data_dir, 1, 8, scan_layers=True, remat="full"))
+    want, _ = train(config(foxes_dir, scan_layers=True), jax.devices()[:1])
+    losses, state = train(config(foxes_dir, 1, 8, scan_layers=True, remat="full"))
     np.testing.assert_allclose(losses, want, atol=1e-5, rtol=1e-5)
     stacked = adam_moments(state.opt_state)[0]["h"]["block"]["mlp"]["c_fc"]["kernel"]  # [layers, embed, mlp]
     assert stacked.sharding.shard_shape(stacked.shape) == (1, 4, 128)
 
 
-def test_bad_meshes_fail_in_one_line(data_dir):
+def test_bad_meshes_fail_in_one_line(foxes_dir):
     cases = [
-        (config(data_dir, 3, 1), "mesh.data x mesh.fsdp must equal the 8 devices, got 3 x 1"),
-        (config(data_dir, 2, 2), "mesh.data x mesh.fsdp must equal the 8 devices, got 2 x 2"),
-        (config(data_dir, 4, 2, batch_size=12), "batch_size // grad_accum 12 is not divisible by the 8"),
-        (config(data_dir, 1, 8, n_embd=36), "dim 36 is not divisible by the 8 devices of mesh axes"),
+        (config(foxes_dir, 3, 1), "mesh.data x mesh.fsdp must equal the 8 devices, got 3 x 1"),
+        (config(foxes_dir, 2, 2), "mesh.data x mesh.fsdp must equal the 8 devices, got 2 x 2"),
+        (config(foxes_dir, 4, 2, batch_size=12), "batch_size // grad_accum 12 is not divisible by the 8"),
+        (config(foxes_dir, 1, 8, n_embd=36), "dim 36 is not divisible by the 8 devices of mesh axes"),
     ]
     for cfg, message in cases:
         with pytest.raises(ValueError, match=message) as err:
