@@ -1,7 +1,7 @@
 """Scoring over several processes: each process scores its share of the requests on its own devices,
 and every process gets every score back.
 
-    scorer = ProcessShards(Scorer(config, params, devices=jax.local_devices()))   # after cluster.join
+    scorer = ProcessShards(local)   # local: a scoring.Scorer over jax.local_devices(), after cluster.join
     scores = scorer.score(requests)            # as Scorer.score: every request's Score, in order
 
 A request's log-likelihood needs no other request, and the model of an evaluation fits one host
