@@ -9,7 +9,7 @@ scale = max |w| over the group / 7.5 (compressed-tensors' rule: half the 15-step
 quantized there and here from the same float weight holds the same integers. Byte j of a row holds
 input 2j in its low nibble and input 2j + 1 in its high nibble, each as q + 8 (0..15): the bytes of
 compressed-tensors' `pack-quantized` int32 words on a little-endian host, so reading or writing that
-format is a reinterpretation of the same bytes, never a repack.
+format is a reinterpretation of the same bytes (flaxgpt/hf/compressed.py), never a repack.
 
 Letters: M rows of x, N output channels, K inputs, H = K / 2 packed bytes, G = K / group groups.
 """
@@ -38,9 +38,17 @@ def quantize(w_NK, group: int, name: str = "a weight"):
     check_group(K, group, name)
     w_NGC = jnp.asarray(w_NK, jnp.float32).reshape(N, K // group, group)
     absmax_NG = jnp.abs(w_NGC).max(axis=-1)
-    scale_NG = jnp.where(absmax_NG > 0, absmax_NG / 7.5, 1.0)  # all-zero groups: any scale
-    q_NK = jnp.clip(jnp.rint(w_NGC / scale_NG[..., None]), -8, 7).astype(jnp.int8).reshape(N, K)
+    scale_NG = jnp.where(absmax_NG > 0, _divide(absmax_NG, jnp.full_like(absmax_NG, 7.5)), 1.0)
+    q_NGC = _divide(w_NGC, jnp.broadcast_to(scale_NG[..., None], w_NGC.shape))
+    q_NK = jnp.clip(jnp.rint(q_NGC), -8, 7).astype(jnp.int8).reshape(N, K)  # ties to even, as torch
     return pack(q_NK), scale_NG
+
+
+def _divide(a, b):
+    """a / b correctly rounded: XLA turns a division by a constant or a broadcast into a multiplication
+    by its reciprocal, an ulp off, and a group's largest |w| / its scale then lands beside -7.5, not on
+    it (-7 where compressed-tensors writes -8); a materialized divisor keeps the division."""
+    return a / jax.lax.optimization_barrier(b)
 
 
 def pack(q_NK) -> jax.Array:

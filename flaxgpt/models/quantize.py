@@ -45,7 +45,7 @@ import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flaxgpt.kernels import int4
+from flaxgpt.kernels import int4, qmatmul
 
 MODES = ("int8", "bf16", "int4", "int4_g64", "int4_g32")  # int4: groups of 128 inputs
 
@@ -73,6 +73,11 @@ class QuantizedWeight:
     @property
     def nbytes(self) -> int:
         return self.w.nbytes + self.scale.nbytes
+
+
+def dequantize_rows(q: QuantizedWeight) -> jax.Array:
+    """The float32 weight [N, K] a row-quantized weight stands for (int8, bf16, or int4's groups)."""
+    return qmatmul.dequantize(q.w, q.scale)
 
 
 def quantize_rows(w_NK, mode: str, sharding=None, name: str = "a weight") -> QuantizedWeight:
