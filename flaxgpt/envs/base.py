@@ -29,15 +29,6 @@ import math
 
 from flaxgpt.serve import tools as tool_calls
 
-# a reply that opens a call in this family's format but parses to none: the model tried and failed
-_MARKERS = {
-    "hermes": tool_calls.HERMES_OPEN,
-    "mistral": tool_calls.MISTRAL_MARK,
-    "llama3_json": tool_calls.PYTHON_TAG,
-}
-_CLOSERS = {"hermes": tool_calls.HERMES_CLOSE}  # a reply that closes a call ends there
-
-
 MAX_OBSERVATION_CHARS = 8000  # an observation longer than this is the environment's fault (cut it there)
 
 
@@ -76,7 +67,7 @@ class ToolEnvironment(Environment):
     def stop(self) -> str | None:
         """The family's closing marker (hermes' </tool_call>): a reply ends there, the call's result
         follows; families without one (mistral, llama3_json) put the call in a whole reply."""
-        return _CLOSERS.get(self.family)
+        return tool_calls.CLOSERS.get(self.family)  # a reply that closes a call ends there
 
     def call(self, name: str, arguments: dict) -> str:
         raise NotImplementedError
@@ -89,7 +80,7 @@ class ToolEnvironment(Environment):
     def step(self, action: str) -> Step:
         _, calls = tool_calls.parse(self.family, action, self.tools)
         if not calls:
-            marker = _MARKERS.get(self.family)
+            marker = tool_calls.OPENERS.get(self.family)  # opened but unreadable: the model tried
             tried = marker in action if marker else False
             if tried or (self.family == "llama3_json" and action.lstrip().startswith("{")):
                 return Step("error: the tool call could not be read (malformed JSON or an unknown tool)")

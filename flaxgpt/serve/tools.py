@@ -43,6 +43,8 @@ NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARK = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
+OPENERS = {"hermes": HERMES_OPEN, "mistral": MISTRAL_MARK, "llama3_json": PYTHON_TAG}  # a call starts here
+CLOSERS = {"hermes": HERMES_CLOSE}  # ... and, in these families, ends here
 # the JSON the templates write with `tojson` (json.dumps' separators): a forced call keeps to it;
 # lenient: a schema keyword llguidance lacks is left unenforced rather than failing the request
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
@@ -386,13 +388,14 @@ class StreamParser:
 
 def marker_token(family: str, tokenizer) -> int | None:
     """The id of the family's opening marker when the tokenizer has it as one added token (Qwen's
-    <tool_call>, Mistral's control token [TOOL_CALLS]), for call_grammar; else None."""
-    return _added_id({"hermes": HERMES_OPEN, "mistral": MISTRAL_MARK}.get(family), tokenizer)
+    <tool_call>, Mistral's control token [TOOL_CALLS]), for call_grammar; else None. Llama 3's
+    forced call is bare JSON (its templates write no <|python_tag|> before a JSON call)."""
+    return _added_id(OPENERS.get(family) if family != "llama3_json" else None, tokenizer)
 
 
 def close_token(family: str, tokenizer) -> int | None:
     """The id of the family's closing marker when it is one added token (Qwen's </tool_call>); else None."""
-    return _added_id({"hermes": HERMES_CLOSE}.get(family), tokenizer)
+    return _added_id(CLOSERS.get(family), tokenizer)
 
 
 def _added_id(marker: str | None, tokenizer) -> int | None:
