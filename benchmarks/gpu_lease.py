@@ -20,7 +20,10 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
   64, the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS); decode_gpt2_plain: the same
   without (`graphs=False`)
 - decode_llama8b: the same for Llama-3-8B's shape, random bf16 weights made on the device (16 GB;
-  int8 8 GB), 128 new tokens
+  int8 8 GB; int4, groups of 128, 4.3 GB), 128 new tokens
+- decode_llama8b_pallas: its batch-1 int8 and int4 rows with FLAXGPT_QMATMUL=pallas (the weight products
+  through kernels/pallas_qgemv.py's Triton GEMV, each weight byte read once): the int8 >= 1.6x and
+  int4 >= 2.0x bf16 targets against decode_llama8b's XLA rows
 - decode_llama8b_reduce: its batch-1 rows with FLAXGPT_QMATMUL=reduce (the weight products as a multiply
   and a row reduction reading int8 / bf16 directly, instead of XLA's GEMM fusion): an experiment for
   the int8 target (int8 read 2.0 TB/s on the H200, bf16 3.47)
@@ -62,13 +65,15 @@ PARTS = {
     "decode_gpt2_plain": 100,
     "decode_llama8b": 170,  # 137 s on 2026-11-27 (weights quantized on the device: 3 s)
     "decode_llama8b_reduce": 110,  # batch 1, FLAXGPT_QMATMUL=reduce: the int8 products as row reductions
+    "decode_llama8b_pallas": 130,  # batch 1, int8 and int4, FLAXGPT_QMATMUL=pallas (not yet run on a lease)
     "hf_generate": 150,
     "tests": 270,  # 204 s on 2026-11-27 with 12 workers and no autotuning
 }
 # what one call of at most 10 minutes holds
 GROUPS = {
     "train": ("recipe", "step", "fused_loss", "nanogpt"),  # ~5 min
-    "decode": ("decode_gpt2", "decode_llama8b", "decode_llama8b_reduce", "hf_generate"),  # ~7 min
+    "decode": ("decode_gpt2", "decode_llama8b", "hf_generate"),  # ~7 min
+    "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce"),  # ~4 min: the int8 / int4 kernels
     "tests": ("tests",),  # ~3.5 min
 }
 
@@ -210,6 +215,9 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     if a.part.endswith("_reduce"):  # read when the products are traced (flaxgpt.kernels.qmatmul)
         os.environ["FLAXGPT_QMATMUL"] = "reduce"
         label += " (multiply-reduce products)"
+    if a.part.endswith("_pallas"):
+        os.environ["FLAXGPT_QMATMUL"] = "pallas"
+        label += " (Pallas GEMV)"
     import jax
     import numpy as np
 
@@ -264,15 +272,18 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
 def part_decode(a, model: str) -> None:
     from flaxgpt.models.gpt import GPTConfig
 
+    int4 = "int4_g32" if a.dry_run else "int4"  # the tiny model's 64 features take groups of 32
+    modes = {"decode_llama8b": ("bf16", "int8", int4), "decode_llama8b_pallas": ("int8", int4)}
+    modes = modes.get(a.part, ("bf16", "int8"))
     if a.dry_run:
         cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=64, block_size=128, dtype="bfloat16")
-        return _decode(a, cfg, "tiny", (1, 4), ("bf16", "int8"), 8)
+        return _decode(a, cfg, "tiny", (1,) if model == "llama8b" else (1, 4), modes, 8)
     if model == "gpt2":
         cfg = GPTConfig.preset("gpt2", dtype="bfloat16", pad_vocab_multiple=64)
-        return _decode(a, cfg, "GPT-2 124M", a.gpt2_batches, ("bf16", "int8"), 256)
+        return _decode(a, cfg, "GPT-2 124M", a.gpt2_batches, modes, 256)
     cfg = GPTConfig.preset("llama-3-8b", dtype="bfloat16", block_size=1024)
-    batches = (1,) if a.part.endswith("_reduce") else a.llama_batches  # the experiment is for decoding rows
-    return _decode(a, cfg, "Llama-3-8B shape", batches, ("bf16", "int8"), 128)
+    one_row = a.part.endswith(("_reduce", "_pallas"))  # the experiments are for decoding rows
+    return _decode(a, cfg, "Llama-3-8B shape", (1,) if one_row else a.llama_batches, modes, 128)
 
 
 def part_tests(a) -> None:
@@ -488,6 +499,7 @@ def main(argv=None) -> int:
             "decode_gpt2_plain": lambda: part_decode(a, "gpt2"),
             "decode_llama8b": lambda: part_decode(a, "llama8b"),
             "decode_llama8b_reduce": lambda: part_decode(a, "llama8b"),
+            "decode_llama8b_pallas": lambda: part_decode(a, "llama8b"),
         }.get(a.part)
         (fn or (lambda: globals()[f"part_{a.part}"](a)))()
         return 0
