@@ -1,0 +1,42 @@
+"""Long-context LoRA fine-tuning of Llama 3 8B (or a model of its shape): 32k-token sequences split over
+a mesh "context" axis of 8 devices (load-balanced ring attention), adapters on every linear layer of a
+frozen bfloat16 base.
+
+Targets: h100-8, v5p-64 (check: flaxgpt aot --config configs/llama3_8b_long.py --target NAME
+--config.init_from=llama-3-8b --vocab_size 128256)
+
+    python train.py --config configs/llama3_8b_long.py --config.init_from=path/to/Meta-Llama-3.1-8B
+    # 128k tokens a sequence (Llama 3.1's whole context)
+    python train.py --config configs/llama3_8b_long.py --config.init_from=path/to/Meta-Llama-3.1-8B \
+        --config.model.block_size=131072
+
+The data must hold rows of block_size tokens (prepared with the model's tokenizer). Each step's rows
+are split over mesh.data, each row's tokens over mesh.context; block_size must be a multiple of 2 x
+mesh.context (the ring's balanced chunks: a one-line error otherwise). Full fine-tuning at these
+lengths needs the state over fsdp (16 bytes a parameter), which leaves fewer devices for context:
+docs/fit.md has what each layout compiles to per device (compiled, not measured).
+"""
+
+from configs import llama3_8b_fsdp
+
+
+def get_config():
+    c = llama3_8b_fsdp.get_config()
+    c.out_dir = "out/llama3_8b_long"
+    c.model.block_size = 32768  # tokens a sequence: a multiple of 2 x mesh.context
+    c.model.rope_scaling = "llama3"  # Llama 3.1's long-context RoPE (init_from's config.json decides)
+    c.model.rope_factor = 8.0
+    c.model.rope_original_max_len = 8192
+    c.model.context_impl = "ring"  # causal, load-balanced; ulysses needs n_head (32) % context == 0
+    c.lora.rank = 16  # adapters: the frozen base in bf16 (16 GB) on each device, no optimizer state
+    c.lora.alpha = 32.0
+    c.lora.dropout = 0.0
+    c.lora.targets = "all-linear"
+    c.lora.base_dtype = "bfloat16"
+    c.mesh.data, c.mesh.fsdp, c.mesh.context = -1, 1, 8  # h100-8: one row over 8; v5p-64: 4 rows over 8
+    c.batch_size = 8  # rows a step: 8 x 32768 = 262,144 tokens
+    c.grad_accum = 8  # micro-batches of one row per context group on an h100-8
+    c.optim.learning_rate = 2e-4  # adapters start at zero: LoRA takes ~10x full fine-tuning's rate
+    c.optim.min_lr = 2e-5
+    c.optim.loss_chunk = 1024  # no [rows, T, 128256] float32 logits
+    return c
