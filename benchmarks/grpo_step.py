@@ -5,6 +5,7 @@ harness.
     python benchmarks/grpo_step.py                          # 4 rounds: engine, generate, TRL
     python benchmarks/grpo_step.py --quick                  # a smoke run (< 2 min): tiny, each side once
     python benchmarks/grpo_step.py --rollouts engine        # one flaxgpt side only
+    python benchmarks/grpo_step.py --rollouts engine --off_policy_steps 1   # flaxgpt's rollouts async
 
 One random Llama (--layers x --dim, a byte-level BPE trained here) saved with transformers is the
 policy's start on both sides; the prompts are arithmetic questions of one token length ({prompt,
@@ -24,6 +25,9 @@ its rollout the time in `_generate_and_score_completions` (generation, rewards, 
 update the rest of the step.
 Each side times --steps steps after --warmup untimed ones (compiles) and reports their median.
 Figures: seconds a step, a rollout and an update (TRL / flaxgpt: > 1 means flaxgpt is faster).
+--off_policy_steps k > 0 runs flaxgpt's sides with grpo.off_policy_steps = k (docs/grpo.md: the
+rollout of step n + k on a thread while update n runs; TRL's side stays synchronous, so the two no
+longer do the same work: the step is then the figure to read, rollout_s the rollout thread's time).
 """
 
 from __future__ import annotations
@@ -118,6 +122,7 @@ def run_flaxgpt(a) -> dict:
     c.grpo.num_generations, c.grpo.max_completion_length = a.generations, a.completion
     c.grpo.rollout, c.grpo.temperature, c.grpo.top_p, c.grpo.beta = a.side.split("_")[1], 1.0, 1.0, 0.0
     c.grpo.num_iterations, c.grpo.loss_type, c.grpo.scale_rewards = 1, "dapo", "group"
+    c.grpo.off_policy_steps = a.off_policy_steps
     c.grpo.reward_funcs, c.grpo.reward_weights, c.grpo.eval_prompts = ("answer", f"length={LENGTH}"), (), 0
     c.batch_size, c.grad_accum = a.prompts * a.generations, 1
     # one step more: the trainer samples step k + 1's completions before after_step(k + 1), so the
@@ -235,6 +240,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--lora_rank", type=int, default=16)
     p.add_argument("--rollouts", default="engine,generate", help="flaxgpt sides: engine, generate or both")
+    p.add_argument("--off_policy_steps", type=int, default=0, help="flaxgpt's grpo.off_policy_steps")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 layers x 128, 8-token completions")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the TRL side")
     p.add_argument("--side", choices=["flaxgpt_engine", "flaxgpt_generate", "trl"], help=argparse.SUPPRESS)
@@ -246,7 +252,8 @@ def main() -> None:
         a.layers, a.dim, a.completion, a.steps, a.warmup = 2, 128, 8, 1, 1
         a.rollouts = a.rollouts if a.rollouts != "engine,generate" else "engine"
     keep = ["--steps", a.steps, "--warmup", a.warmup, "--prompts", a.prompts, "--generations", a.generations,
-            "--completion", a.completion, "--lora_rank", a.lora_rank]  # fmt: skip
+            "--completion", a.completion, "--lora_rank", a.lora_rank,
+            "--off_policy_steps", a.off_policy_steps]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp), a.layers, a.dim, a.vocab, 64 * a.prompts)
         args = [__file__, *map(str, keep), "--dir", tmp, "--side"]

@@ -132,7 +132,8 @@ def duration(seconds: float) -> str:
 
 def format_line(row: dict, total: int | None = None) -> str:
     """`step 250/2000 | loss 1.8123 | lr 9.6e-04 | 17,512 tok/s | 43.9 ms | 1m16s left`, or an eval
-    line; GRPO's `reward`, `reward_std` and `kl` follow the loss (TRL's names). Without `total`:
+    line; GRPO's `reward`, `reward_std`, `kl` and `entropy` follow the loss (TRL's names; entropy:
+    the completion tokens' mean, the first sign of a collapsing policy). Without `total`:
     `step    250` and no time left; MFU only where a peak is known."""
     width = len(str(total)) if total else 6
     parts = [f"step {row['step']:>{width}}" + (f"/{total}" if total else "")]
@@ -152,7 +153,7 @@ def format_line(row: dict, total: int | None = None) -> str:
         ]
         return "eval " + " | ".join(parts)
     parts.append(f"loss {row['loss']:.4f}")
-    for key in ("reward", "reward_std", "kl"):  # GRPO's, named as TRL logs them
+    for key in ("reward", "reward_std", "kl", "entropy"):  # GRPO's, named as TRL logs them
         if isinstance(row.get(key), int | float):
             parts.append(f"{key} {row[key]:.4f}")
     if "lr" in row:

@@ -46,8 +46,10 @@ def test_progress_lines_show_step_of_total_and_the_time_left():
     assert format_line({"step": 15, "train_loss": 3.6, "val_loss": 3.65}, 30).startswith("eval step 15/30 |")
     assert [duration(s) for s in (0.4, 42, 185, 7620)] == ["0s", "42s", "3m05s", "2h07m"]
     grpo = {"step": 5, "loss": 0.01, "reward": 0.625, "reward_std": 0.25, "kl": 0.0012, "lr": 1e-3}
+    grpo["entropy"] = 0.8125  # the completion tokens' mean: a collapsing policy shows here (#52)
     assert format_line(grpo) == (  # GRPO's progress, named as TRL logs it (#55)
-        "step      5 | loss 0.0100 | reward 0.6250 | reward_std 0.2500 | kl 0.0012 | lr 1.00e-03"
+        "step      5 | loss 0.0100 | reward 0.6250 | reward_std 0.2500 | kl 0.0012 | entropy 0.8125 | "
+        "lr 1.00e-03"
     )
 
 
