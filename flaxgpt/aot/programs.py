@@ -305,13 +305,15 @@ def rollout_programs(config, mc, devices) -> list[Program]:
     """GRPO's rollouts (data.format = prompts, grpo.rollout = engine) as train.grpo_rollout runs them:
     the engine's prefill (a whole window's prompt) and generate step, batch_size slots (a step's
     completions), a window of block_size, over the policy's weights: the parameters, or with LoRA the
-    base in lora.base_dtype and the adapters unmerged (models.lora.step_fn). Over the training mesh's
-    devices (grpo_online.Rollouts._engine_over): the weights placed by SERVE_RULES, the slots by rows."""
-    n = len(devices)
+    base in lora.base_dtype and the adapters unmerged (models.lora.step_fn). Over one process's devices
+    of the training mesh (grpo_online.Rollouts._engine_over): the weights placed by SERVE_RULES, the slots
+    by rows."""
     s = sections.of(config)
     lora_on = bool(s.lora.rank)
-    if n > 1:  # as the trainer refuses them
-        grpo_rollout.check_over_devices(len({d.process_index for d in devices}))
+    # as the trainer runs them: one engine a process, over that process's devices (process 0's here),
+    # slots for that process's share of a step's completions
+    processes = len({d.process_index for d in devices})
+    devices = grpo_rollout.engine_devices(devices, devices[0].process_index)
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
     if lora_on:  # the GRPO task's policy (train.policy.LoraPolicy) over the decoding config
         pol = policy.make_policy(config, cfg)
@@ -323,7 +325,7 @@ def rollout_programs(config, mc, devices) -> list[Program]:
         step, param_bytes = lora.step_fn(cfg, pol.lora, base, adapters), per_device_bytes((base, adapters))
     W, chunk = cfg.block_size, min(s.grpo.max_completion_length, grpo_rollout.CHUNK)
     progs = serve_programs(
-        mc, devices, slots=config.batch_size, max_len=W, chunk=chunk, prefill_chunk=W,
+        mc, devices, slots=max(config.batch_size // processes, 1), max_len=W, chunk=chunk, prefill_chunk=W,
         decoding=(cfg, step, mesh, param_bytes),
     )  # fmt: skip
     what = f"LoRA r {s.lora.rank} over a {s.lora.base_dtype} base" if lora_on else "the parameters"

@@ -312,7 +312,7 @@ class Runner:
         state = empty_state(pool, slots, vocab)
         # every buffer committed to its devices, as the programs' outputs are: an uncommitted one in a
         # first call and a committed one in the next are two jit signatures (a compile mid-serving)
-        where = jax.devices()[0] if mesh is None else sharding.row_shardings(state, mesh)
+        where = jax.local_devices()[0] if mesh is None else sharding.row_shardings(state, mesh)
         self.state = jax.device_put(state, where)
         self._table = np.array(pool.inner.table_BM, np.int32)  # what the slots' table should be
         self._stale = False  # the device's table differs from it (rows set by `idle` since the last upload)

@@ -105,6 +105,7 @@ class Rollouts:
         self.dynamic_rounds = g.dynamic_sampling_rounds if g.dynamic_sampling else None
         self.pipeline = None  # off_policy_steps > 0: rollouts k steps ahead on a thread of their own
         if g.off_policy_steps:
+            grpo_rollout.check_over_devices(jax.process_count(), g.off_policy_steps)
             self.pipeline = grpo_async.Pipeline(self.sampled, g.off_policy_steps, config.max_iters)
         # an environment's episodes may be scored by it alone; its reward is the first column, "env"
         funcs = list(g.reward_funcs)
@@ -113,6 +114,7 @@ class Rollouts:
             self.rewards = rewards.Rewards.make(funcs, list(g.reward_weights) or None)
         self.names = ["env"] * bool(g.env) + reward_names(funcs)
         self._logps = jax.jit(lambda p, b, f: objective.token_logps(policy, p, f, b)[0])
+        self.local = grpo_rollout.LocalWeights()  # several processes: a rollout reads its own copy
         self.engine = None
         if g.rollout == "engine":  # one engine for the run: slots for a step's completions
             mc = self.model_config
@@ -142,8 +144,8 @@ class Rollouts:
         --mesh runs: its weights placed by SERVE_RULES (MLP and vocabulary split, so a decoding step
         all-gathers no weight), LoRA's frozen base once (a second copy of it over the devices), the
         trained weights at each rollout (`_engine_weights`)."""
-        grpo_rollout.check_over_devices(jax.process_count())
-        emesh = sharding.make_mesh(1, mesh.size, list(mesh.devices.flat))
+        devices = grpo_rollout.engine_devices(list(mesh.devices.flat))  # this process's
+        emesh, frozen = sharding.make_mesh(1, len(devices), devices), self.local.frozen_of(frozen)
         self.engine.mesh = emesh
         boxed = gpt.abstract_params(self.model_config)
         self._serve_shardings = sharding.param_shardings(boxed, emesh, sharding.SERVE_RULES)
@@ -211,7 +213,8 @@ class Rollouts:
         (grpo_async.Pipeline) sampled k steps earlier by older weights, on the rollout thread."""
         if self.pipeline is not None:
             return self.pipeline.take(params, frozen, step, n_rows, process_index)
-        return self.sampled(params, frozen, step, n_rows, process_index)
+        with self.local.scope(params, frozen) as (params, frozen):  # several processes: this one's
+            return self.sampled(params, frozen, step, n_rows, process_index)
 
     def before_update(self, params, step: int) -> None:
         """The trainer's hook before update `step` is dispatched (it donates `params`)."""
@@ -271,7 +274,8 @@ class Rollouts:
         held-out prompts: val_reward and val_rewards/<name> per function."""
         if self.pipeline is not None:  # the engine is the rollout thread's
             return self.pipeline.call(self._evaluate, params, frozen)
-        return self._evaluate(params, frozen)
+        with self.local.scope(params, frozen) as (params, frozen):
+            return self._evaluate(params, frozen)
 
     def _evaluate(self, params, frozen) -> dict:
         rows = self.data.splits["val"][: self.eval_prompts]

@@ -20,8 +20,10 @@ slots are free, else `Engine.fork` + `insert` one at a time (the prompt's pages 
 completion is placed). Nothing waits on the device until a `generate` call ends. The serving
 engine's prefix cache stays off: the weights change every step.
 
-Over several devices (a training mesh of one host) the engine runs over them all (Engine(mesh=...):
-the weights as the trainer placed them for it, by sharding.SERVE_RULES; the pool's heads split).
+Over several devices the engine runs over this process's devices of the training mesh (Engine(mesh=...):
+the weights as the trainer placed them for it, by sharding.SERVE_RULES; the pool's heads split). Over
+several processes (a multi-host job) each process rolls out its own prompts with its own engine, on
+weights gathered whole onto it (LocalWeights); the update runs over the global mesh.
 
 Keys: completion n (prompt n // G's) decodes with Rows.of(..., seed=s, stream=n), the key
 fold_in(key(s), n) that `generate(rng=key(s))` gives its row n, so the tokens are those of
@@ -34,9 +36,12 @@ Shape letters: N completions (prompts x G), G group size, B slots, C decode step
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import jax
+from jax.experimental import multihost_utils
 
+from flaxgpt import sharding
 from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.serve.engine import Engine
@@ -47,12 +52,63 @@ CHUNK = 256
 PAGE = 16  # positions a page of the engine's pool
 
 
-def check_over_devices(processes: int) -> None:
-    """The engine over several devices (the trainer's, flaxgpt aot's): one host's; else one line."""
-    if processes > 1:
+def engine_devices(devices, process: int | None = None) -> list:
+    """The devices the engine decodes on: those of the training mesh's `devices` that this process
+    (or `process`) holds. Several processes: each rolls out its own prompts on its own devices, and
+    the update runs over them all."""
+    process = jax.process_index() if process is None else process
+    return [d for d in devices if d.process_index == process]
+
+
+class LocalWeights:
+    """The weights a rollout reads, whole on this process. Over several processes the trainer's arrays
+    span devices this process cannot address, and the trainer runs under the global mesh: `scope`
+    gathers each leaf (multihost_utils.process_allgather: an all-gather, then a host copy, every
+    rollout; the frozen weights once a run) onto this process's devices and runs the rollout under a
+    mesh of them, so the engine's and generate's new arrays stay here too. One process: unchanged."""
+
+    def __init__(self):
+        self.frozen = None  # the local copy of the run's frozen weights (never trained: one serves)
+        self.mesh = None  # this process's devices, (data 1, fsdp n)
+
+    @contextlib.contextmanager
+    def scope(self, params, frozen):
+        """with local.scope(params, frozen) as (params, frozen): the rollout, on this process's copies."""
+        if jax.process_count() == 1:
+            yield params, frozen
+            return
+        local = self._local(params), self.frozen_of(frozen)
+        with jax.set_mesh(self.mesh):
+            yield local
+
+    def frozen_of(self, frozen):
+        if jax.process_count() == 1:
+            return frozen
+        if self.frozen is None:
+            self.frozen = self._local(frozen)
+        return self.frozen
+
+    def _local(self, tree):
+        if self.mesh is None:
+            self.mesh = sharding.make_mesh(1, -1, jax.local_devices())
+        whole = sharding.replicated(self.mesh)
+
+        def one(x):
+            if not isinstance(x, jax.Array) or x.is_fully_addressable:
+                return x
+            return jax.device_put(multihost_utils.process_allgather(x, tiled=True), whole)
+
+        return jax.tree.map(one, tree)
+
+
+def check_over_devices(processes: int, off_policy_steps: int) -> None:
+    """Over several processes, the rollouts run in step with the update (LocalWeights' gathers are
+    collectives every process makes in the same order); off-policy rollouts on a thread: one line."""
+    if processes > 1 and off_policy_steps:
         raise ValueError(
-            f"grpo.rollout=engine runs over one host's devices; this run has {processes} processes: "
-            "train on one host, or use grpo.rollout=generate"
+            f"grpo.off_policy_steps={off_policy_steps} samples on a rollout thread of one process; this run "
+            f"has {processes} processes: set grpo.off_policy_steps=0 (each process then rolls out its "
+            "own prompts in step with the update)"
         )
 
 
