@@ -151,17 +151,20 @@ def by_hand(config, k: int):
 def test_trainer_equals_the_loop_by_hand(tmp_path, k):
     """trainer.train with off_policy_steps k: the losses and the parameters of the loop by hand over
     3 steps (k 0: the synchronous trainer; k 1: steps 0 and 1 sampled by the start's weights, step 2
-    by state 1's, on the rollout thread, weighted by TIS), the same seeds giving the same run."""
+    by state 1's, on the rollout thread, weighted by TIS, with dynamic sampling's refills), the same
+    seeds giving the same run."""
     data = toy_data(tmp_path)
-    config = recipe(data, tmp_path / "run", **{"grpo.off_policy_steps": k})
+    over = {"grpo.off_policy_steps": k, "grpo.dynamic_sampling": k > 0}
+    config = recipe(data, tmp_path / "run", **over)
     summary = trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "reward" in x]
-    losses, params = by_hand(recipe(data, tmp_path / "hand", **{"grpo.off_policy_steps": k}), k)
+    losses, params = by_hand(recipe(data, tmp_path / "hand", **over), k)
     np.testing.assert_allclose([x["loss"] for x in steps], losses, rtol=1e-5)  # the log's 6 digits
     for a, b in zip(jax.tree.leaves(jax.device_get(summary["state"].params)), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)
-    assert all(("tis_weight" in x) == (k > 0) and ("rollout_wait" in x) == (k > 0) for x in steps)
+    for key in ("tis_weight", "rollout_wait", "dynamic_sampling/rounds", "dynamic_sampling/kept"):
+        assert all((key in x) == (k > 0) for x in steps), key
     if k:
         assert steps[0]["tis_weight"] == pytest.approx(1.0, abs=1e-5)  # sampled by the same weights
         assert steps[2]["tis_weight"] != pytest.approx(1.0, abs=1e-5)  # by state 1's, trained by 2's
