@@ -3,6 +3,8 @@ weights equal the dequantized weights' float64 product (int4's groups of 64 and 
 of the kernel's step, N not a multiple of its block, 1 to MAX_ROWS rows); shapes it cannot tile are one
 line naming XLA's form; FLAXGPT_QMATMUL=pallas routes qmatmul through it."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -77,3 +79,24 @@ def test_opt_in_routes_qmatmul_through_the_kernel(monkeypatch):
         got = np.asarray(qmatmul.qmatmul(jnp.asarray(x), q.w, q.scale))
         assert np.abs(got - reference(x, q)).max() / np.abs(reference(x, q)).max() < TOL
     assert calls == [{"interpret": True}]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_kernel_compiles_for_h100_as_one_triton_call(mode):
+    """The Triton lowering itself (interpret mode checks values only): the Llama-3-8B q-projection's shape
+    at batch 1 compiled for an H100 on this CPU holds the kernel as one Triton custom call."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from flaxgpt.aot import targets
+
+    mesh = Mesh(np.array(targets.get("h100-1").devices()[:1]), ("x",))
+    one = NamedSharding(mesh, PartitionSpec())
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731
+    shapes = {"int8": ((4096, 4096), jnp.int8, (4096,)), "int4": ((4096, 2048), jnp.uint8, (4096, 32))}
+    shape, dtype, scale = shapes[mode]
+    args = spec((1, 4096), jnp.bfloat16), spec(shape, dtype), spec(scale, jnp.float32)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hlo = jax.jit(pallas_qgemv.gemv).lower(*args).compile().as_text()
+    assert len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', hlo)) == 1, hlo[-2000:]
