@@ -27,11 +27,12 @@ from flaxgpt.models.gpt_config import GPTConfig
 # GPTConfig fields that are not part of the function a checkpoint holds, so export neither writes nor
 # compares them: how a model is trained (the dropouts, the initialisation, the experts' auxiliary
 # losses) and how the same function is laid out and computed (dtypes, vocabulary padding, scanned
-# layers, rematerialisation, the attention kernel). Whoever loads the checkpoint chooses them again.
+# layers, rematerialisation, the attention kernel, float8 matmuls). Whoever loads the checkpoint
+# chooses them again.
 NOT_EXPORTED = frozenset(
     "dropout embd_dropout attn_dropout resid_dropout zero_init_proj router_aux_loss_coef "
     "router_z_loss_coef dtype param_dtype pad_vocab_multiple scan_layers remat attention_impl "
-    "context_impl".split()
+    "context_impl fp8".split()
 )
 # the rotary fields each scaling reads (models/rope.py); the others change nothing given it
 _BASE = ("rope_theta", "rope_scaling")

@@ -20,6 +20,11 @@ def _device():
     return device if device is not None else jax.devices()[0]
 
 
+def device():
+    """The first device traced for: a jax Device, or a mesh's abstract device (flaxgpt aot)."""
+    return _device()
+
+
 def platform() -> str:
     """ "tpu", "gpu" (CUDA or ROCm) or "cpu"."""
     name = _device().platform

@@ -211,6 +211,7 @@ class SelfAttention(nn.Module):
     context_impl: str = "ring"  # a mesh context axis (models/context_attention.py): ring | ulysses
     deterministic: bool = True
     lora: Any = None  # models.lora.LoraSpec: c_attn's and c_proj's adapters (models/linear.py)
+    fp8: bool = False  # c_attn's and c_proj's base products in float8 (GPTConfig.fp8)
 
     @nn.compact
     def __call__(
@@ -227,7 +228,7 @@ class SelfAttention(nn.Module):
         H = self.n_head
         J = self.n_kv_head or H
         K = self.head_dim or D // H
-        adapted = dict(lora=self.lora, deterministic=self.deterministic)
+        adapted = dict(lora=self.lora, deterministic=self.deterministic, fp8=self.fp8)
         qkv_BTE = Linear(
             (H + 2 * J) * K,  # columns q | k | v, heads inside each (3D for GPT-2)
             use_bias=self.qkv_bias,

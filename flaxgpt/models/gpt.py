@@ -86,6 +86,7 @@ class Block(nn.Module):
             context_impl=c.context_impl,
             deterministic=self.deterministic,
             lora=self.lora,
+            fp8=c.fp8,
             name="attn",
         )(ln("ln_1")(x_BTD), positions_BT, kv, ve_BTD=ve_BTD, segment_ids_BT=segment_ids_BT, real_BT=real_BT)
         if c.post_norms:  # Gemma: normalise the branch's output too (its post_attention_layernorm)
@@ -113,7 +114,7 @@ class Block(nn.Module):
                 **shared,
             )
         else:
-            mlp = MLP(hidden=c.mlp_hidden or 4 * c.n_embd, use_bias=c.bias, **shared)
+            mlp = MLP(hidden=c.mlp_hidden or 4 * c.n_embd, use_bias=c.bias, fp8=c.fp8, **shared)
         h_BTD = mlp(ln("ln_2")(x_BTD))
         if c.post_norms:  # Gemma's post_feedforward_layernorm
             h_BTD = ln("post_mlp_ln")(h_BTD)
@@ -491,5 +492,6 @@ def quantize_params(config: GPTConfig, params, mode: str):
 
 
 def quantized_config(config: GPTConfig) -> GPTConfig:
-    """The config quantize_params' weights decode with: an untied head (the table shared), unrolled."""
-    return dataclasses.replace(config, tie_embeddings=False, scan_layers=False, remat="none")
+    """The config quantize_params' weights decode with: an untied head (the table shared), unrolled,
+    no float8 (a training product; the weights are int8 or bf16 now)."""
+    return dataclasses.replace(config, tie_embeddings=False, scan_layers=False, remat="none", fp8=False)

@@ -134,11 +134,12 @@ class MLP(nn.Module):
     param_dtype: Dtype = jnp.float32
     deterministic: bool = True
     lora: Any = None  # models.lora.LoraSpec: c_fc's and c_proj's adapters (models/linear.py)
+    fp8: bool = False  # c_fc's and c_proj's base products in float8 (GPTConfig.fp8)
 
     @nn.compact
     def __call__(self, x_BTD):
         D = x_BTD.shape[-1]
-        adapted = dict(lora=self.lora, deterministic=self.deterministic)
+        adapted = dict(lora=self.lora, deterministic=self.deterministic, fp8=self.fp8)
         # Tokens flattened to one axis: with [B, T, D] operands the weight gradients contract
         # two axes, and XLA on CPU then transposes the [B*T, F] activations (fused with the GELU
         # derivative) before each weight-gradient matmul, a third of the step's time.

@@ -5,7 +5,8 @@ LinearMethod per representation), composed by the layer itself:
     rows = Embedding(V, D, name="wte")(tokens_BT)        # embedding [V, D], as nn.Embed's
 
 The base weight is what the "params" collection holds at the layer's path:
-  float (float32, or a bfloat16 cast):  nn.Dense's own product (the same promotion and dot);
+  float (float32, or a bfloat16 cast):  nn.Dense's own product (the same promotion and dot), or with
+      `fp8` (GPTConfig.fp8) kernels.fp8's scaled float8 product, differentiable in x and the weight;
   quantized (quantize.QuantizedWeight: int8 or bfloat16 w [N, K] with per-row scales [N], or int4
       packed [N, K/2] with per-group scales [N, K/group]): `qdot`,
       kernels.qmatmul (the C++ kernel for decoding's few rows on CPU, XLA's dot for many), with a
@@ -17,7 +18,8 @@ to the base's output on their columns, whatever the base is:
   adapter slots (models/multi_lora.py): {t}_a [S, K, R], {t}_b [S, R, N_t] stacked over S slots and
       `rows` [B], each batch row's slot; row b adds x A[rows[b]] B[rows[b]] (`add_slots`).
 So an adapter over an int8 or bf16 base, and a batch of rows with different adapters over one, are
-the base's own product plus the adapters' float32 terms; nothing is refused and nothing is ordered.
+the base's own product plus the adapters' float32 terms (over a float8 base too: QLoRA-like, the
+base in float8, the adapters not); the one refusal is float8 over an int8 or bf16-quantized base.
 A mixture of experts' stacked weights compose the same way by type (models/moe.py: QuantizedWeight,
 LoraExperts). Parameter names and paths are nn.Dense's and nn.Embed's, so checkpoints, Hugging Face
 and PEFT key maps see no difference.
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.dtypes import promote_dtype
 
+from flaxgpt.kernels.fp8 import fp8_dot, fp8_note  # noqa: F401  (fp8_note: the trainer's door to it)
 from flaxgpt.kernels.qmatmul import dequantize, qmatmul
 from flaxgpt.models.quantize import QuantizedWeight
 
@@ -77,6 +80,7 @@ class Linear(nn.Module):
     bias_init: Any = nn.initializers.zeros_init()
     lora: Any = None  # models.lora.LoraSpec (columns, scale, dropout); None: no adapters
     deterministic: bool = True  # False: LoRA dropout on (a "dropout" rng)
+    fp8: bool = False  # a float base's product in float8 (kernels.fp8: GPTConfig.fp8); adapters stay float32
 
     @nn.compact
     def __call__(self, x):
@@ -87,12 +91,20 @@ class Linear(nn.Module):
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
         if isinstance(kernel, QuantizedWeight):
+            if self.fp8:
+                raise ValueError(
+                    f"model.fp8 multiplies float weights in float8, but {self.name}'s weight is quantized "
+                    f"({kernel.w.dtype}): set model.fp8=False, or lora.base_dtype=float32 for a float base"
+                )
             y = qdot(x.reshape(-1, x.shape[-1]), kernel.w, kernel.scale)
             y = y if bias is None else y + bias
             y = y.reshape(*x.shape[:-1], -1).astype(self.dtype or x.dtype)
         else:  # nn.Dense's product, step for step
             x_, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
-            y = jax.lax.dot_general(x_, kernel, (((x_.ndim - 1,), (0,)), ((), ())))
+            if self.fp8:  # e4m3 operands scaled per tensor, float32 accumulation, y in the compute dtype
+                y = fp8_dot(x_, kernel)
+            else:
+                y = jax.lax.dot_general(x_, kernel, (((x_.ndim - 1,), (0,)), ((), ())))
             if bias is not None:
                 y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         if self.lora is None:

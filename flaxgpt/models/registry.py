@@ -31,6 +31,7 @@ RUNTIME_FIELDS = (
     "attention_impl",
     "context_impl",
     "remat",
+    "fp8",
 )
 
 # fields added after runs were saved -> the behaviour those runs had: a saved section (config.json,

@@ -107,6 +107,11 @@ def check(config) -> None:
             raise ConfigError(
                 "eval_tasks are not scored during LoRA training; merge the adapter and evaluate"
             )
+        if s.lora.base_dtype == "int8" and _get(config, "model.fp8"):
+            raise ConfigError(
+                "model.fp8 multiplies float weights in float8, and lora.base_dtype=int8 quantizes the "
+                "base: set --config.lora.base_dtype=float32 (the base in float8) or --config.model.fp8=False"
+            )
     if s.data.format == "pairs":
         _check_dpo(config)
     if s.data.format == "prompts":

@@ -33,7 +33,7 @@ import numpy as np
 
 from flaxgpt import cluster, runtime, sharding
 from flaxgpt.data import batches as data_lib
-from flaxgpt.models import context_attention, gpt
+from flaxgpt.models import context_attention, gpt, linear
 from flaxgpt.models import registry as models
 from flaxgpt.models.flops import flops_per_token
 from flaxgpt.runs import checkpoint as ckpt_lib
@@ -423,6 +423,11 @@ def train(config, devices=None, print_fn=print) -> dict:
         note = schedule_note(config, trainer.schedule)  # max_iters cuts the warmup or the decay short
         if note:
             trainer._print(note)
+        if config.model.get("fp8"):  # float8 asked of devices without float8 matmuls: the emulation
+            with jax.set_mesh(trainer.mesh):
+                note = linear.fp8_note()
+            if note:
+                trainer._print(note)
         try:
             state = trainer.init_state()
             trainer.write_run_files()

@@ -28,6 +28,7 @@ BOOL = (False, True)
 # they constrain it); a field GPTConfig gains fails test_every_field_is_drawn until it has a line here
 DOMAIN = {
     "context_impl": ("ring", "ulysses"),  # a run-time choice: not exported (hf/roundtrip.NOT_EXPORTED)
+    "fp8": BOOL,  # likewise
     "vocab_size": (50, 64, 257),
     "block_size": (16, 32, 64),
     "n_layer": (1, 2, 3, 4, 7),
