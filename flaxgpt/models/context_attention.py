@@ -40,6 +40,7 @@ CONTEXT_AXIS = "context"  # the mesh axis that splits sequences (flaxgpt.shardin
 CONTEXT_IMPLS = ("ring", "ulysses")
 # masked logits: finite, so a query row that sees no key of a block keeps a finite running max
 _NEG = -1e30
+Q_TILE = 512  # queries a ring block computes at once: [B, H, Q_TILE, S] float32 logits, not [B, H, L, S]
 
 
 def axis_size() -> int:
@@ -276,7 +277,36 @@ def _visible(q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, window, packed):
     return visible_BLS[:, None, None]
 
 
-def _block(
+def _query_tiles(L: int) -> int:
+    """How many tiles a block's L queries are taken in: [Q_TILE, S] logits at a time, not [L, S]
+    (at 128k tokens over 8 devices a device's whole block would be 34 GB of float32 logits a head
+    group); 1 when L is no longer than a tile or a tile does not divide it."""
+    return L // Q_TILE if L > Q_TILE and L % Q_TILE == 0 else 1
+
+
+def _block(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, **kw):
+    """_block_tile over query tiles in sequence (lax.map): each query's statistics are its own."""
+    nt = _query_tiles(q_BLJGK.shape[1])
+    if nt == 1:
+        return _block_tile(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, **kw)
+    tiles = (_split_tiles(q_BLJGK, 1, nt), q_pos_L.reshape(nt, -1), _split_tiles(q_seg_BL, 1, nt))
+    run = lambda t: _block_tile(t[0], k_BSJK, v_BSJK, t[1], kv_pos_S, t[2], kv_seg_BS, **kw)  # noqa: E731
+    return tuple(_join_tiles(x, 3) for x in jax.lax.map(run, tiles))  # [nt, B, J, G, tile, ...] -> L
+
+
+def _split_tiles(x, axis: int, nt: int):
+    """x with its `axis` cut into nt tiles, the tiles first: [nt, ..., L / nt, ...]."""
+    shape = (*x.shape[:axis], nt, x.shape[axis] // nt, *x.shape[axis + 1 :])
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _join_tiles(x, axis: int):
+    """_split_tiles undone: [nt, ..., tile (at `axis`), ...] -> [..., nt * tile, ...]."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2 :])
+
+
+def _block_tile(
     q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, *, scale, softcap, window, packed
 ):
     """Queries against one block of keys -> (max [B, J, G, L], sum [B, J, G, L], unnormalised output
@@ -299,7 +329,30 @@ def _block(
 
 
 def _block_grads(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, dy_BJGLK, lse_BJGL, D_BJGL,
-                 *, scale, softcap, window, packed):  # fmt: skip
+                 **kw):  # fmt: skip
+    """_block_grads_tile over query tiles in sequence (a scan): dq per tile, dk and dv summed."""
+    nt = _query_tiles(q_BLJGK.shape[1])
+    if nt == 1:
+        args = (q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, dy_BJGLK, lse_BJGL, D_BJGL)
+        return _block_grads_tile(*args, **kw)
+    tiles = (
+        _split_tiles(q_BLJGK, 1, nt), q_pos_L.reshape(nt, -1), _split_tiles(q_seg_BL, 1, nt),
+        _split_tiles(dy_BJGLK, 3, nt), _split_tiles(lse_BJGL, 3, nt), _split_tiles(D_BJGL, 3, nt),
+    )  # fmt: skip
+
+    def step(dkv, t):
+        q, pos, seg, dy, lse, D = t
+        dq, dk, dv = _block_grads_tile(q, k_BSJK, v_BSJK, pos, kv_pos_S, seg, kv_seg_BS, dy, lse, D, **kw)
+        return (dkv[0] + dk, dkv[1] + dv), dq
+
+    acc = jnp.promote_types(q_BLJGK.dtype, jnp.float32)
+    zeros = jnp.zeros_like(k_BSJK, acc), jnp.zeros_like(v_BSJK, acc)  # _like: varying over the mesh as k
+    (dk_BSJK, dv_BSJK), dq_tiles = jax.lax.scan(step, zeros, tiles)
+    return _join_tiles(dq_tiles, 1), dk_BSJK, dv_BSJK
+
+
+def _block_grads_tile(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, dy_BJGLK, lse_BJGL,
+                      D_BJGL, *, scale, softcap, window, packed):  # fmt: skip
     """The gradients of one block's share of the attention -> (dq [B, L, J, G, K], dk, dv [B, S, J, K]),
     its softmax recomputed from the whole row's log-sum-exp (`lse_BJGL`); `D_BJGL` = sum(dy * y)."""
     acc = jnp.promote_types(q_BLJGK.dtype, jnp.float32)

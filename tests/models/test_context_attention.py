@@ -96,6 +96,14 @@ def test_equals_one_device(impl, layout, data, context):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
 
 
+def test_ring_in_query_tiles_equals_one_device(monkeypatch):
+    """Ring blocks taken Q_TILE queries at a time (4 here: a device's 16 queries in 4 tiles, the 8 that
+    see a later block in 2) give the same outputs and gradients (the forward's map, the backward's scan)."""
+    monkeypatch.setattr(context_attention, "Q_TILE", 4)
+    assert context_attention._query_tiles(16) == 4 and context_attention._query_tiles(8) == 2
+    test_equals_one_device("ring", "gqa_window_packed_softcap", 4, 2)
+
+
 def test_balanced_layout_round_trips():
     """The load-balanced layout: device d holds chunks d and 2N-1-d, and the way back is exact."""
     n = 4
