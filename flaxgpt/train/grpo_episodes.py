@@ -25,8 +25,8 @@ budget. Rewards: the environment's, summed over the episode (Completion.reward);
 reward_funcs, if any, score the final reply (its text before EOS) on top.
 
 Bad input: an environment that raises, returns a reward that is not a finite number, an observation
-that is not text or is over envs.base's character limit or longer in tokens than
-max_completion_length (or reset observations that differ within a group) is an EnvError of one line
+that is not text, over envs.base's character limit, longer in tokens than max_completion_length or not
+tokenizable (or reset observations that differ within a group) is an EnvError of one line
 naming it and the prompt: printed as a warning, and that prompt's group is dropped (its completions
 stay in the batch with reward NaN and no token trained) while the step's other groups train. A tool
 call the parser cannot read is an observation the model sees (envs.base.ToolEnvironment), never an
@@ -84,6 +84,16 @@ class Episodes:
             return None
         return next(j for j in range(1, len(reply) + 1) if stop in self._text(reply[:j]))
 
+    def _encode(self, text, play: _Play, what: str) -> list[int]:
+        """An observation's tokens; text the tokenizer cannot encode (a character vocabulary's unknown
+        character) is the environment's EnvError."""
+        try:
+            return self.tokenizer.encode(text) if text else []
+        except (ValueError, KeyError) as e:
+            raise envs.EnvError(
+                f"{envs.where(play.env, play.prompt)}: {what} cannot be tokenized ({e})"
+            ) from None
+
     def _drop(self, error: envs.EnvError, dropped: set, p: int):
         self.errors.append(str(error))
         dropped.add(p)
@@ -100,7 +110,7 @@ class Episodes:
                 f"to the {G} episodes of one prompt; make it depend on the prompt and row only"
             )
         first = firsts.pop()
-        ids = self.tokenizer.encode(first) if first else []
+        ids = self._encode(first, plays[0], "reset's observation")
         if len(ids) >= self.max_new:
             raise envs.EnvError(
                 f"{envs.where(plays[0].env, prompt)}: reset's observation is {len(ids)} tokens, over "
@@ -192,7 +202,7 @@ class Episodes:
         play.reward += step.reward
         if step.done or play.turns >= envs.turns_of(play.env, self.max_turns):
             return True
-        obs = self.tokenizer.encode(step.observation) if step.observation else []
+        obs = self._encode(step.observation, play, f"step {play.turns}'s observation")
         if len(obs) >= self.max_new:
             raise envs.EnvError(
                 f"{envs.where(play.env, play.prompt)}: step {play.turns}'s observation is {len(obs)} "

@@ -1,0 +1,39 @@
+"""SFT -> GRPO with a tool, step 1: a small character GPT learns the calculator's call format (a
+Hermes tool call with the prompt's expression, the tool's response, the answer copied from it) from
+lines whose responses are random numbers: the format and the copying, never a product.
+
+    python -c "from configs.grpo_calc import write_data; write_data('data')"
+    flaxgpt prepare --dataset text --input data/calc_sft.txt --tokenizer char --out_dir data/calc_sft
+    python train.py --config configs/calc_sft.py
+    # step 2, GRPO with the calculator from this run: configs/grpo_calc.py
+
+Plain next-token training on the lines (the tool's responses too: SFT knows no observations; GRPO
+then trains only the model's own tokens). See configs/grpo_calc.py and docs/grpo.md.
+
+Targets: cpu (check: flaxgpt aot --config configs/calc_sft.py --target NAME)
+"""
+
+from configs import default
+
+
+def get_config():
+    c = default.get_config()
+    c.out_dir = "out/calc_sft"
+    c.data.dir = "data/calc_sft"
+    c.model.n_layer, c.model.n_head, c.model.n_embd = 2, 4, 64
+    c.model.block_size = 160  # a line is 10 + 80 + 39 + 9 characters
+    c.model.dropout = 0.0
+    c.model.pad_vocab_multiple = 1
+    c.init_from = "auto"
+    c.batch_size = 16
+    c.max_iters = 800
+    c.optim.learning_rate = 3e-3
+    c.optim.warmup_steps = 50
+    c.optim.min_lr = 3e-4
+    c.optim.weight_decay = 0.0
+    c.eval_interval = 200
+    c.eval_iters = 4
+    c.log_interval = 50
+    c.ckpt_interval = 0
+    c.mesh.cpu_devices = 1
+    return c
