@@ -189,7 +189,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--batch_sizes", default="1,8")
-    p.add_argument("--modes", default="fp32,bf16,int8", help="flaxgpt weight formats (fp32, bf16, int8)")
+    p.add_argument(
+        "--modes", default="fp32,bf16,int8", help="flaxgpt weight formats (fp32, bf16, int8, int4)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side and round (their median)")
     p.add_argument("--torch_python", default=sys.executable, help="the interpreter for the transformers side")
     p.add_argument("--skip_hf", action="store_true")
