@@ -32,12 +32,12 @@ def test_a_length_the_ring_cannot_balance_is_refused():
 
 
 def test_the_long_context_recipe_compiles_over_a_context_axis_of_8(tmp_path):
-    """configs/llama3_8b_long.py (LoRA over a bfloat16 base, context 8, Llama 3.1's RoPE) over a Llama
-    of tiny shape (its config.json only: aot reads no weights), for the 8 CPU devices: its mesh and
-    RoPE scaling are the recipe's, and the ring's collective-permutes are in the step."""
+    """configs/llama3_8b_long.py (LoRA over a bfloat16 base, Ulysses over context 8, Llama 3.1's RoPE)
+    over a Llama of tiny shape (its config.json only: aot reads no weights), for the 8 CPU devices: its
+    mesh and RoPE scaling are the recipe's, and Ulysses' all-to-alls are in the step."""
     tiny_llama = dict(
         model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192, rope_theta=500000.0,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192, rope_theta=500000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
@@ -47,5 +47,5 @@ def test_the_long_context_recipe_compiles_over_a_context_axis_of_8(tmp_path):
     recipe.init_from, recipe.data.dir = str(tmp_path), "/nonexistent"
     recipe.model.block_size = 256  # the recipe's layout, a short row: a multiple of 2 x 8
     (train,), mc = aot.run(recipe, targets.get("cpu"), ("train",), print_fn=lambda *_: None)
-    assert "x context 8 (ring attention)" in train.note and mc.rope_scaling == "llama3"
-    assert train.collectives["collective-permute"][0] > 0
+    assert "x context 8 (ulysses attention)" in train.note and mc.rope_scaling == "llama3"
+    assert train.collectives["all-to-all"][0] > 0
