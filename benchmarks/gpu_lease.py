@@ -27,6 +27,9 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
 - decode_llama8b_reduce: its batch-1 rows with FLAXGPT_QMATMUL=reduce (the weight products as a multiply
   and a row reduction reading int8 / bf16 directly, instead of XLA's GEMM fusion): an experiment for
   the int8 target (int8 read 2.0 TB/s on the H200, bf16 3.47)
+- fp8: one Llama-3-8B layer's forward and backward (4 x 2048 tokens) in bf16, then with model.fp8
+  (benchmarks/fp8_layer.py): tokens/s and the ratio (issue #54's target: >= 1.3x; a prediction until
+  a lease runs it)
 - nanogpt: nanoGPT's model.py (torch.compile, bf16 autocast, fused AdamW, clip 1.0), batch 16; its file
   is carried to the lease (--nanogpt_model), never committed
 - hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache,
@@ -60,6 +63,7 @@ PARTS = {
     "recipe": 90,
     "step": 60,
     "fused_loss": 150,  # three compiles and runs of the step (~30 s each on 2026-11-27's `step`)
+    "fp8": 120,  # two compiles and 10 steps each of one 8B layer (not yet run on a lease)
     "nanogpt": 70,
     "decode_gpt2": 100,
     "decode_gpt2_plain": 100,
@@ -71,7 +75,7 @@ PARTS = {
 }
 # what one call of at most 10 minutes holds
 GROUPS = {
-    "train": ("recipe", "step", "fused_loss", "nanogpt"),  # ~5 min
+    "train": ("recipe", "step", "fused_loss", "fp8", "nanogpt"),  # ~6 min
     "decode": ("decode_gpt2", "decode_llama8b", "hf_generate"),  # ~7 min
     "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce"),  # ~4 min: the int8 / int4 kernels
     "tests": ("tests",),  # ~3.5 min
@@ -99,6 +103,21 @@ def part_step(a) -> None:
         step_ms=r["step_ms"],
         peak_gib=r["peak_memory_gib"],
     )
+
+
+def part_fp8(a) -> None:
+    out = a.work / "fp8_layer.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/fp8_layer.py"), "--json", str(out)]
+    subprocess.run(cmd + (["--dry_run"] if a.dry_run else []), check=True, cwd=ROOT)
+    r = json.loads(out.read_text())
+    for side in ("bf16", "fp8"):
+        emit(
+            part="fp8",
+            what=f"Llama-3-8B layer fwd+bwd, {r['tokens_per_step']} tokens, {side}",
+            tokens_per_s=r[side]["tokens_per_s"],
+            step_ms=r[side]["step_ms"],
+            result=f"{r['speedup']}x bf16 (target >= 1.3x)" if side == "fp8" else None,
+        )
 
 
 def part_fused_loss(a) -> None:

@@ -111,9 +111,10 @@ def fp8_note() -> str | None:
     """One line when model.fp8 runs on devices without float8 matmuls (the fallback it gets), else None."""
     if has_fp8_matmul():
         return None
-    kind = target.device_kind()
+    kind, platform = target.device_kind(), target.platform()
+    where = kind if kind.lower() == platform else f"{kind} ({platform})"
     return (
-        f"note: model.fp8 on {kind} ({target.platform()}), which has no float8 matmuls: the float8 "
-        "casts and scales are emulated around float32 dots (Hopper's values, not its speed); "
+        f"note: model.fp8 on {where}, which has no float8 matmuls: the float8 "
+        "casts and scales run around wider matmuls (Hopper's values, not its speed); "
         "--config.model.fp8=False trains faster here"
     )
