@@ -87,3 +87,27 @@ def test_cpu_has_no_float8_matmul_and_says_its_fallback():
     assert not fp8.has_fp8_matmul()
     note = fp8.fp8_note()
     assert note.count("\n") == 0 and "no float8 matmuls" in note and "model.fp8=False" in note
+
+
+@pytest.mark.parametrize(
+    "cc,kind,native",
+    [
+        ("9.0", "NVIDIA H100 80GB HBM3", True),
+        ("8.9", "NVIDIA L4", True),
+        ("8.0", "NVIDIA A100-SXM4-80GB", False),
+        (None, "NVIDIA H200", True),  # an abstract device (flaxgpt aot) has only its name
+        (None, "NVIDIA A100-SXM4-40GB", False),
+    ],
+)
+def test_gpus_with_float8_gemms_are_compute_capability_8_9_and_up(monkeypatch, cc, kind, native):
+    class Device:
+        platform, device_kind = "cuda", kind
+
+    device = Device()
+    if cc:
+        device.compute_capability = cc
+    monkeypatch.setattr(fp8.target, "_device", lambda: device)
+    assert fp8.has_fp8_matmul() is native
+    assert (fp8.fp8_note() is None) is native
+    if not native:
+        assert fp8.fp8_note().startswith(f"note: model.fp8 on {kind} (gpu), which has no float8 matmuls")
