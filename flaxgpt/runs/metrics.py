@@ -147,10 +147,10 @@ def format_line(row: dict, total: int | None = None) -> str:
         known = {"step", "time", "train_loss", "val_loss", "best_val_loss"}
         parts += [f"{k} {v:.4g}" for k, v in row.items() if k not in known and isinstance(v, int | float)]
         return "eval " + " | ".join(parts)
-    if "loss" not in row:  # e.g. flaxgpt.eval.evaluate's results: every number as it is
-        parts += [
-            f"{k} {v:.4g}" for k, v in row.items() if k not in ("step", "time") and isinstance(v, int | float)
-        ]
+    if "loss" not in row:  # e.g. flaxgpt.eval.evaluate's results, GRPO's val_reward: every number as
+        # it is, but a best val loss where no val loss was ever taken (GRPO: inf)
+        skip = ("step", "time", "best_val_loss")
+        parts += [f"{k} {v:.4g}" for k, v in row.items() if k not in skip and isinstance(v, int | float)]
         return "eval " + " | ".join(parts)
     parts.append(f"loss {row['loss']:.4f}")
     for key in ("reward", "reward_std", "kl", "entropy"):  # GRPO's, named as TRL logs them

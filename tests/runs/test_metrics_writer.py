@@ -51,6 +51,8 @@ def test_progress_lines_show_step_of_total_and_the_time_left():
         "step      5 | loss 0.0100 | reward 0.6250 | reward_std 0.2500 | kl 0.0012 | entropy 0.8125 | "
         "lr 1.00e-03"
     )
+    grpo_eval = {"step": 10, "val_reward": 0.75, "best_val_loss": float("inf")}  # no val loss ever taken
+    assert format_line(grpo_eval, 100) == "eval step  10/100 | val_reward 0.75"
 
 
 def test_the_closing_summary_names_the_checkpoint_and_the_sample_command():
