@@ -1,6 +1,6 @@
-"""int8 weights ahead of time: gpt.quantize_params traced over abstract parameters gives the concrete
-tree's layout (and placement: programs.abstract_quantized), and int8 sampling / serving compile for a
-TPU without the CPU qmatmul kernel, the engine over 8 chips."""
+"""int8 (and int4) weights ahead of time: gpt.quantize_params traced over abstract parameters gives
+the concrete tree's layout (and placement: programs.abstract_quantized), and int8 sampling / serving
+compile for a TPU without the CPU qmatmul kernel, the engine over 8 chips."""
 
 import operator
 import re
@@ -47,6 +47,19 @@ def test_abstract_quantized_tree_is_the_concrete_layout(mode):
     assert nbytes < quantize.weight_bytes(concrete) and nbytes == programs.per_device_bytes(
         {k: v for k, v in abstract.items() if k != "lm_head"}
     )
+
+
+def test_abstract_int4_tree_is_the_concrete_layout():
+    """int4 (groups of 32) traced over 8 devices: the concrete tree's packed bytes and group scales, the
+    packed rows split as the weight's (flaxgpt aot compiles int4 decoding from this layout)."""
+    _, concrete = gpt.quantize_params(CFG, gpt.init_params(CFG, jax.random.key(0)), "int4_g32")
+    mesh = sharding.make_mesh(1, 8)
+    abstract = programs.abstract_quantized(CFG, _abstract(CFG, mesh), mesh, "int4_g32")
+    assert jax.tree.structure(abstract) == jax.tree.structure(concrete)
+    for a, c in zip(jax.tree.leaves(abstract), jax.tree.leaves(concrete), strict=True):
+        assert (a.shape, a.dtype) == (c.shape, c.dtype)
+    fc = abstract["h_0"]["mlp"]["c_fc"]["kernel"]  # [32, 128] -> w uint8 [128, 16], scales [128, 1]
+    assert fc.w.dtype == jnp.uint8 and fc.w.shape == (128, 16) and fc.w.sharding.spec == jax.P(None, "fsdp")
 
 
 def test_qmatmul_takes_the_cpu_kernel_only_for_cpu_devices():
