@@ -90,19 +90,26 @@ def emit(**row) -> None:
 # ---------------------------------------------------------------- parts (each in its own process)
 
 
-def part_step(a) -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--json", str(a.work / "step.json")]
+def _train_step(a, part: str, label: str, what: str, args=(), env=None, result=None) -> None:
+    """One run of benchmarks/train_throughput.py (the GPU step; the dry run: 3 CPU steps) as a row."""
+    out = a.work / f"step_{label}.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--json", str(out)]
     cmd += ["--step", "cpu", "--steps", "3"] if a.dry_run else ["--step", "gpu"]
-    subprocess.run(cmd, check=True, cwd=ROOT)
-    r = json.loads((a.work / "step.json").read_text())
+    subprocess.run(cmd + list(args), check=True, cwd=ROOT, env=env)
+    r = json.loads(out.read_text())
     emit(
-        part="step",
-        what=f"train step, batch {r['batch_size']}, attention auto",
+        part=part,
+        what=f"train step, batch {r['batch_size']}, {what}",
         tokens_per_s=r["tokens_per_s"],
         mfu=r["mfu"],
         step_ms=r["step_ms"],
         peak_gib=r["peak_memory_gib"],
+        result=result and result(r),
     )
+
+
+def part_step(a) -> None:
+    _train_step(a, "step", "step", "attention auto")
 
 
 def part_fp8(a) -> None:
@@ -127,21 +134,9 @@ def part_fused_loss(a) -> None:
         ("fused", "fused", "xla"),
         ("pallas", "fused", "pallas"),
     ):
-        out = a.work / f"step_{label}.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--json", str(out)]
-        cmd += ["--step", "cpu", "--steps", "3"] if a.dry_run else ["--step", "gpu"]
         env = {**os.environ, "FLAXGPT_XENT": kernels}
-        subprocess.run(cmd + ["--loss_impl", impl], check=True, cwd=ROOT, env=env)
-        r = json.loads(out.read_text())
-        emit(
-            part="fused_loss",
-            what=f"train step, batch {r['batch_size']}, loss {label}",
-            tokens_per_s=r["tokens_per_s"],
-            mfu=r["mfu"],
-            step_ms=r["step_ms"],
-            peak_gib=r["peak_memory_gib"],
-            result=f"loss {r['loss']}",
-        )
+        loss = lambda r: f"loss {r['loss']}"  # noqa: E731
+        _train_step(a, "fused_loss", label, f"loss {label}", ["--loss_impl", impl], env, loss)
 
 
 def _random_data(path: Path, vocab: str, tokens: int) -> None:
