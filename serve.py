@@ -205,8 +205,6 @@ def parse_args(argv):
         p.error("--draft and --speculative_ngram are two ways to draft tokens: give one")
     if a.draft and a.speculative_tokens < 1:
         p.error(f"--speculative_tokens must be >= 1 with --draft, got {a.speculative_tokens}")
-    if a.mixed_step and (a.draft or a.speculative_ngram):
-        p.error("--mixed_step runs without drafting (--draft, --speculative_ngram): give one")
     for name in ("prefill_chunk", "prefix_cache_tokens", "speculative_ngram", "mixed_step"):
         if getattr(a, name) < 0:
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
@@ -253,6 +251,11 @@ def main(argv=None):
                 f"{config.vocab_size}: a draft must share its tokenizer"
             )
         draft = (draft_run.config, draft_run.params)
+    drafting = bool(a.draft or a.speculative_ngram)
+    if drafting and a.mixed_step:  # every step then verifies drafts: prompt tails take the two programs
+        logging.getLogger("flaxgpt.serve").warning(
+            "--mixed_step is unused with drafting (each step verifies drafts); prompts prefill on their own"
+        )
     sched = launch.scheduler_for(
         config,
         run.params,
@@ -274,7 +277,7 @@ def main(argv=None):
         mesh=mesh,
         speculate=a.speculative_ngram or (a.speculative_tokens if a.draft else 0),
         draft=draft,
-        mixed=a.mixed_step,
+        mixed=0 if drafting else a.mixed_step,
     )
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(
