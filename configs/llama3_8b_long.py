@@ -6,6 +6,8 @@ Targets: h100-8 (check: flaxgpt aot --config configs/llama3_8b_long.py --target 
 --config.init_from=llama-3-8b --vocab_size 128256); on TPUs (v5p-64) take --config.model.context_impl=ring:
 Ulysses cannot run the splash kernel (a one-line error), and the v5p-64 compile is not in docs/fit.md yet.
 
+    flaxgpt prepare --dataset hf --hf_name openwebtext --tokenizer path/to/Meta-Llama-3.1-8B \
+        --out_dir data/openwebtext_llama3
     python train.py --config configs/llama3_8b_long.py --config.init_from=path/to/Meta-Llama-3.1-8B
     # 128k tokens a sequence (Llama 3.1's whole context)
     python train.py --config configs/llama3_8b_long.py --config.init_from=path/to/Meta-Llama-3.1-8B \
@@ -24,6 +26,7 @@ from configs import llama3_8b_fsdp
 def get_config():
     c = llama3_8b_fsdp.get_config()
     c.out_dir = "out/llama3_8b_long"
+    c.init_from = "path/to/Meta-Llama-3.1-8B"  # a Hugging Face directory; its tokenizer is Llama 3's
     c.model.block_size = 32768  # tokens a sequence: a multiple of 2 x mesh.context
     c.model.rope_scaling = "llama3"  # Llama 3.1's long-context RoPE (init_from's config.json decides)
     c.model.rope_factor = 8.0
