@@ -77,7 +77,7 @@ def test_mixture_of_experts_run(runs, capsys):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--quantize", "int4"], "unknown quantization mode 'int4'; choose one of int8, bf16"),
+        (["--quantize", "int3"], "unknown quantization mode 'int3'; choose one of int8, bf16, int4"),
         (
             ["--draft", "other_vocab"],
             f"the draft's vocabulary has {len(CHARS) - 1} tokens, the target's {len(CHARS)}",
