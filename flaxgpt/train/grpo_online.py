@@ -33,15 +33,15 @@ import time
 import jax
 import numpy as np
 
-from flaxgpt import loader, sharding
-from flaxgpt.data import hints, tokenizers
+from flaxgpt import sharding
 from flaxgpt.data import prompts as prompts_lib
+from flaxgpt.data import tokenizers
 from flaxgpt.decode import sampling
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.train import grpo_async, grpo_dynamic, grpo_episodes, grpo_rollout, grpo_task, rewards, sections
-from flaxgpt.train.lm_task import start_from
+from flaxgpt.train.lm_task import data_hint, start_from
 
 
 def rollout_seed(seed: int, step: int, process_index: int) -> int:
@@ -63,7 +63,7 @@ def open_prompts(config):
     """(prompts, model config, start): the recipe's prompts dataset, the model init_from gives with its
     weights (None: fresh), checked against each other."""
     s = sections.of(config)
-    hint = hints.prepare_hint(config, loader.data_tokenizer(config.get("init_from", "")))
+    hint = data_hint(config)
     data = prompts_lib.PromptData(s.data.dir, hint)
     recipe = models.config_from(config.model, data.vocab_size)
     init = start_from(config.init_from, recipe, data.meta.get("tokenizer"))

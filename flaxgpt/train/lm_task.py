@@ -47,6 +47,12 @@ from flaxgpt.train.losses import chunked_cross_entropy, cross_entropy
 from flaxgpt.train.policy import Frozen
 
 
+def data_hint(config) -> str:
+    """'prepare it with: COMMAND': the command this recipe's data needs, with the tokenizer its
+    init_from's model reads (every task's missing-data error ends with it)."""
+    return hints.prepare_hint(config, loader.data_tokenizer(config.get("init_from", "")))
+
+
 def start_from(init_from: str, recipe, data_tokenizer=None) -> loader.Init:
     """loader.resolve_init of init_from with the recipe's model config: the recipe's own model, or a
     checkpoint's architecture with the recipe's layout and run-time fields and its weights. A flaxgpt
@@ -73,8 +79,7 @@ def open_data(config):
     """(data, model config, start): the recipe's dataset (data.format tokens | shards | packed | pairs),
     the model init_from gives with the start's weights (None: fresh), checked against each other."""
     d = sections.of(config).data
-    # the command this recipe's data needs, with the tokenizer init_from's model reads
-    hint = hints.prepare_hint(config, loader.data_tokenizer(config.get("init_from", "")))
+    hint = data_hint(config)
     if d.format in ("packed", "pairs"):
         data = packing.PackedData(d.dir, kind=d.format, hint=hint)
     elif d.format == "shards":  # shards need the window length, which the model section fixes

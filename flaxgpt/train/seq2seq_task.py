@@ -16,13 +16,13 @@ import functools
 import jax
 import numpy as np
 
-from flaxgpt import loader
 from flaxgpt.data import batches as data_lib
-from flaxgpt.data import hints, tokenizers
+from flaxgpt.data import tokenizers
 from flaxgpt.decode.translate import generate
 from flaxgpt.models import registry as models
 from flaxgpt.models.seq2seq import Transformer, TransformerConfig, unembedding
 from flaxgpt.train import losses
+from flaxgpt.train.lm_task import data_hint
 from flaxgpt.train.losses import cross_entropy
 
 # decoding options of the `seq2seq` config section, with their defaults
@@ -38,8 +38,7 @@ EVAL_DEFAULTS = {
 
 def open_pairs(config):
     """(the train and val pairs, model config, start None: always trained from scratch), checked."""
-    # the command this recipe's data needs, with the tokenizer init_from's model reads
-    hint = hints.prepare_hint(config, loader.data_tokenizer(config.get("init_from", "")))
+    hint = data_hint(config)
     data = {s: data_lib.ParallelData(config.data.dir, s, hint) for s in ("train", "val")}
     meta = data["train"].meta
     c = models.config_from(config.model, meta["vocab_size"])
