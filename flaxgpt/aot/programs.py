@@ -40,7 +40,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from flaxgpt import loader, sharding
 from flaxgpt.decode import sampling
-from flaxgpt.models import context_attention, gpt, lora
+from flaxgpt.models import attention, context_attention, gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import AdapterCache, KVCache
 from flaxgpt.models.flops import flops_per_token
@@ -124,6 +124,8 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
         if models.kind_of(mc) != "gpt":
             raise ValueError("mesh.context splits a GPT's sequences; a seq2seq run takes mesh.context=1")
         context_attention.check(mc.block_size, mc.n_head, m.context, mc.context_impl)
+        kernel = attention.resolve_for_mesh(mc.attention_impl, mc.dtype, mesh)
+        attention.check_context_kernel(mc.context_impl, mc.attention_impl, kernel)
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
     steps = make_steps(config, task, mesh)

@@ -53,6 +53,26 @@ def resolve_attention_impl(impl: str, dtype: Dtype) -> str:
     return "xla"
 
 
+def check_context_kernel(context_impl: str, attention_impl: str, kernel: str) -> None:
+    """One line when the context axis' attention cannot run the within-device `kernel` (attention_impl
+    resolved for the target): Ulysses hands each device's heads to it inside its own shard_map, and
+    the splash kernel's shard_map would nest there. The ring's blocks are its own (XLA), so it takes
+    every kernel setting, windows and soft-caps included. The trainer and `flaxgpt aot` ask before
+    tracing (`resolve_for_mesh`), the layer again when traced."""
+    if context_impl == "ulysses" and kernel == "pallas":
+        how = "auto on TPU" if attention_impl == "auto" else "attention_impl=pallas"
+        raise ValueError(
+            f"context_impl=ulysses cannot run the splash kernel ({how}): its own shard_map would nest "
+            "inside Ulysses'; use model.context_impl=ring or model.attention_impl=xla"
+        )
+
+
+def resolve_for_mesh(impl: str, dtype: Dtype, mesh) -> str:
+    """resolve_attention_impl for the devices of `mesh` (a jax Mesh), before anything is traced."""
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return resolve_attention_impl(impl, dtype)
+
+
 def causal_mask(q_pos_BT: jax.Array, kv_len: int, window: int = 0) -> jax.Array:
     """[B, 1, T, S] True where key s may be seen by the query at position q_pos:
     s <= q_pos, and with a sliding `window` (Mistral) also s > q_pos - window."""
@@ -312,11 +332,7 @@ class SelfAttention(nn.Module):
                 "set model.attn_dropout=0 or mesh.context=1"
             )
         impl = resolve_attention_impl(self.impl, self.dtype)
-        if self.context_impl == "ulysses" and impl == "pallas":
-            raise ValueError(
-                "context_impl=ulysses cannot run the splash kernel (attention_impl=pallas, auto on TPU): "
-                "its own shard_map would nest inside Ulysses'; use context_impl=ring or attention_impl=xla"
-            )
+        check_context_kernel(self.context_impl, self.impl, impl)
         kw = dict(scale=self.scale, softcap=self.softcap, window=self.window)
 
         def local_attend(q_BTHK, k_BTJK, v_BTJK, seg_BT):  # Ulysses: a device's heads, whole sequence

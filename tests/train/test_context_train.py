@@ -1,6 +1,7 @@
 """Training with sequences split over a mesh "context" axis (mesh.context) on 8 simulated CPU devices:
 context 2 and data 2 x fsdp 2 x context 2 (ring attention) train exactly like one device
-(losses, gradient norms, parameters); a block_size the axis cannot balance fails in one line."""
+(losses, gradient norms, parameters); a block_size the axis cannot balance, or Ulysses around the splash
+kernel, fails in one line before the steps are built."""
 
 import sys
 from pathlib import Path
@@ -78,6 +79,16 @@ def test_a_mixture_of_experts_trains_over_context_like_one_device(foxes_dir):
 def test_block_size_the_ring_cannot_balance(foxes_dir):
     with pytest.raises(ValueError, match="sequence length 18 is not divisible by 2 x mesh.context = 4"):
         trainer.Trainer(config(foxes_dir, context=2, block_size=18), print_fn=lambda *a: None)
+
+
+def test_ulysses_around_the_splash_kernel_is_refused_before_tracing(foxes_dir, monkeypatch):
+    """attention_impl=pallas (what auto picks on TPU) under Ulysses: one line before the steps exist."""
+    monkeypatch.setattr(trainer, "make_steps", lambda *_: pytest.fail("the steps were built first"))
+    cfg = config(foxes_dir, context=2, impl="ulysses", attention_impl="pallas")
+    with pytest.raises(
+        ValueError, match=r"^context_impl=ulysses cannot run the splash kernel \(attention_impl=pallas\)"
+    ):
+        trainer.Trainer(cfg, print_fn=lambda *a: None)
 
 
 def test_token_ids_are_split_over_the_context_axis(foxes_dir):
