@@ -2,13 +2,16 @@
 
     flaxgpt hf export --out_dir out/run --to out/hf     # a training run -> HF directory
     flaxgpt hf export --out_dir out/run --to out/hf --step 2000 --overwrite
+    flaxgpt hf export --init_from path/to/SmolLM2 --to out/w4a16 --quantize int4   # compressed-tensors
     flaxgpt hf info gpt2                                 # the GPTConfig a checkpoint maps to
     flaxgpt hf info path/to/Llama-3.2-1B                 # any family of flaxgpt.hf.families
     flaxgpt peft merge --base base_dir --adapter adapter_dir --to merged_dir
     flaxgpt peft export --out_dir out/lora_llama --to out/lora_llama_adapter
 
 A run is loaded with flaxgpt.load and written with flaxgpt.hf.pretrained.export_pretrained (a GPT-2,
-or for a model with rotary positions the family that expresses it). Bad input is one line.
+or for a model with rotary positions the family that expresses it); with --quantize int4 a run or a
+Hugging Face directory is loaded int4 and written by flaxgpt.hf.compressed (compressed-tensors
+pack-quantized, which transformers, vLLM and flaxgpt.load read). Bad input is one line.
 
 May import: flaxgpt.loader, flaxgpt.hf, flaxgpt.runs, flaxgpt.errors, flaxgpt.extras, flaxgpt.runtime.
 """
@@ -35,6 +38,24 @@ def export_run(out_dir, to: str, step=None, overwrite: bool = False) -> str:
     run = loader.load(out_dir, step=step)
     tok = run.tokenizer if getattr(run.tokenizer, "file", None) else None  # a model's tokenizer.json
     return pretrained.export_pretrained(run.config, run.params, to, overwrite=overwrite, tokenizer=tok)
+
+
+def export_int4(source, to: str, mode: str, step=None, overwrite: bool = False) -> str:
+    """A training run's checkpoint `step` or a Hugging Face directory, quantized to int4 (`mode`:
+    "int4" groups of 128, "int4_g64", "int4_g32"; a compressed-tensors int4 source kept as it is),
+    written as a compressed-tensors pack-quantized directory (hf.compressed)."""
+    from flaxgpt import loader
+    from flaxgpt.hf import compressed, pretrained
+
+    if not mode.startswith("int4"):
+        raise ValueError(
+            f"--quantize {mode}: the compressed-tensors export writes int4, int4_g64 or int4_g32"
+        )
+    run_dir = source if loader.init_kind(source) == "run" else None
+    pretrained.check_export_target(to, overwrite, run=run_dir)  # before loading anything
+    run = loader.load(source, step=step, quantize=mode)
+    tok = run.tokenizer if getattr(run.tokenizer, "file", None) else None  # a model's tokenizer.json
+    return compressed.export(run.config, run.params, to, tokenizer=tok)
 
 
 def export_run_adapter(out_dir, to: str, step=None) -> str:
@@ -67,11 +88,23 @@ def _hf(args) -> None:
     if args.cmd == "info":
         print(json.dumps(pretrained.read_config(args.name_or_path).to_dict(), indent=2))
         return
-    export_run(args.out_dir, args.to, args.step, args.overwrite)
+    if (args.out_dir is None) == (args.init_from is None):
+        raise ValueError("name one source: --out_dir RUN or --init_from HF_DIR")
+    if args.quantize:
+        if args.out_dir is not None:
+            from flaxgpt import loader
+
+            loader.require_run(args.out_dir)
+        export_int4(args.out_dir or args.init_from, args.to, args.quantize, args.step, args.overwrite)
+    elif args.out_dir is None:
+        raise ValueError("--init_from is already a Hugging Face directory; add --quantize int4 to write int4")
+    else:
+        export_run(args.out_dir, args.to, args.step, args.overwrite)
     with open(os.path.join(args.to, files.CONFIG_FILE)) as fh:
         arch = json.load(fh)["architectures"][0]
+    what = f"{arch}, {args.quantize} compressed-tensors pack-quantized" if args.quantize else arch
     print(
-        f"wrote {args.to} ({arch}); load it with "
+        f"wrote {args.to} ({what}); load it with flaxgpt.load({args.to!r}) or "
         f"transformers.AutoModelForCausalLM.from_pretrained({args.to!r})"
     )
 
@@ -83,7 +116,13 @@ def main(argv=None) -> int:
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="write a training run as a Hugging Face GPT-2 / Llama-family dir")
-    ex.add_argument("--out_dir", required=True, help="flaxgpt training run directory")
+    ex.add_argument("--out_dir", help="flaxgpt training run directory")
+    ex.add_argument("--init_from", help="with --quantize: a Hugging Face directory instead of a run")
+    ex.add_argument(
+        "--quantize",
+        choices=("int4", "int4_g64", "int4_g32"),
+        help="write int4 weights (groups of 128, 64, 32) in compressed-tensors' pack-quantized format",
+    )
     ex.add_argument("--to", required=True, help="directory to write config.json + model.safetensors into")
     ex.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     ex.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --to")

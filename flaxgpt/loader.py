@@ -4,6 +4,7 @@
     run = flaxgpt.load("out/run", step=2000, dtype="bfloat16")    # weights cast, computing in bfloat16
     run = flaxgpt.load("gpt2", quantize="int8")                   # GPT-2 from the HF cache or the hub
     run = flaxgpt.load("path/to/SmolLM2-135M")                    # a GPT-2 or Llama-family HF directory
+    run = flaxgpt.load("path/to/Llama-W4A16")                     # compressed-tensors int4: kept int4
     kind, config, params, tokenizer = run                         # Run: "gpt" | "seq2seq"
     config, params = flaxgpt.load_pretrained("base", adapter="adapter_dir", quantize="int8")
     spec, adapters = loader.load_adapter("adapter_dir or a LoRA run", config)   # unmerged
@@ -15,7 +16,11 @@
 sample.py, serve.py, `flaxgpt eval`, `flaxgpt hf export`, `flaxgpt attention-map` and
 `flaxgpt summary --run` load through `load`; `load`, the trainer (init_from), `flaxgpt aot` (abstract:
 no weight read) and the config check (`init_kind`) resolve a source through `resolve_init`, one answer
-for every source. `compact` is the one place that casts (`dtype`) and then quantizes (`quantize`). A
+for every source. `compact` is the one place that casts (`dtype`) and then quantizes (`quantize`).
+A Hugging Face directory whose config.json names a quantization_config is read by hf.compressed
+(pack-quantized int4 straight into int4 weights, the words' bytes kept; any other scheme a one-line
+refusal) and decodes only: `compact` keeps those weights (the same `quantize` is a no-op, another one
+an error; `dtype` casts the float layers alone); the trainer refuses it as init_from. A
 LoRA run (runs.lora_run) is its base's weights with its adapters merged, as is pretrained weights plus
 a PEFT `adapter`; `load_adapter` reads either kind of adapter unmerged (a server applies many per batch
 row: models.multi_lora). Bad input is a one-line ValueError / OSError.
@@ -174,6 +179,11 @@ def resolve_init(
             f"{source} is neither a flaxgpt training run (config.json, meta.json, checkpoints/) nor "
             "a Hugging Face model directory (config.json, model.safetensors)"
         )
+    if recipe is not None and _int4_checkpoint(source):
+        raise ValueError(
+            f"init_from={source} holds int4 weights (compressed-tensors), which decode (sample.py, "
+            "serve.py, flaxgpt.load) but do not train; start from the float model"
+        )
     layout = {} if recipe is None else {f: getattr(recipe, f) for f in LAYOUT_FIELDS}
     fields = {**layout, **overrides}  # read with these; the recipe's run-time fields are set after
     if abstract:
@@ -256,6 +266,10 @@ def load_pretrained(name_or_path: str, *, adapter: str | None = None, quantize: 
     _check(None, quantize)
     from flaxgpt.hf import peft, pretrained
 
+    if _int4_checkpoint(name_or_path):
+        config, params = _load_int4(name_or_path, adapter, **kw)
+        run = compact(Run("gpt", config, params, None), quantize=quantize)
+        return run.config, run.params
     config, params = pretrained.load_pretrained(name_or_path, **kw)
     if adapter is not None:
         from flaxgpt.models import lora
@@ -264,6 +278,38 @@ def load_pretrained(name_or_path: str, *, adapter: str | None = None, quantize: 
         params = lora.merge(config, spec, params, adapters)
     run = compact(Run("gpt", config, params, None), quantize=quantize)
     return run.config, run.params
+
+
+def _int4_checkpoint(source) -> bool:
+    """A Hugging Face directory whose config.json names a quantization_config (hf.compressed's rule)."""
+    from flaxgpt.hf import compressed
+
+    return Path(source).is_dir() and compressed.holds(source)
+
+
+def _load_int4(source: str, adapter, *, place=None, scan_layers=False, pad_vocab_multiple=1, **fields):
+    """A compressed-tensors int4 directory (hf.compressed) read straight into int4 QuantizedWeights on
+    one device: the words' bytes are the weights, nothing dequantized or quantized again. Float
+    layers stay float32 (`param_dtype` is compact's cast); a quantization_config other than
+    pack-quantized int4 is compressed.group_of's one-line refusal."""
+    import jax
+
+    from flaxgpt.hf import compressed
+
+    fields.pop("param_dtype", None)
+    fields.pop("cache_dir", None)
+    if adapter is not None:
+        raise ValueError(
+            f"{source} holds int4 weights (compressed-tensors); a PEFT adapter merges into float weights: "
+            "serve it unmerged (serve.py --lora) or merge it into the float model before quantizing"
+        )
+    if scan_layers or pad_vocab_multiple != 1 or (place is not None and place.mesh is not None):
+        raise ValueError(
+            f"{source} holds int4 weights (compressed-tensors), loaded unrolled onto one device: "
+            "drop --mesh / scan_layers / pad_vocab_multiple"
+        )
+    config, params = compressed.load(source, **fields)
+    return config, jax.device_put(params)
 
 
 def load_adapter(source: str, config):
@@ -314,20 +360,34 @@ def compact(run: Run, *, dtype: str | None = None, quantize: str | None = None) 
     if dtype is not None:
         run = with_dtype(run, dtype)
     if quantize is not None:
+        from flaxgpt.models import quantize as quantized
         from flaxgpt.models.gpt import quantize_params
 
+        held = quantized.modes(run.params)  # a quantized checkpoint's (hf.compressed): never again
+        if held == {quantize}:
+            return run
+        if held:
+            raise ValueError(
+                f"the weights are already {', '.join(sorted(held))} (a quantized checkpoint); "
+                f"drop --quantize {quantize} or pass --quantize {min(held)}"
+            )
         config, params = quantize_params(run.config, run.params, quantize)
         run = run._replace(config=config, params=params)
     return run
 
 
 def with_dtype(run: Run, dtype: str) -> Run:
-    """The run with weights cast to `dtype` and computing in it."""
+    """The run with weights cast to `dtype` and computing in it; quantized weights (an int4
+    checkpoint's) stay as they are, their scales float32 as quantize_params makes them."""
     import jax
     import jax.numpy as jnp
 
+    from flaxgpt.models.quantize import QuantizedWeight
+
     config = dataclasses.replace(run.config, dtype=dtype, param_dtype=dtype)
-    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), run.params)
+    is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
+    cast = lambda x: x if is_q(x) else jnp.asarray(x, dtype)  # noqa: E731
+    params = jax.tree_util.tree_map(cast, run.params, is_leaf=is_q)
     return run._replace(config=config, params=params)
 
 

@@ -3,6 +3,10 @@ and transformers read for W4A16 models), both ways, for the rotary families with
 
     config, params = compressed.load(directory)       # int4 linear layers as quantize.QuantizedWeight
     compressed.export(config, params, out_dir)       # params from gpt.quantize_params(..., "int4")
+    compressed.holds(directory)                      # config.json names a quantization_config
+
+flaxgpt.load (and so sample.py, serve.py, `flaxgpt hf export --quantize int4`) reads such a directory
+here: the loader asks `holds`, this module reads the weights.
 
 Why this format: it is the one vLLM, transformers and llm-compressor share for int4 weights (GPTQ and AWQ
 runs save into it too), its groups are ours (symmetric, a scale per output channel and group of inputs,
@@ -25,10 +29,10 @@ import jax
 import numpy as np
 from flax import linen as nn
 
-from flaxgpt.hf import families, rotary
+from flaxgpt.hf import families, pretrained, rotary
 from flaxgpt.hf import files as hf_files
 from flaxgpt.hf.files import get_path, set_path
-from flaxgpt.models import gpt
+from flaxgpt.models import gpt, quantize
 from flaxgpt.models.quantize import QuantizedWeight, dequantize_rows
 
 FORMAT = "pack-quantized"
@@ -42,19 +46,34 @@ def scheme(group: int) -> dict:
         "format": FORMAT,
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
         "ignore": ["lm_head"],
+        "quantization_status": "compressed",  # else transformers builds dense layers, missing our tensors
     }
 
 
+def holds(directory) -> bool:
+    """Whether a model directory's config.json names a quantization_config: its weights are then
+    read by `load` (pack-quantized int4) or refused in one line (`group_of`), never as float weights."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as fh:
+        return bool(json.load(fh).get("quantization_config"))
+
+
 def group_of(hf: dict) -> int:
-    """The group size of a pack-quantized int4 config.json; one line naming what is not that."""
+    """The group size of a pack-quantized int4 config.json; one line naming what is not that (other
+    formats: float8, naive-quantized, int8; asymmetric groups; quantized activations)."""
     qc = hf.get("quantization_config") or {}
     groups = list((qc.get("config_groups") or {}).values())
-    w = groups[0].get("weights", {}) if len(groups) == 1 else {}
+    g = groups[0] if len(groups) == 1 else {}
+    w = g.get("weights") or {}
     found = (qc.get("quant_method"), qc.get("format"), w.get("num_bits"), w.get("type"), w.get("strategy"))
-    if found != ("compressed-tensors", FORMAT, 4, "int", "group") or not w.get("symmetric", False):
+    activations = g.get("input_activations") or g.get("output_activations")
+    if found != ("compressed-tensors", FORMAT, 4, "int", "group") or not w.get("symmetric") or activations:
         raise ValueError(
-            f"flaxgpt reads compressed-tensors {FORMAT} int4 symmetric group weights (W4A16); this "
-            f"config.json's quantization_config is {json.dumps(qc)[:200]}: dequantize it with transformers"
+            f"flaxgpt reads compressed-tensors {FORMAT} int4 symmetric group weights only (W4A16: one "
+            f"config group, no activation quantization); this config.json's quantization_config is "
+            f"{json.dumps(qc)[:200]}: load the float model, or dequantize it with transformers"
         )
     return int(w["group_size"])
 
@@ -80,21 +99,20 @@ def _family(config):
     return model_type, family
 
 
-def export(config, qparams, out_dir: str) -> str:
-    """Write out_dir/config.json + model.safetensors of gpt.quantize_params' int4 weights (one group size)."""
+def export(config, qparams, out_dir: str, tokenizer=None) -> str:
+    """Write out_dir/config.json + model.safetensors of gpt.quantize_params' int4 weights (one group
+    size), with the tokenizer's files when `tokenizer` is the model's own tokenizer.json (as
+    pretrained.write). No target check: pretrained.check_export_target is the caller's."""
     model_type, family = _family(config)
-    groups = {
-        x.w.shape[1] * 2 // x.scale.shape[1]
-        for x in _weights(qparams)
-        if x.w.dtype == np.uint8 and x.scale.ndim == 2
-    }
-    if len(groups) != 1:
+    modes = quantize.modes(qparams)
+    if len(modes) != 1 or not next(iter(modes)).startswith("int4"):
         raise ValueError(
-            f"export takes int4 weights of one group size (gpt.quantize_params 'int4'), found {groups}"
+            f"export takes int4 weights of one group size (gpt.quantize_params 'int4'), found {sorted(modes)}"
         )
-    group = groups.pop()
+    group = quantize.int4_group(modes.pop())
+    special = pretrained.special_ids(tokenizer, model_type)
     floats = _dequantized(qparams)  # the float view: names, shapes and the float tensors of the family
-    hf, tensors = family.export_state(config, floats, model_type, family)
+    hf, tensors = family.export_state(config, floats, model_type, family, special)
     for i in range(config.n_layer):
         for path, parts in _linear_parts(family, config, i).items():
             q = get_path(qparams[f"h_{i}"], path)
@@ -115,17 +133,19 @@ def export(config, qparams, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     hf_files.write_safetensors(tensors, out_dir)
     hf_files.write_json(hf, os.path.join(out_dir, "config.json"))
+    pretrained.copy_tokenizer(tokenizer, special, out_dir)
     return out_dir
 
 
-def load(directory: str):
+def load(directory: str, **fields):
     """A pack-quantized int4 directory -> (config, params) that decode as they are: linear layers int4
-    QuantizedWeights, embeddings, norms and the head float32 (config: gpt.quantized_config's, untied)."""
+    QuantizedWeights, embeddings, norms and the head float32 host arrays (config: gpt.quantized_config's,
+    untied; `fields`: the free GPTConfig fields, as pretrained.load_pretrained's overrides)."""
     with open(os.path.join(directory, "config.json")) as fh:
         hf = json.load(fh)
     group = group_of(hf)
     family = families.family_for(hf)
-    config = family.config_from_hf(hf, family)
+    config = family.config_from_hf(hf, family, **fields)
     _family(config)
     shapes = nn.unbox(gpt.abstract_params(dataclasses.replace(config, pad_vocab_multiple=1)))
     V, D = config.vocab_size, config.n_embd
@@ -174,11 +194,6 @@ def _read_int4(table, prefix: str, parts, shape_KN, group: int) -> QuantizedWeig
     if w.shape[0] != shape_KN[1]:
         raise ValueError(f"{prefix}{parts[0][0]}... hold {w.shape[0]} output rows, the config {shape_KN[1]}")
     return QuantizedWeight(w, scale)
-
-
-def _weights(tree):
-    is_q = lambda x: isinstance(x, QuantizedWeight)  # noqa: E731
-    return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_q) if is_q(x)]
 
 
 def _dequantized(qparams):

@@ -134,15 +134,27 @@ def write(config: GPTConfig, params, out_dir: str, model_type=None, tokenizer=No
     families.family_of(config); `max_shard_bytes` splits the weights into transformers' shards."""
     model_type = model_type or families.family_of(config)
     family = families.FAMILIES[model_type]
-    special = None
-    if tokenizer is not None and hasattr(tokenizer, "file") and model_type != "gpt2":  # GPT-2: its own ids
-        special = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+    special = special_ids(tokenizer, model_type)
     hf, tensors = family.export_state(config, params, model_type, family, special)
     hf_files.write_safetensors(tensors, out_dir, max_shard_bytes)  # each file renamed when complete
     hf_files.write_json(hf, os.path.join(out_dir, CONFIG_FILE))
-    if special is not None:
-        for name in TOKENIZER_FILES:
-            source = tokenizer.file.parent / name
-            if source.is_file():
-                shutil.copyfile(source, os.path.join(out_dir, name))
+    copy_tokenizer(tokenizer, special, out_dir)
     return out_dir
+
+
+def special_ids(tokenizer, model_type: str) -> dict | None:
+    """config.json's bos / eos ids from a model's own tokenizer.json (an HFTokenizer); None for GPT-2
+    (its own ids) or without one."""
+    if tokenizer is None or not hasattr(tokenizer, "file") or model_type == "gpt2":
+        return None
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+
+
+def copy_tokenizer(tokenizer, special: dict | None, out_dir: str) -> None:
+    """The tokenizer's files (TOKENIZER_FILES) into out_dir, when `special_ids` gave its ids."""
+    if special is None:
+        return
+    for name in TOKENIZER_FILES:
+        source = tokenizer.file.parent / name
+        if source.is_file():
+            shutil.copyfile(source, os.path.join(out_dir, name))

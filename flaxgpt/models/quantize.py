@@ -228,6 +228,20 @@ def weight_bytes(params) -> int:
     return sum(seen.values())
 
 
+def modes(params) -> set[str]:
+    """The modes of a tree's QuantizedWeights, read from their arrays: "int8", "bf16", int4's by its
+    group ("int4" for 128, "int4_g64", ...); empty for float weights."""
+    out = set()
+    for x in jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        if isinstance(x, QuantizedWeight):
+            if x.w.dtype != np.uint8:
+                out.add("int8" if x.w.dtype == np.int8 else "bf16")
+            else:
+                group = x.w.shape[-1] * 2 // x.scale.shape[-1]
+                out.add("int4" if group == 128 else f"int4_g{group}")
+    return out
+
+
 def is_quantized(params) -> bool:
     leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
     return any(isinstance(x, QuantizedWeight) for x in leaves)

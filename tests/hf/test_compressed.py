@@ -68,19 +68,17 @@ def test_bad_formats_are_one_line():
         compressed.export(qconfig, qparams, "unused")
 
 
-def test_compressed_tensors_files_both_ways(model, tmp_path):
-    torch = pytest.importorskip("torch")
+def compress_with_compressed_tensors(params, float_dir, ct_dir, group=32):
+    """What llm-compressor writes for CONFIG's `params`: a float export, each linear weight compressed
+    by compressed-tensors' PackedQuantizationCompressor, its QuantizationConfig in config.json
+    -> ({tensor name: torch tensor} as written, the QuantizationScheme)."""
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file, save_file
 
-    params, (qconfig, qparams) = model
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
     sch = QuantizationScheme(targets=["Linear"], weights=args)
-
-    # compressed-tensors writes: a float export, each linear weight compressed by its compressor
-    float_dir, ct_dir = tmp_path / "float", tmp_path / "ct"
     pretrained.write(CONFIG, params, str(float_dir), model_type="llama")
     state = load_file(str(float_dir / "model.safetensors"))
     out = {}
@@ -88,16 +86,33 @@ def test_compressed_tensors_files_both_ways(model, tmp_path):
         if not any(f".{p}.weight" in name for p in LINEARS):
             out[name] = t
             continue
-        g = t.reshape(t.shape[0], -1, 32)
+        g = t.reshape(t.shape[0], -1, group)
         scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args)
         comp = PackedQuantizationCompressor.compress({"weight": t, "weight_scale": scale}, sch)
         out.update({name.removesuffix("weight") + k: v.contiguous() for k, v in comp.items()})
     os.makedirs(ct_dir)
     save_file(out, str(ct_dir / "model.safetensors"))
     hf = json.load(open(float_dir / "config.json"))
-    qc = QuantizationConfig(config_groups={"group_0": sch}, format="pack-quantized", ignore=["lm_head"])
+    qc = QuantizationConfig(
+        config_groups={"group_0": sch},
+        format="pack-quantized",
+        ignore=["lm_head"],
+        quantization_status="compressed",
+    )
     hf["quantization_config"] = qc.model_dump(exclude_none=True)
     json.dump(hf, open(ct_dir / "config.json", "w"))
+    return out, sch
+
+
+def test_compressed_tensors_files_both_ways(model, tmp_path):
+    torch = pytest.importorskip("torch")
+
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from safetensors.torch import load_file
+
+    params, (qconfig, qparams) = model
+    ct_dir = tmp_path / "ct"
+    out, sch = compress_with_compressed_tensors(params, tmp_path / "float", ct_dir)
 
     _, loaded = compressed.load(str(ct_dir))
     agree = []
