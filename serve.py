@@ -23,6 +23,9 @@ prefix read its pages in place (--prefix_cache_tokens), long prompts are prefill
 LoRA adapters (--adapter NAME=DIR, --max_adapters, --max_cpu_adapters; POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter with --allow_runtime_lora --adapter_root DIR) go with all of it, --mesh and
 --quantize included: docs/serving_ops.md.
+Started by srun, mpirun, SkyPilot (num_nodes > 1) or a JobSet, every process joins the job and
+--mesh spans all their devices: process 0 serves, the others replay its engine calls
+(docs/serving_ops.md, "Several hosts").
 """
 
 from __future__ import annotations
@@ -227,9 +230,16 @@ def main(argv=None):
     runtime.setup()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)  # and its access log, a line per request
+    import jax
+
     from flaxgpt.serve import launch, server
 
-    launch.check_one_process()  # srun -n 2, mpirun, a JobSet...: one server per host instead, in one line
+    # srun -n 2, mpirun, SkyPilot num_nodes 2, a JobSet: every process joins; process 0 serves
+    how = launch.join()
+    launch.check_replayable(
+        max_adapters=a.max_adapters, allow_runtime_lora=a.allow_runtime_lora,
+        processes=1 if how is None else jax.process_count(),
+    )  # fmt: skip
     mesh = launch.serving_mesh(a.mesh, a.slots)  # more devices than there are: one line, nothing loaded
     run, name = launch.load(
         a.out_dir,
@@ -279,6 +289,8 @@ def main(argv=None):
         draft=draft,
         mixed=0 if drafting else a.mixed_step,
     )
+    if launch.follows(sched):  # a process > 0 of a job: it replayed process 0's engine calls, now done
+        return 0
     W = sched.engine.max_len
     logging.getLogger("flaxgpt.serve").info(
         "%s: %d slots x %d positions (pages of %d), %d compiled programs (prompt buckets %s); compiling",
@@ -309,6 +321,7 @@ def main(argv=None):
         "(a prompt plus max_tokens must fit)"
     )
     server.serve(app, sched, host=a.host, port=a.port, ready_line=ready)
+    launch.stop_followers(sched)  # the other processes of a job return from replaying
     return 0
 
 

@@ -5,12 +5,13 @@ the engine (prefill / insert / generate); LoRA adapters (a host pool, LRU over d
 OpenAI request/response layer with what applications send beside prompts (grammar: structured outputs
 as token bitmasks; tools: tool calls parsed and forced; detokenize: the text that follows the prompt),
 the Starlette HTTP app with its operations middleware (API key, limits, access log) and Prometheus
-metrics.
+metrics; replay: one engine over the processes of a job (process 0's engine calls broadcast as plans,
+replayed by the others).
 
 May import: flaxgpt.decode (the decode loop and row sampling), flaxgpt.data (chat templates,
 tokenizers), flaxgpt.models (the cache kinds models.cache and models.paged for the engine and the
-runner; the model itself in launch), flaxgpt.loader, flaxgpt.sharding, flaxgpt.cluster (launch: is this
-one process of a multi-process job).
+runner; the model itself in launch), flaxgpt.loader, flaxgpt.sharding, flaxgpt.cluster (launch: joining
+a multi-process job).
 
 The HTTP layer (server, openai_api, scheduler, adapters, middleware, metrics, grammar, tools, detokenize)
 imports no model module;

@@ -1,7 +1,8 @@
 """What serve.py builds before the HTTP layer starts: the model (a run, pretrained weights or a preset's
 random weights) and an engine thread over it, on one device or over a mesh (serving_mesh: the weights
-split by sharding.SERVE_RULES as they load, the KV cache by slots). The HTTP layer (server.py) never
-imports a model."""
+split by sharding.SERVE_RULES as they load, the KV cache by slots). On a job of several processes
+(`join`) the mesh spans all their devices: process 0 serves, the others replay its engine calls
+(`follows`, serve/replay.py). The HTTP layer (server.py) never imports a model."""
 
 from __future__ import annotations
 
@@ -105,26 +106,48 @@ def scheduler_for(
     return Scheduler(engine, tokenizer, **sched_kw)
 
 
-def check_one_process(env=None) -> None:
-    """serve.py is one process: one HTTP server and scheduler over its own devices (--mesh splits the
-    model over them). Started as one of several processes of a job (Slurm's srun -n 2, mpirun, a
-    SkyPilot num_nodes > 1 task, a JobSet: flaxgpt.cluster finds it), a one-line ValueError says what
-    to do instead; a mesh over several hosts would need every host to run the engine's programs in
-    the scheduler's order (docs/serving_ops.md)."""
-    import os
-
+def join():
+    """serve.py's first act: join the job it is one process of (Slurm's srun -n 2, mpirun, a SkyPilot
+    num_nodes > 1 task, a JobSet: flaxgpt.cluster finds it; jax.distributed.initialize) -> its Join,
+    or None for one process (nothing done). Every process then builds the same engine over all the
+    job's devices (--mesh: all of them); process 0 serves and the others replay (`follows`)."""
     from flaxgpt import cluster
 
-    how = cluster.detect(cluster.UNSET, os.environ if env is None else env)
-    if how is None:
-        return
-    which = "" if how.process_id is None else f" as process {how.process_id} of {how.num_processes}"
-    raise ValueError(
-        f"serve.py serves from one process, and {how.engine} started it{which} of a multi-process job: "
-        "start one server per host as a job of its own (Slurm: srun -N1 -n1 on each node; SkyPilot: "
-        "SkyServe replicas with num_nodes 1; GKE: a Deployment, not a JobSet), each with --mesh over "
-        "that host's devices, behind a load balancer (docs/serving_ops.md)"
-    )
+    return cluster.join()
+
+
+def check_replayable(*, max_adapters=0, allow_runtime_lora=False, processes=1) -> None:
+    """What several processes cannot serve yet, in one line: LoRA adapters (their weights are written
+    into the engine's stack by process 0's adapter pool, which the other processes do not have)."""
+    if processes > 1 and (max_adapters or allow_runtime_lora):
+        raise ValueError(
+            f"LoRA adapters (--adapters, --max_adapters, --allow_runtime_lora) are served by one process, "
+            f"not by a job of {processes}: merge the adapter into the weights (--adapter DIR), or serve "
+            "adapters from a one-process server per host (docs/serving_ops.md)"
+        )
+
+
+def follows(sched) -> bool:
+    """On a job of several processes: process 0's scheduler drives its engine through a replay.Leader
+    (each engine call broadcast first) -> False; any other process replays those calls on its own
+    engine (replay.follow) until process 0 stops -> True (then exit). One process: False, unchanged."""
+    import jax
+
+    if jax.process_count() == 1:
+        return False
+    from flaxgpt.serve import replay
+
+    if jax.process_index() == 0:
+        sched.engine = replay.Leader(sched.engine)
+        return False
+    replay.follow(sched.engine)
+    return True
+
+
+def stop_followers(sched) -> None:
+    """Process 0, its scheduler closed: the other processes' `follow` returns (a stop plan)."""
+    if hasattr(type(sched.engine), "stop"):
+        sched.engine.stop()
 
 
 def serving_mesh(devices: int, slots: int):
@@ -135,9 +158,14 @@ def serving_mesh(devices: int, slots: int):
 
     from flaxgpt import sharding
 
+    have = jax.devices()  # over a job of several processes: every process's devices
+    if jax.process_count() > 1 and devices != len(have):  # each process runs the engine's programs
+        raise ValueError(
+            f"--mesh {devices} on a job of {jax.process_count()} processes with {len(have)} devices in "
+            f"all: serve over every device of the job, --mesh {len(have)}"
+        )
     if devices == 1:
         return None
-    have = jax.devices()
     if devices < 1 or devices > len(have):
         raise ValueError(
             f"--mesh {devices} asks for {devices} devices; this {jax.default_backend()} backend has "

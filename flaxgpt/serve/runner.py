@@ -18,7 +18,9 @@ table is an argument of the compiled step, uploaded when the host's copy changed
 Over a mesh (serve.py --mesh N) the programs are traced under it (sharding.under_mesh with
 SERVE_RULES: the weights' MLP and vocabulary split, placed by the caller) and the pool and per-slot
 arrays placed by sharding.row_shardings: the pool's key/value heads split over the devices where they
-divide (each device holds its heads of every page), the slots' arrays by slots.
+divide (each device holds its heads of every page), the slots' arrays by slots. A mesh may span the
+processes of a job (serve/replay.py): every process then runs every call, and what the host reads of
+a program's outputs is gathered by all of them (`fetch`).
 
 Compiled programs: one prefill per prompt bucket, insert, the page copy, generate for `chunk` steps
 and for one step, and a structured-output step in two halves (feed, then take under the bitmask the
@@ -281,6 +283,29 @@ def programs(mesh=None) -> dict:
     return out
 
 
+def fetch(x) -> np.ndarray:
+    """A program's output on the host. Over a mesh across processes an array split over their devices
+    is gathered (process_allgather: a collective, so every process fetches the same outputs, as the
+    replaying processes of serve/replay.py do); elsewhere np.asarray."""
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _put_global(tree, shardings):
+    """device_put over a mesh across processes: from host values (every process has the same), a typed
+    PRNG key through its key data (a process's own arrays cannot go to another's devices)."""
+
+    def put(x, where):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(put(jax.random.key_data(x), where), impl=jax.random.key_impl(x))
+        return jax.device_put(np.asarray(x), where)
+
+    return jax.tree.map(put, tree, shardings)
+
+
 def empty_state(pool: AdapterCache, slots: int, vocab: int) -> DecodeState:
     """`slots` free slots over the pool (every row on the scratch page, the base adapter)."""
     zeros = lambda dtype: jnp.zeros((slots,), dtype)  # noqa: E731
@@ -313,7 +338,7 @@ class Runner:
         # every buffer committed to its devices, as the programs' outputs are: an uncommitted one in a
         # first call and a committed one in the next are two jit signatures (a compile mid-serving)
         where = jax.local_devices()[0] if mesh is None else sharding.row_shardings(state, mesh)
-        self.state = jax.device_put(state, where)
+        self.state = jax.device_put(state, where) if jax.process_count() == 1 else _put_global(state, where)
         self._table = np.array(pool.inner.table_BM, np.int32)  # what the slots' table should be
         self._stale = False  # the device's table differs from it (rows set by `idle` since the last upload)
         # read at /metrics scrapes from another thread: sizes now, not the (donated) buffers then
@@ -333,6 +358,10 @@ class Runner:
             self.step_fn, self.state, np.asarray(table_M, np.int32)[None], np.int32(adapter), chunk_1P,
             np.int32(start), np.int32(size), rows, seen_1V, mask_1W, max_k=self.max_k, targets_1P=targets,
         )  # fmt: skip
+        if self.mesh is not None and jax.process_count() > 1:  # what the host reads, read by every process
+            lp, echo = Logprobs(*map(fetch, prefix.logprobs)), prefix.echo
+            echo = None if echo is None else Logprobs(*map(fetch, echo))
+            prefix = prefix._replace(logprobs=lp, echo=echo)
         return prefix
 
     def fork(self, prefix: Prefix, rows: Rows) -> Prefix:
@@ -380,8 +409,8 @@ class Runner:
 
     def _host(self, tokens, lp):
         """A step's outputs on the host: (tokens, count_B, done_B, Logprobs)."""
-        count_B, done_B = np.array(self.state.count_B), np.array(self.state.done_B)
-        return np.asarray(tokens), count_B, done_B, Logprobs(*(np.asarray(x) for x in lp))
+        count_B, done_B = fetch(self.state.count_B).copy(), fetch(self.state.done_B).copy()
+        return fetch(tokens), count_B, done_B, Logprobs(*(fetch(x) for x in lp))
 
     def generate(self, stop_B, steps: int):
         """`steps` decode steps for every slot -> (tokens_BC, count_B, done_B, Logprobs of [B, C] ...)
