@@ -100,11 +100,12 @@ class RoPE:
         else:
             inv_freq_Bk = jnp.asarray(self.inv_freq(), acc)[None]
         angles_BTk = positions_BT[..., None].astype(acc) * inv_freq_Bk[:, None, :]
-        cos_BTk, sin_BTk = jnp.cos(angles_BTk), jnp.sin(angles_BTk)
+        cos_BTk, sin_BTk = _cos_sin(angles_BTk, x_BTHK)
         if self.mscale != 1.0:  # YaRN: q.k scaled by mscale^2, as transformers' cos/sin are
             cos_BTk, sin_BTk = cos_BTk * self.mscale, sin_BTk * self.mscale
         # cos and sin computed once, [B, T, K/2]: without the barrier XLA fuses them into every consumer
-        # (each head, q and k, forward and backward), ~8x the transcendentals, a tenth of a CPU train step
+        # (each head, q and k, forward and backward), ~8x the transcendentals; XLA:CPU drops the barrier
+        # before fusing, where _cos_sin's conditional holds them
         cos_BTk, sin_BTk = jax.lax.optimization_barrier((cos_BTk, sin_BTk))
         cos_BT1k, sin_BT1k = cos_BTk[:, :, None, :], sin_BTk[:, :, None, :]
         return _rotate(x_BTHK.astype(acc), cos_BT1k, sin_BT1k).astype(x_BTHK.dtype)
@@ -133,6 +134,28 @@ class RoPE:
         theta_B = self.theta * stretch_B ** (K / (K - 2))
         exponent_k = jnp.asarray(np.arange(0, K, 2) / K, acc)
         return 1.0 / theta_B[:, None] ** exponent_k[None, :]
+
+
+def _cos_sin(angles_BTk, x_BTHK):
+    """(cos, sin) of the angles [B, T, k], each computed once on XLA:CPU.
+
+    Why: XLA:CPU removes optimization barriers before it fuses, takes cos and sin for cheap and fuses
+    them into every consumer's loop, so each rotated element recomputed its cos and sin: 2H times
+    the transcendentals (8x at 4 heads: rotating q [32, 72, 4, 64] took 2.5 ms against 0.8 ms so, the
+    rotations 5% of the kernels' time of benchmarks/grpo_step.py's update). A conditional is a
+    boundary fusion does not cross: both branches compute the same, so its predicate (read from the
+    activations, never constant-folded) does not change the values (bit for bit). One position a
+    row (a decoding step: no gain measured) and other platforms compute them directly."""
+
+    def both(a_BTk):
+        return jnp.cos(a_BTk), jnp.sin(a_BTk)
+
+    def on_cpu(a_BTk, x):
+        return jax.lax.cond(x.reshape(-1)[0] > 0, both, both, a_BTk)
+
+    if angles_BTk.shape[1] == 1:
+        return both(angles_BTk)
+    return jax.lax.platform_dependent(angles_BTk, x_BTHK, cpu=on_cpu, default=lambda a, _: both(a))
 
 
 @jax.custom_vjp
