@@ -6,6 +6,7 @@ harness.
     python benchmarks/grpo_step.py --quick                  # a smoke run (< 2 min): tiny, each side once
     python benchmarks/grpo_step.py --rollouts engine        # one flaxgpt side only
     python benchmarks/grpo_step.py --rollouts engine --off_policy_steps 1   # flaxgpt's rollouts async
+    python benchmarks/grpo_step.py --multi_turn             # episodes: grpo.env vs TRL's rollout_func
 
 One random Llama (--layers x --dim, a byte-level BPE trained here) saved with transformers is the
 policy's start on both sides; the prompts are arithmetic questions of one token length ({prompt,
@@ -25,6 +26,19 @@ its rollout the time in `_generate_and_score_completions` (generation, rewards, 
 update the rest of the step.
 Each side times --steps steps after --warmup untimed ones (compiles) and reports their median.
 Figures: seconds a step, a rollout and an update (TRL / flaxgpt: > 1 means flaxgpt is faster).
+--multi_turn: the multi-turn row instead. Each completion is an episode of `Turns` (below, plain
+Python, the same object on both sides): TURNS replies, each ended by the end-of-sequence token (the
+model is made so that about one token in 16 is EOS), each but the last answered by the same short
+observation, whose tokens are masked out of the loss; the reward is 1 a reply that holds the
+answer; --completion bounds replies and observations together (completion_len: TRL's counts the
+model's tokens, flaxgpt's all, its model_len the model's). flaxgpt:
+grpo.env = grpo_step:Turns (train/grpo_episodes.py: the engine's rows kept between turns, an
+observation inserted as prompt tokens, no re-prefill). TRL 1.16 offers two ways: `environment_factory`
+(an environment's methods as tools, called through the chat template's tool-call format: this
+tokenizer has no chat template) and `rollout_func` (a user function returning prompt_ids,
+completion_ids, logprobs and `env_mask`, 0 on the environment's tokens); the row uses rollout_func,
+turn by turn with TRL's own generation (GRPOTrainer._generate_single_turn, what its tool loop calls:
+each turn re-reads the whole history, as the tool loop does).
 --off_policy_steps k > 0 runs flaxgpt's sides with grpo.off_policy_steps = k (docs/grpo.md: the
 rollout of step n + k on a thread while update n runs; TRL's side stays synchronous, so the two no
 longer do the same work: the step is then the figure to read, rollout_s the rollout thread's time).
@@ -49,6 +63,25 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 LENGTH = 160  # the length reward's limit, characters
 WORDS = "what is plus minus times the answer of one two three four five six seven eight nine".split()
 EOS_TEXT = "<|eot_id|>"
+TURNS = 3  # the multi-turn row: replies an episode
+OBSERVATION = " the answer is"  # the environment's answer to every reply but the last
+# the multi-turn row's model: EOS's head weight on feature 0 (1 in every embedding): EOS's logit about
+# 16.3 against the other tokens' logsumexp 19.0 +- 0.6 (measured with torch), one token in 16 ends a reply
+EOS_WEIGHT = 3.5
+
+
+class Turns:
+    """The multi-turn row's environment (flaxgpt.envs.base's interface, without importing it: TRL's
+    side runs it as it is): TURNS replies, each but the last answered by OBSERVATION, reward 1 a reply
+    that holds the answer."""
+
+    max_turns, stop = TURNS, None  # a reply ends at its end of sequence
+
+    def reset(self, prompt, answer="", **_):
+        self.answer = str(answer)
+
+    def step(self, action):
+        return OBSERVATION, float(self.answer in action), False
 
 
 def questions(tok, n: int) -> list[dict]:
@@ -68,7 +101,7 @@ def questions(tok, n: int) -> list[dict]:
     return out
 
 
-def make_model(directory: Path, layers: int, dim: int, vocab: int, n_prompts: int) -> None:
+def make_model(directory: Path, layers: int, dim: int, vocab: int, n_prompts: int, eos_weight=0.0) -> None:
     import torch
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -95,6 +128,11 @@ def make_model(directory: Path, layers: int, dim: int, vocab: int, n_prompts: in
     with torch.no_grad():  # logits of std ~6 (RMS-normed hidden x rows of std 0.4), EOS's always 0
         model.lm_head.weight.normal_(0.0, 0.4 * 16 / dim**0.5)
         model.lm_head.weight[eos] = 0.0
+        if eos_weight:  # multi-turn: feature 0 of every embedding 1, so the final norm's feature 0 is
+            # about the same at every position (EOS's logit: std 0.12 per unit weight) and only EOS reads it
+            model.model.embed_tokens.weight[:, 0] = 1.0
+            model.lm_head.weight[:, 0] = 0.0
+            model.lm_head.weight[eos, 0] = eos_weight
     model.save_pretrained(directory)
     rows = questions(tok, n_prompts)
     (directory / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -120,10 +158,13 @@ def run_flaxgpt(a) -> dict:
     c.model.block_size = -(-(prompt_len + a.completion) // 16) * 16
     c.model.dtype, c.model.remat, c.model.scan_layers = "float32", "none", False
     c.grpo.num_generations, c.grpo.max_completion_length = a.generations, a.completion
-    c.grpo.rollout, c.grpo.temperature, c.grpo.top_p, c.grpo.beta = a.side.split("_")[1], 1.0, 1.0, 0.0
+    rollout = "engine" if a.side == "flaxgpt_episodes" else a.side.split("_")[1]
+    c.grpo.rollout, c.grpo.temperature, c.grpo.top_p, c.grpo.beta = rollout, 1.0, 1.0, 0.0
     c.grpo.num_iterations, c.grpo.loss_type, c.grpo.scale_rewards = 1, "dapo", "group"
     c.grpo.off_policy_steps = a.off_policy_steps
     c.grpo.reward_funcs, c.grpo.reward_weights, c.grpo.eval_prompts = ("answer", f"length={LENGTH}"), (), 0
+    if a.side == "flaxgpt_episodes":  # the environment's reward (config_check wants a reward function)
+        c.grpo.env, c.grpo.reward_funcs = "grpo_step:Turns", ("grpo_step:no_reward",)
     c.batch_size, c.grad_accum = a.prompts * a.generations, 1
     # one step more: the trainer samples step k + 1's completions before after_step(k + 1), so the
     # interval between after_step(k) and after_step(k + 1) is update k + rollout k + 1, except the last
@@ -152,6 +193,7 @@ def run_flaxgpt(a) -> dict:
         "step_s": statistics.median(timed_steps(ends, a.warmup, last)),
         "rollout_s": median("rollout_time", a.warmup + 2), "update_s": median("update_time", a.warmup + 1),
         "completion_len": median("completions/mean_length", a.warmup + 1), "prompt_len": prompt_len,
+        "model_len": median("completion_length", a.warmup + 1),  # the loss mask's: the model's tokens
         "reward": median("reward", a.warmup + 1), "devices": len(t.mesh.devices.flat),
     }  # fmt: skip
 
@@ -164,6 +206,50 @@ def trl_reward(completions, answer, **_):
         right = 1.0 if found and found[-1].strip() == want else 0.0
         out.append(right - min(1.0, max(0, len(text.strip()) - LENGTH) / LENGTH))
     return out
+
+
+def trl_episodes(prompts, trainer, answers: dict, budget: int) -> dict:
+    """TRL's rollout_func for the multi-turn row: every episode's next reply by TRL's own generation
+    (left-padded histories, one batch a turn), cut after its first EOS and to its budget, then Turns'
+    observation appended (env_mask 0) while the episode goes on (the rules of train/grpo_episodes.py)."""
+    tok = trainer.processing_class
+    prompt_ids = trainer._tokenize_prompts(prompts)[0]
+    n = len(prompts)
+    envs = [Turns() for _ in range(n)]
+    for env, prompt in zip(envs, prompts, strict=True):
+        env.reset(prompt, answers[prompt])
+    ids, mask, reward, turns = [[] for _ in range(n)], [[] for _ in range(n)], [0.0] * n, [0] * n
+    live, eos = list(range(n)), trainer.eos_token_ids
+    while live:
+        trainer.generation_config.max_new_tokens = max(budget - len(ids[i]) for i in live)
+        replies, _ = trainer._generate_single_turn([prompt_ids[i] + ids[i] for i in live], None, {}, 1)
+        going = []
+        for i, reply in zip(live, replies, strict=True):
+            reply = reply[: budget - len(ids[i])]
+            ids[i], mask[i] = ids[i] + reply, mask[i] + [1] * len(reply)
+            if not reply or reply[-1] not in eos:
+                continue  # its budget ran out inside a reply: truncated
+            turns[i] += 1
+            obs, r, done = envs[i].step(tok.decode(reply[:-1]))
+            reward[i] += r
+            obs_ids = tok(obs, add_special_tokens=False)["input_ids"]
+            if done or turns[i] >= TURNS or budget - len(ids[i]) - len(obs_ids) < 1:
+                continue
+            ids[i], mask[i] = ids[i] + obs_ids, mask[i] + [0] * len(obs_ids)
+            going.append(i)
+        live = going
+    trainer.generation_config.max_new_tokens = budget
+    return {"prompt_ids": prompt_ids, "completion_ids": ids, "logprobs": None, "env_mask": mask,
+            "env_reward": reward}  # fmt: skip
+
+
+def trl_env_reward(completions, env_reward, **_):
+    return list(env_reward)
+
+
+def no_reward(completions, **_):
+    """flaxgpt's multi-turn side: 0 on top of the environment's reward (as TRL's side scores)."""
+    return [0.0] * len(completions)
 
 
 def run_trl(a) -> dict:
@@ -209,9 +295,14 @@ def run_trl(a) -> dict:
             generation[self.state.global_step + 1] = time.perf_counter() - t0
             return out
 
+    rewards, episodes = trl_reward, {}
+    if a.side == "trl_episodes":  # the multi-turn row: rollout_func, the environment's reward
+        answers = {r["prompt"]: r["answer"] for r in rows}
+        episodes = {"rollout_func": lambda prompts, t: trl_episodes(prompts, t, answers, a.completion)}
+        rewards = trl_env_reward
     trainer = Timed(
-        model=str(model_dir), reward_funcs=trl_reward, args=args, processing_class=tok,
-        train_dataset=Dataset.from_list(rows), peft_config=lora, callbacks=[Timer()],
+        model=str(model_dir), reward_funcs=rewards, args=args, processing_class=tok,
+        train_dataset=Dataset.from_list(rows), peft_config=lora, callbacks=[Timer()], **episodes,
     )  # fmt: skip
     trainer.train()
     last = a.warmup + a.steps
@@ -241,32 +332,39 @@ def main() -> None:
     p.add_argument("--lora_rank", type=int, default=16)
     p.add_argument("--rollouts", default="engine,generate", help="flaxgpt sides: engine, generate or both")
     p.add_argument("--off_policy_steps", type=int, default=0, help="flaxgpt's grpo.off_policy_steps")
+    p.add_argument("--multi_turn", action="store_true", help="the multi-turn row (episodes of Turns)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 layers x 128, 8-token completions")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the TRL side")
-    p.add_argument("--side", choices=["flaxgpt_engine", "flaxgpt_generate", "trl"], help=argparse.SUPPRESS)
+    sides = ["flaxgpt_engine", "flaxgpt_generate", "flaxgpt_episodes", "trl", "trl_episodes"]
+    p.add_argument("--side", choices=sides, help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.side:
-        return harness.print_result((run_trl if a.side == "trl" else run_flaxgpt)(a))
+        return harness.print_result((run_trl if a.side.startswith("trl") else run_flaxgpt)(a))
     if a.quick:  # each side once, no harness rounds (at least 4 of them would not fit 2 minutes)
-        a.layers, a.dim, a.completion, a.steps, a.warmup = 2, 128, 8, 1, 1
+        a.layers, a.dim, a.completion, a.steps, a.warmup = 2, 128, 24 if a.multi_turn else 8, 1, 1
         a.rollouts = a.rollouts if a.rollouts != "engine,generate" else "engine"
     keep = ["--steps", a.steps, "--warmup", a.warmup, "--prompts", a.prompts, "--generations", a.generations,
             "--completion", a.completion, "--lora_rank", a.lora_rank,
             "--off_policy_steps", a.off_policy_steps]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        make_model(Path(tmp), a.layers, a.dim, a.vocab, 64 * a.prompts)
+        eos_weight = EOS_WEIGHT if a.multi_turn else 0.0
+        make_model(Path(tmp), a.layers, a.dim, a.vocab, 64 * a.prompts, eos_weight)
         args = [__file__, *map(str, keep), "--dir", tmp, "--side"]
         env = {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         ours = [f"flaxgpt_{r}" for r in a.rollouts.split(",")]
+        theirs = "trl"
+        if a.multi_turn:
+            ours, theirs = ["flaxgpt_episodes"], "trl_episodes"
         sides = [harness.Side(s, [sys.executable, *args, s], env=env) for s in ours]
-        sides.append(harness.Side("trl", [a.torch_python, *args, "trl"], env=env))
+        sides.append(harness.Side(theirs, [a.torch_python, *args, theirs], env=env))
         what = (
             f"Llama {a.layers} x {a.dim}, {a.prompts} prompts x G {a.generations}, "
             f"{a.completion} tokens, LoRA r {a.lora_rank}"
+            + (f", {TURNS}-turn episodes" if a.multi_turn else "")
         )
         figures = [
-            harness.Figure(f"{what}: s/{part} ({s})", s, f"{part}_s", "trl", f"{part}_s", False)
+            harness.Figure(f"{what}: s/{part} ({s})", s, f"{part}_s", theirs, f"{part}_s", False)
             for part in ("step", "rollout", "update")
             for s in ours
         ]
