@@ -126,7 +126,9 @@ def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0, quan
         rows.append(report.analyze(program, target, dump))
         failed = " (out of memory: does not fit)" if rows[-1].error else ""
         print_fn(f"compiled {program.name} in {rows[-1].compile_s:.1f} s{failed}")
-    budget = report.grpo_budget(rows)  # a GRPO recipe: the train step and its engine on one device
+    # a GRPO recipe: the train step and its engine on one device, or each on its own (grpo.engine_devices)
+    separate = bool(config.get("grpo", {}).get("engine_devices", 0))
+    budget = report.grpo_budget(rows, separate)
     return rows + ([budget] if budget else []), mc
 
 

@@ -14,7 +14,9 @@
   `serve_devices` devices (Engine(mesh=...): weights split by sharding.SERVE_RULES, the pool by heads).
 - rollout (GRPO recipes, grpo.rollout = engine): the engine's prefill and generate step as the
   trainer's rollouts run them (train.grpo_rollout): batch_size slots over the policy's weights
-  (LoRA: adapters unmerged over the base in lora.base_dtype, int8 included), on one device.
+  (LoRA: adapters unmerged over the base in lora.base_dtype, int8 included), over the training
+  mesh's devices, or with grpo.engine_devices = n over the target's last n (the train step over the
+  rest); the generate step's note says what crosses between trainer and engine each step.
 - sample and serve take int8 / bf16 weights (`quantize`): gpt.quantize_params traced over the abstract
   parameters gives their layout and placement (`abstract_quantized`). Both are traced under their
   mesh (one device of the target's, or the serving mesh), so the kernels are the target's (no CPU
@@ -303,13 +305,14 @@ def serve_programs(
     return [prefill, generate, speculate]
 
 
-def rollout_programs(config, mc, devices) -> list[Program]:
+def rollout_programs(config, mc, devices, separate: bool = False) -> list[Program]:
     """GRPO's rollouts (data.format = prompts, grpo.rollout = engine) as train.grpo_rollout runs them:
     the engine's prefill (a whole window's prompt) and generate step, batch_size slots (a step's
     completions), a window of block_size, over the policy's weights: the parameters, or with LoRA the
     base in lora.base_dtype and the adapters unmerged (models.lora.step_fn). Over one process's devices
-    of the training mesh (grpo_online.Rollouts._engine_over): the weights placed by SERVE_RULES, the slots
-    by rows."""
+    of the training mesh (grpo_online.Rollouts._engine_over), or the engine's own (`separate`:
+    grpo.engine_devices): the weights placed by SERVE_RULES, the slots by rows. The generate step's
+    note says what crosses between trainer and engine each step (`traffic`)."""
     s = sections.of(config)
     lora_on = bool(s.lora.rank)
     # as the trainer runs them: one engine a process, over that process's devices (process 0's here),
@@ -331,10 +334,35 @@ def rollout_programs(config, mc, devices) -> list[Program]:
         decoding=(cfg, step, mesh, param_bytes),
     )  # fmt: skip
     what = f"LoRA r {s.lora.rank} over a {s.lora.base_dtype} base" if lora_on else "the parameters"
+    pushed = adapters if lora_on else nn.unbox(gpt.abstract_params(cfg))  # what each rollout receives
+    sent = traffic(config, mc, pushed, lora_on, len(devices), separate)
     return [
-        dataclasses.replace(p, name=p.name.replace("serve.", "rollout."), note=f"{p.note}; {what}")
+        dataclasses.replace(
+            p,
+            name=p.name.replace("serve.", "rollout."),
+            note=f"{p.note}; {what}" + (f"; {sent}" if p.name == "serve.generate" else ""),
+        )
         for p in progs
     ]
+
+
+def traffic(config, mc, pushed, lora_on: bool, engine_devices: int, separate: bool) -> str:
+    """What crosses between the trainer and the engine each GRPO step: the trained weights pushed to
+    the engine (LoRA's adapters whole on each engine device; full fine-tuning's parameters split by
+    SERVE_RULES), and the rollouts back (the step's batch_size rows of prompt + completion tokens and
+    their per-token fields, through the host: grpo_task's batch)."""
+    w = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(pushed))
+    copies = engine_devices if lora_on else 1  # replicated adapters: each device receives them all
+    task = Task.abstract(config, mc)
+    shapes = task.batch_shapes(config.batch_size)
+    rows, T = shapes["inputs"][0]
+    batch = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in shapes.values())
+    where = f"to the engine's own {engine_devices} devices" if separate else "to the engine (same devices)"
+    weights = "LoRA adapters" if lora_on else "parameters"
+    return (
+        f"each step {weights} {w:,} bytes x {copies} {where}, rollouts back {rows} rows x {T} tokens "
+        f"({rows * T:,} tokens; {batch:,} bytes with masks, advantages and log-probs)"
+    )
 
 
 def build(
@@ -345,7 +373,12 @@ def build(
     `quantize` int8 / bf16 weights; serve over the first `serve_devices` devices, with the speculative
     step checking `speculative_tokens` drafts per slot when > 0)."""
     mc = mc if mc is not None else model_config(config)[0]
-    out = train_programs(config, mc, devices, groups)
+    s = sections.of(config)
+    grpo = s.data.format == "prompts" and s.grpo.rollout == "engine"
+    trainer = engine = devices  # grpo.engine_devices: the engine's own, the trainer's mesh the rest
+    if grpo and s.grpo.engine_devices:
+        trainer, engine = grpo_rollout.split_devices(devices, s.grpo.engine_devices)
+    out = train_programs(config, mc, trainer, groups)
     if models.kind_of(mc) == "gpt":
         if "sample" in groups:
             out += sample_programs(mc, devices, quantize=quantize)
@@ -360,8 +393,6 @@ def build(
                 quantize=quantize,
                 speculative_tokens=speculative_tokens,
             )
-        s = sections.of(config)
-        grpo = s.data.format == "prompts" and s.grpo.rollout == "engine"
         if "rollout" in groups and grpo:
-            out += rollout_programs(config, mc, devices)
+            out += rollout_programs(config, mc, engine, separate=engine is not devices)
     return out

@@ -170,7 +170,7 @@ def analyze(program, target, dump: str | Path | None = None) -> Row:
     return row
 
 
-def grpo_budget(rows: list[Row]) -> Row | None:
+def grpo_budget(rows: list[Row], separate: bool = False) -> Row | None:
     """GRPO's train step and its rollouts on one device's memory (None without both programs).
 
     The trainer keeps its serving engine between rollouts (train.grpo_rollout), so while the train
@@ -179,11 +179,22 @@ def grpo_budget(rows: list[Row]) -> Row | None:
     between steps (its arguments less the weights the engine reads: optimizer state, reference
     weights, the batch). On one device the engine reads the training weights themselves; over several
     it reads a copy placed by SERVE_RULES over the same devices (LoRA's base kept; full fine-tuning's
-    parameters placed at each rollout), so they count in full."""
+    parameters placed at each rollout), so they count in full. `separate` (grpo.engine_devices): the
+    engine on devices of its own holds rollout.generate alone, the trainer's the train step and the
+    copy of the trained parameters the next rollout starts from (grpo_async); nothing is shared."""
     by = {r.program: r for r in rows}
     train, gen = by.get("train"), by.get("rollout.generate")
     if train is None or gen is None:
         return None
+    if separate:
+        trainer_side = train.total + train.parameters
+        return Row(
+            "grpo (train | rollouts)", train.devices + gen.devices,
+            f"separate devices: the trainer's {train.devices} hold the train step + the trained parameters' "
+            f"copy ({gb(trainer_side)} GB), the engine's {gen.devices} rollout.generate ({gb(gen.total)} GB)",
+            parameters=train.parameters, optimizer=train.optimizer, total=max(trainer_side, gen.total),
+            memory=min(train.memory, gen.memory), error=train.error or gen.error, kernel=gen.kernel,
+        )  # fmt: skip
     shared = gen.parameters if train.devices == 1 else 0
     engine_kept = gen.arguments - shared
     train_kept = max(0, train.arguments - shared)

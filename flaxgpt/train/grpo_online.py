@@ -104,6 +104,7 @@ class Rollouts:
         self.mask_truncated = g.mask_truncated_completions
         self.dynamic_rounds = g.dynamic_sampling_rounds if g.dynamic_sampling else None
         self.pipeline = None  # off_policy_steps > 0: rollouts k steps ahead on a thread of their own
+        self.engine_devices, self.own_devices = int(g.engine_devices), None  # the engine's own: reserve
         if g.off_policy_steps:
             grpo_rollout.check_over_devices(jax.process_count(), g.off_policy_steps)
             self.pipeline = grpo_async.Pipeline(self.sampled, g.off_policy_steps, config.max_iters)
@@ -134,17 +135,30 @@ class Rollouts:
             return None
         return grpo_episodes.Episodes(g.env, self.tokenizer, data.eos_id, self.max_new, g.max_turns)
 
-    def on_mesh(self, mesh, frozen) -> None:
-        """The trainer placed the weights on `mesh`: the engine follows them over several devices."""
-        if self.engine is not None and mesh.size > 1:
-            self._engine_over(mesh, frozen)
+    def reserve(self, devices) -> list:
+        """The devices the trainer's mesh takes (tasks.Task.devices): `devices` (None: all) less the
+        last grpo.engine_devices, which the engine keeps for itself (on_mesh puts it there)."""
+        if not self.engine_devices:
+            return devices
+        devices = jax.devices() if devices is None else devices
+        trainer, self.own_devices = grpo_rollout.split_devices(devices, self.engine_devices)
+        return trainer
 
-    def _engine_over(self, mesh, frozen) -> None:
-        """The engine over the training mesh's devices, on a (data 1, fsdp n) mesh of them as serve.py
-        --mesh runs: its weights placed by SERVE_RULES (MLP and vocabulary split, so a decoding step
-        all-gathers no weight), LoRA's frozen base once (a second copy of it over the devices), the
-        trained weights at each rollout (`_engine_weights`)."""
-        devices = grpo_rollout.engine_devices(list(mesh.devices.flat))  # this process's
+    def on_mesh(self, mesh, frozen) -> None:
+        """The trainer placed the weights on `mesh`: the engine follows them over several devices,
+        or goes to its own (grpo.engine_devices)."""
+        if self.engine is not None and self.own_devices is not None:
+            self._engine_over(self.own_devices, frozen)
+        elif self.engine is not None and mesh.size > 1:
+            self._engine_over(list(mesh.devices.flat), frozen)
+
+    def _engine_over(self, devices, frozen) -> None:
+        """The engine over `devices` (the training mesh's, or its own), on a (data 1, fsdp n) mesh of
+        them as serve.py --mesh runs: its weights placed by SERVE_RULES (MLP and vocabulary split, so a
+        decoding step all-gathers no weight), LoRA's frozen base once (a second copy of it over the
+        devices), the trained weights at each rollout (`_engine_weights`: on devices of its own, the
+        trained parameters cross from the trainer's devices then, LoRA's adapters alone)."""
+        devices = grpo_rollout.engine_devices(devices)  # this process's
         emesh, frozen = sharding.make_mesh(1, len(devices), devices), self.local.frozen_of(frozen)
         self.engine.mesh = emesh
         boxed = gpt.abstract_params(self.model_config)

@@ -21,7 +21,8 @@ completion is placed). Nothing waits on the device until a `generate` call ends.
 engine's prefix cache stays off: the weights change every step.
 
 Over several devices the engine runs over this process's devices of the training mesh (Engine(mesh=...):
-the weights as the trainer placed them for it, by sharding.SERVE_RULES; the pool's heads split). Over
+the weights as the trainer placed them for it, by sharding.SERVE_RULES; the pool's heads split), or
+with grpo.engine_devices = n over the last n devices, the trainer's mesh over the rest (split_devices). Over
 several processes (a multi-host job) each process rolls out its own prompts with its own engine, on
 weights gathered whole onto it (LocalWeights); the update runs over the global mesh.
 
@@ -58,6 +59,18 @@ def engine_devices(devices, process: int | None = None) -> list:
     the update runs over them all."""
     process = jax.process_index() if process is None else process
     return [d for d in devices if d.process_index == process]
+
+
+def split_devices(devices, engine: int) -> tuple[list, list]:
+    """(the trainer's devices, the engine's) for grpo.engine_devices = `engine` > 0: the engine takes
+    the last `engine` of `devices`, the trainer's mesh the rest (Rollouts.reserve; flaxgpt aot)."""
+    devices = list(devices)
+    if not 0 < engine < len(devices):
+        raise ValueError(
+            f"grpo.engine_devices={engine} leaves the trainer none of the run's {len(devices)} devices: "
+            f"set it below {len(devices)} (0: the engine shares the trainer's)"
+        )
+    return devices[:-engine], devices[-engine:]
 
 
 class LocalWeights:

@@ -133,6 +133,12 @@ class GRPOSection(grpo_task.GRPOOptions):
     off_policy_steps: int = opt(
         0, "k > 0: step n's rollout sampled by step n-k's weights while steps train: grpo_async", 0
     )
+    engine_devices: int = opt(
+        0,
+        "off_policy_steps >= 1: the engine decodes on this many devices of its own (the host's last), "
+        "the trainer's mesh on the rest; 0 = both on the training mesh's devices",
+        0,
+    )
     dynamic_sampling: bool = opt(False, "DAPO: groups whose rewards are all equal dropped and refilled")
     dynamic_sampling_rounds: int = opt(4, "... with at most this many more prompt batches a step", 0)
 
@@ -149,6 +155,12 @@ class GRPOSection(grpo_task.GRPOOptions):
         if not self.env and not self.reward_funcs:
             raise ConfigError(
                 "--config.grpo.reward_funcs is empty: name a reward, or an environment (grpo.env)"
+            )
+        if self.engine_devices and (not self.off_policy_steps or self.rollout != "engine"):
+            raise ConfigError(
+                f"--config.grpo.engine_devices={self.engine_devices} gives the engine devices of its own, "
+                "which only the asynchronous engine's rollouts use: set grpo.off_policy_steps >= 1 and "
+                "grpo.rollout=engine (on-policy rollouts and updates take turns: separate devices idle)"
             )
         if self.off_policy_steps and self.num_iterations > 1:
             raise ConfigError(

@@ -117,6 +117,12 @@ class Task:
         """The task's own metrics at an evaluation ({}: none)."""
         return self.source.evaluate(params, frozen)
 
+    def devices(self, devices):
+        """The devices the trainer's mesh spans: `devices` (None: all), less those an online source
+        keeps for itself (GRPO's grpo.engine_devices: the engine's own)."""
+        reserve = getattr(self.source, "reserve", None)
+        return devices if reserve is None else reserve(devices)
+
     def place_frozen(self, mesh) -> tuple[Frozen, Frozen]:
         """(the frozen weights on `mesh`, their shardings): sharded as FSDP shards the parameters."""
         shardings = policy.frozen_shardings(self.model_config, self.frozen, mesh)

@@ -63,6 +63,7 @@ class Trainer:
         self.micro_rows = micro_batch(config)
         self.task = make_task(config)
         m = sections.of(config).mesh
+        devices = self.task.devices(devices)  # GRPO's engine may keep devices of its own
         self.mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert, context=m.context)
         if m.context > 1:  # what the context axis cannot split: one line, before compiling
             if self.task.kind != "gpt":

@@ -50,3 +50,26 @@ def test_a_grpo_recipe_reports_its_rollout_programs():
     assert [
         r.program for r in aot.run(generate_only, target, ("train", "rollout"), print_fn=lambda *_: None)[0]
     ] == ["train"]
+
+
+def test_the_engine_on_devices_of_its_own():
+    """grpo.engine_devices=4 (asynchronous rollouts): the train step over the target's first 4
+    devices, the engine's programs over the last 4, each side's memory its own; the generate step's
+    note says what crosses each step (the adapters' bytes to every engine device, the rollout rows)."""
+    over = {"lora__rank": 4, "lora__alpha": 8.0, "grpo__off_policy_steps": 1, "grpo__engine_devices": 4}
+    config = toy(**over)
+    rows, mc = aot.run(config, targets.get("cpu"), ("train", "rollout"), print_fn=lambda *_: None)
+    assert [r.program for r in rows] == [
+        "train",
+        "rollout.prefill",
+        "rollout.generate",
+        "grpo (train | rollouts)",
+    ]
+    train, _, gen, budget = rows
+    assert train.devices == 4 and gen.devices == 4 and "over 4 devices" in gen.note
+    assert budget.devices == 8 and budget.total == max(train.total + train.parameters, gen.total)
+    # LoRA r 4 on every linear layer of the one-layer toy: the adapters the trainer holds, sent whole
+    adapters = train.parameters  # per trainer device: replicated over the data axis
+    T = config.model.block_size
+    assert f"LoRA adapters {adapters:,} bytes x 4 to the engine's own 4 devices" in gen.note
+    assert f"rollouts back 16 rows x {T} tokens ({16 * T:,} tokens;" in gen.note

@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ pac
 
 from configs import grpo_toy  # noqa: E402
 from flaxgpt.data import batches as data_lib  # noqa: E402
-from flaxgpt.train import grpo_async, grpo_dynamic, grpo_task  # noqa: E402
+from flaxgpt.train import grpo_async, grpo_dynamic, grpo_online, grpo_task  # noqa: E402
 from flaxgpt.train import trainer as trainer_lib  # noqa: E402
 from flaxgpt.train.config_check import ConfigError  # noqa: E402
-from tests.train.test_grpo_train import toy_data  # noqa: E402
+from tests.train.test_grpo_train import llama_prompts, llama_recipe, toy_data  # noqa: E402, F401
 
 
 def test_pipeline_staleness_and_donation():
@@ -179,9 +179,55 @@ def test_bad_async_settings(tmp_path):
         "grpo.off_policy_steps=-1 must be >= 0": {"grpo.off_policy_steps": -1},
         "grpo.tis_cap=-1.0 must be >= 0": {"grpo.tis_cap": -1.0},
         "grpo.dynamic_sampling_rounds=-1 must be >= 0": {"grpo.dynamic_sampling_rounds": -1},
+        "grpo.engine_devices=4 gives the engine devices of its own": {"grpo.engine_devices": 4},
+        "set grpo.off_policy_steps >= 1 and grpo.rollout=engine": {
+            "grpo.engine_devices": 4, "grpo.off_policy_steps": 1, "grpo.rollout": "generate"
+        },
     }  # fmt: skip
     for message, over in cases.items():
         with pytest.raises((ConfigError, ValueError)) as e:
             trainer_lib.train(recipe(data, tmp_path / "never", **over), print_fn=lambda *a: None)
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
         assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.devices(8)
+def test_engine_on_devices_of_its_own_trains_as_the_shared_run(tmp_path, monkeypatch, llama_prompts):  # noqa: F811
+    """grpo.engine_devices=4 over 8 CPU devices: LoRA over a tiny Llama, the trainer's FSDP mesh on
+    devices 0-3, the engine's on 4-7 (its copy of the base placed there once, the adapters pushed each
+    rollout); 2 steps with k = 1 give the losses and the parameters of the run whose engine shares the
+    trainer's devices 0-3."""
+    engine_on = []  # the devices each run's engine decodes on
+
+    def over_devices(self, devices, frozen, real=grpo_online.Rollouts._engine_over):
+        engine_on.append([d.id for d in devices])
+        return real(self, devices, frozen)
+
+    monkeypatch.setattr(grpo_online.Rollouts, "_engine_over", over_devices)
+    model, data = llama_prompts
+    over = {
+        "lora.rank": 4, "lora.alpha": 8.0, "grpo.num_generations": 2, "batch_size": 4, "max_iters": 2,
+        "eval_interval": 2, "grpo.eval_prompts": 0, "grpo.reward_funcs": ("length=3",),
+        "grpo.off_policy_steps": 1, "mesh.data": 1, "mesh.fsdp": 4, "optim.learning_rate": 3e-2,
+    }  # fmt: skip
+    runs = []
+    for devices, extra in ((4, {}), (8, {"grpo.engine_devices": 4})):
+        out = tmp_path / f"run{devices}"
+        config = llama_recipe(model)
+        config.data.dir, config.out_dir, config.tensorboard, config.plot = str(data), str(out), False, False
+        for key, value in {**over, **extra}.items():
+            section, _, name = key.rpartition(".")
+            (config[section] if section else config)[name] = value
+        summary = trainer_lib.train(config, devices=jax.devices()[:devices], print_fn=lambda *a: None)
+        steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        params = summary["state"].params
+        assert {d.id for leaf in jax.tree.leaves(params) for d in leaf.devices()} == {0, 1, 2, 3}
+        runs.append(([x["loss"] for x in steps if "reward" in x], jax.device_get(params)))
+    assert engine_on == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    (losses, params), (own_losses, own_params) = runs
+    assert len(losses) == 2 and all(np.isfinite(losses)) and own_losses == losses
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(own_params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    config.grpo.engine_devices, config.out_dir = 8, str(tmp_path / "never")
+    with pytest.raises(ValueError, match="grpo.engine_devices=8 leaves the trainer none of the run's 8"):
+        trainer_lib.train(config, devices=jax.devices()[:8], print_fn=lambda *a: None)
