@@ -249,7 +249,14 @@ class SelfAttention(nn.Module):
         J = self.n_kv_head or H
         K = self.head_dim or D // H
         adapted = dict(lora=self.lora, deterministic=self.deterministic, fp8=self.fp8)
-        qkv_BTE = Linear(
+        # cuDNN's attention takes q, k and v as arrays of their own and hands back their gradients so:
+        # out of one [B*T, (H+2J)*K] product they are split by a copy, and the gradients concatenated
+        # back by another. With a product each (Linear's `splits`, a piece of the kernel each) the
+        # backward's concatenation is gone (compiled for h100-1: docs/accelerators.md). Decoding,
+        # whose cache takes k and v, keeps the one product.
+        apart = kv is None and context_attention.axis_size() <= 1
+        apart = apart and resolve_attention_impl(self.impl, self.dtype) == "cudnn"
+        qkv = Linear(
             (H + 2 * J) * K,  # columns q | k | v, heads inside each (3D for GPT-2)
             use_bias=self.qkv_bias,
             dtype=self.dtype,
@@ -257,9 +264,13 @@ class SelfAttention(nn.Module):
             kernel_init=normal_init(0.02, ("embed", "heads")),
             bias_init=zeros_init(("heads",)),
             name="c_attn",
+            splits=(H * K, (H + J) * K) if apart else (),
             **adapted,
         )(x_BTD.reshape(B * T, D))  # 2-D operands: see MLP
-        q_BTHK, k_BTJK, v_BTJK = jnp.split(qkv_BTE.reshape(B, T, H + 2 * J, K), [H, H + J], axis=2)
+        if apart:
+            q_BTHK, k_BTJK, v_BTJK = (y.reshape(B, T, -1, K) for y in qkv)
+        else:
+            q_BTHK, k_BTJK, v_BTJK = jnp.split(qkv.reshape(B, T, H + 2 * J, K), [H, H + J], axis=2)
         if ve_BTD is not None:  # value embeddings (the speedrun's): v = l0 * v + l1 * ve, l learned
             lambdas = self.param("ve_lambdas", nn.initializers.constant(0.5), (2,), self.param_dtype)
             lambdas = lambdas.astype(v_BTJK.dtype)

@@ -144,6 +144,9 @@ class MLP(nn.Module):
         # two axes, and XLA on CPU then transposes the [B*T, F] activations (fused with the GELU
         # derivative) before each weight-gradient matmul, a third of the step's time.
         x_ND = x_BTD.reshape(-1, D)
+        # the plain MLP's activation goes to c_fc: on GPUs its float product without adapters applies it
+        # with the bias in one pass, recomputed in the backward (Linear's `activation`), so GELU's tanh
+        # and the pre-activation with its bias are never kept. SwiGLU's is one pass each way already.
         h_NE = Linear(
             2 * self.hidden if self.glu else self.hidden,
             use_bias=self.use_bias,
@@ -152,16 +155,16 @@ class MLP(nn.Module):
             kernel_init=normal_init(0.02, ("embed", "mlp")),
             bias_init=zeros_init(("mlp",)),
             name="c_fc",
+            activation=None if self.glu else activation_fn(self.activation),
             **adapted,
         )(x_ND)
-        if self.glu:
-            if self.activation == "silu":
-                h_NF = swiglu(h_NE)
-            else:
-                gate_NF, up_NF = jnp.split(h_NE, 2, axis=-1)
-                h_NF = activation_fn(self.activation)(gate_NF) * up_NF
+        if not self.glu:
+            h_NF = h_NE
+        elif self.activation == "silu":
+            h_NF = swiglu(h_NE)
         else:
-            h_NF = activation_fn(self.activation)(h_NE)
+            gate_NF, up_NF = jnp.split(h_NE, 2, axis=-1)
+            h_NF = activation_fn(self.activation)(gate_NF) * up_NF
         y_ND = Linear(
             D,
             use_bias=self.use_bias,

@@ -24,12 +24,19 @@ A mixture of experts' stacked weights compose the same way by type (models/moe.p
 LoraExperts). Parameter names and paths are nn.Dense's and nn.Embed's, so checkpoints, Hugging Face
 and PEFT key maps see no difference.
 
+Two forms of the float product for the GPU step (docs/accelerators.md, "Fused MLP epilogues"):
+`activation` (the plain MLP's GELU) applied with the bias in one pass that the backward pass runs
+again, so only the product is kept; `splits`, the output wanted in pieces (c_attn's q | k | v for
+cuDNN), one product a piece; on GPUs (`fused_epilogues`). Quantized or adapted layers compute the one
+product, then split and activate it.
+
 Shape letters: M rows (B*T), K input features, N output features, r an adapter's rank, S slots,
 B batch rows, T positions, R the slots' rank, P = R times the targets one layer holds.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -37,6 +44,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.dtypes import promote_dtype
 
+from flaxgpt.kernels import target
 from flaxgpt.kernels.fp8 import fp8_dot, fp8_note  # noqa: F401  (fp8_note: the trainer's door to it)
 from flaxgpt.kernels.qmatmul import dequantize, qmatmul
 from flaxgpt.models.quantize import QuantizedWeight
@@ -81,6 +89,10 @@ class Linear(nn.Module):
     lora: Any = None  # models.lora.LoraSpec (columns, scale, dropout); None: no adapters
     deterministic: bool = True  # False: LoRA dropout on (a "dropout" rng)
     fp8: bool = False  # a float base's product in float8 (kernels.fp8: GPTConfig.fp8); adapters stay float32
+    # column boundaries: the output comes back as that many arrays (jnp.split's), see `_split_products`
+    splits: tuple[int, ...] = ()
+    # an elementwise function of the output (the MLP's GELU), see `_activated`; None: the output as is
+    activation: Any = None
 
     @nn.compact
     def __call__(self, x):
@@ -101,12 +113,20 @@ class Linear(nn.Module):
             y = y.reshape(*x.shape[:-1], -1).astype(self.dtype or x.dtype)
         else:  # nn.Dense's product, step for step
             x_, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
+            if self.splits and not self.fp8 and self.lora is None and fused_epilogues():
+                return self._split_products(x_, kernel, bias)
             if self.fp8:  # e4m3 operands scaled per tensor, float32 accumulation, y in the compute dtype
                 y = fp8_dot(x_, kernel)
             else:
                 y = jax.lax.dot_general(x_, kernel, (((x_.ndim - 1,), (0,)), ((), ())))
+            if self.activation is not None and self.lora is None and fused_epilogues():
+                return _activated(self.activation, y, bias)
             if bias is not None:
                 y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        return self._activate(self._split(self._adapted(x, y)))
+
+    def _adapted(self, x, y):
+        """y plus the "lora" collection's adapters at this path (none: y)."""
         if self.lora is None:
             return y
         parts = sorted(
@@ -121,6 +141,51 @@ class Linear(nn.Module):
             keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - self.lora.dropout, x.shape)
             x = jnp.where(keep, x / (1.0 - self.lora.dropout), 0.0).astype(x.dtype)
         return add_adapters(x, y, parts, get, self.lora.scale)
+
+    def _activate(self, y):
+        return y if self.activation is None else self.activation(y)
+
+    def _split(self, y):
+        return jnp.split(y, self.splits, axis=-1) if self.splits else y
+
+    def _split_products(self, x, kernel, bias):
+        """A float product whose output is wanted in pieces (c_attn's q | k | v for cuDNN) as one product
+        a piece, each its own array: after one product split, the pieces' gradients (cuDNN's three) are
+        concatenated back into one array for its backward products, a pass over all of them."""
+        bounds = (0, *self.splits, kernel.shape[-1])
+        ys = []
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            y = jax.lax.dot_general(x, kernel[:, lo:hi], (((x.ndim - 1,), (0,)), ((), ())))
+            ys.append(y if bias is None else y + jnp.reshape(bias[lo:hi], (1,) * (y.ndim - 1) + (-1,)))
+        return ys
+
+
+def fused_epilogues() -> bool:
+    """Whether `activation` and `splits` take their own forms (read when traced): on GPUs, where the
+    compiled step shows what they save (docs/accelerators.md); elsewhere, or FLAXGPT_EPILOGUES=off,
+    the activation applied after the layer as autodiff keeps it and one product split.
+    FLAXGPT_EPILOGUES=on takes them anywhere (the tests; benchmarks/gpu_lease.py's `epilogues` part
+    measures both forms of the step on one lease)."""
+    mode = os.environ.get("FLAXGPT_EPILOGUES", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"FLAXGPT_EPILOGUES={mode!r}: use auto (GPUs only), on or off")
+    return mode == "on" or (mode == "auto" and target.platform() == "gpu")
+
+
+def _activated(activation, y, bias):
+    """activation(y + bias), its inputs the only arrays kept for the backward pass: the pass that adds
+    the bias and applies the activation runs again there (jax.checkpoint, its optimization barrier
+    keeping XLA from sharing it with the forward's). Autodiff of the plain expression keeps the
+    product and also what the derivative reuses (GELU's tanh, [tokens, F] each), written by the
+    forward pass and read back; here the forward writes only the activation (the next product's
+    input) and the backward reads the product and the incoming gradient: one [tokens, F] array less
+    written and read (GPT-2's step: its GELU passes 2.53 -> 1.81 ms, docs/accelerators.md). The same
+    operations, the same values."""
+
+    def act(y, bias):
+        return activation(y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,)))
+
+    return jax.checkpoint(act)(y, bias)
 
 
 def add_adapters(x, y, parts, get, scale: float):

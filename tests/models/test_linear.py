@@ -208,3 +208,52 @@ def test_int4_linear_trains_its_adapters_and_refuses_groups_that_do_not_divide_k
         gpt.quantize_params(DENSE, params, "int4_g32")
     with pytest.raises(ValueError, match="int4 quantizes 2-D weights"):
         quantize_stacked(np.zeros((2, 64, 8), np.float32), "int4")
+
+
+def near(a, b, tol):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.abs(a - b).max() <= tol * np.abs(b).max(), np.abs(a - b).max() / np.abs(b).max()
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])  # of the largest
+def test_activation_and_split_products_equal_the_plain_expressions(dtype, tol, monkeypatch):
+    """Linear's `activation` (GELU with the bias, recomputed in the backward pass) and `splits` (one
+    product per piece: c_attn's q | k | v for cuDNN) give the plain layer's values and gradients:
+    gelu(x W + b), and jnp.split of x W + b. (Their own forms are for GPUs: here asked for.)"""
+    monkeypatch.setenv("FLAXGPT_EPILOGUES", "on")
+    x_MK = jax.random.normal(jax.random.key(0), (6, 16), jnp.float32).astype(dtype)
+    gelu = lambda y: jax.nn.gelu(y, approximate=True)  # noqa: E731
+    kw = dict(dtype=dtype, bias_init=jax.nn.initializers.normal(1.0))
+    params = Linear(24, **kw).init(jax.random.key(1), x_MK)
+    cases = [
+        (Linear(24, activation=gelu, **kw), lambda p, x: gelu(Linear(24, **kw).apply(p, x))),
+        (
+            Linear(24, splits=(8, 16), **kw),
+            lambda p, x: jnp.split(Linear(24, **kw).apply(p, x), (8, 16), axis=-1),
+        ),
+    ]
+    for layer, plain in cases:
+
+        def total(fn, p, x):
+            outs = jax.tree.leaves(fn(p, x))
+            return sum(jnp.sum(jnp.sin(y.astype(jnp.float32) * (i + 1))) for i, y in enumerate(outs))
+
+        got, want = layer.apply(params, x_MK), plain(params, x_MK)
+        assert [y.shape for y in jax.tree.leaves(got)] == [y.shape for y in jax.tree.leaves(want)]
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            near(a, b, tol)
+        g_got = jax.grad(total, argnums=(1, 2))(layer.apply, params, x_MK)
+        g_want = jax.grad(total, argnums=(1, 2))(plain, params, x_MK)
+        for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want), strict=True):
+            near(a, b, tol)
+    # quantized weights and adapters take the one product, then the split and the activation
+    q = {
+        "params": {
+            "kernel": quantize_rows(params["params"]["kernel"].T, "int8"),
+            "bias": params["params"]["bias"],
+        }
+    }
+    pieces = Linear(24, splits=(8, 16), **kw).apply(q, x_MK)
+    whole = Linear(24, **kw).apply(q, x_MK)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in pieces], -1), np.asarray(whole))
+    np.testing.assert_array_equal(Linear(24, activation=gelu, **kw).apply(q, x_MK), gelu(whole))
