@@ -32,7 +32,7 @@ def get_config():
     c.model.rope_factor = 8.0
     c.model.rope_original_max_len = 8192
     # ulysses: n_head (32) % context == 0; on an h100-8 19.61 GB a GPU at 32k, 26.77 at 128k, where the
-    # ring (XLA's attention per block) takes 30.76 and 131.18 (docs/fit.md, compiled, not measured)
+    # ring (XLA's attention per block) takes 20.33 and 37.55 (docs/fit.md, compiled, not measured)
     c.model.context_impl = "ulysses"
     c.lora.rank = 16  # adapters: the frozen base in bf16 (16 GB) on each device, no optimizer state
     c.lora.alpha = 32.0

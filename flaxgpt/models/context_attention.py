@@ -177,17 +177,22 @@ def _ring_fwd(q_BLJGK, k_BLJK, v_BLJK, seg_BL, cfg):
     # the device's own keys first (causal inside), then the others' as they come round the ring
     state = blocks(q_BLJGK, k_BLJK, v_BLJK, pos_L, pos_L, seg_BL, seg_BL)
 
-    def step(carry, i):  # a scan, not a loop: one block program whatever N
-        state, kv = carry
+    def step(carry):  # a loop, not unrolled: one block program whatever N
+        i, state, kv = carry
         kv = tuple(jax.lax.ppermute(x, CONTEXT_AXIS, ring) for x in kv)
         src = (d - i) % n  # the device these keys started on
         kv_seg_BL = kv[2] if packed else seg_BL
         src_pos_L = _positions(src, n, C)
         stats = _visit(q_BLJGK, kv[0], kv[1], kv_seg_BL, pos_L, src_pos_L, seg_BL, src < d, blocks=blocks)
-        return (_merge(state, stats), kv), None
+        return i + 1, _merge(state, stats), kv
 
     kv = (k_BLJK, v_BLJK, seg_BL) if packed else (k_BLJK, v_BLJK)  # segment ids travel with their keys
-    ((m_BJGL, l_BJGL, o_BJGLK), _), _ = jax.lax.scan(step, (state, kv), jnp.arange(1, n))
+    # a while loop, not a scan: in a scanned model (scan_layers) JAX 0.10 partially evaluates this
+    # forward's scan as if it were differentiated and keeps every step's masks and logits (and every
+    # query tile's) as residuals, [N-1, tiles, ...]: 109 GB a GPU for one Llama-3-8B layer at 128k
+    # tokens over 8. A while loop is one unit to it (and could not be differentiated by mistake).
+    start = jnp.asarray(1, jnp.int32)
+    _, (m_BJGL, l_BJGL, o_BJGLK), _ = jax.lax.while_loop(lambda c: c[0] < n, step, (start, state, kv))
     y_BJGLK = o_BJGLK / l_BJGL[..., None]  # every query sees at least its own key: l > 0
     lse_BJGL = m_BJGL + jnp.log(l_BJGL)
     return y_BJGLK, (q_BLJGK, k_BLJK, v_BLJK, seg_BL, y_BJGLK, lse_BJGL)
