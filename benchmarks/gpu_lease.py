@@ -30,6 +30,11 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
 - fp8: one Llama-3-8B layer's forward and backward (4 x 2048 tokens) in bf16, then with model.fp8
   (benchmarks/fp8_layer.py): tokens/s and the ratio (issue #54's target: >= 1.3x; a prediction until
   a lease runs it)
+- epilogues: the step (batch 16) with the MLP's bias + GELU as one pass the backward recomputes and
+  q, k, v as products of their own for cuDNN (models/linear.py, the default), then without
+  (FLAXGPT_EPILOGUES=off: autodiff's GELU, which keeps its tanh, and one q|k|v product split): step
+  time and peak memory side by side (compiled for h100-1 the bound falls 23.56 -> 22.57 ms, a
+  prediction until a lease runs it; docs/accelerators.md)
 - nanogpt: nanoGPT's model.py (torch.compile, bf16 autocast, fused AdamW, clip 1.0), batch 16; its file
   is carried to the lease (--nanogpt_model), never committed
 - hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache,
@@ -64,6 +69,7 @@ PARTS = {
     "step": 60,
     "fused_loss": 150,  # three compiles and runs of the step (~30 s each on 2026-11-27's `step`)
     "fp8": 120,  # two compiles and 10 steps each of one 8B layer (not yet run on a lease)
+    "epilogues": 80,  # two compiles and runs of the step (~30 s each on 2026-11-27's `step`)
     "nanogpt": 70,
     "decode_gpt2": 100,
     "decode_gpt2_plain": 100,
@@ -75,7 +81,7 @@ PARTS = {
 }
 # what one call of at most 10 minutes holds
 GROUPS = {
-    "train": ("recipe", "step", "fused_loss", "fp8", "nanogpt"),  # ~6 min
+    "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 570 s)
     "decode": ("decode_gpt2", "decode_llama8b", "hf_generate"),  # ~7 min
     "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce"),  # ~4 min: the int8 / int4 kernels
     "tests": ("tests",),  # ~3.5 min
@@ -124,6 +130,16 @@ def part_fp8(a) -> None:
             tokens_per_s=r[side]["tokens_per_s"],
             step_ms=r[side]["step_ms"],
             result=f"{r['speedup']}x bf16 (target >= 1.3x)" if side == "fp8" else None,
+        )
+
+
+def part_epilogues(a) -> None:
+    # the fused forms (the default), then the plain ones: FLAXGPT_EPILOGUES is read when the step is traced
+    for label, mode in (("fused", "on"), ("plain", "off")):
+        env = {**os.environ, "FLAXGPT_EPILOGUES": mode}
+        loss = lambda r: f"loss {r['loss']}"  # noqa: E731
+        _train_step(
+            a, "epilogues", f"epilogues_{label}", f"MLP and q/k/v epilogues {label}", env=env, result=loss
         )
 
 

@@ -19,7 +19,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     cmd = [sys.executable, "benchmarks/gpu_lease.py", "--dry_run", "--out", str(out), "--work", str(work)]
     cmd += [
         "--parts",
-        "recipe,decode_gpt2,fused_loss,fp8,nanogpt",
+        "recipe,decode_gpt2,fused_loss,epilogues,fp8,nanogpt",
         "--nanogpt_model",
         str(tmp_path / "absent.py"),
     ]
@@ -39,6 +39,9 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     assert set(fused) == {"logits", "fused", "pallas"} and all(r["step_ms"] > 0 for r in fused.values())
     # the same step from the same start: the same loss whichever path computes it
     assert abs(float(fused["fused"]["result"][5:]) - float(fused["logits"]["result"][5:])) < 1e-3
+    epilogues = {r["what"].rpartition(" ")[2]: r for r in by_part["epilogues"]}  # the fused forms, the plain
+    assert set(epilogues) == {"fused", "plain"} and all(r["step_ms"] > 0 for r in epilogues.values())
+    assert abs(float(epilogues["fused"]["result"][5:]) - float(epilogues["plain"]["result"][5:])) < 1e-3
     fp8 = {r["what"].rpartition(" ")[2]: r for r in by_part["fp8"]}  # one 8B-shaped layer, tiny here
     assert set(fp8) == {"bf16", "fp8"} and all(r["tokens_per_s"] > 0 for r in fp8.values())
     assert fp8["fp8"]["result"].endswith("x bf16 (target >= 1.3x)")
