@@ -62,6 +62,10 @@ def get_config():
     c.model.dropout = 0.0  # the rollout's and the update's log-probs alike
     c.grpo.num_generations = 16  # wide groups: a right count is sampled while the answers are still spread
     c.grpo.max_completion_length = 2  # a digit and the newline that ends a completion
+    # A KL anchor to the SFT model, whose answers are spread over 0-8: it keeps a prompt's answers spread
+    # (entropy up, groups that differ) while the policy has only learned the frequent counts, so it goes
+    # on to count. 3 seeds, beta 0.1: mean 0.850, worst 0.785; beta 0: worst 0.670 (AVX2: 0.325).
+    c.grpo.beta = 0.1
     c.grpo.reward_funcs = ("configs.grpo_count:count_reward",)
     c.grpo.eval_prompts = 200  # every held-out prompt
     c.batch_size = 256  # completions: 16 prompts x 16
