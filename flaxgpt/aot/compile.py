@@ -124,7 +124,14 @@ def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0, quan
     rows = []
     for program in progs:  # one line as each compiles: a big model's programs take minutes together
         rows.append(report.analyze(program, target, dump))
-        failed = " (out of memory: does not fit)" if rows[-1].error else ""
+        error = rows[-1].error
+        failed = (
+            f" ({error})"
+            if error.startswith("does not compile")
+            else " (out of memory: does not fit)"
+            if error
+            else ""
+        )
         print_fn(f"compiled {program.name} in {rows[-1].compile_s:.1f} s{failed}")
     # a GRPO recipe: the train step and its engine on one device, or each on its own (grpo.engine_devices)
     separate = bool(config.get("grpo", {}).get("engine_devices", 0))

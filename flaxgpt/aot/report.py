@@ -119,7 +119,9 @@ def _cost(compiled) -> tuple[float, float]:
 
 def analyze(program, target, dump: str | Path | None = None) -> Row:
     """Compile `program` for `target` and measure it; a compiler that runs out of memory is a Row
-    with `error` set (it does not fit), any other failure propagates."""
+    with `error` set (it does not fit); a kernel that does not lower for the target (a Pallas kernel's
+    refusal: NotImplementedError, ValueError) is a Row with `error` "does not compile: ...", so the
+    other programs' figures still print; any other failure propagates."""
     row = Row(program.name, program.devices, program.note, memory=int(target.memory))
     row.parameters = program.state_bytes.get("parameters", 0)
     row.optimizer = program.state_bytes.get("optimizer", 0)
@@ -129,7 +131,11 @@ def analyze(program, target, dump: str | Path | None = None) -> Row:
         compiled = program.trace().lower().compile()
     except Exception as e:
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
-            raise
+            if not isinstance(e, NotImplementedError | ValueError):
+                raise
+            row.compile_s = time.perf_counter() - t0
+            row.error = f"does not compile: {type(e).__name__}: {str(e).strip().splitlines()[0][:240]}"
+            return row
         row.compile_s = time.perf_counter() - t0
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         row.error = next((line for line in lines if "RESOURCE_EXHAUSTED" in line), lines[0])[:300]
@@ -186,6 +192,11 @@ def grpo_budget(rows: list[Row], separate: bool = False) -> Row | None:
     train, gen = by.get("train"), by.get("rollout.generate")
     if train is None or gen is None:
         return None
+    refused = next((r for r in (train, gen) if r.error.startswith("does not compile")), None)
+    if refused is not None:  # no figures to add up
+        name = "grpo (train | rollouts)" if separate else "grpo (train + rollouts)"
+        note = f"not added up: {refused.program} does not compile"
+        return Row(name, train.devices, note, error=refused.error)
     if separate:
         trainer_side = train.total + train.parameters
         return Row(
@@ -246,7 +257,8 @@ def table(rows: list[Row], target, headroom: float = 0.0) -> str:
             "kernels >= ms")  # fmt: skip
     lines = [head]
     for r in rows:
-        fits = "yes" if r.fits(headroom) else ("NO: " + ("compiler: out of memory" if r.error else "too big"))
+        refused = "does not compile" if r.error.startswith("does not compile") else "compiler: out of memory"
+        fits = "yes" if r.fits(headroom) else ("NO: " + (refused if r.error else "too big"))
         lines.append((
             r.program, gb(r.parameters), gb(r.optimizer), gb(r.temporary), gb(r.total),
             f"{gb(r.memory)} ({(r.memory - r.total) / 1e9:+.2f})", fits, r.kernel or "-",

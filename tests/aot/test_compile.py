@@ -212,3 +212,33 @@ def test_the_serve_command_runs_the_compiled_serving_programs():
         "python serve.py --out_dir out/run --dtype float32 --slots 8 --max_len 1024 --prefill_chunk 128 "
         "--quantize int8"
     )
+
+
+def test_a_kernel_that_does_not_lower_is_a_row_not_a_crash():
+    """A Pallas kernel's refusal to lower (NotImplementedError / ValueError) is that program's row,
+    "does not compile: ...", not fitting; the other programs' figures still print; other errors raise."""
+    import types
+
+    def program(error):
+        def trace():
+            raise error
+
+        return types.SimpleNamespace(
+            name="rollout.generate", devices=1, note="", state_bytes={}, model_flops=0.0, trace=trace
+        )
+
+    target = types.SimpleNamespace(memory=80e9)
+    refusal = NotImplementedError("Mosaic kernels cannot be automatically partitioned.\nmore")
+    row = report.analyze(program(refusal), target)
+    assert (
+        row.error
+        == "does not compile: NotImplementedError: Mosaic kernels cannot be automatically partitioned."
+    )
+    assert not row.fits() and "NO: does not compile" in report.table([row], target)
+    train = report.Row("train", 1, total=10, memory=80e9)
+    budget = report.grpo_budget([train, row])  # nothing to add up: the refusal, not a made-up total
+    assert (
+        budget.error == row.error and budget.total == 0 and "rollout.generate does not compile" in budget.note
+    )
+    with pytest.raises(TypeError):
+        report.analyze(program(TypeError("a bug")), target)
