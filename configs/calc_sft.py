@@ -1,6 +1,8 @@
 """SFT -> GRPO with a tool, step 1: a small character GPT learns the calculator's call format (a
 Hermes tool call with the prompt's expression, the tool's response, the answer copied from it) from
-lines whose responses are random numbers: the format and the copying, never a product.
+lines whose responses are the products of other random pairs: the format and the copying, never the
+prompt's product. Measured: val loss 0.345, held-out accuracy 0.96 sampled at temperature 1 and 1.00
+greedy with the calculator (docs/grpo.md, "The calculator run").
 
     python -c "from configs.grpo_calc import write_data; write_data('data')"
     flaxgpt prepare --dataset text --input data/calc_sft.txt --tokenizer char --out_dir data/calc_sft

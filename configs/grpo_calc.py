@@ -15,9 +15,10 @@ model's first reply is a Hermes tool call, `<tool_call>{"name":"calculator","arg
 reply ends; the environment (`Calc` below: envs.calculator.Calculator, its result wrapped as
 `<tool_response>7006652</tool_response>`) answers; those tokens are the observation (not trained); the
 model's next reply is the answer and the newline that ends it. `calc_reward` is 1 for the exact
-product, else 0. The SFT lines have the same layout with a random number in the tool's response and
-the answer (the format, and copying the response, without the product). The last 10% of the prompts
-are held out; val_reward at step 0 is the SFT model's. See docs/grpo.md.
+product, else 0. The SFT lines have the same layout with the product of two other random 4-digit
+numbers in the tool's response and the answer (the format, and copying the response, never the
+prompt's product). The last 10% of the prompts are held out; val_reward at step 0 is the SFT model's
+(measured: 0.96, and 0.925-0.96 over 20 GRPO steps for 2 seeds: docs/grpo.md, "The calculator run").
 
 Targets: cpu (check: flaxgpt aot --config configs/grpo_calc.py --target NAME)
 """
@@ -58,8 +59,9 @@ class Calc(Calculator):
 
 def write_data(directory, n: int = 4000, seed: int = 0) -> None:
     """n random products as GRPO prompts (calc_prompts.jsonl, the last 10% held out by `prepare`) and
-    SFT lines (calc_sft.txt) for the training ones: the call with the prompt's expression, a random
-    7- or 8-digit number as the tool's response, and that number as the answer."""
+    SFT lines (calc_sft.txt) for the training ones: the call with the prompt's expression, the product of
+    two other random 4-digit numbers as the tool's response (7 and 8 digits as often as the task's),
+    and that number as the answer."""
     rng = random.Random(seed)
     pairs = [(rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)) for _ in range(n)]
     out = Path(directory)
@@ -68,7 +70,7 @@ def write_data(directory, n: int = 4000, seed: int = 0) -> None:
     (out / "calc_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = []
     for a, b in pairs[: n - round(n * 0.1)]:
-        r = str(rng.randint(LOW * LOW, HIGH * HIGH))  # not the product: the format only
+        r = str(rng.randint(LOW, HIGH) * rng.randint(LOW, HIGH))  # not a*b: the format only
         lines.append(f"{a}*{b}={call(f'{a}*{b}')}{response(r)}{r}\n")
     (out / "calc_sft.txt").write_text("".join(lines))
 
@@ -92,12 +94,12 @@ def get_config():
     c.grpo.reward_funcs = ("configs.grpo_calc:calc_reward",)
     c.grpo.eval_prompts = 200
     c.batch_size = 64  # completions: 8 prompts x 8
-    c.max_iters = 100
-    c.optim.learning_rate = 1e-3
+    c.max_iters = 20  # the SFT model is at 0.96 held out already: GRPO holds it (docs/grpo.md)
+    c.optim.learning_rate = 5e-5  # 3e-4 took the SFT model from 0.96 to 0.835 held out in 10 steps
     c.optim.schedule = "constant"
     c.optim.warmup_steps = 0
     c.optim.weight_decay = 0.0
-    c.eval_interval = 20
+    c.eval_interval = 10
     c.eval_iters = 1
     c.log_interval = 1
     c.ckpt_interval = 0
