@@ -67,6 +67,14 @@ def _largest_divisor(n: int, most: int) -> int:
     return max(d for d in range(1, min(n, most) + 1) if n % d == 0)
 
 
+def gpu_blocks(pages: int) -> tuple[int, int]:
+    """(k_splits, pages_per_compute_block) for the Triton paged kernel over a row's `pages`: up to 16
+    splits, each read in blocks of a power of two of pages, at most 8 (Triton's tiles are powers of
+    two: 80 pages split 16 x 5 did not compile for h100-1)."""
+    k_splits = _largest_divisor(pages, 16)
+    return k_splits, max(b for b in (1, 2, 4, 8) if (pages // k_splits) % b == 0)
+
+
 def gather_rows(buf_JPpK, table_BM):
     """Each table row's pages in order, laid out as a contiguous cache's buffer: [B*J, M*page, K]."""
     J, _, page, K = buf_JPpK.shape
@@ -137,10 +145,10 @@ class PagedLayer(KVLayer):
         elif self.impl == "pallas_gpu":
             from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-            k_splits = _largest_divisor(M, 16)
+            k_splits, pages_per_block = gpu_blocks(M)
             y_BHK = paged_attention(
                 q_BHK, layer.k_JPpK, layer.v_JPpK, self.table_BM, lengths_B, attn_logits_soft_cap=cap,
-                k_splits=k_splits, pages_per_compute_block=_largest_divisor(M // k_splits, 8),
+                k_splits=k_splits, pages_per_compute_block=pages_per_block,
             )  # fmt: skip
         else:
             raise ValueError(f"paged attention impl {self.impl!r} is not one of {IMPLS}")

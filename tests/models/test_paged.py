@@ -7,7 +7,7 @@ import pytest
 from flaxgpt.models.attention import attend_cached, causal_mask
 from flaxgpt.models.cache import write_cache
 from flaxgpt.models.gpt import GPTConfig
-from flaxgpt.models.paged import PagedKVCache
+from flaxgpt.models.paged import PagedKVCache, gpu_blocks
 
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=40, n_kv_head=2)
 
@@ -64,3 +64,13 @@ def test_nothing_is_written_past_a_row_and_rows_move_with_their_pages():
     swapped = cache.take_rows(jax.numpy.array([1, 0]))
     np.testing.assert_array_equal(swapped.row(0).k[0], rows_k[1])
     np.testing.assert_array_equal(swapped.row(1).k[0], rows_k[0])
+
+
+def test_triton_blocks_are_powers_of_two_that_tile_the_row():
+    """The GPU kernel's blocks of pages are powers of two (Triton's tiles); splits x blocks tile the
+    row's pages exactly (a window of 1,280 tokens in pages of 16: 80 pages, once 16 splits of 5)."""
+    assert gpu_blocks(80) == (16, 1) and gpu_blocks(64) == (16, 4) and gpu_blocks(7) == (7, 1)
+    for pages in range(1, 300):
+        k_splits, per_block = gpu_blocks(pages)
+        assert per_block in (1, 2, 4, 8) and k_splits <= 16
+        assert pages % (k_splits * per_block) == 0
