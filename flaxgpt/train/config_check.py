@@ -156,9 +156,9 @@ def _check_grpo(config, s: sections.Sections) -> None:
             f"batch_size {config.batch_size} (completions) and batch_size // grad_accum must be multiples "
             f"of grpo.num_generations {G}: a micro-batch holds whole groups"
         )
-    try:
-        funcs = [rewards.make_reward(spec) for spec in g.reward_funcs]
-        rewards.Rewards(funcs, list(g.reward_weights) or None)
+    try:  # none is the section's rule to judge (an environment may score alone)
+        if g.reward_funcs:
+            rewards.Rewards.make(list(g.reward_funcs), list(g.reward_weights) or None)
     except ValueError as e:
         raise ConfigError(f"--config.grpo.reward_funcs: {e}") from None
     if g.beta and not s.lora.rank and fresh_start(config):

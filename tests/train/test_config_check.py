@@ -188,3 +188,14 @@ def test_every_recipe_resumes_by_running_its_command_again():
     to resume as the README says (configs/grpo_toy.py, #55); auto starts fresh or resumes."""
     for path in RECIPES:
         assert config_check.load_recipe(str(path)).init_from != "scratch", path.name
+
+
+def test_an_environment_may_score_alone():
+    """grpo.env without reward_funcs passes (the environment scores alone); neither is one line."""
+    c = recipe("grpo_calc")
+    c.grpo.reward_funcs = ()
+    config_check.check(c)
+    c.grpo.env = ""
+    with pytest.raises(ConfigError, match="reward_funcs is empty: name a reward, or an environment") as e:
+        config_check.check(c)
+    assert "\n" not in str(e.value)
