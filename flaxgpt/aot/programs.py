@@ -258,7 +258,7 @@ def serve_programs(
         tree = jax.eval_shape(make)
         return sharding.shapes_on(tree, sharding.row_shardings(tree, mesh))
 
-    impl = paged_impl(devices[0].platform, cfg.head_dim)
+    impl = paged_impl(devices[0].platform, cfg.head_dim, n)
     pool = lambda: AdapterCache.wrap(
         PagedKVCache.for_slots(cfg, slots, W, page=PAGE, impl=impl, extra_pages=1)
     )  # noqa: E731

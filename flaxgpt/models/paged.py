@@ -53,11 +53,16 @@ from flaxgpt.models.cache import Cache, KVCache, KVLayer
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
 
 
-def paged_impl(platform: str, head_dim: int) -> str:
+def paged_impl(platform: str, head_dim: int, devices: int = 1) -> str:
     """The decode attention path a platform takes: JAX's Pallas paged-attention kernel where it ships
     one that lowers for this head size. jax 0.10.2's TPU kernel needs head_dim a multiple of 128 (its
     blocks' last dimension; GPT-2's 64 fails to lower), so GPT-2 takes the xla path on TPU and
-    Llama-class models (128) the kernel; the GPU (Triton) kernel lowers for both."""
+    Llama-class models (128) the kernel; the GPU (Triton) kernel lowers for both. An engine over
+    several `devices` takes the xla path, which XLA partitions: the Pallas kernels are custom calls it
+    cannot split ("Mosaic kernels cannot be automatically partitioned": serve.generate over 2 of a
+    v5p-8's devices did not compile), and wrapping them in a shard_map is not done yet."""
+    if devices > 1:
+        return "xla"
     if platform == "tpu":
         return "pallas_tpu" if head_dim % 128 == 0 else "xla"
     return "pallas_gpu" if platform in ("gpu", "cuda") else "xla"

@@ -104,7 +104,7 @@ class Engine:
         if max(self.buckets) != self.prefill_chunk:
             raise ValueError(f"the largest prompt bucket must be {self.prefill_chunk}: {self.buckets}")
         M = W // page
-        platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+        devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         if mixed and (slot_windows or draft is not None):  # its held rows would need the draft's too
             raise ValueError("the mixed step runs without slot_windows and without a draft model")
         if slot_windows and (prefix_blocks or draft is not None):
@@ -116,9 +116,8 @@ class Engine:
             extra = -(-(extra + M) // M) * M
 
         def pool_for(c):  # a model's page pool: every slot's window, then `extra` pages
-            pool = PagedKVCache.for_slots(
-                c, slots, W, page=page, impl=impl or paged_impl(platform, c.head_dim), extra_pages=extra
-            )
+            kernel = paged_impl(devices[0].platform, c.head_dim, len(devices))
+            pool = PagedKVCache.for_slots(c, slots, W, page=page, impl=impl or kernel, extra_pages=extra)
             if slot_windows:
                 return AdapterCache.wrap(pool.with_table(self.windows, windows_at=M))
             return AdapterCache.wrap(pool.with_table(np.full((slots, M), SCRATCH, np.int32)))

@@ -162,3 +162,27 @@ def test_int8_sampling_and_serving_compile_for_h100_1(tmp_path):
     # no kernel widens a weight matrix to 16 bits in HBM first
     hlo = (tmp_path / "sample.decode.h100-1.hlo.txt").read_text()
     assert re.search(r"^%\S+ \([^)]*s8\[\d+,\d+\]", hlo, re.M)
+
+
+def test_serving_over_several_tpu_devices_takes_the_partitionable_path(tmp_path):
+    """head_dim 128 (Llama's): one chip's engine decodes with the Pallas paged kernel; an engine over 2
+    chips with the xla path, which XLA partitions (the Mosaic kernel is a custom call it cannot split:
+    'Mosaic kernels cannot be automatically partitioned')."""
+    pytest.importorskip("libtpu", reason="the TPU targets need libtpu: pip install 'jax[tpu]==<jax version>'")
+    from flaxgpt.aot import compile as aot
+    from flaxgpt.aot import targets
+    from flaxgpt.models.paged import paged_impl
+    from tests.aot.test_compile import tiny
+
+    assert paged_impl("tpu", 128) == "pallas_tpu" and paged_impl("tpu", 128, devices=2) == "xla"
+    assert paged_impl("gpu", 64) == "pallas_gpu" and paged_impl("gpu", 64, devices=8) == "xla"
+    kernels = {}
+    for n in (1, 2):
+        rows, _ = aot.run(
+            tiny(model__n_embd=256, model__n_head=2), targets.get("v5e-8"), ("serve",), serve_devices=n,
+            print_fn=lambda *_: None,
+        )  # fmt: skip
+        by = {r.program: r for r in rows}
+        assert by["serve.generate"].devices == n
+        kernels[n] = by["serve.generate"].kernel
+    assert kernels[1] == "pallas paged (mosaic)" and kernels[2] != kernels[1], kernels
