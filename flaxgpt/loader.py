@@ -301,7 +301,8 @@ def _load_int4(source: str, adapter, *, place=None, scan_layers=False, pad_vocab
     if adapter is not None:
         raise ValueError(
             f"{source} holds int4 weights (compressed-tensors); a PEFT adapter merges into float weights: "
-            "serve it unmerged (serve.py --lora) or merge it into the float model before quantizing"
+            "serve it unmerged (serve.py --init_from BASE --adapter NAME=DIR) or merge it into the float "
+            "model before quantizing"
         )
     if scan_layers or pad_vocab_multiple != 1 or (place is not None and place.mesh is not None):
         raise ValueError(

@@ -121,9 +121,9 @@ def check_replayable(*, max_adapters=0, allow_runtime_lora=False, processes=1) -
     into the engine's stack by process 0's adapter pool, which the other processes do not have)."""
     if processes > 1 and (max_adapters or allow_runtime_lora):
         raise ValueError(
-            f"LoRA adapters (--adapters, --max_adapters, --allow_runtime_lora) are served by one process, "
-            f"not by a job of {processes}: merge the adapter into the weights (--adapter DIR), or serve "
-            "adapters from a one-process server per host (docs/serving_ops.md)"
+            "LoRA adapters (--adapter NAME=DIR, --max_adapters, --allow_runtime_lora) are served by one "
+            f"process, not by a job of {processes}: merge the adapter into the weights (--adapter DIR), "
+            "or serve adapters from a one-process server per host (docs/serving_ops.md)"
         )
 
 
