@@ -42,7 +42,7 @@ from jax.sharding import AxisType, NamedSharding
 
 from flaxgpt import loader, sharding
 from flaxgpt.decode import sampling
-from flaxgpt.models import attention, context_attention, gpt, lora
+from flaxgpt.models import attention, gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.models.cache import AdapterCache, KVCache
 from flaxgpt.models.flops import flops_per_token
@@ -122,12 +122,7 @@ def train_programs(config, mc, devices, groups) -> list[Program]:
     task = Task.abstract(config, mc)
     m = sections.of(config).mesh
     mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert, context=m.context)
-    if m.context > 1:  # as the trainer: what the context axis cannot split, in one line
-        if models.kind_of(mc) != "gpt":
-            raise ValueError("mesh.context splits a GPT's sequences; a seq2seq run takes mesh.context=1")
-        context_attention.check(mc.block_size, mc.n_head, m.context, mc.context_impl)
-        kernel = attention.resolve_for_mesh(mc.attention_impl, mc.dtype, mesh)
-        attention.check_context_kernel(mc.context_impl, mc.attention_impl, kernel)
+    attention.check_context_mesh(models.kind_of(mc), mc, mesh)
     micro = micro_batch(config)
     sharding.check_batch(micro, mesh, "batch_size // grad_accum")
     steps = make_steps(config, task, mesh)

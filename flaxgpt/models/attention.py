@@ -73,6 +73,20 @@ def resolve_for_mesh(impl: str, dtype: Dtype, mesh) -> str:
         return resolve_attention_impl(impl, dtype)
 
 
+def check_context_mesh(kind: str, mc, mesh) -> None:
+    """Everything a "context" axis of `mesh` cannot split, one line each, before anything is traced: the
+    owner of the rule for the trainer and `flaxgpt aot` (the layer asks check_context_kernel again when
+    traced). kind is the model's ("gpt" or "seq2seq"); mc its config."""
+    n = mesh.shape.get(context_attention.CONTEXT_AXIS, 1)
+    if n == 1:
+        return
+    if kind != "gpt":
+        raise ValueError("mesh.context splits a GPT's sequences; a seq2seq run takes mesh.context=1")
+    context_attention.check(mc.block_size, mc.n_head, n, mc.context_impl)
+    kernel = resolve_for_mesh(mc.attention_impl, mc.dtype, mesh)
+    check_context_kernel(mc.context_impl, mc.attention_impl, kernel)
+
+
 def causal_mask(q_pos_BT: jax.Array, kv_len: int, window: int = 0) -> jax.Array:
     """[B, 1, T, S] True where key s may be seen by the query at position q_pos:
     s <= q_pos, and with a sliding `window` (Mistral) also s > q_pos - window."""

@@ -33,7 +33,7 @@ import numpy as np
 
 from flaxgpt import cluster, runtime, sharding
 from flaxgpt.data import batches as data_lib
-from flaxgpt.models import attention, context_attention, gpt, linear
+from flaxgpt.models import attention, gpt, linear
 from flaxgpt.models import registry as models
 from flaxgpt.models.flops import flops_per_token
 from flaxgpt.runs import checkpoint as ckpt_lib
@@ -65,13 +65,7 @@ class Trainer:
         m = sections.of(config).mesh
         devices = self.task.devices(devices)  # GRPO's engine may keep devices of its own
         self.mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert, context=m.context)
-        if m.context > 1:  # what the context axis cannot split: one line, before compiling
-            if self.task.kind != "gpt":
-                raise ValueError("mesh.context splits a GPT's sequences; a seq2seq run takes mesh.context=1")
-            c = self.task.model_config
-            context_attention.check(c.block_size, c.n_head, m.context, c.context_impl)
-            kernel = attention.resolve_for_mesh(c.attention_impl, c.dtype, self.mesh)
-            attention.check_context_kernel(c.context_impl, c.attention_impl, kernel)
+        attention.check_context_mesh(self.task.kind, self.task.model_config, self.mesh)
         sharding.check_batch(self.micro_rows, self.mesh, "batch_size // grad_accum")
         if self.micro_rows % jax.process_count():
             raise ValueError(

@@ -233,3 +233,20 @@ def test_bad_input_one_line():
     apply = sharding.under_mesh(lambda p, t: GPT(config).apply({"params": p}, t), mesh)
     with pytest.raises(ValueError, match="context_impl=ulysses cannot run the splash kernel"):
         jax.jit(apply).trace(params, tokens)
+
+
+def test_check_context_mesh_owns_the_run_checks():
+    """attention.check_context_mesh: what the trainer and `flaxgpt aot` ask before tracing, one owner."""
+    from flaxgpt.models import attention
+
+    mesh = sharding.make_mesh(data=2, fsdp=1, context=4)
+    attention.check_context_mesh("gpt", tiny_gpt(), mesh)  # 32 tokens over 2 x 4 chunks: fine
+    attention.check_context_mesh("seq2seq", None, sharding.make_mesh(data=8))  # no context axis
+    with pytest.raises(ValueError, match=r"^mesh.context splits a GPT's sequences; a seq2seq run takes"):
+        attention.check_context_mesh("seq2seq", tiny_gpt(), mesh)
+    with pytest.raises(ValueError, match="sequence length 12 is not divisible by 2 x mesh.context = 8"):
+        attention.check_context_mesh("gpt", tiny_gpt(block_size=12), mesh)
+    with pytest.raises(
+        ValueError, match=r"^context_impl=ulysses cannot run the splash kernel \(attention_impl"
+    ):
+        attention.check_context_mesh("gpt", tiny_gpt(context_impl="ulysses", attention_impl="pallas"), mesh)
