@@ -125,13 +125,11 @@ def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0, quan
     for program in progs:  # one line as each compiles: a big model's programs take minutes together
         rows.append(report.analyze(program, target, dump))
         error = rows[-1].error
-        failed = (
-            f" ({error})"
-            if error.startswith("does not compile")
-            else " (out of memory: does not fit)"
-            if error
-            else ""
-        )
+        failed = ""
+        if error:  # the kernel's own words, or the compiler's long out-of-memory text in short
+            failed = (
+                f" ({error})" if error.startswith("does not compile") else " (out of memory: does not fit)"
+            )
         print_fn(f"compiled {program.name} in {rows[-1].compile_s:.1f} s{failed}")
     # a GRPO recipe: the train step and its engine on one device, or each on its own (grpo.engine_devices)
     separate = bool(config.get("grpo", {}).get("engine_devices", 0))

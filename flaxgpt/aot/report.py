@@ -130,18 +130,19 @@ def analyze(program, target, dump: str | Path | None = None) -> Row:
     try:
         compiled = program.trace().lower().compile()
     except Exception as e:
-        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
-            if not isinstance(e, NotImplementedError | ValueError):
-                raise
-            row.compile_s = time.perf_counter() - t0
-            row.error = f"does not compile: {type(e).__name__}: {str(e).strip().splitlines()[0][:240]}"
-            return row
         row.compile_s = time.perf_counter() - t0
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        row.error = next((line for line in lines if "RESOURCE_EXHAUSTED" in line), lines[0])[:300]
-        row.temporary, available = _exhausted(str(e))
-        row.total = row.temporary + row.parameters + row.optimizer  # at least
-        row.memory = available or row.memory  # what the compiler had: the HBM less its reserve
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():  # does not fit
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            row.error = next((line for line in lines if "RESOURCE_EXHAUSTED" in line), lines[0])[:300]
+            row.temporary, available = _exhausted(text)
+            row.total = row.temporary + row.parameters + row.optimizer  # at least
+            row.memory = available or row.memory  # what the compiler had: the HBM less its reserve
+        elif isinstance(e, NotImplementedError | ValueError):  # a kernel the target cannot lower
+            first = (text.strip().splitlines() or [""])[0]
+            row.error = f"does not compile: {type(e).__name__}: {first[:240]}"
+        else:
+            raise
         return row
     row.compile_s = time.perf_counter() - t0
     m = compiled.memory_analysis()
