@@ -232,10 +232,12 @@ def main(argv=None):
     logging.getLogger("flaxgpt.serve").setLevel(logging.INFO)  # and its access log, a line per request
     import jax
 
+    from flaxgpt import cluster
     from flaxgpt.serve import launch, server
 
-    # srun -n 2, mpirun, SkyPilot num_nodes 2, a JobSet: every process joins; process 0 serves
-    how = launch.join()
+    # srun -n 2, mpirun, SkyPilot num_nodes 2, a JobSet: every process joins (None: one process) and
+    # builds the same engine over all the job's devices; process 0 serves, the others replay its plans
+    how = cluster.join()
     launch.check_replayable(
         max_adapters=a.max_adapters, allow_runtime_lora=a.allow_runtime_lora,
         processes=1 if how is None else jax.process_count(),

@@ -1,7 +1,7 @@
 """What serve.py builds before the HTTP layer starts: the model (a run, pretrained weights or a preset's
 random weights) and an engine thread over it, on one device or over a mesh (serving_mesh: the weights
 split by sharding.SERVE_RULES as they load, the KV cache by slots). On a job of several processes
-(`join`) the mesh spans all their devices: process 0 serves, the others replay its engine calls
+(`flaxgpt.cluster.join`) the mesh spans all their devices: process 0 serves, the others replay its engine calls
 (`follows`, serve/replay.py). The HTTP layer (server.py) never imports a model."""
 
 from __future__ import annotations
@@ -104,16 +104,6 @@ def scheduler_for(
         )
     engine = Engine(gpt.step_fn(config, params), config, **kw)
     return Scheduler(engine, tokenizer, **sched_kw)
-
-
-def join():
-    """serve.py's first act: join the job it is one process of (Slurm's srun -n 2, mpirun, a SkyPilot
-    num_nodes > 1 task, a JobSet: flaxgpt.cluster finds it; jax.distributed.initialize) -> its Join,
-    or None for one process (nothing done). Every process then builds the same engine over all the
-    job's devices (--mesh: all of them); process 0 serves and the others replay (`follows`)."""
-    from flaxgpt import cluster
-
-    return cluster.join()
 
 
 def check_replayable(*, max_adapters=0, allow_runtime_lora=False, processes=1) -> None:
