@@ -59,6 +59,9 @@ class _Play:
     turns: int = 0  # replies the environment has stepped
     reward: float = 0.0
     pending: tuple | None = None  # a first token still on the device: (array, index in it or None)
+    done: bool = False  # the environment ended it (else truncated: max_turns or the token budget)
+    observations: int = 0  # observations inserted after replies
+    errors: int = 0  # of which the tool's "error..." answers (envs.base.ToolEnvironment's convention)
 
     def add(self, tokens, model: int):
         self.tokens += tokens
@@ -73,6 +76,7 @@ class Episodes:
         self.max_turns = int(max_turns)
         self.turns = envs.turns_of(envs.load(spec), self.max_turns)  # loaded now: a bad spec fails first
         self.errors: list[str] = []  # the last sample's EnvErrors, one line each
+        self.stats: dict[str, float] = {}  # the last sample's episode metrics (stats_of)
 
     def _text(self, tokens) -> str:
         return self.tokenizer.decode(tokens[:-1] if tokens and tokens[-1] == self.eos else tokens)
@@ -172,6 +176,7 @@ class Episodes:
                         engine.release(slot)
                     free.append(slot)
                     del owner[slot]
+        self.stats = stats_of([play for n, play in enumerate(plays) if n // G not in dropped])
         return prompts, *self._results(plays, dropped, G)
 
     @staticmethod
@@ -200,6 +205,7 @@ class Episodes:
         play.turns += 1
         step = envs.checked_step(play.env, play.prompt, self._text(reply), play.turns)
         play.reward += step.reward
+        play.done = bool(step.done)
         if step.done or play.turns >= envs.turns_of(play.env, self.max_turns):
             return True
         obs = self._encode(step.observation, play, f"step {play.turns}'s observation")
@@ -216,6 +222,8 @@ class Episodes:
         first = engine.extend(slot, [play.tokens[-1], *obs], start, settings)
         play.add(obs, 0)
         play.start, play.pending = len(play.tokens), (first, None)
+        play.observations += 1
+        play.errors += (step.observation or "").lstrip().lower().startswith("error")
         return False
 
     def _results(self, plays, dropped: set, G: int):
@@ -229,3 +237,21 @@ class Episodes:
                 completions.append(Completion(play.tokens, play.model, play.reward))
                 replies.append(self._text(play.tokens[play.start :]))
         return completions, replies
+
+
+def stats_of(plays) -> dict[str, float]:
+    """The episodes' metrics a step logs (dropped groups left out): replies an episode, the share the
+    environment ended (the rest truncated by max_turns or the token budget), observations an episode,
+    the share of observations that are a tool's error answers ("error..."), and the observations'
+    share of the completions' tokens (context, not trained)."""
+    if not plays:
+        return {}
+    tokens = sum(len(p.tokens) for p in plays)
+    observations = sum(p.observations for p in plays)
+    return {
+        "episodes/turns_mean": sum(p.turns for p in plays) / len(plays),
+        "episodes/done_ratio": sum(p.done for p in plays) / len(plays),
+        "episodes/observations_mean": observations / len(plays),
+        "episodes/error_observations_ratio": sum(p.errors for p in plays) / max(observations, 1),
+        "episodes/observation_tokens_ratio": sum(len(p.model) - sum(p.model) for p in plays) / max(tokens, 1),
+    }

@@ -251,6 +251,8 @@ class Rollouts:
         G, extra = self.G, {}
         drawn = self.draw(params, frozen, step, n_rows // G, process_index)
         prompt_ids, completion_ids, total_N, per_NK = drawn
+        # the step's own episodes' metrics, as its rewards (not dynamic sampling's refills')
+        episodes = dict(self.episodes.stats) if self.episodes is not None else {}
         _, zero_std_N = grpo_task.group_advantages(total_N, G, self.scale)
         if self.dynamic_rounds is not None:  # DAPO: groups of equal rewards dropped and refilled
             more = lambda r: self.draw(params, frozen, step, n_rows // G, process_index, r)  # noqa: E731
@@ -281,7 +283,7 @@ class Rollouts:
             info[f"rewards/{name}/mean"] = float(np.nanmean(per_NK[:, k]))
             info[f"rewards/{name}/std"] = float(np.nanstd(per_NK[:, k], ddof=1))
         info["rollout_time"] = time.perf_counter() - t0
-        return batch, {**info, **extra}
+        return batch, {**info, **episodes, **extra}
 
     def evaluate(self, params, frozen) -> dict:
         """Mean reward of one completion sampled (fixed key) for each of the first eval_prompts

@@ -79,6 +79,9 @@ def test_calculator_episodes_on_the_recipes_task(tmp_path):
         called += bool(observations)
     assert called >= 4, called  # most episodes called the calculator
     assert np.isfinite(info["reward"]) and np.isfinite(info["rewards/env/mean"])
+    # the step's episode metrics: a call then an answer is 2 replies and 1 observation an episode
+    assert info["episodes/observations_mean"] >= called / 8 and 1 <= info["episodes/turns_mean"] <= 4
+    assert 0 < info["episodes/observation_tokens_ratio"] < 1
     assert 0 <= info["rewards/calc_reward/mean"] <= 1
 
     objective, tx = task.objective, optax.adam(1e-3)

@@ -132,6 +132,20 @@ def test_episode_tokens_equal_generate_over_the_whole_history(params):
         observations = sum(1 for s in segments(c) if not s[2])
         assert observations <= c.reward <= observations + 1  # 1 a reply stepped
     assert len(segments(completions[0])) >= 3  # reply, observation, reply at least: extended
+    # the step's episode metrics, recounted from the completions
+    obs = [sum(1 for s in segments(c) if not s[2]) for c in completions]
+    replies_n = [sum(1 for s in segments(c) if s[2]) for c in completions]
+    env_tokens = sum(len(c) - sum(c.model) for c in completions)
+    assert episodes.stats == pytest.approx(
+        {
+            "episodes/turns_mean": np.mean([c.reward for c in completions]),  # Talker: 1 a reply stepped
+            "episodes/done_ratio": np.mean([c.reward == 3 for c in completions]),
+            "episodes/observations_mean": np.mean(obs),
+            "episodes/error_observations_ratio": 0.0,
+            "episodes/observation_tokens_ratio": env_tokens / sum(len(c) for c in completions),
+        }
+    )
+    assert max(replies_n) >= 2
     assert replies[0] == Letters().decode([t for t in completions[0][segments(completions[0])[-1][0] :]])
     print("replies over the 4 episodes", turns)
 
@@ -221,3 +235,23 @@ def test_an_environment_that_never_finishes_stops_at_max_turns(params):
         replies = sum(1 for s in segments(c) if s[2])
         assert replies <= 2 and len(c) <= MAX_NEW and c.reward in (0.0, 0.25, 0.5)
     assert any(sum(1 for s in segments(c) if s[2]) == 2 for c in completions)
+
+
+def test_episode_metrics_count_turns_endings_and_tool_errors():
+    """stats_of over finished plays: replies, the environment's endings, observations, the share of them
+    that are a tool's error answers, and the observations' share of the tokens."""
+    from flaxgpt.train.grpo_episodes import _Play, stats_of
+
+    a = _Play(None, "p", 10, tokens=[1, 2, 3, 4, 5, 6], model=[1, 1, 0, 0, 1, 1], turns=2, done=True)
+    a.observations = 1
+    b = _Play(None, "p", 10, tokens=[1, 2, 3, 4], model=[1, 0, 1, 0], turns=2, observations=2, errors=1)
+    assert stats_of([a, b]) == pytest.approx(
+        {
+            "episodes/turns_mean": 2.0,
+            "episodes/done_ratio": 0.5,
+            "episodes/observations_mean": 1.5,
+            "episodes/error_observations_ratio": 1 / 3,
+            "episodes/observation_tokens_ratio": 4 / 10,
+        }
+    )
+    assert stats_of([]) == {}
