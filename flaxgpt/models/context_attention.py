@@ -24,7 +24,11 @@ attends H/N heads over the whole sequence with the ordinary kernel (attention.at
 
 Shape letters: as attention.py (B, T, H, J, G, K); N the context devices, C = T / 2N a chunk, L = 2C
 the tokens a device holds, S the keys of a block.
-May import: nothing of flaxgpt (attention.py hands Ulysses its within-device attention).
+On the CPU a block is also cut along its keys (CPU_TILES): the step's time then grows as its
+attention FLOPs do, since a tile's logits stay in the caches whatever the sequence length
+(docs/benchmarks.md, the long-context section).
+May import: flaxgpt.kernels.target (the platform traced for picks the tiles); attention.py hands
+Ulysses its within-device attention.
 """
 
 from __future__ import annotations
@@ -36,11 +40,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from flaxgpt.kernels import target
+
 CONTEXT_AXIS = "context"  # the mesh axis that splits sequences (flaxgpt.sharding.make_mesh)
 CONTEXT_IMPLS = ("ring", "ulysses")
 # masked logits: finite, so a query row that sees no key of a block keeps a finite running max
 _NEG = -1e30
 Q_TILE = 512  # queries a ring block computes at once: [B, H, Q_TILE, S] float32 logits, not [B, H, L, S]
+# On the CPU: (queries, keys) a tile, the keys' softmax merged online. A tile's [B, H, 256, 512] float32
+# logits (2 MiB at 4 heads) stay in L2/L3 at any length, where [B, H, 512, S] outgrew them as S grew:
+# 4.4 / 8.9 ns a logit forward / backward at 256 x 512 against 29.6 / 31.4 at 512 x 4,096 (4 heads of
+# 16, 2-core AVX-512 EPYC, loaded). 0 keys: the whole block. Accelerators keep (Q_TILE, 0).
+CPU_TILES = (256, 512)
 
 
 def axis_size() -> int:
@@ -282,21 +293,64 @@ def _visible(q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, window, packed):
     return visible_BLS[:, None, None]
 
 
-def _query_tiles(L: int) -> int:
-    """How many tiles a block's L queries are taken in: [Q_TILE, S] logits at a time, not [L, S]
-    (at 128k tokens over 8 devices a device's whole block would be 34 GB of float32 logits a head
-    group); 1 when L is no longer than a tile or a tile does not divide it."""
-    return L // Q_TILE if L > Q_TILE and L % Q_TILE == 0 else 1
+def _tiles(L: int, S: int) -> tuple[int, int]:
+    """(query tiles, key tiles) a block of L queries and S keys is taken in: [Q_TILE, S] logits at a
+    time on accelerators (at 128k tokens over 8 devices a device's whole block would be 34 GB of float32
+    logits a head group), CPU_TILES on the CPU; 1 where the block is no longer than a tile or a tile
+    does not divide it."""
+    q_tile, kv_tile = CPU_TILES if target.platform() == "cpu" else (Q_TILE, 0)
+    count = lambda n, tile: n // tile if tile and n > tile and n % tile == 0 else 1  # noqa: E731
+    return count(L, q_tile), count(S, kv_tile)
+
+
+def _seen(q_pos_L, kv_pos_S, window):
+    """Whether any query of a tile may see any key of it (causal, window): else the tile is skipped."""
+    seen = jnp.min(kv_pos_S) <= jnp.max(q_pos_L)
+    return seen & (jnp.max(kv_pos_S) > jnp.min(q_pos_L) - window) if window else seen
+
+
+def _key_tiles(nk: int, k_BSJK, v_BSJK, kv_pos_S, kv_seg_BS):
+    """The keys' side of a block in nk tiles, the tiles first."""
+    return (
+        _split_tiles(k_BSJK, 1, nk),
+        _split_tiles(v_BSJK, 1, nk),
+        kv_pos_S.reshape(nk, -1),
+        _split_tiles(kv_seg_BS, 1, nk),
+    )
 
 
 def _block(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, **kw):
-    """_block_tile over query tiles in sequence (lax.map): each query's statistics are its own."""
-    nt = _query_tiles(q_BLJGK.shape[1])
-    if nt == 1:
-        return _block_tile(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, **kw)
-    tiles = (_split_tiles(q_BLJGK, 1, nt), q_pos_L.reshape(nt, -1), _split_tiles(q_seg_BL, 1, nt))
-    run = lambda t: _block_tile(t[0], k_BSJK, v_BSJK, t[1], kv_pos_S, t[2], kv_seg_BS, **kw)  # noqa: E731
-    return tuple(_join_tiles(x, 3) for x in jax.lax.map(run, tiles))  # [nt, B, J, G, tile, ...] -> L
+    """_block_tile over query tiles in sequence (lax.map), each over the key tiles in sequence (a scan
+    merging their softmax statistics online; tiles no query sees skipped): each query's statistics are
+    its own."""
+    nq, nk = _tiles(q_BLJGK.shape[1], k_BSJK.shape[1])
+    keys = _key_tiles(nk, k_BSJK, v_BSJK, kv_pos_S, kv_seg_BS)
+
+    def row(q_BLJGK, q_pos_L, q_seg_BL):  # one query tile against every key tile
+        if nk == 1:
+            return _block_tile(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, **kw)
+        acc = jnp.promote_types(q_BLJGK.dtype, jnp.float32)
+        o_BJGLK = jnp.zeros_like(jnp.moveaxis(q_BLJGK, 1, 3), acc)  # _like: varying over the mesh as q
+        none = (o_BJGLK[..., 0] + _NEG, o_BJGLK[..., 0], o_BJGLK)  # no key seen yet
+
+        def step(carry):
+            i, state = carry
+            k, v, pos, seg = (x[i] for x in keys)
+            seen = _seen(q_pos_L, pos, kw["window"])
+            stats = jax.lax.cond(seen, lambda: _block_tile(q_BLJGK, k, v, q_pos_L, pos, q_seg_BL, seg, **kw),
+                                 lambda: none)  # fmt: skip
+            return i + 1, _merge(state, stats)
+
+        # a while loop, not a scan, as _ring_fwd's: in a scanned model a scan here kept every key tile's
+        # logits as residuals of the forward
+        return jax.lax.while_loop(lambda c: c[0] < nk, step, (jnp.asarray(0, jnp.int32), none))[1]
+
+    if nq == 1:
+        return row(q_BLJGK, q_pos_L, q_seg_BL)
+    tiles = (_split_tiles(q_BLJGK, 1, nq), q_pos_L.reshape(nq, -1), _split_tiles(q_seg_BL, 1, nq))
+    return tuple(
+        _join_tiles(x, 3) for x in jax.lax.map(lambda t: row(*t), tiles)
+    )  # [nq, ..., tile, ...] -> L
 
 
 def _split_tiles(x, axis: int, nt: int):
@@ -335,22 +389,37 @@ def _block_tile(
 
 def _block_grads(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, dy_BJGLK, lse_BJGL, D_BJGL,
                  **kw):  # fmt: skip
-    """_block_grads_tile over query tiles in sequence (a scan): dq per tile, dk and dv summed."""
-    nt = _query_tiles(q_BLJGK.shape[1])
-    if nt == 1:
-        args = (q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, dy_BJGLK, lse_BJGL, D_BJGL)
-        return _block_grads_tile(*args, **kw)
+    """_block_grads_tile over query tiles in sequence (a scan), each over the key tiles in sequence (a
+    scan, tiles no query sees skipped): dq summed over the key tiles, dk and dv over the query tiles."""
+    nq, nk = _tiles(q_BLJGK.shape[1], k_BSJK.shape[1])
+    keys = _key_tiles(nk, k_BSJK, v_BSJK, kv_pos_S, kv_seg_BS)
+    acc = jnp.promote_types(q_BLJGK.dtype, jnp.float32)
+
+    def row(q, pos, seg, dy, lse, D):  # one query tile against every key tile -> dq, dk [B, S, J, K], dv
+        if nk == 1:
+            return _block_grads_tile(q, k_BSJK, v_BSJK, pos, kv_pos_S, seg, kv_seg_BS, dy, lse, D, **kw)
+
+        def step(dq, key):
+            k, v, kv_pos, kv_seg = key
+            grads = lambda: _block_grads_tile(q, k, v, pos, kv_pos, seg, kv_seg, dy, lse, D, **kw)  # noqa: E731
+            zeros = lambda: (jnp.zeros_like(q, acc), jnp.zeros_like(k, acc), jnp.zeros_like(v, acc))  # noqa: E731
+            dq_t, dk, dv = jax.lax.cond(_seen(pos, kv_pos, kw["window"]), grads, zeros)
+            return dq + dq_t, (dk, dv)
+
+        dq, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(q, acc), keys)
+        return dq, _join_tiles(dk, 1), _join_tiles(dv, 1)
+
+    if nq == 1:
+        return row(q_BLJGK, q_pos_L, q_seg_BL, dy_BJGLK, lse_BJGL, D_BJGL)
     tiles = (
-        _split_tiles(q_BLJGK, 1, nt), q_pos_L.reshape(nt, -1), _split_tiles(q_seg_BL, 1, nt),
-        _split_tiles(dy_BJGLK, 3, nt), _split_tiles(lse_BJGL, 3, nt), _split_tiles(D_BJGL, 3, nt),
+        _split_tiles(q_BLJGK, 1, nq), q_pos_L.reshape(nq, -1), _split_tiles(q_seg_BL, 1, nq),
+        _split_tiles(dy_BJGLK, 3, nq), _split_tiles(lse_BJGL, 3, nq), _split_tiles(D_BJGL, 3, nq),
     )  # fmt: skip
 
     def step(dkv, t):
-        q, pos, seg, dy, lse, D = t
-        dq, dk, dv = _block_grads_tile(q, k_BSJK, v_BSJK, pos, kv_pos_S, seg, kv_seg_BS, dy, lse, D, **kw)
+        dq, dk, dv = row(*t)
         return (dkv[0] + dk, dkv[1] + dv), dq
 
-    acc = jnp.promote_types(q_BLJGK.dtype, jnp.float32)
     zeros = jnp.zeros_like(k_BSJK, acc), jnp.zeros_like(v_BSJK, acc)  # _like: varying over the mesh as k
     (dk_BSJK, dv_BSJK), dq_tiles = jax.lax.scan(step, zeros, tiles)
     return _join_tiles(dq_tiles, 1), dk_BSJK, dv_BSJK

@@ -96,11 +96,15 @@ def test_equals_one_device(impl, layout, data, context):
         np.testing.assert_allclose(g, r, atol=1e-5, rtol=1e-5)
 
 
-def test_ring_in_query_tiles_equals_one_device(monkeypatch):
-    """Ring blocks taken Q_TILE queries at a time (4 here: a device's 16 queries in 4 tiles, the 8 that
-    see a later block in 2) give the same outputs and gradients (the forward's map, the backward's scan)."""
-    monkeypatch.setattr(context_attention, "Q_TILE", 4)
-    assert context_attention._query_tiles(16) == 4 and context_attention._query_tiles(8) == 2
+@pytest.mark.parametrize("tiles", [(4, 0), (4, 4)])
+def test_ring_in_tiles_equals_one_device(monkeypatch, tiles):
+    """Ring blocks taken 4 queries at a time (a device's 16 queries in 4 tiles, the 8 that see a later
+    block in 2), with their keys whole (accelerators' Q_TILE) or also 4 at a time (CPU_TILES: the keys'
+    softmax merged online, the tiles above the diagonal or past the window skipped) give the same
+    outputs and gradients (the forward's map and scan, the backward's scans)."""
+    monkeypatch.setattr(context_attention, "CPU_TILES", tiles)
+    assert context_attention._tiles(16, 8) == (4, 2 if tiles[1] else 1)
+    assert context_attention._tiles(8, 6) == (2, 1)  # a tile that does not divide: the whole block
     test_equals_one_device("ring", "gqa_window_packed_softcap", 4, 2)
 
 
@@ -132,10 +136,11 @@ def test_a_scanned_ring_keeps_no_step_residuals(monkeypatch):
     output and log-sum-exp, also inside a scan over layers (scan_layers): there JAX 0.10 partially
     evaluated the forward's loop over the ring's steps as if it were differentiated and kept every
     step's and query tile's masks and logits ([N-1, tiles, ...]: 109 GB a GPU for one Llama-3-8B layer
-    at 128k tokens over 8). Its forward is a while loop now: the gradient's compiled temporaries in a
-    scan are the unscanned ones (N = 8, 32 tokens a device in 4 tiles: 168,928 bytes against 62,680
-    before the while loop, 66,840 for both after)."""
-    monkeypatch.setattr(context_attention, "Q_TILE", 8)
+    at 128k tokens over 8). Its forward's loops are while loops now (the ring's steps, the key tiles):
+    the gradient's compiled temporaries in a scan are the unscanned ones (N = 8, 32 tokens a device in
+    4 x 4 tiles: 74,472 bytes against 74,392; 107,480 with a scan over the key tiles; query tiles only:
+    168,928 against 62,680 before the while loop, 66,840 for both after)."""
+    monkeypatch.setattr(context_attention, "CPU_TILES", (8, 8))
     n, C = 8, 16
     mesh = sharding.make_mesh(data=1, fsdp=1, context=n)
     tokens = NamedSharding(mesh, P(sharding.batch_axes(mesh), "context"))
