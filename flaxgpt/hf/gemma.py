@@ -160,19 +160,9 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         rope = glob
     scalar = c.query_pre_attn_scalar or c.head_dim
     return {
-        "architectures": [family.architecture],
-        "model_type": model_type,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.n_embd,
-        "intermediate_size": c.mlp_hidden or 4 * c.n_embd,
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "num_key_value_heads": c.kv_heads,
+        **hf_llama.shape_fields(c, model_type, family),
         "head_dim": c.head_dim,
         "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": hf_llama.max_position_embeddings(c, model_type),
-        "rms_norm_eps": c.layer_norm_epsilon,
-        "tie_word_embeddings": c.tie_embeddings,
         "rope_parameters": rope,
         "query_pre_attn_scalar": int(scalar)
         if scalar == int(scalar)

@@ -224,11 +224,10 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
     )
 
 
-def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict | None = None) -> dict:
-    """GPTConfig -> the config.json of `family` (model_type), what it holds of it: what it has no key
-    for is left out (families.Family.export_config reads the file back and refuses a model that changed)."""
-    c = config
-    hf = {
+def shape_fields(c: GPTConfig, model_type: str, family) -> dict:
+    """The config.json keys every Llama-like family (Gemma's too) writes alike: the architecture, the
+    sizes, the context, the norm's epsilon and the tied embeddings."""
+    return {
         "architectures": [family.architecture],
         "model_type": model_type,
         "vocab_size": c.vocab_size,
@@ -237,11 +236,20 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         "num_hidden_layers": c.n_layer,
         "num_attention_heads": c.n_head,
         "num_key_value_heads": c.kv_heads,
-        "head_dim": c.head_dim if family.qk_norm else c.n_embd // c.n_head,  # others read D / H only
-        "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings(c, model_type),
         "rms_norm_eps": c.layer_norm_epsilon,
         "tie_word_embeddings": c.tie_embeddings,
+    }
+
+
+def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict | None = None) -> dict:
+    """GPTConfig -> the config.json of `family` (model_type), what it holds of it: what it has no key
+    for is left out (families.Family.export_config reads the file back and refuses a model that changed)."""
+    c = config
+    hf = {
+        **shape_fields(c, model_type, family),
+        "head_dim": c.head_dim if family.qk_norm else c.n_embd // c.n_head,  # others read D / H only
+        "hidden_act": "silu",
         "rope_theta": c.rope_theta,  # both config.json formats: rope_theta + rope_scaling read everywhere
         "rope_scaling": None if c.rope_scaling == "none" else rope_parameters(c),
         "attention_dropout": c.attn_dropout,
