@@ -16,9 +16,12 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
 - fused_loss: the same step (the recipe's micro-batch) with the loss from the logits, then through the
   fused linear + cross-entropy (`--loss_impl fused`, train/losses.py), then that with its Triton kernels
   (FLAXGPT_XENT=pallas, kernels/pallas_xent.py; on the CPU the XLA form again): step time and peak memory
-- decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, bf16 and int8 weights at batch 1 and
-  64, the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS); decode_gpt2_plain: the same
-  without (`graphs=False`)
+- decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, float weights in bf16 (sample.py's
+  param_dtype=bfloat16: each layer's norms and residual adds in its GEMVs, kernels/pallas_decode.py,
+  at batch 1), bf16 and int8 weights (quantize_params) at batch 1 and 64, the token loop as one CUDA
+  graph (sampling.GPU_LOOP_OPTIONS); decode_gpt2_plain: the same without (`graphs=False`);
+  decode_gpt2_xla: the float row at batch 1 on XLA's path (FLAXGPT_DECODE_KERNELS=off), for the side
+  by side (the GPT-2 >= 4,000 tok/s target)
 - decode_llama8b: the same for Llama-3-8B's shape, random bf16 weights made on the device (16 GB;
   int8 8 GB; int4, groups of 128, 4.3 GB), 128 new tokens
 - decode_llama8b_pallas: its batch-1 int8 and int4 rows with FLAXGPT_QMATMUL=pallas (the weight products
@@ -50,6 +53,7 @@ output in OUT/tests_output.txt (data, runs and logs under --work).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -71,8 +75,9 @@ PARTS = {
     "fp8": 120,  # two compiles and 10 steps each of one 8B layer (not yet run on a lease)
     "epilogues": 80,  # two compiles and runs of the step (~30 s each on 2026-11-27's `step`)
     "nanogpt": 70,
-    "decode_gpt2": 100,
+    "decode_gpt2": 130,  # 58 s on 2026-11-27 with bf16 and int8; float rows added
     "decode_gpt2_plain": 100,
+    "decode_gpt2_xla": 60,  # the float row at batch 1, FLAXGPT_DECODE_KERNELS=off (not yet run on a lease)
     "decode_llama8b": 170,  # 137 s on 2026-11-27 (weights quantized on the device: 3 s)
     "decode_llama8b_reduce": 110,  # batch 1, FLAXGPT_QMATMUL=reduce: the int8 products as row reductions
     "decode_llama8b_pallas": 130,  # batch 1, int8 and int4, FLAXGPT_QMATMUL=pallas (not yet run on a lease)
@@ -82,7 +87,7 @@ PARTS = {
 # what one call of at most 10 minutes holds
 GROUPS = {
     "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 570 s)
-    "decode": ("decode_gpt2", "decode_llama8b", "hf_generate"),  # ~7 min
+    "decode": ("decode_gpt2", "decode_gpt2_xla", "decode_llama8b", "hf_generate"),  # ~8 min
     "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce"),  # ~4 min: the int8 / int4 kernels
     "tests": ("tests",),  # ~3.5 min
 }
@@ -248,7 +253,13 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     if a.part.endswith("_pallas"):
         os.environ["FLAXGPT_QMATMUL"] = "pallas"
         label += " (Pallas GEMV)"
+    if a.part.endswith("_xla"):  # read when the blocks are traced (flaxgpt.models.linear.decode_kernels)
+        os.environ["FLAXGPT_DECODE_KERNELS"] = "off"
+        label += " (XLA's path)"
+    elif a.dry_run:  # the CPU runs the float rows' decode kernels interpreted: their path is checked too
+        os.environ.setdefault("FLAXGPT_DECODE_KERNELS", "on")
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from flaxgpt.decode import sampling
@@ -263,9 +274,15 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     quantized = {}
     for mode in quantize_modes:
         progress(f"{label}: {mode} weights")
-        quantized[mode] = gpt.quantize_params(cfg, params, mode)
+        if mode == "float":  # float weights cast to bf16, as sample.py's param_dtype=bfloat16
+            bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+            quantized[mode] = (dataclasses.replace(cfg, param_dtype="bfloat16"), bf16)
+        else:
+            quantized[mode] = gpt.quantize_params(cfg, params, mode)
     del params
     for B in batches:  # batch 1 of every weight type first: what matters most if time runs out
+        if a.part.endswith("_xla") and B > 1:  # the decode kernels take batch 1's rows only
+            continue
         prompt = np.random.RandomState(B).randint(0, cfg.vocab_size, (B, prompt_len)).astype(np.int32)
         W = sampling.cache_length(cfg.block_size, prompt_len, new_tokens)
         for mode, (qcfg, qparams) in quantized.items():
@@ -304,6 +321,7 @@ def part_decode(a, model: str) -> None:
 
     int4 = "int4_g32" if a.dry_run else "int4"  # the tiny model's 64 features take groups of 32
     modes = {"decode_llama8b": ("bf16", "int8", int4), "decode_llama8b_pallas": ("int8", int4)}
+    modes.update(decode_gpt2=("float", "bf16", "int8"), decode_gpt2_xla=("float",))
     modes = modes.get(a.part, ("bf16", "int8"))
     if a.dry_run:
         cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=64, block_size=128, dtype="bfloat16")
@@ -527,6 +545,7 @@ def main(argv=None) -> int:
         fn = {
             "decode_gpt2": lambda: part_decode(a, "gpt2"),
             "decode_gpt2_plain": lambda: part_decode(a, "gpt2"),
+            "decode_gpt2_xla": lambda: part_decode(a, "gpt2"),
             "decode_llama8b": lambda: part_decode(a, "llama8b"),
             "decode_llama8b_reduce": lambda: part_decode(a, "llama8b"),
             "decode_llama8b_pallas": lambda: part_decode(a, "llama8b"),

@@ -19,7 +19,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     cmd = [sys.executable, "benchmarks/gpu_lease.py", "--dry_run", "--out", str(out), "--work", str(work)]
     cmd += [
         "--parts",
-        "recipe,decode_gpt2,fused_loss,epilogues,fp8,nanogpt",
+        "recipe,decode_gpt2,decode_gpt2_xla,fused_loss,epilogues,fp8,nanogpt",
         "--nanogpt_model",
         str(tmp_path / "absent.py"),
     ]
@@ -33,8 +33,10 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     recipe = by_part["recipe"][0]
     assert recipe["tokens_per_s"] > 0 and recipe["step_ms"] > 0  # read back from the run's metrics.jsonl
     decodes = {r["what"]: r for r in by_part["decode_gpt2"]}
-    assert set(decodes) == {f"decode tiny {m} batch {b}" for m in ("bf16", "int8") for b in (1, 4)}
+    assert set(decodes) == {f"decode tiny {m} batch {b}" for m in ("float", "bf16", "int8") for b in (1, 4)}
     assert all(r["tokens_per_s"] > 0 for r in decodes.values())
+    # the float rows on XLA's path (FLAXGPT_DECODE_KERNELS=off), batch 1 only: the kernels' side by side
+    assert [r["what"] for r in by_part["decode_gpt2_xla"]] == ["decode tiny (XLA's path) float batch 1"]
     fused = {r["what"].rpartition(" ")[2]: r for r in by_part["fused_loss"]}  # logits, fused, pallas
     assert set(fused) == {"logits", "fused", "pallas"} and all(r["step_ms"] > 0 for r in fused.values())
     # the same step from the same start: the same loss whichever path computes it

@@ -91,11 +91,6 @@ def kernel_available() -> bool:
     return True
 
 
-def _one_device() -> bool:
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh.empty or mesh.size == 1
-
-
 def dequantize(w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     """The float32 weight [N, K] a quantized one stands for (int4: uint8 [N, K/2] with scales [N, G])."""
     if w_NK.dtype == jnp.uint8:
@@ -134,7 +129,7 @@ def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     x_MK = x_MK.astype(jnp.float32)
     # traced for a CPU (above: not), and for one device: XLA cannot split a custom call over a mesh
     # (it would gather the whole weight onto every device to run it), so there XLA's dot
-    if M <= MAX_KERNEL_ROWS and _one_device() and kernel_available():
+    if M <= MAX_KERNEL_ROWS and target.one_device() and kernel_available():
         out = jax.ShapeDtypeStruct((M, N), jnp.float32)
         return jax.ffi.ffi_call(f"flaxgpt_{name}_matmul", out)(x_MK, w_NK, scale_N.astype(jnp.float32))
     return jax.lax.dot_general(x_MK, w_NK.astype(jnp.float32), dims) * scale_N

@@ -31,6 +31,13 @@ def platform() -> str:
     return "gpu" if name in ("cuda", "rocm") else name
 
 
+def one_device() -> bool:
+    """Whether the program is traced for one device: XLA cannot split a custom call (a Pallas or FFI
+    kernel) over a mesh, so kernels are taken only then."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1
+
+
 def device_kind() -> str:
     """As the device reports it: "TPU v5 lite", "NVIDIA H100 80GB HBM3", "cpu"."""
     return _device().device_kind

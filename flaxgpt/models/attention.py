@@ -257,7 +257,11 @@ class SelfAttention(nn.Module):
         ve_BTD=None,
         segment_ids_BT=None,
         real_BT=None,
+        pre_norm=None,
+        residual=None,
     ):
+        """`pre_norm` (kernels.pallas_decode.Norm): x is normalized by c_attn first; `residual`: added by
+        c_proj (decoding's fused kernels, models.linear)."""
         B, T, D = x_BTD.shape
         H = self.n_head
         J = self.n_kv_head or H
@@ -280,7 +284,7 @@ class SelfAttention(nn.Module):
             name="c_attn",
             splits=(H * K, (H + J) * K) if apart else (),
             **adapted,
-        )(x_BTD.reshape(B * T, D))  # 2-D operands: see MLP
+        )(x_BTD.reshape(B * T, D), pre_norm=pre_norm)  # 2-D operands: see MLP
         if apart:
             q_BTHK, k_BTJK, v_BTJK = (y.reshape(B, T, -1, K) for y in qkv)
         else:
@@ -343,7 +347,8 @@ class SelfAttention(nn.Module):
             bias_init=zeros_init(("embed",)),
             name="c_proj",
             **adapted,
-        )(y_BTHK.reshape(B * T, H * K)).reshape(B, T, D)
+        )(y_BTHK.reshape(B * T, H * K), residual=None if residual is None else residual.reshape(B * T, D))
+        y_BTD = y_BTD.reshape(B, T, D)
         y_BTD = nn.Dropout(self.resid_dropout)(y_BTD, deterministic=self.deterministic)
         return y_BTD, kv
 

@@ -32,7 +32,7 @@ import numpy as np
 from flax import linen as nn
 
 from flaxgpt.kernels import linear_xent
-from flaxgpt.models import quantize
+from flaxgpt.models import layers, quantize
 from flaxgpt.models.attention import SelfAttention
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt_config import LLAMA_STYLE, REMAT_POLICIES, GPTConfig  # noqa: F401  (flaxgpt.models.gpt.GPTConfig)
@@ -64,6 +64,8 @@ class Block(nn.Module):
         # grow with depth; the speedrun starts them at zero (each block starts as the identity)
         out_std = 0.0 if c.zero_init_proj else 0.02 / math.sqrt(2 * c.n_layer)
         ln = lambda name: norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, name)  # noqa: E731
+        pre = functools.partial(layers.sublayer_input, c, self.layer, kv, self.lora, self.deterministic)
+        a_BTD, extra = pre("ln_1", x_BTD)
         h_BTD, kv = SelfAttention(
             n_head=c.n_head,
             n_kv_head=c.kv_heads,
@@ -88,10 +90,10 @@ class Block(nn.Module):
             lora=self.lora,
             fp8=c.fp8,
             name="attn",
-        )(ln("ln_1")(x_BTD), positions_BT, kv, ve_BTD=ve_BTD, segment_ids_BT=segment_ids_BT, real_BT=real_BT)
+        )(a_BTD, positions_BT, kv, ve_BTD=ve_BTD, segment_ids_BT=segment_ids_BT, real_BT=real_BT, **extra)
         if c.post_norms:  # Gemma: normalise the branch's output too (its post_attention_layernorm)
             h_BTD = ln("post_attn_ln")(h_BTD)
-        x_BTD = x_BTD + h_BTD
+        x_BTD = h_BTD if extra else x_BTD + h_BTD  # extra: decoding's kernels add x (sublayer_input)
         shared = dict(
             activation=c.activation,
             glu=c.glu,
@@ -115,10 +117,11 @@ class Block(nn.Module):
             )
         else:
             mlp = MLP(hidden=c.mlp_hidden or 4 * c.n_embd, use_bias=c.bias, fp8=c.fp8, **shared)
-        h_BTD = mlp(ln("ln_2")(x_BTD))
+        a_BTD, extra = pre("ln_2", x_BTD)
+        h_BTD = mlp(a_BTD, **extra)
         if c.post_norms:  # Gemma's post_feedforward_layernorm
             h_BTD = ln("post_mlp_ln")(h_BTD)
-        return x_BTD + h_BTD, kv
+        return (h_BTD if extra else x_BTD + h_BTD), kv
 
 
 class ScannedBlock(nn.Module):

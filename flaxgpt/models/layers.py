@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from flaxgpt.models.linear import Linear
+from flaxgpt.kernels.pallas_decode import Norm
+from flaxgpt.models.linear import Linear, decode_kernels
 
 Dtype = Any
 
@@ -137,7 +138,8 @@ class MLP(nn.Module):
     fp8: bool = False  # c_fc's and c_proj's base products in float8 (GPTConfig.fp8)
 
     @nn.compact
-    def __call__(self, x_BTD):
+    def __call__(self, x_BTD, pre_norm: Norm | None = None, residual=None):
+        """`pre_norm`: x is normalized by c_fc first; `residual`: added by c_proj (models.linear)."""
         D = x_BTD.shape[-1]
         adapted = dict(lora=self.lora, deterministic=self.deterministic, fp8=self.fp8)
         # Tokens flattened to one axis: with [B, T, D] operands the weight gradients contract
@@ -157,7 +159,7 @@ class MLP(nn.Module):
             name="c_fc",
             activation=None if self.glu else activation_fn(self.activation),
             **adapted,
-        )(x_ND)
+        )(x_ND, pre_norm=pre_norm)
         if not self.glu:
             h_NF = h_NE
         elif self.activation == "silu":
@@ -174,7 +176,7 @@ class MLP(nn.Module):
             bias_init=zeros_init(("embed",)),
             name="c_proj",
             **adapted,
-        )(h_NF)
+        )(h_NF, residual=None if residual is None else residual.reshape(-1, D))
         y_BTD = y_ND.reshape(x_BTD.shape)
         return nn.Dropout(self.dropout)(y_BTD, deterministic=self.deterministic)
 
@@ -203,6 +205,46 @@ def layer_norm(use_bias: bool, eps: float, dtype: Dtype, param_dtype: Dtype, nam
         bias_init=zeros_init(axes),
         name=name,
     )
+
+
+class NormParams(nn.Module):
+    """A LayerNorm's or RMSNorm's parameters under its name, as flax's (scale, and LayerNorm's bias),
+    not applied here: decoding hands them to the product after the norm (`sublayer_input`)."""
+
+    kind: str
+    use_bias: bool
+    eps: float
+    param_dtype: Dtype = jnp.float32
+    axes: tuple = ("embed",)
+
+    @nn.compact
+    def __call__(self, D: int) -> Norm:
+        scale = self.param("scale", ones_init(self.axes), (D,), self.param_dtype)
+        with_bias = self.kind == "layernorm" and self.use_bias
+        bias = self.param("bias", zeros_init(self.axes), (D,), self.param_dtype) if with_bias else None
+        return Norm(self.kind, scale, bias, self.eps)
+
+
+def sublayer_input(c, layer: int, kv, lora, deterministic: bool, name: str, x_BTD):
+    """Block `layer`'s input to its attention or MLP and the extra call arguments (c: the GPT's config,
+    the rest the block's): norm(x) and {}, or where `fuse_decode` takes the kernels x itself and
+    {pre_norm, residual: x}, the sublayer's first product normalizing x and its last adding x back,
+    each in its kernel (models.linear)."""
+    dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
+    if not fuse_decode(c, layer, x_BTD, kv, lora, deterministic):
+        return norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, name)(x_BTD), {}
+    params = NormParams(c.norm, c.bias, c.layer_norm_epsilon, pdtype, name=name)(x_BTD.shape[-1])
+    return x_BTD, {"pre_norm": params, "residual": x_BTD}
+
+
+def fuse_decode(c, layer: int, x_BTD, kv, lora, deterministic: bool) -> bool:
+    """Whether block `layer` of the GPT config `c` takes `sublayer_input`'s fused form: a decoding step
+    (a cache, rows within the kernel's) where models.linear.decode_kernels takes the kernels, a norm
+    the kernel has, and sublayers with nothing between the norm, the products and the residual add
+    (no post-norms, mixture of experts, adapters, float8 or dropout)."""
+    plain = not (c.post_norms or c.layer_is_sparse(layer) or lora or c.fp8)
+    plain = plain and (deterministic or not c.resid_dropout) and c.norm in ("layernorm", "rmsnorm")
+    return kv is not None and plain and decode_kernels(x_BTD.shape[0] * x_BTD.shape[1])
 
 
 class RMSNormPlusOne(nn.Module):

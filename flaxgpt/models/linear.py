@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.dtypes import promote_dtype
 
-from flaxgpt.kernels import target
+from flaxgpt.kernels import pallas_decode, target
 from flaxgpt.kernels.fp8 import fp8_dot, fp8_note  # noqa: F401  (fp8_note: the trainer's door to it)
 from flaxgpt.kernels.qmatmul import dequantize, qmatmul
 from flaxgpt.models.quantize import QuantizedWeight
@@ -95,13 +95,27 @@ class Linear(nn.Module):
     activation: Any = None
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, pre_norm: pallas_decode.Norm | None = None, residual=None):
+        """`pre_norm` (decoding, models.layers.sublayer_input): x is the residual stream, which this
+        layer normalizes first; `residual`: the output comes back with it added. Both go into one
+        kernel with the product where `decode_kernels` takes it (`_decode_kernel`), else XLA's steps."""
         kernel = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
         if not isinstance(kernel, QuantizedWeight):
             kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
         bias = None
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        if pre_norm is not None or residual is not None:
+            y = self._decode_kernel(x, kernel, bias, pre_norm, residual)
+            if y is not None:
+                return y
+            if pre_norm is not None:  # the norm as XLA's steps (flax's arithmetic), in the compute dtype
+                x = pallas_decode.normalize(x, pre_norm).astype(self.dtype or x.dtype)
+        y = self._product(x, kernel, bias)
+        return y if residual is None else residual + y
+
+    def _product(self, x, kernel, bias):
+        """y = x W (+ b), split and activated as asked, plus the adapters."""
         if isinstance(kernel, QuantizedWeight):
             if self.fp8:
                 raise ValueError(
@@ -124,6 +138,30 @@ class Linear(nn.Module):
             if bias is not None:
                 y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         return self._activate(self._split(self._adapted(x, y)))
+
+    def _decode_kernel(self, x, kernel, bias, norm, residual):
+        """norm + product + bias + activation + residual as one kernel (kernels.pallas_decode) for a
+        float weight without adapters or float8, decoding's few rows, where `decode_kernels` takes it;
+        else None (the caller takes XLA's steps)."""
+        x_MK = x.reshape(-1, x.shape[-1])
+        if isinstance(kernel, QuantizedWeight) or self.fp8 or self.splits or self.lora is not None:
+            return None
+        (M, K), N = x_MK.shape, kernel.shape[1]
+        dtype = jnp.dtype(self.dtype or jnp.result_type(x, kernel, *(() if bias is None else (bias,))))
+        out = dtype if residual is None else jnp.result_type(residual, dtype)
+        dtypes = (x.dtype, kernel.dtype, dtype, out)
+        if (
+            not decode_kernels(M)
+            or pallas_decode.fits(M, N, K)
+            or any(jnp.dtype(d) not in pallas_decode.DTYPES for d in dtypes)
+        ):
+            return None
+        res_MN = None if residual is None else residual.reshape(M, N)
+        y_MN = pallas_decode.gemv(
+            x_MK, kernel, bias, norm=norm, activation=self.activation, residual_MN=res_MN,
+            dtype=dtype, out_dtype=out, interpret=target.platform() != "gpu",
+        )  # fmt: skip
+        return y_MN.reshape(*x.shape[:-1], -1)
 
     def _adapted(self, x, y):
         """y plus the "lora" collection's adapters at this path (none: y)."""
@@ -169,6 +207,21 @@ def fused_epilogues() -> bool:
     mode = os.environ.get("FLAXGPT_EPILOGUES", "auto")
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"FLAXGPT_EPILOGUES={mode!r}: use auto (GPUs only), on or off")
+    return mode == "on" or (mode == "auto" and target.platform() == "gpu")
+
+
+def decode_kernels(rows: int) -> bool:
+    """Whether a decoding step's norm + product (+ GELU) and product + residual run as one kernel each
+    (kernels.pallas_decode; read when traced): for `rows` <= its MAX_ROWS on one GPU (auto), where the
+    token loop is launch-bound (docs/accelerators.md, "Kernels a decoding token"); a prefill's many
+    rows, several devices (XLA cannot split the kernel) and other platforms keep XLA's path.
+    FLAXGPT_DECODE_KERNELS=off keeps XLA's path everywhere; =on takes the kernels on any platform
+    (interpreted off GPUs: the tests)."""
+    mode = os.environ.get("FLAXGPT_DECODE_KERNELS", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"FLAXGPT_DECODE_KERNELS={mode!r}: use auto (GPUs only), on or off")
+    if rows > pallas_decode.MAX_ROWS or not target.one_device():
+        return False
     return mode == "on" or (mode == "auto" and target.platform() == "gpu")
 
 

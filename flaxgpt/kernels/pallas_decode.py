@@ -1,0 +1,213 @@
+"""A decoding row's float GEMV with the norm before it and the residual after it, one Pallas kernel for
+GPUs (the Triton backend).
+
+    y_MN = gemv(x_MK, w_KN, b_N, norm=Norm("layernorm", g_K, beta_K, 1e-5), activation=gelu)
+    y_MN = gemv(h_MK, w_KN, b_N, residual_MN=x_MN)      # x + h @ w + b: c_proj and the residual add
+    y_MN = gemv(..., interpret=True)                     # the same program run by Pallas on the CPU
+
+GPT-2 at batch 1 is launch-bound: its compiled token loop is 228 kernels, 14 a layer, at ~1.9 us a
+launch on an H100 (docs/accelerators.md, "Kernels a decoding token"). XLA leaves each LayerNorm as two
+kernels before the product that reads it, writes a one-row product as a multiply and a separate sum,
+and the residual add apart. Here one program owns `bn` output channels: it first walks the row once
+for the norm's statistics (K floats a row, from L2 after the first program), then walks K again,
+normalizing each block of x as it multiplies it by the weight tile [bk, bn] (the weights read once, as
+flax's kernel [K, N] lies: each tile's rows contiguous), and its epilogue adds the bias, applies the
+activation and adds the residual. So ln_1 + c_attn, ln_2 + c_fc + GELU, and each c_proj + bias +
+residual are one kernel each.
+
+The arithmetic is the plain path's: the norm in float32 (flax's LayerNorm: var = E[x^2] - E[x]^2,
+clipped at 0; RMSNorm: E[x^2]), rounded to the compute dtype before the product as the plain path
+hands the product a rounded input; products and sums in float32; the output rounded to the compute
+dtype before the residual is added (the plain path adds two rounded arrays), then to the output dtype.
+
+Rows are few (M <= MAX_ROWS: decoding; a prefill's many rows are a compute-bound GEMM, XLA's); the
+products are multiplies and row sums, not Triton's dot, whose tiles start at 16 rows. Tiles never read
+past the arrays (as kernels.pallas_qgemv): the last block of channels starts at N - bn and the last
+block of K at K - bk, the inputs an earlier block summed masked; bn and bk are powers of two (Triton's
+rule) no larger than N and K. `fits` says whether a shape tiles; `gemv` refuses the others in one line.
+Who calls it and when: models.linear (`decode_kernels`, FLAXGPT_DECODE_KERNELS).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's GEMM is compute-bound
+BLOCK_N = 32  # output channels a program: GPT-2's 768 make 24 programs, c_fc's 3072 make 96
+BLOCK_K = 128  # inputs a step: a [128, 32] float32 tile, 32 values a thread at 4 warps
+MIN_DIM = 16  # the smallest tile side Triton takes
+NORMS = ("layernorm", "rmsnorm")
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class Norm(NamedTuple):
+    """The norm applied to x before the product: flax's LayerNorm (scale, bias or None) or RMSNorm
+    (scale; bias None), over the last axis, in float32."""
+
+    kind: str
+    scale_K: Any
+    bias_K: Any
+    eps: float
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def fits(M: int, N: int, K: int) -> str:
+    """'' when the kernel tiles x [M, K] @ w [K, N], else why not."""
+    if M > MAX_ROWS:
+        return f"{M} rows > MAX_ROWS {MAX_ROWS} (prefill: a compute-bound GEMM)"
+    if N < MIN_DIM or K < MIN_DIM:
+        return f"w [{K}, {N}] has a side < {MIN_DIM} (Triton's smallest tile)"
+    return ""
+
+
+def gemv(
+    x_MK,
+    w_KN,
+    bias_N=None,
+    *,
+    norm: Norm | None = None,
+    activation=None,
+    residual_MN=None,
+    dtype=None,
+    out_dtype=None,
+    interpret: bool = False,
+) -> jax.Array:
+    """residual + activation(norm(x) @ w + bias) -> [M, N] in `out_dtype` (default `dtype`); `dtype`
+    (default x's) is the compute dtype the normalized x and the product are rounded to (the plain
+    path's)."""
+    M, K = x_MK.shape
+    N = w_KN.shape[1]
+    dtype = jnp.dtype(dtype or x_MK.dtype)
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    if w_KN.shape[0] != K:
+        raise ValueError(f"decode gemv: x {x_MK.shape} and w {w_KN.shape} disagree on K")
+    why = fits(M, N, K)
+    bad = [str(a.dtype) for a in (x_MK, w_KN) if jnp.dtype(a.dtype) not in DTYPES]
+    why = why or (f"dtype {bad[0]} (the kernel takes float32, bfloat16, float16)" if bad else "")
+    if norm is not None and norm.kind not in NORMS:
+        why = why or f"norm {norm.kind!r} (it takes {NORMS})"
+    if why:
+        raise ValueError(f"decode gemv cannot take x {x_MK.shape} @ w [{K}, {N}]: {why}; "
+                         "FLAXGPT_DECODE_KERNELS=off keeps XLA's path")  # fmt: skip
+    if residual_MN is not None and residual_MN.shape != (M, N):
+        raise ValueError(f"decode gemv: residual {residual_MN.shape} is not the output's [{M}, {N}]")
+    args, have = [x_MK], []
+    for name, a in (
+        ("g", None if norm is None else norm.scale_K),
+        ("beta", None if norm is None else norm.bias_K),
+        ("w", w_KN),
+        ("b", bias_N),
+        ("res", residual_MN),
+    ):
+        if a is not None:
+            args.append(a)
+            have.append(name)
+    spec = _Spec(
+        M, N, K, min(BLOCK_N, _pow2_floor(N)), min(BLOCK_K, _pow2_floor(K)), tuple(have),
+        None if norm is None else norm.kind, 0.0 if norm is None else float(norm.eps), activation, dtype,
+    )  # fmt: skip
+    call = pl.pallas_call(
+        functools.partial(_kernel, spec),
+        grid=(pl.cdiv(N, spec.bn),),
+        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        interpret=interpret,
+        name="decode_gemv",
+    )
+    return call(*args)
+
+
+def normalize(x, norm: Norm) -> jax.Array:
+    """norm(x) over the last axis in float32 (at least), flax's LayerNorm / RMSNorm arithmetic: the
+    kernel's prologue as XLA's steps (models.linear when the kernel is not taken)."""
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    x = x.astype(acc)
+    mean_sq = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    if norm.kind == "rmsnorm":
+        return x * (jax.lax.rsqrt(mean_sq + norm.eps) * norm.scale_K.astype(acc))
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.maximum(mean_sq - jnp.square(mean), 0.0)
+    y = (x - mean) * (jax.lax.rsqrt(var + norm.eps) * norm.scale_K.astype(acc))
+    return y if norm.bias_K is None else y + norm.bias_K.astype(acc)
+
+
+class _Spec(NamedTuple):
+    M: int
+    N: int
+    K: int
+    bn: int
+    bk: int
+    have: tuple  # which of g, beta, w, b, res were passed (their refs follow x's in this order)
+    norm: str | None
+    eps: float
+    activation: Any
+    dtype: Any
+
+
+def _kernel(s: _Spec, x_ref, *refs):
+    o_ref = refs[-1]
+    refs = dict(zip(s.have, refs[:-1], strict=True))
+    f32 = jnp.float32
+    cols = pl.ds(jnp.minimum(pl.program_id(0) * s.bn, s.N - s.bn), s.bn)  # in bounds: see the module doc
+    steps = pl.cdiv(s.K, s.bk)
+
+    def block(j):
+        """Step j's inputs: bk from min(j * bk, K - bk), and which of them no earlier step took."""
+        start = jnp.minimum(j * s.bk, s.K - s.bk)
+        return pl.ds(start, s.bk), start + jnp.arange(s.bk) >= j * s.bk
+
+    def row(m, ks, fresh):
+        return jnp.where(fresh, x_ref[m, ks].astype(f32), 0.0)
+
+    stats = [(0.0, 1.0)] * s.M  # (mean, 1 / std) a row
+    if s.norm is not None:
+
+        def moments(j, sums):
+            ks, fresh = block(j)
+            out = []
+            for m in range(s.M):
+                x = row(m, ks, fresh)
+                out += [sums[2 * m] + jnp.sum(x), sums[2 * m + 1] + jnp.sum(x * x)]
+            return tuple(out)
+
+        sums = jax.lax.fori_loop(0, steps, moments, tuple(jnp.zeros((), f32) for _ in range(2 * s.M)))
+        stats = []
+        for m in range(s.M):
+            mean, mean_sq = sums[2 * m] / s.K, sums[2 * m + 1] / s.K
+            if s.norm == "rmsnorm":
+                stats.append((0.0, jax.lax.rsqrt(mean_sq + s.eps)))
+            else:
+                stats.append((mean, jax.lax.rsqrt(jnp.maximum(mean_sq - mean * mean, 0.0) + s.eps)))
+
+    def body(j, accs):
+        ks, fresh = block(j)
+        w = jnp.where(fresh[:, None], refs["w"][ks, cols].astype(f32), 0.0)  # [bk, bn]
+        g = refs["g"][ks].astype(f32) if "g" in refs else 1.0
+        beta = refs["beta"][ks].astype(f32) if "beta" in refs else 0.0
+        out = []
+        for m, acc in enumerate(accs):
+            x = row(m, ks, fresh)
+            if s.norm is not None:  # normalized, then rounded as the plain path hands it to the product
+                mean, rstd = stats[m]
+                x = ((x - mean) * (rstd * g) + beta).astype(s.dtype).astype(f32)
+            out.append(acc + jnp.sum(x[:, None] * w, axis=0))
+        return tuple(out)
+
+    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((s.bn,), f32) for _ in range(s.M)))
+    b = refs["b"][cols].astype(f32) if "b" in refs else 0.0
+    for m, acc in enumerate(accs):
+        y = acc + b
+        if s.activation is not None:
+            y = s.activation(y)
+        if "res" in refs:  # two rounded arrays added, as the plain path's x + h
+            y = refs["res"][m, cols].astype(f32) + y.astype(s.dtype).astype(f32)
+        o_ref[m, cols] = y.astype(o_ref.dtype)

@@ -1,0 +1,86 @@
+"""kernels.pallas_decode in Pallas interpret mode: norm + GEMV + bias + activation + residual against
+a float64 reference, over shapes whose last channel and input blocks overlap the ones before, in
+float32 and bfloat16; shapes it cannot take are refused in one line."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxgpt.kernels.pallas_decode import MAX_ROWS, Norm, fits, gemv, normalize
+
+
+def gelu64(y):
+    return 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y**3)))
+
+
+def reference(x, w, b, norm, act, res):
+    """float64: residual + act(norm(x) @ w + b)."""
+    x = np.asarray(x, np.float64)
+    if norm is not None:
+        g = np.asarray(norm.scale_K, np.float64)
+        if norm.kind == "rmsnorm":
+            x = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + norm.eps) * g
+        else:
+            x = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + norm.eps) * g
+            x = x if norm.bias_K is None else x + np.asarray(norm.bias_K, np.float64)
+    y = x @ np.asarray(w, np.float64) + (0 if b is None else np.asarray(b, np.float64))
+    y = y if act is None else gelu64(y)
+    return y if res is None else np.asarray(res, np.float64) + y
+
+
+CASES = [  # M, K, N, norm, activation, residual
+    (
+        1,
+        96,
+        80,
+        "layernorm",
+        True,
+        False,
+    ),  # K: one 64-block then one overlapping it; N: 3 of 32, the last overlapping
+    (3, 200, 48, "layernorm_nobias", False, True),  # K over BLOCK_K 128, overlapping
+    (2, 64, 32, "rmsnorm", False, False),
+    (MAX_ROWS, 160, 40, None, False, True),  # c_proj + bias + residual
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("M,K,N,kind,act,res", CASES)
+def test_equals_float64_reference(M, K, N, kind, act, res, dtype):
+    k = jax.random.split(jax.random.key(M * K + N), 6)
+    x = (jax.random.normal(k[0], (M, K)) * 2 + 0.5).astype(dtype)
+    w = (jax.random.normal(k[1], (K, N)) / np.sqrt(K)).astype(dtype)
+    b = jax.random.normal(k[2], (N,)).astype(dtype)
+    norm = None
+    if kind:
+        beta = None if kind != "layernorm" else 0.1 * jax.random.normal(k[4], (K,))
+        norm = Norm(kind.split("_")[0], 1 + 0.1 * jax.random.normal(k[3], (K,)), beta, 1e-5)
+    r = jax.random.normal(k[5], (M, N)).astype(dtype) if res else None
+    activation = (lambda y: jax.nn.gelu(y, approximate=True)) if act else None
+    got = gemv(x, w, b, norm=norm, activation=activation, residual_MN=r, interpret=True)
+    assert got.shape == (M, N) and got.dtype == jnp.dtype(dtype)
+    want = reference(x, w, b, norm, activation, r)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=0.05, rtol=0.02)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, **tol)
+
+
+def test_normalize_is_flax_layernorm_and_rmsnorm():
+    from flax import linen as nn
+
+    x = jax.random.normal(jax.random.key(0), (3, 24)) * 3 + 1
+    g, b = 1 + 0.1 * jax.random.normal(jax.random.key(1), (24,)), jax.random.normal(jax.random.key(2), (24,))
+    ln = nn.LayerNorm(epsilon=1e-5).apply({"params": {"scale": g, "bias": b}}, x)
+    rms = nn.RMSNorm(epsilon=1e-6).apply({"params": {"scale": g}}, x)
+    np.testing.assert_allclose(normalize(x, Norm("layernorm", g, b, 1e-5)), ln, atol=1e-6)
+    np.testing.assert_allclose(normalize(x, Norm("rmsnorm", g, None, 1e-6)), rms, atol=1e-6)
+
+
+def test_shapes_it_cannot_take_are_one_line():
+    assert fits(MAX_ROWS, 32, 32) == "" and "prefill" in fits(MAX_ROWS + 1, 32, 32)
+    x, w = jnp.ones((MAX_ROWS + 1, 32)), jnp.ones((32, 32))
+    with pytest.raises(ValueError, match=r"9 rows > MAX_ROWS 8 .*FLAXGPT_DECODE_KERNELS=off"):
+        gemv(x, w, interpret=True)
+    with pytest.raises(ValueError, match=r"side < 16"):
+        gemv(jnp.ones((1, 32)), jnp.ones((32, 8)), interpret=True)
+    with pytest.raises(ValueError, match=r"dtype int8"):
+        gemv(jnp.ones((1, 32), jnp.int8), jnp.ones((32, 32)), interpret=True)

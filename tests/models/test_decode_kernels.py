@@ -1,0 +1,67 @@
+"""Decoding's fused kernels in the GPT (models.layers.sublayer_input, models.linear, kernels.pallas_decode):
+with FLAXGPT_DECODE_KERNELS=on (the kernels interpreted on the CPU) a cached decode gives the logits
+of XLA's path (off), float32 tightly and bfloat16 within its rounding, for GPT-2's block and a
+Llama-style one; a prefill's rows, and auto on a CPU, keep XLA's path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxgpt.models.cache import KVCache
+from flaxgpt.models.gpt import GPT, GPTConfig, init_params
+
+GPT2 = dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32)
+LLAMA = dict(GPT2, norm="rmsnorm", glu=True, activation="silu", bias=False, qkv_bias=False, n_kv_head=1)
+
+
+def decode(cfg, params, tokens_BT, steps: int):
+    """Prefill, then `steps` one-token calls: the logits of each call and the jaxprs' text."""
+    model = GPT(cfg)
+    B, T = tokens_BT.shape
+    apply = jax.jit(lambda p, t, pos, c: model.apply({"params": p}, t, positions=pos, cache=c))
+    cache = KVCache.for_config(cfg, batch=B, max_len=cfg.block_size)
+    pos_BT = jnp.broadcast_to(jnp.arange(T), (B, T))
+    texts = [str(jax.make_jaxpr(apply)(params, tokens_BT, pos_BT, cache))]
+    logits, cache = apply(params, tokens_BT, pos_BT, cache)
+    out = [logits[:, -1]]
+    for i in range(steps):
+        tok = jnp.argmax(out[-1], axis=-1)[:, None].astype(jnp.int32)
+        pos = jnp.full((B, 1), T + i, jnp.int32)
+        texts.append(str(jax.make_jaxpr(apply)(params, tok, pos, cache)))
+        logits, cache = apply(params, tok, pos, cache)
+        out.append(logits[:, -1])
+    return [np.asarray(o, np.float32) for o in out], texts
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_with_kernels_equals_xla(arch, dtype, monkeypatch):
+    kw = GPT2 if arch == "gpt2" else LLAMA
+    cfg = GPTConfig(**kw, dtype=dtype, param_dtype=dtype)
+    params = init_params(GPTConfig(**kw), jax.random.key(0))
+    params = jax.tree_util.tree_map(lambda a: (a + 0.02 * jnp.sign(a)).astype(dtype), params)  # biases not 0
+    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, 61)
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")
+    want, texts = decode(cfg, params, tokens, 2)
+    assert not any("pallas_call" in t for t in texts)
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "on")
+    got, texts = decode(cfg, params, tokens, 2)
+    # each step's blocks take 4 kernels a layer (ln_1 + c_attn, c_proj + x, ln_2 + c_fc, c_proj + x); the
+    # prefill's 10 rows (> MAX_ROWS 8) keep XLA's path
+    assert [t.count("pallas_call") for t in texts] == [0, 4 * cfg.n_layer, 4 * cfg.n_layer]
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=0.1, rtol=0.05)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, **tol)
+
+
+def test_auto_is_xla_on_a_cpu_and_bad_modes_are_one_line(monkeypatch):
+    cfg = GPTConfig(**GPT2)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 3), 0, 61)
+    monkeypatch.delenv("FLAXGPT_DECODE_KERNELS", raising=False)
+    _, texts = decode(cfg, params, tokens, 1)
+    assert "pallas_call" not in texts[1]
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "yes")
+    with pytest.raises(ValueError, match="FLAXGPT_DECODE_KERNELS='yes': use auto"):
+        decode(cfg, params, tokens, 1)
