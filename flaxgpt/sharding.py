@@ -109,12 +109,32 @@ def configure_cpu_devices(requested: int, batch_rows: int) -> int:
     if requested == 1 or xla_bridge.backends_are_initialized():
         return 0
     if "JAX_NUM_CPU_DEVICES" in os.environ or xla_flags_set_cpu_devices():
+        if os.environ.get("JAX_NUM_CPU_DEVICES") != "1":  # the user's count of several devices
+            patient_cpu_collectives()
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = requested if requested > 1 else cpu_device_count(cores, batch_rows)
     if n > 1:
         jax.config.update("jax_num_cpu_devices", n)
+        patient_cpu_collectives()
     return n if n > 1 else 0
+
+
+CPU_COLLECTIVE_PATIENCE_S = 600
+
+
+def patient_cpu_collectives() -> None:
+    """Simulated CPU devices are threads of one process that meet at every collective, and XLA:CPU
+    ends the process when one arrives over a minute after the others (a warning after 20 s, then
+    --xla_cpu_collective_call_terminate_timeout_seconds, 40 by default): a busy machine does that (the
+    CPU recipe died so at step 2000 with load 20 on 2 cores). Ten minutes more, unless XLA_FLAGS says
+    otherwise; set before the backend starts (XLA reads its flags then)."""
+    import os
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_collective_call_terminate_timeout_seconds" not in flags:
+        flag = f"--xla_cpu_collective_call_terminate_timeout_seconds={CPU_COLLECTIVE_PATIENCE_S}"
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
 
 
 def xla_flags_set_cpu_devices() -> bool:

@@ -13,6 +13,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 if os.environ["JAX_PLATFORMS"].split(",")[0] in ("cpu", ""):
+    from flaxgpt.sharding import patient_cpu_collectives
+
+    patient_cpu_collectives()  # 8 device threads on a loaded 2-core machine: stragglers, not hangs
     # tiny models: compiling costs more than running, and LLVM's optimization passes were ~40% of a
     # training test's time; XLA's graph passes (fusion, memory planning) still run. Inherited by the
     # train.py / serve.py processes tests start.

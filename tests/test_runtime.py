@@ -78,3 +78,40 @@ def test_steps_reuse_their_memory_on_one_cpu_device():
 def test_left_alone_on_a_cpu_split_into_devices():
     split = probe("keep", devices=2)
     assert not split["took"] and split["async"] and split["devices"] == 2
+
+
+PATIENCE = textwrap.dedent(
+    """
+    import os, sys
+    from flaxgpt import sharding
+    n = sharding.configure_cpu_devices(int(sys.argv[1]), 4)
+    import jax
+    print(n, len(jax.devices()), os.environ.get("XLA_FLAGS", ""))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "requested, env, devices, flags",
+    [
+        (2, {}, 2, "--xla_cpu_collective_call_terminate_timeout_seconds=600"),  # split: patient
+        (1, {}, 1, ""),  # one device: no collectives, flags untouched
+        (0, {"JAX_NUM_CPU_DEVICES": "4"}, 4, "--xla_cpu_collective_call_terminate_timeout_seconds=600"),
+        # the user's own timeout stays as written
+        (2, {"XLA_FLAGS": "--xla_cpu_collective_call_terminate_timeout_seconds=5"}, 2,
+         "--xla_cpu_collective_call_terminate_timeout_seconds=5"),
+    ],
+)  # fmt: skip
+def test_simulated_devices_wait_for_stragglers(requested, env, devices, flags):
+    """sharding.configure_cpu_devices: several simulated CPU devices get XLA:CPU's collective timeout
+    raised to 10 minutes (a loaded machine's straggling device thread ended the CPU recipe's process
+    at the default 40 s), before the backend reads its flags; one device, or a timeout the user set,
+    is left alone."""
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    p = subprocess.run(
+        [sys.executable, "-c", PATIENCE, str(requested)], env={**base, "JAX_PLATFORMS": "cpu", **env},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-1500:]
+    n, count, got = (p.stdout.strip().split(" ", 2) + [""])[:3]
+    assert int(count) == devices and got == flags
