@@ -13,9 +13,6 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 if os.environ["JAX_PLATFORMS"].split(",")[0] in ("cpu", ""):
-    from flaxgpt.sharding import patient_cpu_collectives
-
-    patient_cpu_collectives()  # 8 device threads on a loaded 2-core machine: stragglers, not hangs
     # tiny models: compiling costs more than running, and LLVM's optimization passes were ~40% of a
     # training test's time; XLA's graph passes (fusion, memory planning) still run. Inherited by the
     # train.py / serve.py processes tests start.
@@ -30,6 +27,10 @@ if os.environ["JAX_PLATFORMS"].split(",")[0] in ("cpu", ""):
     )
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # imports jax: after every JAX_* setting above, which jax reads as it is imported
+    from flaxgpt.sharding import patient_cpu_collectives
+
+    patient_cpu_collectives()  # 8 device threads on a loaded 2-core machine: stragglers, not hangs
 
 if os.environ["JAX_PLATFORMS"].split(",")[0] in ("cuda", "gpu"):
     # bit-identical resumes (tests/train/test_resume.py, test_muon.py) need the same sums in the same
