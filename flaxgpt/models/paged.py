@@ -24,8 +24,9 @@ table set through `with_table` is read as a table again (windows_at = -1).
 The model sees this cache through the step_fn protocol: `layer(i)` hands each attention a
 PagedLayer, whose `attend` writes the step's new keys and values into their pages and attends over
 the row's pages, on one of three paths (`impl`):
-  xla         plain JAX: each row's pages a group at a time (128 positions; 32 decoding), an online softmax
-              over the groups (any query length; what CPUs run, as fast as the contiguous cache)
+  xla         plain JAX: each row's pages a group at a time (128 positions; 32 decoding through a
+              table), an online softmax over the groups (any query length; what CPUs run, as fast as
+              the contiguous cache)
   pallas_tpu  jax.experimental.pallas.ops.tpu.paged_attention (one query per row: decoding)
   pallas_gpu  jax.experimental.pallas.ops.gpu.paged_attention (one query per row: decoding)
 A prefill (more than one query per row) or a sliding window takes the xla path on every target.
@@ -174,16 +175,20 @@ class PagedLayer(KVLayer):
         every query's position are not visited (the loop's bound is the batch's last position).
         products (XLA:CPU decoding, one query a row): pages read through the table are gathered row by
         row and taken by dots in that layout, rows past their own position read page 0 (see `read`
-        and `group_pages`); windows in place are read as products and sums, not dots: a dot wants
-        its batch axes leading, which there cost a transposed copy of each group."""
+        and `group_pages`); windows in place are read by dots, as on every other target (their
+        batch axes J, B lead: a slice of the pool, no copy)."""
         del sow  # handled by the caller (_attend_xla)
         B, T, H, K = q_BTHK.shape
         J, _, page, _ = self.k_JPpK.shape
         M, G = self.table_BM.shape[1], H // J
-        # pages a group: 128 positions keep a prefill's dots busy; one query a row (products) has no
-        # matrix to fill, so small groups of 32 only skip more of the window past the batch's last
-        # position (GRPO's rollouts 64 rows x 96: about 1.1x d9de538's contiguous engine, was 0.92x)
-        per = _largest_divisor(M, max(1, (32 if products else 128) // page))
+        rows_major = products and self.windows_at < 0
+        # pages a group: 128 positions keep a prefill's dots busy; one query a row read through the
+        # table (rows_major) has no matrix to fill, so small groups of 32 only skip more of the window
+        # past the batch's last position (GRPO's rollouts 64 rows x 96: about 1.1x d9de538's
+        # contiguous engine, was 0.92x). Windows in place take 128 too: GRPO's benchmark rollout
+        # (32 rows, windows of 80 = 5 pages) ran its 1-page groups ~3 loop turns a layer and step;
+        # in one group it took 0.79x the CPU time of 1-page groups (both by dots, AVX-512, loaded)
+        per = _largest_divisor(M, max(1, (32 if rows_major else 128) // page))
         acc = jnp.promote_types(q_BTHK.dtype, jnp.float32)  # as attend_cached: fp32 at least
         q_JBRK = jnp.transpose(q_BTHK.reshape(B, T, J, G, K), (2, 0, 3, 1, 4)).reshape(J, B, G * T, K)
         qpos_BR = jnp.broadcast_to(positions_BT[:, None, :], (B, G, T)).reshape(B, G * T)  # R = G*T rows
@@ -197,7 +202,6 @@ class PagedLayer(KVLayer):
             q_JBRK = jnp.pad(q_JBRK, ((0, 0), (at, B - at - rows), (0, 0), (0, 0)))
             qpos_BR = jnp.pad(qpos_BR, ((at, B - at - rows), (0, 0)))
 
-        rows_major = products and self.windows_at < 0
         last_B = positions_BT[:, -1] // page  # each row's last page read
 
         def group_pages(g):  # group g's page ids of every row: [B, per]
@@ -238,12 +242,10 @@ class PagedLayer(KVLayer):
                     return jnp.einsum("jbrnp,bnjpk->jbrk", p_JBRN.reshape(J, B, -1, per, page), v_BnJpK)
 
                 return s_JBRnp.reshape(J, B, -1, per * page), weigh
+            # windows in place on XLA:CPU too: dots, not products and sums (q * k summed over K, p * v
+            # over N: YNNPACK's reductions), which took 2.9x the CPU time of the dots for GRPO's
+            # benchmark rollout (2026-11-29, jax 0.10.2, AVX-512, loaded; docs/benchmarks.md)
             k_JBNK, v_JBNK = pages(self.k_JPpK, g), pages(self.v_JPpK, g)
-            if products:
-                s_JBRN = jnp.sum(q_JBRK[:, :, :, None].astype(acc) * k_JBNK[:, :, None].astype(acc), axis=-1)
-                return s_JBRN, lambda p_JBRN: jnp.sum(
-                    p_JBRN[..., None] * v_JBNK[:, :, None].astype(acc), axis=3
-                )
             s_JBRN = jnp.einsum(
                 "jbrk,jbnk->jbrn", q_JBRK, k_JBNK.astype(q_JBRK.dtype), preferred_element_type=acc
             )
