@@ -12,7 +12,9 @@ tokens split over `context` devices (mesh data 1 x context c; context 1 is one d
 attention over the whole row). The step is flaxgpt's own (train.steps.make_steps: AdamW, donation,
 shardings), compiled ahead of being run: memory per device is `memory_analysis()` of the compiled
 program (arguments + temporaries + outputs - donated), as `flaxgpt aot` counts it. Then `steps`
-steps are timed after one untimed step: tokens/s = length x steps / seconds.
+steps are timed after one untimed step: tokens/s = length x steps / seconds, and the process's CPU
+time a step (all its device threads: what the step costs whatever share of the CPU other jobs leave
+it, the figure the growth columns divide on a loaded machine).
 
 A run is skipped, and says why in the table, when its compiled memory over the devices it uses is
 more than --max_host_gb (the simulated devices share this host's RAM) or when it has not finished
@@ -20,8 +22,9 @@ in --timeout seconds (compile and steps; its memory is still shown if the compil
 its untimed first step, a bound, if that finished); longer rows of that context are then only
 compiled (memory a device, no steps).
 Beside each row: the share of the step's model FLOPs that is attention (flaxgpt.models.flops:
-12 L H K T per token of 6 N + 12 L H K T), and the step time over the shortest length's, against
-the FLOPs over the shortest length's: "the step's time grows no worse than the attention FLOPs do".
+12 L H K T per token of 6 N + 12 L H K T), and the step's CPU time and wall time over the shortest
+length's, against the FLOPs over the shortest length's: "the step's time grows no worse than the
+attention FLOPs do".
 """
 
 from __future__ import annotations
@@ -104,12 +107,13 @@ def run_one(length: int, context: int, impl: str, steps: int, max_host_gb: float
     jax.block_until_ready(metrics)
     out["first_step_s"] = time.perf_counter() - t0
     print(json.dumps(out), flush=True)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         state, metrics = compiled(state, batch)
     jax.block_until_ready(metrics)
-    seconds = time.perf_counter() - t0
-    out.update(step_s=seconds / steps, tokens_s=length * steps / seconds, loss=float(metrics["loss"]))
+    seconds, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
+    out.update(step_s=seconds / steps, cpu_s=cpu_s / steps, tokens_s=length * steps / seconds)
+    out["loss"] = float(metrics["loss"])
     print(json.dumps(out), flush=True)
 
 
@@ -148,25 +152,27 @@ def run_all(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    base = {}  # context -> the shortest measured length's (step_s, train FLOPs)
+    base = {}  # context -> the shortest measured length's (step_s, train FLOPs, cpu_s)
     lines = [
-        "| tokens a row | context | memory a device (compiled) | tokens/s | step | "
-        "attention FLOPs | step / shortest's | FLOPs / shortest's |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| tokens a row | context | memory a device (compiled) | tokens/s | step | CPU time a step | "
+        "attention FLOPs | CPU time / shortest's | step / shortest's | FLOPs / shortest's |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         gb = f"{r['gb']:.3f} GB" if "gb" in r else "—"
         share = f"{r['attn_share']:.0%}" if "attn_share" in r else "—"
+        cpu = "—"
         if "step_s" in r:
-            b = base.setdefault(r["context"], (r["step_s"], r["train_flops"]))
+            b = base.setdefault(r["context"], (r["step_s"], r["train_flops"], r.get("cpu_s")))
             speed, step = f"{r['tokens_s']:,.0f}", f"{r['step_s']:.2f} s"
-            growth = f"{r['step_s'] / b[0]:.1f}x", f"{r['train_flops'] / b[1]:.1f}x"
+            cpu, cpu_growth = (f"{r['cpu_s']:.1f} s", f"{r['cpu_s'] / b[2]:.1f}x") if b[2] else ("—", "—")
+            growth = cpu_growth, f"{r['step_s'] / b[0]:.1f}x", f"{r['train_flops'] / b[1]:.1f}x"
         else:
-            speed, step, growth = f"skipped: {r.get('skipped', '?')}", "—", ("—", "—")
+            speed, step, growth = f"skipped: {r.get('skipped', '?')}", "—", ("—", "—", "—")
             if "first_step_s" in r:  # the untimed step finished: a bound, not a measurement
                 step = f"first {r['first_step_s']:.0f} s"
-        lines.append(f"| {r['length']:,} | {r['context']} | {gb} | {speed} | {step} | {share} | "
-                     f"{growth[0]} | {growth[1]} |")  # fmt: skip
+        lines.append(f"| {r['length']:,} | {r['context']} | {gb} | {speed} | {step} | {cpu} | {share} | "
+                     f"{growth[0]} | {growth[1]} | {growth[2]} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -178,8 +184,17 @@ def main():
     ap.add_argument("--steps", type=int, default=1, help="timed steps after one untimed (0: compile only)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds a pair may take in all")
     ap.add_argument("--max_host_gb", type=float, default=8.0, help="RAM the simulated devices may use")
+    ap.add_argument("--table", default="", help="files of earlier runs' JSON lines: their table only")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # length,context: a child process
     args = ap.parse_args()
+    if args.table:  # the last line of each (length, context), in the order they first came
+        rows = {}
+        for name in args.table.split(","):
+            for line in open(name):
+                if line.startswith("{"):
+                    r = json.loads(line)
+                    rows[r["length"], r["context"]] = r
+        return print(table(list(rows.values())))
     if args.one:
         length, context = map(int, args.one.split(","))
         return run_one(length, context, args.impl, args.steps, args.max_host_gb)
