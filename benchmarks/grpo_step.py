@@ -6,6 +6,7 @@ harness.
     python benchmarks/grpo_step.py --quick                  # a smoke run (< 2 min): tiny, each side once
     python benchmarks/grpo_step.py --rollouts engine        # one flaxgpt side only
     python benchmarks/grpo_step.py --rollouts engine --off_policy_steps 1   # flaxgpt's rollouts async
+    python benchmarks/grpo_step.py --rollouts engine,async  # the synchronous engine and the async row
     python benchmarks/grpo_step.py --multi_turn             # episodes: grpo.env vs TRL's rollout_func
 
 One random Llama (--layers x --dim, a byte-level BPE trained here) saved with transformers is the
@@ -42,6 +43,8 @@ each turn re-reads the whole history, as the tool loop does).
 --off_policy_steps k > 0 runs flaxgpt's sides with grpo.off_policy_steps = k (docs/grpo.md: the
 rollout of step n + k on a thread while update n runs; TRL's side stays synchronous, so the two no
 longer do the same work: the step is then the figure to read, rollout_s the rollout thread's time).
+The `async` side (in the default --rollouts) is that for k = 1 beside the synchronous sides: an extra
+row, not a replacement (its algorithm differs: each step trains on completions one update old).
 """
 
 from __future__ import annotations
@@ -158,10 +161,10 @@ def run_flaxgpt(a) -> dict:
     c.model.block_size = -(-(prompt_len + a.completion) // 16) * 16
     c.model.dtype, c.model.remat, c.model.scan_layers = "float32", "none", False
     c.grpo.num_generations, c.grpo.max_completion_length = a.generations, a.completion
-    rollout = "engine" if a.side == "flaxgpt_episodes" else a.side.split("_")[1]
+    rollout = "engine" if a.side in ("flaxgpt_episodes", "flaxgpt_async") else a.side.split("_")[1]
     c.grpo.rollout, c.grpo.temperature, c.grpo.top_p, c.grpo.beta = rollout, 1.0, 1.0, 0.0
     c.grpo.num_iterations, c.grpo.loss_type, c.grpo.scale_rewards = 1, "dapo", "group"
-    c.grpo.off_policy_steps = a.off_policy_steps
+    c.grpo.off_policy_steps = max(a.off_policy_steps, 1) if a.side == "flaxgpt_async" else a.off_policy_steps
     c.grpo.reward_funcs, c.grpo.reward_weights, c.grpo.eval_prompts = ("answer", f"length={LENGTH}"), (), 0
     if a.side == "flaxgpt_episodes":  # the environment's reward (config_check wants a reward function)
         c.grpo.env, c.grpo.reward_funcs = "grpo_step:Turns", ("grpo_step:no_reward",)
@@ -330,12 +333,15 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--lora_rank", type=int, default=16)
-    p.add_argument("--rollouts", default="engine,generate", help="flaxgpt sides: engine, generate or both")
+    p.add_argument(
+        "--rollouts", default="engine,generate,async",
+        help="flaxgpt sides: engine, generate, async (engine rollouts, grpo.off_policy_steps >= 1)",
+    )  # fmt: skip
     p.add_argument("--off_policy_steps", type=int, default=0, help="flaxgpt's grpo.off_policy_steps")
     p.add_argument("--multi_turn", action="store_true", help="the multi-turn row (episodes of Turns)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 layers x 128, 8-token completions")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the TRL side")
-    sides = ["flaxgpt_engine", "flaxgpt_generate", "flaxgpt_episodes", "trl", "trl_episodes"]
+    sides = ["flaxgpt_engine", "flaxgpt_generate", "flaxgpt_async", "flaxgpt_episodes", "trl", "trl_episodes"]
     p.add_argument("--side", choices=sides, help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -343,7 +349,7 @@ def main() -> None:
         return harness.print_result((run_trl if a.side.startswith("trl") else run_flaxgpt)(a))
     if a.quick:  # each side once, no harness rounds (at least 4 of them would not fit 2 minutes)
         a.layers, a.dim, a.completion, a.steps, a.warmup = 2, 128, 24 if a.multi_turn else 8, 1, 1
-        a.rollouts = a.rollouts if a.rollouts != "engine,generate" else "engine"
+        a.rollouts = a.rollouts if a.rollouts != "engine,generate,async" else "engine"
     keep = ["--steps", a.steps, "--warmup", a.warmup, "--prompts", a.prompts, "--generations", a.generations,
             "--completion", a.completion, "--lora_rank", a.lora_rank,
             "--off_policy_steps", a.off_policy_steps]  # fmt: skip
