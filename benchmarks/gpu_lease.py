@@ -17,11 +17,11 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
   fused linear + cross-entropy (`--loss_impl fused`, train/losses.py), then that with its Triton kernels
   (FLAXGPT_XENT=pallas, kernels/pallas_xent.py; on the CPU the XLA form again): step time and peak memory
 - decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, float weights in bf16 (sample.py's
-  param_dtype=bfloat16: each layer's norms and residual adds in its GEMVs, kernels/pallas_decode.py,
-  at batch 1), bf16 and int8 weights (quantize_params) at batch 1 and 64, the token loop as one CUDA
-  graph (sampling.GPU_LOOP_OPTIONS); decode_gpt2_plain: the same without (`graphs=False`);
-  decode_gpt2_xla: the float row at batch 1 on XLA's path (FLAXGPT_DECODE_KERNELS=off), for the side
-  by side (the GPT-2 >= 4,000 tok/s target)
+  param_dtype=bfloat16: each layer's norms and residual adds in its GEMVs and the cache writes in the
+  attention, kernels/pallas_decode*.py, at batch 1), bf16 and int8 weights (quantize_params) at batch 1
+  and 64, the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS); decode_gpt2_plain: the same
+  without (`graphs=False`); decode_gpt2_xla: the float row at batch 1 on XLA's path
+  (FLAXGPT_DECODE_KERNELS=off), for the side by side (the GPT-2 >= 4,000 tok/s target)
 - decode_llama8b: the same for Llama-3-8B's shape, random bf16 weights made on the device (16 GB;
   int8 8 GB; int4, groups of 128, 4.3 GB), 128 new tokens
 - decode_llama8b_pallas: its batch-1 int8 and int4 rows with FLAXGPT_QMATMUL=pallas (the weight products

@@ -60,13 +60,22 @@ def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def fits(M: int, N: int, K: int) -> str:
-    """'' when the kernel tiles x [M, K] @ w [K, N], else why not."""
+def fits(M: int, N: int, K: int, splits: tuple[int, ...] = ()) -> str:
+    """'' when the kernel tiles x [M, K] @ w [K, N] (its output in pieces at `splits`), else why not."""
     if M > MAX_ROWS:
         return f"{M} rows > MAX_ROWS {MAX_ROWS} (prefill: a compute-bound GEMM)"
     if N < MIN_DIM or K < MIN_DIM:
         return f"w [{K}, {N}] has a side < {MIN_DIM} (Triton's smallest tile)"
+    if splits and _block_n(N, splits) < MIN_DIM:
+        return f"pieces at {splits} of {N} columns are not multiples of {MIN_DIM}"
     return ""
+
+
+def _block_n(N: int, splits: tuple[int, ...]) -> int:
+    """Output channels a program: a power of two <= N; with `splits`, one dividing every piece."""
+    bounds = (0, *splits, N)
+    widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return min(BLOCK_N, _pow2_floor(N), *(w & -w for w in widths)) if splits else min(BLOCK_N, _pow2_floor(N))
 
 
 def gemv(
@@ -77,20 +86,22 @@ def gemv(
     norm: Norm | None = None,
     activation=None,
     residual_MN=None,
+    splits: tuple[int, ...] = (),
     dtype=None,
     out_dtype=None,
     interpret: bool = False,
-) -> jax.Array:
+):
     """residual + activation(norm(x) @ w + bias) -> [M, N] in `out_dtype` (default `dtype`); `dtype`
     (default x's) is the compute dtype the normalized x and the product are rounded to (the plain
-    path's)."""
+    path's). With `splits` (column boundaries) the output comes as that many arrays, each written by
+    the programs of its columns (c_attn's q | k | v for the attention kernel: no split copy)."""
     M, K = x_MK.shape
     N = w_KN.shape[1]
     dtype = jnp.dtype(dtype or x_MK.dtype)
     out_dtype = jnp.dtype(out_dtype or dtype)
     if w_KN.shape[0] != K:
         raise ValueError(f"decode gemv: x {x_MK.shape} and w {w_KN.shape} disagree on K")
-    why = fits(M, N, K)
+    why = fits(M, N, K, splits)
     bad = [str(a.dtype) for a in (x_MK, w_KN) if jnp.dtype(a.dtype) not in DTYPES]
     why = why or (f"dtype {bad[0]} (the kernel takes float32, bfloat16, float16)" if bad else "")
     if norm is not None and norm.kind not in NORMS:
@@ -98,6 +109,8 @@ def gemv(
     if why:
         raise ValueError(f"decode gemv cannot take x {x_MK.shape} @ w [{K}, {N}]: {why}; "
                          "FLAXGPT_DECODE_KERNELS=off keeps XLA's path")  # fmt: skip
+    if splits and residual_MN is not None:
+        raise ValueError("decode gemv: an output in pieces takes no residual")
     if residual_MN is not None and residual_MN.shape != (M, N):
         raise ValueError(f"decode gemv: residual {residual_MN.shape} is not the output's [{M}, {N}]")
     args, have = [x_MK], []
@@ -111,14 +124,17 @@ def gemv(
         if a is not None:
             args.append(a)
             have.append(name)
+    bounds = (0, *splits, N)
     spec = _Spec(
-        M, N, K, min(BLOCK_N, _pow2_floor(N)), min(BLOCK_K, _pow2_floor(K)), tuple(have),
+        M, N, K, _block_n(N, splits), min(BLOCK_K, _pow2_floor(K)), tuple(have),
         None if norm is None else norm.kind, 0.0 if norm is None else float(norm.eps), activation, dtype,
+        tuple(zip(bounds[:-1], bounds[1:])) if splits else (),
     )  # fmt: skip
+    pieces = [jax.ShapeDtypeStruct((M, hi - lo), out_dtype) for lo, hi in spec.pieces]
     call = pl.pallas_call(
         functools.partial(_kernel, spec),
         grid=(pl.cdiv(N, spec.bn),),
-        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype),
+        out_shape=pieces or jax.ShapeDtypeStruct((M, N), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="decode_gemv",
@@ -151,13 +167,16 @@ class _Spec(NamedTuple):
     eps: float
     activation: Any
     dtype: Any
+    pieces: tuple  # ((lo, hi), ...) of an output in pieces; () one output
 
 
 def _kernel(s: _Spec, x_ref, *refs):
-    o_ref = refs[-1]
-    refs = dict(zip(s.have, refs[:-1], strict=True))
+    n_out = len(s.pieces) or 1
+    o_refs = refs[-n_out:]
+    refs = dict(zip(s.have, refs[:-n_out], strict=True))
     f32 = jnp.float32
-    cols = pl.ds(jnp.minimum(pl.program_id(0) * s.bn, s.N - s.bn), s.bn)  # in bounds: see the module doc
+    first = jnp.minimum(pl.program_id(0) * s.bn, s.N - s.bn)  # in bounds: see the module doc
+    cols = pl.ds(first, s.bn)
     steps = pl.cdiv(s.K, s.bk)
 
     def block(j):
@@ -210,4 +229,16 @@ def _kernel(s: _Spec, x_ref, *refs):
             y = s.activation(y)
         if "res" in refs:  # two rounded arrays added, as the plain path's x + h
             y = refs["res"][m, cols].astype(f32) + y.astype(s.dtype).astype(f32)
-        o_ref[m, cols] = y.astype(o_ref.dtype)
+        _store(s, o_refs, first, m, y)
+
+
+def _store(s: _Spec, o_refs, first, m, y):
+    """Row m of this program's channels into the output, or into the piece holding them (pieces are
+    multiples of bn: a program's channels lie in one)."""
+    if not s.pieces:
+        o_refs[0][m, pl.ds(first, s.bn)] = y.astype(o_refs[0].dtype)
+    for o_ref, (lo, hi) in zip(o_refs, s.pieces):  # pl.when runs its function at once: the loop's values hold
+
+        @pl.when((first >= lo) & (first < hi))
+        def _(o_ref=o_ref, lo=lo):
+            o_ref[m, pl.ds(first - lo, s.bn)] = y.astype(o_ref.dtype)

@@ -270,10 +270,11 @@ class SelfAttention(nn.Module):
         # cuDNN's attention takes q, k and v as arrays of their own and hands back their gradients so:
         # out of one [B*T, (H+2J)*K] product they are split by a copy, and the gradients concatenated
         # back by another. With a product each (Linear's `splits`, a piece of the kernel each) the
-        # backward's concatenation is gone (compiled for h100-1: docs/accelerators.md). Decoding,
-        # whose cache takes k and v, keeps the one product.
+        # backward's concatenation is gone (compiled for h100-1: docs/accelerators.md). Decoding keeps
+        # the one product, its pieces written apart by the decode kernel (pre_norm: models.linear)
+        # so the attention kernel takes k and v without a split copy.
         apart = kv is None and context_attention.axis_size() <= 1
-        apart = apart and resolve_attention_impl(self.impl, self.dtype) == "cudnn"
+        apart = (apart and resolve_attention_impl(self.impl, self.dtype) == "cudnn") or pre_norm is not None
         qkv = Linear(
             (H + 2 * J) * K,  # columns q | k | v, heads inside each (3D for GPT-2)
             use_bias=self.qkv_bias,

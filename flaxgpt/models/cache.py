@@ -21,7 +21,8 @@ a layer's keys as B*J matrices [S, K] as they lie (with [B, S, J, K] XLA transpo
 and values on every step). An array per layer: the attention reads it in place (a slice of one stacked
 [L, ...] buffer is copied out first on CPU, 24 copies of the cache per GPT-2 step). Batch and heads
 merged: at batch 1 a [1, J, S, K] buffer reaches the attention as [J, S, K], and XLA then updates it
-twice, copying it each time.
+twice, copying it each time. A decoding step on one GPU writes and attends in one kernel
+(kernels/pallas_decode_attention.py, where models.linear.decode_kernels takes the decode kernels).
 
 RingLayer (KVCache, sliding-window layers: Mistral, Gemma 2 / 3): only the window, a ring of R = W +
 `rewind` slots, [batch * heads, R, head_dim], position p in slot p % R, and `pos` [batch, R] the
@@ -52,12 +53,15 @@ rows stay with their sources (beam search's beams always do) those arrays need n
 from __future__ import annotations
 
 import abc
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from flaxgpt.kernels import pallas_decode_attention, target
 from flaxgpt.models.attention import attend_cached, causal_mask
+from flaxgpt.models.linear import decode_kernels
 
 EMPTY = -(2**30)  # the position of a ring slot never written: outside every query's window
 
@@ -121,11 +125,33 @@ class ContiguousLayer(KVLayer):
     v: jax.Array  # [B*J, S, K]
 
     def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
+        if not window and attend_kw.get("sow") is None and self._kernel_takes(q_BTHK, k_BTJK):
+            return self._attend_kernel(q_BTHK, k_BTJK, v_BTJK, positions_BT, **attend_kw)
         layer = ContiguousLayer(
             write_cache(self.k, k_BTJK, positions_BT), write_cache(self.v, v_BTJK, positions_BT)
         )
         mask_BHTS = causal_mask(positions_BT, layer.k.shape[1], window)
         return attend_cached(q_BTHK, layer.k, layer.v, mask_BHTS, **attend_kw), layer
+
+    def _kernel_takes(self, q_BTHK, k_BTJK) -> bool:
+        """A decoding step (one position a row) where decode_kernels takes the decode kernels: the
+        writes and the attention as one kernel (kernels.pallas_decode_attention)."""
+        (B, T, H, K), (N, S, _), J = q_BTHK.shape, self.k.shape, k_BTJK.shape[2]
+        dtypes = {jnp.dtype(a.dtype) for a in (q_BTHK, self.k, self.v)} <= {
+            jnp.dtype(jnp.bfloat16),
+            jnp.dtype(jnp.float32),
+        }
+        return T == 1 and dtypes and decode_kernels(B) and not pallas_decode_attention.fits(N, H // J, S, K)
+
+    def _attend_kernel(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, sow=None, scale=0.0, softcap=0.0):
+        B, _, H, K = q_BTHK.shape
+        J = k_BTJK.shape[2]
+        y_NGK, k_NSK, v_NSK = pallas_decode_attention.attend(
+            q_BTHK.reshape(B * J, H // J, K), k_BTJK.reshape(B * J, K), v_BTJK.reshape(B * J, K),
+            jnp.repeat(positions_BT[:, 0], J), self.k, self.v, scale=scale or 1 / math.sqrt(K),
+            softcap=softcap, interpret=target.platform() != "gpu",
+        )  # fmt: skip
+        return y_NGK.reshape(B, 1, H, K), ContiguousLayer(k_NSK, v_NSK)
 
 
 @struct.dataclass

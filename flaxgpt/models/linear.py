@@ -140,11 +140,11 @@ class Linear(nn.Module):
         return self._activate(self._split(self._adapted(x, y)))
 
     def _decode_kernel(self, x, kernel, bias, norm, residual):
-        """norm + product + bias + activation + residual as one kernel (kernels.pallas_decode) for a
-        float weight without adapters or float8, decoding's few rows, where `decode_kernels` takes it;
-        else None (the caller takes XLA's steps)."""
+        """norm + product + bias + activation + residual as one kernel (kernels.pallas_decode), its
+        output in `splits`' pieces if any, for a float weight without adapters or float8, decoding's
+        few rows, where `decode_kernels` takes it; else None (the caller takes XLA's steps)."""
         x_MK = x.reshape(-1, x.shape[-1])
-        if isinstance(kernel, QuantizedWeight) or self.fp8 or self.splits or self.lora is not None:
+        if isinstance(kernel, QuantizedWeight) or self.fp8 or self.lora is not None:
             return None
         (M, K), N = x_MK.shape, kernel.shape[1]
         dtype = jnp.dtype(self.dtype or jnp.result_type(x, kernel, *(() if bias is None else (bias,))))
@@ -152,15 +152,17 @@ class Linear(nn.Module):
         dtypes = (x.dtype, kernel.dtype, dtype, out)
         if (
             not decode_kernels(M)
-            or pallas_decode.fits(M, N, K)
+            or pallas_decode.fits(M, N, K, self.splits)
             or any(jnp.dtype(d) not in pallas_decode.DTYPES for d in dtypes)
         ):
             return None
         res_MN = None if residual is None else residual.reshape(M, N)
         y_MN = pallas_decode.gemv(
             x_MK, kernel, bias, norm=norm, activation=self.activation, residual_MN=res_MN,
-            dtype=dtype, out_dtype=out, interpret=target.platform() != "gpu",
+            splits=self.splits, dtype=dtype, out_dtype=out, interpret=target.platform() != "gpu",
         )  # fmt: skip
+        if self.splits:  # the pieces as the kernel wrote them: no split copy
+            return [y.reshape(*x.shape[:-1], -1) for y in y_MN]
         return y_MN.reshape(*x.shape[:-1], -1)
 
     def _adapted(self, x, y):

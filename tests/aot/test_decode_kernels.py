@@ -1,11 +1,16 @@
-"""Decoding's fused kernels (kernels.pallas_decode) compiled for h100-1: on a GPU target the sampling
-program's token loop takes them (auto), four a layer, and launches fewer kernels than XLA's path
+"""Decoding's fused kernels (kernels.pallas_decode, kernels.pallas_decode_attention) compiled for h100-1:
+on a GPU target the sampling program's token loop takes them (auto), five a layer, with the caches
+updated in place (no copy of a cache buffer), and launches fewer kernels than XLA's path
 (FLAXGPT_DECODE_KERNELS=off); the prefill keeps XLA's path."""
 
 import re
 
 import jax
 import pytest
+
+from flaxgpt.aot import hlo_cost
+
+KERNEL = re.compile(r"custom-call\(.*__gpu\$xla\.gpu\.triton.*decode_(gemv|attention)")
 
 
 def compile_sample(tmp_path, mode, monkeypatch):
@@ -21,18 +26,22 @@ def compile_sample(tmp_path, mode, monkeypatch):
     )  # fmt: skip
     by = {r.program: r for r in rows}
     hlo = {p: (tmp_path / f"{p}.h100-1.hlo.txt").read_text() for p in by}
-    kernels = {
-        p: len(re.findall(r"custom-call\(.*__gpu\$xla\.gpu\.triton.*decode_gemv", t)) for p, t in hlo.items()
-    }
-    return by, kernels, mc
+    return by, {p: len(KERNEL.findall(t)) for p, t in hlo.items()}, hlo, mc
 
 
-def test_the_token_loop_takes_four_kernels_a_layer_on_h100(tmp_path, monkeypatch):
+def test_the_token_loop_takes_five_kernels_a_layer_on_h100(tmp_path, monkeypatch):
     pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
-    on, kernels, mc = compile_sample(tmp_path / "on", "auto", monkeypatch)
-    assert kernels == {"sample.prefill": 0, "sample.decode": 4 * mc.n_layer}
-    off, kernels, _ = compile_sample(tmp_path / "off", "off", monkeypatch)
+    on, kernels, hlo, mc = compile_sample(tmp_path / "on", "auto", monkeypatch)
+    assert kernels == {"sample.prefill": 0, "sample.decode": 5 * mc.n_layer}
+    # the token loop (the decode call's while body) updates the caches in place: no copy of a layer's
+    # keys or values there (a call's entry may copy them once, as XLA's path does)
+    comps, entry = hlo_cost.parse(hlo["sample.decode"])
+    (body,) = [re.search(r"body=%?([\w.\-]+)", i.attrs).group(1) for i in comps[entry] if i.op == "while"]
+    cache = re.compile(rf"\w+\[{mc.n_head},{mc.block_size},{mc.n_embd // mc.n_head}\]")
+    assert not [i.name for i in comps[body] if i.op == "copy" and cache.match(i.type)]
+    off, kernels, _, _ = compile_sample(tmp_path / "off", "off", monkeypatch)
     assert kernels == {"sample.prefill": 0, "sample.decode": 0}
     assert all(r.fits(0.1) for r in (*on.values(), *off.values()))
-    # each layer: ln_1's and ln_2's passes, the one-row products' separate sums and the residual adds gone
-    assert on["sample.decode"].kernels <= off["sample.decode"].kernels - 4 * mc.n_layer
+    # each layer: the norms' passes, the one-row products' separate sums, the residual adds, the cache
+    # scatters and attention's two products gone
+    assert on["sample.decode"].kernels <= off["sample.decode"].kernels - 6 * mc.n_layer
