@@ -213,8 +213,9 @@ def fused_epilogues() -> bool:
 
 
 def decode_kernels(rows: int) -> bool:
-    """Whether a decoding step's norm + product (+ GELU) and product + residual run as one kernel each
-    (kernels.pallas_decode; read when traced): for `rows` <= its MAX_ROWS on one GPU (auto), where the
+    """Whether a decoding step's norm + product (+ GELU), product + residual, and cache writes +
+    attention run as one kernel each (kernels.pallas_decode, kernels.pallas_decode_attention via
+    models/cache.py; read when traced): for `rows` <= MAX_ROWS on one GPU (auto), where the
     token loop is launch-bound (docs/accelerators.md, "Kernels a decoding token"); a prefill's many
     rows, several devices (XLA cannot split the kernel) and other platforms keep XLA's path.
     FLAXGPT_DECODE_KERNELS=off keeps XLA's path everywhere; =on takes the kernels on any platform
