@@ -184,17 +184,19 @@ def main():
     ap.add_argument("--steps", type=int, default=1, help="timed steps after one untimed (0: compile only)")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds a pair may take in all")
     ap.add_argument("--max_host_gb", type=float, default=8.0, help="RAM the simulated devices may use")
-    ap.add_argument("--table", default="", help="files of earlier runs' JSON lines: their table only")
+    ap.add_argument(
+        "--table", default="", help="files of earlier runs' JSON lines, comma-separated: their table only"
+    )
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)  # length,context: a child process
     args = ap.parse_args()
-    if args.table:  # the last line of each (length, context), in the order they first came
+    if args.table:  # the last line of each (length, context), shortest first
         rows = {}
         for name in args.table.split(","):
             for line in open(name):
                 if line.startswith("{"):
                     r = json.loads(line)
                     rows[r["length"], r["context"]] = r
-        return print(table(list(rows.values())))
+        return print(table(sorted(rows.values(), key=lambda r: (r["length"], r["context"]))))
     if args.one:
         length, context = map(int, args.one.split(","))
         return run_one(length, context, args.impl, args.steps, args.max_host_gb)

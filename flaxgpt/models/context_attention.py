@@ -49,8 +49,9 @@ _NEG = -1e30
 Q_TILE = 512  # queries a ring block computes at once: [B, H, Q_TILE, S] float32 logits, not [B, H, L, S]
 # On the CPU: (queries, keys) a tile, the keys' softmax merged online. A tile's [B, H, 256, 512] float32
 # logits (2 MiB at 4 heads) stay in L2/L3 at any length, where [B, H, 512, S] outgrew them as S grew:
-# 4.4 / 8.9 ns a logit forward / backward at 256 x 512 against 29.6 / 31.4 at 512 x 4,096 (4 heads of
-# 16, 2-core AVX-512 EPYC, loaded). 0 keys: the whole block. Accelerators keep (Q_TILE, 0).
+# 4.0 / 8.8 ns a logit forward / backward at 256 x 512 against 20.5 / 40.9 at 512 x 4,096 (4 heads of
+# 16, benchmarks/ring_tiles.py, 2-core AVX-512 EPYC, loaded). 0 keys: the whole block. Accelerators
+# keep (Q_TILE, 0).
 CPU_TILES = (256, 512)
 
 
@@ -320,9 +321,9 @@ def _key_tiles(nk: int, k_BSJK, v_BSJK, kv_pos_S, kv_seg_BS):
 
 
 def _block(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, **kw):
-    """_block_tile over query tiles in sequence (lax.map), each over the key tiles in sequence (a scan
-    merging their softmax statistics online; tiles no query sees skipped): each query's statistics are
-    its own."""
+    """_block_tile over query tiles in sequence (lax.map), each over the key tiles in sequence (a while
+    loop merging their softmax statistics online; tiles no query sees skipped): each query's statistics
+    are its own."""
     nq, nk = _tiles(q_BLJGK.shape[1], k_BSJK.shape[1])
     keys = _key_tiles(nk, k_BSJK, v_BSJK, kv_pos_S, kv_seg_BS)
 
@@ -348,9 +349,8 @@ def _block(q_BLJGK, k_BSJK, v_BSJK, q_pos_L, kv_pos_S, q_seg_BL, kv_seg_BS, **kw
     if nq == 1:
         return row(q_BLJGK, q_pos_L, q_seg_BL)
     tiles = (_split_tiles(q_BLJGK, 1, nq), q_pos_L.reshape(nq, -1), _split_tiles(q_seg_BL, 1, nq))
-    return tuple(
-        _join_tiles(x, 3) for x in jax.lax.map(lambda t: row(*t), tiles)
-    )  # [nq, ..., tile, ...] -> L
+    stats = jax.lax.map(lambda t: row(*t), tiles)  # [nq, B, J, G, tile, ...]
+    return tuple(_join_tiles(x, 3) for x in stats)
 
 
 def _split_tiles(x, axis: int, nt: int):
