@@ -1,8 +1,8 @@
 """What serve.py builds before the HTTP layer starts: the model (a run, pretrained weights or a preset's
 random weights) and an engine thread over it, on one device or over a mesh (serving_mesh: the weights
 split by sharding.SERVE_RULES as they load, the KV cache by slots). On a job of several processes
-(`flaxgpt.cluster.join`) the mesh spans all their devices: process 0 serves, the others replay its engine calls
-(`follows`, serve/replay.py). The HTTP layer (server.py) never imports a model."""
+(`flaxgpt.cluster.join`) the mesh spans all their devices: process 0 serves, the others replay its
+engine calls (`follows`, serve/replay.py). The HTTP layer (server.py) never imports a model."""
 
 from __future__ import annotations
 
