@@ -24,7 +24,8 @@ Rows are few (M <= MAX_ROWS: decoding; a prefill's many rows are a compute-bound
 products are multiplies and row sums, not Triton's dot, whose tiles start at 16 rows. Tiles never read
 past the arrays (as kernels.pallas_qgemv): the last block of channels starts at N - bn and the last
 block of K at K - bk, the inputs an earlier block summed masked; bn and bk are powers of two (Triton's
-rule) no larger than N and K. `fits` says whether a shape tiles; `gemv` refuses the others in one line.
+rule) no larger than N and K. `why_not` says why a shape does not tile ("" when it does); `gemv`
+refuses the others in one line.
 Who calls it and when: models.linear (`decode_kernels`, FLAXGPT_DECODE_KERNELS).
 """
 
@@ -60,7 +61,7 @@ def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def fits(M: int, N: int, K: int, splits: tuple[int, ...] = ()) -> str:
+def why_not(M: int, N: int, K: int, splits: tuple[int, ...] = ()) -> str:
     """'' when the kernel tiles x [M, K] @ w [K, N] (its output in pieces at `splits`), else why not."""
     if M > MAX_ROWS:
         return f"{M} rows > MAX_ROWS {MAX_ROWS} (prefill: a compute-bound GEMM)"
@@ -101,7 +102,7 @@ def gemv(
     out_dtype = jnp.dtype(out_dtype or dtype)
     if w_KN.shape[0] != K:
         raise ValueError(f"decode gemv: x {x_MK.shape} and w {w_KN.shape} disagree on K")
-    why = fits(M, N, K, splits)
+    why = why_not(M, N, K, splits)
     bad = [str(a.dtype) for a in (x_MK, w_KN) if jnp.dtype(a.dtype) not in DTYPES]
     why = why or (f"dtype {bad[0]} (the kernel takes float32, bfloat16, float16)" if bad else "")
     if norm is not None and norm.kind not in NORMS:

@@ -16,7 +16,8 @@ rounded to q's dtype. The cache buffers are the call's outputs too (input_output
 place, never copied.
 
 Who calls it and when: models/cache.py (ContiguousLayer.attend) where models.linear.decode_kernels takes
-the decode kernels, without a window or the attention weights asked for. `fits` says what it tiles.
+the decode kernels, without a window or the attention weights asked for. `why_not` says why a shape
+does not tile ("" when it does).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def fits(N: int, G: int, S: int, K: int) -> str:
+def why_not(N: int, G: int, S: int, K: int) -> str:
     """'' when the kernel takes q [N, G, K] over a cache [N, S, K], else why not."""
     if not (_pow2(G) and _pow2(K) and K >= 16):
         return f"G={G} query heads a key/value head and head dim K={K} must be powers of two (K >= 16)"
@@ -50,7 +51,7 @@ def attend(q_NGK, k_NK, v_NK, pos_N, k_NSK, v_NSK, *, scale: float, softcap: flo
     pos_N (dropped where >= S), then softmax(scale * q . k) . v over positions <= pos."""
     N, G, K = q_NGK.shape
     S = k_NSK.shape[1]
-    why = fits(N, G, S, K)
+    why = why_not(N, G, S, K)
     if why:
         raise ValueError(f"decode attention cannot take q {q_NGK.shape} over a cache {k_NSK.shape}: {why}; "
                          "FLAXGPT_DECODE_KERNELS=off keeps XLA's path")  # fmt: skip

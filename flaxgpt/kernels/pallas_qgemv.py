@@ -15,8 +15,9 @@ row scale, and int4's scale per group, multiply the partial sums, not the weight
 Tiles never read past the arrays: the last block of channels (of K) starts at N - BLOCK_N (K - its
 block) and the part another block covered is masked (channels written twice carry equal values), so
 Triton's and the interpreter's views agree; it needs N >= BLOCK_N, int8's K >= BLOCK_K and int4's K a
-multiple of its group (quantize's rule). `fits` says whether a shape tiles; `gemv` refuses in one line
-the shapes that do not, naming XLA's form (kernels.qmatmul), which kernels.qmatmul then uses.
+multiple of its group (quantize's rule). `why_not` says why a shape does not tile ("" when it
+does); `gemv` refuses in one line the shapes that do not, naming XLA's form (kernels.qmatmul), which
+kernels.qmatmul then uses.
 
 Why Triton rather than Mosaic GPU: the kernel is loads, converts and row sums with no matrix-unit
 product, which the Triton backend compiles for every NVIDIA card JAX supports (A100, H100, H200
@@ -42,7 +43,7 @@ BLOCK_K = 256  # int8 inputs a step: a [32, 256] tile, 8 KiB
 INT4_BLOCK_K = 256  # int4 inputs a step (whole groups: 2 of 128, 4 of 64, 8 of 32)
 
 
-def fits(M: int, N: int, K: int, group: int = 0) -> str:
+def why_not(M: int, N: int, K: int, group: int = 0) -> str:
     """'' when the kernel tiles the shape, else why not (group: int4's group size; 0: int8)."""
     if M > MAX_ROWS:
         return f"{M} rows > MAX_ROWS {MAX_ROWS} (prefill: a compute-bound dot)"
@@ -64,7 +65,7 @@ def gemv(x_MK, w, scale, interpret: bool = False) -> jax.Array:
     group = K // scale.shape[1] if int4 else 0
     if int4 and K != 2 * w.shape[1]:
         raise ValueError(f"int4 weights {w.shape} hold {2 * w.shape[1]} inputs, x has K={K}")
-    why = fits(M, N, K, group)
+    why = why_not(M, N, K, group)
     if why:
         raise ValueError(f"qgemv cannot tile x {x_MK.shape} @ w [{N}, {K}]: {why}; use XLA's form "
                          "(kernels.qmatmul, FLAXGPT_QMATMUL unset)")  # fmt: skip

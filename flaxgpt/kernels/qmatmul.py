@@ -103,7 +103,7 @@ def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     M, N = x_MK.shape[0], w_NK.shape[0]
     if os.environ.get("FLAXGPT_QMATMUL", "") == "pallas" and w_NK.dtype in (jnp.int8, jnp.uint8):
         K = x_MK.shape[1]
-        if not pallas_qgemv.fits(M, N, K, K // scale_N.shape[1] if w_NK.dtype == jnp.uint8 else 0):
+        if not pallas_qgemv.why_not(M, N, K, K // scale_N.shape[1] if w_NK.dtype == jnp.uint8 else 0):
             return pallas_qgemv.gemv(x_MK, w_NK, scale_N, interpret=target.platform() != "gpu")
     if w_NK.dtype == jnp.uint8:  # int4, two to a byte
         return int4.matmul(x_MK, w_NK, scale_N)

@@ -246,6 +246,7 @@ class SelfAttention(nn.Module):
     deterministic: bool = True
     lora: Any = None  # models.lora.LoraSpec: c_attn's and c_proj's adapters (models/linear.py)
     fp8: bool = False  # c_attn's and c_proj's base products in float8 (GPTConfig.fp8)
+    kernels: bool = False  # a decoding step taking the decode kernels: kv.attend's (models/cache.py)
 
     @nn.compact
     def __call__(
@@ -308,7 +309,7 @@ class SelfAttention(nn.Module):
         if kv is not None:  # a cache layer (models/cache.py: contiguous, ring or paged) writes and attends
             y_BTHK, kv = kv.attend(
                 q_BTHK, k_BTJK, v_BTJK, positions_BT, window=self.window, real_BT=real_BT,
-                sow=sow, scale=self.scale, softcap=self.softcap,
+                kernels=self.kernels, sow=sow, scale=self.scale, softcap=self.softcap,
             )  # fmt: skip
         elif context_attention.axis_size() > 1:  # sequences split over the mesh's context axis
             y_BTHK = self._over_context(q_BTHK, k_BTJK, v_BTJK, mask_BHTS, segment_ids_BT, sow)

@@ -61,7 +61,6 @@ from flax import struct
 
 from flaxgpt.kernels import pallas_decode_attention, target
 from flaxgpt.models.attention import attend_cached, causal_mask
-from flaxgpt.models.linear import decode_kernels
 
 EMPTY = -(2**30)  # the position of a ring slot never written: outside every query's window
 
@@ -70,10 +69,14 @@ class KVLayer(abc.ABC):
     """One layer's share of a cache: what its attention block hands the new keys and values to."""
 
     @abc.abstractmethod
-    def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
+    def attend(
+        self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, kernels=False, **attend_kw
+    ):
         """Write the call's keys/values at `positions_BT` and attend to the keys each query may see
         (key position <= its own, within `window`) -> (y_BTHK, this layer updated). `real_BT`: False
-        on padding (a ring never takes it in); attend_kw: sow, scale, softcap (attend_cached's)."""
+        on padding (a ring never takes it in); `kernels`: the step takes the decode kernels (the GPT's
+        decision; a contiguous layer's writes and attention as one kernel); attend_kw: sow, scale,
+        softcap (attend_cached's)."""
 
 
 class Cache(abc.ABC):
@@ -124,8 +127,10 @@ class ContiguousLayer(KVLayer):
     k: jax.Array  # [B*J, S, K]
     v: jax.Array  # [B*J, S, K]
 
-    def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
-        if not window and attend_kw.get("sow") is None and self._kernel_takes(q_BTHK, k_BTJK):
+    def attend(
+        self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, kernels=False, **attend_kw
+    ):
+        if kernels and not window and attend_kw.get("sow") is None and self._kernel_takes(q_BTHK, k_BTJK):
             return self._attend_kernel(q_BTHK, k_BTJK, v_BTJK, positions_BT, **attend_kw)
         layer = ContiguousLayer(
             write_cache(self.k, k_BTJK, positions_BT), write_cache(self.v, v_BTJK, positions_BT)
@@ -134,14 +139,14 @@ class ContiguousLayer(KVLayer):
         return attend_cached(q_BTHK, layer.k, layer.v, mask_BHTS, **attend_kw), layer
 
     def _kernel_takes(self, q_BTHK, k_BTJK) -> bool:
-        """A decoding step (one position a row) where decode_kernels takes the decode kernels: the
-        writes and the attention as one kernel (kernels.pallas_decode_attention)."""
-        (B, T, H, K), (N, S, _), J = q_BTHK.shape, self.k.shape, k_BTJK.shape[2]
+        """One position a row, in dtypes and shapes kernels.pallas_decode_attention tiles: the writes
+        and the attention as one kernel."""
+        (_, T, H, K), (N, S, _), J = q_BTHK.shape, self.k.shape, k_BTJK.shape[2]
         dtypes = {jnp.dtype(a.dtype) for a in (q_BTHK, self.k, self.v)} <= {
             jnp.dtype(jnp.bfloat16),
             jnp.dtype(jnp.float32),
         }
-        return T == 1 and dtypes and decode_kernels(B) and not pallas_decode_attention.fits(N, H // J, S, K)
+        return T == 1 and dtypes and not pallas_decode_attention.why_not(N, H // J, S, K)
 
     def _attend_kernel(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, sow=None, scale=0.0, softcap=0.0):
         B, _, H, K = q_BTHK.shape
@@ -160,7 +165,9 @@ class RingLayer(KVLayer):
     v: jax.Array  # [B*J, R, K]
     pos: jax.Array  # [B, R] int32: the position each slot holds (EMPTY: none)
 
-    def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
+    def attend(
+        self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, kernels=False, **attend_kw
+    ):
         """One token per row (decoding) is written first and attends over the ring as it lies. Longer
         calls (prefills, speculative verification) attend over [the ring as it was | their own keys],
         slots holding positions this call rewrites hidden, then write their last R real tokens: a

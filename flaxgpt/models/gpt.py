@@ -35,9 +35,9 @@ from flaxgpt.kernels import linear_xent
 from flaxgpt.models import layers, quantize
 from flaxgpt.models.attention import SelfAttention
 from flaxgpt.models.cache import KVCache
-from flaxgpt.models.gpt_config import LLAMA_STYLE, REMAT_POLICIES, GPTConfig  # noqa: F401  (flaxgpt.models.gpt.GPTConfig)
+from flaxgpt.models.gpt_config import LLAMA_STYLE, REMAT_POLICIES, GPTConfig, check_tokens  # noqa: F401  (gpt.GPTConfig)
 from flaxgpt.models.layers import MLP, norm, normal_init, ones_init, sinusoidal_positions
-from flaxgpt.models.linear import Embedding, Linear
+from flaxgpt.models.linear import Embedding, Linear, decode_kernels
 from flaxgpt.models.moe import ROUTER, MoE
 
 
@@ -51,6 +51,7 @@ class Block(nn.Module):
     deterministic: bool = True
     layer: int = 0  # the block's index: window and rotary base may differ per layer (Gemma)
     lora: Any = None  # models.lora.LoraSpec: how the "lora" collection's adapters apply (models/linear.py)
+    kernels: bool = False  # this decoding step takes the decode kernels (the GPT's one decision)
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None, segment_ids_BT=None, real_BT=None):
@@ -64,7 +65,9 @@ class Block(nn.Module):
         # grow with depth; the speedrun starts them at zero (each block starts as the identity)
         out_std = 0.0 if c.zero_init_proj else 0.02 / math.sqrt(2 * c.n_layer)
         ln = lambda name: norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, name)  # noqa: E731
-        pre = functools.partial(layers.sublayer_input, c, self.layer, kv, self.lora, self.deterministic)
+        pre = functools.partial(
+            layers.sublayer_input, c, self.layer, self.kernels, self.lora, self.deterministic
+        )
         a_BTD, extra = pre("ln_1", x_BTD)
         h_BTD, kv = SelfAttention(
             n_head=c.n_head,
@@ -89,6 +92,7 @@ class Block(nn.Module):
             deterministic=self.deterministic,
             lora=self.lora,
             fp8=c.fp8,
+            kernels=self.kernels,
             name="attn",
         )(a_BTD, positions_BT, kv, ve_BTD=ve_BTD, segment_ids_BT=segment_ids_BT, real_BT=real_BT, **extra)
         if c.post_norms:  # Gemma: normalise the branch's output too (its post_attention_layernorm)
@@ -131,11 +135,12 @@ class ScannedBlock(nn.Module):
     config: GPTConfig
     deterministic: bool = True
     lora: Any = None
+    kernels: bool = False
 
     @nn.compact
     def __call__(self, carry, kv):
         x_BTD, positions_BT, seg_BT, real_BT = carry
-        block = Block(self.config, self.deterministic, lora=self.lora, name="block")
+        block = Block(self.config, self.deterministic, lora=self.lora, kernels=self.kernels, name="block")
         x_BTD, kv = block(x_BTD, positions_BT, kv, segment_ids_BT=seg_BT, real_BT=real_BT)
         return (x_BTD, positions_BT, seg_BT, real_BT), kv
 
@@ -271,6 +276,8 @@ class GPT(nn.Module):
     ):
         """The n_layer blocks; kv_layers (or None) holds each layer's cache.KVLayer, handed to its block."""
         c = self.config
+        # whether a decoding step takes the decode kernels: decided once here, read by every block
+        kernels = kv_layers is not None and decode_kernels(x_BTD.shape[0] * x_BTD.shape[1])
         if c.scan_layers:
             # the layers' buffers are the scan's xs and ys, stacked [L, ...] (a copy each way;
             # decoding unrolls the layers instead, see step_fn)
@@ -286,7 +293,7 @@ class GPT(nn.Module):
                 split_rngs={"params": True, "dropout": True},
                 length=c.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(c, deterministic, self.lora, name="h")((x_BTD, positions_BT, seg_BT, real_BT), stacked)
+            )(c, deterministic, self.lora, kernels, name="h")((x_BTD, positions_BT, seg_BT, real_BT), stacked)
             if stacked is not None:
                 kv_layers = [jax.tree_util.tree_map(lambda x, i=i: x[i], stacked) for i in range(c.n_layer)]
             return x_BTD, kv_layers
@@ -303,7 +310,7 @@ class GPT(nn.Module):
             if i >= n_enc and skips:
                 x_BTD = x_BTD + skip_weights[i - n_enc].astype(x_BTD.dtype) * skips.pop()
             kv = None if kv_layers is None else kv_layers[i]
-            block = block_cls(c, deterministic, layer=i, lora=self.lora, name=f"h_{i}")
+            block = block_cls(c, deterministic, layer=i, lora=self.lora, kernels=kernels, name=f"h_{i}")
             x_BTD, kv = block(x_BTD, positions_BT, kv, ve_layers[i], seg_BT, real_BT)
             if i < n_enc:
                 skips.append(x_BTD)
@@ -382,25 +389,6 @@ def unembedding(config: GPTConfig, params) -> linear_xent.Head:
             "the fused loss takes a float lm_head, not a quantized one: set optim.loss_impl=logits"
         )
     return linear_xent.Head(kernel.astype(dtype), "DV", config.vocab_size, config.logit_softcap)
-
-
-def check_tokens(tokens_BT, config: GPTConfig, cache=None):
-    """Errors for the bad input that can be seen before tracing: length and id range."""
-    if tokens_BT.ndim != 2:
-        raise ValueError(f"tokens must be [batch, time], got shape {tokens_BT.shape}")
-    T = tokens_BT.shape[1]
-    limit = config.block_size if cache is None else cache.max_len
-    if T > limit:
-        raise ValueError(
-            f"sequence length {T} is longer than block_size {limit}; "
-            "crop the input to the last block_size tokens"
-        )
-    if not isinstance(tokens_BT, jax.core.Tracer):
-        arr = np.asarray(tokens_BT)
-        if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
-            raise ValueError(
-                f"token ids must be in [0, {config.vocab_size}), got min {arr.min()} max {arr.max()}"
-            )
 
 
 def init_params(config: GPTConfig, rng: jax.Array):

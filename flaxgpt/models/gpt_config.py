@@ -1,4 +1,5 @@
-"""GPTConfig: every shape and option of flaxgpt's decoder-only model, and the named presets.
+"""GPTConfig: every shape and option of flaxgpt's decoder-only model, the named presets, and
+`check_tokens` (a call's token errors seen before tracing).
 
     config = GPTConfig.preset("gpt2")                  # or GPTConfig(n_layer=4, n_embd=128, ...)
     config = GPTConfig.preset("llama-3.2-1b")          # a Llama-family shape
@@ -14,6 +15,9 @@ one for one (flaxgpt/models/registry.py); the model itself is flaxgpt/models/gpt
 from __future__ import annotations
 
 import dataclasses
+
+import jax
+import numpy as np
 
 from flaxgpt.models.attention import ATTENTION_IMPLS
 from flaxgpt.models.context_attention import CONTEXT_IMPLS
@@ -373,3 +377,22 @@ def options_table() -> str:
 
 if __name__ == "__main__":
     print(options_table())
+
+
+def check_tokens(tokens_BT, config: GPTConfig, cache=None):
+    """Errors for the bad input that can be seen before tracing: length and id range."""
+    if tokens_BT.ndim != 2:
+        raise ValueError(f"tokens must be [batch, time], got shape {tokens_BT.shape}")
+    T = tokens_BT.shape[1]
+    limit = config.block_size if cache is None else cache.max_len
+    if T > limit:
+        raise ValueError(
+            f"sequence length {T} is longer than block_size {limit}; "
+            "crop the input to the last block_size tokens"
+        )
+    if not isinstance(tokens_BT, jax.core.Tracer):
+        arr = np.asarray(tokens_BT)
+        if arr.size and (arr.min() < 0 or arr.max() >= config.vocab_size):
+            raise ValueError(
+                f"token ids must be in [0, {config.vocab_size}), got min {arr.min()} max {arr.max()}"
+            )

@@ -98,7 +98,7 @@ class Linear(nn.Module):
     def __call__(self, x, pre_norm: pallas_decode.Norm | None = None, residual=None):
         """`pre_norm` (decoding, models.layers.sublayer_input): x is the residual stream, which this
         layer normalizes first; `residual`: the output comes back with it added. Both go into one
-        kernel with the product where `decode_kernels` takes it (`_decode_kernel`), else XLA's steps."""
+        kernel with the product (`_decode_kernel`) where the kernel tiles the shape, else XLA's steps."""
         kernel = self.get_variable("params", "kernel") if self.has_variable("params", "kernel") else None
         if not isinstance(kernel, QuantizedWeight):
             kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
@@ -141,8 +141,9 @@ class Linear(nn.Module):
 
     def _decode_kernel(self, x, kernel, bias, norm, residual):
         """norm + product + bias + activation + residual as one kernel (kernels.pallas_decode), its
-        output in `splits`' pieces if any, for a float weight without adapters or float8, decoding's
-        few rows, where `decode_kernels` takes it; else None (the caller takes XLA's steps)."""
+        output in `splits`' pieces if any, for a float weight without adapters or float8 in shapes and
+        dtypes it tiles (the step takes the kernels: the caller's `pre_norm` / `residual` say so); else
+        None (the caller takes XLA's steps)."""
         x_MK = x.reshape(-1, x.shape[-1])
         if isinstance(kernel, QuantizedWeight) or self.fp8 or self.lora is not None:
             return None
@@ -150,10 +151,8 @@ class Linear(nn.Module):
         dtype = jnp.dtype(self.dtype or jnp.result_type(x, kernel, *(() if bias is None else (bias,))))
         out = dtype if residual is None else jnp.result_type(residual, dtype)
         dtypes = (x.dtype, kernel.dtype, dtype, out)
-        if (
-            not decode_kernels(M)
-            or pallas_decode.fits(M, N, K, self.splits)
-            or any(jnp.dtype(d) not in pallas_decode.DTYPES for d in dtypes)
+        if pallas_decode.why_not(M, N, K, self.splits) or any(
+            jnp.dtype(d) not in pallas_decode.DTYPES for d in dtypes
         ):
             return None
         res_MN = None if residual is None else residual.reshape(M, N)
@@ -215,7 +214,8 @@ def fused_epilogues() -> bool:
 def decode_kernels(rows: int) -> bool:
     """Whether a decoding step's norm + product (+ GELU), product + residual, and cache writes +
     attention run as one kernel each (kernels.pallas_decode, kernels.pallas_decode_attention via
-    models/cache.py; read when traced): for `rows` <= MAX_ROWS on one GPU (auto), where the
+    models/cache.py): asked once a step, when traced, by models.gpt.GPT, whose blocks hand the
+    answer to their products and cache layer. For `rows` <= MAX_ROWS on one GPU (auto), where the
     token loop is launch-bound (docs/accelerators.md, "Kernels a decoding token"); a prefill's many
     rows, several devices (XLA cannot split the kernel) and other platforms keep XLA's path.
     FLAXGPT_DECODE_KERNELS=off keeps XLA's path everywhere; =on takes the kernels on any platform

@@ -99,7 +99,9 @@ class PagedLayer(KVLayer):
     impl: str = struct.field(pytree_node=False)
     windows_at: int = struct.field(pytree_node=False, default=-1)  # see the module docstring
 
-    def attend(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, **attend_kw):
+    def attend(
+        self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, kernels=False, **attend_kw
+    ):
         """Write the new keys/values at `positions_BT`, attend over each row's pages -> (y_BTHK, layer)."""
         J, P, page, K = self.k_JPpK.shape
         B, T, H, _ = q_BTHK.shape

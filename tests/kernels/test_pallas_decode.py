@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxgpt.kernels.pallas_decode import MAX_ROWS, Norm, fits, gemv, normalize
+from flaxgpt.kernels.pallas_decode import MAX_ROWS, Norm, gemv, normalize, why_not
 
 
 def gelu64(y):
@@ -78,7 +78,7 @@ def test_an_output_in_pieces_is_the_product_split():
     want = reference(x, w, b, norm, None, None)
     assert [g.shape for g in got] == [(2, 32), (2, 16), (2, 16)]
     np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=2e-5, rtol=2e-5)
-    assert "not multiples of 16" in fits(1, 64, 32, splits=(40,))
+    assert "not multiples of 16" in why_not(1, 64, 32, splits=(40,))
 
 
 def test_normalize_is_flax_layernorm_and_rmsnorm():
@@ -93,7 +93,7 @@ def test_normalize_is_flax_layernorm_and_rmsnorm():
 
 
 def test_shapes_it_cannot_take_are_one_line():
-    assert fits(MAX_ROWS, 32, 32) == "" and "prefill" in fits(MAX_ROWS + 1, 32, 32)
+    assert why_not(MAX_ROWS, 32, 32) == "" and "prefill" in why_not(MAX_ROWS + 1, 32, 32)
     x, w = jnp.ones((MAX_ROWS + 1, 32)), jnp.ones((32, 32))
     with pytest.raises(ValueError, match=r"9 rows > MAX_ROWS 8 .*FLAXGPT_DECODE_KERNELS=off"):
         gemv(x, w, interpret=True)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxgpt.kernels.pallas_decode_attention import attend, fits
+from flaxgpt.kernels.pallas_decode_attention import attend, why_not
 
 
 def reference(q, kn, vn, pos, kc, vc, scale, softcap):
@@ -54,7 +54,7 @@ def test_equals_float64_reference(N, G, S, K, pos, softcap, dtype):
 
 
 def test_shapes_it_cannot_take_are_one_line():
-    assert fits(2, 2, 64, 16) == "" and "powers of two" in fits(2, 3, 64, 16)
+    assert why_not(2, 2, 64, 16) == "" and "powers of two" in why_not(2, 3, 64, 16)
     x = jnp.ones((2, 1, 24))
     with pytest.raises(ValueError, match=r"head dim K=24 must be powers of two.*FLAXGPT_DECODE_KERNELS=off"):
         attend(
@@ -66,4 +66,6 @@ def test_shapes_it_cannot_take_are_one_line():
             jnp.ones((2, 64, 24)),
             scale=1.0,
         )
-    assert fits(1, 1, 80, 16) == "cache length S=80 must be >= 16 and a multiple of 64 (or smaller than it)"
+    assert (
+        why_not(1, 1, 80, 16) == "cache length S=80 must be >= 16 and a multiple of 64 (or smaller than it)"
+    )

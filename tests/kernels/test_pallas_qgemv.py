@@ -60,7 +60,7 @@ def test_shapes_it_cannot_tile_are_one_line_naming_xla():
     q = quantize_rows(np.ones((32, 512), np.float32), "int4")
     with pytest.raises(ValueError, match=r"16 rows > MAX_ROWS 8 \(prefill"):
         pallas_qgemv.gemv(jnp.ones((16, 512)), q.w, q.scale, interpret=True)
-    assert pallas_qgemv.fits(1, 4096, 4096, 128) == "" and pallas_qgemv.fits(1, 4096, 4096) == ""
+    assert pallas_qgemv.why_not(1, 4096, 4096, 128) == "" and pallas_qgemv.why_not(1, 4096, 4096) == ""
     with pytest.raises(ValueError, match=r"group size 128 does not divide K=192 .*use --quantize int4_g64"):
         int4.quantize(np.ones((32, 192), np.float32), 128)
 

@@ -65,3 +65,19 @@ def test_auto_is_xla_on_a_cpu_and_bad_modes_are_one_line(monkeypatch):
     monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "yes")
     with pytest.raises(ValueError, match="FLAXGPT_DECODE_KERNELS='yes': use auto"):
         decode(cfg, params, tokens, 1)
+
+
+def test_one_decision_a_step(monkeypatch):
+    """A decoding step asks linear.decode_kernels once (the GPT), and its blocks' products and cache
+    layers follow that answer: forced off there, the step has no kernel although the mode is on."""
+    from flaxgpt.models import gpt
+
+    cfg = GPTConfig(**GPT2)
+    params = init_params(cfg, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 3), 0, 61)
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "on")
+    asked = []
+    monkeypatch.setattr(gpt, "decode_kernels", lambda rows: asked.append(rows) or False)
+    _, texts = decode(cfg, params, tokens, 1)
+    assert asked == [3, 1]  # the prefill's 3 rows, then the step's 1: once each, not per layer
+    assert not any("pallas_call" in t for t in texts)
