@@ -139,9 +139,18 @@ def check_resume(
         keys = ", ".join(f"tokenizer.{k}" for k in _differing(saved_tok, meta.get("tokenizer") or {}))
         diffs.append(f"the data's meta.json ({keys} differ)")
     if diffs:
+        fix = "resume with the config and data it was trained with, or use a new out_dir"
+        source = saved.get("init_from")
+        if (
+            source not in (None, "auto", "resume", "scratch")
+            and (config_dict or {}).get("init_from") != source
+        ):
+            # a fine-tune's model comes from its init_from: init_from=resume alone takes the defaults'
+            fix = (
+                f"it fine-tuned {source}: continue it with --config.init_from={source}, or use a new out_dir"
+            )
         raise RunError(
-            f"checkpoint step {step} was trained with another model or data: {'; '.join(diffs)}; resume "
-            "with the config and data it was trained with, or use a new out_dir"
+            f"checkpoint step {step} was trained with another model or data: {'; '.join(diffs)}; {fix}"
         )
     if config_dict is None or not saved:
         return []

@@ -206,3 +206,24 @@ def test_resume_refuses_another_model_or_tokenizer_and_loads_each_step_as_traine
     (out / "config.json").write_text(json.dumps(saved))
     run = load_run(out, step=3)
     assert run.config.activation == "gelu" and run.tokenizer.decode(run.tokenizer.encode("pigs")) == "pigs"
+
+
+def test_a_fine_tunes_resume_names_its_init_from():
+    """init_from=resume on a fine-tune's out_dir takes the default model, not its source's: the error
+    says which init_from continues it (the same command with init_from=the source resumes)."""
+    from flaxgpt.models import registry as models
+    from flaxgpt.models.gpt import GPTConfig
+    from flaxgpt.runs import run_dir
+
+    saved = {
+        "init_from": "out/calc_sft",
+        "model": models.section_of(GPTConfig(n_layer=4, n_head=4, n_embd=128)),
+    }
+    with pytest.raises(
+        RunError,
+        match=r"model.n_layer \(4 in the checkpoint, 2 now\).*; it fine-tuned "
+        r"out/calc_sft: continue it with --config.init_from=out/calc_sft, or use a new out_dir$",
+    ):
+        run_dir.check_resume(
+            {"config": saved}, 60, GPTConfig(n_layer=2, n_head=4, n_embd=128), {}, {"init_from": "resume"}
+        )
