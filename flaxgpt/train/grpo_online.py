@@ -126,6 +126,10 @@ class Rollouts:
                 slots=max(config.batch_size // jax.process_count(), 1),
                 max_len=sampling.cache_length(mc.block_size, data.max_prompt_tokens, self.max_new),
                 lora_spec=policy.lora,
+                # an off-policy batch's behaviour log-probs as the engine samples (no forward pass for
+                # them): its log-probs are the model's logits', the sampled distribution's at temperature
+                # 1 only; an episode's turns keep the forward pass
+                logprobs=bool(g.off_policy_steps) and g.temperature == 1.0 and not g.env,
             )
         self.episodes = self._episodes(g, data)
 
@@ -266,7 +270,8 @@ class Rollouts:
             batch["loss_mask"][cut_N] = 0.0
         if extra:  # groups left equal after every refill round train nothing
             batch["loss_mask"][~trains_N] = 0.0
-        if self.objective.off_policy:  # the sampling weights' log-probs: the loss's TIS weights
+        # the sampling weights' log-probs, the loss's TIS weights: the engine's where it kept them
+        if self.objective.off_policy and "behaviour_logp" not in batch:
             batch["behaviour_logp"] = np.asarray(self._logps(params, batch, frozen))
         if self.num_iterations > 1:  # the sampling policy's, kept while this rollout trains
             batch["old_logp"] = np.asarray(self._logps(params, batch, frozen))

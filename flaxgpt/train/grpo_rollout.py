@@ -40,12 +40,14 @@ import collections
 import contextlib
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
 from flaxgpt import sharding
 from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.serve.engine import Engine
+from flaxgpt.train.grpo_task import Completion
 
 # decode steps a generate call at most: a whole completion where it fits (one host round trip; the
 # loop stops early when every slot is done), as generate's chunk; a freed slot waits out the call
@@ -139,8 +141,10 @@ class EngineRollouts:
         lora_spec: lora.LoraSpec | None = None,
         chunk: int | None = None,
         mesh=None,
+        logprobs: bool = False,
     ):
         self.config, self.sampling, self.lora = model_config, sampling, lora_spec
+        self.logprobs = logprobs  # each completion's tokens' log-probs kept (Completion.logp)
         self.mesh = mesh  # several devices: Engine(mesh=...), weights placed by SERVE_RULES on it
         self.max_new, self.slots, self.max_len = int(max_new_tokens), slots, max_len
         self.chunk = chunk or min(self.max_new, CHUNK)
@@ -174,14 +178,19 @@ class EngineRollouts:
         """Completion n's settings and key: (seed, stream n); an episode's later turns (grpo_episodes)
         draw from streams of their own, n + turn * 2**24, with the budget left (max_new)."""
         stream = n + (turn << 24)  # a u32: completions < 2**24 a step, turns < 256
-        return Rows.of(self.sampling, max_new_tokens=max_new or self.max_new, seed=seed, stream=stream)
+        want = 0 if self.logprobs else -1  # the sampled token's log-prob, no alternatives
+        max_new = max_new or self.max_new
+        return Rows.of(self.sampling, max_new_tokens=max_new, seed=seed, stream=stream, logprobs=want)
 
     def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
         """(prompts, completion ids): N = prompts x G token lists, prompt-major (completion n is prompt
-        n // G's), each ending with the EOS id when it stopped there (grpo_task.sample_groups')."""
+        n // G's), each ending with the EOS id when it stopped there (grpo_task.sample_groups'); with
+        `logprobs` each a Completion carrying its tokens' log-probs under `weights` (the engine's, of the
+        model's logits as token_logprobs gives them: softmax(logits / temperature)'s at temperature 1)."""
         engine, G = self.engine_for(weights), int(group_size)
         N = len(prompt_ids) * G
         firsts, rest = [None] * N, [[] for _ in range(N)]  # first tokens stay on the device till the end
+        first_lp, rest_lp = [None] * N, [[] for _ in range(N)]
         waiting = collections.deque(range(N))
         free = list(range(self.slots))[::-1]
         owner: dict[int, int] = {}  # slot -> the completion decoding there
@@ -198,6 +207,9 @@ class EngineRollouts:
                     prefix = engine.prefill(prompt_ids[n // G], rows[0], hold=True)
                     first_G = engine.insert_group(prefix, rows, slots)
                     firsts[n : n + G] = [(first_G, g) for g in range(G)]
+                    if self.logprobs:  # the first tokens' from the prompt's logits, on the device
+                        lp_G = _chosen_logp(prefix.logits, first_G)
+                        first_lp[n : n + G] = [(lp_G, g) for g in range(G)]
                     owner.update(zip(slots, group, strict=True))
                     continue
                 waiting.popleft()
@@ -208,16 +220,34 @@ class EngineRollouts:
                 if G > 1 and n % G == G - 1:  # the group's last: the prompt's own pages go back
                     engine.drop(prefix)
                 firsts[n] = first.first
+                if self.logprobs:
+                    first_lp[n] = _chosen_logp(first.logits, first.first)
                 slot = free.pop()  # one done at its first token (EOS) idles there one generate call
                 engine.insert(first, slot)
                 owner[slot] = n
             tokens_BC, new_B, done_B = engine.generate()
             for slot, n in list(owner.items()):
                 rest[n] += tokens_BC[slot, : new_B[slot]].tolist()
+                if self.logprobs:
+                    rest_lp[n] += engine.logprobs.chosen[slot, : new_B[slot]].tolist()
                 if done_B[slot]:  # its slot goes to the next completion waiting
                     free.append(slot)
                     del owner[slot]
-        host = jax.device_get([f[0] if isinstance(f, tuple) else f for f in firsts])  # one wait
-        firsts = [h[f[1]] if isinstance(f, tuple) else h for h, f in zip(host, firsts, strict=True)]
+        firsts, first_lp = _on_host(firsts), _on_host(first_lp) if self.logprobs else first_lp
         out = [[int(f), *r] for f, r in zip(firsts, rest, strict=True)]
+        if self.logprobs:
+            out = [Completion(c, logp=[f, *r]) for c, f, r in zip(out, first_lp, rest_lp, strict=True)]
         return [list(p) for p in prompt_ids for _ in range(G)], out
+
+
+@jax.jit
+def _chosen_logp(logits_V, tokens):
+    """log softmax(logits)[tokens]: the first tokens' log-probs from their prompt's last logits, as
+    decoding's token_logprobs takes the others' (float32, before temperature)."""
+    return jax.nn.log_softmax(logits_V.astype(jnp.float32))[tokens]
+
+
+def _on_host(values) -> list:
+    """Device scalars, or (array, index) pairs into a group's array, as host numbers: one wait."""
+    host = jax.device_get([v[0] if isinstance(v, tuple) else v for v in values])
+    return [h[v[1]] if isinstance(v, tuple) else h for h, v in zip(host, values, strict=True)]

@@ -155,27 +155,34 @@ def truncated(completion_ids, eos_ids) -> np.ndarray:
 
 
 class Completion(list):
-    """A completion's tokens (a list) that are not all the model's: a multi-turn episode's replies with
-    the environment's observations between them (train/grpo_episodes.py). model[i] is 1 where token i
-    is the model's (trained), 0 where the environment wrote it (masked out of the loss); reward is the
-    environment's (NaN: its group was dropped)."""
+    """A completion's tokens (a list) with what the sampler knew of them: a multi-turn episode's replies
+    with the environment's observations between them (train/grpo_episodes.py), model[i] 1 where token i
+    is the model's (trained), 0 where the environment wrote it (masked out of the loss; None: all the
+    model's); reward the environment's (NaN: its group was dropped); logp each token's log-probability
+    under the weights that sampled it (the engine's, grpo_rollout: an off-policy batch's behaviour_logp
+    without a forward pass), or None."""
 
-    def __init__(self, tokens, model, reward: float = float("nan")):
+    def __init__(self, tokens, model=None, reward: float = float("nan"), logp=None):
         super().__init__(tokens)
-        self.model, self.reward = list(model), reward
-        if len(self.model) != len(self):
-            raise ValueError(f"{len(self.model)} model flags for {len(self)} tokens")
+        self.model, self.reward = [1] * len(self) if model is None else list(model), reward
+        self.logp = None if logp is None else [float(x) for x in logp]
+        for name, xs in (("model flags", self.model), ("log-probs", self.logp or self)):
+            if len(xs) != len(self):
+                raise ValueError(f"{len(xs)} {name} for {len(self)} tokens")
 
 
 def rollout_batch(prompt_ids, completion_ids, T: int, advantages=None, pad: int = 0) -> dict:
     """Rows of prompt + completion, right-padded to T + 1 tokens and split into inputs / targets [N, T];
-    loss_mask [N, T] marks the completion's targets (a Completion's: only the model's own tokens). A row
-    longer than T + 1 is an error naming it."""
+    loss_mask [N, T] marks the completion's targets (a Completion's: only the model's own tokens);
+    behaviour_logp [N, T] their sampler's log-probs where every completion carries them (Completion.logp).
+    A row longer than T + 1 is an error naming it."""
     N = len(prompt_ids)
     if len(completion_ids) != N:
         raise ValueError(f"{N} prompts but {len(completion_ids)} completions")
     tokens = np.full((N, T + 1), pad, np.int32)
     mask = np.zeros((N, T), np.float32)
+    logged = N > 0 and all(getattr(c, "logp", None) is not None for c in completion_ids)
+    logp = np.zeros((N, T), np.float32) if logged else None
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
         n = len(p) + len(c)
         if n > T + 1:
@@ -190,7 +197,11 @@ def rollout_batch(prompt_ids, completion_ids, T: int, advantages=None, pad: int 
         mask[i, len(p) - 1 : n - 1] = 1.0  # target j is token j + 1: the completion starts at len(p)
         if isinstance(c, Completion):  # an episode's observations are the environment's: not trained
             mask[i, len(p) - 1 : n - 1] = np.asarray(c.model, np.float32)
+        if logp is not None:
+            logp[i, len(p) - 1 : n - 1] = c.logp
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+    if logp is not None:
+        batch["behaviour_logp"] = logp
     if advantages is not None:
         batch["advantages"] = np.asarray(advantages, np.float32).reshape(N)
     return batch

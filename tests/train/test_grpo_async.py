@@ -135,6 +135,8 @@ def by_hand(config, k: int):
     tr = trainer_lib.Trainer(config, jax.devices()[:1], print_fn=lambda *a: None)
     try:
         state, src, snaps, losses = tr.init_state(), tr.task.source, [], []
+        # off-policy at temperature 1: the behaviour log-probs are the engine's, else a forward pass's
+        assert src.engine.logprobs == (k > 0 and config.grpo.temperature == 1.0)
         with jax.set_mesh(tr.mesh):
             for m in range(config.max_iters):
                 snaps.append(grpo_async.own_copy(state.params))
@@ -147,20 +149,23 @@ def by_hand(config, k: int):
         tr.close()
 
 
-@pytest.mark.parametrize("k", [0, 1])
-def test_trainer_equals_the_loop_by_hand(tmp_path, k):
+@pytest.mark.parametrize("k, temperature", [(0, 1.0), (1, 1.0), (1, 0.7)])
+def test_trainer_equals_the_loop_by_hand(tmp_path, k, temperature):
     """trainer.train with off_policy_steps k: the losses and the parameters of the loop by hand over
     3 steps (k 0: the synchronous trainer; k 1: steps 0 and 1 sampled by the start's weights, step 2
-    by state 1's, on the rollout thread, weighted by TIS, with dynamic sampling's refills), the same
-    seeds giving the same run."""
+    by state 1's, on the rollout thread, weighted by TIS, with dynamic sampling's refills; the
+    behaviour log-probs the engine's at temperature 1, a forward pass's at 0.7), the same seeds giving
+    the same run."""
     data = toy_data(tmp_path)
-    over = {"grpo.off_policy_steps": k, "grpo.dynamic_sampling": k > 0}
+    over = {"grpo.off_policy_steps": k, "grpo.dynamic_sampling": k > 0, "grpo.temperature": temperature}
     config = recipe(data, tmp_path / "run", **over)
     summary = trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [x for x in lines if "reward" in x]
     losses, params = by_hand(recipe(data, tmp_path / "hand", **over), k)
-    np.testing.assert_allclose([x["loss"] for x in steps], losses, rtol=1e-5)  # the log's 6 digits
+    np.testing.assert_allclose(
+        [x["loss"] for x in steps], losses, rtol=1e-5, atol=1e-6
+    )  # the log's 6 decimals
     for a, b in zip(jax.tree.leaves(jax.device_get(summary["state"].params)), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)
     for key in ("tis_weight", "rollout_wait", "dynamic_sampling/rounds", "dynamic_sampling/kept"):

@@ -4,6 +4,8 @@ one prefill a prompt, new weights without a recompile; LoRA's adapters unmerged 
 model's rollouts; the same tokens from an engine over 4 devices."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from flaxgpt import sharding
@@ -53,6 +55,25 @@ def test_engine_rollouts_are_generates_tokens(params, monkeypatch):
     moved = jax.tree.map(lambda x: x * 1.5, params)  # the next step's weights
     assert rollouts.sample(moved, PROMPTS, G, seed=8)[1] == by_generate(moved, 8)[1]
     assert sampling.decode_chunk._cache_size() == compiled
+
+
+@pytest.mark.parametrize("slots", [5, 16])
+def test_logprobs_kept_are_the_forward_passes(params, slots):
+    """logprobs=True (an off-policy run's behaviour log-probs): the same tokens, each completion a
+    Completion whose logp are the log-probs a forward pass over prompt + completion gives its tokens
+    (float32 within 1e-5), first tokens included (from a group's insert, 16 slots, or forks, 5), and
+    rollout_batch places them as behaviour_logp beside the targets."""
+    rollouts = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=slots, max_len=16, logprobs=True)
+    rows, got = rollouts.sample(params, PROMPTS, G, seed=7)
+    assert got == by_generate(params, 7)[1] and all(len(c.logp) == len(c) for c in got)
+    batch = grpo_task.rollout_batch(rows, got, CFG.block_size)
+    logits = gpt.GPT(CFG).apply({"params": params}, jnp.asarray(batch["inputs"]))
+    want = np.asarray(grpo_task.completion_logps(logits, jnp.asarray(batch["targets"]))[0])
+    mask = batch["loss_mask"] > 0
+    np.testing.assert_allclose(batch["behaviour_logp"][mask], want[mask], atol=1e-5)
+    assert not batch["behaviour_logp"][~mask].any()
+    plain = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=slots, max_len=16)
+    assert "behaviour_logp" not in grpo_task.rollout_batch(*plain.sample(params, PROMPTS, G, seed=7), 16)
 
 
 def test_lora_unmerged_rollouts_are_the_merged_models(params):
