@@ -20,7 +20,8 @@ numbers in the tool's response and the answer (the format, and copying the respo
 prompt's product). The last 10% of the prompts are held out; val_reward at step 0 is the SFT model's
 (measured: 0.96, and 0.925-0.96 over 20 GRPO steps for 2 seeds: docs/grpo.md, "The calculator run").
 From a weak SFT model (calc_sft at --config.max_iters=750: 0.335 held out) GRPO at lr 1e-4, batch 128
-raised it to 0.59-0.615 in 20 steps (3 seeds), not to 0.8 (docs/grpo.md, "From a weak SFT model").
+raised it to 0.59-0.615 in 20 steps and to 0.855-0.875 in 300 (3 seeds; docs/grpo.md, "From a weak SFT
+model").
 
 Targets: cpu (check: flaxgpt aot --config configs/grpo_calc.py --target NAME)
 """
