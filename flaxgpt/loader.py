@@ -38,10 +38,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from flaxgpt.runs.run_dir import Run, is_run_dir, require_run
+from flaxgpt.runs.run_dir import FRESH_STARTS, Run, is_run_dir, require_run
 
 DTYPES = ("float32", "bfloat16", "float16")
-FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the recipe's own model
 # the GPTConfig fields a pretrained checkpoint's arrays are read with, a recipe's (or a LoRA run's base's):
 # the window, scanned layers, padded vocabulary rows and the parameters' dtype
 LAYOUT_FIELDS = ("block_size", "scan_layers", "pad_vocab_multiple", "param_dtype")

@@ -375,10 +375,6 @@ def options_table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
-    print(options_table())
-
-
 def check_tokens(tokens_BT, config: GPTConfig, cache=None):
     """Errors for the bad input that can be seen before tracing: length and id range."""
     if tokens_BT.ndim != 2:
@@ -396,3 +392,7 @@ def check_tokens(tokens_BT, config: GPTConfig, cache=None):
             raise ValueError(
                 f"token ids must be in [0, {config.vocab_size}), got min {arr.min()} max {arr.max()}"
             )
+
+
+if __name__ == "__main__":
+    print(options_table())

@@ -47,6 +47,9 @@ class Run(NamedTuple):
     tokenizer: Any  # a tokenizers.Tokenizer; Seq2SeqTokenizer for "seq2seq"
 
 
+FRESH_STARTS = ("auto", "resume", "scratch")  # init_from values that build the recipe's own model
+
+
 def is_run_dir(source) -> bool:
     """The one rule for "is this a flaxgpt training run?": meta.json or checkpoints/, or a config.json
     with a `model` entry (a Hugging Face config.json has `model_type` instead)."""
@@ -142,7 +145,8 @@ def check_resume(
         fix = "resume with the config and data it was trained with, or use a new out_dir"
         source = saved.get("init_from")
         if (
-            source not in (None, "auto", "resume", "scratch")
+            source is not None
+            and source not in FRESH_STARTS
             and (config_dict or {}).get("init_from") != source
         ):
             # a fine-tune's model comes from its init_from: init_from=resume alone takes the defaults'

@@ -221,7 +221,7 @@ class EngineRollouts:
                     engine.drop(prefix)
                 firsts[n] = first.first
                 if self.logprobs:
-                    first_lp[n] = _chosen_logp(first.logits, first.first)
+                    first_lp[n] = first.logprobs.chosen  # the prefill's or fork's draw kept it
                 slot = free.pop()  # one done at its first token (EOS) idles there one generate call
                 engine.insert(first, slot)
                 owner[slot] = n
