@@ -304,7 +304,9 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
     """GRPO's rollouts (data.format = prompts, grpo.rollout = engine) as train.grpo_rollout runs them:
     the engine's prefill (a whole window's prompt) and generate step, batch_size slots (a step's
     completions), a window of block_size, over the policy's weights: the parameters, or with LoRA the
-    base in lora.base_dtype and the adapters unmerged (models.lora.step_fn). Over one process's devices
+    base with the adapters merged (grpo_rollout.merged: a float32 base; the engine holds the base and
+    the merged copy) or the base in lora.base_dtype and the adapters unmerged (models.lora.step_fn).
+    Over one process's devices
     of the training mesh (grpo_online.Rollouts._engine_over), or the engine's own (`separate`:
     grpo.engine_devices): the weights placed by SERVE_RULES, the slots by rows. The generate step's
     note says what crosses between trainer and engine each step (`traffic`)."""
@@ -315,6 +317,7 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
     processes = len({d.process_index for d in devices})
     devices = grpo_rollout.engine_devices(devices, devices[0].process_index)
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
+    merged = False
     if lora_on:  # the GRPO task's policy (train.policy.LoraPolicy) over the decoding config
         pol = policy.make_policy(config, cfg)
         boxed = gpt.abstract_params(cfg)
@@ -322,13 +325,20 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
         serve = sharding.param_shardings(boxed, mesh, sharding.SERVE_RULES)
         base = sharding.shapes_on(base, lora.base_shardings(serve, base))
         adapters = sharding.shapes_on(pol.abstract_params(), sharding.replicated(mesh))
-        step, param_bytes = lora.step_fn(cfg, pol.lora, base, adapters), per_device_bytes((base, adapters))
+        merged = grpo_rollout.merged(pol, s.grpo.merge_lora)
+        if merged:  # the decoding program is the plain parameters' (_decoding's); the base stays too
+            param_bytes += per_device_bytes(base)
+        else:
+            step = lora.step_fn(cfg, pol.lora, base, adapters)
+            param_bytes = per_device_bytes((base, adapters))
     W, chunk = cfg.block_size, min(s.grpo.max_completion_length, grpo_rollout.CHUNK)
     progs = serve_programs(
         mc, devices, slots=max(config.batch_size // processes, 1), max_len=W, chunk=chunk, prefill_chunk=W,
         decoding=(cfg, step, mesh, param_bytes),
     )  # fmt: skip
-    what = f"LoRA r {s.lora.rank} over a {s.lora.base_dtype} base" if lora_on else "the parameters"
+    what = "the parameters"
+    if lora_on:
+        what = f"LoRA r {s.lora.rank} {'merged into' if merged else 'over'} a {s.lora.base_dtype} base"
     pushed = adapters if lora_on else nn.unbox(gpt.abstract_params(cfg))  # what each rollout receives
     sent = traffic(config, mc, pushed, lora_on, len(devices), separate)
     return [

@@ -9,9 +9,9 @@ loss on it (train.tasks composes them with the policy: full fine-tuning or LoRA)
     rollouts.evaluate(params, frozen)   # {"val_reward": ...}: one sampled completion a held-out prompt
 
 A rollout: batch_size // G prompts of the step (PromptData.batch), G completions each sampled from
-the policy's current weights by the serving engine (grpo.rollout = engine: grpo_rollout, LoRA's
-adapters unmerged over any base, int8 included) or by grpo_task.sample_groups (generate: LoRA's
-adapters merged into the base), the same tokens for the same seed (rollout_seed), decoded,
+the policy's current weights by the serving engine (grpo.rollout = engine: grpo_rollout) or by
+grpo_task.sample_groups (generate), LoRA's adapters merged into a float32 base or added unmerged over
+any other (grpo_rollout.merged), the same tokens for the same seed (rollout_seed), decoded,
 scored by the rewards (flaxgpt.train.rewards), group-normalised advantages, and rows of prompt +
 completion (grpo_task.rollout_batch). With num_iterations > 1 the sampling policy's log-probs
 (old_logp) are taken once and the same rollout trains that many optimizer steps; with beta > 0 the
@@ -41,6 +41,7 @@ from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.train import grpo_async, grpo_dynamic, grpo_episodes, grpo_rollout, grpo_task, rewards, sections
+from flaxgpt.train import policy as policy_lib
 from flaxgpt.train.lm_task import data_hint, start_from
 
 
@@ -116,6 +117,8 @@ class Rollouts:
         self.names = ["env"] * bool(g.env) + reward_names(funcs)
         self._logps = jax.jit(lambda p, b, f: objective.token_logps(policy, p, f, b)[0])
         self.local = grpo_rollout.LocalWeights()  # several processes: a rollout reads its own copy
+        # LoRA: the rollouts decode the merged weights (policy.weights, once a step) or (base, adapters)
+        self.merged = grpo_rollout.merged(policy, g.merge_lora)
         self.engine = None
         if g.rollout == "engine":  # one engine for the run: slots for a step's completions
             mc = self.model_config
@@ -125,7 +128,7 @@ class Rollouts:
                 max_new_tokens=self.max_new,
                 slots=max(config.batch_size // jax.process_count(), 1),
                 max_len=sampling.cache_length(mc.block_size, data.max_prompt_tokens, self.max_new),
-                lora_spec=policy.lora,
+                lora_spec=None if self.merged else policy.lora,
                 # an off-policy batch's behaviour log-probs as the engine samples (no forward pass for
                 # them): its log-probs are the model's logits', the sampled distribution's at temperature
                 # 1 only; an episode's turns keep the forward pass
@@ -175,13 +178,21 @@ class Rollouts:
             self._engine_base = jax.device_put(frozen.base, shardings, may_alias=False)
 
     def _engine_weights(self, params, frozen):
-        """The engine's weights: the parameters, or LoRA's (base, adapters); over several devices
-        placed for the engine's mesh (the adapters, small, whole on every device)."""
+        """The engine's weights: the parameters, or LoRA's base and adapters (merged, or the pair);
+        over several devices placed for the engine's mesh (the adapters, small, whole on every
+        device, merged there into its copy of the base)."""
         if self.engine.mesh is None:
-            return params if self.policy.lora is None else (frozen.base, params)
+            return params if self.policy.lora is None else self._lora_weights(frozen.base, params)
         if self.policy.lora is None:
             return jax.device_put(params, self._serve_shardings)
-        return self._engine_base, jax.device_put(params, sharding.replicated(self.engine.mesh))
+        adapters = jax.device_put(params, sharding.replicated(self.engine.mesh))
+        return self._lora_weights(self._engine_base, adapters)
+
+    def _lora_weights(self, base, adapters):
+        """What a rollout decodes with LoRA: the merged weights, or (base, adapters)."""
+        if self.merged:
+            return self.policy.weights(adapters, policy_lib.Frozen(base=base))
+        return base, adapters
 
     def batch(self, split: str, step: int, n_rows: int, process_index: int) -> dict:
         """The trainer's fixed batch (a checkpoint's recorded loss): no completion token, loss 0."""
@@ -198,12 +209,14 @@ class Rollouts:
         if self.engine is not None:
             weights = self._engine_weights(params, frozen)
             prompt_ids, completion_ids = self.engine.sample(weights, ids, group_size, seed=seed)
-        else:  # LoRA: the adapters unmerged over the base (as the engine's), an int8 one too
-            spec, step = self.policy.lora, None
+        else:  # LoRA: merged or unmerged as the engine's (grpo_rollout.merged), an int8 base too
+            spec, step, weights = self.policy.lora, None, params
             if spec is not None:
-                step = lora.step_fn(self.model_config, spec, frozen.base, params)
+                weights = self._lora_weights(frozen.base, params)
+            if spec is not None and not self.merged:
+                step, weights = lora.step_fn(self.model_config, spec, *weights), None
             prompt_ids, completion_ids = grpo_task.sample_groups(
-                self.model_config, params if spec is None else None, ids, group_size,
+                self.model_config, weights, ids, group_size,
                 rng=jax.random.key(seed), max_new_tokens=self.max_new, temperature=self.temperature,
                 top_p=self.top_p, eos_id=self.data.eos_id, step_fn=step,
             )  # fmt: skip

@@ -152,6 +152,13 @@ class LoraPolicy:
         """The base with the adapters merged (float bases: lora.merge)."""
         return _merge(self.model_config, self.lora, frozen.base, params)
 
+    def merges(self) -> bool:
+        """Whether `weights` is the policy to rounding: a float32 base (W + s A B in float32, ~1e-7
+        apart from the base and the adapters' products added); a bfloat16 base would round the
+        adapters' small product into bfloat16's 8 bits (vanishing early in training), an int8 one
+        cannot hold it."""
+        return self.base_dtype == "float32" and self.model_config.param_dtype == "float32"
+
 
 def make_policy(config, model_config) -> FullPolicy | LoraPolicy:
     """LoraPolicy when the recipe's lora.rank > 0 (a GPT), else FullPolicy."""

@@ -117,8 +117,12 @@ class GRPOSection(grpo_task.GRPOOptions):
     num_generations: int = opt(8, "G: completions a prompt, >= 2; batch_size counts completions")
     top_p: float = opt(1.0, "nucleus sampling of the rollouts; 1 = off", 0, 1, low_in=False, high_in=True)
     rollout: Literal[grpo_task.ROLLOUTS] = opt(
-        "engine",
-        "who samples: engine (serve.engine, continuous batching; LoRA unmerged, any base) | generate",
+        "engine", "who samples: engine (serve.engine, continuous batching) | generate"
+    )
+    merge_lora: bool = opt(
+        True,
+        "LoRA over a float32 base: rollouts decode the base with the adapters merged (one more copy of "
+        "the base); false, or a bfloat16 / int8 base: the adapters added unmerged",
     )
     scale_rewards: Literal[grpo_task.SCALES] = opt("group", "advantages over the group's std | batch | none")
     num_iterations: int = opt(1, "optimizer steps on each rollout; > 1: the sampling policy's logps kept", 1)

@@ -67,6 +67,14 @@ def test_the_engine_on_devices_of_its_own():
     ]
     train, _, gen, budget = rows
     assert train.devices == 4 and gen.devices == 4 and "over 4 devices" in gen.note
+    # a float32 base: the engine decodes the adapters merged into its copy of the base (grpo.merge_lora),
+    # holding both; merge_lora=False decodes the pair (the base and the adapters) instead
+    assert "LoRA r 4 merged into a float32 base" in gen.note
+    unmerged = aot.run(
+        toy(**over, grpo__merge_lora=False), targets.get("cpu"), ("rollout",), print_fn=lambda *_: None
+    )
+    pair = unmerged[0][1]
+    assert "LoRA r 4 over a float32 base" in pair.note and pair.parameters < gen.parameters
     assert budget.devices == 8 and budget.total == max(train.total + train.parameters, gen.total)
     # LoRA r 4 on every linear layer of the one-layer toy: the adapters the trainer holds, sent whole
     adapters = train.parameters  # per trainer device: replicated over the data axis

@@ -1,7 +1,10 @@
 """GRPO's rollouts by the serving engine (train/grpo_rollout.py): the tokens of decode.sampling.generate
 for the same seed (sampled, top-p, EOS; prompts of different lengths; fewer slots than completions),
 one prefill a prompt, new weights without a recompile; LoRA's adapters unmerged equal to the merged
-model's rollouts; the same tokens from an engine over 4 devices."""
+model's rollouts, and which LoRA rollouts decode merged weights; the same tokens from an engine
+over 4 devices."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,7 @@ from flaxgpt.decode import sampling
 from flaxgpt.decode.sampling import Sampling
 from flaxgpt.models import gpt, lora
 from flaxgpt.serve.engine import Engine
-from flaxgpt.train import grpo_task
+from flaxgpt.train import grpo_rollout, grpo_task, policy
 from flaxgpt.train.grpo_rollout import EngineRollouts
 
 CFG = gpt.GPTConfig(vocab_size=16, block_size=16, n_layer=1, n_head=2, n_embd=32)
@@ -96,6 +99,19 @@ def test_lora_unmerged_rollouts_are_the_merged_models(params):
         CFG, None, PROMPTS, G, rng=jax.random.key(7), max_new_tokens=MAX_NEW,
         temperature=SETTINGS.temperature, top_p=SETTINGS.top_p, eos_id=EOS, step_fn=step,
     )[1]  # fmt: skip
+
+
+def test_which_lora_rollouts_merge():
+    """grpo_rollout.merged: LoRA over a float32 base with grpo.merge_lora decodes the merged weights
+    (exact to rounding); a bfloat16 base (the adapters' product rounded into 8 bits), an int8 one
+    (no float kernel to hold it), merge_lora=False and full fine-tuning decode as they are."""
+    spec = lora.LoraSpec.make(CFG, rank=4, alpha=8.0)
+    for base_dtype, want in (("float32", True), ("bfloat16", False), ("int8", False)):
+        assert grpo_rollout.merged(policy.LoraPolicy(CFG, spec, base_dtype), True) is want
+    assert not grpo_rollout.merged(policy.LoraPolicy(CFG, spec, "float32"), False)
+    bf16_params = dataclasses.replace(CFG, param_dtype="bfloat16")
+    assert not grpo_rollout.merged(policy.LoraPolicy(bf16_params, spec, "float32"), True)
+    assert not grpo_rollout.merged(policy.FullPolicy(CFG), True)
 
 
 @pytest.mark.devices(4)

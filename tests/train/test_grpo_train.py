@@ -204,6 +204,33 @@ def test_qlora_with_beta_on_chat_prompts(tmp_path, llama_prompts):
     assert [x["step"] for x in lines if "val_reward" in x] == [0, 2]
 
 
+def test_lora_rollouts_decode_the_merged_weights(tmp_path, llama_prompts, monkeypatch):
+    """LoRA over a float32 base (grpo.merge_lora's default): the engine's rollouts decode the base with
+    the adapters merged (train.policy's merge, once a rollout; no adapter product a decoded token),
+    and the run's completions, rewards and losses are the unmerged run's (float32: 1e-5); bfloat16 and
+    int8 bases, or merge_lora=False, decode unmerged (test_grpo_rollout: grpo_rollout.merged)."""
+    from flaxgpt.models import lora
+
+    model, data = llama_prompts
+    over = {
+        "lora.rank": 4, "lora.alpha": 8.0, "grpo.num_generations": 2, "batch_size": 4, "max_iters": 2,
+        "eval_interval": 2, "grpo.eval_prompts": 0, "grpo.reward_funcs": ("length=3",),
+        "optim.learning_rate": 3e-2,
+    }  # fmt: skip
+    unmerged_steps = []  # lora.step_fn: the adapters added to every product
+    monkeypatch.setattr(lora, "step_fn", lambda *a, real=lora.step_fn: unmerged_steps.append(1) or real(*a))
+    runs = []
+    for merge in (True, False):
+        over["grpo.merge_lora"] = merge
+        lines = tiny_run(llama_recipe(model), data, tmp_path / f"m{merge}", **over)
+        runs.append([x for x in lines if "reward" in x])
+        assert bool(unmerged_steps) != merge
+    (merged, unmerged), keys = runs, ("reward", "completions/mean_length", "loss")
+    assert len(merged) == 2
+    for a, b in zip(merged, unmerged, strict=True):
+        assert [a[k] for k in keys] == pytest.approx([b[k] for k in keys], abs=1e-5)
+
+
 @pytest.mark.devices(4)
 def test_full_fine_tuning_with_beta_over_4_devices(tmp_path, llama_prompts):
     """Full fine-tuning with beta > 0, FSDP over 4 devices with the engine's rollouts over the same 4
