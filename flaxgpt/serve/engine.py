@@ -8,7 +8,7 @@
     while (prefix := engine.prefill_step(job)) is None: ...   # (decode steps may run in between)
     tokens_BC, new_B, done_B = engine.generate()   # up to `chunk` tokens for every busy slot
     engine.keep(3, prompt_ids + reply)         # its end: its blocks stay for the next turn, its pages freed
-    first_R = engine.insert_group(prefix, [rows_a, rows_b], [6, 7])    # several requests, one prefill
+    first_R, lp_R = engine.insert_group(prefix, [rows_a, rows_b], [6, 7])   # several, one prefill
     first = engine.extend(3, tool_ids, start, rows)   # slot windows: more prompt tokens, no re-prefill
 
 The interface is JetStream's (prefill, insert into a slot, generate for all slots); the scheduler
@@ -317,10 +317,10 @@ class Engine:
         self.runner.copy_pages(*copy)
         return self.runner.fork(prefix, rows)._replace(owner=owner)
 
-    def insert_group(self, prefix: Prefix, rows: list[Rows], slots: list[int]) -> jax.Array:
+    def insert_group(self, prefix: Prefix, rows: list[Rows], slots: list[int]) -> tuple[jax.Array, Logprobs]:
         """fork + insert for several requests on one prompt in one call (GRPO's G completions): request
-        r takes slot slots[r] with rows[r]; the prefix is consumed. -> their first tokens [R] (on the
-        device)."""
+        r takes slot slots[r] with rows[r]; the prefix is consumed. -> their first tokens [R] and those
+        tokens' Logprobs (fields [R, ...], as fork's: zeros unless a row asks for them), on the device."""
         if len(rows) != len(slots) or not rows:
             raise ValueError(f"{len(rows)} requests for {len(slots)} slots")
         self._no_draft("insert_group")
@@ -339,9 +339,9 @@ class Engine:
             tables = np.stack([self.blocks.table(slot_owner(s)) for s in slots])
         self.cancel(prefix)
         self.runner.copy_pages(src, dst)
-        first_R = self.runner.insert_group(prefix, rows, slots, tables)
+        first_R, lp_R = self.runner.insert_group(prefix, rows, slots, tables)
         self._taken(slots)
-        return first_R
+        return first_R, lp_R
 
     def extend(self, slot: int, tokens, start: int, rows: Rows, adapter: int = 0) -> jax.Array:
         """Slot `slot`'s request goes on with `tokens` as prompt tokens at positions start.. (a tool's

@@ -5,7 +5,7 @@ it block tables (serve/block_manager.py) and says which request goes where.
     runner = Runner(step_fn, pool, slots=8, chunk=4, max_k=256, mesh=None)
     prefix = runner.prefill(table_M, adapter, chunk_1P, start, size, rows)   # a prompt chunk, in place
     runner.insert(prefix, slot, table_M)      # the request's state into slot `slot`; its table is its row
-    first_R = runner.insert_group(prefix, rows_R, slots_R, tables_RM)         # several, one prefill
+    first_R, lp_R = runner.insert_group(prefix, rows_R, slots_R, tables_RM)   # several, one prefill
     runner.copy_pages(src, dst)               # a forked request's partial block
     tokens_BC, count_B, done_B = runner.generate(stop_B, steps)               # every slot, `steps` tokens
 
@@ -157,7 +157,8 @@ def _insert(state: DecodeState, prefix: Prefix, slots_R, table_RM):
 
 def _insert_group(state: DecodeState, prefix: Prefix, rows: Rows, slots_R, table_RM, max_k: int):
     """R requests on one prefilled prompt into slots slots_R, request r with the settings rows[r]
-    (fields [R]), each first token drawn from the prefill's logits as fork's -> (state, first_R)."""
+    (fields [R]), each first token drawn from the prefill's logits as fork's -> (state, first_R,
+    Logprobs of [R]: fork's, of the prompt's last logits)."""
     R = slots_R.shape[0]
     rows_R = rows.keyed()
     V = prefix.logits.shape[-1]
@@ -168,7 +169,8 @@ def _insert_group(state: DecodeState, prefix: Prefix, rows: Rows, slots_R, table
     first_R = next_tokens(rows_R, jnp.zeros((R,), jnp.int32), logits_RV, max_k)
     done_R = finished(rows_R, first_R, jnp.ones((R,), jnp.int32))
     group = prefix._replace(first=first_R, done=done_R, rows=rows_R)
-    return _insert(state, group, slots_R, table_RM), first_R
+    lp_R = Logprobs(*token_logprobs(jnp.broadcast_to(prefix.logits, (R, V)), first_R, rows_R.logprobs_B))
+    return _insert(state, group, slots_R, table_RM), first_R, lp_R
 
 
 def _copy_pages(state: DecodeState, src_R, dst_R):
@@ -375,14 +377,14 @@ class Runner:
         )  # fmt: skip
         self._table[slot] = table_M
 
-    def insert_group(self, prefix: Prefix, rows: list[Rows], slots: list[int], tables_RM) -> jax.Array:
+    def insert_group(self, prefix: Prefix, rows: list[Rows], slots: list[int], tables_RM):
         stacked = Rows.stack(rows)
-        self.state, first_R = self.p["insert_group"](
+        self.state, first_R, lp_R = self.p["insert_group"](
             self.state, prefix._replace(owner=None, echo=None), stacked, np.asarray(slots, np.int32),
             np.asarray(tables_RM, np.int32), max_k=self.max_k,
         )  # fmt: skip
         self._table[slots] = tables_RM
-        return first_R
+        return first_R, lp_R
 
     def copy_pages(self, src: list[int], dst: list[int]):
         """Page dst[r] takes page src[r]'s contents; padded to a power of two with scratch-to-scratch

@@ -151,7 +151,7 @@ class Episodes:
                     engine.insert(prefix, slots[0])
                     pending = [(prefix.first, None)]
                 else:
-                    first_G = engine.insert_group(prefix, settings, slots)
+                    first_G, _ = engine.insert_group(prefix, settings, slots)
                     pending = [(first_G, g) for g in range(G)]
                 for g, slot in enumerate(slots):
                     n = p * G + g

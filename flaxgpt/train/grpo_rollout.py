@@ -42,7 +42,6 @@ import collections
 import contextlib
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import multihost_utils
 
 from flaxgpt import sharding
@@ -216,11 +215,10 @@ class EngineRollouts:
                     slots = [free.pop() for _ in range(G)]
                     rows = [self.rows_for(m, seed) for m in group]
                     prefix = engine.prefill(prompt_ids[n // G], rows[0], hold=True)
-                    first_G = engine.insert_group(prefix, rows, slots)
+                    first_G, lp_G = engine.insert_group(prefix, rows, slots)
                     firsts[n : n + G] = [(first_G, g) for g in range(G)]
-                    if self.logprobs:  # the first tokens' from the prompt's logits, on the device
-                        lp_G = _chosen_logp(prefix.logits, first_G)
-                        first_lp[n : n + G] = [(lp_G, g) for g in range(G)]
+                    if self.logprobs:  # drawn from the prompt's logits with them, on the device
+                        first_lp[n : n + G] = [(lp_G.chosen, g) for g in range(G)]
                     owner.update(zip(slots, group, strict=True))
                     continue
                 waiting.popleft()
@@ -249,13 +247,6 @@ class EngineRollouts:
         if self.logprobs:
             out = [Completion(c, logp=[f, *r]) for c, f, r in zip(out, first_lp, rest_lp, strict=True)]
         return [list(p) for p in prompt_ids for _ in range(G)], out
-
-
-@jax.jit
-def _chosen_logp(logits_V, tokens):
-    """log softmax(logits)[tokens]: the first tokens' log-probs from their prompt's last logits, as
-    decoding's token_logprobs takes the others' (float32, before temperature)."""
-    return jax.nn.log_softmax(logits_V.astype(jnp.float32))[tokens]
 
 
 def _on_host(values) -> list:

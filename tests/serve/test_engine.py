@@ -93,7 +93,7 @@ def test_one_prefill_serves_several_requests_by_fork_and_insert_group(step):
         prefix = engine.prefill(prompt, rows[0])
         out = {s: [] for s in range(3)}
         if grouped:
-            firsts = engine.insert_group(prefix, rows, [2, 0, 1])  # request r in slot (r + 2) % 3
+            firsts, _ = engine.insert_group(prefix, rows, [2, 0, 1])  # request r in slot (r + 2) % 3
             slot_of = [2, 0, 1]
         else:
             forks = [prefix] + [engine.fork(prefix, r) for r in rows[1:]]
@@ -108,6 +108,16 @@ def test_one_prefill_serves_several_requests_by_fork_and_insert_group(step):
             busy = not all(done_B)
         got = [[int(firsts[r]), *out[slot_of[r]]] for r in range(3)]
         assert got == alone, (grouped, windows)
+    # the first tokens' log-probs (a row asking for 2 alternatives): insert_group's are fork's
+    asking = [r.replace(logprobs_B=np.full_like(r.logprobs_B, 2)) for r in rows]
+    engine = new_engine(step, slots=3, windows=True)
+    prefix = engine.prefill(prompt, asking[0], hold=True)
+    forks = [engine.fork(prefix, r).logprobs for r in asking]
+    firsts, lp_R = engine.insert_group(prefix, asking, [0, 1, 2])
+    for r, lp in enumerate(forks):
+        for field, want in zip(lp_R, lp, strict=True):
+            np.testing.assert_allclose(np.asarray(field)[r], np.asarray(want), rtol=1e-6)
+    assert np.asarray(lp_R.chosen).max() < 0 and [int(f) for f in firsts] == [t[0] for t in alone]
     with pytest.raises(ValueError, match="2 requests for 1 slots"):
         engine.insert_group(prefix, rows[:2], [0])
 
