@@ -21,7 +21,9 @@ shipped `answer` and `length=160` on flaxgpt's side, the same two in Python on T
 flaxgpt: configs/grpo_toy.py turned to the model (trainer.train's path: flaxgpt prepare --dataset
 prompts, a Trainer, its rollout then its jitted step), grpo.rollout = engine and = generate as two
 sides; a step's wall time is between two `after_step` hooks (each after the step's update finished),
-with the run's logged rollout_time / update_time beside it. TRL: GRPOTrainer(use_cpu=True), a step's
+with the run's logged rollout_time / update_time beside it; its rollouts decode the adapters merged into
+the float32 base (grpo.merge_lora, the default: once a step; --merge_lora 0 decodes them unmerged, as
+TRL's generate over the PEFT model does). TRL: GRPOTrainer(use_cpu=True), a step's
 wall time between a callback's on_step_begin and on_step_end (its generation, rewards and update),
 its rollout the time in `_generate_and_score_completions` (generation, rewards, advantages) and its
 update the rest of the step.
@@ -165,6 +167,7 @@ def run_flaxgpt(a) -> dict:
     c.grpo.rollout, c.grpo.temperature, c.grpo.top_p, c.grpo.beta = rollout, 1.0, 1.0, 0.0
     c.grpo.num_iterations, c.grpo.loss_type, c.grpo.scale_rewards = 1, "dapo", "group"
     c.grpo.off_policy_steps = max(a.off_policy_steps, 1) if a.side == "flaxgpt_async" else a.off_policy_steps
+    c.grpo.merge_lora = bool(a.merge_lora)
     c.grpo.reward_funcs, c.grpo.reward_weights, c.grpo.eval_prompts = ("answer", f"length={LENGTH}"), (), 0
     if a.side == "flaxgpt_episodes":  # the environment's reward (config_check wants a reward function)
         c.grpo.env, c.grpo.reward_funcs = "grpo_step:Turns", ("grpo_step:no_reward",)
@@ -338,6 +341,7 @@ def main() -> None:
         help="flaxgpt sides: engine, generate, async (engine rollouts, grpo.off_policy_steps >= 1)",
     )  # fmt: skip
     p.add_argument("--off_policy_steps", type=int, default=0, help="flaxgpt's grpo.off_policy_steps")
+    p.add_argument("--merge_lora", type=int, default=1, choices=(0, 1), help="flaxgpt's grpo.merge_lora")
     p.add_argument("--multi_turn", action="store_true", help="the multi-turn row (episodes of Turns)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 layers x 128, 8-token completions")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the TRL side")
@@ -352,7 +356,7 @@ def main() -> None:
         a.rollouts = a.rollouts if a.rollouts != "engine,generate,async" else "engine"
     keep = ["--steps", a.steps, "--warmup", a.warmup, "--prompts", a.prompts, "--generations", a.generations,
             "--completion", a.completion, "--lora_rank", a.lora_rank,
-            "--off_policy_steps", a.off_policy_steps]  # fmt: skip
+            "--off_policy_steps", a.off_policy_steps, "--merge_lora", a.merge_lora]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         eos_weight = EOS_WEIGHT if a.multi_turn else 0.0
         make_model(Path(tmp), a.layers, a.dim, a.vocab, 64 * a.prompts, eos_weight)
