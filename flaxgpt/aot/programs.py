@@ -306,10 +306,9 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
     completions), a window of block_size, over the policy's weights: the parameters, or with LoRA the
     base with the adapters merged (grpo_rollout.merged: a float32 base; the engine holds the base and
     the merged copy) or the base in lora.base_dtype and the adapters unmerged (models.lora.step_fn).
-    Over one process's devices
-    of the training mesh (grpo_online.Rollouts._engine_over), or the engine's own (`separate`:
-    grpo.engine_devices): the weights placed by SERVE_RULES, the slots by rows. The generate step's
-    note says what crosses between trainer and engine each step (`traffic`)."""
+    Over one process's devices of the training mesh (grpo_online.Rollouts._engine_over), or the
+    engine's own (`separate`: grpo.engine_devices): the weights placed by SERVE_RULES, the slots by
+    rows. The generate step's note says what crosses between trainer and engine each step (`traffic`)."""
     s = sections.of(config)
     lora_on = bool(s.lora.rank)
     # as the trainer runs them: one engine a process, over that process's devices (process 0's here),
