@@ -1,6 +1,7 @@
 """The scaled float8 matmul of FP8 training (`model.fp8`), and which devices multiply in float8.
 
     y_MN = fp8_dot(x_MK, w_KN)       # y in x's dtype; differentiable in x and w (a custom_vjp)
+    y_AN = fp8_grouped(x_AK, w_EKN, group_sizes_E, matmul, weight_grad)  # a mixture's experts (models/moe.py)
     fp8_note()                       # None on Hopper-class GPUs, else one line naming the fallback
 
 Forward operands are float8 e4m3 (3 mantissa bits, max 448), the backward's incoming gradient float8
@@ -20,10 +21,13 @@ a dequantize-then-dot form (convert back, times 1/scale, dot) compiled for h100-
 GEMM instead, the casts fused into its operands. Elsewhere the same program widens the float8
 operands exactly and runs a float32 dot: values round as on Hopper (an emulation), not fast.
 
-Shape letters: M rows, K input features, N output features.
+Shape letters: M rows, K input features, N output features; a grouped product's A rows sorted by
+group and E groups (experts), group e's rows times its own matrix w_EKN[e].
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +96,48 @@ def _bwd(res, dy_MN):
 
 
 fp8_dot.defvjp(_fwd, _bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))  # the two functions are static
+def fp8_grouped(x_AK, w_EKN, group_sizes_E, matmul, weight_grad):
+    """A grouped matmul (a mixture's experts) with e4m3 operands under current scaling: [A, K] rows
+    sorted by group, [E, K, N] a matrix a group -> [A, N] in x's dtype; differentiable in x and w.
+
+    `matmul(a_AK, b_EKN, group_sizes_E)` is the grouped product to run (models/moe.py's tiled form)
+    and `weight_grad(a_AK, g_AN, group_sizes_E)` its transpose in the stack, [E, K, N] = each group's
+    a^T g: both take float8 operands and accumulate in float32. dX = matmul(dY8, W8^T) and dW =
+    weight_grad(X8, dY8) are the grouped product's VJP written out, because jax.vjp of it over the
+    float8 copies cannot keep float8 operands: its pullback takes a cotangent of the output's dtype
+    (float32, not e5m2) and casts each gradient to its primal's dtype (e4m3).
+
+    The stack's scale is one per tensor, not one per expert: the experts start from one init and
+    train with one optimizer, so their ranges stay alike, and a scalar scale is what a float8 GEMM's
+    epilogue applies (a scale per expert would be a per-row multiply after each visit); an expert
+    far below the stack's amax keeps fewer digits (the subnormal steps)."""
+    return _grouped_forward(x_AK, w_EKN, group_sizes_E, matmul)[0]
+
+
+def _grouped_forward(x_AK, w_EKN, group_sizes_E, matmul):
+    x8_AK, x_inv = quantize(x_AK, E4M3)
+    w8_EKN, w_inv = quantize(w_EKN, E4M3)
+    y_AN = (matmul(x8_AK, w8_EKN, group_sizes_E) * (x_inv * w_inv)).astype(x_AK.dtype)
+    dtypes = (jnp.zeros((0,), x_AK.dtype), jnp.zeros((0,), w_EKN.dtype))
+    return y_AN, (x8_AK, x_inv, w8_EKN, w_inv, group_sizes_E, dtypes)
+
+
+def _grouped_fwd(x_AK, w_EKN, group_sizes_E, matmul, weight_grad):
+    return _grouped_forward(x_AK, w_EKN, group_sizes_E, matmul)
+
+
+def _grouped_bwd(matmul, weight_grad, res, dy_AN):
+    x8_AK, x_inv, w8_EKN, w_inv, group_sizes_E, (x_dtype, w_dtype) = res
+    g8_AN, g_inv = quantize(dy_AN, E5M2)
+    dx_AK = matmul(g8_AN, jnp.swapaxes(w8_EKN, 1, 2), group_sizes_E) * (g_inv * w_inv)  # dY W^T
+    dw_EKN = weight_grad(x8_AK, g8_AN, group_sizes_E) * (x_inv * g_inv)  # X^T dY a group
+    return dx_AK.astype(x_dtype.dtype), dw_EKN.astype(w_dtype.dtype), None
+
+
+fp8_grouped.defvjp(_grouped_fwd, _grouped_bwd)
 
 
 def has_fp8_matmul() -> bool:

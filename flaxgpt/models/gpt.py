@@ -117,6 +117,7 @@ class Block(nn.Module):
                 norm_topk_prob=c.norm_topk_prob,
                 shared_hidden=c.shared_expert_hidden,
                 shared_gate=c.shared_expert_gate,
+                fp8=c.fp8,
                 **shared,
             )
         else:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
+from flaxgpt.kernels.fp8 import fp8_grouped
 from flaxgpt.models.layers import MLP, Dtype, activation_fn, normal_init, swiglu
 from flaxgpt.models.linear import ROWS, Linear
 from flaxgpt.models.quantize import QuantizedWeight
@@ -91,6 +92,7 @@ class MoE(nn.Module):
     param_dtype: Dtype = jnp.float32
     deterministic: bool = True
     lora: object = None  # models.lora.LoraSpec: the expert stacks' adapters ("lora" collection), scale
+    fp8: bool = False  # the routed experts' and the shared expert's products in float8 (GPTConfig.fp8)
 
     @nn.compact
     def __call__(self, x_BTD):
@@ -126,12 +128,17 @@ class MoE(nn.Module):
         # quantized stacks (models/quantize.py: int8 or bf16 decoding) stay compact until the matmul
         cast = lambda w: w if isinstance(w, QuantizedWeight) else w.astype(self.dtype)  # noqa: E731
         w_fc, w_proj = self.adapted("experts_fc", cast(w_fc)), self.adapted("experts_proj", cast(w_proj))
+        if self.fp8:
+            self._check_fp8(w_fc, w_proj)
         slot_N = None  # each token's adapter slot: its batch row's (models/multi_lora.py)
         if self.has_variable("lora", ROWS):
             rows_B = self.get_variable("lora", ROWS)
             slot_N = jnp.repeat(rows_B, x_ND.shape[0] // rows_B.shape[0])
         args = (x_ND.astype(self.dtype), weights_NC, experts_NC, w_fc, w_proj, self._expert_mlp)
-        y_ND = expert_parallel(*args, slot_N) if expert_axis_size() > 1 else mix_experts(*args, slot_N=slot_N)
+        if expert_axis_size() > 1:
+            y_ND = expert_parallel(*args, slot_N, fp8=self.fp8)
+        else:
+            y_ND = mix_experts(*args, slot_N=slot_N, fp8=self.fp8)
         if self.shared_hidden:
             y_ND = y_ND + self._shared_expert(x_ND)
         y_BTD = y_ND.reshape(x_BTD.shape)
@@ -153,6 +160,21 @@ class MoE(nn.Module):
                 return LoraExperts(w, a_EKP, b_EPN, 1.0, slots=S)  # scales are in b
         return w
 
+    def _check_fp8(self, *stacks):
+        """model.fp8 multiplies float stacks: a quantized or adapted one is refused, naming the fix."""
+        for w in stacks:
+            if isinstance(w, QuantizedWeight):
+                raise ValueError(
+                    f"model.fp8 multiplies float weights in float8, but {self.name}'s expert stacks are "
+                    f"quantized ({w.w.dtype}): set model.fp8=False, or lora.base_dtype=float32 for a float "
+                    "base"
+                )
+            if isinstance(w, LoraExperts):
+                raise ValueError(
+                    f"model.fp8 has no float8 path for adapted experts ({self.name}): drop "
+                    f"{'/'.join(EXPERT_PARAMS)} from lora.targets, or set model.fp8=False"
+                )
+
     def _shared_expert(self, x_ND):
         """The shared expert (a dense MLP of hidden size shared_hidden) on every token [N, D] -> [N, D],
         times sigmoid of its gate when `shared_gate`."""
@@ -163,6 +185,7 @@ class MoE(nn.Module):
             glu=self.glu,
             use_bias=False,
             out_init_std=self.out_init_std,
+            fp8=self.fp8,  # a dense MLP: its own float8 products (layers.MLP)
             name="shared_expert",
             **kw,
         )(x_ND)
@@ -196,7 +219,9 @@ class MoE(nn.Module):
         self.sow(ROUTER, "z", jnp.mean(jnp.square(z_N)))
 
 
-def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0, slot_N=None):
+def mix_experts(
+    x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0, slot_N=None, fp8=False
+):
     """sum_c weights_NC[n, c] * expert_{experts_NC[n, c]}(x_ND[n]) -> [N, D], over the experts held
     here: w_fc [E_l, D, 2F or F], w_proj [E_l, F, D] (float or quantized: expert_matmul) are experts
     first .. first + E_l - 1 (all of them on one device); assignments to other experts add nothing
@@ -208,11 +233,14 @@ def mix_experts(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | ja
     N <= 4 E_l): there `dense_mix` reads each expert's matrices once, in place, where the sorted
     rows' gathers copy one matrix per row (batch 8, top 2, 8 experts: 16 copies of each matmul's
     weights). TPUs' ragged_dot reads each expert once itself. Compiled for h100-1, a Qwen3-30B-A3B
-    prefill chunk of 128 tokens: 112.5 GB of HBM traffic dense, 391.5 GB tiled (docs/aot.md)."""
+    prefill chunk of 128 tokens: 112.5 GB of HBM traffic dense, 391.5 GB tiled (docs/aot.md).
+
+    fp8: the sorted path's products in float8 (expert_matmul); the dense path (decoding's few
+    tokens, memory-bound) stays in the compute dtype."""
     N, C = experts_NC.shape
     E_l = experts_held(w_fc)
     if N * C < E_l or N > 4 * E_l:
-        return sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first, slot_N)
+        return sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first, slot_N, fp8)
     sorted_, dense = (lambda *a, f=f: f(*a[:5], act, *a[5:]) for f in (sorted_mix, dense_mix))
     args = (x_ND, weights_NC, experts_NC, w_fc, w_proj, jnp.asarray(first, jnp.int32), slot_N)
     return jax.lax.platform_dependent(*args, cpu=dense, cuda=dense, rocm=dense, default=sorted_)
@@ -244,7 +272,9 @@ def _batched_matmul(x_ENK, w, slot_N=None):
     return y_ENF * w.scale[:, None, :].astype(y_ENF.dtype)
 
 
-def sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0, slot_N=None):
+def sorted_mix(
+    x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax.Array = 0, slot_N=None, fp8=False
+):
     """mix_experts by a grouped matmul over the assignments sorted by expert (dropless)."""
     N, C = experts_NC.shape
     E_l = experts_held(w_fc)
@@ -258,8 +288,8 @@ def sorted_mix(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, first: int | jax
     token_A = order_A // C  # the token each sorted assignment came from
     x_AD, slot_A = x_ND[token_A], None if slot_N is None else slot_N[token_A]
     expert_A = jnp.minimum(group_A[order_A], E_l - 1)  # each sorted row's expert (any, past the groups)
-    h_AF = act(expert_matmul(x_AD, w_fc, group_sizes_E, expert_A, slot_A))
-    y_AD = expert_matmul(h_AF, w_proj, group_sizes_E, expert_A, slot_A)
+    h_AF = act(expert_matmul(x_AD, w_fc, group_sizes_E, expert_A, slot_A, fp8))
+    y_AD = expert_matmul(h_AF, w_proj, group_sizes_E, expert_A, slot_A, fp8)
     # back to token order (a gather by the inverse permutation, not a scatter-add), then the
     # weighted sum over each token's C experts
     inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(N * C))
@@ -276,7 +306,7 @@ def expert_axis_size() -> int:
     return 1 if mesh.empty or EXPERT_AXIS not in mesh.axis_names else mesh.shape[EXPERT_AXIS]
 
 
-def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, slot_N=None):
+def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, slot_N=None, fp8=False):
     """mix_experts with the experts split over the mesh's "expert" axis (E / n per device) and the
     tokens over every axis: each device gathers the tokens of its expert group (all-gather), runs
     them through its own experts only, and the partial outputs are summed back onto the devices that
@@ -292,7 +322,7 @@ def expert_parallel(x_ND, weights_NC, experts_NC, w_fc, w_proj, act, slot_N=None
         gather = lambda a: jax.lax.all_gather(a, EXPERT_AXIS, axis=0, tiled=True)  # noqa: E731
         first = jax.lax.axis_index(EXPERT_AXIS) * (E // n)
         tokens = (gather(x_ND), gather(weights_NC), gather(experts_NC))
-        y_ND = mix_experts(*tokens, w_fc, w_proj, act, first, gather(slot_N))
+        y_ND = mix_experts(*tokens, w_fc, w_proj, act, first, gather(slot_N), fp8)
         return jax.lax.psum_scatter(y_ND, EXPERT_AXIS, scatter_dimension=0, tiled=True)
 
     specs = (rows, rows, rows, experts, experts, rows)
@@ -308,12 +338,18 @@ def experts_held(w) -> int:
     return w.shape[0]
 
 
-def expert_matmul(x_AD, w, group_sizes_E, expert_A, slot_A=None):
+def expert_matmul(x_AD, w, group_sizes_E, expert_A, slot_A=None, fp8=False):
     """grouped_matmul with float weights [E, D, F] or quantized ones (quantize.QuantizedWeight: int8
     or bf16 w [E, D, F] and scale [E, F], per expert and output channel): (x @ (q * s))[a, f] is
     (x @ q)[a, f] * s[expert_A[a], f], so the scales multiply each row's output by its expert's; or
     adapted ones (LoraExperts): each row's low-rank term through the same groups, in float32 (slot_A
-    [A]: each row's slot, in an adapter-slot stack)."""
+    [A]: each row's slot, in an adapter-slot stack).
+
+    fp8 (float weights): kernels.fp8.fp8_grouped over the tiled form, on every platform (TPUs and
+    CPUs emulate float8), except at decoding's few rows, which stay in the compute dtype
+    (grouped_matmul's gathered_matmul: memory-bound, float8 would only add the casts' passes)."""
+    if fp8 and not isinstance(w, (LoraExperts, QuantizedWeight)) and x_AD.shape[0] > 2 * w.shape[0]:
+        return fp8_grouped(x_AD, w, group_sizes_E, _F32_TILED, _F32_WEIGHT_GRAD)
     if isinstance(w, LoraExperts):
         y_AF = expert_matmul(x_AD, w.w, group_sizes_E, expert_A)
         xa_AP = w.low_rank(grouped_matmul(x_AD.astype(jnp.float32), w.a, group_sizes_E), slot_A)
@@ -353,12 +389,11 @@ def gathered_matmul(x_AD, w_EDF, group_sizes_E):
     return jnp.where((group_A < E)[:, None], y_AF, 0)
 
 
-def tiled_grouped_matmul(x_AD, w_EDF, group_sizes_E):
-    """grouped_matmul in tiles of b rows: each tile is multiplied by the matrix of every group it
-    overlaps and keeps that group's rows. Tiles of ~A/E rows make at most (tiles + E - 1) ~ 2E visits,
-    ~2A rows of work in all (the whole-matrix fallback: E*A)."""
-    A, D = x_AD.shape
-    E, _, F = w_EDF.shape
+def _tile_plan(A: int, group_sizes_E):
+    """The visits of a tiled grouped product over A sorted rows: (b rows a tile, tiles, tile_V,
+    group_V, keep_Vb): visit v multiplies tile tile_V[v] by group group_V[v]'s matrix and keeps the
+    rows keep_Vb[v] marks (that group's; none for the visits past the last group's tile)."""
+    E = group_sizes_E.shape[0]
     b = max(1, -(-A // E))  # rows per tile
     n_tiles = -(-A // b)
     V = n_tiles + E - 1  # visits: consecutive groups share at most one tile
@@ -372,12 +407,44 @@ def tiled_grouped_matmul(x_AD, w_EDF, group_sizes_E):
     rows_Vb = tile_V[:, None] * b + jnp.arange(b)  # each visit's row indices
     keep_Vb = (rows_Vb >= starts_E[group_V, None]) & (rows_Vb < ends_E[group_V, None])
     keep_Vb &= (v_V < jnp.sum(spans_E))[:, None]  # visits past the last group's tile do nothing
-    x_TbD = jnp.pad(x_AD, ((0, n_tiles * b - A), (0, 0))).reshape(n_tiles, b, D)
-    y_VbF = jnp.einsum("vbd,vdf->vbf", x_TbD[tile_V], w_EDF[group_V])
+    return b, n_tiles, tile_V, group_V, keep_Vb
+
+
+def _tiles(x_AK, b: int, n_tiles: int):
+    """[A, K] -> [tiles, b, K], the last tile padded with zero rows."""
+    return jnp.pad(x_AK, ((0, n_tiles * b - x_AK.shape[0]), (0, 0))).reshape(n_tiles, b, -1)
+
+
+def tiled_grouped_matmul(x_AD, w_EDF, group_sizes_E, out_dtype=None):
+    """grouped_matmul in tiles of b rows: each tile is multiplied by the matrix of every group it
+    overlaps and keeps that group's rows. Tiles of ~A/E rows make at most (tiles + E - 1) ~ 2E visits,
+    ~2A rows of work in all (the whole-matrix fallback: E*A). out_dtype: the products' accumulation
+    and result dtype (float32 for float8 operands: kernels.fp8.fp8_grouped); None: the operands'."""
+    A, F = x_AD.shape[0], w_EDF.shape[-1]
+    b, n_tiles, tile_V, group_V, keep_Vb = _tile_plan(A, group_sizes_E)
+    x_VbD = _tiles(x_AD, b, n_tiles)[tile_V]
+    y_VbF = jnp.einsum("vbd,vdf->vbf", x_VbD, w_EDF[group_V], preferred_element_type=out_dtype)
     y_VbF = jnp.where(keep_Vb[..., None], y_VbF, 0)
     # each row is kept by at most one visit (rows past the groups by none): the sum adds only zeros to it
     y_TbF = jnp.zeros((n_tiles, b, F), y_VbF.dtype).at[tile_V].add(y_VbF)
     return y_TbF.reshape(n_tiles * b, F)[:A]
+
+
+def tiled_weight_grad(x_AD, g_AF, group_sizes_E, out_dtype=None):
+    """tiled_grouped_matmul's transpose in its stack: [E, D, F], group e's x^T g, by the same
+    visits (each visit's tile times its kept rows of g, summed into its group's matrix)."""
+    (A, D), F = x_AD.shape, g_AF.shape[1]
+    b, n_tiles, tile_V, group_V, keep_Vb = _tile_plan(A, group_sizes_E)
+    g_VbF = jnp.where(keep_Vb[..., None], _tiles(g_AF, b, n_tiles)[tile_V], 0)
+    x_VbD = _tiles(x_AD, b, n_tiles)[tile_V]
+    dw_VDF = jnp.einsum("vbd,vbf->vdf", x_VbD, g_VbF, preferred_element_type=out_dtype)
+    return jnp.zeros((group_sizes_E.shape[0], D, F), dw_VDF.dtype).at[group_V].add(dw_VDF)
+
+
+# the tiled product and its stack transpose accumulating float8 operands in float32 (fp8_grouped's
+# static arguments: one object each, so a jitted step traces them once)
+_F32_TILED = functools.partial(tiled_grouped_matmul, out_dtype=jnp.float32)
+_F32_WEIGHT_GRAD = functools.partial(tiled_weight_grad, out_dtype=jnp.float32)
 
 
 def _collect(tree, name: str) -> list:
