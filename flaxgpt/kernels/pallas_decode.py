@@ -3,6 +3,7 @@ GPUs (the Triton backend).
 
     y_MN = gemv(x_MK, w_KN, b_N, norm=Norm("layernorm", g_K, beta_K, 1e-5), activation=gelu)
     y_MN = gemv(h_MK, w_KN, b_N, residual_MN=x_MN)      # x + h @ w + b: c_proj and the residual add
+    y_MN = gemv(x_MK, wte_VK, norm=Norm(...), rows_w=True)  # ln_f + a tied head: w as [N, K] rows
     y_MN = gemv(..., interpret=True)                     # the same program run by Pallas on the CPU
 
 GPT-2 at batch 1 is launch-bound: its compiled token loop is 228 kernels, 14 a layer, at ~1.9 us a
@@ -13,7 +14,8 @@ for the norm's statistics (K floats a row, from L2 after the first program), the
 normalizing each block of x as it multiplies it by the weight tile [bk, bn] (the weights read once, as
 flax's kernel [K, N] lies: each tile's rows contiguous), and its epilogue adds the bias, applies the
 activation and adds the residual. So ln_1 + c_attn, ln_2 + c_fc + GELU, and each c_proj + bias +
-residual are one kernel each.
+residual are one kernel each; so is the final norm + a tied head (`rows_w`: the weight as the token
+table lies, [V, K], each program's tile [bn, bk] the rows of its channels).
 
 The arithmetic is the plain path's: the norm in float32 (flax's LayerNorm: var = E[x^2] - E[x]^2,
 clipped at 0; RMSNorm: E[x^2]), rounded to the compute dtype before the product as the plain path
@@ -26,7 +28,7 @@ past the arrays (as kernels.pallas_qgemv): the last block of channels starts at 
 block of K at K - bk, the inputs an earlier block summed masked; bn and bk are powers of two (Triton's
 rule) no larger than N and K. `why_not` says why a shape does not tile ("" when it does); `gemv`
 refuses the others in one line.
-Who calls it and when: models.linear (`decode_kernels`, FLAXGPT_DECODE_KERNELS).
+Who calls it and when: models.linear (`decode_kernels`, FLAXGPT_DECODE_KERNELS); models.gpt (a tied head).
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ def why_not(M: int, N: int, K: int, splits: tuple[int, ...] = ()) -> str:
     return ""
 
 
+def takes(M: int, N: int, K: int, *dtypes) -> bool:
+    """Whether `gemv` takes x [M, K] @ w [K, N] (unsplit) with these dtypes (x's, w's, the compute's)."""
+    return not why_not(M, N, K) and all(jnp.dtype(d) in DTYPES for d in dtypes)
+
+
 def _block_n(N: int, splits: tuple[int, ...]) -> int:
     """Output channels a program: a power of two <= N; with `splits`, one dividing every piece."""
     bounds = (0, *splits, N)
@@ -88,6 +95,7 @@ def gemv(
     activation=None,
     residual_MN=None,
     splits: tuple[int, ...] = (),
+    rows_w: bool = False,
     dtype=None,
     out_dtype=None,
     interpret: bool = False,
@@ -95,13 +103,14 @@ def gemv(
     """residual + activation(norm(x) @ w + bias) -> [M, N] in `out_dtype` (default `dtype`); `dtype`
     (default x's) is the compute dtype the normalized x and the product are rounded to (the plain
     path's). With `splits` (column boundaries) the output comes as that many arrays, each written by
-    the programs of its columns (c_attn's q | k | v for the attention kernel: no split copy)."""
+    the programs of its columns (c_attn's q | k | v for the attention kernel: no split copy).
+    `rows_w`: w_KN is given as its transpose [N, K] (a tied head's token table), read as it lies."""
     M, K = x_MK.shape
-    N = w_KN.shape[1]
+    w_K, N = w_KN.shape[::-1] if rows_w else w_KN.shape
     dtype = jnp.dtype(dtype or x_MK.dtype)
     out_dtype = jnp.dtype(out_dtype or dtype)
-    if w_KN.shape[0] != K:
-        raise ValueError(f"decode gemv: x {x_MK.shape} and w {w_KN.shape} disagree on K")
+    if w_K != K:
+        raise ValueError(f"decode gemv: x {x_MK.shape} and w {w_KN.shape} (rows_w={rows_w}) disagree on K")
     why = why_not(M, N, K, splits)
     bad = [str(a.dtype) for a in (x_MK, w_KN) if jnp.dtype(a.dtype) not in DTYPES]
     why = why or (f"dtype {bad[0]} (the kernel takes float32, bfloat16, float16)" if bad else "")
@@ -129,7 +138,7 @@ def gemv(
     spec = _Spec(
         M, N, K, _block_n(N, splits), min(BLOCK_K, _pow2_floor(K)), tuple(have),
         None if norm is None else norm.kind, 0.0 if norm is None else float(norm.eps), activation, dtype,
-        tuple(zip(bounds[:-1], bounds[1:])) if splits else (),
+        tuple(zip(bounds[:-1], bounds[1:])) if splits else (), rows_w,
     )  # fmt: skip
     pieces = [jax.ShapeDtypeStruct((M, hi - lo), out_dtype) for lo, hi in spec.pieces]
     call = pl.pallas_call(
@@ -169,6 +178,7 @@ class _Spec(NamedTuple):
     activation: Any
     dtype: Any
     pieces: tuple  # ((lo, hi), ...) of an output in pieces; () one output
+    rows_w: bool  # w given as [N, K]
 
 
 def _kernel(s: _Spec, x_ref, *refs):
@@ -210,7 +220,10 @@ def _kernel(s: _Spec, x_ref, *refs):
 
     def body(j, accs):
         ks, fresh = block(j)
-        w = jnp.where(fresh[:, None], refs["w"][ks, cols].astype(f32), 0.0)  # [bk, bn]
+        if s.rows_w:  # the table's rows of these channels, [bn, bk], summed along its rows (no transpose)
+            w = jnp.where(fresh[None, :], refs["w"][cols, ks].astype(f32), 0.0)
+        else:
+            w = jnp.where(fresh[:, None], refs["w"][ks, cols].astype(f32), 0.0)  # [bk, bn]
         g = refs["g"][ks].astype(f32) if "g" in refs else 1.0
         beta = refs["beta"][ks].astype(f32) if "beta" in refs else 0.0
         out = []
@@ -219,7 +232,9 @@ def _kernel(s: _Spec, x_ref, *refs):
             if s.norm is not None:  # normalized, then rounded as the plain path hands it to the product
                 mean, rstd = stats[m]
                 x = ((x - mean) * (rstd * g) + beta).astype(s.dtype).astype(f32)
-            out.append(acc + jnp.sum(x[:, None] * w, axis=0))
+            out.append(
+                acc + (jnp.sum(x[None, :] * w, axis=1) if s.rows_w else jnp.sum(x[:, None] * w, axis=0))
+            )
         return tuple(out)
 
     accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((s.bn,), f32) for _ in range(s.M)))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from flaxgpt.kernels import linear_xent
+from flaxgpt.kernels import linear_xent, pallas_decode, target
 from flaxgpt.models import layers, quantize
 from flaxgpt.models.attention import SelfAttention
 from flaxgpt.models.cache import KVCache
@@ -240,17 +240,16 @@ class GPT(nn.Module):
             real_BT = positions < cache.max_len
             if logits_at is not None:
                 real_BT &= jnp.arange(T)[None] <= jnp.asarray(logits_at)[:, None]
+        # whether a decoding step takes the decode kernels: decided once, read by every block and the head
+        kernels = kv_layers is not None and decode_kernels(B * T)
         x_BTD, kv_layers = self._blocks(
-            x_BTD, positions, kv_layers, deterministic, tokens_BT, segment_ids_BT, real_BT
+            x_BTD, positions, kv_layers, deterministic, tokens_BT, segment_ids_BT, real_BT, kernels
         )
-        if (
-            logits_at is not None
-        ):  # a prefill draws from one position: skip the head (1/3 of GPT-2's FLOPs) elsewhere
+        if logits_at is not None:  # a prefill draws from one position: skip the head (1/3 of GPT-2's FLOPs)
             x_BTD = jnp.take_along_axis(x_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)
-        x_BTD = norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)
         if hidden and cache is None:
-            return x_BTD
-        logits_BTV = finish_logits(c, self._head(wte, x_BTD))
+            return norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)
+        logits_BTV = finish_logits(c, self._head(wte, x_BTD, kernels))
         if cache is None:
             return logits_BTV
         return logits_BTV, cache.with_layers(kv_layers)
@@ -273,12 +272,11 @@ class GPT(nn.Module):
         return wpe(positions_BT)
 
     def _blocks(
-        self, x_BTD, positions_BT, kv_layers, deterministic: bool, tokens_BT=None, seg_BT=None, real_BT=None
-    ):
+        self, x_BTD, positions_BT, kv_layers, deterministic: bool, tokens_BT=None, seg_BT=None, real_BT=None,
+        kernels: bool = False,
+    ):  # fmt: skip
         """The n_layer blocks; kv_layers (or None) holds each layer's cache.KVLayer, handed to its block."""
         c = self.config
-        # whether a decoding step takes the decode kernels: decided once here, read by every block
-        kernels = kv_layers is not None and decode_kernels(x_BTD.shape[0] * x_BTD.shape[1])
         if c.scan_layers:
             # the layers' buffers are the scan's xs and ys, stacked [L, ...] (a copy each way;
             # decoding unrolls the layers instead, see step_fn)
@@ -334,11 +332,24 @@ class GPT(nn.Module):
         ]
         return tables + [None] * (c.n_layer - 2 * N) + tables
 
-    def _head(self, wte, x_BTD):
+    def _head(self, wte, x_BTD, kernels: bool = False):
+        """ln_f and the head; with the decode kernels (`kernels`) one kernel (ln_f in the head's product)."""
         c = self.config
-        dtype = jnp.dtype(c.dtype)
+        dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)  # 2-D operands: see layers.MLP
+        table = wte.embedding if c.tie_embeddings else None
+        tiles = table is None or pallas_decode.takes(B * T, table.shape[0], D, x_ND.dtype, table.dtype, dtype)
+        pre_norm = None
+        if kernels and c.norm in pallas_decode.NORMS and tiles:
+            pre_norm = layers.NormParams(c.norm, c.bias, c.layer_norm_epsilon, pdtype, name="ln_f")(D)
+        else:
+            x_ND = norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_ND)
+        if pre_norm is not None and table is not None:  # interpreted off GPUs (FLAXGPT_DECODE_KERNELS=on)
+            y_NV = pallas_decode.gemv(
+                x_ND, table, norm=pre_norm, rows_w=True, dtype=dtype, interpret=target.platform() != "gpu"
+            )
+            return y_NV.reshape(B, T, -1)
         if not c.tie_embeddings:
             lm_head = Linear(
                 c.padded_vocab_size,
@@ -348,7 +359,7 @@ class GPT(nn.Module):
                 kernel_init=normal_init(0.0 if c.zero_init_proj else 0.02, ("embed", "vocab")),
                 name="lm_head",
             )
-            return lm_head(x_ND).reshape(B, T, -1)
+            return lm_head(x_ND, pre_norm=pre_norm).reshape(B, T, -1)
         if B * T <= 64:
             return tied_head_few_rows(wte.embedding.astype(dtype), x_ND.astype(dtype)).reshape(B, T, -1)
         return wte.attend(x_ND).reshape(B, T, -1)

@@ -81,6 +81,28 @@ def test_an_output_in_pieces_is_the_product_split():
     assert "not multiples of 16" in why_not(1, 64, 32, splits=(40,))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("M,K,N,kind", [(1, 96, 80, "layernorm"), (3, 200, 48, "rmsnorm")])
+def test_a_weight_given_as_rows_is_its_transpose(M, K, N, kind, dtype):
+    """rows_w (ln_f + a tied head: the token table [N, K] as it lies): the float64 reference of x @ w^T,
+    and the [K, N] form's values (float32 2e-5; bfloat16 within its rounding)."""
+    k = jax.random.split(jax.random.key(K + N), 4)
+    x = (jax.random.normal(k[0], (M, K)) * 2 + 0.5).astype(dtype)
+    table = (jax.random.normal(k[1], (N, K)) / np.sqrt(K)).astype(dtype)
+    beta = 0.1 * jax.random.normal(k[3], (K,)) if kind == "layernorm" else None
+    norm = Norm(kind, 1 + 0.1 * jax.random.normal(k[2], (K,)), beta, 1e-5)
+    got = gemv(x, table, norm=norm, rows_w=True, interpret=True)
+    assert got.shape == (M, N) and got.dtype == jnp.dtype(dtype)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=0.05, rtol=0.02)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float64), reference(x, table.T, None, norm, None, None), **tol
+    )
+    same = gemv(x, table.T, norm=norm, interpret=True)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(same, np.float32), **tol)
+    with pytest.raises(ValueError, match=r"disagree on K"):
+        gemv(x, table.T, rows_w=True, interpret=True)
+
+
 def test_normalize_is_flax_layernorm_and_rmsnorm():
     from flax import linen as nn
 

@@ -13,6 +13,7 @@ from flaxgpt.models.gpt import GPT, GPTConfig, init_params
 
 GPT2 = dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LLAMA = dict(GPT2, norm="rmsnorm", glu=True, activation="silu", bias=False, qkv_bias=False, n_kv_head=1)
+UNTIED = dict(LLAMA, tie_embeddings=False)  # ln_f in lm_head's product (models.linear's pre_norm)
 
 
 def decode(cfg, params, tokens_BT, steps: int):
@@ -34,10 +35,10 @@ def decode(cfg, params, tokens_BT, steps: int):
     return [np.asarray(o, np.float32) for o in out], texts
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "untied"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_with_kernels_equals_xla(arch, dtype, monkeypatch):
-    kw = GPT2 if arch == "gpt2" else LLAMA
+    kw = {"gpt2": GPT2, "llama": LLAMA, "untied": UNTIED}[arch]
     cfg = GPTConfig(**kw, dtype=dtype, param_dtype=dtype)
     params = init_params(GPTConfig(**kw), jax.random.key(0))
     params = jax.tree_util.tree_map(lambda a: (a + 0.02 * jnp.sign(a)).astype(dtype), params)  # biases not 0
@@ -47,9 +48,10 @@ def test_decode_with_kernels_equals_xla(arch, dtype, monkeypatch):
     assert not any("pallas_call" in t for t in texts)
     monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "on")
     got, texts = decode(cfg, params, tokens, 2)
-    # each step's blocks take 4 kernels a layer (ln_1 + c_attn, c_proj + x, ln_2 + c_fc, c_proj + x); the
-    # prefill's 10 rows (> MAX_ROWS 8) keep XLA's path
-    assert [t.count("pallas_call") for t in texts] == [0, 5 * cfg.n_layer, 5 * cfg.n_layer]
+    # each step's blocks take 5 kernels a layer (ln_1 + c_attn, attention + cache writes, c_proj + x,
+    # ln_2 + c_fc, c_proj + x), and ln_f + the head (tied or not) one; the prefill's 10 rows
+    # (> MAX_ROWS 8) keep XLA's path
+    assert [t.count("pallas_call") for t in texts] == [0, 5 * cfg.n_layer + 1, 5 * cfg.n_layer + 1]
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=1e-2, rtol=1e-2)  # bf16: ~2 ulps
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, **tol)
