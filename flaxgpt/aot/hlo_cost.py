@@ -2,6 +2,7 @@
 
     cost = hlo_cost.estimate(compiled.as_text(), peak_flops=989e12, bandwidth=3.35e12)
     cost.kernels, cost.hbm_bytes, cost.matmul_flops, cost.bound_s, cost.top(5)
+    token = hlo_cost.estimate(text, 989e12, 3.35e12, computation=body)  # one run of a loop's body
 
 XLA's own cost analysis counts a while loop's body once, so a step built of loops (scan over layers,
 micro-batches, a chunked loss) looks many times cheaper than it is; and a roofline over the whole step
@@ -213,8 +214,11 @@ class _Model:
         return float(sum(operand_bytes) + out), flops
 
 
-def estimate(hlo: str, peak_flops: float, bandwidth: float, launch_s: float = 0.0) -> Cost:
-    """The cost of one call of the program whose optimized HLO text is `hlo` (see the module doc)."""
+def estimate(
+    hlo: str, peak_flops: float, bandwidth: float, launch_s: float = 0.0, computation: str | None = None
+) -> Cost:
+    """The cost of one call of the program whose optimized HLO text is `hlo` (see the module doc), or
+    of one run of its `computation` (a while loop's body: a decoding token's kernels)."""
     comps, entry = parse(hlo)
     model = _Model(comps)
     found: dict[tuple[str, str], Kernel] = {}
@@ -250,7 +254,7 @@ def estimate(hlo: str, peak_flops: float, bandwidth: float, launch_s: float = 0.
                 seconds = max(flops / peak_flops if peak_flops else 0.0, nbytes / bandwidth) + launch_s
                 found[key] = Kernel(instr.name, instr.op, times, nbytes, flops, seconds)
 
-    walk(entry, 1)
+    walk(computation or entry, 1)
     cost = Cost(by_kernel=list(found.values()))
     for k in cost.by_kernel:
         cost.kernels += k.count

@@ -13,6 +13,7 @@ Shape letters: B rows, V vocab, K candidates (or logprob alternatives).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,12 @@ def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B, min_p_B):
     min_p_thr_B = jnp.where(min_p_B > 0, top_B + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
     kth_B = jnp.maximum(kth_B, min_p_thr_B)
     kept_BV = scaled_BV >= kth_B[:, None]
-    lse_B = jax.nn.logsumexp(jnp.where(kept_BV, scaled_BV, -jnp.inf), axis=-1)
+    # jax.nn.logsumexp's arithmetic over the kept logits, with their max known: it is top_B (kth_B <=
+    # top_B for min_p <= 1; an empty kept set sums to 0 either way), so no second pass for the max (a
+    # two-kernel reduction over V on a GPU, every token)
+    amax_B = jnp.where(jnp.isfinite(top_B), top_B, 0.0)
+    sum_B = jnp.sum(jnp.where(kept_BV, jnp.exp(scaled_BV - amax_B[:, None]), 0.0), axis=-1)
+    lse_B = jnp.log(sum_B) + amax_B
     kept_BK = sorted_BK >= kth_B[:, None]
     probs_BK = jnp.where(kept_BK, jnp.exp(sorted_BK - lse_B[:, None]), 0.0)
     cum_BK = jnp.cumsum(probs_BK, axis=-1)
@@ -93,7 +99,34 @@ def _categorical_in_blocks(key, x_V, block: int = 256):
     return (b * block + jax.random.categorical(key_s, x_NS[b])).astype(jnp.int32)
 
 
-def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, min_p_B=None, max_k: int = 256):
+def branches(temperature_B, top_k_B, top_p_B, min_p_B):
+    """Whether select_rows' filter and draw passes may run for rows with these settings -> two scalars.
+    Settings never change in a decode loop: it asks this once, outside its token loop, where each
+    conditional's test was a kernel a token. The filter's answer also counts rows whose top_k >= V
+    (select_rows' own test knows V): a pass that runs for no row changes no token."""
+    sampled_B = ~(temperature_B <= 0)
+    filtered_B = sampled_B & ((top_k_B > 0) | (top_p_B < 1) | (min_p_B > 0))
+    return jnp.any(filtered_B), jnp.any(sampled_B)
+
+
+class Tests(NamedTuple):
+    """The sampling conditionals' tests that depend on the rows' settings alone (which never change in
+    a decode loop), computed once a chunk, outside its token loop: inside, each was a kernel a token.
+    Each may say yes where no row needs the pass (a bias id >= V counted): the pass then changes nothing."""
+
+    biased: jax.Array  # some row has a logit_bias entry (decode.sampling.adjust_logits)
+    runs: tuple  # `branches`: some row filters, some row draws
+
+    @classmethod
+    def of(cls, rows) -> Tests:
+        """rows: decode.sampling.Rows."""
+        tests = branches(rows.temperature_B, rows.top_k_B, rows.top_p_B, rows.min_p_B)
+        return cls(jnp.any(rows.bias_ids_BL >= 0), tests)
+
+
+def select_rows(
+    keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, min_p_B=None, max_k: int = 256, runs=None
+):
     """One token per row, each row with its own key and settings (arrays, so one program serves all).
 
     temperature 0 is greedy; else logits / temperature, min-p (0 = off), top-k (0 = off), top-p
@@ -102,7 +135,7 @@ def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, min_p_B=N
     vocabulary sorted, and a row's result never depends on whether that happened (each row uses one
     path, chosen by itself). The draw is _categorical_in_blocks': V / 256 + 256 random numbers
     per row where jax.random.categorical takes V (threefry: 35 ms for 16 rows of GPT-2's 50257 on a
-    2-core CPU, a fifth of a decoding step).
+    2-core CPU, a fifth of a decoding step). runs: `branches`' answer for these rows, if known.
     """
     logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
     B, V = logits_BV.shape
@@ -118,17 +151,19 @@ def select_rows(keys_B, logits_BV, temperature_B, top_k_B, top_p_B, *, min_p_B=N
     def everything(_):
         return _threshold(-jnp.sort(-scaled_BV, axis=-1), scaled_BV, top_k_B, top_p_B, min_p_B)[0]
 
+    run_filter, run_draw = (jnp.any(filter_B), jnp.any(~greedy_B)) if runs is None else runs
     none = (jnp.full((B,), -jnp.inf), jnp.ones((B,), bool))
-    thr_B, fits_B = jax.lax.cond(jnp.any(filter_B), candidates, lambda _: none, None)
+    thr_B, fits_B = jax.lax.cond(run_filter, candidates, lambda _: none, None)
     full_B = filter_B & ~fits_B
     thr_full_B = jax.lax.cond(jnp.any(full_B), everything, lambda _: none[0], None)
-    thr_B = jnp.where(full_B, thr_full_B, jnp.where(filter_B, thr_B, -jnp.inf))
-    masked_BV = jnp.where(scaled_BV >= thr_B[:, None], scaled_BV, -jnp.inf)
 
     def draw(_):  # each row its own key: a row's token never depends on its neighbours, nor on max_k
+        # the threshold and mask inside the branch: XLA fuses them into its passes (no pass of their own)
+        thr = jnp.where(full_B, thr_full_B, jnp.where(filter_B, thr_B, -jnp.inf))
+        masked_BV = jnp.where(scaled_BV >= thr[:, None], scaled_BV, -jnp.inf)
         return jax.vmap(_categorical_in_blocks)(keys_B, masked_BV)
 
-    drawn_B = jax.lax.cond(jnp.any(~greedy_B), draw, lambda _: jnp.zeros((B,), jnp.int32), None)
+    drawn_B = jax.lax.cond(run_draw, draw, lambda _: jnp.zeros((B,), jnp.int32), None)
     return jnp.where(greedy_B, greedy(logits_BV), drawn_B)
 
 

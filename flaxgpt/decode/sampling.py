@@ -52,6 +52,7 @@ from flax import struct
 
 from flaxgpt.decode.sampler import (
     MAX_LOGPROBS,
+    Tests,
     check_sampling_args,
     greedy,
     select_rows,
@@ -186,24 +187,25 @@ def unpack_mask(mask_BW, V: int) -> jax.Array:
     return bits_BW32.reshape(mask_BW.shape[0], -1)[:, :V].astype(bool)
 
 
-def adjust_logits(rows: Rows, logits_BV, counts_BV=None, seen_BV=None, mask_BW=None):
+def adjust_logits(rows: Rows, logits_BV, counts_BV=None, seen_BV=None, mask_BW=None, biased=None):
     """The logits the sampler draws from (float32): a structured-output mask's banned tokens -inf,
     then logit_bias, repetition, frequency and presence penalties (Sampling's definitions). counts_BV:
     each token's count in the row's output so far; seen_BV: tokens in its prompt or output; both None
     when the caller keeps no counts (generate): bias only. Rows that ask for none of it cost a
-    conditional, not a pass over the logits."""
+    conditional, not a pass over the logits; biased: whether some row may have a bias (`Tests`)."""
     logits_BV = logits_BV.astype(jnp.float32)
     B, V = logits_BV.shape
     if mask_BW is not None:
         logits_BV = jnp.where(unpack_mask(mask_BW, V), logits_BV, -jnp.inf)
     ids_BL = rows.bias_ids_BL
-    used_BL = (ids_BL >= 0) & (ids_BL < V)
+    used = lambda: (ids_BL >= 0) & (ids_BL < V)  # noqa: E731  (inside the branch: no pass of its own)
 
     def bias(x_BV):
+        used_BL = used()
         safe_BL = jnp.where(used_BL, ids_BL, 0)
         return x_BV.at[jnp.arange(B)[:, None], safe_BL].add(jnp.where(used_BL, rows.bias_BL, 0.0))
 
-    logits_BV = jax.lax.cond(jnp.any(used_BL), bias, lambda x: x, logits_BV)
+    logits_BV = jax.lax.cond(jnp.any(used()) if biased is None else biased, bias, lambda x: x, logits_BV)
     if counts_BV is None:
         return logits_BV
 
@@ -217,16 +219,18 @@ def adjust_logits(rows: Rows, logits_BV, counts_BV=None, seen_BV=None, mask_BW=N
     return jax.lax.cond(jnp.any(on_B), penalize, lambda x: x, logits_BV)
 
 
-def next_tokens(rows: Rows, count_B, logits_BV, max_k: int = 256):
+def next_tokens(rows: Rows, count_B, logits_BV, max_k: int = 256, runs=None):
     """Row b's token number count_B[b] (0 = the prefill's), drawn with fold_in(key_B[b], count_B[b]).
     max_k 0: every row is greedy (generate knows it when it traces): the argmax alone, without the
-    keys, the filters' conditionals and the float32 copy of the logits a mixed batch needs."""
+    keys, the filters' conditionals and the float32 copy of the logits a mixed batch needs. runs:
+    sampler.branches' answer for these rows (`Tests`), if known."""
     if max_k == 0:
         return greedy(logits_BV)
     keys_B = jax.vmap(jax.random.fold_in)(rows.key_B, count_B)
     return select_rows(
-        keys_B, logits_BV, rows.temperature_B, rows.top_k_B, rows.top_p_B, min_p_B=rows.min_p_B, max_k=max_k
-    )
+        keys_B, logits_BV, rows.temperature_B, rows.top_k_B, rows.top_p_B, min_p_B=rows.min_p_B, max_k=max_k,
+        runs=runs,
+    )  # fmt: skip
 
 
 def finished(rows: Rows, tok_B, count_B):
@@ -286,16 +290,22 @@ def feed(step_fn, state: DecodeState):
     return logits_B1V[:, -1], cache, pos_B
 
 
-def take(state: DecodeState, raw_BV, cache, pos_B, mask_BW, max_k: int, keep: int, logprobs: bool):
+def take(
+    state: DecodeState, raw_BV, cache, pos_B, mask_BW, max_k: int, keep: int, logprobs: bool,
+    tests: Tests | None = None,
+):  # fmt: skip
     """The next token of every unfinished row from `feed`'s logits, and the state after it
-    -> (state, tok_B with PAD for finished rows, Logprobs-like tuple (empty unless `logprobs`))."""
+    -> (state, tok_B with PAD for finished rows, Logprobs-like tuple (empty unless `logprobs`)).
+    tests: `Tests.of(state.rows)` computed outside a token loop (None: here)."""
     rows_B = jnp.arange(raw_BV.shape[0])
     active_B = ~state.done_B
-    adjusted_BV = adjust_logits(state.rows, raw_BV, state.counts_BV, state.seen_BV, mask_BW)
-    tok_B = next_tokens(state.rows, state.count_B, adjusted_BV, max_k)
+    biased, runs = (None, None) if tests is None else (tests.biased, tests.runs)
+    adjusted_BV = adjust_logits(state.rows, raw_BV, state.counts_BV, state.seen_BV, mask_BW, biased)
+    tok_B = next_tokens(state.rows, state.count_B, adjusted_BV, max_k, runs)
     count_B = state.count_B + active_B
-    if keep:
-        state = state.replace(window_BW=state.window_BW.at[rows_B, pos_B].set(state.last_B))
+    if keep:  # a select over the row, not a scatter: XLA's scatter costs a bounds check and a slice (kernels)
+        at_BW = jnp.arange(state.window_BW.shape[1]) == pos_B[:, None]
+        state = state.replace(window_BW=jnp.where(at_BW, state.last_B[:, None], state.window_BW))
     if state.counts_BV is not None:
         state = state.replace(
             counts_BV=state.counts_BV.at[rows_B, tok_B].add(active_B.astype(state.counts_BV.dtype)),
@@ -342,12 +352,18 @@ def _decode_chunk(
         go_on = (j < chunk) & jnp.any(~state.done_B)
         return go_on & ~jnp.any(_overflowing(state, W)) if keep else go_on
 
+    tests = Tests.of(state.rows)  # the rows' settings never change in the loop: its tests are taken here
+
     def body(carry):
         state, out_BC, lp_out, j = carry
         raw_BV, cache, pos_B = feed(step_fn, state)
-        state, tok_B, lp = take(state, raw_BV, cache, pos_B, None, max_k, keep, logprobs)
-        lp_out = tuple(x_BC.at[:, j].set(x) for x_BC, x in zip(lp_out, lp))
-        return state, out_BC.at[:, j].set(tok_B), lp_out, j + 1
+        state, tok_B, lp = take(state, raw_BV, cache, pos_B, None, max_k, keep, logprobs, tests)
+
+        def put(x_BC, x):  # column j (0 <= j < chunk) in place: .at[:, j] adds a kernel wrapping negative j
+            return jax.lax.dynamic_update_slice_in_dim(x_BC, x[:, None].astype(x_BC.dtype), j, 1)
+
+        lp_out = tuple(put(x_BC, x) for x_BC, x in zip(lp_out, lp))
+        return state, put(out_BC, tok_B), lp_out, j + 1
 
     out_BC = jnp.full((B, chunk), PAD, jnp.int32)
     K = MAX_LOGPROBS

@@ -336,6 +336,38 @@ def test_select_rows_draws_each_kept_token_with_its_probability(temperature, top
     np.testing.assert_array_less(np.abs(count_V - N * p_V), 5 * np.sqrt(N * p_V * (1 - p_V)) + 3)
 
 
+def test_tests_taken_outside_the_token_loop_change_no_token():
+    """sampling.Tests (the conditionals' tests from the rows' settings alone, taken once a chunk) give
+    take's tokens for every kind of row: greedy, top-k, top-p, min-p, top_k >= V (a filter pass run for
+    no row), a logit_bias entry and one past V (a bias pass that adds nothing), all greedy, none biased."""
+    from flaxgpt.decode.sampler import Tests
+    from flaxgpt.decode.sampling import DecodeState, Rows, Sampling, take
+
+    V = 300
+    logits_BV = jnp.asarray(2.0 * np.random.RandomState(0).randn(6, V), jnp.float32)
+    biased = Sampling(1.0, logit_bias=((7, 30.0), (V + 1, 5.0)))
+    settings = [
+        Sampling(temperature=0.0), Sampling(0.8, top_k=20), Sampling(1.0, top_p=0.9),
+        Sampling(0.7, min_p=0.1), Sampling(1.2, top_k=V + 5), biased,
+    ]  # fmt: skip
+    batches = [settings, settings[:1] * 2, [settings[4], Sampling(1.0)], [settings[5], settings[0]]]
+    for batch in batches:
+        rows = Rows.stack(
+            [Rows.of(s, max_new_tokens=4, seed=3, stream=b) for b, s in enumerate(batch)]
+        ).keyed()
+        B = len(batch)
+        state = DecodeState(
+            cache=None, last_B=jnp.zeros(B, jnp.int32), fill_B=jnp.ones(B, jnp.int32),
+            count_B=jnp.full(B, 2, jnp.int32), done_B=jnp.zeros(B, bool), rows=rows,
+        )  # fmt: skip
+        go = jax.jit(lambda st, x, tests: take(st, x, None, st.fill_B, None, 256, 0, False, tests)[1])
+        want = go(state, logits_BV[:B], None)
+        np.testing.assert_array_equal(go(state, logits_BV[:B], Tests.of(rows)), want)
+        for b, s in enumerate(batch):  # the passes ran where needed: the argmax, the bias's token
+            assert s.temperature or want[b] == jnp.argmax(logits_BV[b])
+            assert not s.logit_bias or want[b] == 7
+
+
 def test_bad_arguments():
     prompt_BP, lengths = pad([[1, 2]])
     with pytest.raises(ValueError, match="top_p"):
