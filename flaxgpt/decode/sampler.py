@@ -59,10 +59,11 @@ def _threshold(sorted_BK, scaled_BV, top_k_B, top_p_B, min_p_B):
     topk_on_B = (top_k_B > 0) & (top_k_B < V)
     kth_B = jnp.take_along_axis(sorted_BK, jnp.clip(top_k_B - 1, 0, K - 1)[:, None], -1)[:, 0]
     kth_B = jnp.where(topk_on_B, kth_B, -jnp.inf)
-    # p(x) >= min_p * p(max)  <=>  logit(x) >= logit(max) + log(min_p). The max from the logits, not
-    # sorted_BK[:, 0]: a second slice of lax.top_k's sort stops XLA:CPU rewriting it into its TopK
-    # call, and the whole vocabulary was sorted every step (GPT-2, 16 rows, top_k 50: 2x the step)
-    top_B = jnp.max(scaled_BV, axis=-1)
+    # p(x) >= min_p * p(max)  <=>  logit(x) >= logit(max) + log(min_p). The max of the K candidates
+    # (the vocabulary's: they hold it), not sorted_BK[:, 0]: a second slice of lax.top_k's sort stops
+    # XLA:CPU rewriting it into its TopK call, and the whole vocabulary was sorted every step (GPT-2,
+    # 16 rows, top_k 50: 2x the step); nor a max over V (a two-kernel pass on a GPU every token)
+    top_B = jnp.max(sorted_BK, axis=-1)
     min_p_thr_B = jnp.where(min_p_B > 0, top_B + jnp.log(jnp.maximum(min_p_B, 1e-30)), -jnp.inf)
     kth_B = jnp.maximum(kth_B, min_p_thr_B)
     kept_BV = scaled_BV >= kth_B[:, None]

@@ -49,9 +49,10 @@ def test_the_token_loop_takes_five_kernels_a_layer_on_h100(tmp_path, monkeypatch
     off, kernels, hlo_off, _ = compile_sample(tmp_path / "off", "off", monkeypatch)
     assert kernels == {"sample.prefill": 0, "sample.decode": 0}
     # a token of this 2-layer model at sample.py's settings: 51 kernels before ln_f went into the head's
-    # GEMV and the sampling's tests, bounds checks and second max pass left the loop (XLA's path 65 -> 56;
-    # GPT-2 124M 122 -> 110, docs/accelerators.md)
-    assert token.kernels <= 41 and token_loop(hlo_off["sample.decode"])[2].kernels <= 56
+    # GEMV and the sampling's tests, bounds checks and second max pass left the loop (XLA's path 65 -> 57;
+    # here V = K = 256, so the max over the candidates is one kernel more, where GPT-2's 50257 save one:
+    # GPT-2 124M 122 -> 109, docs/accelerators.md)
+    assert token.kernels <= 42 and token_loop(hlo_off["sample.decode"])[2].kernels <= 57
     assert all(r.fits(0.1) for r in (*on.values(), *off.values()))
     # each layer: the norms' passes, the one-row products' separate sums, the residual adds, the cache
     # scatters and attention's two products gone
