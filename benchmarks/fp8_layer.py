@@ -3,6 +3,7 @@
     python benchmarks/fp8_layer.py --json out.json               # one H100 / H200: 4 x 2048 tokens a step
     python benchmarks/fp8_layer.py --dry_run --json out.json     # CPU, a tiny layer: checks the script
     python benchmarks/fp8_layer.py --compile_for h100-1          # on a CPU: the compiled programs' figures
+    python benchmarks/fp8_layer.py --preset mixtral-8x7b --batch 1 --compile_for h100-1   # a sparse layer
 
 The step is the layer's forward and backward (models.gpt.Block, the 8B shape: D 4096, 32 heads over 8
 key/value heads, SwiGLU F 14336, RoPE, bf16 compute and float32 weights), the gradient of a sum of
@@ -16,6 +17,10 @@ model with per-tensor current scaling).
 them, and prints per program its dots by operand types, kernels, HBM bytes and the kernel bound of
 flaxgpt/aot/hlo_cost.py (every matmul at the bf16 peak), and that bound again with the float8 GEMMs'
 FLOPs at twice the peak (Hopper's dense float8 rate): compiled, not measured.
+
+--preset mixtral-8x7b or qwen3-30b-a3b takes that model's layer instead: attention and a mixture of
+experts (models/moe.py), whose grouped expert products model.fp8 also runs in float8
+(kernels.fp8.fp8_grouped over the tiled grouped matmul).
 """
 
 from __future__ import annotations
@@ -35,13 +40,16 @@ import jax.numpy as jnp  # noqa: E402
 
 from flaxgpt.models.gpt import Block, GPTConfig  # noqa: E402
 
+PRESETS = ("llama-3-8b", "mixtral-8x7b", "qwen3-30b-a3b")  # a dense layer, two sparse ones
 
-def layer_config(dry_run: bool) -> GPTConfig:
+
+def layer_config(dry_run: bool, preset: str = "llama-3-8b") -> GPTConfig:
     if dry_run:
-        return GPTConfig.preset(
-            "llama-3-8b", n_embd=64, n_head=4, n_kv_head=2, mlp_hidden=128, block_size=32, dtype="bfloat16"
-        )
-    return GPTConfig.preset("llama-3-8b", dtype="bfloat16", block_size=2048)
+        tiny = dict(n_embd=64, n_head=4, n_kv_head=2, mlp_hidden=128, block_size=32, dtype="bfloat16")
+        if GPTConfig.PRESETS[preset].get("num_experts"):
+            tiny.update(num_experts=4, experts_per_token=2, expert_hidden=64)
+        return GPTConfig.preset(preset, **tiny)
+    return GPTConfig.preset(preset, dtype="bfloat16", block_size=2048)
 
 
 def time_layer(cfg: GPTConfig, batch: int, steps: int) -> dict:
@@ -140,15 +148,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per side")
     ap.add_argument("--json", type=Path, help="write the result here")
     ap.add_argument("--compile_for", help="a flaxgpt aot GPU target (h100-1): compile, do not run")
+    ap.add_argument("--preset", default="llama-3-8b", choices=PRESETS, help="whose layer")
     a = ap.parse_args(argv)
-    cfg = layer_config(a.dry_run)
+    cfg = layer_config(a.dry_run, a.preset)
     if a.compile_for:
         for fp8 in (False, True):
             figures = compiled_figures(dataclasses.replace(cfg, fp8=fp8), a.batch, a.compile_for)
-            print(json.dumps({"fp8": fp8, "target": a.compile_for, **figures}), flush=True)
+            row = {"preset": a.preset, "fp8": fp8, "target": a.compile_for, **figures}
+            print(json.dumps(row), flush=True)
         return 0
     batch, steps = (2, 2) if a.dry_run else (a.batch, a.steps)
-    out = {"device": jax.devices()[0].device_kind, "tokens_per_step": batch * cfg.block_size}
+    out = {"device": jax.devices()[0].device_kind, "preset": a.preset}
+    out["tokens_per_step"] = batch * cfg.block_size
     for fp8 in (False, True):
         out["fp8" if fp8 else "bf16"] = time_layer(dataclasses.replace(cfg, fp8=fp8), batch, steps)
     out["speedup"] = round(out["fp8"]["tokens_per_s"] / out["bf16"]["tokens_per_s"], 3)

@@ -103,12 +103,15 @@ def fp8_grouped(x_AK, w_EKN, group_sizes_E, matmul, weight_grad):
     """A grouped matmul (a mixture's experts) with e4m3 operands under current scaling: [A, K] rows
     sorted by group, [E, K, N] a matrix a group -> [A, N] in x's dtype; differentiable in x and w.
 
-    `matmul(a_AK, b_EKN, group_sizes_E)` is the grouped product to run (models/moe.py's tiled form)
-    and `weight_grad(a_AK, g_AN, group_sizes_E)` its transpose in the stack, [E, K, N] = each group's
-    a^T g: both take float8 operands and accumulate in float32. dX = matmul(dY8, W8^T) and dW =
-    weight_grad(X8, dY8) are the grouped product's VJP written out, because jax.vjp of it over the
-    float8 copies cannot keep float8 operands: its pullback takes a cotangent of the output's dtype
-    (float32, not e5m2) and casts each gradient to its primal's dtype (e4m3).
+    `matmul(a_AK, b_EKN, group_sizes_E, scale, dtype)` is the grouped product to run (models/moe.py's
+    tiled form) and `weight_grad(a_AK, g_AN, group_sizes_E, scale, dtype)` its transpose in the stack,
+    [E, K, N] = each group's a^T g: both take float8 operands, accumulate in float32 and apply the
+    scalar `scale` (1 / the operands' scales) and the cast to `dtype` to each partial product (a
+    float8 GEMM's epilogue), before partial products of one row or one expert are summed. dX =
+    matmul(dY8, W8^T) and dW = weight_grad(X8, dY8) are the grouped product's VJP written out,
+    because jax.vjp of it over the float8 copies cannot keep float8 operands: its pullback takes a
+    cotangent of the output's dtype (float32, not e5m2) and casts each gradient to its primal's
+    dtype (e4m3).
 
     The stack's scale is one per tensor, not one per expert: the experts start from one init and
     train with one optimizer, so their ranges stay alike, and a scalar scale is what a float8 GEMM's
@@ -120,7 +123,7 @@ def fp8_grouped(x_AK, w_EKN, group_sizes_E, matmul, weight_grad):
 def _grouped_forward(x_AK, w_EKN, group_sizes_E, matmul):
     x8_AK, x_inv = quantize(x_AK, E4M3)
     w8_EKN, w_inv = quantize(w_EKN, E4M3)
-    y_AN = (matmul(x8_AK, w8_EKN, group_sizes_E) * (x_inv * w_inv)).astype(x_AK.dtype)
+    y_AN = matmul(x8_AK, w8_EKN, group_sizes_E, x_inv * w_inv, x_AK.dtype)
     dtypes = (jnp.zeros((0,), x_AK.dtype), jnp.zeros((0,), w_EKN.dtype))
     return y_AN, (x8_AK, x_inv, w8_EKN, w_inv, group_sizes_E, dtypes)
 
@@ -132,9 +135,9 @@ def _grouped_fwd(x_AK, w_EKN, group_sizes_E, matmul, weight_grad):
 def _grouped_bwd(matmul, weight_grad, res, dy_AN):
     x8_AK, x_inv, w8_EKN, w_inv, group_sizes_E, (x_dtype, w_dtype) = res
     g8_AN, g_inv = quantize(dy_AN, E5M2)
-    dx_AK = matmul(g8_AN, jnp.swapaxes(w8_EKN, 1, 2), group_sizes_E) * (g_inv * w_inv)  # dY W^T
-    dw_EKN = weight_grad(x8_AK, g8_AN, group_sizes_E) * (x_inv * g_inv)  # X^T dY a group
-    return dx_AK.astype(x_dtype.dtype), dw_EKN.astype(w_dtype.dtype), None
+    dx_AK = matmul(g8_AN, jnp.swapaxes(w8_EKN, 1, 2), group_sizes_E, g_inv * w_inv, x_dtype.dtype)  # dY W^T
+    dw_EKN = weight_grad(x8_AK, g8_AN, group_sizes_E, x_inv * g_inv, w_dtype.dtype)  # X^T dY a group
+    return dx_AK, dw_EKN, None
 
 
 fp8_grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -349,7 +349,7 @@ def expert_matmul(x_AD, w, group_sizes_E, expert_A, slot_A=None, fp8=False):
     CPUs emulate float8), except at decoding's few rows, which stay in the compute dtype
     (grouped_matmul's gathered_matmul: memory-bound, float8 would only add the casts' passes)."""
     if fp8 and not isinstance(w, (LoraExperts, QuantizedWeight)) and x_AD.shape[0] > 2 * w.shape[0]:
-        return fp8_grouped(x_AD, w, group_sizes_E, _F32_TILED, _F32_WEIGHT_GRAD)
+        return fp8_grouped(x_AD, w, group_sizes_E, tiled_grouped_matmul, tiled_weight_grad)
     if isinstance(w, LoraExperts):
         y_AF = expert_matmul(x_AD, w.w, group_sizes_E, expert_A)
         xa_AP = w.low_rank(grouped_matmul(x_AD.astype(jnp.float32), w.a, group_sizes_E), slot_A)
@@ -415,36 +415,41 @@ def _tiles(x_AK, b: int, n_tiles: int):
     return jnp.pad(x_AK, ((0, n_tiles * b - x_AK.shape[0]), (0, 0))).reshape(n_tiles, b, -1)
 
 
-def tiled_grouped_matmul(x_AD, w_EDF, group_sizes_E, out_dtype=None):
+def tiled_grouped_matmul(x_AD, w_EDF, group_sizes_E, scale=None, out_dtype=None):
     """grouped_matmul in tiles of b rows: each tile is multiplied by the matrix of every group it
     overlaps and keeps that group's rows. Tiles of ~A/E rows make at most (tiles + E - 1) ~ 2E visits,
-    ~2A rows of work in all (the whole-matrix fallback: E*A). out_dtype: the products' accumulation
-    and result dtype (float32 for float8 operands: kernels.fp8.fp8_grouped); None: the operands'."""
+    ~2A rows of work in all (the whole-matrix fallback: E*A).
+
+    scale (float8 operands, kernels.fp8.fp8_grouped): each visit's product accumulates in float32,
+    is multiplied by the scalar `scale` and cast to out_dtype before the visits are summed (a float8
+    GEMM's epilogue: the visits' [V, b, F] are written in out_dtype, not float32)."""
     A, F = x_AD.shape[0], w_EDF.shape[-1]
     b, n_tiles, tile_V, group_V, keep_Vb = _tile_plan(A, group_sizes_E)
     x_VbD = _tiles(x_AD, b, n_tiles)[tile_V]
-    y_VbF = jnp.einsum("vbd,vdf->vbf", x_VbD, w_EDF[group_V], preferred_element_type=out_dtype)
+    y_VbF = _scaled("vbd,vdf->vbf", x_VbD, w_EDF[group_V], scale, out_dtype)
     y_VbF = jnp.where(keep_Vb[..., None], y_VbF, 0)
     # each row is kept by at most one visit (rows past the groups by none): the sum adds only zeros to it
     y_TbF = jnp.zeros((n_tiles, b, F), y_VbF.dtype).at[tile_V].add(y_VbF)
     return y_TbF.reshape(n_tiles * b, F)[:A]
 
 
-def tiled_weight_grad(x_AD, g_AF, group_sizes_E, out_dtype=None):
+def tiled_weight_grad(x_AD, g_AF, group_sizes_E, scale=None, out_dtype=None):
     """tiled_grouped_matmul's transpose in its stack: [E, D, F], group e's x^T g, by the same
-    visits (each visit's tile times its kept rows of g, summed into its group's matrix)."""
+    visits (each visit's tile times its kept rows of g, summed into its group's matrix); scale and
+    out_dtype as tiled_grouped_matmul's."""
     (A, D), F = x_AD.shape, g_AF.shape[1]
     b, n_tiles, tile_V, group_V, keep_Vb = _tile_plan(A, group_sizes_E)
     g_VbF = jnp.where(keep_Vb[..., None], _tiles(g_AF, b, n_tiles)[tile_V], 0)
     x_VbD = _tiles(x_AD, b, n_tiles)[tile_V]
-    dw_VDF = jnp.einsum("vbd,vbf->vdf", x_VbD, g_VbF, preferred_element_type=out_dtype)
+    dw_VDF = _scaled("vbd,vbf->vdf", x_VbD, g_VbF, scale, out_dtype)
     return jnp.zeros((group_sizes_E.shape[0], D, F), dw_VDF.dtype).at[group_V].add(dw_VDF)
 
 
-# the tiled product and its stack transpose accumulating float8 operands in float32 (fp8_grouped's
-# static arguments: one object each, so a jitted step traces them once)
-_F32_TILED = functools.partial(tiled_grouped_matmul, out_dtype=jnp.float32)
-_F32_WEIGHT_GRAD = functools.partial(tiled_weight_grad, out_dtype=jnp.float32)
+def _scaled(spec, a, b, scale, out_dtype):
+    """einsum(spec, a, b), or with a scale: accumulated in float32, times scale, in out_dtype."""
+    if scale is None:
+        return jnp.einsum(spec, a, b)
+    return (jnp.einsum(spec, a, b, preferred_element_type=jnp.float32) * scale).astype(out_dtype)
 
 
 def _collect(tree, name: str) -> list:

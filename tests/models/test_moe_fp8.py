@@ -4,7 +4,6 @@ groups of unequal sizes with an empty one; its dots are float8; a tiny Mixtral-s
 model.fp8 stays near the float32 model and trains; adapted experts are refused in one line."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +17,11 @@ from flaxgpt.models.gpt import GPTConfig
 from flaxgpt.models.moe import tiled_grouped_matmul, tiled_weight_grad
 from tests.train.test_fp8_train import _losses
 
-MATMUL = functools.partial(tiled_grouped_matmul, out_dtype=jnp.float32)
-WEIGHT_GRAD = functools.partial(tiled_weight_grad, out_dtype=jnp.float32)
 GROUPS = np.array([13, 0, 20, 5], np.int32)  # unequal, one empty, 2 rows past the groups (A = 40)
 
 
 def grouped(x, w, group_sizes):
-    return fp8_grouped(x, w, group_sizes, MATMUL, WEIGHT_GRAD)
+    return fp8_grouped(x, w, group_sizes, tiled_grouped_matmul, tiled_weight_grad)
 
 
 def element_error(a, f8, amax):
