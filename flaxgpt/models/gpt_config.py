@@ -72,7 +72,7 @@ class GPTConfig:
     context_impl: str = "ring"  # ring | ulysses: over a mesh context axis (models/context_attention.py)
     scan_layers: bool = False  # nn.scan over the blocks: compile time independent of depth
     remat: str = "none"  # none | full | dots | dots_no_batch | offload_dots_no_batch (see gpt._remat_policy)
-    fp8: bool = False  # float8 matmuls: attention's projections, MLPs, MoE experts (kernels/fp8.py); rest dtype
+    fp8: bool = False  # float8 matmuls: attention, MLPs, MoE experts (kernels/fp8.py); rest dtype
     # modern decoders (Llama, Mistral, Qwen2); the defaults are GPT-2's
     norm: str = "layernorm"  # layernorm | rmsnorm (Llama) | rmsnorm_1p (Gemma: 1 + w); layer_norm_epsilon
     glu: bool = False  # gated MLP act(x W_gate) * (x W_up): with activation=silu, SwiGLU
