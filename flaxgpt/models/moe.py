@@ -13,7 +13,9 @@ expert, whose weights they would read anyway: `mix_experts`). Expert weights are
 (logical axis "expert"); on a mesh with an "expert" axis they are split over it and the tokens visit
 their experts' devices (`expert_parallel`). Qwen2-MoE adds a shared expert, a dense MLP every token
 goes through, its output scaled per token by sigmoid(x . w) (`shared_gate`), to the routed experts'
-sum.
+sum. With `fp8` (GPTConfig.fp8) the sorted path's expert products are float8 (kernels.fp8's
+fp8_grouped over the tiled form, `tiled_weight_grad` its dW) and the shared expert's dense MLP too;
+decoding's few tokens keep the compute dtype.
 
 Each sparse layer sows into the "router" collection what the losses need: the fraction of the
 assignments each expert got and its mean router probability (transformers' load_balancing_loss_func
