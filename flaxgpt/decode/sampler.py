@@ -110,7 +110,7 @@ def branches(temperature_B, top_k_B, top_p_B, min_p_B):
     return jnp.any(filtered_B), jnp.any(sampled_B)
 
 
-class Tests(NamedTuple):
+class RowTests(NamedTuple):
     """The sampling conditionals' tests that depend on the rows' settings alone (which never change in
     a decode loop), computed once a chunk, outside its token loop: inside, each was a kernel a token.
     Each may say yes where no row needs the pass (a bias id >= V counted): the pass then changes nothing."""
@@ -119,7 +119,7 @@ class Tests(NamedTuple):
     runs: tuple  # `branches`: some row filters, some row draws
 
     @classmethod
-    def of(cls, rows) -> Tests:
+    def of(cls, rows) -> RowTests:
         """rows: decode.sampling.Rows."""
         tests = branches(rows.temperature_B, rows.top_k_B, rows.top_p_B, rows.min_p_B)
         return cls(jnp.any(rows.bias_ids_BL >= 0), tests)

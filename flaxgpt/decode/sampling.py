@@ -52,7 +52,7 @@ from flax import struct
 
 from flaxgpt.decode.sampler import (
     MAX_LOGPROBS,
-    Tests,
+    RowTests,
     check_sampling_args,
     greedy,
     select_rows,
@@ -192,7 +192,7 @@ def adjust_logits(rows: Rows, logits_BV, counts_BV=None, seen_BV=None, mask_BW=N
     then logit_bias, repetition, frequency and presence penalties (Sampling's definitions). counts_BV:
     each token's count in the row's output so far; seen_BV: tokens in its prompt or output; both None
     when the caller keeps no counts (generate): bias only. Rows that ask for none of it cost a
-    conditional, not a pass over the logits; biased: whether some row may have a bias (`Tests`)."""
+    conditional, not a pass over the logits; biased: whether some row may have a bias (`RowTests`)."""
     logits_BV = logits_BV.astype(jnp.float32)
     B, V = logits_BV.shape
     if mask_BW is not None:
@@ -223,7 +223,7 @@ def next_tokens(rows: Rows, count_B, logits_BV, max_k: int = 256, runs=None):
     """Row b's token number count_B[b] (0 = the prefill's), drawn with fold_in(key_B[b], count_B[b]).
     max_k 0: every row is greedy (generate knows it when it traces): the argmax alone, without the
     keys, the filters' conditionals and the float32 copy of the logits a mixed batch needs. runs:
-    sampler.branches' answer for these rows (`Tests`), if known."""
+    sampler.branches' answer for these rows (`RowTests`), if known."""
     if max_k == 0:
         return greedy(logits_BV)
     keys_B = jax.vmap(jax.random.fold_in)(rows.key_B, count_B)
@@ -292,11 +292,11 @@ def feed(step_fn, state: DecodeState):
 
 def take(
     state: DecodeState, raw_BV, cache, pos_B, mask_BW, max_k: int, keep: int, logprobs: bool,
-    tests: Tests | None = None,
+    tests: RowTests | None = None,
 ):  # fmt: skip
     """The next token of every unfinished row from `feed`'s logits, and the state after it
     -> (state, tok_B with PAD for finished rows, Logprobs-like tuple (empty unless `logprobs`)).
-    tests: `Tests.of(state.rows)` computed outside a token loop (None: here)."""
+    tests: `RowTests.of(state.rows)` computed outside a token loop (None: here)."""
     rows_B = jnp.arange(raw_BV.shape[0])
     active_B = ~state.done_B
     biased, runs = (None, None) if tests is None else (tests.biased, tests.runs)
@@ -352,7 +352,7 @@ def _decode_chunk(
         go_on = (j < chunk) & jnp.any(~state.done_B)
         return go_on & ~jnp.any(_overflowing(state, W)) if keep else go_on
 
-    tests = Tests.of(state.rows)  # the rows' settings never change in the loop: its tests are taken here
+    tests = RowTests.of(state.rows)  # the rows' settings never change in the loop: its tests are taken here
 
     def body(carry):
         state, out_BC, lp_out, j = carry

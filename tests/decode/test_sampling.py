@@ -337,10 +337,10 @@ def test_select_rows_draws_each_kept_token_with_its_probability(temperature, top
 
 
 def test_tests_taken_outside_the_token_loop_change_no_token():
-    """sampling.Tests (the conditionals' tests from the rows' settings alone, taken once a chunk) give
+    """sampler.RowTests (the conditionals' tests from the rows' settings alone, taken once a chunk) give
     take's tokens for every kind of row: greedy, top-k, top-p, min-p, top_k >= V (a filter pass run for
     no row), a logit_bias entry and one past V (a bias pass that adds nothing), all greedy, none biased."""
-    from flaxgpt.decode.sampler import Tests
+    from flaxgpt.decode.sampler import RowTests
     from flaxgpt.decode.sampling import DecodeState, Rows, Sampling, take
 
     V = 300
@@ -362,7 +362,7 @@ def test_tests_taken_outside_the_token_loop_change_no_token():
         )  # fmt: skip
         go = jax.jit(lambda st, x, tests: take(st, x, None, st.fill_B, None, 256, 0, False, tests)[1])
         want = go(state, logits_BV[:B], None)
-        np.testing.assert_array_equal(go(state, logits_BV[:B], Tests.of(rows)), want)
+        np.testing.assert_array_equal(go(state, logits_BV[:B], RowTests.of(rows)), want)
         for b, s in enumerate(batch):  # the passes ran where needed: the argmax, the bias's token
             assert s.temperature or want[b] == jnp.argmax(logits_BV[b])
             assert not s.logit_bias or want[b] == 7
