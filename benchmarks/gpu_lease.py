@@ -33,6 +33,10 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
 - fp8: one Llama-3-8B layer's forward and backward (4 x 2048 tokens) in bf16, then with model.fp8
   (benchmarks/fp8_layer.py): tokens/s and the ratio (issue #54's target: >= 1.3x; a prediction until
   a lease runs it)
+- fp8_moe: the same for one Mixtral-8x7B layer (attention and 8 experts, top 2; `fp8_layer.py --preset
+  mixtral-8x7b`, 4 x 2048 tokens), whose grouped expert products model.fp8 runs in float8 too: the
+  >= 1.3x target again (1.30x predicted for h100-1, docs/accelerators.md; a prediction until a lease
+  runs it)
 - epilogues: the step (batch 16) with the MLP's bias + GELU as one pass the backward recomputes and
   q, k, v as products of their own for cuDNN (models/linear.py, the default), then without
   (FLAXGPT_EPILOGUES=off: autodiff's GELU, which keeps its tanh, and one q|k|v product split): step
@@ -73,6 +77,7 @@ PARTS = {
     "step": 60,
     "fused_loss": 150,  # three compiles and runs of the step (~30 s each on 2026-11-27's `step`)
     "fp8": 120,  # two compiles and 10 steps each of one 8B layer (not yet run on a lease)
+    "fp8_moe": 150,  # the same for one Mixtral-8x7B layer, 1.4B expert weights (not yet run on a lease)
     "epilogues": 80,  # two compiles and runs of the step (~30 s each on 2026-11-27's `step`)
     "nanogpt": 70,
     "decode_gpt2": 130,  # 58 s on 2026-11-27 with bf16 and int8; float rows added
@@ -88,7 +93,9 @@ PARTS = {
 GROUPS = {
     "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 570 s)
     "decode": ("decode_gpt2", "decode_gpt2_xla", "decode_llama8b", "hf_generate"),  # ~8 min
-    "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce"),  # ~4 min: the int8 / int4 kernels
+    # ~6.5 min: the int8 / int4 GEMV kernels and the mixture's float8 layer (limits: 390 s; train has
+    # no room left for it)
+    "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce", "fp8_moe"),
     "tests": ("tests",),  # ~3.5 min
 }
 
@@ -123,19 +130,29 @@ def part_step(a) -> None:
     _train_step(a, "step", "step", "attention auto")
 
 
-def part_fp8(a) -> None:
-    out = a.work / "fp8_layer.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks/fp8_layer.py"), "--json", str(out)]
+def _fp8_layer(a, part: str, preset: str, name: str) -> None:
+    """benchmarks/fp8_layer.py's step for one layer of `preset` (its default 4 x 2048 tokens; the dry
+    run: a tiny layer of the same kind), bf16 then model.fp8: two rows and the ratio."""
+    out = a.work / f"{part}_layer.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/fp8_layer.py"), "--preset", preset, "--json", str(out)]
     subprocess.run(cmd + (["--dry_run"] if a.dry_run else []), check=True, cwd=ROOT)
     r = json.loads(out.read_text())
     for side in ("bf16", "fp8"):
         emit(
-            part="fp8",
-            what=f"Llama-3-8B layer fwd+bwd, {r['tokens_per_step']} tokens, {side}",
+            part=part,
+            what=f"{name} layer fwd+bwd, {r['tokens_per_step']} tokens, {side}",
             tokens_per_s=r[side]["tokens_per_s"],
             step_ms=r[side]["step_ms"],
             result=f"{r['speedup']}x bf16 (target >= 1.3x)" if side == "fp8" else None,
         )
+
+
+def part_fp8(a) -> None:
+    _fp8_layer(a, "fp8", "llama-3-8b", "Llama-3-8B")
+
+
+def part_fp8_moe(a) -> None:
+    _fp8_layer(a, "fp8_moe", "mixtral-8x7b", "Mixtral-8x7B")
 
 
 def part_epilogues(a) -> None:

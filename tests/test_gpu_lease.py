@@ -19,7 +19,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     cmd = [sys.executable, "benchmarks/gpu_lease.py", "--dry_run", "--out", str(out), "--work", str(work)]
     cmd += [
         "--parts",
-        "recipe,decode_gpt2,decode_gpt2_xla,fused_loss,epilogues,fp8,nanogpt",
+        "recipe,decode_gpt2,decode_gpt2_xla,fused_loss,epilogues,fp8,fp8_moe,nanogpt",
         "--nanogpt_model",
         str(tmp_path / "absent.py"),
     ]
@@ -47,6 +47,11 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     fp8 = {r["what"].rpartition(" ")[2]: r for r in by_part["fp8"]}  # one 8B-shaped layer, tiny here
     assert set(fp8) == {"bf16", "fp8"} and all(r["tokens_per_s"] > 0 for r in fp8.values())
     assert fp8["fp8"]["result"].endswith("x bf16 (target >= 1.3x)")
+    # the mixture's layer (fp8_layer.py --preset mixtral-8x7b: 4 experts, top 2 here), its experts in float8
+    moe = {r["what"].rpartition(" ")[2]: r for r in by_part["fp8_moe"]}
+    assert set(moe) == {"bf16", "fp8"} and all(r["tokens_per_s"] > 0 for r in moe.values())
+    assert moe["fp8"]["what"].startswith("Mixtral-8x7B layer fwd+bwd, 64 tokens")
+    assert moe["fp8"]["result"].endswith("x bf16 (target >= 1.3x)")
     # the missing nanoGPT file is that part's one row, named in it; the other parts are unaffected
     assert by_part["nanogpt"][0]["what"].startswith("exit 1: no nanoGPT model.py at")
     assert "| recipe | train.py configs/shakespeare_char_cpu.py" in p.stdout
