@@ -8,7 +8,11 @@ Each part runs in its own process group under its own time limit (a part that fa
 time costs its rows only). PARTS holds the limits, from what each part took on 2026-11-26 and -27;
 GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 15-minute session on
 2026-11-27 (H200): `--parts decode_llama8b,tests,hf_generate` (465 s), then at once on the warm machine
-`decode_gpt2`, `recipe,nanogpt` and `step` (58, 89 and 31 s): 797 s of device time with the start:
+`decode_gpt2`, `recipe,nanogpt` and `step` (58, 89 and 31 s): 797 s of device time with the start.
+The parts' limits now add up to ~31 minutes, and a session has 15 minutes of device time, the start
+included: run issue #54's targets first, `--parts decode_gpt2,decode_gpt2_xla,decode_llama8b,
+decode_llama8b_pallas` (limits 490 s), then on the warm machine `--parts fp8,fp8_moe` (270 s), then
+what time is left for (`step`, `fused_loss`, `epilogues`). The parts:
 - recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
   metrics.jsonl (the trainer's own figures; steps after the first)
 - step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu`), GPT-2 124M, T 1024,
