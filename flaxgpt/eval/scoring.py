@@ -60,17 +60,9 @@ def check_request(context, continuation, block_size: int) -> None:
 
 
 def _final_hidden(config: GPTConfig, params, tokens_BT, positions_BT=None, cache=None):
-    """(final LayerNorm output [B, T, D], cache): the model's own logits stay unused, so XLA drops them."""
-    out, state = GPT(config).apply(
-        {"params": params},
-        tokens_BT,
-        positions=positions_BT,
-        cache=cache,
-        capture_intermediates=lambda module, method: module.name == "ln_f" and method == "__call__",
-        mutable=["intermediates"],
-    )
-    h_BTD = state["intermediates"]["ln_f"]["__call__"][0]
-    return h_BTD, (None if cache is None else out[1])
+    """(final LayerNorm output [B, T, D], cache): the model's forward without its head (`hidden`)."""
+    out = GPT(config).apply({"params": params}, tokens_BT, positions=positions_BT, cache=cache, hidden=True)
+    return (out, None) if cache is None else out
 
 
 def _token_scores(config: GPTConfig, params, h_BKD, targets_BK):

@@ -201,9 +201,9 @@ class GPT(nn.Module):
         With `logits_at` [B] (time indices), the logits are those of one position per row: [B, 1, V].
         `segment_ids_BT` (training on packed rows, no cache): attention stays inside each run of
         equal ids and positions restart at 0 in each, so every example sees what it would alone.
-        With `hidden` (training, no cache), the final hidden states [B, T, D] (after ln_f) come back
-        instead: `head_logits` applies the head, a chunk at a time (losses.chunked_cross_entropy), or
-        `unembedding` hands it to the fused loss (losses.fused_cross_entropy)."""
+        With `hidden`, the final hidden states [B, T, D] (after ln_f; with a cache, and the cache)
+        come back instead: `head_logits` applies the head, a chunk at a time (losses.chunked_cross_
+        entropy), `unembedding` hands it to the fused loss (losses.fused_cross_entropy)."""
         c = self.config
         check_tokens(tokens_BT, c, cache)
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -247,8 +247,9 @@ class GPT(nn.Module):
         )
         if logits_at is not None:  # a prefill draws from one position: skip the head (1/3 of GPT-2's FLOPs)
             x_BTD = jnp.take_along_axis(x_BTD, jnp.asarray(logits_at)[:, None, None], axis=1)
-        if hidden and cache is None:
-            return norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)
+        if hidden:  # ln_f's output, the head left to the caller (with a cache: and the cache)
+            h_BTD = norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)
+            return h_BTD if cache is None else (h_BTD, cache.with_layers(kv_layers))
         logits_BTV = finish_logits(c, self._head(wte, x_BTD, kernels))
         if cache is None:
             return logits_BTV
@@ -337,14 +338,13 @@ class GPT(nn.Module):
         c = self.config
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         B, T, D = x_BTD.shape
-        x_ND = x_BTD.reshape(B * T, D)  # 2-D operands: see layers.MLP
-        table = wte.embedding if c.tie_embeddings else None
-        tiles = table is None or pallas_decode.takes(B * T, table.shape[0], D, x_ND.dtype, table.dtype, dtype)
-        pre_norm = None
+        table, x_dtype, pre_norm = (wte.embedding if c.tie_embeddings else None), x_BTD.dtype, None
+        tiles = table is None or pallas_decode.takes(B * T, table.shape[0], D, x_dtype, table.dtype, dtype)
         if kernels and c.norm in pallas_decode.NORMS and tiles:
             pre_norm = layers.NormParams(c.norm, c.bias, c.layer_norm_epsilon, pdtype, name="ln_f")(D)
-        else:
-            x_ND = norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_ND)
+        else:  # on [B, T, D], as `hidden` returns it
+            x_BTD = norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)
+        x_ND = x_BTD.reshape(B * T, D)  # 2-D operands: see layers.MLP
         if pre_norm is not None and table is not None:  # interpreted off GPUs (FLAXGPT_DECODE_KERNELS=on)
             y_NV = pallas_decode.gemv(
                 x_ND, table, norm=pre_norm, rows_w=True, dtype=dtype, interpret=target.platform() != "gpu"
@@ -355,7 +355,7 @@ class GPT(nn.Module):
                 c.padded_vocab_size,
                 use_bias=False,
                 dtype=dtype,
-                param_dtype=jnp.dtype(c.param_dtype),
+                param_dtype=pdtype,
                 kernel_init=normal_init(0.0 if c.zero_init_proj else 0.02, ("embed", "vocab")),
                 name="lm_head",
             )

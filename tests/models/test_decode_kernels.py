@@ -83,3 +83,30 @@ def test_one_decision_a_step(monkeypatch):
     _, texts = decode(cfg, params, tokens, 1)
     assert asked == [3, 1]  # the prefill's 3 rows, then the step's 1: once each, not per layer
     assert not any("pallas_call" in t for t in texts)
+
+
+def test_hidden_with_a_cache_is_ln_fs_output_whichever_path(monkeypatch):
+    """GPT(hidden=True) with a cache (evaluation's scoring: a context cached, then each continuation's
+    few rows) returns ln_f's output and the cache: with the decode kernels on (where ln_f goes into the
+    head's product) as off, and head_logits of it are the step's logits. Scoring read ln_f's output
+    from captured intermediates before, which the kernels' fused ln_f never produces."""
+    from flaxgpt.models.gpt import head_logits
+
+    cfg = GPTConfig(**GPT2)
+    params = init_params(cfg, jax.random.key(0))
+    model, pos_13 = GPT(cfg), jnp.arange(3)[None]
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", mode)
+        cache = KVCache.for_config(cfg, batch=1, max_len=cfg.block_size)
+        h_13D, cache = model.apply(
+            {"params": params}, jnp.array([[3, 7, 9]]), positions=pos_13, cache=cache, hidden=True
+        )
+        logits, _ = model.apply({"params": params}, jnp.array([[5]]), positions=jnp.array([[3]]), cache=cache)
+        h_11D, _ = model.apply(
+            {"params": params}, jnp.array([[5]]), positions=jnp.array([[3]]), cache=cache, hidden=True
+        )
+        assert h_13D.shape == (1, 3, 32) and h_11D.shape == (1, 1, 32)
+        np.testing.assert_allclose(head_logits(cfg, params, h_11D), logits, atol=2e-5, rtol=2e-5)
+        out[mode] = np.asarray(h_11D)
+    np.testing.assert_allclose(out["on"], out["off"], atol=2e-5, rtol=2e-5)
