@@ -27,7 +27,9 @@ products are multiplies and row sums, not Triton's dot, whose tiles start at 16 
 past the arrays (as kernels.pallas_qgemv): the last block of channels starts at N - bn and the last
 block of K at K - bk, the inputs an earlier block summed masked; bn and bk are powers of two (Triton's
 rule) no larger than N and K. `why_not` says why a shape does not tile ("" when it does); `gemv`
-refuses the others in one line.
+refuses the others in one line. `tiles=Tiles(bn, bk, num_warps, num_stages)` overrides the tiling
+(kernels.pallas_qgemv takes the same; benchmarks/kernel_sweep.py times a grid of them on a GPU);
+None keeps BLOCK_N, BLOCK_K, 4 warps and 3 stages, never measured against others on a GPU.
 Who calls it and when: models.linear (`decode_kernels`, FLAXGPT_DECODE_KERNELS); models.gpt (a tied head).
 """
 
@@ -47,6 +49,29 @@ BLOCK_K = 128  # inputs a step: a [128, 32] float32 tile, 32 values a thread at 
 MIN_DIM = 16  # the smallest tile side Triton takes
 NORMS = ("layernorm", "rmsnorm")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class Tiles(NamedTuple):
+    """A GEMV kernel's tiling: output channels a program, inputs a step (powers of two >= MIN_DIM, at
+    most N and K), Triton's warps a program and its software-pipelining stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def why_not(self, N: int, K: int) -> str:
+        """'' when the tiling fits w with N outputs and K inputs, else why not."""
+        for name, v, side, dim in (("block_n", self.block_n, "N", N), ("block_k", self.block_k, "K", K)):
+            if v < MIN_DIM or v & (v - 1):
+                return f"{name}={v} is not a power of two >= {MIN_DIM}"
+            if v > dim:
+                return f"{name}={v} > {side}={dim}"
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):  # Triton's: a power of two, at most 1024 threads
+            return f"num_warps={self.num_warps} is not a power of two <= 32"
+        if self.num_stages < 1:
+            return f"num_stages={self.num_stages} < 1"
+        return ""
 
 
 class Norm(NamedTuple):
@@ -98,13 +123,15 @@ def gemv(
     rows_w: bool = False,
     dtype=None,
     out_dtype=None,
+    tiles: Tiles | None = None,
     interpret: bool = False,
 ):
     """residual + activation(norm(x) @ w + bias) -> [M, N] in `out_dtype` (default `dtype`); `dtype`
     (default x's) is the compute dtype the normalized x and the product are rounded to (the plain
     path's). With `splits` (column boundaries) the output comes as that many arrays, each written by
     the programs of its columns (c_attn's q | k | v for the attention kernel: no split copy).
-    `rows_w`: w_KN is given as its transpose [N, K] (a tied head's token table), read as it lies."""
+    `rows_w`: w_KN is given as its transpose [N, K] (a tied head's token table), read as it lies.
+    `tiles`: the tiling (None: BLOCK_N and BLOCK_K within the shape, 4 warps, 3 stages)."""
     M, K = x_MK.shape
     w_K, N = w_KN.shape[::-1] if rows_w else w_KN.shape
     dtype = jnp.dtype(dtype or x_MK.dtype)
@@ -135,8 +162,16 @@ def gemv(
             args.append(a)
             have.append(name)
     bounds = (0, *splits, N)
+    if tiles is None:
+        tiles = Tiles(_block_n(N, splits), min(BLOCK_K, _pow2_floor(K)))
+    widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    why = tiles.why_not(N, K) or (
+        f"block_n={tiles.block_n} does not divide the pieces {widths}" if splits and any(
+            w % tiles.block_n for w in widths) else "")  # fmt: skip
+    if why:
+        raise ValueError(f"decode gemv: tiles {tuple(tiles)} do not fit w [{K}, {N}]: {why}")
     spec = _Spec(
-        M, N, K, _block_n(N, splits), min(BLOCK_K, _pow2_floor(K)), tuple(have),
+        M, N, K, tiles.block_n, tiles.block_k, tuple(have),
         None if norm is None else norm.kind, 0.0 if norm is None else float(norm.eps), activation, dtype,
         tuple(zip(bounds[:-1], bounds[1:])) if splits else (), rows_w,
     )  # fmt: skip
@@ -145,7 +180,7 @@ def gemv(
         functools.partial(_kernel, spec),
         grid=(pl.cdiv(N, spec.bn),),
         out_shape=pieces or jax.ShapeDtypeStruct((M, N), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="decode_gemv",
     )

@@ -17,7 +17,10 @@ block) and the part another block covered is masked (channels written twice carr
 Triton's and the interpreter's views agree; it needs N >= BLOCK_N, int8's K >= BLOCK_K and int4's K a
 multiple of its group (quantize's rule). `why_not` says why a shape does not tile ("" when it
 does); `gemv` refuses in one line the shapes that do not, naming XLA's form (kernels.qmatmul), which
-kernels.qmatmul then uses.
+kernels.qmatmul then uses. `tiles=Tiles(block_n, block_k, num_warps, num_stages)` (kernels.pallas_decode's
+type) overrides the tiling, int4's block_k whole groups; None keeps BLOCK_N, BLOCK_K (INT4_BLOCK_K, at
+most K), 4 warps and 3 stages, which no GPU has yet compared with others: benchmarks/kernel_sweep.py
+times a grid of tilings for the next lease to choose from.
 
 Why Triton rather than Mosaic GPU: the kernel is loads, converts and row sums with no matrix-unit
 product, which the Triton backend compiles for every NVIDIA card JAX supports (A100, H100, H200
@@ -37,14 +40,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flaxgpt.kernels.pallas_decode import Tiles
+
 MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's dot is compute-bound
 BLOCK_N = 32  # output channels a program: an 8B layer's 4096 make 128 programs, about an H100's 132 SMs
 BLOCK_K = 256  # int8 inputs a step: a [32, 256] tile, 8 KiB
 INT4_BLOCK_K = 256  # int4 inputs a step (whole groups: 2 of 128, 4 of 64, 8 of 32)
 
 
-def why_not(M: int, N: int, K: int, group: int = 0) -> str:
-    """'' when the kernel tiles the shape, else why not (group: int4's group size; 0: int8)."""
+def why_not(M: int, N: int, K: int, group: int = 0, tiles: Tiles | None = None) -> str:
+    """'' when the kernel tiles the shape, else why not (group: int4's group size; 0: int8; tiles:
+    another tiling than the default's)."""
+    if tiles is not None:
+        why = why_not(M, N, K, group) if M > MAX_ROWS or (group and K % group) else tiles.why_not(N, K)
+        if not why and group and tiles.block_k % group:
+            why = f"block_k={tiles.block_k} is not whole int4 groups of {group}"
+        return why
     if M > MAX_ROWS:
         return f"{M} rows > MAX_ROWS {MAX_ROWS} (prefill: a compute-bound dot)"
     if N < BLOCK_N:
@@ -56,62 +67,67 @@ def why_not(M: int, N: int, K: int, group: int = 0) -> str:
     return ""
 
 
-def gemv(x_MK, w, scale, interpret: bool = False) -> jax.Array:
+def gemv(x_MK, w, scale, tiles: Tiles | None = None, interpret: bool = False) -> jax.Array:
     """x @ dequantize(w)^T -> [M, N] float32; w int8 [N, K] with scale [N], or int4 uint8 [N, K/2] with
-    scale [N, G] (group K / G)."""
+    scale [N, G] (group K / G); `tiles` another tiling than the default's."""
     M, K = x_MK.shape
     N = w.shape[0]
     int4 = w.dtype == jnp.uint8
     group = K // scale.shape[1] if int4 else 0
     if int4 and K != 2 * w.shape[1]:
         raise ValueError(f"int4 weights {w.shape} hold {2 * w.shape[1]} inputs, x has K={K}")
-    why = why_not(M, N, K, group)
+    why = why_not(M, N, K, group, tiles)
+    if why and tiles is not None:
+        raise ValueError(f"qgemv: tiles {tuple(tiles)} do not fit x {x_MK.shape} @ w [{N}, {K}]: {why}")
     if why:
         raise ValueError(f"qgemv cannot tile x {x_MK.shape} @ w [{N}, {K}]: {why}; use XLA's form "
                          "(kernels.qmatmul, FLAXGPT_QMATMUL unset)")  # fmt: skip
+    if tiles is None:  # int4's step whole groups, at most K (the default steps over as many as there are)
+        tiles = Tiles(BLOCK_N, max(group, min(INT4_BLOCK_K, K)) if int4 else BLOCK_K)
     x_MK = x_MK.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
-    grid = (pl.cdiv(N, BLOCK_N),)
     out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-    params = plgpu.CompilerParams(num_warps=4, num_stages=3)
+    params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    bn, bk = tiles.block_n, tiles.block_k
+    grid = (pl.cdiv(N, bn),)
     if int4:  # the even and odd inputs apart: each nibble multiplies its own half of x, no interleave
-        kernel = functools.partial(_int4_kernel, M, N, K, group)
+        kernel = functools.partial(_int4_kernel, M, N, K, group, bn, bk // group)
         args = (x_MK[:, 0::2], x_MK[:, 1::2], w, scale)
     else:
-        kernel, args = functools.partial(_int8_kernel, M, N, K), (x_MK, w, scale)
+        kernel, args = functools.partial(_int8_kernel, M, N, K, bn, bk), (x_MK, w, scale)
     call = pl.pallas_call(
         kernel, grid=grid, out_shape=out, compiler_params=params, interpret=interpret, name="qgemv"
     )
     return call(*args)
 
 
-def _channels(N):
-    """This program's channels: BLOCK_N from min(i * BLOCK_N, N - BLOCK_N), in bounds."""
-    return pl.ds(jnp.minimum(pl.program_id(0) * BLOCK_N, N - BLOCK_N), BLOCK_N)
+def _channels(N, bn):
+    """This program's channels: bn from min(i * bn, N - bn), in bounds."""
+    return pl.ds(jnp.minimum(pl.program_id(0) * bn, N - bn), bn)
 
 
-def _int8_kernel(M, N, K, x_ref, w_ref, s_ref, o_ref):
-    rows = _channels(N)
+def _int8_kernel(M, N, K, bn, bk, x_ref, w_ref, s_ref, o_ref):
+    rows = _channels(N, bn)
 
     def body(j, accs):
-        start = jnp.minimum(j * BLOCK_K, K - BLOCK_K)  # the last step ends at K
-        fresh = start + jnp.arange(BLOCK_K) >= j * BLOCK_K  # inputs no earlier step summed
-        w = jnp.where(fresh[None, :], w_ref[rows, pl.ds(start, BLOCK_K)].astype(jnp.float32), 0.0)
-        return tuple(acc + jnp.sum(w * x_ref[m, pl.ds(start, BLOCK_K)][None, :], axis=1)
+        start = jnp.minimum(j * bk, K - bk)  # the last step ends at K
+        fresh = start + jnp.arange(bk) >= j * bk  # inputs no earlier step summed
+        w = jnp.where(fresh[None, :], w_ref[rows, pl.ds(start, bk)].astype(jnp.float32), 0.0)
+        return tuple(acc + jnp.sum(w * x_ref[m, pl.ds(start, bk)][None, :], axis=1)
                      for m, acc in enumerate(accs))  # fmt: skip
 
-    init = tuple(jnp.zeros((BLOCK_N,), jnp.float32) for _ in range(M))
-    accs = jax.lax.fori_loop(0, pl.cdiv(K, BLOCK_K), body, init)
+    init = tuple(jnp.zeros((bn,), jnp.float32) for _ in range(M))
+    accs = jax.lax.fori_loop(0, pl.cdiv(K, bk), body, init)
     s = s_ref[rows]
     for m, acc in enumerate(accs):
         o_ref[m, rows] = acc * s
 
 
-def _int4_kernel(M, N, K, group, xe_ref, xo_ref, w_ref, s_ref, o_ref):
-    rows = _channels(N)
+def _int4_kernel(M, N, K, group, bn, step_groups, xe_ref, xo_ref, w_ref, s_ref, o_ref):
+    rows = _channels(N, bn)
     half = group // 2  # bytes of a group: its even inputs in the low nibbles, its odd in the high
     n_groups = K // group
-    per_step = max(1, min(INT4_BLOCK_K // group, n_groups))
+    per_step = max(1, min(step_groups, n_groups))
 
     def body(j, accs):
         first = jnp.minimum(j * per_step, n_groups - per_step)  # the last step ends at the last group
@@ -129,7 +145,7 @@ def _int4_kernel(M, N, K, group, xe_ref, xo_ref, w_ref, s_ref, o_ref):
             )
         return accs
 
-    init = tuple(jnp.zeros((BLOCK_N,), jnp.float32) for _ in range(M))
+    init = tuple(jnp.zeros((bn,), jnp.float32) for _ in range(M))
     accs = jax.lax.fori_loop(0, pl.cdiv(n_groups, per_step), body, init)
     for m, acc in enumerate(accs):
         o_ref[m, rows] = acc

@@ -1,13 +1,14 @@
 """kernels.pallas_decode in Pallas interpret mode: norm + GEMV + bias + activation + residual against
 a float64 reference, over shapes whose last channel and input blocks overlap the ones before, in
-float32 and bfloat16; shapes it cannot take are refused in one line."""
+float32 and bfloat16, with the default tiling and others (benchmarks/kernel_sweep.py's); shapes it
+cannot take and tilings that do not fit are refused in one line."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxgpt.kernels.pallas_decode import MAX_ROWS, Norm, gemv, normalize, why_not
+from flaxgpt.kernels.pallas_decode import MAX_ROWS, Norm, Tiles, gemv, normalize, why_not
 
 
 def gelu64(y):
@@ -123,3 +124,49 @@ def test_shapes_it_cannot_take_are_one_line():
         gemv(jnp.ones((1, 32)), jnp.ones((32, 8)), interpret=True)
     with pytest.raises(ValueError, match=r"dtype int8"):
         gemv(jnp.ones((1, 32), jnp.int8), jnp.ones((32, 32)), interpret=True)
+
+
+@pytest.mark.parametrize(
+    "M,K,N,tiles",
+    [
+        (3, 200, 40, Tiles(32, 128, 8, 2)),  # neither divides: both last blocks overlap the one before
+        (1, 96, 80, Tiles(16, 32, 2, 1)),  # 5 blocks of channels, 3 steps
+        (2, 64, 64, Tiles(64, 64)),  # one program, one step
+    ],
+)
+def test_every_tiling_gives_the_reference(M, K, N, tiles):
+    """kernel_sweep.py's tilings compute the same function: layernorm + product + bias + residual in
+    float32 against float64, and the bfloat16 form as the default tiling's."""
+    k = jax.random.split(jax.random.key(K + N), 6)
+    x, w = jax.random.normal(k[0], (M, K)) * 2 + 0.5, jax.random.normal(k[1], (K, N)) / np.sqrt(K)
+    b, r = jax.random.normal(k[2], (N,)), jax.random.normal(k[5], (M, N))
+    norm = Norm(
+        "layernorm", 1 + 0.1 * jax.random.normal(k[3], (K,)), 0.1 * jax.random.normal(k[4], (K,)), 1e-5
+    )
+    got = gemv(x, w, b, norm=norm, residual_MN=r, tiles=tiles, interpret=True)
+    want = reference(x, w, b, norm, None, r)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=2e-5)
+    x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    got16 = gemv(x16, w16, tiles=tiles, interpret=True).astype(jnp.float32)
+    np.testing.assert_allclose(
+        got16, gemv(x16, w16, interpret=True).astype(jnp.float32), atol=0.02, rtol=0.02
+    )
+
+
+@pytest.mark.parametrize(
+    "tiles,message",
+    [
+        (Tiles(48, 32), r"block_n=48 is not a power of two >= 16"),
+        (Tiles(32, 8), r"block_k=8 is not a power of two >= 16"),
+        (Tiles(128, 32), r"block_n=128 > N=64"),
+        (Tiles(16, 64), r"block_k=64 > K=32"),
+        (Tiles(16, 32, 4, 0), r"num_stages=0 < 1"),
+    ],
+)
+def test_a_tiling_that_does_not_fit_is_one_line(tiles, message):
+    with pytest.raises(
+        ValueError, match=r"^decode gemv: tiles \(.*\) do not fit w \[32, 64\]: " + message + "$"
+    ):
+        gemv(jnp.ones((1, 32)), jnp.ones((32, 64)), tiles=tiles, interpret=True)
+    with pytest.raises(ValueError, match=r"block_n=32 does not divide the pieces \[32, 16, 16\]"):
+        gemv(jnp.ones((1, 32)), jnp.ones((32, 64)), splits=(32, 48), tiles=Tiles(32, 32), interpret=True)

@@ -1,7 +1,8 @@
 """kernels/pallas_qgemv.py run by Pallas' interpreter on the CPU: decoding rows times int8 and int4
 weights equal the dequantized weights' float64 product (int4's groups of 64 and 128, K not a multiple
-of the kernel's step, N not a multiple of its block, 1 to MAX_ROWS rows); shapes it cannot tile are one
-line naming XLA's form; FLAXGPT_QMATMUL=pallas routes qmatmul through it."""
+of the kernel's step, N not a multiple of its block, 1 to MAX_ROWS rows), with its default tiling and
+others (benchmarks/kernel_sweep.py's); shapes it cannot tile are one line naming XLA's form, tilings
+that do not fit one line saying why; FLAXGPT_QMATMUL=pallas routes qmatmul through it."""
 
 import re
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from flaxgpt.kernels import int4, pallas_qgemv, qmatmul
+from flaxgpt.kernels.pallas_decode import Tiles
 from flaxgpt.models.quantize import quantize_rows
 
 TOL = 2e-6  # relative to the largest output: float32 sums in another order than float64's
@@ -100,3 +102,47 @@ def test_kernel_compiles_for_h100_as_one_triton_call(mode):
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         hlo = jax.jit(pallas_qgemv.gemv).lower(*args).compile().as_text()
     assert len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', hlo)) == 1, hlo[-2000:]
+
+
+@pytest.mark.parametrize(
+    "mode,M,N,K,tiles",
+    [
+        (
+            "int8",
+            2,
+            40,
+            300,
+            Tiles(16, 128, 8, 2),
+        ),  # N = 2 * 16 + 8, K = 2 * 128 + 44: both last blocks overlap
+        ("int8", 1, 48, 512, Tiles(32, 512)),  # K in one step
+        ("int4", 3, 40, 640, Tiles(16, 256, 2, 1)),  # 5 groups of 128, 2 a step: the last step overlaps
+        ("int4_g64", 1, 64, 384, Tiles(64, 64)),  # a group a step, one block of channels
+    ],
+)
+def test_every_tiling_gives_the_dequantized_product(mode, M, N, K, tiles):
+    """kernel_sweep.py's tilings compute the same function: the float64 reference for each."""
+    rng = np.random.RandomState(N + K)
+    q = quantize_rows(rng.standard_normal((N, K)).astype(np.float32), mode)
+    x_MK = rng.standard_normal((M, K)).astype(np.float32)
+    got = np.asarray(pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, tiles=tiles, interpret=True))
+    want = reference(x_MK, q)
+    assert got.shape == (M, N) and np.abs(got - want).max() / np.abs(want).max() < TOL
+
+
+@pytest.mark.parametrize(
+    "tiles,mode,message",
+    [
+        (Tiles(24, 128), "int8", r"block_n=24 is not a power of two >= 16"),
+        (Tiles(8, 128), "int8", r"block_n=8 is not a power of two >= 16"),
+        (Tiles(64, 128), "int8", r"block_n=64 > N=48"),
+        (Tiles(16, 1024), "int8", r"block_k=1024 > K=512"),
+        (Tiles(16, 128, 3), "int8", r"num_warps=3 is not a power of two <= 32"),
+        (Tiles(16, 64), "int4", r"block_k=64 is not whole int4 groups of 128"),
+    ],
+)
+def test_a_tiling_that_does_not_fit_is_one_line(tiles, mode, message):
+    q = quantize_rows(np.ones((48, 512), np.float32), mode)
+    with pytest.raises(
+        ValueError, match=r"^qgemv: tiles \(.*\) do not fit x \(1, 512\) @ w \[48, 512\]: " + message
+    ):
+        pallas_qgemv.gemv(jnp.ones((1, 512)), q.w, q.scale, tiles=tiles, interpret=True)
