@@ -12,9 +12,13 @@ backends, for many rows (prefill, where the step is compute-bound) or with
 FLAXGPT_QMATMUL=xla, or a program traced over several devices (XLA cannot split a custom call), the
 same product is the XLA dequantize-then-dot. FLAXGPT_QMATMUL=reduce is an experiment for GPUs and
 TPUs: up to REDUCE_ROWS rows (decoding) as a multiply and a row reduction over K instead of a dot.
-int4 weights take kernels.int4's XLA form on every platform (the C++ kernel reads int8 and bf16 only).
-FLAXGPT_QMATMUL=pallas: decoding rows times int8 or int4 weights through kernels.pallas_qgemv (Triton
-on GPUs, Pallas' interpreter elsewhere: a check, not a speed-up) wherever it tiles the shape.
+int4 weights take kernels.int4's XLA form (the C++ kernel reads int8 and bf16 only), except decoding
+rows on one GPU, which take kernels.pallas_qgemv's Triton GEMV where it tiles the shape: measured on an
+H200 (2026-11-29, docs/accelerators.md), the Llama-3-8B shape at batch 1 decoded 134 tok/s with it and
+42 with XLA's unpack-then-dot form. int8 keeps XLA's fusion there (212 tok/s against the GEMV's 173).
+FLAXGPT_QMATMUL=pallas sends int8 and int4 decoding rows through pallas_qgemv on any platform (Pallas'
+interpreter off GPUs: a check, not a speed-up); FLAXGPT_QMATMUL=xla keeps XLA's forms everywhere.
+`route` is the one rule.
 "Other backends" means the devices the program is traced for (kernels.target: the mesh context's, else
 this host's), so a program compiled ahead of time for a TPU or a GPU on this CPU holds no CPU custom call.
 """
@@ -98,14 +102,28 @@ def dequantize(w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     return w_NK.astype(jnp.float32) * scale_N[:, None]
 
 
+def route(M: int, N: int, K: int, wdtype, group: int = 0) -> str:
+    """Which form multiplies x [M, K] by a quantized w [N, K] in the program being traced: "pallas"
+    (kernels.pallas_qgemv), "int4" (kernels.int4's XLA form) or "dense" (int8 / bf16: the CPU kernel,
+    the reduce experiment or XLA's dot, below). group: int4's group size (0 for int8 / bf16)."""
+    mode = os.environ.get("FLAXGPT_QMATMUL", "")
+    int4 = jnp.dtype(wdtype) == jnp.uint8
+    tiles = jnp.dtype(wdtype) in (jnp.int8, jnp.uint8) and not pallas_qgemv.why_not(M, N, K, group)
+    if tiles and mode == "pallas":
+        return "pallas"
+    # int4 on one GPU: the GEMV, 3.2x XLA's unpack-then-dot on the 8B shape (module docstring)
+    if tiles and int4 and not mode and target.platform() == "gpu" and target.one_device():
+        return "pallas"
+    return "int4" if int4 else "dense"
+
+
 def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
-    """(x @ w^T) * scale in float32 -> [M, N]; w_NK is int8 or bfloat16."""
-    M, N = x_MK.shape[0], w_NK.shape[0]
-    if os.environ.get("FLAXGPT_QMATMUL", "") == "pallas" and w_NK.dtype in (jnp.int8, jnp.uint8):
-        K = x_MK.shape[1]
-        if not pallas_qgemv.why_not(M, N, K, K // scale_N.shape[1] if w_NK.dtype == jnp.uint8 else 0):
-            return pallas_qgemv.gemv(x_MK, w_NK, scale_N, interpret=target.platform() != "gpu")
-    if w_NK.dtype == jnp.uint8:  # int4, two to a byte
+    """(x @ w^T) * scale in float32 -> [M, N]; w_NK is int8, bfloat16 or int4 (uint8, two a byte)."""
+    (M, K), N = x_MK.shape, w_NK.shape[0]
+    how = route(M, N, K, w_NK.dtype, K // scale_N.shape[1] if w_NK.dtype == jnp.uint8 else 0)
+    if how == "pallas":
+        return pallas_qgemv.gemv(x_MK, w_NK, scale_N, interpret=target.platform() != "gpu")
+    if how == "int4":
         return int4.matmul(x_MK, w_NK, scale_N)
     name = {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.bfloat16): "bfloat16"}.get(jnp.dtype(w_NK.dtype))
     if name is None:

@@ -13,8 +13,7 @@ the second block of GPTConfig (RoPE, RMSNorm, SwiGLU, grouped-query attention, .
 With `num_experts` a block's MLP is a mixture of experts (models/moe.py: Mixtral, Qwen3-MoE).
 Its linear layers and token table (models/linear.py) apply float or quantized weights, and with
 `lora` (a models.lora.LoraSpec) the "lora" collection's adapters over them.
-With `scan_layers` the blocks live stacked under `h` with a leading [L] axis;
-`stack_layers` / `unstack_layers` convert between the layouts.
+With `scan_layers` the blocks live stacked under `h`, [L] first (`stack_layers` / `unstack_layers`).
 
 Shape letters: B batch, T time, D n_embd, V vocab_size, L n_layer (see layers.py).
 """
@@ -118,6 +117,7 @@ class Block(nn.Module):
                 shared_hidden=c.shared_expert_hidden,
                 shared_gate=c.shared_expert_gate,
                 fp8=c.fp8,
+                fp8_experts=c.fp8 and c.fp8_experts,
                 **shared,
             )
         else:

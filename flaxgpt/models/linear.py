@@ -215,17 +215,20 @@ def decode_kernels(rows: int) -> bool:
     """Whether a decoding step's norm + product (+ GELU), product + residual, and cache writes +
     attention run as one kernel each (kernels.pallas_decode, kernels.pallas_decode_attention via
     models/cache.py): asked once a step, when traced, by models.gpt.GPT, whose blocks hand the
-    answer to their products and cache layer. For `rows` <= MAX_ROWS on one GPU (auto), where the
-    token loop is launch-bound (docs/accelerators.md, "Kernels a decoding token"); a prefill's many
-    rows, several devices (XLA cannot split the kernel) and other platforms keep XLA's path.
-    FLAXGPT_DECODE_KERNELS=off keeps XLA's path everywhere; =on takes the kernels on any platform
-    (interpreted off GPUs: the tests)."""
+    answer to their products and cache layer. FLAXGPT_DECODE_KERNELS=on takes them for `rows` <=
+    MAX_ROWS on one device (interpreted off GPUs: the tests); auto (the default) and off keep XLA's
+    path. Why not on GPUs by default: measured on an H200 (2026-11-29, docs/accelerators.md) they
+    were slower than XLA's path although they launch half the kernels (GPT-2 124M at batch 1, float:
+    1,340 tok/s against 1,606; the Llama-3-8B shape in bf16 183 tok/s, 61% of HBM, where XLA's path
+    read 72% on the 2026-11-27 lease): their tiles are untuned (benchmarks/kernel_sweep.py measures
+    them on the next lease). A prefill's many rows and several devices (XLA cannot split the
+    kernel) keep XLA's path whatever the mode."""
     mode = os.environ.get("FLAXGPT_DECODE_KERNELS", "auto")
     if mode not in ("auto", "on", "off"):
-        raise ValueError(f"FLAXGPT_DECODE_KERNELS={mode!r}: use auto (GPUs only), on or off")
+        raise ValueError(f"FLAXGPT_DECODE_KERNELS={mode!r}: use auto (XLA's path), on or off")
     if rows > pallas_decode.MAX_ROWS or not target.one_device():
         return False
-    return mode == "on" or (mode == "auto" and target.platform() == "gpu")
+    return mode == "on"
 
 
 def _activated(activation, y, bias):

@@ -13,9 +13,9 @@ expert, whose weights they would read anyway: `mix_experts`). Expert weights are
 (logical axis "expert"); on a mesh with an "expert" axis they are split over it and the tokens visit
 their experts' devices (`expert_parallel`). Qwen2-MoE adds a shared expert, a dense MLP every token
 goes through, its output scaled per token by sigmoid(x . w) (`shared_gate`), to the routed experts'
-sum. With `fp8` (GPTConfig.fp8) the sorted path's expert products are float8 (kernels.fp8's
-fp8_grouped over the tiled form, `tiled_weight_grad` its dW) and the shared expert's dense MLP too;
-decoding's few tokens keep the compute dtype.
+sum. With `fp8` (GPTConfig.fp8) the shared expert's dense MLP is float8, and with `fp8_experts`
+(GPTConfig.fp8_experts, opt-in) the sorted path's expert products too (kernels.fp8's fp8_grouped over
+the tiled form, `tiled_weight_grad` its dW); decoding's few tokens keep the compute dtype.
 
 Each sparse layer sows into the "router" collection what the losses need: the fraction of the
 assignments each expert got and its mean router probability (transformers' load_balancing_loss_func
@@ -94,7 +94,8 @@ class MoE(nn.Module):
     param_dtype: Dtype = jnp.float32
     deterministic: bool = True
     lora: object = None  # models.lora.LoraSpec: the expert stacks' adapters ("lora" collection), scale
-    fp8: bool = False  # the routed experts' and the shared expert's products in float8 (GPTConfig.fp8)
+    fp8: bool = False  # the shared expert's products in float8 (GPTConfig.fp8)
+    fp8_experts: bool = False  # the routed experts' grouped products in float8 (GPTConfig.fp8_experts)
 
     @nn.compact
     def __call__(self, x_BTD):
@@ -130,7 +131,7 @@ class MoE(nn.Module):
         # quantized stacks (models/quantize.py: int8 or bf16 decoding) stay compact until the matmul
         cast = lambda w: w if isinstance(w, QuantizedWeight) else w.astype(self.dtype)  # noqa: E731
         w_fc, w_proj = self.adapted("experts_fc", cast(w_fc)), self.adapted("experts_proj", cast(w_proj))
-        if self.fp8:
+        if self.fp8_experts:
             self._check_fp8(w_fc, w_proj)
         slot_N = None  # each token's adapter slot: its batch row's (models/multi_lora.py)
         if self.has_variable("lora", ROWS):
@@ -138,9 +139,9 @@ class MoE(nn.Module):
             slot_N = jnp.repeat(rows_B, x_ND.shape[0] // rows_B.shape[0])
         args = (x_ND.astype(self.dtype), weights_NC, experts_NC, w_fc, w_proj, self._expert_mlp)
         if expert_axis_size() > 1:
-            y_ND = expert_parallel(*args, slot_N, fp8=self.fp8)
+            y_ND = expert_parallel(*args, slot_N, fp8=self.fp8_experts)
         else:
-            y_ND = mix_experts(*args, slot_N=slot_N, fp8=self.fp8)
+            y_ND = mix_experts(*args, slot_N=slot_N, fp8=self.fp8_experts)
         if self.shared_hidden:
             y_ND = y_ND + self._shared_expert(x_ND)
         y_BTD = y_ND.reshape(x_BTD.shape)
@@ -163,18 +164,18 @@ class MoE(nn.Module):
         return w
 
     def _check_fp8(self, *stacks):
-        """model.fp8 multiplies float stacks: a quantized or adapted one is refused, naming the fix."""
+        """model.fp8_experts multiplies float stacks: a quantized or adapted one is refused, naming a fix."""
         for w in stacks:
             if isinstance(w, QuantizedWeight):
                 raise ValueError(
-                    f"model.fp8 multiplies float weights in float8, but {self.name}'s expert stacks are "
-                    f"quantized ({w.w.dtype}): set model.fp8=False, or lora.base_dtype=float32 for a float "
-                    "base"
+                    f"model.fp8_experts multiplies float weights in float8, but {self.name}'s expert stacks "
+                    f"are quantized ({w.w.dtype}): set model.fp8_experts=False, or lora.base_dtype=float32 "
+                    "for a float base"
                 )
             if isinstance(w, LoraExperts):
                 raise ValueError(
-                    f"model.fp8 has no float8 path for adapted experts ({self.name}): drop "
-                    f"{'/'.join(EXPERT_PARAMS)} from lora.targets, or set model.fp8=False"
+                    f"model.fp8_experts has no float8 path for adapted experts ({self.name}): drop "
+                    f"{'/'.join(EXPERT_PARAMS)} from lora.targets, or set model.fp8_experts=False"
                 )
 
     def _shared_expert(self, x_ND):

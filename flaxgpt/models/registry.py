@@ -32,6 +32,7 @@ RUNTIME_FIELDS = (
     "context_impl",
     "remat",
     "fp8",
+    "fp8_experts",
 )
 
 # fields added after runs were saved -> the behaviour those runs had: a saved section (config.json,

@@ -1,5 +1,6 @@
 """Decoding's fused kernels (kernels.pallas_decode, kernels.pallas_decode_attention) compiled for h100-1:
-on a GPU target the sampling program's token loop takes them (auto), five a layer and one for ln_f and
+with FLAXGPT_DECODE_KERNELS=on (auto keeps XLA's path: the kernels measured slower on an H200,
+models.linear.decode_kernels) the sampling program's token loop takes them, five a layer and one for ln_f and
 the tied head, with the caches updated in place (no copy of a cache buffer), and launches fewer kernels
 than XLA's path (FLAXGPT_DECODE_KERNELS=off); the prefill keeps XLA's path. The token loop's kernels
 (its while body, docs/accelerators.md's "kernels a token") are pinned from above."""
@@ -39,7 +40,9 @@ def token_loop(hlo: str):
 
 def test_the_token_loop_takes_five_kernels_a_layer_on_h100(tmp_path, monkeypatch):
     pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
-    on, kernels, hlo, mc = compile_sample(tmp_path / "on", "auto", monkeypatch)
+    auto, kernels_auto, _, _ = compile_sample(tmp_path / "auto", "auto", monkeypatch)
+    assert kernels_auto == {"sample.prefill": 0, "sample.decode": 0}  # the default on a GPU: XLA's path
+    on, kernels, hlo, mc = compile_sample(tmp_path / "on", "on", monkeypatch)
     assert kernels == {"sample.prefill": 0, "sample.decode": 5 * mc.n_layer + 1}  # + ln_f and the head
     # the token loop (the decode call's while body) updates the caches in place: no copy of a layer's
     # keys or values there (a call's entry may copy them once, as XLA's path does)

@@ -118,6 +118,30 @@ def test_qmatmul_reduce_experiment_is_the_same_product(monkeypatch):
         )
 
 
+def test_int4_decoding_rows_take_the_gemv_on_one_gpu(monkeypatch):
+    """kernels.qmatmul.route, the one rule: on one GPU, int4 decoding rows take pallas_qgemv by default
+    (3.2x XLA's unpack-then-dot on the 8B shape, measured on an H200), int8 keeps XLA's fusion
+    (faster there); FLAXGPT_QMATMUL=xla, a mesh of several devices, a prefill's rows, a CPU or a
+    shape the kernel cannot tile keep XLA's forms; =pallas takes the kernel for int8 too."""
+    from flaxgpt.kernels import pallas_qgemv, qmatmul, target
+
+    u8, i8 = jnp.uint8, jnp.int8
+    monkeypatch.delenv("FLAXGPT_QMATMUL", raising=False)
+    assert qmatmul.route(1, 4096, 4096, u8, 128) == "int4"  # this host: a CPU
+    monkeypatch.setattr(target, "platform", lambda: "gpu")
+    assert qmatmul.route(1, 4096, 4096, u8, 128) == "pallas"
+    assert qmatmul.route(pallas_qgemv.MAX_ROWS + 1, 4096, 4096, u8, 128) == "int4"  # prefill
+    assert qmatmul.route(1, 8, 4096, u8, 128) == "int4"  # N < the kernel's block: one line in why_not
+    assert qmatmul.route(1, 4096, 4096, i8) == "dense"
+    monkeypatch.setattr(target, "one_device", lambda: False)
+    assert qmatmul.route(1, 4096, 4096, u8, 128) == "int4"
+    monkeypatch.setattr(target, "one_device", lambda: True)
+    monkeypatch.setenv("FLAXGPT_QMATMUL", "xla")
+    assert qmatmul.route(1, 4096, 4096, u8, 128) == "int4"
+    monkeypatch.setenv("FLAXGPT_QMATMUL", "pallas")
+    assert qmatmul.route(1, 4096, 4096, i8) == "pallas"
+
+
 def test_int8_sampling_and_serving_compile_for_v5e_8(tmp_path):
     pytest.importorskip("libtpu", reason="the TPU targets need libtpu: pip install 'jax[tpu]==<jax version>'")
     from flaxgpt.aot import compile as aot

@@ -29,6 +29,7 @@ BOOL = (False, True)
 DOMAIN = {
     "context_impl": ("ring", "ulysses"),  # a run-time choice: not exported (hf/roundtrip.NOT_EXPORTED)
     "fp8": BOOL,  # likewise
+    "fp8_experts": BOOL,  # likewise
     "vocab_size": (50, 64, 257),
     "block_size": (16, 32, 64),
     "n_layer": (1, 2, 3, 4, 7),

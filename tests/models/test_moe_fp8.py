@@ -1,7 +1,8 @@
 """model.fp8 in a mixture of experts: the scaled float8 grouped product (kernels/fp8.py's fp8_grouped
 over moe.py's tiled form) and its gradients against float64 within float8's rounding bound, over
 groups of unequal sizes with an empty one; its dots are float8; a tiny Mixtral-style GPT with
-model.fp8 stays near the float32 model and trains; adapted experts are refused in one line."""
+model.fp8 + fp8_experts stays near the float32 model and trains (model.fp8 alone leaves the routed
+experts in the compute dtype); adapted experts are refused in one line."""
 
 import dataclasses
 
@@ -111,7 +112,7 @@ def test_tiny_mixtral_forward_near_float32_and_its_experts_float8():
         return jax.jit(lambda p, t: gpt.GPT(c).apply({"params": p}, t))
 
     ref = np.asarray(forward(config)(params, tokens), np.float64)
-    fp8_config = dataclasses.replace(config, fp8=True)
+    fp8_config = dataclasses.replace(config, fp8=True, fp8_experts=True)
     out = np.asarray(forward(fp8_config)(params, tokens), np.float64)
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref - ref.mean(-1, keepdims=True))
     # e4m3's 2^-4 a product, a few products deep, averaged over K: about a per cent of the logits'
@@ -123,24 +124,31 @@ def test_tiny_mixtral_forward_near_float32_and_its_experts_float8():
     # visits batched [V, b, K] x [V, K, N]
     assert len(f8_dots) == 4 * config.n_layer
     assert sum("batching_dims" in line for line in f8_dots) == 2 * config.n_layer
+    # model.fp8 alone (fp8_experts off, the default: the tiled float8 form ran 0.77x bf16 on an H200):
+    # attention's products only, the experts' in the compute dtype
+    dense_only = dataclasses.replace(fp8_config, fp8_experts=False)
+    text = jax.jit(lambda p, t: gpt.GPT(dense_only).apply({"params": p}, t)).lower(params, tokens).as_text()
+    f8_dots = [line for line in text.splitlines() if "dot_general" in line and "xf8E4M3FN>" in line]
+    assert len(f8_dots) == 2 * config.n_layer and not any("batching_dims" in line for line in f8_dots)
 
 
 def test_tiny_mixtral_trains_with_fp8():
     config = GPTConfig(**{**MIXTRAL, "dtype": "bfloat16"})
-    bf16, f8 = _losses(config, steps=12), _losses(dataclasses.replace(config, fp8=True), steps=12)
+    f8_config = dataclasses.replace(config, fp8=True, fp8_experts=True)
+    bf16, f8 = _losses(config, steps=12), _losses(f8_config, steps=12)
     assert np.all(np.isfinite(f8)) and f8[-1] < 0.9 * f8[0]  # it learns
     np.testing.assert_allclose(f8, bf16, rtol=0.02)  # as bf16 does (0.55% apart at most seen)
 
 
 def test_fp8_with_adapted_experts_is_one_line():
-    config = GPTConfig(**{**MIXTRAL, "fp8": True})
+    config = GPTConfig(**{**MIXTRAL, "fp8": True, "fp8_experts": True})
     spec = lora.LoraSpec.make(config, 2, 8.0, targets="q,experts_gate_up")
     base, adapters = (
         gpt.init_params(config, jax.random.key(0)),
         lora.init_adapters(config, spec, jax.random.key(1)),
     )
     with pytest.raises(
-        ValueError, match=r"^model.fp8 has no float8 path for adapted experts \(mlp\): drop"
+        ValueError, match=r"^model.fp8_experts has no float8 path for adapted experts \(mlp\): drop"
     ) as e:
         lora.apply(config, spec, base, adapters, np.zeros((1, 8), np.int32))
-    assert "\n" not in str(e.value) and "model.fp8=False" in str(e.value)
+    assert "\n" not in str(e.value) and "model.fp8_experts=False" in str(e.value)
