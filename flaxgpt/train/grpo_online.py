@@ -210,13 +210,11 @@ class Rollouts:
             weights = self._engine_weights(params, frozen)
             prompt_ids, completion_ids = self.engine.sample(weights, ids, group_size, seed=seed)
         else:  # LoRA: merged or unmerged as the engine's (grpo_rollout.merged), an int8 base too
-            spec, step, weights = self.policy.lora, None, params
-            if spec is not None:
-                weights = self._lora_weights(frozen.base, params)
-            if spec is not None and not self.merged:
-                step, weights = lora.step_fn(self.model_config, spec, *weights), None
+            spec = self.policy.lora
+            weights = params if spec is None else self._lora_weights(frozen.base, params)
+            step = grpo_rollout.decoder_step(self.model_config, None if self.merged else spec, weights)
             prompt_ids, completion_ids = grpo_task.sample_groups(
-                self.model_config, weights, ids, group_size,
+                self.model_config, None, ids, group_size,
                 rng=jax.random.key(seed), max_new_tokens=self.max_new, temperature=self.temperature,
                 top_p=self.top_p, eos_id=self.data.eos_id, step_fn=step,
             )  # fmt: skip

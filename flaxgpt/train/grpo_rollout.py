@@ -127,6 +127,16 @@ def merged(policy, merge_lora: bool) -> bool:
     return getattr(policy, "lora", None) is not None and merge_lora and policy.merges()
 
 
+def decoder_step(config: gpt.GPTConfig, lora_spec: lora.LoraSpec | None, weights):
+    """The decoders' step_fn a rollout samples from, the engine's and generate's alike: over params
+    (lora_spec None: a full policy, or LoRA merged into its base, `merged`), or over LoRA's
+    (base, adapters) unmerged."""
+    if lora_spec is None:
+        return gpt.step_fn(config, weights)
+    base, adapters = weights
+    return lora.step_fn(config, lora_spec, base, adapters)
+
+
 def check_over_devices(processes: int, off_policy_steps: int) -> None:
     """Over several processes, the rollouts run in step with the update (LocalWeights' gathers are
     collectives every process makes in the same order); off-policy rollouts on a thread: one line."""
@@ -164,11 +174,8 @@ class EngineRollouts:
         self.engine: Engine | None = None  # built at the first call, with its first weights
 
     def step_fn(self, weights):
-        """The decoders' step_fn over these weights: params, or LoRA's (base, adapters) unmerged."""
-        if self.lora is None:
-            return gpt.step_fn(self.config, weights)
-        base, adapters = weights
-        return lora.step_fn(self.config, self.lora, base, adapters)
+        """The decoders' step_fn over these weights (`decoder_step`)."""
+        return decoder_step(self.config, self.lora, weights)
 
     def engine_for(self, weights) -> Engine:
         """The run's engine (built at the first call) with these weights."""
