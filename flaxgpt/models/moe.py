@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
+from flaxgpt.kernels import pallas_grouped, target
 from flaxgpt.kernels.fp8 import fp8_grouped
 from flaxgpt.models.layers import MLP, Dtype, activation_fn, normal_init, swiglu
 from flaxgpt.models.linear import ROWS, Linear
@@ -372,13 +374,24 @@ def grouped_matmul(x_AD, w_EDF, group_sizes_E):
     group's matrix, masked (E times the FLOPs; compiled for h100-8, Qwen3-30B-A3B LoRA training's
     temporaries were 449 GB a device with it, 14.9 GB without: docs/aot.md). So CPUs and GPUs run
     `tiled_grouped_matmul`, or `gathered_matmul` at decoding's few rows (the branch is chosen when
-    the program is lowered).
+    the program is lowered). FLAXGPT_GROUPED=pallas (opt-in, one device) takes kernels.pallas_grouped's
+    Triton grouped GEMM instead of the tiled form on GPUs (each expert's weights read in place, not
+    gathered a visit), and on CPUs the same kernels interpreted (a check, not a speed-up), where it
+    tiles the shapes and x and w share a dtype.
     """
     # decoding (batch 1, top 2: A = 2) is memory-bound: gathered_matmul reads A expert matrices, the
     # tiled pass about 2E (A = 2, E = 8: 9 visits, 4.5x the bytes), so the rows decide
     own = gathered_matmul if x_AD.shape[0] <= 2 * w_EDF.shape[0] else tiled_grouped_matmul
+    cpu = cuda = own
+    mode = os.environ.get("FLAXGPT_GROUPED", "")
+    if mode not in ("", "pallas"):
+        raise ValueError(f"FLAXGPT_GROUPED={mode!r}: 'pallas' (the Triton grouped GEMM) or unset")
+    (A, D), F = x_AD.shape, w_EDF.shape[-1]
+    if mode and own is tiled_grouped_matmul and x_AD.dtype == w_EDF.dtype and target.one_device():
+        if not pallas_grouped.why_not(A, D, F):  # else (D or F < 16: a LoRA rank) the tiled form
+            cpu, cuda = functools.partial(pallas_grouped.gmm, interpret=True), pallas_grouped.gmm
     return jax.lax.platform_dependent(
-        x_AD, w_EDF, group_sizes_E, cpu=own, cuda=own, rocm=own, default=jax.lax.ragged_dot
+        x_AD, w_EDF, group_sizes_E, cpu=cpu, cuda=cuda, rocm=own, default=jax.lax.ragged_dot
     )
 
 

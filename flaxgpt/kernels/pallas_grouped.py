@@ -1,0 +1,215 @@
+"""A grouped matmul for mixtures of experts on GPUs, Pallas kernels for the Triton backend.
+
+    y_AF = gmm(x_AD, w_EDF, group_sizes_E)                  # rows sorted by group, as jax.lax.ragged_dot
+    y_AF = gmm(x_AD, w_EDF, group_sizes_E, interpret=True)  # the same programs run by Pallas on the CPU
+
+Rows starts_e .. ends_e - 1 of x (sorted by expert) times w[e]; rows past sum(group_sizes) give 0.
+XLA on NVIDIA GPUs has no grouped GEMM (ragged_dot expands to every row through every expert), and
+models.moe's tiled form multiplies each tile of rows by a gathered copy of its group's [D, F] matrix:
+about 2E copies of a weight matrix a product and twice the rows' FLOPs. Here the weights are read in
+place (megablox's scheme, on GPUs) and a tile of BM rows is multiplied only by the groups it overlaps.
+
+The plan (`_plan`, jnp ops outside the kernel): row tiles of BM rows; each nonempty group visits the
+tiles it overlaps, visits listed in tile order (groups are contiguous, so group order is tile order
+too) and `first_T1[t]` .. `first_T1[t + 1]` are tile t's. Race-free by ownership: the program that
+owns output tile (t, column block j) loops over all of tile t's visits itself, each visit's x rows
+masked to its group's, into one float32 accumulator, and stores the tile once. (Per-visit partial
+outputs summed afterwards would write and read [V, BM, F] more; programs per visit would race on the
+tiles two groups share.) A tile straddling g groups costs g passes over K: (tiles + E - 1) passes in
+all, ~A + E * BM rows of work, where the tiled form does ~2A.
+
+Programs run in a swizzled order (`_swizzle`, Triton's grouped ordering): GROUP_M row tiles by all
+column blocks, so the programs resident at once share x's rows and w's columns in L2 rather than
+streaming all of x (or all of a group's matrix) once per column block (per tile).
+
+Gradients (custom_vjp): dx = gmm(g, w^T), the transposed tiles of w read in place (`trans_b`, no
+copy of the stack); dw = `tgmm(x, g)`, a program per [BM, BN] tile of dw[e], looping over group e's
+rows BK at a time: each program owns its output, so nothing races either.
+
+Why Triton: tiles of products with masks, as kernels/pallas_xent.py; it compiles for every NVIDIA card
+JAX supports in jax 0.10 and 0.11 and Pallas interprets it on a CPU (tests/kernels checks it so).
+Opt-in: FLAXGPT_GROUPED=pallas (models.moe.grouped_matmul) until a lease measures it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+GROUP_M = 8  # row tiles a swizzled group of programs (Triton's matmul tutorial's choice)
+MIN_BLOCK = 16  # Triton's dot takes tiles of at least 16 in each dimension
+
+
+class Tiles(NamedTuple):
+    """gmm: programs of [block_m rows, block_n columns], stepping K block_k at a time; tgmm: dw tiles
+    of [block_m, block_n], stepping the group's rows block_k at a time. Powers of two >= 16; a block
+    larger than its dimension shrinks to the dimension's next power of two."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def why_not(A: int, D: int, F: int, tiles: Tiles | None = None) -> str:
+    """'' when gmm tiles x [A, D] @ w [E, D, F] (and its gradients), else why not."""
+    if min(A, D, F) < MIN_BLOCK:
+        return f"rows A={A}, D={D} and F={F} must each be >= {MIN_BLOCK} (Triton's smallest dot)"
+    for name, b in (tiles or Tiles())._asdict().items():
+        if name.startswith("block") and (b < MIN_BLOCK or b & (b - 1)):
+            return f"{name}={b} is not a power of two >= {MIN_BLOCK}"
+    return ""
+
+
+def _fit(block: int, n: int) -> int:
+    """The block a dimension of n takes: `block`, or n's next power of two (>= 16) when smaller."""
+    return min(block, max(MIN_BLOCK, 1 << (n - 1).bit_length()))
+
+
+def gmm(x_AD, w_EDF, group_sizes_E, tiles: Tiles | None = None, interpret: bool = False):
+    """Rows sorted by group [A, D] times their group's matrix [E, D, F] -> [A, F] in x's dtype (w is
+    cast to it), accumulated in float32; rows past sum(group_sizes_E) give 0."""
+    (A, D), F = x_AD.shape, w_EDF.shape[-1]
+    if why := why_not(A, D, F, tiles):
+        raise ValueError(f"pallas_grouped.gmm cannot tile x {x_AD.shape} @ w {w_EDF.shape}: {why}; use "
+                         "models.moe's tiled form (FLAXGPT_GROUPED unset)")  # fmt: skip
+    return _gmm(x_AD, w_EDF.astype(x_AD.dtype), group_sizes_E.astype(jnp.int32), tiles or Tiles(), interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(x_AD, w_EDF, group_sizes_E, tiles, interpret):
+    return _call_gmm(x_AD, w_EDF, group_sizes_E, tiles, interpret, transpose=False)
+
+
+def _gmm_fwd(x_AD, w_EDF, group_sizes_E, tiles, interpret):
+    return _gmm(x_AD, w_EDF, group_sizes_E, tiles, interpret), (x_AD, w_EDF, group_sizes_E)
+
+
+def _gmm_bwd(tiles, interpret, res, g_AF):
+    x_AD, w_EDF, group_sizes_E = res
+    g_AF = g_AF.astype(x_AD.dtype)
+    dx_AD = _call_gmm(g_AF, w_EDF, group_sizes_E, tiles, interpret, transpose=True)
+    dw_EDF = tgmm(x_AD, g_AF, group_sizes_E, tiles, interpret)
+    return dx_AD, dw_EDF.astype(w_EDF.dtype), None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _plan(A: int, bm: int, group_sizes_E):
+    """(first_T1, group_V, starts_E, ends_E): tile t's visits are first_T1[t] .. first_T1[t + 1] - 1,
+    visit v multiplies by group group_V[v], whose rows are starts_E[g] .. ends_E[g] - 1."""
+    E = group_sizes_E.shape[0]
+    T = pl.cdiv(A, bm)
+    V = T + E - 1  # consecutive groups share at most one tile
+    ends_E = jnp.cumsum(group_sizes_E)
+    starts_E = ends_E - group_sizes_E
+    spans_E = jnp.where(group_sizes_E > 0, (ends_E - 1) // bm - starts_E // bm + 1, 0)  # tiles a group
+    v_V = jnp.arange(V)
+    group_V = jnp.repeat(jnp.arange(E), spans_E, total_repeat_length=V)
+    tile_V = starts_E[group_V] // bm + v_V - (jnp.cumsum(spans_E) - spans_E)[group_V]
+    tile_V = jnp.where(v_V < jnp.sum(spans_E), tile_V, T)  # the unused visits: past every tile
+    first_T1 = jnp.searchsorted(tile_V, jnp.arange(T + 1), side="left")
+    return (a.astype(jnp.int32) for a in (first_T1, group_V, starts_E, ends_E))
+
+
+def _swizzle(pid, n_m: int, n_n: int):
+    """Program pid -> (row block, column block), GROUP_M row blocks by every column block at a time."""
+    size = GROUP_M * n_n
+    first_m = (pid // size) * GROUP_M
+    rows = jnp.minimum(n_m - first_m, GROUP_M)
+    return first_m + (pid % size) % rows, (pid % size) // rows
+
+
+def _params(tiles, interpret):
+    return None if interpret else plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def _call_gmm(x_AK, w, group_sizes_E, tiles, interpret, transpose: bool):
+    """x [A, K] times w [E, K, N], or (transpose) w [E, N, K] read as its transpose -> [A, N]."""
+    A, K = x_AK.shape
+    N = w.shape[1] if transpose else w.shape[2]
+    bm, bn, bk = _fit(tiles.block_m, A), _fit(tiles.block_n, N), _fit(tiles.block_k, K)
+    first_T1, group_V, starts_E, ends_E = _plan(A, bm, group_sizes_E)
+    n_m, n_n = pl.cdiv(A, bm), pl.cdiv(N, bn)
+    kernel = functools.partial(_gmm_kernel, A, K, N, bm, bn, bk, n_m, n_n, transpose)
+    call = pl.pallas_call(
+        kernel,
+        grid=(n_m * n_n,),
+        out_shape=jax.ShapeDtypeStruct((A, N), x_AK.dtype),
+        compiler_params=_params(tiles, interpret),
+        interpret=interpret,
+        name="gmm_t" if transpose else "gmm",
+    )
+    return call(first_T1, group_V, starts_E, ends_E, x_AK, w)
+
+
+def _gmm_kernel(A, K, N, bm, bn, bk, n_m, n_n, transpose, first_ref, group_ref, starts_ref, ends_ref,
+                x_ref, w_ref, o_ref):  # fmt: skip
+    t, j = _swizzle(pl.program_id(0), n_m, n_n)
+    rows_b, cols_b = t * bm + jnp.arange(bm), j * bn + jnp.arange(bn)
+
+    def visit(v, acc):
+        g = group_ref[v]
+        mine_b = (rows_b >= starts_ref[g]) & (rows_b < ends_ref[g])  # this group's rows of the tile
+
+        def step(s, acc):
+            ks_k = s * bk + jnp.arange(bk)
+            x = plgpu.load(x_ref.at[pl.ds(t * bm, bm), pl.ds(s * bk, bk)],
+                           mask=mine_b[:, None] & (ks_k < K)[None, :], other=0)  # fmt: skip
+            if transpose:  # w[g] is [N, K]: its [bn, bk] tile, multiplied transposed
+                w_nk = w_ref.at[g, pl.ds(j * bn, bn), pl.ds(s * bk, bk)]
+                w = plgpu.load(w_nk, mask=(cols_b < N)[:, None] & (ks_k < K)[None, :], other=0)
+                return acc + plgpu.dot(x, w, trans_b=True)
+            w_kn = w_ref.at[g, pl.ds(s * bk, bk), pl.ds(j * bn, bn)]
+            w = plgpu.load(w_kn, mask=(ks_k < K)[:, None] & (cols_b < N)[None, :], other=0)
+            return acc + plgpu.dot(x, w)
+
+        return jax.lax.fori_loop(0, pl.cdiv(K, bk), step, acc)
+
+    acc = jax.lax.fori_loop(first_ref[t], first_ref[t + 1], visit, jnp.zeros((bm, bn), jnp.float32))
+    out = o_ref.at[pl.ds(t * bm, bm), pl.ds(j * bn, bn)]
+    plgpu.store(out, acc.astype(o_ref.dtype), mask=(rows_b < A)[:, None] & (cols_b < N)[None, :])
+
+
+def tgmm(x_AD, g_AF, group_sizes_E, tiles: Tiles | None = None, interpret: bool = False):
+    """gmm's weight gradient [E, D, F] in float32: group e's rows of x, transposed, times its rows of g."""
+    (A, D), F, E = x_AD.shape, g_AF.shape[1], group_sizes_E.shape[0]
+    tiles = tiles or Tiles()
+    bm, bn, bk = _fit(tiles.block_m, D), _fit(tiles.block_n, F), _fit(tiles.block_k, A)
+    ends_E = jnp.cumsum(group_sizes_E).astype(jnp.int32)
+    n_m, n_n = pl.cdiv(D, bm), pl.cdiv(F, bn)
+    call = pl.pallas_call(
+        functools.partial(_tgmm_kernel, D, F, bm, bn, bk, n_m, n_n),
+        grid=(n_m * n_n, E),  # axis 0 launches first: one expert's tiles resident together
+        out_shape=jax.ShapeDtypeStruct((E, D, F), jnp.float32),
+        compiler_params=_params(tiles, interpret),
+        interpret=interpret,
+        name="tgmm",
+    )
+    return call(ends_E - group_sizes_E.astype(jnp.int32), ends_E, x_AD, g_AF)
+
+
+def _tgmm_kernel(D, F, bm, bn, bk, n_m, n_n, starts_ref, ends_ref, x_ref, g_ref, o_ref):
+    (i, j), e = _swizzle(pl.program_id(0), n_m, n_n), pl.program_id(1)
+    start, end = starts_ref[e], ends_ref[e]
+    ds_m, fs_n = i * bm + jnp.arange(bm), j * bn + jnp.arange(bn)
+
+    def step(s, acc):
+        rows_k = start + s * bk + jnp.arange(bk)
+        mine_k = rows_k < end
+        x = plgpu.load(x_ref.at[pl.ds(start + s * bk, bk), pl.ds(i * bm, bm)],
+                       mask=mine_k[:, None] & (ds_m < D)[None, :], other=0)  # fmt: skip
+        g = plgpu.load(g_ref.at[pl.ds(start + s * bk, bk), pl.ds(j * bn, bn)],
+                       mask=mine_k[:, None] & (fs_n < F)[None, :], other=0)  # fmt: skip
+        return acc + plgpu.dot(x, g, trans_a=True)
+
+    acc = jax.lax.fori_loop(0, pl.cdiv(end - start, bk), step, jnp.zeros((bm, bn), jnp.float32))
+    plgpu.store(o_ref.at[e, pl.ds(i * bm, bm), pl.ds(j * bn, bn)], acc,
+                mask=(ds_m < D)[:, None] & (fs_n < F)[None, :])  # fmt: skip

@@ -1,0 +1,139 @@
+"""kernels/pallas_grouped.py run by Pallas' interpreter on the CPU: gmm equals the float64 grouped product
+(unequal groups, empty ones first, between and last, rows past the groups, tiles straddling groups, no
+dimension a multiple of its block; float32 and bfloat16), its gradients (dx through the transposed
+tiles, dw through tgmm) equal jax.vjp of a float64 reference, shapes it cannot tile are one line naming
+the tiled form, FLAXGPT_GROUPED=pallas gives a tiny Mixtral the default path's logits and gradients, and
+(with the CUDA plugin, not in CI) the products compile for an H100 as Triton calls."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flaxgpt.kernels import pallas_grouped
+from flaxgpt.kernels.pallas_grouped import Tiles, gmm
+from flaxgpt.models import gpt, moe
+
+SMALL = Tiles(32, 16, 16)  # several tiles and blocks in every dimension at these sizes
+# A = 100 rows, 95 in groups (5 past them); the empty groups first, between and last
+GROUPS = np.array([0, 30, 0, 45, 1, 19, 0], np.int32)
+
+
+def reference(x_AD, w_EDF, group_sizes_E):
+    """float64: each group's rows times its matrix, rows past the groups 0 (jax, so it has a vjp)."""
+    ends = np.cumsum(group_sizes_E)
+    group_A = np.searchsorted(ends, np.arange(x_AD.shape[0]), side="right")  # E past the groups
+    w_AEF = jnp.concatenate([w_EDF, jnp.zeros_like(w_EDF[:1])])[group_A]
+    return jnp.einsum("ad,adf->af", x_AD, w_AEF)
+
+
+def operands(dtype, A=100, D=48, F=40):
+    rng = np.random.RandomState(0)
+    x = rng.standard_normal((A, D)).astype(np.float32)
+    w = rng.standard_normal((len(GROUPS), D, F)).astype(np.float32)
+    x, w = (jnp.asarray(a, dtype).astype(jnp.float32) for a in (x, w))  # values the dtype holds
+    return np.asarray(x, np.float64), np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_gmm_equals_the_float64_grouped_product(dtype, tol):
+    x, w = operands(dtype)
+    y = gmm(jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(GROUPS), tiles=SMALL, interpret=True)
+    with jax.enable_x64(True):
+        want = np.asarray(reference(x, w, GROUPS))
+    assert y.dtype == dtype and y.shape == want.shape
+    # float32 accumulation; bf16: the output rounded once (2^-8 of the largest)
+    assert np.abs(np.asarray(y, np.float64) - want).max() / np.abs(want).max() < tol
+    assert np.all(np.asarray(y)[GROUPS.sum() :] == 0)  # rows past the groups give 0, as ragged_dot's
+
+
+def test_default_tiles_one_group_and_all_rows_past_the_groups():
+    """The default tiling (blocks larger than the dimensions shrink to them); one group holding every
+    row; no rows in any group."""
+    x, w = operands(jnp.float32, A=64, D=16, F=24)
+    for sizes in ([0, 64, 0, 0, 0, 0, 0], [0] * 7):
+        sizes = np.array(sizes, np.int32)
+        y = np.asarray(gmm(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), jnp.asarray(sizes),
+                           interpret=True))  # fmt: skip
+        with jax.enable_x64(True):
+            np.testing.assert_allclose(y, np.asarray(reference(x, w, sizes)), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_gradients_equal_the_float64_references_vjp(dtype, tol):
+    x, w = operands(dtype)
+    g = np.random.RandomState(1).standard_normal((x.shape[0], w.shape[2]))
+    g = np.asarray(jnp.asarray(g, dtype).astype(jnp.float32), np.float64)
+    f = lambda x, w: gmm(x, w, jnp.asarray(GROUPS), tiles=SMALL, interpret=True)  # noqa: E731
+    _, vjp = jax.vjp(f, jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+    dx, dw = vjp(jnp.asarray(g, dtype))
+    with jax.enable_x64(True):
+        _, vjp_ref = jax.vjp(lambda x, w: reference(x, w, GROUPS), x, w)
+        want_dx, want_dw = (np.asarray(a) for a in vjp_ref(g))
+    for got, want in ((dx, want_dx), (dw, want_dw)):
+        assert got.dtype == dtype
+        assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < tol
+    assert not np.asarray(dw)[[0, 2, 6]].any()  # the empty groups' matrices get no gradient
+
+
+def test_shapes_it_cannot_tile_are_one_line_naming_the_tiled_form():
+    x, w = jnp.ones((64, 8)), jnp.ones((4, 8, 32))
+    with pytest.raises(ValueError, match=r"D=8 and F=32 must each be >= 16 .*use models.moe's tiled form"):
+        gmm(x, w, jnp.full(4, 16), interpret=True)
+    with pytest.raises(ValueError, match=r"block_k=24 is not a power of two >= 16; use"):
+        gmm(jnp.ones((64, 32)), jnp.ones((4, 32, 32)), jnp.full(4, 16), tiles=Tiles(block_k=24))
+    assert pallas_grouped.why_not(16384, 4096, 28672) == ""
+
+
+MIXTRAL = dict(
+    gpt.GPTConfig.PRESETS["mixtral-8x7b"], vocab_size=32, block_size=16, n_layer=2, n_head=2, n_kv_head=1,
+    n_embd=32, mlp_hidden=48, num_experts=4, experts_per_token=2, expert_hidden=16,
+)  # fmt: skip
+
+
+def test_tiny_mixtral_with_the_kernels_equals_the_default_path(monkeypatch):
+    """FLAXGPT_GROUPED=pallas: the experts' grouped products (64 tokens: the sorted path) go through gmm,
+    interpreted on the CPU; the logits and the weights' gradients equal the tiled form's."""
+    config = gpt.GPTConfig(**MIXTRAL)
+    params = gpt.init_params(config, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, 32, (4, 16)).astype(np.int32)
+
+    def run():
+        loss = lambda p: jnp.mean(gpt.GPT(config).apply({"params": p}, tokens) ** 2)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    calls = []
+    real = pallas_grouped.gmm
+    monkeypatch.setattr(pallas_grouped, "gmm", lambda *a, **k: calls.append(k) or real(*a, **k))
+    want = run()
+    assert not calls  # the default: the tiled form
+    monkeypatch.setenv("FLAXGPT_GROUPED", "pallas")
+    got = run()
+    # each layer's two expert products, their CPU branch interpreted (the CUDA branch is traced too)
+    assert sum(k.get("interpret", False) for k in calls) == 2 * config.n_layer
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    monkeypatch.setenv("FLAXGPT_GROUPED", "triton")
+    with pytest.raises(ValueError, match=r"FLAXGPT_GROUPED='triton': 'pallas' .* or unset"):
+        moe.grouped_matmul(jnp.ones((64, 32)), jnp.ones((4, 32, 32)), jnp.full(4, 16))
+
+
+def test_products_and_gradients_compile_for_h100_as_triton_calls():
+    """The Triton lowering itself (interpret mode checks values only): forward and backward of a
+    grouped product compiled for an H100 on this CPU hold gmm, its transposed form and tgmm."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from flaxgpt.aot import targets
+
+    mesh = Mesh(np.array(targets.get("h100-1").devices()[:1]), ("x",))
+    one = NamedSharding(mesh, PartitionSpec())
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731
+    A, D, F, E = 1024, 256, 512, 8
+    args = spec((A, D), jnp.bfloat16), spec((E, D, F), jnp.bfloat16), spec((E,), jnp.int32)
+    loss = lambda x, w, sizes: jnp.sum(gmm(x, w, sizes).astype(jnp.float32) ** 2)  # noqa: E731
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    assert len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', hlo)) == 3, hlo[-2000:]
