@@ -9,10 +9,18 @@ time costs its rows only). PARTS holds the limits, from what each part took on 2
 GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 15-minute session on
 2026-11-27 (H200): `--parts decode_llama8b,tests,hf_generate` (465 s), then at once on the warm machine
 `decode_gpt2`, `recipe,nanogpt` and `step` (58, 89 and 31 s): 797 s of device time with the start.
-The parts' limits now add up to ~31 minutes, and a session has 15 minutes of device time, the start
-included: run issue #54's targets first, `--parts decode_gpt2,decode_gpt2_xla,decode_llama8b,
-decode_llama8b_pallas` (limits 490 s), then on the warm machine `--parts fp8,fp8_moe` (270 s), then
-what time is left for (`step`, `fused_loss`, `epilogues`). The parts:
+The parts' limits now add up to ~36 minutes, and a session has 15 minutes of device time, the start
+included. The next lease: first `--parts kernel_sweep,fp8_moe` (the group `sweep`, limits 330 s: the
+data to choose the GEMV kernels' tiles, and the Mixtral float8 rows), then on the warm machine
+`--parts decode_gpt2,decode_gpt2_xla,decode_llama8b,decode_llama8b_pallas` (issue #54's decoding
+targets, limits 560 s: together more than the session holds after its start, so the last part may
+find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`). The parts:
+- kernel_sweep: `benchmarks/kernel_sweep.py` (its docstring: the method): the decoding GEMV kernels
+  (kernels/pallas_decode.py bf16, kernels/pallas_qgemv.py int8 and int4) over a grid of tilings
+  against XLA's products, for Llama-3-8B's and GPT-2's weight shapes at 1 row (Llama's at 4 too): us
+  a call, GB/s and % of a measured copy ceiling; Mixtral-8x7B's expert product by the tiled grouped
+  matmul, jax.lax.ragged_dot and dense dots. Rows: the ceiling, the best tiling per (kernel, shape)
+  against the default and XLA, the MoE rows; every row in OUT/kernel_sweep.json
 - recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
   metrics.jsonl (the trainer's own figures; steps after the first)
 - step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu`), GPT-2 124M, T 1024,
@@ -77,17 +85,19 @@ PEAK = 989e12  # dense bf16 FLOP/s, H100 SXM and H200 alike
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
 # part -> seconds it may take on one H100 / H200 (compiling included), from the 2026-11-26 and -27 leases
 PARTS = {
+    "kernel_sweep": 180,  # ~150 s of compiles by its count (the sweep stops starting programs at 150 s)
     "recipe": 90,
     "step": 60,
     "fused_loss": 150,  # three compiles and runs of the step (~30 s each on 2026-11-27's `step`)
     "fp8": 120,  # two compiles and 10 steps each of one 8B layer (not yet run on a lease)
     "fp8_moe": 150,  # the same for one Mixtral-8x7B layer, 1.4B expert weights (not yet run on a lease)
-    "epilogues": 80,  # two compiles and runs of the step (~30 s each on 2026-11-27's `step`)
+    "epilogues": 110,  # two compiles and runs of the step; on 2026-11-29 killed at 80 s as the second ended
     "nanogpt": 70,
     "decode_gpt2": 130,  # 58 s on 2026-11-27 with bf16 and int8; float rows added
     "decode_gpt2_plain": 100,
     "decode_gpt2_xla": 60,  # the float row at batch 1, FLAXGPT_DECODE_KERNELS=off (not yet run on a lease)
-    "decode_llama8b": 170,  # 137 s on 2026-11-27 (weights quantized on the device: 3 s)
+    # 137 s on 2026-11-27; on 2026-11-29 batch 1's rows took 143 s and batch 64's bf16 compile ran out at 170
+    "decode_llama8b": 240,
     "decode_llama8b_reduce": 110,  # batch 1, FLAXGPT_QMATMUL=reduce: the int8 products as row reductions
     "decode_llama8b_pallas": 130,  # batch 1, int8 and int4, FLAXGPT_QMATMUL=pallas (not yet run on a lease)
     "hf_generate": 150,
@@ -95,11 +105,11 @@ PARTS = {
 }
 # what one call of at most 10 minutes holds
 GROUPS = {
+    "sweep": ("kernel_sweep", "fp8_moe"),  # the next lease's first call (limits: 330 s)
     "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 570 s)
     "decode": ("decode_gpt2", "decode_gpt2_xla", "decode_llama8b", "hf_generate"),  # ~8 min
-    # ~6.5 min: the int8 / int4 GEMV kernels and the mixture's float8 layer (limits: 390 s; train has
-    # no room left for it)
-    "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce", "fp8_moe"),
+    # the int8 / int4 GEMV kernels in the model (limits: 240 s; the mixture's float8 layer is in `sweep`)
+    "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce"),
     "tests": ("tests",),  # ~3.5 min
 }
 
@@ -179,6 +189,36 @@ def part_fused_loss(a) -> None:
         env = {**os.environ, "FLAXGPT_XENT": kernels}
         loss = lambda r: f"loss {r['loss']}"  # noqa: E731
         _train_step(a, "fused_loss", label, f"loss {label}", ["--loss_impl", impl], env, loss)
+
+
+def part_kernel_sweep(a) -> None:
+    """benchmarks/kernel_sweep.py under its own budget (so its summary comes back before the part's
+    limit): every row into OUT/kernel_sweep.json, here the copy ceiling, each best tiling and the MoE."""
+    out = a.out / "kernel_sweep.json"
+    budget = 60 if a.dry_run else PARTS["kernel_sweep"] - 30  # its start and the last program's compile
+    cmd = [sys.executable, str(ROOT / "benchmarks/kernel_sweep.py"), f"--json={out}", f"--budget_s={budget}"]
+    try:
+        subprocess.run(cmd + (["--dry_run"] if a.dry_run else []), check=True, cwd=ROOT, timeout=budget + 15)
+    except subprocess.TimeoutExpired:
+        progress("kernel_sweep: out of time, its rows so far")
+    from kernel_sweep import summary  # benchmarks/ is on sys.path (this script's folder); after: jax's import
+
+    rows = json.loads(out.read_text()) if out.exists() else []
+    for r in rows:
+        if r["section"] == "copy":
+            emit(part="kernel_sweep", what=f"copy ceiling: {r['what']}", result=f"{r['gbps']} GB/s")
+    gemv = [r for r in rows if r["section"] == "gemv"]
+    for s in summary(gemv):
+        what = f"{s['model']} {s['shape']} {s['weights']} M={s['M']}: best of {s['tilings']} tilings"
+        result = (f"{s['best']} {s['best_gbps']} GB/s ({s['best_pct']}% of copy), "
+                  f"default {s['default_gbps']}, XLA {s['xla_gbps']}: {s['best_vs_xla']}x XLA")  # fmt: skip
+        emit(part="kernel_sweep", what=what, result=result, **{k: s[k] for k in ("best_gbps", "xla_gbps")})
+    for r in rows:
+        if r["section"] == "moe":
+            result = r.get("error") or f"{r['ms']} ms, {r['tflops']} TFLOP/s"
+            emit(part="kernel_sweep", what=f"MoE {r['what']}", result=result, step_ms=r.get("ms"))
+    skipped = sum("budget" in r.get("error", "") for r in gemv)
+    emit(part="kernel_sweep", what=f"{len(gemv)} GEMV rows, {skipped} skipped by the budget", result=out.name)
 
 
 def _random_data(path: Path, vocab: str, tokens: int) -> None:

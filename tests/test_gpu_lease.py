@@ -19,7 +19,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     cmd = [sys.executable, "benchmarks/gpu_lease.py", "--dry_run", "--out", str(out), "--work", str(work)]
     cmd += [
         "--parts",
-        "recipe,decode_gpt2,decode_gpt2_xla,fused_loss,epilogues,fp8,fp8_moe,nanogpt",
+        "kernel_sweep,recipe,decode_gpt2,decode_gpt2_xla,fused_loss,epilogues,fp8,fp8_moe,nanogpt",
         "--nanogpt_model",
         str(tmp_path / "absent.py"),
     ]
@@ -30,6 +30,20 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     by_part = {}
     for r in rows:
         by_part.setdefault(r["part"], []).append(r)
+    # kernel_sweep.py's dry run (one tiny shape, interpreted): the ceiling, the best of its 2 tilings per
+    # kernel at 1 and 4 rows against XLA's, the three MoE products; every row in OUT/kernel_sweep.json
+    sweep = {r["what"]: r for r in by_part["kernel_sweep"]}
+    assert next(w for w in sweep).startswith("copy ceiling") and len(sweep) == 1 + 6 + 3 + 1, list(sweep)
+    for w in ("bf16", "int8", "int4"):
+        assert sweep[f"tiny tiny {w} M=1: best of 2 tilings"]["best_gbps"] > 0
+        assert sweep[f"tiny tiny {w} M=4: best of 1 tilings"]["xla_gbps"] > 0
+    moe = [r for w, r in sweep.items() if w.startswith("MoE ")]
+    assert [r["what"].split(":")[0] for r in moe] == [
+        "MoE dense dots over static groups", "MoE moe.tiled_grouped_matmul", "MoE jax.lax.ragged_dot"
+    ] and all(r["step_ms"] > 0 for r in moe)  # fmt: skip
+    assert sweep["15 GEMV rows, 0 skipped by the budget"]["result"] == "kernel_sweep.json"
+    swept = json.loads((out / "kernel_sweep.json").read_text())
+    assert all(r["ok"] for r in swept if r["section"] == "gemv")  # each tiling's output the float32 product's
     recipe = by_part["recipe"][0]
     assert recipe["tokens_per_s"] > 0 and recipe["step_ms"] > 0  # read back from the run's metrics.jsonl
     decodes = {r["what"]: r for r in by_part["decode_gpt2"]}

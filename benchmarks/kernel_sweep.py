@@ -1,0 +1,353 @@
+"""The decoding GEMV kernels' tilings against XLA's products on one GPU: the data to choose their tiles.
+
+    python benchmarks/kernel_sweep.py --json $OUT/kernel_sweep.json   # one H100 / H200, <= ~160 s
+    python benchmarks/kernel_sweep.py --dry_run --json out/sweep.json  # CPU, tiny shapes, interpreted
+
+A lease on 2026-11-29 (H200) measured kernels/pallas_decode.py and kernels/pallas_qgemv.py slower than
+XLA's products at batch 1, with tiles (BLOCK_N 32, BLOCK_K 128 / 256, 4 warps, 3 stages) never tuned
+on a GPU. This times, for Llama-3-8B's four products (qkv 4096 -> 6144, o 4096 -> 4096, gate|up 4096 ->
+28672, down 14336 -> 4096) and GPT-2 124M's four (768 -> 2304, 768 -> 768, 768 -> 3072, 3072 -> 768),
+at 1 row (then 4 for the Llama shapes): (a) XLA's product as the model's decode path does it (bf16
+weights: x @ w; int8: kernels.qmatmul's GPU form with FLAXGPT_QMATMUL unset; int4 groups of 128:
+kernels.int4.matmul); (b) pallas_decode.gemv with bf16 weights and (c) pallas_qgemv.gemv with int8
+and int4 weights, each over a grid of `Tiles` (GRID: block_n 16-64, block_k 128-2048, 4 or 8 warps, 3
+stages, pruned to at most 128 weights a thread, which otherwise spill registers; GPT-2's shapes and
+the 4-row cases take fewer). Then (d) Mixtral-8x7B's expert product, 16384 rows sorted into 8 groups
+of ~2048, D 4096 -> F 14336, bf16, forward: models.moe.tiled_grouped_matmul, jax.lax.ragged_dot (a
+real grouped GEMM, or each group's matrix over every row?) and 8 dense dots over the same static
+groups; milliseconds and TFLOP/s.
+
+Method (the workplace's METHOD.md): each timing is one jitted program of n calls, unrolled (no
+while-loop round trip to the host, no kernels between the calls), each call on its own x and on one
+of several weight copies (together >= 3x a 50 MB L2, so weights stream from HBM as in decoding: the
+`l2x` column; GPT-2's smallest int4 weights fall short and say so); the n outputs are the program's
+results, so none is dead and no two calls share operands to be merged. After a compile and a warm
+run, 7 repeats of 3 back-to-back runs (dispatch overlaps the device), the median over n: us a call;
+GB/s = the weights' bytes (scales included) a call / its time, and its share of a measured copy
+ceiling (a 1 GiB device-to-device pass: bytes read + written). Each tiling's first output is checked
+against the float32 product of the same inputs (`err`, relative; a wrong tiling is never "best").
+The rounds go XLA, each kernel's default tiling, then the grid, across all shapes at once, so a
+budget that runs out cuts the grid's tail, not a shape. Rows as they come on stdout; every row as
+JSON (--json, rewritten after each); last, the best tiling per (kernel, shape) against XLA's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import harness  # noqa: F401  (first: the benchmarks' one sys.path rule, see harness.py)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxgpt.kernels import int4, pallas_decode, pallas_qgemv, qmatmul
+from flaxgpt.kernels.pallas_decode import Tiles
+from flaxgpt.models import moe
+
+L2_BYTES = 50e6  # H100 / H200
+PROGRAM_BYTES = 1.5e9  # weight bytes a timed program reads: ~0.3 ms at 4.8 TB/s, dispatch hidden
+MAX_CALLS = 64  # calls a program (each a custom call in the compiled program)
+GROUP = 128  # int4's group (quantize's default)
+TOL = 2e-2  # relative error of a tiling's output against the float32 product (bf16 outputs: ~4e-3)
+LLAMA = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("down", 14336, 4096)]
+GPT2 = [("c_attn", 768, 2304), ("attn c_proj", 768, 768), ("c_fc", 768, 3072), ("mlp c_proj", 3072, 768)]
+DRY = [("tiny", 256, 64)]
+KINDS = ("bf16", "int8", "int4")
+# (block_n, block_k, warps) in the order run after the default: the tile's bytes (4-64 KiB) and the
+# programs (N / block_n) spread first, then warps; 3 stages throughout
+GRID = [(16, 512, 4), (32, 1024, 8), (64, 128, 4), (16, 2048, 8), (32, 256, 8), (64, 512, 8), (16, 1024, 4)]
+GRID += [(128, 128, 4)]
+SMALL_GRID = {"bf16": [(16, 256, 4), (16, 512, 8)], "int8": [(16, 256, 4)], "int4": [(16, 256, 4)]}  # GPT-2
+DRY_GRID = [(16, 128, 4)]
+MIN_PROGRAMS = 64  # fewer (N / block_n) leave over half an H100's / H200's 132 SMs without a program
+# shares of the budget kept from the 1-row grid for the MoE and 4-row rows (40 s of 150), for the 4-row (20 s)
+RESERVE = (0.27, 0.13)
+
+
+def default_tiles(kind: str, K: int) -> Tiles:
+    if kind == "bf16":
+        return Tiles(pallas_decode.BLOCK_N, min(pallas_decode.BLOCK_K, 1 << (K.bit_length() - 1)))
+    return Tiles(pallas_qgemv.BLOCK_N, pallas_qgemv.INT4_BLOCK_K if kind == "int4" else pallas_qgemv.BLOCK_K)
+
+
+def grid(kind: str, K: int, N: int, small: bool, dry: bool) -> list[Tiles]:
+    """The default tiling, then the grid's that fit the shape, at most 128 weights a thread
+    (block_n * block_k / (32 * warps)): more spill registers, the kernel holds its tile as float32; and
+    (not GPT-2's, 24-96 programs at most) MIN_PROGRAMS programs."""
+    out = [default_tiles(kind, K)]
+    for bn, bk, warps in DRY_GRID if dry else SMALL_GRID[kind] if small else GRID:
+        t = Tiles(bn, bk, warps, 3)
+        group = GROUP if kind == "int4" else 0
+        fits = not t.why_not(N, K) and not (group and bk % group) and bn * bk <= 128 * 32 * warps
+        fits = fits and (small or dry or N // bn >= MIN_PROGRAMS)
+        if fits and t not in out:
+            out.append(t)
+    return out
+
+
+class Case:
+    """One product's operands on the device: weight copies and an x a call, made once, timed by every
+    implementation and tiling."""
+
+    def __init__(self, model, name, K, N, kind, M, dry, key):
+        self.model, self.name, self.K, self.N, self.kind, self.M = model, name, K, N, kind, M
+        k = jax.random.split(key, 2)
+        make = jax.jit(lambda k: weights(kind, K, N, k))
+        one = make(k[0])
+        self.bytes = sum(a.nbytes for a in one)
+        self.n = 2 if dry else max(4, min(MAX_CALLS, math.ceil(PROGRAM_BYTES / self.bytes)))
+        copies = 2 if dry else min(self.n, max(2, math.ceil(3 * L2_BYTES / self.bytes)))
+        self.ws = [one] + [make(c) for c in jax.random.split(k[1], copies - 1)]
+        xs = jax.random.normal(jax.random.key(M), (self.n, M, K), jnp.float32)
+        self.xs = [x.astype(jnp.bfloat16) for x in xs]  # the model's compute dtype
+        self.l2x = round(copies * self.bytes / L2_BYTES, 2)
+        self.ref = reference(kind, self.xs[0], *self.ws[0])
+
+    def label(self) -> str:
+        return f"{self.model} {self.name} [{self.K} -> {self.N}] {self.kind} M={self.M}"
+
+
+def weights(kind, K, N, key):
+    """Random weights (never zeros: they hide unwritten outputs and run fast): bf16 [K, N] as flax's
+    kernel lies; int8 [N, K] and a scale a row; int4 packed [N, K/2] and a scale a group."""
+    if kind == "bf16":
+        return ((jax.random.normal(key, (K, N)) / math.sqrt(K)).astype(jnp.bfloat16),)
+    k = jax.random.split(key)
+    if kind == "int8":
+        w = jax.random.randint(k[0], (N, K), -127, 128, jnp.int32).astype(jnp.int8)
+        return w, jax.random.uniform(k[1], (N,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(K))
+    w = jax.random.randint(k[0], (N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    return w, jax.random.uniform(k[1], (N, K // GROUP), jnp.float32, 0.5, 1.5) / (8 * math.sqrt(K))
+
+
+def reference(kind, x, w, scale=None):
+    """The float32 product of the same inputs, at full float32 precision (not the GPU's tf32)."""
+    x, hi = x.astype(jnp.float32), jax.lax.Precision.HIGHEST
+    if kind == "bf16":
+        return jnp.matmul(x, w.astype(jnp.float32), precision=hi)
+    return jnp.matmul(x, qmatmul.dequantize(w, scale).T, precision=hi)
+
+
+def product(kind: str, impl: str, tiles: Tiles | None, interpret: bool):
+    """One call: XLA's form as the model's decode path traces it, or a kernel with a tiling."""
+    if impl == "xla":
+        if kind == "bf16":
+            return lambda x, w: x @ w
+        return int4.matmul if kind == "int4" else qmatmul.qmatmul
+    if kind == "bf16":
+        return lambda x, w: pallas_decode.gemv(x, w, tiles=tiles, interpret=interpret)
+    return lambda x, w, s: pallas_qgemv.gemv(x, w, s, tiles=tiles, interpret=interpret)
+
+
+def time_program(run, args, repeats: int, back_to_back: int = 3):
+    """(compile seconds, median seconds a run, the first run's output)."""
+    t0 = time.perf_counter()
+    compiled = jax.jit(run).lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    out = jax.block_until_ready(compiled(*args))  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = [compiled(*args) for _ in range(back_to_back)]
+        jax.block_until_ready(outs)
+        times.append((time.perf_counter() - t0) / back_to_back)
+    return compile_s, statistics.median(times), out
+
+
+def time_case(case: Case, impl: str, tiles, a, ceiling: float) -> dict:
+    call = jax.jit(product(case.kind, impl, tiles, a.interpret))  # one lowering for the n calls
+    ws = case.ws
+
+    def run(xs, ws):
+        return tuple(call(x, *ws[j % len(ws)]) for j, x in enumerate(xs))
+
+    row = dict(section="gemv", model=case.model, shape=case.name, K=case.K, N=case.N, M=case.M)
+    row.update(weights=case.kind, impl=impl, tiles=None if tiles is None else list(tiles))
+    row.update(default=tiles == default_tiles(case.kind, case.K), calls=case.n, copies=len(ws), l2x=case.l2x)
+    try:
+        compile_s, seconds, out = time_program(run, (case.xs, ws), a.repeats)
+    except Exception as e:  # a tiling Triton cannot compile (shared memory, registers) is a row, not the end
+        return dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}" if str(e) else repr(e))
+    per_call = seconds / case.n
+    got = out[0].astype(jnp.float32)
+    err = float(jnp.linalg.norm(got - case.ref) / jnp.linalg.norm(case.ref))
+    gbps = case.bytes / per_call / 1e9
+    row.update(compile_s=round(compile_s, 2), us=round(1e6 * per_call, 2), gbps=float(f"{gbps:.4g}"))
+    row.update(pct_copy=round(100 * gbps * 1e9 / ceiling, 1) if ceiling else None, err=float(f"{err:.2e}"))
+    row["ok"] = err < TOL
+    return row
+
+
+def copy_ceiling(a) -> dict:
+    """A large device-to-device pass (~a, uint32: a load and a store a word): bytes read + written / s."""
+    words = (1 << 21) if a.dry_run else (1 << 28)  # 8 MiB / 1 GiB
+    x = jax.random.bits(jax.random.key(0), (words,), jnp.uint32)
+    compile_s, seconds, _ = time_program(lambda x: ~x, (x,), a.repeats)
+    bps = 2 * x.nbytes / seconds
+    return dict(
+        section="copy", what=f"~x over {x.nbytes / 2**30:.3g} GiB uint32", gbps=float(f"{bps / 1e9:.4g}")
+    )
+
+
+def moe_rows(a, deadline: float) -> list[dict]:
+    """Mixtral-8x7B's expert product three ways over the same sorted rows and static group sizes."""
+    A, E, D, F = (64, 4, 32, 64) if a.dry_run else (16384, 8, 4096, 14336)
+    sizes = [A // E + d for d in ((8, -8, 0, 0) if a.dry_run else (-256, 256, 0, -128, 128, 0, -384, 384))]
+    k = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(k[0], (A, D), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k[1], (E, D, F), jnp.float32) / math.sqrt(D)).astype(jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    bounds = np.cumsum([0, *sizes])
+
+    def dense(x, w, gs):  # the groups' sizes static: what a grouped GEMM at best does
+        return jnp.concatenate([x[lo:hi] @ w[e] for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))])
+
+    ways = [
+        ("dense dots over static groups", dense),
+        ("moe.tiled_grouped_matmul", moe.tiled_grouped_matmul),
+        ("jax.lax.ragged_dot", lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)),
+    ]
+    flops, rows, ref = 2 * A * D * F, [], None
+    for what, fn in ways:
+        row = dict(section="moe", what=f"{what}: {A} rows in {E} groups, {D} -> {F}, bf16", ms=None)
+        if time.perf_counter() > deadline:
+            rows.append(dict(row, error="skipped: the budget ran out"))
+            continue
+        try:  # ragged_dot may expand to every group's matrix over every row: its memory, its own failure
+            compile_s, seconds, out = time_program(fn, (x, w, gs), a.repeats, back_to_back=1)
+            out = out.astype(jnp.float32)
+            ref = out if ref is None else ref
+            err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            row.update(ms=round(1e3 * seconds, 3), tflops=float(f"{flops / seconds / 1e12:.4g}"))
+            row.update(compile_s=round(compile_s, 2), err_vs_dense=float(f"{err:.2e}"))
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (shape, weights, M): the best correct tiling, the default's and XLA's GB/s."""
+    out, keys = [], []
+    for r in rows:
+        key = (r.get("model"), r.get("shape"), r.get("weights"), r.get("M"))
+        if r.get("section") == "gemv" and key not in keys:
+            keys.append(key)
+    for key in keys:
+        same = [r for r in rows if (r.get("model"), r.get("shape"), r.get("weights"), r.get("M")) == key]
+        timed = [r for r in same if r.get("us") and r.get("ok")]
+        kern = [r for r in timed if r["impl"] == "pallas"]
+        xla = next((r for r in timed if r["impl"] == "xla"), None)
+        dflt = next((r for r in kern if r["default"]), None)
+        best = min(kern, key=lambda r: r["us"]) if kern else None
+        wrong = [r["tiles"] for r in same if r.get("us") and not r.get("ok")]
+        out.append(dict(
+            model=key[0], shape=key[1], weights=key[2], M=key[3], tilings=len(kern),
+            best=best and best["tiles"], best_gbps=best and best["gbps"], best_pct=best and best["pct_copy"],
+            default_gbps=dflt and dflt["gbps"], xla_gbps=xla and xla["gbps"],
+            best_vs_xla=round(xla["us"] / best["us"], 2) if best and xla else None, wrong=wrong,
+        ))  # fmt: skip
+    return out
+
+
+def table(rows: list[dict], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    cell = lambda v: "" if v is None else str(v).replace("|", "/")  # noqa: E731
+    return "\n".join(lines + ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows])
+
+
+def plan(a):
+    """[(round, case key, impl, tiles)] for the 1-row cases: XLA's, each default, then the grid."""
+    shapes = [("tiny", *s) for s in DRY] if a.dry_run else [("Llama-3-8B", *s) for s in LLAMA]
+    shapes += [] if a.dry_run else [("GPT-2 124M", *s) for s in GPT2]
+    jobs = []
+    for model, name, K, N in shapes:
+        for kind in KINDS:
+            tilings = grid(kind, K, N, model == "GPT-2 124M", a.dry_run)
+            jobs += [(0, (model, name, K, N, kind), "xla", None)]
+            jobs += [(1 + i, (model, name, K, N, kind), "pallas", t) for i, t in enumerate(tilings)]
+    return sorted(jobs, key=lambda j: (j[0], j[1][0] != "Llama-3-8B"))  # rounds; Llama's first in each
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, help="every row as JSON (rewritten after each)")
+    ap.add_argument("--dry_run", action="store_true", help="CPU: one tiny shape, 2 tilings, interpreted")
+    ap.add_argument("--budget_s", type=float, default=150, help="start nothing after this many seconds")
+    ap.add_argument("--repeats", type=int, default=7, help="timed repeats a program (the median)")
+    ap.add_argument("--no_moe", action="store_true", help="skip the Mixtral expert product")
+    a = ap.parse_args(argv)
+    a.repeats = min(a.repeats, 2) if a.dry_run else a.repeats
+    t_start = time.perf_counter()
+    deadline = t_start + a.budget_s
+    device = jax.devices()[0]
+    a.interpret = device.platform != "gpu"  # Pallas' interpreter off a GPU: the dry run checks values only
+    jobs = plan(a)
+    m4 = len({j[1] for j in jobs if j[1][0] != "GPT-2 124M"})  # 4 rows: XLA's and the best 1-row tiling
+    n_triton = sum(j[2] == "pallas" for j in jobs) + m4
+    n_xla = sum(j[2] == "xla" for j in jobs) + m4
+    predicted = 0.8 * n_triton + n_xla + 20  # seconds: compiles (the lead's ~0.5-1 s a Triton one), MoE
+    print(f"{device.device_kind}, jax {jax.__version__}: {n_triton} Triton programs, {n_xla} XLA products, "
+          f"MoE 3: ~{predicted:.0f} s predicted; budget {a.budget_s:.0f} s", flush=True)  # fmt: skip
+    rows: list[dict] = []
+
+    def add(row):
+        row.update(
+            device=device.device_kind, jax=jax.__version__, t_s=round(time.perf_counter() - t_start, 1)
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+    add(copy_ceiling(a))
+    ceiling = rows[0]["gbps"] * 1e9
+    cases: dict = {}
+    for _, (model, name, K, N, kind), impl, tiles in jobs:
+        if time.perf_counter() > deadline - sum(RESERVE) * a.budget_s:
+            skipped = dict(section="gemv", model=model, shape=name, weights=kind, M=1, impl=impl)
+            add(dict(skipped, tiles=tiles and list(tiles), error="skipped: the budget ran out"))
+            continue
+        key = (model, name, K, N, kind)
+        if key not in cases:
+            cases[key] = Case(model, name, K, N, kind, 1, a.dry_run, jax.random.key(len(cases)))
+        add(time_case(cases[key], impl, tiles, a, ceiling))
+    if not a.no_moe:
+        for row in moe_rows(a, deadline - RESERVE[1] * a.budget_s):
+            add(row)
+    best = {(s["model"], s["shape"], s["weights"]): s["best"] for s in summary(rows)}
+    for model, name, K, N, kind in list(cases):  # 4 rows: the Llama shapes (dry: its one)
+        if model == "GPT-2 124M" or time.perf_counter() > deadline:
+            continue
+        case4 = Case(model, name, K, N, kind, 4, a.dry_run, jax.random.key(99))
+        for impl, tiles in (("xla", None), ("pallas", best.get((model, name, kind)))):
+            if impl == "xla" or tiles:
+                add(time_case(case4, impl, tiles and Tiles(*tiles), a, ceiling))
+        del case4
+    cases.clear()
+    cols = ["model", "shape", "weights", "M", "impl", "tiles", "us", "gbps", "pct_copy", "err", "error"]
+    print(table([r for r in rows if r.get("section") == "gemv"], cols))
+    print(
+        table(
+            [r for r in rows if r.get("section") != "gemv"],
+            ["section", "what", "gbps", "ms", "tflops", "error"],
+        )
+    )
+    best_rows = summary(rows)
+    print(f"\nbest tiling per (kernel, shape), copy ceiling {rows[0]['gbps']} GB/s ({device.device_kind}):")
+    cols = ["model", "shape", "weights", "M", "tilings", "best", "best_gbps", "best_pct", "default_gbps"]
+    print(table(best_rows, cols + ["xla_gbps", "best_vs_xla", "wrong"]))
+    if a.json:
+        a.json.write_text(json.dumps(rows + [dict(section="best", **r) for r in best_rows], indent=1) + "\n")
+    print(f"done in {time.perf_counter() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
