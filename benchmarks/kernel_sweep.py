@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_sweep.py --json $OUT/kernel_sweep.json   # one H100 / H200, <= ~160 s
     python benchmarks/kernel_sweep.py --dry_run --json out/sweep.json  # CPU, tiny shapes, interpreted
+    python benchmarks/kernel_sweep.py --compile_for h100-1             # CPU: does every program compile?
 
 A lease on 2026-11-29 (H200) measured kernels/pallas_decode.py and kernels/pallas_qgemv.py slower than
 XLA's products at batch 1, with tiles (BLOCK_N 32, BLOCK_K 128 / 256, 4 warps, 3 stages) never tuned
@@ -29,11 +30,18 @@ against the float32 product of the same inputs (`err`, relative; a wrong tiling 
 The rounds go XLA, each kernel's default tiling, then the grid, across all shapes at once, so a
 budget that runs out cuts the grid's tail, not a shape. Rows as they come on stdout; every row as
 JSON (--json, rewritten after each); last, the best tiling per (kernel, shape) against XLA's.
+
+--compile_for h100-1 compiles the whole plan on this machine for a `flaxgpt aot` target instead (175
+programs in 36 s on 2-core AVX-512, loaded, none failed: every tiling lowers through Triton), and for
+the MoE forms the compiled matmul FLOPs over the product's own: with jaxlib 0.10.2's XLA, ragged_dot
+is one GEMM over x widened to every group (8.0x; 15.9 ms bound on an H100), the tiled form 1.88x
+(5.5 ms), the dense dots 1.0x (2.2 ms): compiled, not measured; the lease runs jax 0.11.2's.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -100,16 +108,29 @@ class Case:
         make = jax.jit(lambda k: weights(kind, K, N, k))
         one = make(k[0])
         self.bytes = sum(a.nbytes for a in one)
-        self.n = 2 if dry else max(4, min(MAX_CALLS, math.ceil(PROGRAM_BYTES / self.bytes)))
-        copies = 2 if dry else min(self.n, max(2, math.ceil(3 * L2_BYTES / self.bytes)))
+        self.n, copies = calls_and_copies(self.bytes, dry)
         self.ws = [one] + [make(c) for c in jax.random.split(k[1], copies - 1)]
         xs = jax.random.normal(jax.random.key(M), (self.n, M, K), jnp.float32)
         self.xs = [x.astype(jnp.bfloat16) for x in xs]  # the model's compute dtype
         self.l2x = round(copies * self.bytes / L2_BYTES, 2)
         self.ref = reference(kind, self.xs[0], *self.ws[0])
 
-    def label(self) -> str:
-        return f"{self.model} {self.name} [{self.K} -> {self.N}] {self.kind} M={self.M}"
+
+def calls_and_copies(nbytes: int, dry: bool) -> tuple[int, int]:
+    """Calls a timed program (~PROGRAM_BYTES of weights read) and the weight copies they take in turn
+    (>= 3x L2 together, where MAX_CALLS allows)."""
+    n = 2 if dry else max(4, min(MAX_CALLS, math.ceil(PROGRAM_BYTES / nbytes)))
+    return n, 2 if dry else min(n, max(2, math.ceil(3 * L2_BYTES / nbytes)))
+
+
+def program(kind: str, impl: str, tiles, interpret: bool):
+    """The timed program: call j on x j and weight copy j mod copies, every output returned."""
+    call = jax.jit(product(kind, impl, tiles, interpret))  # one lowering for the n calls
+
+    def run(xs, ws):
+        return tuple(call(x, *ws[j % len(ws)]) for j, x in enumerate(xs))
+
+    return run
 
 
 def weights(kind, K, N, key):
@@ -160,12 +181,7 @@ def time_program(run, args, repeats: int, back_to_back: int = 3):
 
 
 def time_case(case: Case, impl: str, tiles, a, ceiling: float) -> dict:
-    call = jax.jit(product(case.kind, impl, tiles, a.interpret))  # one lowering for the n calls
-    ws = case.ws
-
-    def run(xs, ws):
-        return tuple(call(x, *ws[j % len(ws)]) for j, x in enumerate(xs))
-
+    ws, run = case.ws, program(case.kind, impl, tiles, a.interpret)
     row = dict(section="gemv", model=case.model, shape=case.name, K=case.K, N=case.N, M=case.M)
     row.update(weights=case.kind, impl=impl, tiles=None if tiles is None else list(tiles))
     row.update(default=tiles == default_tiles(case.kind, case.K), calls=case.n, copies=len(ws), l2x=case.l2x)
@@ -194,26 +210,38 @@ def copy_ceiling(a) -> dict:
     )
 
 
-def moe_rows(a, deadline: float) -> list[dict]:
-    """Mixtral-8x7B's expert product three ways over the same sorted rows and static group sizes."""
-    A, E, D, F = (64, 4, 32, 64) if a.dry_run else (16384, 8, 4096, 14336)
-    sizes = [A // E + d for d in ((8, -8, 0, 0) if a.dry_run else (-256, 256, 0, -128, 128, 0, -384, 384))]
-    k = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(k[0], (A, D), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(k[1], (E, D, F), jnp.float32) / math.sqrt(D)).astype(jnp.bfloat16)
-    gs = jnp.asarray(sizes, jnp.int32)
+def moe_problem(dry: bool):
+    """Mixtral-8x7B's expert product: (A, E, D, F) and the 8 groups' sizes (~2048 each, unequal)."""
+    A, E, D, F = (64, 4, 32, 64) if dry else (16384, 8, 4096, 14336)
+    return (A, E, D, F), [
+        A // E + d for d in ((8, -8, 0, 0) if dry else (-256, 256, 0, -128, 128, 0, -384, 384))
+    ]
+
+
+def moe_ways(sizes) -> list:
+    """(name, f(x_AD, w_EDF, group_sizes_E)): dense dots over the groups' static sizes (what a grouped
+    GEMM at best does), the tiled grouped matmul, jax.lax.ragged_dot."""
     bounds = np.cumsum([0, *sizes])
 
-    def dense(x, w, gs):  # the groups' sizes static: what a grouped GEMM at best does
+    def dense(x, w, gs):
         return jnp.concatenate([x[lo:hi] @ w[e] for e, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]))])
 
-    ways = [
+    return [
         ("dense dots over static groups", dense),
         ("moe.tiled_grouped_matmul", moe.tiled_grouped_matmul),
         ("jax.lax.ragged_dot", lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)),
     ]
+
+
+def moe_rows(a, deadline: float) -> list[dict]:
+    """Mixtral-8x7B's expert product three ways over the same sorted rows and static group sizes."""
+    (A, E, D, F), sizes = moe_problem(a.dry_run)
+    k = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(k[0], (A, D), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(k[1], (E, D, F), jnp.float32) / math.sqrt(D)).astype(jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
     flops, rows, ref = 2 * A * D * F, [], None
-    for what, fn in ways:
+    for what, fn in moe_ways(sizes):
         row = dict(section="moe", what=f"{what}: {A} rows in {E} groups, {D} -> {F}, bf16", ms=None)
         if time.perf_counter() > deadline:
             rows.append(dict(row, error="skipped: the budget ran out"))
@@ -261,6 +289,61 @@ def table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows])
 
 
+def compile_for(a) -> int:
+    """--compile_for: every 1-row program of the plan (and the 4-row ones with the default tiling)
+    compiled on this machine for a `flaxgpt aot` GPU target, no device: which tilings Triton and XLA
+    compile, and in how long (here; a GPU's compile adds ptxas and XLA's autotuning)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from flaxgpt.aot import hlo_cost, targets
+
+    target = targets.get(a.compile_for)
+    mesh = Mesh(np.array(target.devices()[:1]), ("x",))
+    one = NamedSharding(mesh, PartitionSpec())
+    jobs = [(j[1], 1, j[2], j[3]) for j in plan(a)]
+    fours = {j[1] for j in plan(a) if j[1][0] != "GPT-2 124M"}
+    jobs += [
+        (key, 4, impl, t)
+        for key in fours
+        for impl, t in (("xla", None), ("pallas", default_tiles(key[4], key[2])))
+    ]
+    failed, t_all = 0, time.perf_counter()
+    for (model, name, K, N, kind), M, impl, tiles in jobs:
+        w_shapes = jax.eval_shape(functools.partial(weights, kind, K, N), jax.random.key(0))
+        n, copies = calls_and_copies(sum(math.prod(w.shape) * w.dtype.itemsize for w in w_shapes), a.dry_run)
+        ws = [tuple(jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=one) for w in w_shapes)] * copies
+        xs = [jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=one)] * n
+        row = dict(target=a.compile_for, model=model, shape=name, weights=kind, M=M, impl=impl, calls=n)
+        row["tiles"] = tiles and list(tiles)
+        t0 = time.perf_counter()
+        try:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                hlo = jax.jit(program(kind, impl, tiles, False)).lower(xs, ws).compile().as_text()
+            row.update(compile_s=round(time.perf_counter() - t0, 2), triton_calls=hlo.count("xla.gpu.triton"))
+        except Exception as e:
+            failed += 1
+            row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        print(json.dumps(row), flush=True)
+    (A, E, D, F), sizes = moe_problem(a.dry_run)
+    args = [
+        jax.ShapeDtypeStruct(s, d, sharding=one)
+        for s, d in (((A, D), jnp.bfloat16), ((E, D, F), jnp.bfloat16))
+    ]
+    for what, fn in moe_ways(sizes):  # the compiled FLOPs over the product's own: ragged_dot's expansion?
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            compiled = jax.jit(fn).lower(*args, jax.ShapeDtypeStruct((E,), jnp.int32, sharding=one)).compile()
+        cost = hlo_cost.estimate(compiled.as_text(), target.peak_flops, target.bandwidth)
+        row = dict(target=a.compile_for, what=f"MoE {what}", kernels=cost.kernels)
+        row.update(
+            flops_x=round(cost.matmul_flops / (2 * A * D * F), 2), bound_ms=round(1e3 * cost.bound_s, 2)
+        )
+        row["temp_gib"] = round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 2)
+        print(json.dumps(row), flush=True)
+    seconds = time.perf_counter() - t_all
+    print(f"{len(jobs) + 3} programs compiled for {a.compile_for} in {seconds:.0f} s, {failed} failed")
+    return 1 if failed else 0
+
+
 def plan(a):
     """[(round, case key, impl, tiles)] for the 1-row cases: XLA's, each default, then the grid."""
     shapes = [("tiny", *s) for s in DRY] if a.dry_run else [("Llama-3-8B", *s) for s in LLAMA]
@@ -281,7 +364,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget_s", type=float, default=150, help="start nothing after this many seconds")
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats a program (the median)")
     ap.add_argument("--no_moe", action="store_true", help="skip the Mixtral expert product")
+    ap.add_argument("--compile_for", help="a flaxgpt aot GPU target (h100-1): compile the plan, run nothing")
     a = ap.parse_args(argv)
+    if a.compile_for:
+        return compile_for(a)
     a.repeats = min(a.repeats, 2) if a.dry_run else a.repeats
     t_start = time.perf_counter()
     deadline = t_start + a.budget_s

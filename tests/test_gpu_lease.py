@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("gpu_lease", ROOT / "benchmarks/gpu_lease.py")
 lease = importlib.util.module_from_spec(_spec)
@@ -70,6 +72,25 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     assert by_part["nanogpt"][0]["what"].startswith("exit 1: no nanoGPT model.py at")
     assert "| recipe | train.py configs/shakespeare_char_cpu.py" in p.stdout
     assert "===== decode_gpt2" in (out / "logs.txt").read_text()
+
+
+def test_the_sweeps_programs_compile_for_an_h100():
+    """kernel_sweep.py --compile_for (its dry-run plan: 2 tilings of each kernel, XLA's products, the
+    three MoE forms) on this CPU: every program compiles, each kernel call one Triton custom call."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    cmd = [sys.executable, "benchmarks/kernel_sweep.py", "--dry_run", "--compile_for", "h100-1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    gemv = [r for r in rows if "impl" in r]
+    assert len(gemv) == 3 * (3 + 2) and not any("error" in r for r in gemv)  # 1 row: 3 each; 4 rows: 2
+    assert all(r["triton_calls"] == (r["calls"] if r["impl"] == "pallas" else 0) for r in gemv)
+    moe = {r["what"]: r for r in rows if "what" in r}
+    assert moe["MoE dense dots over static groups"]["flops_x"] == 1.0
+    assert moe["MoE jax.lax.ragged_dot"]["flops_x"] >= 1.0  # jaxlib 0.10.2: 4.0, every group over every row
+    last = p.stdout.splitlines()[-1]
+    assert last.startswith("18 programs compiled for h100-1 in ") and last.endswith(" s, 0 failed"), last
 
 
 def test_a_part_out_of_time_is_one_row_and_leaves_nothing_running(tmp_path, monkeypatch):
