@@ -22,6 +22,8 @@ FLOPs at twice the peak (Hopper's dense float8 rate): compiled, not measured.
 experts (models/moe.py). model.fp8 leaves its routed experts in bf16 (measured 0.77x bf16 with them in
 float8 on an H200, 2026-11-29); a third side, `fp8_experts`, times model.fp8 + model.fp8_experts (the
 grouped expert products in float8 too: kernels.fp8.fp8_grouped over the tiled grouped matmul).
+--grouped pallas sets FLAXGPT_GROUPED=pallas: the bf16 and fp8 sides' expert products through
+kernels.pallas_grouped's Triton grouped GEMM (weights read in place) instead of the tiled form.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -150,7 +153,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the result here")
     ap.add_argument("--compile_for", help="a flaxgpt aot GPU target (h100-1): compile, do not run")
     ap.add_argument("--preset", default="llama-3-8b", choices=PRESETS, help="whose layer")
+    ap.add_argument(
+        "--grouped", default="tiled", choices=("tiled", "pallas"), help="the experts' grouped matmul"
+    )
     a = ap.parse_args(argv)
+    if a.grouped == "pallas":  # read by models.moe.grouped_matmul when the step is traced
+        os.environ["FLAXGPT_GROUPED"] = "pallas"
     cfg = layer_config(a.dry_run, a.preset)
     # side -> the config: bf16, model.fp8, and for a mixture model.fp8 with its routed experts too
     sides = {"bf16": cfg, "fp8": dataclasses.replace(cfg, fp8=True)}
@@ -159,11 +167,11 @@ def main(argv=None) -> int:
     if a.compile_for:
         for side, c in sides.items():
             figures = compiled_figures(c, a.batch, a.compile_for)
-            row = {"preset": a.preset, "side": side, "target": a.compile_for, **figures}
+            row = {"preset": a.preset, "side": side, "grouped": a.grouped, "target": a.compile_for, **figures}
             print(json.dumps(row), flush=True)
         return 0
     batch, steps = (2, 2) if a.dry_run else (a.batch, a.steps)
-    out = {"device": jax.devices()[0].device_kind, "preset": a.preset}
+    out = {"device": jax.devices()[0].device_kind, "preset": a.preset, "grouped": a.grouped}
     out["tokens_per_step"] = batch * cfg.block_size
     for side, c in sides.items():
         out[side] = time_layer(c, batch, steps)
