@@ -1,6 +1,6 @@
 """The decoding GEMV kernels' tilings against XLA's products on one GPU: the data to choose their tiles.
 
-    python benchmarks/kernel_sweep.py --json $OUT/kernel_sweep.json   # one H100 / H200, <= ~160 s
+    python benchmarks/kernel_sweep.py --json $OUT/kernel_sweep.json   # one H100 / H200, <= ~165 s
     python benchmarks/kernel_sweep.py --dry_run --json out/sweep.json  # CPU, tiny shapes, interpreted
     python benchmarks/kernel_sweep.py --compile_for h100-1             # CPU: does every program compile?
 
@@ -9,14 +9,17 @@ XLA's products at batch 1, with tiles (BLOCK_N 32, BLOCK_K 128 / 256, 4 warps, 3
 on a GPU. This times, for Llama-3-8B's four products (qkv 4096 -> 6144, o 4096 -> 4096, gate|up 4096 ->
 28672, down 14336 -> 4096) and GPT-2 124M's four (768 -> 2304, 768 -> 768, 768 -> 3072, 3072 -> 768),
 at 1 row (then 4 for the Llama shapes): (a) XLA's product as the model's decode path does it (bf16
-weights: x @ w; int8: kernels.qmatmul's GPU form with FLAXGPT_QMATMUL unset; int4 groups of 128:
-kernels.int4.matmul); (b) pallas_decode.gemv with bf16 weights and (c) pallas_qgemv.gemv with int8
-and int4 weights, each over a grid of `Tiles` (GRID: block_n 16-64, block_k 128-2048, 4 or 8 warps, 3
-stages, pruned to at most 128 weights a thread, which otherwise spill registers; GPT-2's shapes and
-the 4-row cases take fewer). Then (d) Mixtral-8x7B's expert product, 16384 rows sorted into 8 groups
-of ~2048, D 4096 -> F 14336, bf16, forward: models.moe.tiled_grouped_matmul, jax.lax.ragged_dot (a
-real grouped GEMM, or each group's matrix over every row?) and 8 dense dots over the same static
-groups; milliseconds and TFLOP/s.
+weights: x @ w; int8: kernels.qmatmul's XLA form, pinned with FLAXGPT_QMATMUL=xla whatever its
+default; int4 groups of 128: kernels.int4.matmul); (b) pallas_decode.gemv with bf16 weights and (c)
+pallas_qgemv.gemv with int8 and int4 weights, each over a grid of `Tiles` (GRID: block_n 16-128,
+block_k 128-2048, 4 or 8 warps, 3 stages; pruned to at most 128 weights a thread, which otherwise spill
+registers, and >= 64 programs; GPT-2's shapes take 1-2 tilings besides the default, the 4-row cases the
+best 1-row one). The plan: 127 + 12 Triton programs, 36 XLA ones, 3 MoE: ~179 s predicted at ~0.8 s a
+Triton compile (the 2026-11-29 lease's estimate) and ~1 s an XLA one; --budget_s (155) then cuts the
+1-row grid's last rounds (the MoE and 4-row rows keep 30 s of it). Then (d) Mixtral-8x7B's expert
+product, 16384 rows sorted into 8 groups of ~2048, D 4096 -> F 14336, bf16, forward:
+models.moe.tiled_grouped_matmul, jax.lax.ragged_dot (a real grouped GEMM, or each group's matrix over
+every row?) and 8 dense dots over the same static groups; milliseconds and TFLOP/s.
 
 Method (the workplace's METHOD.md): each timing is one jitted program of n calls, unrolled (no
 while-loop round trip to the host, no kernels between the calls), each call on its own x and on one
@@ -44,6 +47,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -73,8 +77,8 @@ GRID += [(128, 128, 4)]
 SMALL_GRID = {"bf16": [(16, 256, 4), (16, 512, 8)], "int8": [(16, 256, 4)], "int4": [(16, 256, 4)]}  # GPT-2
 DRY_GRID = [(16, 128, 4)]
 MIN_PROGRAMS = 64  # fewer (N / block_n) leave over half an H100's / H200's 132 SMs without a program
-# shares of the budget kept from the 1-row grid for the MoE and 4-row rows (40 s of 150), for the 4-row (20 s)
-RESERVE = (0.27, 0.13)
+# shares of the budget kept from the 1-row grid for the MoE and 4-row rows (30 s of 155), for the 4-row (15 s)
+RESERVE = (0.19, 0.1)
 
 
 def default_tiles(kind: str, K: int) -> Tiles:
@@ -102,14 +106,17 @@ class Case:
     """One product's operands on the device: weight copies and an x a call, made once, timed by every
     implementation and tiling."""
 
-    def __init__(self, model, name, K, N, kind, M, dry, key):
+    def __init__(self, model, name, K, N, kind, M, dry, key, like: Case | None = None):
         self.model, self.name, self.K, self.N, self.kind, self.M = model, name, K, N, kind, M
-        k = jax.random.split(key, 2)
-        make = jax.jit(lambda k: weights(kind, K, N, k))
-        one = make(k[0])
-        self.bytes = sum(a.nbytes for a in one)
-        self.n, copies = calls_and_copies(self.bytes, dry)
-        self.ws = [one] + [make(c) for c in jax.random.split(k[1], copies - 1)]
+        if like is None:
+            k = jax.random.split(key, 2)
+            make = jax.jit(lambda k: weights(kind, K, N, k))
+            one = make(k[0])
+            self.bytes = sum(a.nbytes for a in one)
+            self.n, copies = calls_and_copies(self.bytes, dry)
+            self.ws = [one] + [make(c) for c in jax.random.split(k[1], copies - 1)]
+        else:  # `like`'s weights (another M)
+            self.bytes, self.n, self.ws, copies = like.bytes, like.n, like.ws, len(like.ws)
         xs = jax.random.normal(jax.random.key(M), (self.n, M, K), jnp.float32)
         self.xs = [x.astype(jnp.bfloat16) for x in xs]  # the model's compute dtype
         self.l2x = round(copies * self.bytes / L2_BYTES, 2)
@@ -361,7 +368,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="every row as JSON (rewritten after each)")
     ap.add_argument("--dry_run", action="store_true", help="CPU: one tiny shape, 2 tilings, interpreted")
-    ap.add_argument("--budget_s", type=float, default=150, help="start nothing after this many seconds")
+    ap.add_argument("--budget_s", type=float, default=155, help="start nothing after this many seconds")
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats a program (the median)")
     ap.add_argument("--no_moe", action="store_true", help="skip the Mixtral expert product")
     ap.add_argument("--compile_for", help="a flaxgpt aot GPU target (h100-1): compile the plan, run nothing")
@@ -373,11 +380,15 @@ def main(argv=None) -> int:
     deadline = t_start + a.budget_s
     device = jax.devices()[0]
     a.interpret = device.platform != "gpu"  # Pallas' interpreter off a GPU: the dry run checks values only
+    # XLA's int8 form whatever qmatmul's default (read when the products are traced; int4's is int4.matmul)
+    os.environ["FLAXGPT_QMATMUL"] = "xla"
     jobs = plan(a)
     m4 = len({j[1] for j in jobs if j[1][0] != "GPT-2 124M"})  # 4 rows: XLA's and the best 1-row tiling
     n_triton = sum(j[2] == "pallas" for j in jobs) + m4
     n_xla = sum(j[2] == "xla" for j in jobs) + m4
-    predicted = 0.8 * n_triton + n_xla + 20  # seconds: compiles (the lead's ~0.5-1 s a Triton one), MoE
+    # seconds: compiles (the lead's ~0.5-1 s a Triton one, ~1 s XLA's with its autotuning), making each
+    # case's weights (~0.5 s), the MoE's three
+    predicted = 0.8 * n_triton + n_xla + 0.5 * len({j[1] for j in jobs}) + 20
     print(f"{device.device_kind}, jax {jax.__version__}: {n_triton} Triton programs, {n_xla} XLA products, "
           f"MoE 3: ~{predicted:.0f} s predicted; budget {a.budget_s:.0f} s", flush=True)  # fmt: skip
     rows: list[dict] = []
@@ -411,7 +422,7 @@ def main(argv=None) -> int:
     for model, name, K, N, kind in list(cases):  # 4 rows: the Llama shapes (dry: its one)
         if model == "GPT-2 124M" or time.perf_counter() > deadline:
             continue
-        case4 = Case(model, name, K, N, kind, 4, a.dry_run, jax.random.key(99))
+        case4 = Case(model, name, K, N, kind, 4, a.dry_run, None, like=cases[model, name, K, N, kind])
         for impl, tiles in (("xla", None), ("pallas", best.get((model, name, kind)))):
             if impl == "xla" or tiles:
                 add(time_case(case4, impl, tiles and Tiles(*tiles), a, ceiling))
