@@ -9,7 +9,7 @@ time costs its rows only). PARTS holds the limits, from what each part took on 2
 GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 15-minute session on
 2026-11-27 (H200): `--parts decode_llama8b,tests,hf_generate` (465 s), then at once on the warm machine
 `decode_gpt2`, `recipe,nanogpt` and `step` (58, 89 and 31 s): 797 s of device time with the start.
-The parts' limits now add up to ~36 minutes, and a session has 15 minutes of device time, the start
+The parts' limits now add up to ~35 minutes, and a session has 15 minutes of device time, the start
 included. The next lease: first `--parts kernel_sweep,fp8_moe` (the group `sweep`, limits 330 s: the
 data to choose the GEMV kernels' tiles, and the Mixtral float8 rows), then on the warm machine
 `--parts decode_gpt2,decode_gpt2_xla,decode_llama8b,decode_llama8b_pallas` (issue #54's decoding
