@@ -3,7 +3,8 @@
 dimension a multiple of its block; float32 and bfloat16), its gradients (dx through the transposed
 tiles, dw through tgmm) equal jax.vjp of a float64 reference, shapes it cannot tile are one line naming
 the tiled form, FLAXGPT_GROUPED=pallas gives a tiny Mixtral the default path's logits and gradients, and
-(with the CUDA plugin, not in CI) the products compile for an H100 as Triton calls."""
+(with the CUDA plugin, not in CI) the products compile for an H100 as Triton calls. On a GPU the same
+tests run the compiled kernels (a lease's check), float32 products there in TF32 as XLA's."""
 
 import re
 
@@ -16,6 +17,8 @@ from flaxgpt.kernels import pallas_grouped
 from flaxgpt.kernels.pallas_grouped import Tiles, gmm
 from flaxgpt.models import gpt, moe
 
+INTERPRET = jax.default_backend() != "gpu"
+F32_TOL = 1e-5 if INTERPRET else 5e-3  # GPUs multiply float32 tiles in TF32 (10-bit mantissas)
 SMALL = Tiles(32, 16, 16)  # several tiles and blocks in every dimension at these sizes
 # A = 100 rows, 95 in groups (5 past them); the empty groups first, between and last
 GROUPS = np.array([0, 30, 0, 45, 1, 19, 0], np.int32)
@@ -37,10 +40,12 @@ def operands(dtype, A=100, D=48, F=40):
     return np.asarray(x, np.float64), np.asarray(w, np.float64)
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, F32_TOL), (jnp.bfloat16, 1e-2)])
 def test_gmm_equals_the_float64_grouped_product(dtype, tol):
     x, w = operands(dtype)
-    y = gmm(jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(GROUPS), tiles=SMALL, interpret=True)
+    y = gmm(
+        jnp.asarray(x, dtype), jnp.asarray(w, dtype), jnp.asarray(GROUPS), tiles=SMALL, interpret=INTERPRET
+    )
     with jax.enable_x64(True):
         want = np.asarray(reference(x, w, GROUPS))
     assert y.dtype == dtype and y.shape == want.shape
@@ -56,17 +61,19 @@ def test_default_tiles_one_group_and_all_rows_past_the_groups():
     for sizes in ([0, 64, 0, 0, 0, 0, 0], [0] * 7):
         sizes = np.array(sizes, np.int32)
         y = np.asarray(gmm(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), jnp.asarray(sizes),
-                           interpret=True))  # fmt: skip
+                           interpret=INTERPRET))  # fmt: skip
         with jax.enable_x64(True):
-            np.testing.assert_allclose(y, np.asarray(reference(x, w, sizes)), atol=1e-4)
+            np.testing.assert_allclose(
+                y, np.asarray(reference(x, w, sizes)), atol=1e-4 if INTERPRET else 1e-2
+            )
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, F32_TOL), (jnp.bfloat16, 2e-2)])
 def test_gradients_equal_the_float64_references_vjp(dtype, tol):
     x, w = operands(dtype)
     g = np.random.RandomState(1).standard_normal((x.shape[0], w.shape[2]))
     g = np.asarray(jnp.asarray(g, dtype).astype(jnp.float32), np.float64)
-    f = lambda x, w: gmm(x, w, jnp.asarray(GROUPS), tiles=SMALL, interpret=True)  # noqa: E731
+    f = lambda x, w: gmm(x, w, jnp.asarray(GROUPS), tiles=SMALL, interpret=INTERPRET)  # noqa: E731
     _, vjp = jax.vjp(f, jnp.asarray(x, dtype), jnp.asarray(w, dtype))
     dx, dw = vjp(jnp.asarray(g, dtype))
     with jax.enable_x64(True):
@@ -81,7 +88,7 @@ def test_gradients_equal_the_float64_references_vjp(dtype, tol):
 def test_shapes_it_cannot_tile_are_one_line_naming_the_tiled_form():
     x, w = jnp.ones((64, 8)), jnp.ones((4, 8, 32))
     with pytest.raises(ValueError, match=r"D=8 and F=32 must each be >= 16 .*use models.moe's tiled form"):
-        gmm(x, w, jnp.full(4, 16), interpret=True)
+        gmm(x, w, jnp.full(4, 16), interpret=INTERPRET)
     with pytest.raises(ValueError, match=r"block_k=24 is not a power of two >= 16; use"):
         gmm(jnp.ones((64, 32)), jnp.ones((4, 32, 32)), jnp.full(4, 16), tiles=Tiles(block_k=24))
     assert pallas_grouped.why_not(16384, 4096, 28672) == ""
@@ -95,7 +102,7 @@ MIXTRAL = dict(
 
 def test_tiny_mixtral_with_the_kernels_equals_the_default_path(monkeypatch):
     """FLAXGPT_GROUPED=pallas: the experts' grouped products (64 tokens: the sorted path) go through gmm,
-    interpreted on the CPU; the logits and the weights' gradients equal the tiled form's."""
+    interpreted on the CPU (compiled on a GPU); the loss and the weights' gradients equal the tiled form's."""
     config = gpt.GPTConfig(**MIXTRAL)
     params = gpt.init_params(config, jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, 32, (4, 16)).astype(np.int32)
@@ -111,10 +118,11 @@ def test_tiny_mixtral_with_the_kernels_equals_the_default_path(monkeypatch):
     assert not calls  # the default: the tiled form
     monkeypatch.setenv("FLAXGPT_GROUPED", "pallas")
     got = run()
-    # each layer's two expert products, their CPU branch interpreted (the CUDA branch is traced too)
-    assert sum(k.get("interpret", False) for k in calls) == 2 * config.n_layer
+    # each layer's two expert products through this platform's branch (a CPU's interpreted; the other
+    # platforms' branches are traced too)
+    assert sum(k.get("interpret", False) == INTERPRET for k in calls) >= 2 * config.n_layer
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-4 if INTERPRET else 2e-2, atol=1e-6 if INTERPRET else 1e-4)
     monkeypatch.setenv("FLAXGPT_GROUPED", "triton")
     with pytest.raises(ValueError, match=r"FLAXGPT_GROUPED='triton': 'pallas' .* or unset"):
         moe.grouped_matmul(jnp.ones((64, 32)), jnp.ones((4, 32, 32)), jnp.full(4, 16))
