@@ -12,7 +12,7 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
 The parts' limits now add up to ~35 minutes, and a session has 15 minutes of device time, the start
 included. The next lease: first `--parts kernel_sweep,fp8_moe` (the group `sweep`, limits 330 s: the
 data to choose the GEMV kernels' tiles, and the Mixtral float8 rows), then on the warm machine
-`--parts decode_gpt2,decode_gpt2_xla,decode_llama8b,decode_llama8b_pallas` (issue #54's decoding
+`--parts decode_gpt2,decode_gpt2_kernels,decode_llama8b,decode_llama8b_pallas` (issue #54's decoding
 targets, limits 560 s: together more than the session holds after its start, so the last part may
 find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`). The parts:
 - kernel_sweep: `benchmarks/kernel_sweep.py` (its docstring: the method): the decoding GEMV kernels
@@ -28,12 +28,13 @@ find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epi
 - fused_loss: the same step (the recipe's micro-batch) with the loss from the logits, then through the
   fused linear + cross-entropy (`--loss_impl fused`, train/losses.py), then that with its Triton kernels
   (FLAXGPT_XENT=pallas, kernels/pallas_xent.py; on the CPU the XLA form again): step time and peak memory
-- decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, float weights in bf16 (sample.py's
-  param_dtype=bfloat16: each layer's norms and residual adds in its GEMVs and the cache writes in the
-  attention, kernels/pallas_decode*.py, at batch 1), bf16 and int8 weights (quantize_params) at batch 1
-  and 64, the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS); decode_gpt2_plain: the same
-  without (`graphs=False`); decode_gpt2_xla: the float row at batch 1 on XLA's path
-  (FLAXGPT_DECODE_KERNELS=off), for the side by side (the GPT-2 >= 4,000 tok/s target)
+- decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, float weights, float weights in
+  bf16 (sample.py's param_dtype=bfloat16), bf16 and int8 weights (quantize_params) at batch 1 and 64,
+  the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS), on the default path (XLA's since the
+  2026-11-29 lease); decode_gpt2_plain: the same without (`graphs=False`); decode_gpt2_kernels: the
+  float and bf16 rows at batch 1 with FLAXGPT_DECODE_KERNELS=on (each layer's norms and residual adds
+  in its GEMVs and the cache writes in the attention, kernels/pallas_decode*.py), for the side by side
+  (the GPT-2 >= 4,000 tok/s target; slower than XLA's path on 2026-11-29)
 - decode_llama8b: the same for Llama-3-8B's shape, random bf16 weights made on the device (16 GB;
   int8 8 GB; int4, groups of 128, 4.3 GB), 128 new tokens
 - decode_llama8b_pallas: its batch-1 int8 and int4 rows with FLAXGPT_QMATMUL=pallas (the weight products
@@ -46,9 +47,8 @@ find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epi
   (benchmarks/fp8_layer.py): tokens/s and the ratio (issue #54's target: >= 1.3x; a prediction until
   a lease runs it)
 - fp8_moe: the same for one Mixtral-8x7B layer (attention and 8 experts, top 2; `fp8_layer.py --preset
-  mixtral-8x7b`, 4 x 2048 tokens), whose grouped expert products model.fp8 runs in float8 too: the
-  >= 1.3x target again (1.30x predicted for h100-1, docs/accelerators.md; a prediction until a lease
-  runs it)
+  mixtral-8x7b`, 4 x 2048 tokens): bf16, model.fp8 (its routed experts in bf16) and model.fp8 +
+  fp8_experts (their grouped products in float8 too: 0.77x bf16 on 2026-11-29, 1.30x predicted)
 - epilogues: the step (batch 16) with the MLP's bias + GELU as one pass the backward recomputes and
   q, k, v as products of their own for cuDNN (models/linear.py, the default), then without
   (FLAXGPT_EPILOGUES=off: autodiff's GELU, which keeps its tanh, and one q|k|v product split): step
@@ -95,7 +95,7 @@ PARTS = {
     "nanogpt": 70,
     "decode_gpt2": 130,  # 58 s on 2026-11-27 with bf16 and int8; float rows added
     "decode_gpt2_plain": 100,
-    "decode_gpt2_xla": 60,  # the float row at batch 1, FLAXGPT_DECODE_KERNELS=off (not yet run on a lease)
+    "decode_gpt2_kernels": 70,  # float and bf16 at batch 1, FLAXGPT_DECODE_KERNELS=on (float: 31 s, 11-29)
     # 137 s on 2026-11-27; on 2026-11-29 batch 1's rows took 143 s and batch 64's bf16 compile ran out at 170
     "decode_llama8b": 240,
     "decode_llama8b_reduce": 110,  # batch 1, FLAXGPT_QMATMUL=reduce: the int8 products as row reductions
@@ -107,7 +107,7 @@ PARTS = {
 GROUPS = {
     "sweep": ("kernel_sweep", "fp8_moe"),  # the next lease's first call (limits: 330 s)
     "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 570 s)
-    "decode": ("decode_gpt2", "decode_gpt2_xla", "decode_llama8b", "hf_generate"),  # ~8 min
+    "decode": ("decode_gpt2", "decode_gpt2_kernels", "decode_llama8b", "hf_generate"),  # ~8 min
     # ~6.5 min: the int8 / int4 GEMV kernels and the mixture's float8 layer (limits: 390 s; train has
     # no room left for it; fp8_moe is in `sweep` too: a part named twice runs once)
     "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce", "fp8_moe"),
@@ -147,18 +147,20 @@ def part_step(a) -> None:
 
 def _fp8_layer(a, part: str, preset: str, name: str) -> None:
     """benchmarks/fp8_layer.py's step for one layer of `preset` (its default 4 x 2048 tokens; the dry
-    run: a tiny layer of the same kind), bf16 then model.fp8: two rows and the ratio."""
+    run: a tiny layer of the same kind), bf16 then model.fp8 (and a mixture's fp8_experts): a row each,
+    the ratios to bf16."""
     out = a.work / f"{part}_layer.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/fp8_layer.py"), "--preset", preset, "--json", str(out)]
     subprocess.run(cmd + (["--dry_run"] if a.dry_run else []), check=True, cwd=ROOT)
     r = json.loads(out.read_text())
-    for side in ("bf16", "fp8"):
+    speedups = {"fp8": r["speedup"], "fp8_experts": r.get("speedup_fp8_experts")}
+    for side in [s for s in ("bf16", "fp8", "fp8_experts") if s in r]:
         emit(
             part=part,
             what=f"{name} layer fwd+bwd, {r['tokens_per_step']} tokens, {side}",
             tokens_per_s=r[side]["tokens_per_s"],
             step_ms=r[side]["step_ms"],
-            result=f"{r['speedup']}x bf16 (target >= 1.3x)" if side == "fp8" else None,
+            result=f"{speedups[side]}x bf16 (target >= 1.3x)" if side != "bf16" else None,
         )
 
 
@@ -315,11 +317,9 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     if a.part.endswith("_pallas"):
         os.environ["FLAXGPT_QMATMUL"] = "pallas"
         label += " (Pallas GEMV)"
-    if a.part.endswith("_xla"):  # read when the blocks are traced (flaxgpt.models.linear.decode_kernels)
-        os.environ["FLAXGPT_DECODE_KERNELS"] = "off"
-        label += " (XLA's path)"
-    elif a.dry_run:  # the CPU runs the float rows' decode kernels interpreted: their path is checked too
-        os.environ.setdefault("FLAXGPT_DECODE_KERNELS", "on")
+    if a.part.endswith("_kernels"):  # read when the blocks are traced (flaxgpt.models.linear.decode_kernels)
+        os.environ["FLAXGPT_DECODE_KERNELS"] = "on"  # interpreted on a CPU (the dry run)
+        label += " (decode kernels)"
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -343,7 +343,7 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
             quantized[mode] = gpt.quantize_params(cfg, params, mode)
     del params
     for B in batches:  # batch 1 of every weight type first: what matters most if time runs out
-        if a.part.endswith("_xla") and B > 1:  # the decode kernels take batch 1's rows only
+        if a.part.endswith("_kernels") and B > 1:  # the decode kernels take batch 1's rows only
             continue
         prompt = np.random.RandomState(B).randint(0, cfg.vocab_size, (B, prompt_len)).astype(np.int32)
         W = sampling.cache_length(cfg.block_size, prompt_len, new_tokens)
@@ -383,7 +383,7 @@ def part_decode(a, model: str) -> None:
 
     int4 = "int4_g32" if a.dry_run else "int4"  # the tiny model's 64 features take groups of 32
     modes = {"decode_llama8b": ("bf16", "int8", int4), "decode_llama8b_pallas": ("int8", int4)}
-    modes.update(decode_gpt2=("float", "bf16", "int8"), decode_gpt2_xla=("float",))
+    modes.update(decode_gpt2=("float", "bf16", "int8"), decode_gpt2_kernels=("float", "bf16"))
     modes = modes.get(a.part, ("bf16", "int8"))
     if a.dry_run:
         cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=64, block_size=128, dtype="bfloat16")
@@ -607,7 +607,7 @@ def main(argv=None) -> int:
         fn = {
             "decode_gpt2": lambda: part_decode(a, "gpt2"),
             "decode_gpt2_plain": lambda: part_decode(a, "gpt2"),
-            "decode_gpt2_xla": lambda: part_decode(a, "gpt2"),
+            "decode_gpt2_kernels": lambda: part_decode(a, "gpt2"),
             "decode_llama8b": lambda: part_decode(a, "llama8b"),
             "decode_llama8b_reduce": lambda: part_decode(a, "llama8b"),
             "decode_llama8b_pallas": lambda: part_decode(a, "llama8b"),

@@ -21,7 +21,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     cmd = [sys.executable, "benchmarks/gpu_lease.py", "--dry_run", "--out", str(out), "--work", str(work)]
     cmd += [
         "--parts",
-        "kernel_sweep,recipe,decode_gpt2,decode_gpt2_xla,fused_loss,epilogues,fp8,fp8_moe,nanogpt",
+        "kernel_sweep,recipe,decode_gpt2,decode_gpt2_kernels,fused_loss,epilogues,fp8,fp8_moe,nanogpt",
         "--nanogpt_model",
         str(tmp_path / "absent.py"),
     ]
@@ -51,8 +51,10 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     decodes = {r["what"]: r for r in by_part["decode_gpt2"]}
     assert set(decodes) == {f"decode tiny {m} batch {b}" for m in ("float", "bf16", "int8") for b in (1, 4)}
     assert all(r["tokens_per_s"] > 0 for r in decodes.values())
-    # the float rows on XLA's path (FLAXGPT_DECODE_KERNELS=off), batch 1 only: the kernels' side by side
-    assert [r["what"] for r in by_part["decode_gpt2_xla"]] == ["decode tiny (XLA's path) float batch 1"]
+    # the float rows through the decode kernels (FLAXGPT_DECODE_KERNELS=on), batch 1 only: the side by side
+    assert [r["what"] for r in by_part["decode_gpt2_kernels"]] == [
+        f"decode tiny (decode kernels) {m} batch 1" for m in ("float", "bf16")
+    ]
     fused = {r["what"].rpartition(" ")[2]: r for r in by_part["fused_loss"]}  # logits, fused, pallas
     assert set(fused) == {"logits", "fused", "pallas"} and all(r["step_ms"] > 0 for r in fused.values())
     # the same step from the same start: the same loss whichever path computes it
@@ -65,7 +67,8 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     assert fp8["fp8"]["result"].endswith("x bf16 (target >= 1.3x)")
     # the mixture's layer (fp8_layer.py --preset mixtral-8x7b: 4 experts, top 2 here), its experts in float8
     moe = {r["what"].rpartition(" ")[2]: r for r in by_part["fp8_moe"]}
-    assert set(moe) == {"bf16", "fp8"} and all(r["tokens_per_s"] > 0 for r in moe.values())
+    assert set(moe) == {"bf16", "fp8", "fp8_experts"} and all(r["tokens_per_s"] > 0 for r in moe.values())
+    assert moe["fp8_experts"]["result"].endswith("x bf16 (target >= 1.3x)")
     assert moe["fp8"]["what"].startswith("Mixtral-8x7B layer fwd+bwd, 64 tokens")
     assert moe["fp8"]["result"].endswith("x bf16 (target >= 1.3x)")
     # the missing nanoGPT file is that part's one row, named in it; the other parts are unaffected
