@@ -53,12 +53,14 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16
 
 class Tiles(NamedTuple):
     """A GEMV kernel's tiling: output channels a program, inputs a step (powers of two >= MIN_DIM, at
-    most N and K), Triton's warps a program and its software-pipelining stages."""
+    most N and K), Triton's warps a program and its software-pipelining stages; split_k > 1 (only
+    kernels.pallas_qgemv's) splits K into that many ranges, each its own program, summed after."""
 
     block_n: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
     def why_not(self, N: int, K: int) -> str:
         """'' when the tiling fits w with N outputs and K inputs, else why not."""
@@ -71,6 +73,8 @@ class Tiles(NamedTuple):
             return f"num_warps={self.num_warps} is not a power of two <= 32"
         if self.num_stages < 1:
             return f"num_stages={self.num_stages} < 1"
+        if self.split_k < 1:
+            return f"split_k={self.split_k} < 1"
         return ""
 
 

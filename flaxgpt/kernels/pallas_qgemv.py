@@ -22,6 +22,15 @@ type) overrides the tiling, int4's block_k whole groups; None keeps BLOCK_N, BLO
 most K), 4 warps and 3 stages, which no GPU has yet compared with others: benchmarks/kernel_sweep.py
 times a grid of tilings for the next lease to choose from.
 
+Split-K (tiles.split_k = S > 1): at batch 1 a program per BLOCK_N channels is 128 programs for N = 4096,
+one an SM, each with a few KiB in flight: an H200 lease measured int8 at 29% of its bandwidth, int4 at
+12%, latency-bound. With S the grid is (N / block_n, S): the cdiv(K, block_k) steps of K (whole int4
+groups) are cut into S contiguous ranges of near-equal steps (range s: steps s * n // S up to
+(s + 1) * n // S), program (i, s) walks range s and writes its float32 partial to out[s] of [S, M, N],
+and XLA sums the S partials (then int8's row scale: a linear factor, applied once). An S above the
+steps would leave a range empty and is refused. S = 1 is the same program as without (out [M, N],
+the scale in the kernel).
+
 Why Triton rather than Mosaic GPU: the kernel is loads, converts and row sums with no matrix-unit
 product, which the Triton backend compiles for every NVIDIA card JAX supports (A100, H100, H200
 alike) in jax 0.10 and 0.11 both, and which Pallas runs in interpret mode on a CPU (how
@@ -55,6 +64,10 @@ def why_not(M: int, N: int, K: int, group: int = 0, tiles: Tiles | None = None) 
         why = why_not(M, N, K, group) if M > MAX_ROWS or (group and K % group) else tiles.why_not(N, K)
         if not why and group and tiles.block_k % group:
             why = f"block_k={tiles.block_k} is not whole int4 groups of {group}"
+        steps = -(-K // tiles.block_k)  # int4's too: K and block_k whole groups
+        if not why and tiles.split_k > steps:
+            why = f"K={K} has {steps} steps of block_k={tiles.block_k}: split_k={tiles.split_k} would leave"
+            why += f" a range with none; use split_k <= {steps}"
         return why
     if M > MAX_ROWS:
         return f"{M} rows > MAX_ROWS {MAX_ROWS} (prefill: a compute-bound dot)"
@@ -88,17 +101,21 @@ def gemv(x_MK, w, scale, tiles: Tiles | None = None, interpret: bool = False) ->
     scale = scale.astype(jnp.float32)
     out = jax.ShapeDtypeStruct((M, N), jnp.float32)
     params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    bn, bk = tiles.block_n, tiles.block_k
-    grid = (pl.cdiv(N, bn),)
+    bn, bk, S = tiles.block_n, tiles.block_k, tiles.split_k
+    grid = (pl.cdiv(N, bn),) if S == 1 else (pl.cdiv(N, bn), S)
+    out = out if S == 1 else jax.ShapeDtypeStruct((S, M, N), jnp.float32)  # a partial a range of K
     if int4:  # the even and odd inputs apart: each nibble multiplies its own half of x, no interleave
-        kernel = functools.partial(_int4_kernel, M, N, K, group, bn, bk // group)
+        kernel = functools.partial(_int4_kernel, M, N, K, group, bn, bk // group, S)
         args = (x_MK[:, 0::2], x_MK[:, 1::2], w, scale)
     else:
-        kernel, args = functools.partial(_int8_kernel, M, N, K, bn, bk), (x_MK, w, scale)
+        kernel, args = functools.partial(_int8_kernel, M, N, K, bn, bk, S), (x_MK, w, scale)
     call = pl.pallas_call(
         kernel, grid=grid, out_shape=out, compiler_params=params, interpret=interpret, name="qgemv"
     )
-    return call(*args)
+    y = call(*args)
+    if S == 1:
+        return y
+    return y.sum(0) if int4 else y.sum(0) * scale  # XLA's epilogue: one fusion over [S, M, N]
 
 
 def _channels(N, bn):
@@ -106,7 +123,25 @@ def _channels(N, bn):
     return pl.ds(jnp.minimum(pl.program_id(0) * bn, N - bn), bn)
 
 
-def _int8_kernel(M, N, K, bn, bk, x_ref, w_ref, s_ref, o_ref):
+def _steps(n, S):
+    """This program's steps of K's n: all of them (S == 1, static bounds: today's loop), else range
+    program_id(1) of S near-equal contiguous ones (dynamic bounds: Triton's loop takes them)."""
+    if S == 1:
+        return 0, n
+    s = pl.program_id(1)
+    return s * n // S, (s + 1) * n // S
+
+
+def _store(o_ref, accs, rows, S, scale=None):
+    """Each row's sums: times `scale` into out [M, N] (S == 1), else unscaled into partial s of [S, M, N]."""
+    for m, acc in enumerate(accs):
+        if S == 1:
+            o_ref[m, rows] = acc if scale is None else acc * scale
+        else:
+            o_ref[pl.program_id(1), m, rows] = acc
+
+
+def _int8_kernel(M, N, K, bn, bk, S, x_ref, w_ref, s_ref, o_ref):
     rows = _channels(N, bn)
 
     def body(j, accs):
@@ -117,13 +152,11 @@ def _int8_kernel(M, N, K, bn, bk, x_ref, w_ref, s_ref, o_ref):
                      for m, acc in enumerate(accs))  # fmt: skip
 
     init = tuple(jnp.zeros((bn,), jnp.float32) for _ in range(M))
-    accs = jax.lax.fori_loop(0, pl.cdiv(K, bk), body, init)
-    s = s_ref[rows]
-    for m, acc in enumerate(accs):
-        o_ref[m, rows] = acc * s
+    accs = jax.lax.fori_loop(*_steps(pl.cdiv(K, bk), S), body, init)
+    _store(o_ref, accs, rows, S, s_ref[rows] if S == 1 else None)  # split: XLA scales the sum
 
 
-def _int4_kernel(M, N, K, group, bn, step_groups, xe_ref, xo_ref, w_ref, s_ref, o_ref):
+def _int4_kernel(M, N, K, group, bn, step_groups, S, xe_ref, xo_ref, w_ref, s_ref, o_ref):
     rows = _channels(N, bn)
     half = group // 2  # bytes of a group: its even inputs in the low nibbles, its odd in the high
     n_groups = K // group
@@ -146,6 +179,5 @@ def _int4_kernel(M, N, K, group, bn, step_groups, xe_ref, xo_ref, w_ref, s_ref, 
         return accs
 
     init = tuple(jnp.zeros((bn,), jnp.float32) for _ in range(M))
-    accs = jax.lax.fori_loop(0, pl.cdiv(n_groups, per_step), body, init)
-    for m, acc in enumerate(accs):
-        o_ref[m, rows] = acc
+    accs = jax.lax.fori_loop(*_steps(pl.cdiv(n_groups, per_step), S), body, init)
+    _store(o_ref, accs, rows, S)

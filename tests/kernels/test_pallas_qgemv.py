@@ -1,9 +1,11 @@
 """kernels/pallas_qgemv.py run by Pallas' interpreter on the CPU: decoding rows times int8 and int4
 weights equal the dequantized weights' float64 product (int4's groups of 64 and 128, K not a multiple
 of the kernel's step, N not a multiple of its block, 1 to MAX_ROWS rows), with its default tiling and
-others (benchmarks/kernel_sweep.py's); shapes it cannot tile are one line naming XLA's form, tilings
-that do not fit one line saying why; FLAXGPT_QMATMUL=pallas routes qmatmul through it."""
+others (benchmarks/kernel_sweep.py's), split-K among them (K's steps in 2-4 ranges, partials summed by
+XLA); shapes it cannot tile are one line naming XLA's form, tilings that do not fit one line saying
+why; FLAXGPT_QMATMUL=pallas routes qmatmul through it."""
 
+import functools
 import re
 
 import jax.numpy as jnp
@@ -83,10 +85,14 @@ def test_opt_in_routes_qmatmul_through_the_kernel(monkeypatch):
     assert calls == [{"interpret": True}]
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_kernel_compiles_for_h100_as_one_triton_call(mode):
+@pytest.mark.parametrize(
+    "mode,tiles",
+    [("int8", None), ("int4", None), ("int8", Tiles(32, 512, 4, 3, 2)), ("int4", Tiles(16, 256, 4, 3, 8))],
+)
+def test_kernel_compiles_for_h100_as_one_triton_call(mode, tiles):
     """The Triton lowering itself (interpret mode checks values only): the Llama-3-8B q-projection's shape
-    at batch 1 compiled for an H100 on this CPU holds the kernel as one Triton custom call."""
+    at batch 1 compiled for an H100 on this CPU holds the kernel as one Triton custom call, split-K's
+    too (its program's loop over a range of K has bounds from program_id(1))."""
     pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -100,7 +106,7 @@ def test_kernel_compiles_for_h100_as_one_triton_call(mode):
     shape, dtype, scale = shapes[mode]
     args = spec((1, 4096), jnp.bfloat16), spec(shape, dtype), spec(scale, jnp.float32)
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        hlo = jax.jit(pallas_qgemv.gemv).lower(*args).compile().as_text()
+        hlo = jax.jit(functools.partial(pallas_qgemv.gemv, tiles=tiles)).lower(*args).compile().as_text()
     assert len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', hlo)) == 1, hlo[-2000:]
 
 
@@ -130,6 +136,40 @@ def test_every_tiling_gives_the_dequantized_product(mode, M, N, K, tiles):
 
 
 @pytest.mark.parametrize(
+    "mode,M,N,K,tiles",
+    [
+        ("int8", 1, 48, 512, Tiles(16, 128, 4, 3, 2)),  # 4 steps, 2 a range
+        (
+            "int8",
+            3,
+            40,
+            700,
+            Tiles(16, 128, 4, 3, 4),
+        ),  # K = 5 * 128 + 60: 6 steps as 1, 2, 1, 2; the last overlaps
+        ("int8", 2, 33, 300, Tiles(16, 256, 8, 3, 2)),  # 2 steps of 256 (the second overlaps): one a range
+        ("int4", 1, 40, 640, Tiles(16, 128, 4, 3, 4)),  # 5 groups of 128, one a step: ranges of 1, 1, 1, 2
+        ("int4", 2, 32, 1152, Tiles(32, 256, 4, 3, 2)),  # 9 groups, 2 a step: 5 steps, the last overlaps
+        ("int4_g64", 4, 48, 832, Tiles(16, 128, 2, 3, 4)),  # 13 groups of 64, 2 a step: 7 steps in 4
+        ("int4_g32", 8, 40, 224, Tiles(16, 64, 4, 3, 2)),  # 7 groups of 32, 2 a step: 4 steps, overlap
+        ("int4_g32", 1, 16, 96, Tiles(16, 32, 4, 3, 3)),  # a group a step, a step a range
+    ],
+)
+def test_split_k_gives_the_dequantized_product(mode, M, N, K, tiles):
+    """Split-K's partials over S ranges of K's steps, summed (int8: then scaled) by XLA: the float64
+    reference, K not a multiple of S * block_k, int4's groups of 32, 64 and 128."""
+    rng = np.random.RandomState(M + N + K)
+    q = quantize_rows(rng.standard_normal((N, K)).astype(np.float32), mode)
+    x_MK = rng.standard_normal((M, K)).astype(np.float32)
+    got = np.asarray(pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, tiles=tiles, interpret=True))
+    want = reference(x_MK, q)
+    assert got.shape == (M, N) and np.abs(got - want).max() / np.abs(want).max() < TOL
+    one = np.asarray(
+        pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, tiles._replace(split_k=1), interpret=True)
+    )
+    assert np.abs(got - one).max() / np.abs(want).max() < TOL  # the unsplit tiling's sums, in another order
+
+
+@pytest.mark.parametrize(
     "tiles,mode,message",
     [
         (Tiles(24, 128), "int8", r"block_n=24 is not a power of two >= 16"),
@@ -138,6 +178,9 @@ def test_every_tiling_gives_the_dequantized_product(mode, M, N, K, tiles):
         (Tiles(16, 1024), "int8", r"block_k=1024 > K=512"),
         (Tiles(16, 128, 3), "int8", r"num_warps=3 is not a power of two <= 32"),
         (Tiles(16, 64), "int4", r"block_k=64 is not whole int4 groups of 128"),
+        (Tiles(16, 128, 4, 3, 5), "int8", r"K=512 has 4 steps of block_k=128: split_k=5 would leave a range"),
+        (Tiles(16, 256, 4, 3, 3), "int4", r"K=512 has 2 steps of block_k=256: .* use split_k <= 2$"),
+        (Tiles(16, 128, 4, 3, 0), "int8", r"split_k=0 < 1$"),
     ],
 )
 def test_a_tiling_that_does_not_fit_is_one_line(tiles, mode, message):
