@@ -85,6 +85,27 @@ def test_gradients_equal_the_float64_references_vjp(dtype, tol):
     assert not np.asarray(dw)[[0, 2, 6]].any()  # the empty groups' matrices get no gradient
 
 
+def test_many_blocks_take_the_swizzled_order_with_a_remainder():
+    """19 row tiles (two GROUP_M groups of 8 and a remainder of 3) and tgmm's 10 blocks of D: every
+    output tile is visited once, forward and gradients equal the float64 reference."""
+    rng = np.random.RandomState(2)
+    sizes = np.array([70, 0, 113, 9, 99], np.int32)  # 291 of 300 rows
+    x, w, g = (
+        rng.standard_normal((300, 160)),
+        rng.standard_normal((5, 160, 48)),
+        rng.standard_normal((300, 48)),
+    )
+    f = lambda x, w: gmm(x, w, jnp.asarray(sizes), tiles=Tiles(16, 16, 16), interpret=INTERPRET)  # noqa: E731
+    y, vjp = jax.vjp(f, *(jnp.asarray(a, jnp.float32) for a in (x, w)))
+    got = (y, *vjp(jnp.asarray(g, jnp.float32)))
+    with jax.enable_x64(True):
+        want_y, vjp_ref = jax.vjp(lambda x, w: reference(x, w, sizes), x, w)
+        want = (want_y, *vjp_ref(g))
+    for a, b in zip(got, want):
+        b = np.asarray(b)
+        assert np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max() < F32_TOL
+
+
 def test_shapes_it_cannot_tile_are_one_line_naming_the_tiled_form():
     x, w = jnp.ones((64, 8)), jnp.ones((4, 8, 32))
     with pytest.raises(ValueError, match=r"D=8 and F=32 must each be >= 16 .*use models.moe's tiled form"):
