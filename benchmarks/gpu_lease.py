@@ -10,8 +10,9 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
 2026-11-27 (H200): `--parts decode_llama8b,tests,hf_generate` (465 s), then at once on the warm machine
 `decode_gpt2`, `recipe,nanogpt` and `step` (58, 89 and 31 s): 797 s of device time with the start.
 The parts' limits now add up to ~35 minutes, and a session has 15 minutes of device time, the start
-included. The next lease: first `--parts kernel_sweep,fp8_moe` (the group `sweep`, limits 330 s: the
-data to choose the GEMV kernels' tiles, and the Mixtral float8 rows), then on the warm machine
+included. The next lease: first `--parts sweep` (kernel_sweep, fp8_moe, grouped_moe, limits 420 s: the
+data to choose the GEMV kernels' tiles, the Mixtral layer's float8 rows and its Pallas grouped GEMM's),
+then on the warm machine
 `--parts decode_gpt2,decode_gpt2_kernels,decode_llama8b,decode_llama8b_pallas` (issue #54's decoding
 targets, limits 560 s: together more than the session holds after its start, so the last part may
 find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`). The parts:
@@ -58,8 +59,11 @@ find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epi
   is carried to the lease (--nanogpt_model), never committed
 - hf_generate: transformers' generate on GPT-2 124M (bf16; the default cache, then a static cache,
   which generate compiles itself on a GPU)
-- tests: `pytest tests/models tests/decode tests/train` (--test_paths) on the GPU (last: it takes whatever
-  time is left); tests marked `devices(8)` skip on one GPU
+- grouped_moe: fp8_moe's layer with FLAXGPT_GROUPED=pallas (its experts' grouped products through
+  kernels/pallas_grouped.py's Triton GEMM reading the weights in place; compiled for h100-1 the bf16
+  layer's HBM traffic 101.3 -> 55.9 GB): its rows beside fp8_moe's tiled ones
+- tests: `pytest tests/kernels tests/models tests/decode tests/train` (--test_paths) on the GPU (last:
+  it takes whatever time is left); tests marked `devices(8)` skip on one GPU
 MFU is against 989 TFLOP/s (H100 SXM / H200 dense bf16) with the trainer's FLOPs per token; the
 decoding rows' HBM percentage against the card's bandwidth (BANDWIDTH, by device kind). Results: a
 table on stdout, every row as JSON in OUT/lease.json, the parts' logs in OUT/logs.txt, the test run's
@@ -89,8 +93,9 @@ PARTS = {
     "recipe": 90,
     "step": 60,
     "fused_loss": 150,  # three compiles and runs of the step (~30 s each on 2026-11-27's `step`)
-    "fp8": 120,  # two compiles and 10 steps each of one 8B layer (not yet run on a lease)
-    "fp8_moe": 150,  # the same for one Mixtral-8x7B layer, 1.4B expert weights (not yet run on a lease)
+    "fp8": 120,  # two compiles and 10 steps each of one 8B layer (24 s on 2026-11-29)
+    "fp8_moe": 150,  # the same for one Mixtral-8x7B layer, three sides (two took 30 s on 2026-11-29)
+    "grouped_moe": 90,  # fp8_moe's layer with FLAXGPT_GROUPED=pallas (not yet run on a lease)
     "epilogues": 110,  # two compiles and runs of the step; on 2026-11-29 killed at 80 s as the second ended
     "nanogpt": 70,
     "decode_gpt2": 130,  # 58 s on 2026-11-27 with bf16 and int8; float rows added
@@ -105,7 +110,7 @@ PARTS = {
 }
 # what one call of at most 10 minutes holds
 GROUPS = {
-    "sweep": ("kernel_sweep", "fp8_moe"),  # the next lease's first call (limits: 330 s)
+    "sweep": ("kernel_sweep", "fp8_moe", "grouped_moe"),  # the next lease's first call (limits: 420 s)
     "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 570 s)
     "decode": ("decode_gpt2", "decode_gpt2_kernels", "decode_llama8b", "hf_generate"),  # ~8 min
     # ~6.5 min: the int8 / int4 GEMV kernels and the mixture's float8 layer (limits: 390 s; train has
@@ -145,13 +150,13 @@ def part_step(a) -> None:
     _train_step(a, "step", "step", "attention auto")
 
 
-def _fp8_layer(a, part: str, preset: str, name: str) -> None:
+def _fp8_layer(a, part: str, preset: str, name: str, args=()) -> None:
     """benchmarks/fp8_layer.py's step for one layer of `preset` (its default 4 x 2048 tokens; the dry
     run: a tiny layer of the same kind), bf16 then model.fp8 (and a mixture's fp8_experts): a row each,
     the ratios to bf16."""
     out = a.work / f"{part}_layer.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/fp8_layer.py"), "--preset", preset, "--json", str(out)]
-    subprocess.run(cmd + (["--dry_run"] if a.dry_run else []), check=True, cwd=ROOT)
+    subprocess.run(cmd + list(args) + (["--dry_run"] if a.dry_run else []), check=True, cwd=ROOT)
     r = json.loads(out.read_text())
     speedups = {"fp8": r["speedup"], "fp8_experts": r.get("speedup_fp8_experts")}
     for side in [s for s in ("bf16", "fp8", "fp8_experts") if s in r]:
@@ -170,6 +175,11 @@ def part_fp8(a) -> None:
 
 def part_fp8_moe(a) -> None:
     _fp8_layer(a, "fp8_moe", "mixtral-8x7b", "Mixtral-8x7B")
+
+
+def part_grouped_moe(a) -> None:
+    name = "Mixtral-8x7B (Pallas grouped GEMM)"
+    _fp8_layer(a, "grouped_moe", "mixtral-8x7b", name, ("--grouped", "pallas"))
 
 
 def part_epilogues(a) -> None:
@@ -592,7 +602,8 @@ def main(argv=None) -> int:
     batches = lambda text: tuple(int(b) for b in text.split(","))  # noqa: E731
     ap.add_argument("--gpt2_batches", type=batches, default=(1, 64), help="decoding batch sizes")
     ap.add_argument("--llama_batches", type=batches, default=(1, 64), help="decoding batch sizes")
-    ap.add_argument("--test_paths", default="tests/models tests/decode tests/train", help="what tests runs")
+    tests = "tests/kernels tests/models tests/decode tests/train"
+    ap.add_argument("--test_paths", default=tests, help="what the part `tests` runs")
     ap.add_argument("--test_workers", type=int, default=12, help="pytest-xdist workers sharing the GPU")
     ap.add_argument("--limit", action="append", default=[], help="PART=SECONDS: another time limit")
     ap.add_argument(
