@@ -11,15 +11,18 @@ on a GPU. This times, for Llama-3-8B's four products (qkv 4096 -> 6144, o 4096 -
 at 1 row (then 4 for the Llama shapes): (a) XLA's product as the model's decode path does it (bf16
 weights: x @ w; int8: kernels.qmatmul's XLA form, pinned with FLAXGPT_QMATMUL=xla whatever its
 default; int4 groups of 128: kernels.int4.matmul); (b) pallas_decode.gemv with bf16 weights and (c)
-pallas_qgemv.gemv with int8 and int4 weights, each over a grid of `Tiles` (GRID: block_n 16-128,
-block_k 128-2048, 4 or 8 warps, 3 stages; pruned to at most 128 weights a thread, which otherwise spill
-registers, and >= 64 programs; GPT-2's shapes take 1-2 tilings besides the default, the 4-row cases the
-best 1-row one). The plan: 127 + 12 Triton programs, 36 XLA ones, 3 MoE: ~179 s predicted at ~0.8 s a
-Triton compile (the 2026-11-29 lease's estimate) and ~1 s an XLA one; --budget_s (155) then cuts the
-1-row grid's last rounds (the MoE and 4-row rows keep 30 s of it). Then (d) Mixtral-8x7B's expert
-product, 16384 rows sorted into 8 groups of ~2048, D 4096 -> F 14336, bf16, forward:
-models.moe.tiled_grouped_matmul, jax.lax.ragged_dot (a real grouped GEMM, or each group's matrix over
-every row?) and 8 dense dots over the same static groups; milliseconds and TFLOP/s.
+pallas_qgemv.gemv with int8 and int4 weights, each over a grid of `Tiles` (GRID, bf16's: block_n 16-128,
+block_k 128-2048, 4 or 8 warps, 3 stages; QGRID, int8's and int4's: split-K first, K in 2-8 ranges
+(2 x 32x512, 4 x 32x256, 8 x 16x512, 4 x 64x512 over 8 warps), then 3 unsplit tilings; pruned to at
+most 128 weights a thread, which otherwise spill registers, and >= 64 programs; GPT-2's shapes take
+1-2 tilings besides the default, the 4-row cases the best 1-row one). The plan: 125 + 12 Triton
+programs, 36 XLA ones, 3 MoE: ~178 s predicted at ~0.8 s a Triton compile (the 2026-11-29 lease's
+estimate) and ~1 s an XLA one; --budget_s (155) then cuts the 1-row grid's last rounds (the MoE and
+4-row rows keep 30 s of it): by that estimate XLA's round and the kernels' rounds 1-5 (of 9) run,
+int8's and int4's default and four split-K tilings. Then (d) Mixtral-8x7B's expert product, 16384
+rows sorted into 8 groups of ~2048, D 4096 -> F 14336, bf16, forward: models.moe.tiled_grouped_matmul,
+jax.lax.ragged_dot (a real grouped GEMM, or each group's matrix over every row?) and 8 dense dots over
+the same static groups; milliseconds and TFLOP/s.
 
 Method (the workplace's METHOD.md): each timing is one jitted program of n calls, unrolled (no
 while-loop round trip to the host, no kernels between the calls), each call on its own x and on one
@@ -34,11 +37,12 @@ The rounds go XLA, each kernel's default tiling, then the grid, across all shape
 budget that runs out cuts the grid's tail, not a shape. Rows as they come on stdout; every row as
 JSON (--json, rewritten after each); last, the best tiling per (kernel, shape) against XLA's.
 
---compile_for h100-1 compiles the whole plan on this machine for a `flaxgpt aot` target instead (175
-programs in 36 s on 2-core AVX-512, loaded, none failed: every tiling lowers through Triton), and for
-the MoE forms the compiled matmul FLOPs over the product's own: with jaxlib 0.10.2's XLA, ragged_dot
-is one GEMM over x widened to every group (8.0x; 15.9 ms bound on an H100), the tiled form 1.88x
-(5.5 ms), the dense dots 1.0x (2.2 ms): compiled, not measured; the lease runs jax 0.11.2's.
+--compile_for h100-1 compiles the whole plan on this machine for a `flaxgpt aot` target instead (176
+programs in 51 s on 2-core AVX-512, loaded, none failed, split-K's 32 among them: every tiling lowers
+through Triton), and for the MoE forms the compiled matmul FLOPs over the product's own: with jaxlib
+0.10.2's XLA, ragged_dot is one GEMM over x widened to every group (8.0x; 15.9 ms bound on an H100),
+the tiled form 1.88x (5.5 ms), the dense dots 1.0x (2.2 ms): compiled, not measured; the lease runs
+jax 0.11.2's.
 """
 
 from __future__ import annotations
@@ -70,13 +74,19 @@ LLAMA = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("dow
 GPT2 = [("c_attn", 768, 2304), ("attn c_proj", 768, 768), ("c_fc", 768, 3072), ("mlp c_proj", 3072, 768)]
 DRY = [("tiny", 256, 64)]
 KINDS = ("bf16", "int8", "int4")
-# (block_n, block_k, warps) in the order run after the default: the tile's bytes (4-64 KiB) and the
-# programs (N / block_n) spread first, then warps; 3 stages throughout
+# (block_n, block_k, warps[, split_k]) in the order run after the default: the tile's bytes (4-64 KiB)
+# and the programs (N / block_n) spread first, then warps; 3 stages throughout. bf16 (pallas_decode):
 GRID = [(16, 512, 4), (32, 1024, 8), (64, 128, 4), (16, 2048, 8), (32, 256, 8), (64, 512, 8), (16, 1024, 4)]
 GRID += [(128, 128, 4)]
+# int8 / int4 (pallas_qgemv): split-K first, the lease's fix for 128 programs walking K alone (29% / 12%
+# of an H200's bandwidth at batch 1): 256-2048 programs of 1-4 steps for K = 4096; then 3 unsplit
+# tilings (more programs or a tile twice the default's). The budget cuts the late rounds (~4 of 8 run):
+# the quantized grid keeps 7 points (bf16's 8; the unsplit 64x128, 32x256x8, 64x512, 16x1024, 128x128 gone)
+QGRID = [(32, 256, 4, 4), (32, 512, 4, 2), (16, 512, 4, 8), (64, 512, 8, 4), (16, 512, 4), (32, 1024, 8)]
+QGRID += [(16, 2048, 8)]
 SMALL_GRID = {"bf16": [(16, 256, 4), (16, 512, 8)], "int8": [(16, 256, 4)], "int4": [(16, 256, 4)]}  # GPT-2
-DRY_GRID = [(16, 128, 4)]
-MIN_PROGRAMS = 64  # fewer (N / block_n) leave over half an H100's / H200's 132 SMs without a program
+DRY_GRID = {"bf16": [(16, 128, 4)], "int8": [(16, 128, 4, 2)], "int4": [(16, 128, 4, 2)]}  # K 256: 2 steps
+MIN_PROGRAMS = 64  # fewer (N / block_n * split_k) leave over half an H100's / H200's 132 SMs idle
 # shares of the budget kept from the 1-row grid for the MoE and 4-row rows (30 s of 155), for the 4-row (15 s)
 RESERVE = (0.19, 0.1)
 
@@ -90,13 +100,17 @@ def default_tiles(kind: str, K: int) -> Tiles:
 def grid(kind: str, K: int, N: int, small: bool, dry: bool) -> list[Tiles]:
     """The default tiling, then the grid's that fit the shape, at most 128 weights a thread
     (block_n * block_k / (32 * warps)): more spill registers, the kernel holds its tile as float32; and
-    (not GPT-2's, 24-96 programs at most) MIN_PROGRAMS programs."""
+    (not GPT-2's, 24-96 programs at most) MIN_PROGRAMS programs; the kernels' own rules (why_not:
+    int4's whole groups, split_k at most K's steps)."""
     out = [default_tiles(kind, K)]
-    for bn, bk, warps in DRY_GRID if dry else SMALL_GRID[kind] if small else GRID:
-        t = Tiles(bn, bk, warps, 3)
-        group = GROUP if kind == "int4" else 0
-        fits = not t.why_not(N, K) and not (group and bk % group) and bn * bk <= 128 * 32 * warps
-        fits = fits and (small or dry or N // bn >= MIN_PROGRAMS)
+    big = QGRID if kind in ("int8", "int4") else GRID
+    for bn, bk, warps, *split in DRY_GRID[kind] if dry else SMALL_GRID[kind] if small else big:
+        t = Tiles(bn, bk, warps, 3, *split)
+        why = (
+            t.why_not(N, K) if kind == "bf16" else pallas_qgemv.why_not(1, N, K, GROUP * (kind == "int4"), t)
+        )
+        fits = not why and bn * bk <= 128 * 32 * warps
+        fits = fits and (small or dry or N // bn * t.split_k >= MIN_PROGRAMS)
         if fits and t not in out:
             out.append(t)
     return out

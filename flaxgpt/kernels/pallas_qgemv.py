@@ -28,8 +28,9 @@ one an SM, each with a few KiB in flight: an H200 lease measured int8 at 29% of 
 groups) are cut into S contiguous ranges of near-equal steps (range s: steps s * n // S up to
 (s + 1) * n // S), program (i, s) walks range s and writes its float32 partial to out[s] of [S, M, N],
 and XLA sums the S partials (then int8's row scale: a linear factor, applied once). An S above the
-steps would leave a range empty and is refused. S = 1 is the same program as without (out [M, N],
-the scale in the kernel).
+steps would leave a range empty and is refused. The sum is a second, tiny XLA kernel a call (the
+sweep's timings include it; atomics into one output would avoid it but sum in a run-to-run order).
+S = 1 is the same program as without (out [M, N], the scale in the kernel).
 
 Why Triton rather than Mosaic GPU: the kernel is loads, converts and row sums with no matrix-unit
 product, which the Triton backend compiles for every NVIDIA card JAX supports (A100, H100, H200
