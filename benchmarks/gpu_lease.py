@@ -89,7 +89,7 @@ PEAK = 989e12  # dense bf16 FLOP/s, H100 SXM and H200 alike
 BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
 # part -> seconds it may take on one H100 / H200 (compiling included), from the 2026-11-26 and -27 leases
 PARTS = {
-    "kernel_sweep": 180,  # 179 s predicted by its count: it stops starting programs at 155 s
+    "kernel_sweep": 180,  # 178 s predicted by its count: it stops starting programs at 155 s
     "recipe": 90,
     "step": 60,
     "fused_loss": 150,  # three compiles and runs of the step (~30 s each on 2026-11-27's `step`)

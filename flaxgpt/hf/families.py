@@ -111,6 +111,8 @@ PUBLISHED = {
     "llama-3.2-1b-instruct": "llama-3.2-1b",
     "meta-llama-3-8b": "llama-3-8b",
     "meta-llama-3-8b-instruct": "llama-3-8b",
+    "meta-llama-3.1-8b": "llama-3-8b",  # 3.1's RoPE scaling is its config.json's; the shapes are 3's
+    "meta-llama-3.1-8b-instruct": "llama-3-8b",
     "qwen2.5-0.5b-instruct": "qwen2.5-0.5b",
     "mistral-7b-instruct-v0.1": "mistral-7b-v0.1",
     "gemma-2-2b-it": "gemma-2-2b",

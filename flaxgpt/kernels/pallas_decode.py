@@ -171,7 +171,9 @@ def gemv(
     widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     why = tiles.why_not(N, K) or (
         f"block_n={tiles.block_n} does not divide the pieces {widths}" if splits and any(
-            w % tiles.block_n for w in widths) else "")  # fmt: skip
+            w % tiles.block_n for w in widths) else "") or (
+        f"split_k={tiles.split_k}: this kernel's epilogue (norm, activation, residual) needs whole "
+        "sums; split K in kernels.pallas_qgemv only" if tiles.split_k != 1 else "")  # fmt: skip
     if why:
         raise ValueError(f"decode gemv: tiles {tuple(tiles)} do not fit w [{K}, {N}]: {why}")
     spec = _Spec(

@@ -161,6 +161,7 @@ def test_every_tiling_gives_the_reference(M, K, N, tiles):
         (Tiles(128, 32), r"block_n=128 > N=64"),
         (Tiles(16, 64), r"block_k=64 > K=32"),
         (Tiles(16, 32, 4, 0), r"num_stages=0 < 1"),
+        (Tiles(16, 32, split_k=2), r"split_k=2: this kernel's epilogue .* kernels.pallas_qgemv only"),
     ],
 )
 def test_a_tiling_that_does_not_fit_is_one_line(tiles, message):
