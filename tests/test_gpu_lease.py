@@ -115,3 +115,29 @@ def test_a_part_out_of_time_is_one_row_and_leaves_nothing_running(tmp_path, monk
     assert rows[-1]["what"].startswith("time limit 3 s") and rows[-1]["part_s"] < 30
     left = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True, text=True).stdout
     assert not left.strip()
+
+
+def test_grouped_moe_times_the_mixtral_layer_through_the_pallas_grouped_gemm(tmp_path, monkeypatch, capsys):
+    """The part grouped_moe runs fp8_layer.py's Mixtral layer with --grouped pallas (FLAXGPT_GROUPED;
+    the script's own dry run of that is 27 s, too slow for here: the command and the rows are checked,
+    with fp8_layer.py's output stood in by the figures it writes)."""
+    import argparse
+
+    ran = []
+
+    def fake_run(cmd, **kw):
+        ran.append(cmd)
+        figures = {"step_ms": 2.0, "tokens_per_s": 32.0, "compile_s": 1.0}
+        result = {"tokens_per_step": 64, "grouped": "pallas", "speedup": 1.5, "speedup_fp8_experts": 0.5}
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({**result, "bf16": figures,
+            "fp8": figures, "fp8_experts": figures}))  # fmt: skip
+
+    monkeypatch.setattr(lease.subprocess, "run", fake_run)
+    lease.part_grouped_moe(argparse.Namespace(work=tmp_path, dry_run=True))
+    (cmd,) = ran
+    assert cmd[1].endswith("benchmarks/fp8_layer.py") and cmd[cmd.index("--preset") + 1] == "mixtral-8x7b"
+    assert cmd[cmd.index("--grouped") + 1] == "pallas" and "--dry_run" in cmd
+    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if line.startswith("ROW ")]
+    assert [r["what"].rpartition(" ")[2] for r in rows] == ["bf16", "fp8", "fp8_experts"]
+    assert all(r["part"] == "grouped_moe" and "Pallas grouped GEMM" in r["what"] for r in rows)
+    assert [r["result"] for r in rows] == [None, "1.5x bf16 (target >= 1.3x)", "0.5x bf16 (target >= 1.3x)"]
