@@ -98,8 +98,8 @@ def _bwd(res, dy_MN):
 fp8_dot.defvjp(_fwd, _bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))  # the two functions are static
-def fp8_grouped(x_AK, w_EKN, group_sizes_E, matmul, weight_grad):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))  # the functions are static
+def fp8_grouped(x_AK, w_EKN, group_sizes_E, matmul, weight_grad, matmul_t=None):
     """A grouped matmul (a mixture's experts) with e4m3 operands under current scaling: [A, K] rows
     sorted by group, [E, K, N] a matrix a group -> [A, N] in x's dtype; differentiable in x and w.
 
@@ -116,7 +116,11 @@ def fp8_grouped(x_AK, w_EKN, group_sizes_E, matmul, weight_grad):
     The stack's scale is one per tensor, not one per expert: the experts start from one init and
     train with one optimizer, so their ranges stay alike, and a scalar scale is what a float8 GEMM's
     epilogue applies (a scale per expert would be a per-row multiply after each visit); an expert
-    far below the stack's amax keeps fewer digits (the subnormal steps)."""
+    far below the stack's amax keeps fewer digits (the subnormal steps).
+
+    `matmul_t(a_AN, b_EKN, group_sizes_E, scale, dtype)` -> [A, K], a times each group's matrix
+    transposed, is dX's product where a kernel reads the stack transposed in place
+    (kernels.pallas_grouped); None: matmul over the stack's transposed copy."""
     return _grouped_forward(x_AK, w_EKN, group_sizes_E, matmul)[0]
 
 
@@ -128,14 +132,16 @@ def _grouped_forward(x_AK, w_EKN, group_sizes_E, matmul):
     return y_AN, (x8_AK, x_inv, w8_EKN, w_inv, group_sizes_E, dtypes)
 
 
-def _grouped_fwd(x_AK, w_EKN, group_sizes_E, matmul, weight_grad):
+def _grouped_fwd(x_AK, w_EKN, group_sizes_E, matmul, weight_grad, matmul_t):
     return _grouped_forward(x_AK, w_EKN, group_sizes_E, matmul)
 
 
-def _grouped_bwd(matmul, weight_grad, res, dy_AN):
+def _grouped_bwd(matmul, weight_grad, matmul_t, res, dy_AN):
     x8_AK, x_inv, w8_EKN, w_inv, group_sizes_E, (x_dtype, w_dtype) = res
     g8_AN, g_inv = quantize(dy_AN, E5M2)
-    dx_AK = matmul(g8_AN, jnp.swapaxes(w8_EKN, 1, 2), group_sizes_E, g_inv * w_inv, x_dtype.dtype)  # dY W^T
+    if matmul_t is None:
+        matmul_t = lambda a, b, *rest: matmul(a, jnp.swapaxes(b, 1, 2), *rest)  # noqa: E731
+    dx_AK = matmul_t(g8_AN, w8_EKN, group_sizes_E, g_inv * w_inv, x_dtype.dtype)  # dY W^T
     dw_EKN = weight_grad(x8_AK, g8_AN, group_sizes_E, x_inv * g_inv, w_dtype.dtype)  # X^T dY a group
     return dx_AK, dw_EKN, None
 

@@ -352,9 +352,15 @@ def expert_matmul(x_AD, w, group_sizes_E, expert_A, slot_A=None, fp8=False):
 
     fp8 (float weights): kernels.fp8.fp8_grouped over the tiled form, on every platform (TPUs and
     CPUs emulate float8), except at decoding's few rows, which stay in the compute dtype
-    (grouped_matmul's gathered_matmul: memory-bound, float8 would only add the casts' passes)."""
+    (grouped_matmul's gathered_matmul: memory-bound, float8 would only add the casts' passes); with
+    FLAXGPT_GROUPED=pallas where grouped_matmul would take gmm (one device, shapes it tiles) over
+    pallas_grouped's kernels instead (float8 operands read in place, scales in their epilogues)."""
     if fp8 and not isinstance(w, (LoraExperts, QuantizedWeight)) and x_AD.shape[0] > 2 * w.shape[0]:
-        return fp8_grouped(x_AD, w, group_sizes_E, tiled_grouped_matmul, tiled_weight_grad)
+        fns = tiled_grouped_matmul, tiled_weight_grad
+        (A, D), F = x_AD.shape, w.shape[-1]
+        if os.environ.get("FLAXGPT_GROUPED") == "pallas" and target.one_device():
+            fns = fns if pallas_grouped.why_not(A, D, F) else pallas_grouped.fp8_functions(*fns)
+        return fp8_grouped(x_AD, w, group_sizes_E, *fns)
     if isinstance(w, LoraExperts):
         y_AF = expert_matmul(x_AD, w.w, group_sizes_E, expert_A)
         xa_AP = w.low_rank(grouped_matmul(x_AD.astype(jnp.float32), w.a, group_sizes_E), slot_A)

@@ -2,8 +2,10 @@
 (unequal groups, empty ones first, between and last, rows past the groups, tiles straddling groups, no
 dimension a multiple of its block; float32 and bfloat16), its gradients (dx through the transposed
 tiles, dw through tgmm) equal jax.vjp of a float64 reference, shapes it cannot tile are one line naming
-the tiled form, FLAXGPT_GROUPED=pallas gives a tiny Mixtral the default path's logits and gradients, and
-(with the CUDA plugin, not in CI) the products compile for an H100 as Triton calls. On a GPU the same
+the tiled form, FLAXGPT_GROUPED=pallas gives a tiny Mixtral the default path's logits and gradients, the
+float8 form (kernels.fp8.fp8_grouped through fp8_functions) is within float8's bound of float64 and equals
+the tiled float8 form, and (with the CUDA plugin, not in CI) the products compile for an H100 as Triton
+calls, the float8 ones on float8 operands. On a GPU the same
 tests run the compiled kernels (a lease's check), float32 products there in TF32 as XLA's."""
 
 import re
@@ -14,8 +16,10 @@ import numpy as np
 import pytest
 
 from flaxgpt.kernels import pallas_grouped
+from flaxgpt.kernels.fp8 import E4M3, E5M2, fp8_grouped
 from flaxgpt.kernels.pallas_grouped import Tiles, gmm
 from flaxgpt.models import gpt, moe
+from tests.models.test_moe_fp8 import element_error, product_bound
 
 INTERPRET = jax.default_backend() != "gpu"
 F32_TOL = 1e-5 if INTERPRET else 5e-3  # GPUs multiply float32 tiles in TF32 (10-bit mantissas)
@@ -166,3 +170,89 @@ def test_products_and_gradients_compile_for_h100_as_triton_calls():
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
     assert len(re.findall(r'custom_call_target="__gpu\$xla\.gpu\.triton"', hlo)) == 3, hlo[-2000:]
+
+
+def fp8_sides(x, w, g, tiles=SMALL):
+    """kernels.fp8.fp8_grouped's output and (dx, dw) through the tiled form and through these kernels."""
+    tiled = (moe.tiled_grouped_matmul, moe.tiled_weight_grad)
+
+    def run(fns):
+        y, vjp = jax.vjp(lambda x, w: fp8_grouped(x, w, jnp.asarray(GROUPS), *fns), x, w)
+        return (y, *vjp(g))
+
+    kernels = pallas_grouped.fp8_functions(*tiled, tiles=tiles)
+    return jax.jit(run, static_argnums=0)(tiled), jax.jit(run, static_argnums=0)(kernels)
+
+
+def test_float8_products_and_gradients_within_float8s_bound_and_equal_the_tiled_form(monkeypatch):
+    """fp8_grouped through gmm (e4m3 x e4m3), gmm reading w transposed (dX: e5m2 x e4m3) and tgmm
+    (dW: e4m3 x e5m2), each scaled in its epilogue: within float8's rounding bound of the float64
+    products (test_moe_fp8's bound) and equal to the tiled float8 form's values up to float32 sums."""
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((100, 48)) * 2, rng.standard_normal((len(GROUPS), 48, 40)) * 0.05
+    g = rng.standard_normal((100, 40)) * 1e-3
+    g[GROUPS.sum() :] = 0  # the caller drops those rows' outputs: no gradient comes back for them
+    calls = []
+    for name in ("gmm", "tgmm"):
+        real = getattr(pallas_grouped, name)
+        monkeypatch.setattr(
+            pallas_grouped, name, lambda *a, f=real, n=name, **k: calls.append((n, k)) or f(*a, **k)
+        )
+    tiled, got = fp8_sides(*(jnp.asarray(a, jnp.float32) for a in (x, w, g)))
+    # this platform's branch runs the kernels, scaled: forward, dX (w transposed in place) and dW
+    mine = [
+        (n, k.get("transpose_w", False))
+        for n, k in calls
+        if k["interpret"] == INTERPRET and k["scale"] is not None
+    ]
+    assert {("gmm", False), ("gmm", True), ("tgmm", False)} <= set(mine), calls
+    x, w, g = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, w, g))
+    ex, ew = element_error(x, E4M3, np.abs(x).max()), element_error(w, E4M3, np.abs(w).max())
+    eg = element_error(g, E5M2, np.abs(g).max())
+    ends, (y, dx, dw) = np.cumsum(GROUPS), (np.asarray(a, np.float64) for a in got)
+    for e, rows in enumerate(slice(end - n, end) for n, end in zip(GROUPS, ends)):
+        assert np.all(np.abs(y[rows] - x[rows] @ w[e]) <= product_bound(x[rows], ex[rows], w[e], ew[e]))
+        assert np.all(
+            np.abs(dx[rows] - g[rows] @ w[e].T) <= product_bound(g[rows], eg[rows], w[e].T, ew[e].T)
+        )
+        assert np.all(
+            np.abs(dw[e] - x[rows].T @ g[rows]) <= product_bound(x[rows].T, ex[rows].T, g[rows], eg[rows])
+        )
+    assert not y[ends[-1] :].any() and not dw[[0, 2, 6]].any()  # rows past the groups; empty groups
+    for a, b in zip(got, tiled):  # the same float8 operands and scales: only the float32 sums' order differs
+        assert a.dtype == b.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(jnp.abs(b).max()))
+
+
+def test_float8_products_compile_for_h100_as_triton_calls_on_float8_operands():
+    """Compiled for an H100: forward, dX and dW are three Triton calls whose operands are the float8
+    copies (e4m3 x e4m3, e5m2 x the e4m3 stack as it is, e4m3 x e5m2: no transposed copy), with the
+    scale a float32 scalar."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from flaxgpt.aot import targets
+
+    mesh = Mesh(np.array(targets.get("h100-1").devices()[:1]), ("x",))
+    one = NamedSharding(mesh, PartitionSpec())
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731
+    A, D, F, E = 1024, 256, 512, 8
+    args = spec((A, D), jnp.bfloat16), spec((E, D, F), jnp.bfloat16), spec((E,), jnp.int32)
+    fns = pallas_grouped.fp8_functions(moe.tiled_grouped_matmul, moe.tiled_weight_grad)
+    loss = lambda x, w, sizes: jnp.sum(fp8_grouped(x, w, sizes, *fns).astype(jnp.float32) ** 2)  # noqa: E731
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="__gpu$xla.gpu.triton"' in line]
+    operands = sorted(
+        re.search(r"operand_layout_constraints=\{(.*)\}, api_version", c).group(1) for c in calls
+    )
+    kinds = [re.findall(r"(f8e\w+|bf16|f32)\[([\d,]*)\]", o) for o in operands]
+    f8 = [tuple(k for k in kind if k[0].startswith("f8")) for kind in kinds]
+    assert sorted(f8) == sorted([
+        (("f8e4m3fn", f"{A},{D}"), ("f8e4m3fn", f"{E},{D},{F}")),  # y = x8 w8
+        (("f8e5m2", f"{A},{F}"), ("f8e4m3fn", f"{E},{D},{F}")),  # dX = g8 w8^T, w8 read in place
+        (("f8e4m3fn", f"{A},{D}"), ("f8e5m2", f"{A},{F}")),  # dW = x8^T g8
+    ]), operands  # fmt: skip
+    assert all(("f32", "1") in kind for kind in kinds)  # the scale, applied in the epilogue
+    # y and dX in the compute dtype, dW in float32 (a float32 parameter's gradient: cast after, if at all)
+    assert sorted(re.search(r"= (\w+)\[", c).group(1) for c in calls) == ["bf16", "bf16", "f32"]

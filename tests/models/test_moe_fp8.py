@@ -2,7 +2,8 @@
 over moe.py's tiled form) and its gradients against float64 within float8's rounding bound, over
 groups of unequal sizes with an empty one; its dots are float8; a tiny Mixtral-style GPT with
 model.fp8 + fp8_experts stays near the float32 model and trains (model.fp8 alone leaves the routed
-experts in the compute dtype); adapted experts are refused in one line."""
+experts in the compute dtype), and with FLAXGPT_GROUPED=pallas (kernels/pallas_grouped.py's kernels)
+gives the tiled float8 form's logits, loss and gradients; adapted experts are refused in one line."""
 
 import dataclasses
 
@@ -152,3 +153,40 @@ def test_fp8_with_adapted_experts_is_one_line():
     ) as e:
         lora.apply(config, spec, base, adapters, np.zeros((1, 8), np.int32))
     assert "\n" not in str(e.value) and "model.fp8_experts=False" in str(e.value)
+
+
+def test_tiny_mixtral_with_fp8_experts_through_the_pallas_grouped_gemm(monkeypatch):
+    """FLAXGPT_GROUPED=pallas with model.fp8 + fp8_experts: the experts' float8 products go through
+    kernels.pallas_grouped's kernels (interpreted here), scaled, and the logits, loss and weights'
+    gradients are the tiled float8 form's up to float32 sums (an activation whose float8 rounding
+    flips on a last-bit difference moves the next product by e4m3's 2^-4 of one element)."""
+    from flaxgpt.kernels import pallas_grouped
+
+    config = GPTConfig(**{**MIXTRAL, "fp8": True, "fp8_experts": True})
+    params = gpt.init_params(config, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, 32, (4, 16)).astype(np.int32)  # 64 tokens: the sorted path
+
+    def run():
+        def loss(p):
+            logits = gpt.GPT(config).apply({"params": p}, tokens)
+            return jnp.mean(logits**2), logits
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    calls = []
+    real = pallas_grouped.gmm
+    monkeypatch.setattr(pallas_grouped, "gmm", lambda *a, **k: calls.append(k) or real(*a, **k))
+    (want_loss, want_logits), want_grads = run()
+    assert not calls  # unset: the tiled form
+    monkeypatch.setenv("FLAXGPT_GROUPED", "pallas")
+    (loss, logits), grads = run()
+    # each layer's two expert products, forward and dX, scaled, through this platform's branch
+    interpret = jax.default_backend() != "gpu"
+    assert sum(k["interpret"] == interpret and k["scale"] is not None for k in calls) >= 4 * config.n_layer
+    # 6e-9 (logits) and 4e-8 (gradients) apart seen on the CPU; a GPU's sums may flip a rounding
+    tol = 1e-6 if interpret else 1e-3
+    np.testing.assert_allclose(loss, want_loss, rtol=10 * tol)
+    spread = np.linalg.norm(want_logits - want_logits.mean(-1, keepdims=True))
+    assert np.linalg.norm(logits - want_logits) / spread < tol
+    for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+        assert np.linalg.norm(a - b) <= 10 * tol * np.linalg.norm(b) + 1e-12
