@@ -41,12 +41,15 @@ Opt-in: FLAXGPT_GROUPED=pallas (models.moe.grouped_matmul) until a lease measure
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from flaxgpt.kernels import target
 
 GROUP_M = 8  # row tiles a swizzled group of programs (Triton's matmul tutorial's choice)
 MIN_BLOCK = 16  # Triton's dot takes tiles of at least 16 in each dimension
@@ -72,6 +75,17 @@ def why_not(A: int, D: int, F: int, tiles: Tiles | None = None) -> str:
         if name.startswith("block") and (b < MIN_BLOCK or b & (b - 1)):
             return f"{name}={b} is not a power of two >= {MIN_BLOCK}"
     return ""
+
+
+def wanted(A: int, D: int, F: int) -> bool:
+    """FLAXGPT_GROUPED's one reader (when traced; models.moe asks for the bf16 and the float8 products
+    alike): whether a grouped product of x [A, D] by [E, D, F] takes these kernels: asked for (pallas;
+    unset: the tiled form; anything else one line), one device (XLA cannot split a kernel), and shapes
+    they tile."""
+    mode = os.environ.get("FLAXGPT_GROUPED", "")
+    if mode not in ("", "pallas"):
+        raise ValueError(f"FLAXGPT_GROUPED={mode!r}: 'pallas' (the Triton grouped GEMM) or unset")
+    return mode == "pallas" and target.one_device() and not why_not(A, D, F)
 
 
 def _fit(block: int, n: int) -> int:

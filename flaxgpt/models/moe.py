@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-from flaxgpt.kernels import pallas_grouped, target
+from flaxgpt.kernels import pallas_grouped
 from flaxgpt.kernels.fp8 import fp8_grouped
 from flaxgpt.models.layers import MLP, Dtype, activation_fn, normal_init, swiglu
 from flaxgpt.models.linear import ROWS, Linear
@@ -357,9 +356,8 @@ def expert_matmul(x_AD, w, group_sizes_E, expert_A, slot_A=None, fp8=False):
     pallas_grouped's kernels instead (float8 operands read in place, scales in their epilogues)."""
     if fp8 and not isinstance(w, (LoraExperts, QuantizedWeight)) and x_AD.shape[0] > 2 * w.shape[0]:
         fns = tiled_grouped_matmul, tiled_weight_grad
-        (A, D), F = x_AD.shape, w.shape[-1]
-        if os.environ.get("FLAXGPT_GROUPED") == "pallas" and target.one_device():
-            fns = fns if pallas_grouped.why_not(A, D, F) else pallas_grouped.fp8_functions(*fns)
+        if pallas_grouped.wanted(*x_AD.shape, w.shape[-1]):
+            fns = pallas_grouped.fp8_functions(*fns)
         return fp8_grouped(x_AD, w, group_sizes_E, *fns)
     if isinstance(w, LoraExperts):
         y_AF = expert_matmul(x_AD, w.w, group_sizes_E, expert_A)
@@ -389,13 +387,10 @@ def grouped_matmul(x_AD, w_EDF, group_sizes_E):
     # tiled pass about 2E (A = 2, E = 8: 9 visits, 4.5x the bytes), so the rows decide
     own = gathered_matmul if x_AD.shape[0] <= 2 * w_EDF.shape[0] else tiled_grouped_matmul
     cpu = cuda = own
-    mode = os.environ.get("FLAXGPT_GROUPED", "")
-    if mode not in ("", "pallas"):
-        raise ValueError(f"FLAXGPT_GROUPED={mode!r}: 'pallas' (the Triton grouped GEMM) or unset")
-    (A, D), F = x_AD.shape, w_EDF.shape[-1]
-    if mode and own is tiled_grouped_matmul and x_AD.dtype == w_EDF.dtype and target.one_device():
-        if not pallas_grouped.why_not(A, D, F):  # else (D or F < 16: a LoRA rank) the tiled form
-            cpu, cuda = functools.partial(pallas_grouped.gmm, interpret=True), pallas_grouped.gmm
+    # the kernels where FLAXGPT_GROUPED asks and they tile (else, e.g. D or F < 16: a LoRA rank, tiled)
+    wanted = pallas_grouped.wanted(*x_AD.shape, w_EDF.shape[-1])
+    if wanted and own is tiled_grouped_matmul and x_AD.dtype == w_EDF.dtype:
+        cpu, cuda = functools.partial(pallas_grouped.gmm, interpret=True), pallas_grouped.gmm
     return jax.lax.platform_dependent(
         x_AD, w_EDF, group_sizes_E, cpu=cpu, cuda=cuda, rocm=own, default=jax.lax.ragged_dot
     )

@@ -190,3 +190,8 @@ def test_tiny_mixtral_with_fp8_experts_through_the_pallas_grouped_gemm(monkeypat
     assert np.linalg.norm(logits - want_logits) / spread < tol
     for a, b in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
         assert np.linalg.norm(a - b) <= 10 * tol * np.linalg.norm(b) + 1e-12
+    monkeypatch.setenv("FLAXGPT_GROUPED", "triton")  # pallas_grouped.wanted, the one reader: one line
+    with pytest.raises(
+        ValueError, match=r"^FLAXGPT_GROUPED='triton': 'pallas' \(the Triton grouped GEMM\) or unset"
+    ):
+        run()
