@@ -22,8 +22,9 @@ FLOPs at twice the peak (Hopper's dense float8 rate): compiled, not measured.
 experts (models/moe.py). model.fp8 leaves its routed experts in bf16 (measured 0.77x bf16 with them in
 float8 on an H200, 2026-11-29); a third side, `fp8_experts`, times model.fp8 + model.fp8_experts (the
 grouped expert products in float8 too: kernels.fp8.fp8_grouped over the tiled grouped matmul).
---grouped pallas sets FLAXGPT_GROUPED=pallas: the bf16 and fp8 sides' expert products through
-kernels.pallas_grouped's Triton grouped GEMM (weights read in place) instead of the tiled form.
+--grouped pallas sets FLAXGPT_GROUPED=pallas: every side's expert products through
+kernels.pallas_grouped's Triton grouped GEMM (weights read in place) instead of the tiled form, the
+fp8_experts side's float8 ones included (scaled in the kernels' epilogues).
 """
 
 from __future__ import annotations
