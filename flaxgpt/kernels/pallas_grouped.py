@@ -163,19 +163,28 @@ def _gmm_bwd(tiles, interpret, res, g_AF):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def _plan(A: int, bm: int, group_sizes_E):
-    """(first_T1, group_V, starts_E, ends_E): tile t's visits are first_T1[t] .. first_T1[t + 1] - 1,
-    visit v multiplies by group group_V[v], whose rows are starts_E[g] .. ends_E[g] - 1."""
+def visits(bm: int, n_tiles: int, group_sizes_E):
+    """The visits of rows sorted by group over tiles of bm rows, each nonempty group visiting the tiles
+    it overlaps in tile order (this module's plan and models.moe's tiled form alike): (group_V, tile_V,
+    starts_E, ends_E, used) for V = n_tiles + E - 1 visits (consecutive groups share at most one tile);
+    visit v multiplies tile tile_V[v] by group group_V[v], whose rows are starts_E[g] .. ends_E[g] - 1;
+    visits from `used` on are unused (their tile_V for the caller to place)."""
     E = group_sizes_E.shape[0]
-    T = pl.cdiv(A, bm)
-    V = T + E - 1  # consecutive groups share at most one tile
     ends_E = jnp.cumsum(group_sizes_E)
     starts_E = ends_E - group_sizes_E
     spans_E = jnp.where(group_sizes_E > 0, (ends_E - 1) // bm - starts_E // bm + 1, 0)  # tiles a group
-    v_V = jnp.arange(V)
-    group_V = jnp.repeat(jnp.arange(E), spans_E, total_repeat_length=V)
+    v_V = jnp.arange(n_tiles + E - 1)
+    group_V = jnp.repeat(jnp.arange(E), spans_E, total_repeat_length=v_V.shape[0])
     tile_V = starts_E[group_V] // bm + v_V - (jnp.cumsum(spans_E) - spans_E)[group_V]
-    tile_V = jnp.where(v_V < jnp.sum(spans_E), tile_V, T)  # the unused visits: past every tile
+    return group_V, tile_V, starts_E, ends_E, jnp.sum(spans_E)
+
+
+def _plan(A: int, bm: int, group_sizes_E):
+    """(first_T1, group_V, starts_E, ends_E): tile t's visits are first_T1[t] .. first_T1[t + 1] - 1,
+    visit v multiplies by group group_V[v], whose rows are starts_E[g] .. ends_E[g] - 1."""
+    T = pl.cdiv(A, bm)
+    group_V, tile_V, starts_E, ends_E, used = visits(bm, T, group_sizes_E)
+    tile_V = jnp.where(jnp.arange(tile_V.shape[0]) < used, tile_V, T)  # the unused visits: past every tile
     first_T1 = jnp.searchsorted(tile_V, jnp.arange(T + 1), side="left")
     return (a.astype(jnp.int32) for a in (first_T1, group_V, starts_E, ends_E))
 

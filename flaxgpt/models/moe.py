@@ -410,20 +410,13 @@ def _tile_plan(A: int, group_sizes_E):
     """The visits of a tiled grouped product over A sorted rows: (b rows a tile, tiles, tile_V,
     group_V, keep_Vb): visit v multiplies tile tile_V[v] by group group_V[v]'s matrix and keeps the
     rows keep_Vb[v] marks (that group's; none for the visits past the last group's tile)."""
-    E = group_sizes_E.shape[0]
-    b = max(1, -(-A // E))  # rows per tile
+    b = max(1, -(-A // group_sizes_E.shape[0]))  # rows per tile
     n_tiles = -(-A // b)
-    V = n_tiles + E - 1  # visits: consecutive groups share at most one tile
-    ends_E = jnp.cumsum(group_sizes_E)
-    starts_E = ends_E - group_sizes_E
-    spans_E = jnp.where(group_sizes_E > 0, (ends_E - 1) // b - starts_E // b + 1, 0)  # tiles per group
-    v_V = jnp.arange(V)
-    group_V = jnp.repeat(jnp.arange(E), spans_E, total_repeat_length=V)
-    tile_V = starts_E[group_V] // b + v_V - (jnp.cumsum(spans_E) - spans_E)[group_V]
+    group_V, tile_V, starts_E, ends_E, used = pallas_grouped.visits(b, n_tiles, group_sizes_E)
     tile_V = jnp.clip(tile_V, 0, n_tiles - 1)
     rows_Vb = tile_V[:, None] * b + jnp.arange(b)  # each visit's row indices
     keep_Vb = (rows_Vb >= starts_E[group_V, None]) & (rows_Vb < ends_E[group_V, None])
-    keep_Vb &= (v_V < jnp.sum(spans_E))[:, None]  # visits past the last group's tile do nothing
+    keep_Vb &= (jnp.arange(tile_V.shape[0]) < used)[:, None]  # visits past the last group's tile do nothing
     return b, n_tiles, tile_V, group_V, keep_Vb
 
 

@@ -153,9 +153,9 @@ def test_tiny_mixtral_with_the_kernels_equals_the_default_path(monkeypatch):
         moe.grouped_matmul(jnp.ones((64, 32)), jnp.ones((4, 32, 32)), jnp.full(4, 16))
 
 
-def test_products_and_gradients_compile_for_h100_as_triton_calls():
-    """The Triton lowering itself (interpret mode checks values only): forward and backward of a
-    grouped product compiled for an H100 on this CPU hold gmm, its transposed form and tgmm."""
+def h100_grouped_args():
+    """(one h100-1 device's mesh, abstract x [1024, 256] bf16, w [8, 256, 512] bf16, group sizes [8]):
+    what the compile tests lower (skipped without the CUDA plugin)."""
     pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -165,7 +165,13 @@ def test_products_and_gradients_compile_for_h100_as_triton_calls():
     one = NamedSharding(mesh, PartitionSpec())
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731
     A, D, F, E = 1024, 256, 512, 8
-    args = spec((A, D), jnp.bfloat16), spec((E, D, F), jnp.bfloat16), spec((E,), jnp.int32)
+    return mesh, (spec((A, D), jnp.bfloat16), spec((E, D, F), jnp.bfloat16), spec((E,), jnp.int32))
+
+
+def test_products_and_gradients_compile_for_h100_as_triton_calls():
+    """The Triton lowering itself (interpret mode checks values only): forward and backward of a
+    grouped product compiled for an H100 on this CPU hold gmm, its transposed form and tgmm."""
+    mesh, args = h100_grouped_args()
     loss = lambda x, w, sizes: jnp.sum(gmm(x, w, sizes).astype(jnp.float32) ** 2)  # noqa: E731
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
@@ -228,16 +234,8 @@ def test_float8_products_compile_for_h100_as_triton_calls_on_float8_operands():
     """Compiled for an H100: forward, dX and dW are three Triton calls whose operands are the float8
     copies (e4m3 x e4m3, e5m2 x the e4m3 stack as it is, e4m3 x e5m2: no transposed copy), with the
     scale a float32 scalar."""
-    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from flaxgpt.aot import targets
-
-    mesh = Mesh(np.array(targets.get("h100-1").devices()[:1]), ("x",))
-    one = NamedSharding(mesh, PartitionSpec())
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=one)  # noqa: E731
-    A, D, F, E = 1024, 256, 512, 8
-    args = spec((A, D), jnp.bfloat16), spec((E, D, F), jnp.bfloat16), spec((E,), jnp.int32)
+    mesh, args = h100_grouped_args()
+    (A, D), (E, _, F) = args[0].shape, args[1].shape
     fns = pallas_grouped.fp8_functions(moe.tiled_grouped_matmul, moe.tiled_weight_grad)
     loss = lambda x, w, sizes: jnp.sum(fp8_grouped(x, w, sizes, *fns).astype(jnp.float32) ** 2)  # noqa: E731
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
