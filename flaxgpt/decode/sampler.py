@@ -100,13 +100,20 @@ def _categorical_in_blocks(key, x_V, block: int = 256):
     return (b * block + jax.random.categorical(key_s, x_NS[b])).astype(jnp.int32)
 
 
+def _passes(temperature_B, top_k_B, top_p_B, min_p_B, V: int | None = None):
+    """(sampled_B, filtered_B): rows that draw (temperature > 0) and rows whose draw is filtered
+    (top-k, top-p or min-p on; top_k >= V counts as off when V is given)."""
+    sampled_B = ~(temperature_B <= 0)
+    top_k_on_B = (top_k_B > 0) if V is None else (top_k_B > 0) & (top_k_B < V)
+    return sampled_B, sampled_B & (top_k_on_B | (top_p_B < 1) | (min_p_B > 0))
+
+
 def branches(temperature_B, top_k_B, top_p_B, min_p_B):
     """Whether select_rows' filter and draw passes may run for rows with these settings -> two scalars.
     Settings never change in a decode loop: it asks this once, outside its token loop, where each
     conditional's test was a kernel a token. The filter's answer also counts rows whose top_k >= V
     (select_rows' own test knows V): a pass that runs for no row changes no token."""
-    sampled_B = ~(temperature_B <= 0)
-    filtered_B = sampled_B & ((top_k_B > 0) | (top_p_B < 1) | (min_p_B > 0))
+    sampled_B, filtered_B = _passes(temperature_B, top_k_B, top_p_B, min_p_B)
     return jnp.any(filtered_B), jnp.any(sampled_B)
 
 
@@ -141,10 +148,10 @@ def select_rows(
     logits_BV = logits_BV.astype(jnp.float32)  # fp32: bf16 logits lose the tail
     B, V = logits_BV.shape
     K = min(max_k, V)
-    greedy_B = temperature_B <= 0
     min_p_B = jnp.zeros((B,), jnp.float32) if min_p_B is None else min_p_B
+    sampled_B, filter_B = _passes(temperature_B, top_k_B, top_p_B, min_p_B, V)
+    greedy_B = ~sampled_B
     scaled_BV = logits_BV / jnp.where(greedy_B, 1.0, temperature_B)[:, None]
-    filter_B = ~greedy_B & (((top_k_B > 0) & (top_k_B < V)) | (top_p_B < 1) | (min_p_B > 0))
 
     def candidates(_):
         return _threshold(jax.lax.top_k(scaled_BV, K)[0], scaled_BV, top_k_B, top_p_B, min_p_B)
@@ -152,7 +159,7 @@ def select_rows(
     def everything(_):
         return _threshold(-jnp.sort(-scaled_BV, axis=-1), scaled_BV, top_k_B, top_p_B, min_p_B)[0]
 
-    run_filter, run_draw = (jnp.any(filter_B), jnp.any(~greedy_B)) if runs is None else runs
+    run_filter, run_draw = (jnp.any(filter_B), jnp.any(sampled_B)) if runs is None else runs
     none = (jnp.full((B,), -jnp.inf), jnp.ones((B,), bool))
     thr_B, fits_B = jax.lax.cond(run_filter, candidates, lambda _: none, None)
     full_B = filter_B & ~fits_B
