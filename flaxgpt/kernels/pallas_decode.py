@@ -103,9 +103,16 @@ def why_not(M: int, N: int, K: int, splits: tuple[int, ...] = ()) -> str:
     return ""
 
 
-def takes(M: int, N: int, K: int, *dtypes) -> bool:
-    """Whether `gemv` takes x [M, K] @ w [K, N] (unsplit) with these dtypes (x's, w's, the compute's)."""
-    return not why_not(M, N, K) and all(jnp.dtype(d) in DTYPES for d in dtypes)
+def _dtypes_why(*dtypes) -> str:
+    """'' when the kernel takes every one of these dtypes, else the first it does not."""
+    bad = [str(jnp.dtype(d)) for d in dtypes if jnp.dtype(d) not in DTYPES]
+    return f"dtype {bad[0]} (the kernel takes float32, bfloat16, float16)" if bad else ""
+
+
+def takes(M: int, N: int, K: int, *dtypes, splits: tuple[int, ...] = ()) -> bool:
+    """Whether `gemv` takes x [M, K] @ w [K, N] (its output in pieces at `splits`) with these dtypes
+    (x's, w's, the compute's, the output's)."""
+    return not (why_not(M, N, K, splits) or _dtypes_why(*dtypes))
 
 
 def _block_n(N: int, splits: tuple[int, ...]) -> int:
@@ -143,8 +150,7 @@ def gemv(
     if w_K != K:
         raise ValueError(f"decode gemv: x {x_MK.shape} and w {w_KN.shape} (rows_w={rows_w}) disagree on K")
     why = why_not(M, N, K, splits)
-    bad = [str(a.dtype) for a in (x_MK, w_KN) if jnp.dtype(a.dtype) not in DTYPES]
-    why = why or (f"dtype {bad[0]} (the kernel takes float32, bfloat16, float16)" if bad else "")
+    why = why or _dtypes_why(x_MK.dtype, w_KN.dtype)
     if norm is not None and norm.kind not in NORMS:
         why = why or f"norm {norm.kind!r} (it takes {NORMS})"
     if why:

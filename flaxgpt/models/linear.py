@@ -150,10 +150,7 @@ class Linear(nn.Module):
         (M, K), N = x_MK.shape, kernel.shape[1]
         dtype = jnp.dtype(self.dtype or jnp.result_type(x, kernel, *(() if bias is None else (bias,))))
         out = dtype if residual is None else jnp.result_type(residual, dtype)
-        dtypes = (x.dtype, kernel.dtype, dtype, out)
-        if pallas_decode.why_not(M, N, K, self.splits) or any(
-            jnp.dtype(d) not in pallas_decode.DTYPES for d in dtypes
-        ):
+        if not pallas_decode.takes(M, N, K, x.dtype, kernel.dtype, dtype, out, splits=self.splits):
             return None
         res_MN = None if residual is None else residual.reshape(M, N)
         y_MN = pallas_decode.gemv(
