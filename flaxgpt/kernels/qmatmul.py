@@ -104,8 +104,9 @@ def dequantize(w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
 
 def route(M: int, N: int, K: int, wdtype, group: int = 0) -> str:
     """Which form multiplies x [M, K] by a quantized w [N, K] in the program being traced: "pallas"
-    (kernels.pallas_qgemv), "int4" (kernels.int4's XLA form) or "dense" (int8 / bf16: the CPU kernel,
-    the reduce experiment or XLA's dot, below). group: int4's group size (0 for int8 / bf16)."""
+    (kernels.pallas_qgemv), "int4" (kernels.int4's XLA form), "reduce" (FLAXGPT_QMATMUL=reduce's
+    multiply-reduce, int8 / bf16 decoding rows off CPUs) or "dense" (int8 / bf16: the CPU kernel or
+    XLA's dot, below). group: int4's group size (0 for int8 / bf16)."""
     mode = os.environ.get("FLAXGPT_QMATMUL", "")
     int4 = jnp.dtype(wdtype) == jnp.uint8
     tiles = jnp.dtype(wdtype) in (jnp.int8, jnp.uint8) and not pallas_qgemv.why_not(M, N, K, group)
@@ -114,7 +115,9 @@ def route(M: int, N: int, K: int, wdtype, group: int = 0) -> str:
     # int4 on one GPU: the GEMV, 3.2x XLA's unpack-then-dot on the 8B shape (module docstring)
     if tiles and int4 and not mode and target.platform() == "gpu" and target.one_device():
         return "pallas"
-    return "int4" if int4 else "dense"
+    if int4:
+        return "int4"
+    return "reduce" if mode == "reduce" and M <= REDUCE_ROWS and target.platform() != "cpu" else "dense"
 
 
 def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
@@ -129,7 +132,7 @@ def qmatmul(x_MK: jax.Array, w_NK: jax.Array, scale_N: jax.Array) -> jax.Array:
     if name is None:
         raise ValueError(f"qmatmul weights must be int8, bfloat16 or int4 (uint8), got {w_NK.dtype}")
     dims = (((1,), (1,)), ((), ()))
-    if target.platform() != "cpu" and M <= REDUCE_ROWS and os.environ.get("FLAXGPT_QMATMUL", "") == "reduce":
+    if how == "reduce":
         # an experiment for decoding on GPUs (benchmarks/gpu_lease.py decode_llama8b_reduce): each output
         # channel's row of w read once by a row reduction over K with the convert inside it, in place
         # of XLA's GEMM fusion, whose int8 matrix-vector products read 2.0 TB/s on an H200 (of 4.8)
