@@ -124,6 +124,12 @@ def fp8_grouped(x_AK, w_EKN, group_sizes_E, matmul, weight_grad, matmul_t=None):
     return _grouped_forward(x_AK, w_EKN, group_sizes_E, matmul)[0]
 
 
+def transposed(matmul):
+    """matmul_t from a grouped `matmul` (fp8_grouped's contract): a times each group's matrix
+    transposed, over the stack's transposed copy."""
+    return lambda a, b, *rest: matmul(a, jnp.swapaxes(b, 1, 2), *rest)
+
+
 def _grouped_forward(x_AK, w_EKN, group_sizes_E, matmul):
     x8_AK, x_inv = quantize(x_AK, E4M3)
     w8_EKN, w_inv = quantize(w_EKN, E4M3)
@@ -139,8 +145,7 @@ def _grouped_fwd(x_AK, w_EKN, group_sizes_E, matmul, weight_grad, matmul_t):
 def _grouped_bwd(matmul, weight_grad, matmul_t, res, dy_AN):
     x8_AK, x_inv, w8_EKN, w_inv, group_sizes_E, (x_dtype, w_dtype) = res
     g8_AN, g_inv = quantize(dy_AN, E5M2)
-    if matmul_t is None:
-        matmul_t = lambda a, b, *rest: matmul(a, jnp.swapaxes(b, 1, 2), *rest)  # noqa: E731
+    matmul_t = matmul_t or transposed(matmul)
     dx_AK = matmul_t(g8_AN, w8_EKN, group_sizes_E, g_inv * w_inv, x_dtype.dtype)  # dY W^T
     dw_EKN = weight_grad(x8_AK, g8_AN, group_sizes_E, x_inv * g_inv, w_dtype.dtype)  # X^T dY a group
     return dx_AK, dw_EKN, None

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxgpt.kernels import target
+from flaxgpt.kernels import fp8, target
 
 GROUP_M = 8  # row tiles a swizzled group of programs (Triton's matmul tutorial's choice)
 MIN_BLOCK = 16  # Triton's dot takes tiles of at least 16 in each dimension
@@ -136,8 +136,11 @@ def fp8_functions(matmul, weight_grad, tiles: Tiles | None = None):
         return tgmm(a, g, sizes, tiles=tiles, interpret=interpret, scale=scale).astype(out_dtype)
 
     transposed = functools.partial(forward, transpose_w=True)
-    matmul_t = lambda a, b, sizes, scale, dtype: matmul(a, jnp.swapaxes(b, 1, 2), sizes, scale, dtype)  # noqa: E731
-    return on_platform(forward, matmul), on_platform(grad, weight_grad), on_platform(transposed, matmul_t)
+    return (
+        on_platform(forward, matmul),
+        on_platform(grad, weight_grad),
+        on_platform(transposed, fp8.transposed(matmul)),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
