@@ -83,6 +83,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness  # first: the benchmarks' one sys.path rule, see harness.py
+
 ROOT = Path(__file__).resolve().parents[1]
 PEAK = 989e12  # dense bf16 FLOP/s, H100 SXM and H200 alike
 # HBM bytes/s by device kind (the percentages of the decoding rows); the lease may give either card
@@ -581,10 +583,7 @@ def run_part(a, name: str, limit: float) -> list[dict]:
 def table(rows: list[dict]) -> str:
     cols = ["part", "what", "tokens_per_s", "mfu", "step_ms", "ms_per_token", "hbm_pct", "peak_gib", "result"]
     cols = [c for c in cols if any(c in r for r in rows)]
-    fmt = lambda c, v: "" if v is None else (f"{v:.1%}" if c == "mfu" else str(v))  # noqa: E731
-    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    lines += ["| " + " | ".join(fmt(c, r.get(c)).replace("|", "/") for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return harness.markdown(rows, cols, lambda c, v: f"{v:.1%}" if c == "mfu" else str(v))
 
 
 def main(argv=None) -> int:
@@ -614,7 +613,6 @@ def main(argv=None) -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
     if a.part:  # a child: one part
-        sys.path.insert(0, str(ROOT))
         fn = {
             "decode_gpt2": lambda: part_decode(a, "gpt2"),
             "decode_gpt2_plain": lambda: part_decode(a, "gpt2"),

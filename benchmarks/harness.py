@@ -126,6 +126,14 @@ class Report:
         return "\n".join(lines)
 
 
+def markdown(rows: Sequence[dict], cols: Sequence[str], fmt: Callable = lambda col, v: str(v)) -> str:
+    """rows as a markdown table of `cols` (a missing or None cell empty; fmt(col, value) writes a
+    cell, its '|' made '/')."""
+    cell = lambda c, r: "" if r.get(c) is None else fmt(c, r[c]).replace("|", "/")  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(cell(c, r) for c in cols) + " |" for r in rows])
+
+
 def order(names: Sequence[str], round_: int) -> list[str]:
     """The sides' order in round `round_`: as given in even rounds, reversed in odd ones."""
     return list(names) if round_ % 2 == 0 else list(reversed(names))

@@ -56,7 +56,7 @@ import statistics
 import time
 from pathlib import Path
 
-import harness  # noqa: F401  (first: the benchmarks' one sys.path rule, see harness.py)
+import harness  # first: the benchmarks' one sys.path rule, see harness.py
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -304,12 +304,6 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def table(rows: list[dict], cols: list[str]) -> str:
-    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    cell = lambda v: "" if v is None else str(v).replace("|", "/")  # noqa: E731
-    return "\n".join(lines + ["| " + " | ".join(cell(r.get(c)) for c in cols) + " |" for r in rows])
-
-
 def compile_for(a) -> int:
     """--compile_for: every 1-row program of the plan (and the 4-row ones with the default tiling)
     compiled on this machine for a `flaxgpt aot` GPU target, no device: which tilings Triton and XLA
@@ -443,9 +437,9 @@ def main(argv=None) -> int:
         del case4
     cases.clear()
     cols = ["model", "shape", "weights", "M", "impl", "tiles", "us", "gbps", "pct_copy", "err", "error"]
-    print(table([r for r in rows if r.get("section") == "gemv"], cols))
+    print(harness.markdown([r for r in rows if r.get("section") == "gemv"], cols))
     print(
-        table(
+        harness.markdown(
             [r for r in rows if r.get("section") != "gemv"],
             ["section", "what", "gbps", "ms", "tflops", "error"],
         )
@@ -453,7 +447,7 @@ def main(argv=None) -> int:
     best_rows = summary(rows)
     print(f"\nbest tiling per (kernel, shape), copy ceiling {rows[0]['gbps']} GB/s ({device.device_kind}):")
     cols = ["model", "shape", "weights", "M", "tilings", "best", "best_gbps", "best_pct", "default_gbps"]
-    print(table(best_rows, cols + ["xla_gbps", "best_vs_xla", "wrong"]))
+    print(harness.markdown(best_rows, cols + ["xla_gbps", "best_vs_xla", "wrong"]))
     if a.json:
         a.json.write_text(json.dumps(rows + [dict(section="best", **r) for r in best_rows], indent=1) + "\n")
     print(f"done in {time.perf_counter() - t_start:.0f} s")

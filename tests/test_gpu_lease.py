@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its `import harness`, as `python benchmarks/...` finds it
 _spec = importlib.util.spec_from_file_location("gpu_lease", ROOT / "benchmarks/gpu_lease.py")
 lease = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lease)
