@@ -40,7 +40,8 @@ def data(tmp_path_factory):
 
 def config(data, **kw):
     c = default.get_config()
-    c.data.dir, c.out_dir = str(data / "pigs"), tempfile.mkdtemp(prefix="flaxgpt_test_")
+    # a fresh run directory inside pytest's managed temporary tree (cleaned with it)
+    c.data.dir, c.out_dir = str(data / "pigs"), tempfile.mkdtemp(prefix="run_", dir=data)
     c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 1, 2, 32, 16
     c.batch_size, c.max_iters, c.eval_interval, c.eval_iters, c.log_interval = 8, 4, 2, 1, 2
     c.optim.warmup_steps = 2

@@ -32,7 +32,8 @@ def data_dir(tmp_path_factory):
 def tiny_config(data_dir, **kw):
     c = default.get_config()
     c.data.dir = str(data_dir)
-    c.out_dir = tempfile.mkdtemp(prefix="flaxgpt_test_")  # the Trainer makes out_dir/checkpoints
+    # a fresh run directory beside the data, inside pytest's managed temporary tree (cleaned with it)
+    c.out_dir = tempfile.mkdtemp(prefix="run_", dir=Path(data_dir).parent)
     c.model.n_layer, c.model.n_head, c.model.n_embd, c.model.block_size = 1, 2, 32, 16
     c.model.pad_vocab_multiple = 8
     c.batch_size, c.max_iters, c.eval_iters, c.log_interval = 16, 5, 2, 1
