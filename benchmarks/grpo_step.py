@@ -8,6 +8,7 @@ harness.
     python benchmarks/grpo_step.py --rollouts engine --off_policy_steps 1   # flaxgpt's rollouts async
     python benchmarks/grpo_step.py --rollouts engine,async  # the synchronous engine and the async row
     python benchmarks/grpo_step.py --multi_turn             # episodes: grpo.env vs TRL's rollout_func
+    python benchmarks/grpo_step.py --grad_accum 4           # both updates in 4 micro-batches
 
 One random Llama (--layers x --dim, a byte-level BPE trained here) saved with transformers is the
 policy's start on both sides; the prompts are arithmetic questions of one token length ({prompt,
@@ -16,8 +17,10 @@ the blocks, --prompts prompts x G --generations completions a step of exactly --
 (the end-of-sequence token's output row is zeroed and the others scaled up, so its probability is
 < 1e-10 a token and no completion ends early: both sides report the completions' mean length),
 temperature 1, top-p 1, no top-k, beta 0, one iteration (no old log-probs kept), the dapo loss,
-group-scaled rewards, AdamW lr 1e-5 constant, no weight decay, clipping at norm 1. The reward: the
-shipped `answer` and `length=160` on flaxgpt's side, the same two in Python on TRL's.
+group-scaled rewards, AdamW lr 1e-5 constant, no weight decay, clipping at norm 1, the step's
+completions in --grad_accum micro-batches (flaxgpt's grad_accum; TRL's per_device_train_batch_size
+N / grad_accum with gradient_accumulation_steps grad_accum: one generation batch a step on both).
+The reward: the shipped `answer` and `length=160` on flaxgpt's side, the same two in Python on TRL's.
 flaxgpt: configs/grpo_toy.py turned to the model (trainer.train's path: flaxgpt prepare --dataset
 prompts, a Trainer, its rollout then its jitted step), grpo.rollout = engine and = generate as two
 sides; a step's wall time is between two `after_step` hooks (each after the step's update finished),
@@ -171,7 +174,7 @@ def run_flaxgpt(a) -> dict:
     c.grpo.reward_funcs, c.grpo.reward_weights, c.grpo.eval_prompts = ("answer", f"length={LENGTH}"), (), 0
     if a.side == "flaxgpt_episodes":  # the environment's reward (config_check wants a reward function)
         c.grpo.env, c.grpo.reward_funcs = "grpo_step:Turns", ("grpo_step:no_reward",)
-    c.batch_size, c.grad_accum = a.prompts * a.generations, 1
+    c.batch_size, c.grad_accum = a.prompts * a.generations, a.grad_accum
     # one step more: the trainer samples step k + 1's completions before after_step(k + 1), so the
     # interval between after_step(k) and after_step(k + 1) is update k + rollout k + 1, except the last
     # one (no rollout after the last update), which is left out
@@ -270,8 +273,9 @@ def run_trl(a) -> dict:
     tok.pad_token = tok.eos_token
     rows = [json.loads(x) for x in (model_dir / "prompts.jsonl").read_text().splitlines()]
     n = a.prompts * a.generations
-    args = GRPOConfig(
-        output_dir=str(model_dir / f"trl_{os.getpid()}"), per_device_train_batch_size=n,
+    args = GRPOConfig(  # a step: one generation batch of n completions, in grad_accum micro-batches
+        output_dir=str(model_dir / f"trl_{os.getpid()}"), per_device_train_batch_size=n // a.grad_accum,
+        gradient_accumulation_steps=a.grad_accum,
         num_generations=a.generations, max_completion_length=a.completion, max_steps=a.warmup + a.steps,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, num_iterations=1, loss_type="dapo",
         scale_rewards="group", learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
@@ -336,6 +340,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--lora_rank", type=int, default=16)
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-batches an update (both sides)")
     p.add_argument(
         "--rollouts", default="engine,generate,async",
         help="flaxgpt sides: engine, generate, async (engine rollouts, grpo.off_policy_steps >= 1)",
@@ -355,7 +360,7 @@ def main() -> None:
         a.layers, a.dim, a.completion, a.steps, a.warmup = 2, 128, 24 if a.multi_turn else 8, 1, 1
         a.rollouts = a.rollouts if a.rollouts != "engine,generate,async" else "engine"
     keep = ["--steps", a.steps, "--warmup", a.warmup, "--prompts", a.prompts, "--generations", a.generations,
-            "--completion", a.completion, "--lora_rank", a.lora_rank,
+            "--completion", a.completion, "--lora_rank", a.lora_rank, "--grad_accum", a.grad_accum,
             "--off_policy_steps", a.off_policy_steps, "--merge_lora", a.merge_lora]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         eos_weight = EOS_WEIGHT if a.multi_turn else 0.0
