@@ -354,6 +354,8 @@ def main() -> None:
     p.add_argument("--side", choices=sides, help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.grad_accum < 1 or (a.prompts * a.generations) % a.grad_accum:
+        p.error(f"--grad_accum {a.grad_accum} must divide the step's {a.prompts * a.generations} completions")
     if a.side:
         return harness.print_result((run_trl if a.side.startswith("trl") else run_flaxgpt)(a))
     if a.quick:  # each side once, no harness rounds (at least 4 of them would not fit 2 minutes)
