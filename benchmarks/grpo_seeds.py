@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -56,7 +57,10 @@ def read_curve(run_dir: Path) -> dict[int, float]:
     curve = {}
     if path.exists():
         for line in path.read_text().splitlines():
-            row = json.loads(line) if line.strip() else {}
+            try:
+                row = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError:  # the line train.py is writing now: read at the next poll
+                continue
             if METRIC in row:
                 curve[int(row["step"])] = float(row[METRIC])
     return curve
@@ -69,7 +73,9 @@ def report(curves: dict[int, dict[int, float]], every: int = 0) -> tuple[str, di
     if empty:
         raise ValueError(f"seed(s) {empty} logged no {METRIC}: did the runs evaluate (eval_interval)?")
     last = max(max(c) for c in curves.values())
-    every = every or max(1, round(last / 8))
+    if not every:  # about 8 columns, each an evaluation step: a multiple of the evaluations' interval
+        interval = math.gcd(*{s for c in curves.values() for s in c}) or 1
+        every = max(1, round(last / 8 / interval)) * interval
     steps = sorted({s for c in curves.values() for s in c if s % every == 0} | {last})
     lines = ["| step | " + " | ".join(map(str, steps)) + " |", "| --- |" + " ---: |" * len(steps)]
     finals = {}
@@ -90,24 +96,35 @@ def run_seed(a, seed: int, run_dir: Path) -> float:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # configs/, flaxgpt
     env = {**os.environ, "PYTHONPATH": path}
     print(f"seed {seed}: {' '.join(cmd[1:])} (log: {log})", flush=True)
-    t0, shown = time.perf_counter(), 0
+    t0 = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        while True:  # bounded by the run: it ends when train.py does
-            done = proc.poll() is not None
-            curve = read_curve(run_dir)
-            for step in sorted(curve)[shown:]:
-                took = time.perf_counter() - t0
-                print(f"  seed {seed} step {step}: {METRIC} {curve[step]:.3f} ({took:.0f} s)", flush=True)
-            shown = len(curve)
-            if done:
-                break
-            time.sleep(2)
+        try:
+            _follow(proc, seed, run_dir, t0)
+        finally:  # interrupted here (Ctrl-C): the run does not go on alone
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=60)
     if proc.returncode:
         tail = [line for line in log.read_text().splitlines() if line.strip()][-1:] or ["(no output)"]
         why = f"train.py exited {proc.returncode}: {tail[0]}"
         raise SystemExit(f"grpo_seeds: seed {seed}: {why} (log: {log})")
     return time.perf_counter() - t0
+
+
+def _follow(proc, seed: int, run_dir: Path, t0: float) -> None:
+    """Each evaluation of the run as it lands in its metrics.jsonl, until train.py ends."""
+    shown = 0
+    while True:  # bounded by the run: it ends when train.py does
+        done = proc.poll() is not None
+        curve = read_curve(run_dir)
+        for step in sorted(curve)[shown:]:
+            took = time.perf_counter() - t0
+            print(f"  seed {seed} step {step}: {METRIC} {curve[step]:.3f} ({took:.0f} s)", flush=True)
+        shown = len(curve)
+        if done:
+            break
+        time.sleep(2)
 
 
 def main(argv=None) -> None:

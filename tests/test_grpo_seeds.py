@@ -33,6 +33,14 @@ def test_report_mean_worst_and_columns(tmp_path):
     assert summary["finals"] == {0: 0.8, 1: 0.5, 2: 0.9}
     assert summary["mean"] == pytest.approx((0.8 + 0.5 + 0.9) / 3) and summary["worst"] == 0.5
     lines = table.splitlines()
+    # about 8 columns on the evaluations' steps: every 50 of 400 evaluated each 10; 60 of 500 each 5
+    ten = {s: 0.5 for s in range(0, 401, 10)}
+    assert (
+        seeds.report({0: ten})[0].splitlines()[0]
+        == "| step | " + " | ".join(map(str, range(0, 401, 50))) + " |"
+    )
+    five = {s: 0.5 for s in range(0, 501, 5)}
+    assert seeds.report({0: five})[0].splitlines()[0].endswith("| 420 | 480 | 500 |")
     assert lines[0] == "| step | 0 | 50 | 100 |" and lines[1] == "| --- | ---: | ---: | ---: |"
     assert lines[3] == "| val_reward, seed 1 | 0.2 | 0.3 | **0.5** |"
     # a seed that stopped early: its last evaluation is its final, in bold where the others have none
@@ -42,6 +50,8 @@ def test_report_mean_worst_and_columns(tmp_path):
     with pytest.raises(ValueError, match="seed\\(s\\) \\[1\\] logged no val_reward"):
         seeds.report({0: {0: 0.1}, 1: {}})
     write_run(tmp_path / "r", {0: 0.25, 10: 0.5})
+    with open(tmp_path / "r/metrics.jsonl", "a") as f:
+        f.write('{"step": 20, "val_rew')  # the line train.py is writing as the run is read
     assert seeds.read_curve(tmp_path / "r") == {0: 0.25, 10: 0.5}
 
 
