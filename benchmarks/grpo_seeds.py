@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import statistics
 import subprocess
@@ -93,12 +92,10 @@ def run_seed(a, seed: int, run_dir: Path) -> float:
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", a.config, f"--config.seed={seed}"]
     cmd += [f"--config.out_dir={run_dir}", *(f"--config.{kv}" for kv in a.set)]
     log = run_dir.with_name(run_dir.name + ".log")
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # configs/, flaxgpt
-    env = {**os.environ, "PYTHONPATH": path}
     print(f"seed {seed}: {' '.join(cmd[1:])} (log: {log})", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)  # ROOT on its path: train.py's
         try:
             _follow(proc, seed, run_dir, t0)
         finally:  # interrupted here (Ctrl-C): the run does not go on alone

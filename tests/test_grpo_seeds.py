@@ -33,6 +33,8 @@ def test_report_mean_worst_and_columns(tmp_path):
     assert summary["finals"] == {0: 0.8, 1: 0.5, 2: 0.9}
     assert summary["mean"] == pytest.approx((0.8 + 0.5 + 0.9) / 3) and summary["worst"] == 0.5
     lines = table.splitlines()
+    assert lines[0] == "| step | 0 | 50 | 100 |" and lines[1] == "| --- | ---: | ---: | ---: |"
+    assert lines[3] == "| val_reward, seed 1 | 0.2 | 0.3 | **0.5** |"
     # about 8 columns on the evaluations' steps: every 50 of 400 evaluated each 10; 60 of 500 each 5
     ten = {s: 0.5 for s in range(0, 401, 10)}
     assert (
@@ -41,8 +43,6 @@ def test_report_mean_worst_and_columns(tmp_path):
     )
     five = {s: 0.5 for s in range(0, 501, 5)}
     assert seeds.report({0: five})[0].splitlines()[0].endswith("| 420 | 480 | 500 |")
-    assert lines[0] == "| step | 0 | 50 | 100 |" and lines[1] == "| --- | ---: | ---: | ---: |"
-    assert lines[3] == "| val_reward, seed 1 | 0.2 | 0.3 | **0.5** |"
     # a seed that stopped early: its last evaluation is its final, in bold where the others have none
     table, summary = seeds.report({0: {0: 0.1, 100: 0.6}, 1: {0: 0.1, 40: 0.7}}, every=100)
     assert summary["finals"] == {0: 0.6, 1: 0.7}
