@@ -315,6 +315,14 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
     # slots for that process's share of a step's completions
     processes = len({d.process_index for d in devices})
     devices = grpo_rollout.engine_devices(devices, devices[0].process_index)
+    replicas, slots = int(s.grpo.engine_replicas), max(config.batch_size // processes, 1)
+    if replicas > 1:  # grpo_rollout.Replicas: one replica's programs, on one device, its share of slots
+        if replicas > len(devices):
+            raise ValueError(
+                f"grpo.engine_replicas={replicas} wants a device a replica; the engine has {len(devices)} "
+                f"on this target: set it to at most {len(devices)}"
+            )
+        devices, slots = devices[:1], -(-slots // replicas)
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
     merged = False
     if lora_on:  # the GRPO task's policy (train.policy.LoraPolicy) over the decoding config
@@ -332,14 +340,17 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
             param_bytes = per_device_bytes((base, adapters))
     W, chunk = cfg.block_size, min(s.grpo.max_completion_length, grpo_rollout.CHUNK)
     progs = serve_programs(
-        mc, devices, slots=max(config.batch_size // processes, 1), max_len=W, chunk=chunk, prefill_chunk=W,
+        mc, devices, slots=slots, max_len=W, chunk=chunk, prefill_chunk=W,
         decoding=(cfg, step, mesh, param_bytes),
     )  # fmt: skip
     what = "the parameters"
     if lora_on:
         what = f"LoRA r {s.lora.rank} {'merged into' if merged else 'over'} a {s.lora.base_dtype} base"
-    pushed = adapters if lora_on else nn.unbox(gpt.abstract_params(cfg))  # what each rollout receives
-    sent = traffic(config, mc, pushed, lora_on, len(devices), separate)
+    # what each rollout receives: the adapters, or the parameters (replicas: the merged ones too)
+    pushed = adapters if lora_on and not (merged and replicas > 1) else nn.unbox(gpt.abstract_params(cfg))
+    sent = traffic(config, mc, pushed, lora_on, len(devices) * replicas, separate, whole=replicas > 1)
+    if replicas > 1:
+        what += f"; one of {replicas} replicas (a device each)"
     return [
         dataclasses.replace(
             p,
@@ -350,13 +361,16 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
     ]
 
 
-def traffic(config, mc, pushed, lora_on: bool, engine_devices: int, separate: bool) -> str:
+def traffic(
+    config, mc, pushed, lora_on: bool, engine_devices: int, separate: bool, whole: bool = False
+) -> str:
     """What crosses between the trainer and the engine each GRPO step: the trained weights pushed to
     the engine (LoRA's adapters whole on each engine device; full fine-tuning's parameters split by
-    SERVE_RULES), and the rollouts back (the step's batch_size rows of prompt + completion tokens and
-    their per-token fields, through the host: grpo_task's batch)."""
+    SERVE_RULES; `whole`: grpo.engine_replicas, whole on each replica's device), and the rollouts
+    back (the step's batch_size rows of prompt + completion tokens and their per-token fields,
+    through the host: grpo_task's batch)."""
     w = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(pushed))
-    copies = engine_devices if lora_on else 1  # replicated adapters: each device receives them all
+    copies = engine_devices if lora_on or whole else 1  # replicated: each device receives them all
     task = Task.abstract(config, mc)
     shapes = task.batch_shapes(config.batch_size)
     rows, T = shapes["inputs"][0]

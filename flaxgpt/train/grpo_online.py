@@ -106,6 +106,7 @@ class Rollouts:
         self.dynamic_rounds = g.dynamic_sampling_rounds if g.dynamic_sampling else None
         self.pipeline = None  # off_policy_steps > 0: rollouts k steps ahead on a thread of their own
         self.engine_devices, self.own_devices = int(g.engine_devices), None  # the engine's own: reserve
+        self.replicas = int(g.engine_replicas)  # > 1: grpo_rollout.Replicas over the engine's devices
         if g.off_policy_steps:
             grpo_rollout.check_over_devices(jax.process_count(), g.off_policy_steps)
             self.pipeline = grpo_async.Pipeline(self.sampled, g.off_policy_steps, config.max_iters)
@@ -154,10 +155,23 @@ class Rollouts:
     def on_mesh(self, mesh, frozen) -> None:
         """The trainer placed the weights on `mesh`: the engine follows them over several devices,
         or goes to its own (grpo.engine_devices)."""
-        if self.engine is not None and self.own_devices is not None:
+        if self.engine is not None and self.replicas > 1:
+            self._replicas_over(self.own_devices or list(mesh.devices.flat))
+        elif self.engine is not None and self.own_devices is not None:
             self._engine_over(self.own_devices, frozen)
         elif self.engine is not None and mesh.size > 1:
             self._engine_over(list(mesh.devices.flat), frozen)
+
+    def _replicas_over(self, devices) -> None:
+        """grpo.engine_replicas engines, one on each of the first of `devices` (this process's)."""
+        devices = grpo_rollout.engine_devices(devices)
+        if self.replicas > len(devices):
+            raise ValueError(
+                f"grpo.engine_replicas={self.replicas} wants a device a replica; the engine has "
+                f"{len(devices)} here: set it to at most {len(devices)}, or split the CPU into more "
+                "devices (mesh.cpu_devices)"
+            )
+        self.engine = grpo_rollout.Replicas(self.engine, devices[: self.replicas])
 
     def _engine_over(self, devices, frozen) -> None:
         """The engine over `devices` (the training mesh's, or its own), on a (data 1, fsdp n) mesh of

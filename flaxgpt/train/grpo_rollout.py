@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 from jax.experimental import multihost_utils
@@ -200,9 +202,16 @@ class EngineRollouts:
         max_new = max_new or self.max_new
         return Rows.of(self.sampling, max_new_tokens=max_new, seed=seed, stream=stream, logprobs=want)
 
-    def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
+    def replica(self, mesh, slots: int) -> EngineRollouts:
+        """This engine's settings over `mesh` with `slots` slots, its own engine (Replicas')."""
+        other = copy.copy(self)
+        other.mesh, other.slots, other.engine = mesh, slots, None
+        return other
+
+    def sample(self, weights, prompt_ids, group_size: int, *, seed: int, stream0: int = 0):
         """(prompts, completion ids): N = prompts x G token lists, prompt-major (completion n is prompt
-        n // G's), each ending with the EOS id when it stopped there (grpo_task.sample_groups'); with
+        n // G's; its key's stream stream0 + n: Replicas' share of a step starts at `stream0`), each
+        ending with the EOS id when it stopped there (grpo_task.sample_groups'); with
         `logprobs` each a Completion carrying its tokens' log-probs under `weights` (the engine's, of the
         model's logits as token_logprobs gives them: softmax(logits / temperature)'s at temperature 1)."""
         engine, G = self.engine_for(weights), int(group_size)
@@ -221,7 +230,7 @@ class EngineRollouts:
                 if G > 1 and n % G == 0 and len(free) >= G:
                     group = [waiting.popleft() for _ in range(G)]
                     slots = [free.pop() for _ in range(G)]
-                    rows = [self.rows_for(m, seed) for m in group]
+                    rows = [self.rows_for(stream0 + m, seed) for m in group]
                     prefix = engine.prefill(prompt_ids[n // G], rows[0], hold=True)
                     first_G, lp_G = engine.insert_group(prefix, rows, slots)
                     firsts[n : n + G] = [(first_G, g) for g in range(G)]
@@ -230,7 +239,7 @@ class EngineRollouts:
                     owner.update(zip(slots, group, strict=True))
                     continue
                 waiting.popleft()
-                rows = self.rows_for(n, seed)
+                rows = self.rows_for(stream0 + n, seed)
                 if n % G == 0:  # a prompt's first completion: its one prefill
                     prefix = engine.prefill(prompt_ids[n // G], rows, hold=G > 1)
                 first = prefix if G == 1 else engine.fork(prefix, rows)  # as the prefill's draw with rows
@@ -255,6 +264,54 @@ class EngineRollouts:
         if self.logprobs:
             out = [Completion(c, logp=[f, *r]) for c, f, r in zip(out, first_lp, rest_lp, strict=True)]
         return [list(p) for p in prompt_ids for _ in range(G)], out
+
+
+class Replicas:
+    """grpo.engine_replicas = k > 1: k engines (EngineRollouts.replica), one a device, each with the
+    whole weights (its own copy, put there at each rollout) and a share of the step's prompts (whole
+    groups, in order: the keys are those of one engine's), each share driven by a thread of its own.
+    Where one engine's decoding step leaves devices idle: a small model on a CPU split into one device
+    a core (mesh.cpu_devices; XLA:CPU runs a product of 32 rows on one thread), or on GPUs that each
+    hold the model, where splitting its heads (one engine over them all) makes every layer wait on the
+    others. `mesh` None: the weights come as the trainer holds them (grpo_online._engine_weights)."""
+
+    mesh = None
+
+    def __init__(self, one: EngineRollouts, devices):
+        k = len(devices)
+        self.shardings = [sharding.replicated(sharding.make_mesh(1, 1, [d])) for d in devices]
+        self.parts = [one.replica(s.mesh, -(-one.slots // k)) for s in self.shardings]
+        self.bases = [None] * k  # unmerged LoRA: each replica's copy of the frozen base
+        self.pool = ThreadPoolExecutor(k, thread_name_prefix="rollout-replica")
+
+    def _placed(self, weights, i: int):
+        """Replica i's weights: the parameters (merged or not) put on its device at every rollout (no
+        copy where they lie); LoRA's frozen base (weights (base, adapters), unmerged) copied once."""
+        if not isinstance(weights, tuple):
+            return jax.device_put(weights, self.shardings[i])
+        base, adapters = weights
+        if self.bases[i] is None:  # a copy: the train step donates the trainer's
+            self.bases[i] = jax.device_put(base, self.shardings[i], may_alias=False)
+        return self.bases[i], jax.device_put(adapters, self.shardings[i])
+
+    def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
+        """EngineRollouts.sample's (prompts, completion ids), replica i sampling prompts i*P//k ..."""
+        k, P = len(self.parts), len(prompt_ids)
+        bounds = [P * i // k for i in range(k + 1)]
+
+        # each replica's copy, put here: jax 0.10's device_put of an array that spans several devices
+        # is not safe from two threads at once (its slow path's buffer list read as another's)
+        weights_k = [self._placed(weights, i) for i in range(k)]
+
+        def share(i):
+            lo, hi = bounds[i], bounds[i + 1]
+            if lo == hi:
+                return [], []
+            part, G = self.parts[i], group_size
+            return part.sample(weights_k[i], prompt_ids[lo:hi], G, seed=seed, stream0=lo * G)
+
+        shares = list(self.pool.map(share, range(k)))
+        return [p for s in shares for p in s[0]], [c for s in shares for c in s[1]]
 
 
 def _on_host(values) -> list:

@@ -143,6 +143,13 @@ class GRPOSection(grpo_task.GRPOOptions):
         "the trainer's mesh on the rest; 0 = both on the training mesh's devices",
         0,
     )
+    engine_replicas: int = opt(
+        1,
+        "the engine as this many replicas, one a device of its devices (the training mesh's or "
+        "engine_devices'), each with the whole weights and a share of the step's prompts: a small model "
+        "over mesh.cpu_devices or GPUs that each hold it; 1 = one engine over them all (heads split)",
+        1,
+    )
     dynamic_sampling: bool = opt(False, "DAPO: groups whose rewards are all equal dropped and refilled")
     dynamic_sampling_rounds: int = opt(4, "... with at most this many more prompt batches a step", 0)
 
@@ -165,6 +172,12 @@ class GRPOSection(grpo_task.GRPOOptions):
                 f"--config.grpo.engine_devices={self.engine_devices} gives the engine devices of its own, "
                 "which only the asynchronous engine's rollouts use: set grpo.off_policy_steps >= 1 and "
                 "grpo.rollout=engine (on-policy rollouts and updates take turns: separate devices idle)"
+            )
+        if self.engine_replicas > 1 and (self.rollout != "engine" or self.env):
+            why = f"grpo.env={self.env!r} plays" if self.env else f"grpo.rollout={self.rollout} samples"
+            raise ConfigError(
+                f"--config.grpo.engine_replicas={self.engine_replicas} splits the engine's one-shot "
+                f"rollouts; {why} them otherwise: set grpo.engine_replicas=1"
             )
         if self.off_policy_steps and self.num_iterations > 1:
             raise ConfigError(

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ pac
 
 from configs import grpo_toy  # noqa: E402
 from flaxgpt.data import batches as data_lib  # noqa: E402
-from flaxgpt.train import grpo_async, grpo_dynamic, grpo_online, grpo_task  # noqa: E402
+from flaxgpt.train import grpo_async, grpo_dynamic, grpo_online, grpo_rollout, grpo_task  # noqa: E402
 from flaxgpt.train import trainer as trainer_lib  # noqa: E402
 from flaxgpt.train.config_check import ConfigError  # noqa: E402
 from tests.train.test_grpo_train import llama_prompts, llama_recipe, toy_data  # noqa: E402, F401
@@ -188,6 +188,10 @@ def test_bad_async_settings(tmp_path):
         "set grpo.off_policy_steps >= 1 and grpo.rollout=engine": {
             "grpo.engine_devices": 4, "grpo.off_policy_steps": 1, "grpo.rollout": "generate"
         },
+        "grpo.engine_replicas=2 splits the engine's one-shot rollouts; grpo.rollout=generate samples": {
+            "grpo.engine_replicas": 2, "grpo.rollout": "generate"
+        },
+        "grpo.engine_replicas=0 must be >= 1": {"grpo.engine_replicas": 0},
     }  # fmt: skip
     for message, over in cases.items():
         with pytest.raises((ConfigError, ValueError)) as e:
@@ -236,3 +240,44 @@ def test_engine_on_devices_of_its_own_trains_as_the_shared_run(tmp_path, monkeyp
     config.grpo.engine_devices, config.out_dir = 4, str(tmp_path / "never")
     with pytest.raises(ValueError, match="grpo.engine_devices=4 leaves the trainer none of the run's 4"):
         trainer_lib.train(config, devices=jax.devices()[:4], print_fn=lambda *a: None)
+
+
+@pytest.mark.devices(2)
+@pytest.mark.parametrize("k", [0, 1])
+def test_engine_replicas_train_as_one_engine(tmp_path, monkeypatch, k):
+    """grpo.engine_replicas=2 over the trainer's 2 devices (mesh data 2): an engine on each device,
+    each sampling half the step's prompts (and the evaluation's), gives the losses and the
+    parameters of the run whose one engine spans both devices, synchronous (k 0) and off-policy
+    (k 1: to the log-probs' rounding); more replicas than devices is one line."""
+    data = toy_data(tmp_path)
+    built = []
+
+    def replicas(self, one, devices, real=grpo_rollout.Replicas.__init__):
+        built.append([d.id for d in devices])
+        return real(self, one, devices)
+
+    monkeypatch.setattr(grpo_rollout.Replicas, "__init__", replicas)
+    runs = []
+    for n in (1, 2):
+        over = {"grpo.off_policy_steps": k, "grpo.engine_replicas": n, "eval_interval": 2}
+        out = tmp_path / f"run{n}"
+        summary = trainer_lib.train(
+            recipe(data, out, **over), devices=jax.devices()[:2], print_fn=lambda *a: None
+        )
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        evals = [x["val_reward"] for x in lines if "val_reward" in x]
+        runs.append(
+            ([x["loss"] for x in lines if "reward" in x], evals, jax.device_get(summary["state"].params))
+        )
+    assert built == [[0, 1]]
+    (losses, evals, params), (r_losses, r_evals, r_params) = runs
+    assert len(losses) == 3 and r_losses == losses and evals and r_evals == evals
+    # k 1: TIS weighs by the engines' own log-probs, whose rounding differs between one engine's heads
+    # split over the devices and each replica's whole heads (the same tokens: the losses equal)
+    tolerance = {"atol": 5e-5, "rtol": 0} if k else {"atol": 0, "rtol": 0}
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(r_params), strict=True):
+        np.testing.assert_allclose(a, b, **tolerance)
+    config = recipe(data, tmp_path / "never", **{"grpo.engine_replicas": 3})
+    with pytest.raises(ValueError, match="grpo.engine_replicas=3 wants a device a replica; the engine has 2"):
+        trainer_lib.train(config, devices=jax.devices()[:2], print_fn=lambda *a: None)
+    assert not (tmp_path / "never").exists()
