@@ -171,9 +171,10 @@ def run_flaxgpt(a) -> dict:
     c.grpo.num_iterations, c.grpo.loss_type, c.grpo.scale_rewards = 1, "dapo", "group"
     c.grpo.off_policy_steps = max(a.off_policy_steps, 1) if a.side == "flaxgpt_async" else a.off_policy_steps
     c.grpo.merge_lora = bool(a.merge_lora)
-    # an engine a device: one-shot engine rollouts only (generate's and episodes' run as one)
-    one_shot = a.side in ("flaxgpt_engine", "flaxgpt_async")
-    c.grpo.engine_replicas, c.mesh.cpu_devices = a.engine_replicas if one_shot else 1, a.cpu_devices
+    # replicas: the synchronous engine side's (the async one's rollout thread shares the cores with
+    # the update already; generate's and episodes' rollouts have one engine or none)
+    c.grpo.engine_replicas = a.engine_replicas if a.side == "flaxgpt_engine" else 1
+    c.mesh.cpu_devices = a.cpu_devices
     c.grpo.reward_funcs, c.grpo.reward_weights, c.grpo.eval_prompts = ("answer", f"length={LENGTH}"), (), 0
     if a.side == "flaxgpt_episodes":  # the environment's reward (config_check wants a reward function)
         c.grpo.env, c.grpo.reward_funcs = "grpo_step:Turns", ("grpo_step:no_reward",)
@@ -350,9 +351,11 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--off_policy_steps", type=int, default=0, help="flaxgpt's grpo.off_policy_steps")
     p.add_argument("--merge_lora", type=int, default=1, choices=(0, 1), help="flaxgpt's grpo.merge_lora")
-    # this 2-core CPU's fastest: a device a core, the trainer data-parallel over them, an engine on each
-    p.add_argument("--cpu_devices", type=int, default=2, help="flaxgpt's mesh.cpu_devices")
-    p.add_argument("--engine_replicas", type=int, default=2, help="flaxgpt's grpo.engine_replicas")
+    p.add_argument("--cpu_devices", type=int, default=1, help="flaxgpt's mesh.cpu_devices")
+    # this 2-core CPU's fastest synchronous step: an engine a core (one CPU device, two threads)
+    p.add_argument(
+        "--engine_replicas", type=int, default=2, help="grpo.engine_replicas of the synchronous engine side"
+    )
     p.add_argument("--multi_turn", action="store_true", help="the multi-turn row (episodes of Turns)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 layers x 128, 8-token completions")
     p.add_argument("--torch_python", default=sys.executable, help="interpreter for the TRL side")

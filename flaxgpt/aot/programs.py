@@ -316,13 +316,9 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
     processes = len({d.process_index for d in devices})
     devices = grpo_rollout.engine_devices(devices, devices[0].process_index)
     replicas, slots = int(s.grpo.engine_replicas), max(config.batch_size // processes, 1)
+    holders = len(devices)  # the devices the pushed weights go to
     if replicas > 1:  # grpo_rollout.Replicas: one replica's programs, on one device, its share of slots
-        if replicas > len(devices):
-            raise ValueError(
-                f"grpo.engine_replicas={replicas} wants a device a replica; the engine has {len(devices)} "
-                f"on this target: set it to at most {len(devices)}"
-            )
-        devices, slots = devices[:1], -(-slots // replicas)
+        devices, slots, holders = devices[:1], -(-slots // replicas), min(replicas, len(devices))
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
     merged = False
     if lora_on:  # the GRPO task's policy (train.policy.LoraPolicy) over the decoding config
@@ -347,10 +343,11 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
     if lora_on:
         what = f"LoRA r {s.lora.rank} {'merged into' if merged else 'over'} a {s.lora.base_dtype} base"
     # what each rollout receives: the adapters, or the parameters (replicas: the merged ones too)
-    pushed = adapters if lora_on and not (merged and replicas > 1) else nn.unbox(gpt.abstract_params(cfg))
-    sent = traffic(config, mc, pushed, lora_on, len(devices) * replicas, separate, whole=replicas > 1)
+    adapters_sent = lora_on and not (merged and replicas > 1)
+    pushed = adapters if adapters_sent else nn.unbox(gpt.abstract_params(cfg))
+    sent = traffic(config, mc, pushed, adapters_sent, holders, separate, whole=replicas > 1)
     if replicas > 1:
-        what += f"; one of {replicas} replicas (a device each)"
+        what += f"; one of {replicas} replicas over {holders} device{'s' * (holders > 1)}"
     return [
         dataclasses.replace(
             p,

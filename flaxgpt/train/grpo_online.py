@@ -163,15 +163,8 @@ class Rollouts:
             self._engine_over(list(mesh.devices.flat), frozen)
 
     def _replicas_over(self, devices) -> None:
-        """grpo.engine_replicas engines, one on each of the first of `devices` (this process's)."""
-        devices = grpo_rollout.engine_devices(devices)
-        if self.replicas > len(devices):
-            raise ValueError(
-                f"grpo.engine_replicas={self.replicas} wants a device a replica; the engine has "
-                f"{len(devices)} here: set it to at most {len(devices)}, or split the CPU into more "
-                "devices (mesh.cpu_devices)"
-            )
-        self.engine = grpo_rollout.Replicas(self.engine, devices[: self.replicas])
+        """grpo.engine_replicas engines over `devices` (this process's), round robin."""
+        self.engine = grpo_rollout.Replicas(self.engine, grpo_rollout.engine_devices(devices), self.replicas)
 
     def _engine_over(self, devices, frozen) -> None:
         """The engine over `devices` (the training mesh's, or its own), on a (data 1, fsdp n) mesh of

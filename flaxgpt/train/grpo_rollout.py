@@ -267,48 +267,50 @@ class EngineRollouts:
 
 
 class Replicas:
-    """grpo.engine_replicas = k > 1: k engines (EngineRollouts.replica), one a device, each with the
-    whole weights (its own copy, put there at each rollout) and a share of the step's prompts (whole
-    groups, in order: the keys are those of one engine's), each share driven by a thread of its own.
-    Where one engine's decoding step leaves devices idle: a small model on a CPU split into one device
-    a core (mesh.cpu_devices; XLA:CPU runs a product of 32 rows on one thread), or on GPUs that each
-    hold the model, where splitting its heads (one engine over them all) makes every layer wait on the
-    others. `mesh` None: the weights come as the trainer holds them (grpo_online._engine_weights)."""
+    """grpo.engine_replicas = k > 1: k engines (EngineRollouts.replica), each a share of the step's
+    prompts (whole groups, in order: the keys are one engine's, so are the tokens) and slots of its
+    own, each driven by a thread of its own; replica i on device i mod n of the engine's n devices,
+    with the whole weights there. For a small model whose decoding step leaves cores or devices idle:
+    XLA:CPU runs a product of 32 rows on one thread, and runs programs called from several threads at
+    once, so on one CPU device k replicas decode on k cores (reading the same weights); over GPUs that
+    each hold the model, replicas avoid the per-layer waits of one engine with its heads split. `mesh`
+    None: the weights come as the trainer holds them (grpo_online._engine_weights), put on each
+    replica's device here (no copy where they lie; LoRA's frozen base, unmerged, copied once)."""
 
     mesh = None
 
-    def __init__(self, one: EngineRollouts, devices):
-        k = len(devices)
-        self.shardings = [sharding.replicated(sharding.make_mesh(1, 1, [d])) for d in devices]
-        self.parts = [one.replica(s.mesh, -(-one.slots // k)) for s in self.shardings]
-        self.bases = [None] * k  # unmerged LoRA: each replica's copy of the frozen base
+    def __init__(self, one: EngineRollouts, devices, k: int):
+        devices = list(devices)
+        self.shardings = {d: sharding.replicated(sharding.make_mesh(1, 1, [d])) for d in devices}
+        self.where = [devices[i % len(devices)] for i in range(k)]  # replica i's device
+        self.parts = [one.replica(self.shardings[d].mesh, -(-one.slots // k)) for d in self.where]
+        self.bases = {}  # unmerged LoRA: the frozen base's copy on each device
         self.pool = ThreadPoolExecutor(k, thread_name_prefix="rollout-replica")
 
-    def _placed(self, weights, i: int):
-        """Replica i's weights: the parameters (merged or not) put on its device at every rollout (no
-        copy where they lie); LoRA's frozen base (weights (base, adapters), unmerged) copied once."""
+    def _placed(self, weights, device):
+        """The weights on `device`: the parameters (merged or not) put there at every rollout;
+        LoRA's frozen base (weights (base, adapters), unmerged) copied once."""
         if not isinstance(weights, tuple):
-            return jax.device_put(weights, self.shardings[i])
+            return jax.device_put(weights, self.shardings[device])
         base, adapters = weights
-        if self.bases[i] is None:  # a copy: the train step donates the trainer's
-            self.bases[i] = jax.device_put(base, self.shardings[i], may_alias=False)
-        return self.bases[i], jax.device_put(adapters, self.shardings[i])
+        if device not in self.bases:  # a copy: the train step donates the trainer's
+            self.bases[device] = jax.device_put(base, self.shardings[device], may_alias=False)
+        return self.bases[device], jax.device_put(adapters, self.shardings[device])
 
     def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
-        """EngineRollouts.sample's (prompts, completion ids), replica i sampling prompts i*P//k ..."""
-        k, P = len(self.parts), len(prompt_ids)
+        """EngineRollouts.sample's (prompts, completion ids); replica i samples prompts i*P//k ..."""
+        k, P, G = len(self.parts), len(prompt_ids), group_size
         bounds = [P * i // k for i in range(k + 1)]
-
-        # each replica's copy, put here: jax 0.10's device_put of an array that spans several devices
+        # each device's copy, put here: jax 0.10's device_put of an array that spans several devices
         # is not safe from two threads at once (its slow path's buffer list read as another's)
-        weights_k = [self._placed(weights, i) for i in range(k)]
+        placed = {d: self._placed(weights, d) for d in dict.fromkeys(self.where)}
 
         def share(i):
             lo, hi = bounds[i], bounds[i + 1]
             if lo == hi:
                 return [], []
-            part, G = self.parts[i], group_size
-            return part.sample(weights_k[i], prompt_ids[lo:hi], G, seed=seed, stream0=lo * G)
+            mine = placed[self.where[i]]
+            return self.parts[i].sample(mine, prompt_ids[lo:hi], G, seed=seed, stream0=lo * G)
 
         shares = list(self.pool.map(share, range(k)))
         return [p for s in shares for p in s[0]], [c for s in shares for c in s[1]]

@@ -145,9 +145,9 @@ class GRPOSection(grpo_task.GRPOOptions):
     )
     engine_replicas: int = opt(
         1,
-        "the engine as this many replicas, one a device of its devices (the training mesh's or "
-        "engine_devices'), each with the whole weights and a share of the step's prompts: a small model "
-        "over mesh.cpu_devices or GPUs that each hold it; 1 = one engine over them all (heads split)",
+        "the engine as this many replicas, each a share of the step's prompts on a thread of its own, "
+        "round robin over the engine's devices with the whole weights: a small model on a CPU (2 on "
+        "2 cores: each decodes on a core) or GPUs that each hold it; 1 = one engine (heads split)",
         1,
     )
     dynamic_sampling: bool = opt(False, "DAPO: groups whose rewards are all equal dropped and refilled")

@@ -81,3 +81,21 @@ def test_the_engine_on_devices_of_its_own():
     T = config.model.block_size
     assert f"LoRA adapters {adapters:,} bytes x 4 to the engine's own 4 devices" in gen.note
     assert f"rollouts back 16 rows x {T} tokens ({16 * T:,} tokens;" in gen.note
+
+
+def test_engine_replicas_compile_one_replicas_programs():
+    """grpo.engine_replicas=2: each replica's programs on one device with half the slots, the note
+    naming the replicas and the weights pushed whole to the 2 devices that hold them."""
+    rows, _ = aot.run(
+        toy(grpo__engine_replicas=2), targets.get("cpu"), ("rollout",), print_fn=lambda *_: None
+    )
+    prefill, gen = rows
+    assert gen.devices == 1 and prefill.devices == 1 and "8 slots" in gen.note
+    assert "one of 2 replicas over 2 devices" in gen.note and " x 2 to the engine" in gen.note
+    lora = {"lora__rank": 4, "lora__alpha": 8.0, "grpo__engine_replicas": 2}
+    merged = aot.run(toy(**lora), targets.get("cpu"), ("rollout",), print_fn=lambda *_: None)[0][1]
+    assert "merged into a float32 base" in merged.note and "each step parameters" in merged.note
+    pair = aot.run(
+        toy(**lora, grpo__merge_lora=False), targets.get("cpu"), ("rollout",), print_fn=lambda *_: None
+    )
+    assert "each step LoRA adapters" in pair[0][1].note

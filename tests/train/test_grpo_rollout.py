@@ -140,24 +140,27 @@ def test_rollouts_over_a_mesh_are_one_devices(params):
 
 @pytest.mark.devices(3)
 def test_replicas_sample_one_engines_tokens(params):
-    """grpo.engine_replicas: replicas of the engine, one a device, each a share of the prompts (whole
-    groups; 4 prompts over 3 replicas: 1, 1, 2) and its own slots, sample one engine's tokens (the
-    same keys), each on its own device; LoRA's frozen base is copied to each replica once."""
+    """grpo.engine_replicas: k replicas of the engine, each a share of the prompts (whole groups; 4
+    prompts over 3 replicas: 1, 1, 2) and its own slots, sample one engine's tokens (the same keys),
+    replica i on device i mod n: 2 or 3 over as many devices, 2 on one device (threads of one CPU
+    device decode at once); LoRA's frozen base is copied to each device once."""
     one = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=8, max_len=16)
     want = one.sample(params, PROMPTS, G, seed=7)
-    for k in (2, 3):
-        replicas = grpo_rollout.Replicas(one, jax.devices()[:k])
+    d = jax.devices()
+    for devices, k, where in (([d[0], d[1]], 2, [d[0], d[1]]), (d[:3], 3, d[:3]), ([d[1]], 2, [d[1], d[1]])):
+        replicas = grpo_rollout.Replicas(one, devices, k)
         assert [p.slots for p in replicas.parts] == [-(-8 // k)] * k
         assert replicas.sample(params, PROMPTS, G, seed=7) == want
-        where = [p.engine.state.fill_B.sharding.device_set for p in replicas.parts]
-        assert where == [{d} for d in jax.devices()[:k]]
+        assert [p.engine.state.fill_B.sharding.device_set for p in replicas.parts] == [{x} for x in where]
     spec = lora.LoraSpec.make(CFG, rank=4, alpha=8.0)
     leaves, tree = jax.tree.flatten(lora.init_adapters(CFG, spec, jax.random.key(2)))
     adapters = tree.unflatten([x + 0.3 for x in leaves])
     kw = dict(max_new_tokens=MAX_NEW, slots=8, max_len=16, lora_spec=spec)
-    replicas = grpo_rollout.Replicas(EngineRollouts(CFG, SETTINGS, **kw), jax.devices()[:2])
+    replicas = grpo_rollout.Replicas(EngineRollouts(CFG, SETTINGS, **kw), d[:2], 2)
     want = EngineRollouts(CFG, SETTINGS, **kw).sample((params, adapters), PROMPTS, G, seed=9)
     assert replicas.sample((params, adapters), PROMPTS, G, seed=9) == want
-    bases = list(replicas.bases)
+    bases = dict(replicas.bases)
     assert replicas.sample((params, adapters), PROMPTS, G, seed=9) == want
-    assert all(a is b for a, b in zip(replicas.bases, bases, strict=True))  # kept, not copied again
+    assert bases.keys() == {d[0], d[1]} and all(
+        replicas.bases[x] is bases[x] for x in bases
+    )  # not copied again
