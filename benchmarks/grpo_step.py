@@ -26,10 +26,12 @@ prompts, a Trainer, its rollout then its jitted step), grpo.rollout = engine and
 sides; a step's wall time is between two `after_step` hooks (each after the step's update finished),
 with the run's logged rollout_time / update_time beside it; its rollouts decode the adapters merged into
 the float32 base (grpo.merge_lora, the default: once a step; --merge_lora 0 decodes them unmerged, as
-TRL's generate over the PEFT model does). TRL: GRPOTrainer(use_cpu=True), a step's
-wall time between a callback's on_step_begin and on_step_end (its generation, rewards and update),
-its rollout the time in `_generate_and_score_completions` (generation, rewards, advantages) and its
-update the rest of the step.
+TRL's generate over the PEFT model does); the synchronous engine side's rollouts by
+--engine_replicas engines (grpo.engine_replicas, 2 by default: on this 2-core CPU's one device, one
+decoding on each core; --engine_replicas 1: one engine), the others' by one.
+TRL: GRPOTrainer(use_cpu=True), a step's wall time between a callback's on_step_begin and
+on_step_end (its generation, rewards and update), its rollout the time in
+`_generate_and_score_completions` (generation, rewards, advantages) and its update the rest of the step.
 Each side times --steps steps after --warmup untimed ones (compiles) and reports their median.
 Figures: seconds a step, a rollout and an update (TRL / flaxgpt: > 1 means flaxgpt is faster).
 --multi_turn: the multi-turn row instead. Each completion is an episode of `Turns` (below, plain

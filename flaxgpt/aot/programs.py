@@ -317,8 +317,9 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
     devices = grpo_rollout.engine_devices(devices, devices[0].process_index)
     replicas, slots = int(s.grpo.engine_replicas), max(config.batch_size // processes, 1)
     holders = len(devices)  # the devices the pushed weights go to
-    if replicas > 1:  # grpo_rollout.Replicas: one replica's programs, on one device, its share of slots
-        devices, slots, holders = devices[:1], -(-slots // replicas), min(replicas, len(devices))
+    if replicas > 1:  # grpo_rollout.Replicas: the programs of one device's replicas, their slots together
+        per_device = -(-replicas // len(devices))
+        devices, slots, holders = devices[:1], per_device * -(-slots // replicas), min(replicas, len(devices))
     cfg, step, mesh, param_bytes = _decoding(mc, devices)
     merged = False
     if lora_on:  # the GRPO task's policy (train.policy.LoraPolicy) over the decoding config
@@ -347,7 +348,7 @@ def rollout_programs(config, mc, devices, separate: bool = False) -> list[Progra
     pushed = adapters if adapters_sent else nn.unbox(gpt.abstract_params(cfg))
     sent = traffic(config, mc, pushed, adapters_sent, holders, separate, whole=replicas > 1)
     if replicas > 1:
-        what += f"; one of {replicas} replicas over {holders} device{'s' * (holders > 1)}"
+        what += f"; {replicas} replicas over {holders} device{'s' * (holders > 1)}, {per_device} a device"
     return [
         dataclasses.replace(
             p,

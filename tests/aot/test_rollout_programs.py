@@ -84,14 +84,17 @@ def test_the_engine_on_devices_of_its_own():
 
 
 def test_engine_replicas_compile_one_replicas_programs():
-    """grpo.engine_replicas=2: each replica's programs on one device with half the slots, the note
-    naming the replicas and the weights pushed whole to the 2 devices that hold them."""
+    """grpo.engine_replicas=2 over the 8 CPU devices: a replica's programs on one device with half
+    the slots, the note naming the replicas and the weights pushed whole to the 2 devices that hold
+    them; 16 replicas: 2 a device, their 2 x 1 slots together."""
     rows, _ = aot.run(
         toy(grpo__engine_replicas=2), targets.get("cpu"), ("rollout",), print_fn=lambda *_: None
     )
     prefill, gen = rows
     assert gen.devices == 1 and prefill.devices == 1 and "8 slots" in gen.note
-    assert "one of 2 replicas over 2 devices" in gen.note and " x 2 to the engine" in gen.note
+    assert "2 replicas over 2 devices, 1 a device" in gen.note and " x 2 to the engine" in gen.note
+    many = aot.run(toy(grpo__engine_replicas=16), targets.get("cpu"), ("rollout",), print_fn=lambda *_: None)
+    assert "2 slots" in many[0][1].note and "16 replicas over 8 devices, 2 a device" in many[0][1].note
     lora = {"lora__rank": 4, "lora__alpha": 8.0, "grpo__engine_replicas": 2}
     merged = aot.run(toy(**lora), targets.get("cpu"), ("rollout",), print_fn=lambda *_: None)[0][1]
     assert "merged into a float32 base" in merged.note and "each step parameters" in merged.note
