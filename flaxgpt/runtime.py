@@ -119,23 +119,7 @@ def setup(verbosity: str | None = "warning") -> None:
 
 
 # glibc mallopt parameters (malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
-
-
-def starts_on_cpu() -> bool:
-    """Whether JAX's backend will be the CPU's, known before it starts: JAX_PLATFORMS (jax_platforms)
-    names the CPU first, or no accelerator's plugin is installed (none registered under jax_plugins,
-    no libtpu)."""
-    import importlib.util
-    from importlib import metadata
-
-    import jax
-
-    first = (jax.config.jax_platforms or "").split(",")[0]
-    if first:
-        return first == "cpu"
-    plugins = any(True for _ in metadata.entry_points(group="jax_plugins"))
-    return not (plugins or importlib.util.find_spec("jax_plugins") or importlib.util.find_spec("libtpu"))
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
 
 
 def keep_cpu_step_memory() -> bool:
@@ -150,12 +134,9 @@ def keep_cpu_step_memory() -> bool:
     the calling thread (no async dispatch: the block comes from the main heap, not from a worker
     thread's arena, which would mmap it anyway) and keeping freed memory in that heap (no mmap for
     large blocks, no trimming of its top) makes the next step find the block where the last one left
-    it: 97 -> 65 ms a step there (docs/fine_tuning.md). On a CPU split into several devices their
-    programs run on worker threads, each of which glibc gives an arena of its own (heaps of at most
-    64 MB, so a larger block is mapped afresh at every call anyway): there the threads share the main
-    heap (one arena), which cuts a step's page faults about 3x (tests/test_runtime.py). Left alone on
-    GPU and TPU (their buffers are device memory; the host heap shrinks as usual) and where glibc is
-    not the allocator.
+    it: 97 -> 65 ms a step there (docs/fine_tuning.md). Left alone on GPU and TPU (their buffers are
+    device memory; the host heap shrinks as usual), on a CPU split into several devices (their
+    programs run on worker threads), and where glibc is not the allocator.
     """
     import jax
     from jax._src import xla_bridge
@@ -167,12 +148,8 @@ def keep_cpu_step_memory() -> bool:
     except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to change
         return False
     one_device = jax.config.jax_num_cpu_devices in (-1, 1) and not xla_flags_set_cpu_devices()
-    ahead = not xla_bridge.backends_are_initialized()  # worker threads have no arena of their own yet
-    if ahead and one_device:
+    if one_device and not xla_bridge.backends_are_initialized():
         jax.config.update("jax_cpu_enable_async_dispatch", False)
-    shared = ahead and not one_device and starts_on_cpu() and bool(mallopt(M_ARENA_MAX, 1))
-    if jax.default_backend() != "cpu":
-        return False
-    if (one_device and jax.config.read("jax_cpu_enable_async_dispatch")) or not (one_device or shared):
+    if jax.config.read("jax_cpu_enable_async_dispatch") or jax.default_backend() != "cpu":
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
