@@ -275,7 +275,8 @@ class Replicas:
     once, so on one CPU device k replicas decode on k cores (reading the same weights); over GPUs that
     each hold the model, replicas avoid the per-layer waits of one engine with its heads split. `mesh`
     None: the weights come as the trainer holds them (grpo_online._engine_weights), put on each
-    replica's device here (no copy where they lie; LoRA's frozen base, unmerged, copied once)."""
+    replica's device here (no copy where they lie; LoRA's frozen base, unmerged, copied once to a
+    device that does not hold it whole)."""
 
     mesh = None
 
@@ -289,10 +290,13 @@ class Replicas:
 
     def _placed(self, weights, device):
         """The weights on `device`: the parameters (merged or not) put there at every rollout;
-        LoRA's frozen base (weights (base, adapters), unmerged) copied once."""
+        LoRA's frozen base (weights (base, adapters), unmerged) read where the trainer holds it whole
+        (as one engine does), else copied there once."""
         if not isinstance(weights, tuple):
             return jax.device_put(weights, self.shardings[device])
         base, adapters = weights
+        if _whole_on(base, device):  # this rollout's base, no copy: it is valid until the update
+            return jax.device_put(weights, self.shardings[device])
         if device not in self.bases:  # a copy: the train step donates the trainer's
             self.bases[device] = jax.device_put(base, self.shardings[device], may_alias=False)
         return self.bases[device], jax.device_put(adapters, self.shardings[device])
@@ -314,6 +318,12 @@ class Replicas:
 
         shares = list(self.pool.map(share, range(k)))
         return [p for s in shares for p in s[0]], [c for s in shares for c in s[1]]
+
+
+def _whole_on(tree, device) -> bool:
+    """Whether every array of `tree` is held whole on `device` (replicated there, or on it alone)."""
+    arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+    return all(x.sharding.is_fully_replicated and device in x.devices() for x in arrays)
 
 
 def _on_host(values) -> list:

@@ -143,8 +143,8 @@ def test_replicas_sample_one_engines_tokens(params):
     """grpo.engine_replicas: k replicas of the engine, each a share of the prompts (whole groups; 4
     prompts over 3 replicas: 1, 1, 2) and its own slots, sample one engine's tokens (the same keys),
     replica i on device i mod n: 3 over as many devices, 2 on one device (threads of one CPU device
-    decode at once; 2 over 2 devices: test_grpo_async's trainer run); LoRA's frozen base is copied to
-    each device once."""
+    decode at once; 2 over 2 devices: test_grpo_async's trainer run); LoRA's frozen base is read
+    where it lies and copied once to the other device."""
     one = EngineRollouts(CFG, SETTINGS, max_new_tokens=MAX_NEW, slots=8, max_len=16)
     want = one.sample(params, PROMPTS, G, seed=7)
     d = jax.devices()
@@ -162,6 +162,6 @@ def test_replicas_sample_one_engines_tokens(params):
     assert replicas.sample((params, adapters), PROMPTS, G, seed=9) == want
     bases = dict(replicas.bases)
     assert replicas.sample((params, adapters), PROMPTS, G, seed=9) == want
-    assert bases.keys() == {d[0], d[1]} and all(
-        replicas.bases[x] is bases[x] for x in bases
-    )  # not copied again
+    # device 0 holds the base (params' device): read there; device 1's copy kept, not copied again
+    assert {x.devices().pop() for x in jax.tree.leaves(params)} == {d[0]}
+    assert bases.keys() == {d[1]} and all(replicas.bases[x] is bases[x] for x in bases)

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ pac
 
 from configs import count_sft, grpo_count, grpo_toy  # noqa: E402
 from flaxgpt.data import prepare  # noqa: E402
+from flaxgpt.train import grpo_rollout  # noqa: E402
 from flaxgpt.train import trainer as trainer_lib  # noqa: E402
 from flaxgpt.train.config_check import ConfigError  # noqa: E402
 
@@ -286,3 +287,27 @@ def test_qlora_over_4_devices(tmp_path, llama_prompts):
     steps = [x for x in lines if "reward" in x]
     assert [x["step"] for x in steps] == [1, 2] and all(np.isfinite(x["loss"]) for x in steps)
     assert all(x["rollout_time"] > 0 for x in steps)
+
+
+def test_qlora_engine_replicas_read_the_trainers_base(tmp_path, llama_prompts, monkeypatch):
+    """grpo.engine_replicas=2 on one device with LoRA over an int8 base (decoded unmerged): each
+    rollout's replicas read the base the trainer holds then, not a copy, across updates that donate
+    the trainer's state: three steps train."""
+    made = []
+
+    def replicas(self, *args, real=grpo_rollout.Replicas.__init__):
+        real(self, *args)
+        made.append(self)
+
+    monkeypatch.setattr(grpo_rollout.Replicas, "__init__", replicas)
+    model, data = llama_prompts
+    over = {
+        "lora.rank": 4, "lora.alpha": 8.0, "lora.base_dtype": "int8", "grpo.num_generations": 2,
+        "batch_size": 4, "max_iters": 3, "eval_interval": 3, "grpo.eval_prompts": 4,
+        "grpo.reward_funcs": ("length=3",), "grpo.engine_replicas": 2,
+    }  # fmt: skip
+    lines = tiny_run(llama_recipe(model), data, tmp_path / "run", **over)
+    steps = [x for x in lines if "reward" in x]
+    assert [x["step"] for x in steps] == [1, 2, 3] and all(np.isfinite(x["loss"]) for x in steps)
+    assert [x["step"] for x in lines if "val_reward" in x] == [0, 3]
+    assert len(made) == 1 and made[0].bases == {}  # no copy of the base made
