@@ -174,8 +174,8 @@ def run_flaxgpt(a) -> dict:
     c.grpo.off_policy_steps = max(a.off_policy_steps, 1) if a.side == "flaxgpt_async" else a.off_policy_steps
     c.grpo.merge_lora = bool(a.merge_lora)
     # replicas: the synchronous engine side's (the async one's rollout thread shares the cores with
-    # the update already; generate's and episodes' rollouts have one engine or none)
-    c.grpo.engine_replicas = a.engine_replicas if a.side == "flaxgpt_engine" else 1
+    # the update already; generate has no engine)
+    c.grpo.engine_replicas = a.engine_replicas if a.side in ("flaxgpt_engine", "flaxgpt_episodes") else 1
     c.mesh.cpu_devices = a.cpu_devices
     c.grpo.reward_funcs, c.grpo.reward_weights, c.grpo.eval_prompts = ("answer", f"length={LENGTH}"), (), 0
     if a.side == "flaxgpt_episodes":  # the environment's reward (config_check wants a reward function)

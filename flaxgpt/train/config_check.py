@@ -156,6 +156,13 @@ def _check_grpo(config, s: sections.Sections) -> None:
             f"batch_size {config.batch_size} (completions) and batch_size // grad_accum must be multiples "
             f"of grpo.num_generations {G}: a micro-batch holds whole groups"
         )
+    k = g.engine_replicas  # an episode group takes G slots of one replica at once (grpo_episodes)
+    if g.env and k > 1 and config.batch_size // k < G:
+        raise ConfigError(
+            f"--config.grpo.engine_replicas={k} gives each engine batch_size // {k} = "
+            f"{config.batch_size // k} slots, fewer than a group's {G} episodes (grpo.env plays a group "
+            f"at once): lower engine_replicas to at most {max(config.batch_size // G, 1)}"
+        )
     try:  # none is the section's rule to judge (an environment may score alone)
         if g.reward_funcs:
             rewards.Rewards.make(list(g.reward_funcs), list(g.reward_weights) or None)

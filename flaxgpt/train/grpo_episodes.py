@@ -32,6 +32,10 @@ stay in the batch with reward NaN and no token trained) while the step's other g
 call the parser cannot read is an observation the model sees (envs.base.ToolEnvironment), never an
 error. Keys: turn k of completion n draws from the stream n + k * 2**24 of the step's seed
 (EngineRollouts.rows_for), turn 0 the one-shot rollout's own.
+
+Replicas (grpo.engine_replicas = k, grpo_rollout.Replicas): each replica plays its share of the prompts
+(whole groups, in order, n counted over the step) on a thread of its own, so the episodes are one
+engine's; environments are then stepped from several threads (an instance an episode, as always).
 """
 
 from __future__ import annotations
@@ -98,8 +102,9 @@ class Episodes:
                 f"{envs.where(play.env, play.prompt)}: {what} cannot be tokenized ({e})"
             ) from None
 
-    def _drop(self, error: envs.EnvError, dropped: set, p: int):
-        self.errors.append(str(error))
+    @staticmethod
+    def _drop(error: envs.EnvError, errors: list, dropped: set, p: int):
+        errors.append(str(error))
         dropped.add(p)
         print(f"warning: {error}; its group is dropped from this step", file=sys.stderr, flush=True)
 
@@ -126,13 +131,42 @@ class Episodes:
 
     def sample(self, rollouts, weights, prompt_ids, rows, group_size: int, *, seed: int):
         """(prompt ids, Completions, final replies' texts): N = prompts x G episodes, prompt-major.
-        rollouts: the run's grpo_rollout.EngineRollouts; rows: the prompts' data rows (prompt, fields)."""
-        engine, G = rollouts.engine_for(weights), int(group_size)
-        if engine.slots < G:
-            raise ValueError(f"the engine's {engine.slots} slots cannot hold a group of {G} episodes")
-        N, self.errors = len(prompt_ids) * G, []
+        rollouts: the run's grpo_rollout.EngineRollouts, or its Replicas (grpo.engine_replicas: each
+        plays its share of the prompts on a thread of its own, so environments are stepped from
+        several threads, each episode's its own instance); rows: the prompts' data rows."""
+        G = int(group_size)
+
+        def play(engine_rollouts, mine, lo, hi):
+            return self._play(engine_rollouts, mine, prompt_ids[lo:hi], rows[lo:hi], G, seed, lo)
+
+        if hasattr(rollouts, "shares"):
+            shares = rollouts.shares(weights, len(prompt_ids), play)
+        else:
+            shares = [play(rollouts, weights, 0, len(prompt_ids))]
+        prompts, plays, dropped, self.errors = [], [], set(), []
+        for share_prompts, share_plays, share_dropped, errors in shares:
+            prompts += share_prompts
+            plays += share_plays
+            dropped |= share_dropped
+            self.errors += errors
+        self.stats = stats_of([play for n, play in enumerate(plays) if n // G not in dropped])
+        return prompts, *self._results(plays, dropped, G)
+
+    def _play(self, rollouts, weights, prompt_ids, rows, G: int, seed: int, first: int):
+        """One engine's episodes of `prompt_ids`, the step's prompts from `first` on (their streams
+        from first * G): (prompt ids, _Plays, the step's indices of prompts whose group an EnvError
+        dropped, those errors' lines)."""
+        N, n0, errors = len(prompt_ids) * G, first * G, []
         plays, prompts = [None] * N, [list(p) for p in prompt_ids for _ in range(G)]
-        dropped: set[int] = set()  # prompts whose group an EnvError dropped
+        dropped: set[int] = set()  # prompts whose group an EnvError dropped (of this share)
+        if not N:
+            return prompts, plays, dropped, errors
+        engine = rollouts.engine_for(weights)
+        if engine.slots < G:
+            raise ValueError(
+                f"the engine's {engine.slots} slots cannot hold a group of {G} episodes; give each "
+                "engine (replica) batch_size / grpo.engine_replicas >= grpo.num_generations slots"
+            )
         waiting = collections.deque(range(len(prompt_ids)))
         free, owner = list(range(engine.slots))[::-1], {}  # owner: slot -> the episode decoding there
         while waiting or owner:
@@ -141,11 +175,12 @@ class Episodes:
                 try:
                     group, ids = self._reset(rows[p], prompt_ids[p], G)
                 except envs.EnvError as e:
-                    self._drop(e, dropped, p)
+                    self._drop(e, errors, dropped, p)
                     plays[p * G : p * G + G] = [_Play(None, rows[p]["prompt"], 0) for _ in range(G)]
                     continue
                 slots = [free.pop() for _ in range(G)]
-                settings = [rollouts.rows_for(n, seed, 0, group[0].budget) for n in range(p * G, p * G + G)]
+                streams = range(n0 + p * G, n0 + p * G + G)
+                settings = [rollouts.rows_for(n, seed, 0, group[0].budget) for n in streams]
                 prefix = engine.prefill(ids, settings[0], hold=G > 1)
                 if G == 1:
                     engine.insert(prefix, slots[0])
@@ -166,18 +201,17 @@ class Episodes:
                 play.add(tokens_BC[slot, : new_B[slot]].tolist(), 1)
                 try:
                     over = n // G in dropped or self._turn(
-                        engine, rollouts, play, n, slot, bool(done_B[slot]), len(prompts[n]), seed
+                        engine, rollouts, play, n0 + n, slot, bool(done_B[slot]), len(prompts[n]), seed
                     )
                 except envs.EnvError as e:
-                    self._drop(e, dropped, n // G)
+                    self._drop(e, errors, dropped, n // G)
                     over = True
                 if over:
                     if not done_B[slot]:  # its episode ended while the slot decodes on: stop it
                         engine.release(slot)
                     free.append(slot)
                     del owner[slot]
-        self.stats = stats_of([play for n, play in enumerate(plays) if n // G not in dropped])
-        return prompts, *self._results(plays, dropped, G)
+        return prompts, plays, {first + p for p in dropped}, errors
 
     @staticmethod
     def _arrive(plays):

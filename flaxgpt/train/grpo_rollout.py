@@ -301,22 +301,30 @@ class Replicas:
             self.bases[device] = jax.device_put(base, self.shardings[device], may_alias=False)
         return self.bases[device], jax.device_put(adapters, self.shardings[device])
 
-    def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
-        """EngineRollouts.sample's (prompts, completion ids); replica i samples prompts i*P//k ..."""
-        k, P, G = len(self.parts), len(prompt_ids), group_size
-        bounds = [P * i // k for i in range(k + 1)]
+    def shares(self, weights, n_prompts: int, play) -> list:
+        """[play(replica, its weights, lo, hi)] over the k replicas, each on a thread of its own: replica
+        i takes the step's prompts lo = i*n//k up to hi = (i+1)*n//k (whole groups, in order; its keys'
+        streams start at lo * G) and `weights` placed on its device."""
+        k = len(self.parts)
+        bounds = [n_prompts * i // k for i in range(k + 1)]
         # each device's copy, put here: jax 0.10's device_put of an array that spans several devices
         # is not safe from two threads at once (its slow path's buffer list read as another's)
         placed = {d: self._placed(weights, d) for d in dict.fromkeys(self.where)}
 
         def share(i):
-            lo, hi = bounds[i], bounds[i + 1]
+            return play(self.parts[i], placed[self.where[i]], bounds[i], bounds[i + 1])
+
+        return list(self.pool.map(share, range(k)))
+
+    def sample(self, weights, prompt_ids, group_size: int, *, seed: int):
+        """EngineRollouts.sample's (prompts, completion ids), each replica its share (`shares`)."""
+
+        def play(part, mine, lo, hi):
             if lo == hi:
                 return [], []
-            mine = placed[self.where[i]]
-            return self.parts[i].sample(mine, prompt_ids[lo:hi], G, seed=seed, stream0=lo * G)
+            return part.sample(mine, prompt_ids[lo:hi], group_size, seed=seed, stream0=lo * group_size)
 
-        shares = list(self.pool.map(share, range(k)))
+        shares = self.shares(weights, len(prompt_ids), play)
         return [p for s in shares for p in s[0]], [c for s in shares for c in s[1]]
 
 

@@ -173,11 +173,10 @@ class GRPOSection(grpo_task.GRPOOptions):
                 "which only the asynchronous engine's rollouts use: set grpo.off_policy_steps >= 1 and "
                 "grpo.rollout=engine (on-policy rollouts and updates take turns: separate devices idle)"
             )
-        if self.engine_replicas > 1 and (self.rollout != "engine" or self.env):
-            why = f"grpo.env={self.env!r} plays" if self.env else f"grpo.rollout={self.rollout} samples"
+        if self.engine_replicas > 1 and self.rollout != "engine":
             raise ConfigError(
-                f"--config.grpo.engine_replicas={self.engine_replicas} splits the engine's one-shot "
-                f"rollouts; {why} them otherwise: set grpo.engine_replicas=1"
+                f"--config.grpo.engine_replicas={self.engine_replicas} splits the engine's rollouts; "
+                f"grpo.rollout={self.rollout} samples them otherwise: set grpo.engine_replicas=1"
             )
         if self.off_policy_steps and self.num_iterations > 1:
             raise ConfigError(

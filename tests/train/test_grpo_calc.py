@@ -2,7 +2,8 @@
 the call's layout by a few plain next-token steps on the SFT lines (each row a line from its start:
 learnt by position, in seconds), then GRPO's rollouts through the recipe's task: episodes call the
 calculator, the tool's response is masked out of the loss (exactly its characters), rewards are
-finite, and a GRPO update on the rollout gives a finite loss."""
+finite, two engine replicas give the same batch, and a GRPO update on the rollout gives a finite
+loss."""
 
 import json
 import sys
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ pac
 from configs import grpo_calc  # noqa: E402
 from flaxgpt.data import prepare, tokenizers  # noqa: E402
 from flaxgpt.models import gpt  # noqa: E402
+from flaxgpt.train.grpo_rollout import Replicas  # noqa: E402
 from flaxgpt.train.policy import NONE  # noqa: E402
 from flaxgpt.train.tasks import make_task  # noqa: E402
 
@@ -83,6 +85,13 @@ def test_calculator_episodes_on_the_recipes_task(tmp_path):
     assert info["episodes/observations_mean"] >= called / 8 and 1 <= info["episodes/turns_mean"] <= 4
     assert 0 < info["episodes/observation_tokens_ratio"] < 1
     assert 0 <= info["rewards/calc_reward/mean"] <= 1
+    # grpo.engine_replicas=2 on one device (the calculators stepped from 2 threads): the same batch
+    one, task.source.engine = task.source.engine, Replicas(task.source.engine, jax.devices()[:1], 2)
+    again, again_info = task.source.rollout(params, NONE, 0, 8)
+    for key, value in batch.items():
+        np.testing.assert_array_equal(again[key], value, err_msg=key)
+    assert {k: again_info[k] for k in info if "/" in k} == {k: info[k] for k in info if "/" in k}
+    task.source.engine = one
 
     objective, tx = task.objective, optax.adam(1e-3)
 

@@ -13,7 +13,7 @@ from flaxgpt.envs.base import Environment, Step
 from flaxgpt.models import gpt
 from flaxgpt.train import grpo_task as g
 from flaxgpt.train.grpo_episodes import Episodes
-from flaxgpt.train.grpo_rollout import EngineRollouts
+from flaxgpt.train.grpo_rollout import EngineRollouts, Replicas
 from flaxgpt.train.policy import NONE, FullPolicy
 from tests.serve.references import greedy_rows
 
@@ -221,6 +221,37 @@ def test_a_misbehaving_environment_drops_its_group_alone(params, env, said, caps
     batch = g.rollout_batch(prompts, completions, W, np.zeros(4))
     assert batch["loss_mask"][2:].sum() == 0 and np.isnan([c.reward for c in completions[2:]]).all()
     assert batch["loss_mask"][:2].sum() > 0 and np.isfinite([c.reward for c in completions[:2]]).all()
+
+
+@pytest.mark.devices(2)
+def test_replicas_play_one_engines_episodes(params, capsys):
+    """grpo.engine_replicas: episodes played by 2 replicas (each its share of the prompts and slots,
+    a thread each), on one device or over 2, are one engine's, sampled at temperature 1 (the same
+    keys, every turn's): the same completions, masks, rewards and replies; a misbehaving prompt's
+    group dropped by whichever replica played it, its line once; the step's metrics over all."""
+    rows = data_rows("good", "bad", "p2")
+    ids = [r["ids"] for r in rows]
+    stop_after(params, rows[0]["ids"])
+    sampled = Sampling(temperature=1.0, eos_id=EOS)
+    one = EngineRollouts(CFG, sampled, max_new_tokens=MAX_NEW, slots=4, max_len=W)
+    episodes = Episodes(f"{HERE}:Raises", Letters(), EOS, MAX_NEW)
+    want = episodes.sample(one, params, ids, rows, 2, seed=11)
+    want_stats, said = dict(episodes.stats), "environment Raises on prompt 'bad'"
+    assert episodes.errors == [f"{said}: step 1 raised RuntimeError: the tool crashed"]
+    assert len({tuple(c) for c in want[1]}) > 2  # sampled: the episodes differ
+    d = jax.devices()
+    for devices in (d[:1], d[:2]):
+        capsys.readouterr()
+        fresh = EngineRollouts(CFG, sampled, max_new_tokens=MAX_NEW, slots=4, max_len=W)
+        replicas = Replicas(fresh, devices, 2)
+        got = episodes.sample(replicas, params, ids, rows, 2, seed=11)
+        assert got[0] == want[0] and got[2] == want[2]
+        for a, b in zip(got[1], want[1], strict=True):
+            assert list(a) == list(b) and a.model == b.model
+            assert a.reward == b.reward or np.isnan(a.reward) and np.isnan(b.reward)
+        assert [p.slots for p in replicas.parts] == [2, 2]  # a prompt a replica at a time
+        assert episodes.errors == [f"{said}: step 1 raised RuntimeError: the tool crashed"]
+        assert capsys.readouterr().err.count(said) == 1 and episodes.stats == want_stats
 
 
 def test_an_environment_that_never_finishes_stops_at_max_turns(params):
