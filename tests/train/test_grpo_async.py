@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the configs/ pac
 
 from configs import grpo_toy  # noqa: E402
 from flaxgpt.data import batches as data_lib  # noqa: E402
+from flaxgpt.envs.base import Environment, Step  # noqa: E402
 from flaxgpt.train import grpo_async, grpo_dynamic, grpo_online, grpo_rollout, grpo_task  # noqa: E402
 from flaxgpt.train import trainer as trainer_lib  # noqa: E402
 from flaxgpt.train.config_check import ConfigError  # noqa: E402
@@ -245,13 +246,26 @@ def test_engine_on_devices_of_its_own_trains_as_the_shared_run(tmp_path, monkeyp
         trainer_lib.train(config, devices=jax.devices()[:4], print_fn=lambda *a: None)
 
 
+class Retry(Environment):
+    """The toy's copy task over up to 2 replies: each scored as copy_reward does, 'a' the observation."""
+
+    max_turns = 2
+
+    def reset(self, prompt, answer, **row):
+        self.answer = answer
+
+    def step(self, action):
+        reward = grpo_toy.copy_reward([None], [action], [self.answer])[0]
+        return Step("a", reward, reward == 1.0)
+
+
 @pytest.mark.devices(2)
-@pytest.mark.parametrize("devices, k", [(1, 0), (2, 0), (2, 1)])
-def test_engine_replicas_train_as_one_engine(tmp_path, monkeypatch, devices, k):
+@pytest.mark.parametrize("devices, k, env", [(1, 0, False), (2, 0, False), (2, 1, False), (1, 0, True)])
+def test_engine_replicas_train_as_one_engine(tmp_path, monkeypatch, devices, k, env):
     """grpo.engine_replicas=2, each replica sampling half the step's prompts (and the evaluation's):
     on one device (two threads of it) or over the trainer's 2 devices (mesh data 2, one a device),
     the losses and the parameters of the run with one engine, synchronous (k 0) and off-policy (k 1:
-    to the log-probs' rounding)."""
+    to the log-probs' rounding); multi-turn episodes (grpo.env) on one device alike."""
     data = toy_data(tmp_path)
     built = []
 
@@ -263,12 +277,15 @@ def test_engine_replicas_train_as_one_engine(tmp_path, monkeypatch, devices, k):
     runs = []
     for n in (1, 2):
         over = {"grpo.off_policy_steps": k, "grpo.engine_replicas": n, "eval_interval": 2}
+        if env:  # room for a reply, the observation and a second reply
+            over |= {"grpo.env": "tests.train.test_grpo_async:Retry", "grpo.max_completion_length": 10}
         out = tmp_path / f"run{n}"
         config = recipe(data, out, **over)
         summary = trainer_lib.train(config, devices=jax.devices()[:devices], print_fn=lambda *a: None)
         lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         evals = [x["val_reward"] for x in lines if "val_reward" in x]
         losses = [x["loss"] for x in lines if "reward" in x]
+        assert not env or any(x.get("episodes/observations_mean", 0) > 0 for x in lines)  # 2 turns
         runs.append((losses, evals, jax.device_get(summary["state"].params)))
     assert built == [[0, 1] if devices == 2 else [0, 0]]
     (losses, evals, params), (r_losses, r_evals, r_params) = runs
