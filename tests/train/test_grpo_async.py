@@ -260,12 +260,15 @@ class Retry(Environment):
 
 
 @pytest.mark.devices(2)
-@pytest.mark.parametrize("devices, k, env", [(1, 0, False), (2, 0, False), (2, 1, False), (1, 0, True)])
+@pytest.mark.parametrize(
+    "devices, k, env", [(1, 0, False), (2, 0, False), (2, 1, False), (1, 0, True), (2, 1, True)]
+)
 def test_engine_replicas_train_as_one_engine(tmp_path, monkeypatch, devices, k, env):
     """grpo.engine_replicas=2, each replica sampling half the step's prompts (and the evaluation's):
     on one device (two threads of it) or over the trainer's 2 devices (mesh data 2, one a device),
     the losses and the parameters of the run with one engine, synchronous (k 0) and off-policy (k 1:
-    to the log-probs' rounding); multi-turn episodes (grpo.env) on one device alike."""
+    to the log-probs' rounding); multi-turn episodes (grpo.env) alike, on one device and off-policy
+    over 2."""
     data = toy_data(tmp_path)
     built = []
 
