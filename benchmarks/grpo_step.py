@@ -26,9 +26,9 @@ prompts, a Trainer, its rollout then its jitted step), grpo.rollout = engine and
 sides; a step's wall time is between two `after_step` hooks (each after the step's update finished),
 with the run's logged rollout_time / update_time beside it; its rollouts decode the adapters merged into
 the float32 base (grpo.merge_lora, the default: once a step; --merge_lora 0 decodes them unmerged, as
-TRL's generate over the PEFT model does); the synchronous engine side's rollouts by
---engine_replicas engines (grpo.engine_replicas, 2 by default: on this 2-core CPU's one device, one
-decoding on each core; --engine_replicas 1: one engine), the others' by one.
+TRL's generate over the PEFT model does); the synchronous engine side's rollouts and the multi-turn
+episodes by --engine_replicas engines (grpo.engine_replicas, 2 by default: on this 2-core CPU's one
+device, one decoding on each core; --engine_replicas 1: one engine), the others' by one.
 TRL: GRPOTrainer(use_cpu=True), a step's wall time between a callback's on_step_begin and
 on_step_end (its generation, rewards and update), its rollout the time in
 `_generate_and_score_completions` (generation, rewards, advantages) and its update the rest of the step.
@@ -173,8 +173,8 @@ def run_flaxgpt(a) -> dict:
     c.grpo.num_iterations, c.grpo.loss_type, c.grpo.scale_rewards = 1, "dapo", "group"
     c.grpo.off_policy_steps = max(a.off_policy_steps, 1) if a.side == "flaxgpt_async" else a.off_policy_steps
     c.grpo.merge_lora = bool(a.merge_lora)
-    # replicas: the synchronous engine side's (the async one's rollout thread shares the cores with
-    # the update already; generate has no engine)
+    # replicas: the synchronous engine side's and the episodes' (the async one's rollout thread shares
+    # the cores with the update already; generate has no engine)
     c.grpo.engine_replicas = a.engine_replicas if a.side in ("flaxgpt_engine", "flaxgpt_episodes") else 1
     c.mesh.cpu_devices = a.cpu_devices
     c.grpo.reward_funcs, c.grpo.reward_weights, c.grpo.eval_prompts = ("answer", f"length={LENGTH}"), (), 0
@@ -356,7 +356,7 @@ def main() -> None:
     p.add_argument("--cpu_devices", type=int, default=1, help="flaxgpt's mesh.cpu_devices")
     # this 2-core CPU's fastest synchronous step: an engine a core (one CPU device, two threads)
     p.add_argument(
-        "--engine_replicas", type=int, default=2, help="grpo.engine_replicas of the synchronous engine side"
+        "--engine_replicas", type=int, default=2, help="grpo.engine_replicas of the synchronous engine and episodes sides"
     )
     p.add_argument("--multi_turn", action="store_true", help="the multi-turn row (episodes of Turns)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 layers x 128, 8-token completions")
