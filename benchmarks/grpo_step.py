@@ -356,7 +356,10 @@ def main() -> None:
     p.add_argument("--cpu_devices", type=int, default=1, help="flaxgpt's mesh.cpu_devices")
     # this 2-core CPU's fastest synchronous step: an engine a core (one CPU device, two threads)
     p.add_argument(
-        "--engine_replicas", type=int, default=2, help="grpo.engine_replicas of the synchronous engine and episodes sides"
+        "--engine_replicas",
+        type=int,
+        default=2,
+        help="grpo.engine_replicas of the synchronous engine and episodes sides",
     )
     p.add_argument("--multi_turn", action="store_true", help="the multi-turn row (episodes of Turns)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 layers x 128, 8-token completions")
