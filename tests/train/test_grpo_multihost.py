@@ -1,7 +1,8 @@
 """GRPO over 2 processes (Slurm's variables, gloo on the CPU, tests/train/test_multihost.py's
 launcher): each process rolls out its own prompts with its own engine on its own device, the update
 runs over both; the losses and rewards are those of one process that rolls out both processes'
-prompts (the same prompts and seeds) and updates on 2 devices. Run as a script, this file is one
+prompts (the same prompts and seeds) and updates on 2 devices; process 1's engine is 2 replicas
+(grpo.engine_replicas: the same tokens). Run as a script, this file is one
 worker: `python tests/train/test_grpo_multihost.py PROCESS DATA OUT`.
 """
 
@@ -34,10 +35,14 @@ def config(data_dir, out_dir):
     return c
 
 
-def worker(data_dir, out_dir) -> None:
+def worker(data_dir, out_dir, process: int) -> None:
     from flaxgpt.train import trainer
 
-    trainer.train(config(data_dir, out_dir), print_fn=lambda *a: print(*a, flush=True))
+    c = config(data_dir, out_dir)
+    # process 1 rolls out its share with 2 engine replicas on its device (their tokens are one
+    # engine's), process 0 with one engine: both paths over processes in one run
+    c.grpo.engine_replicas = 1 + process
+    trainer.train(c, print_fn=lambda *a: print(*a, flush=True))
 
 
 def both_processes_rollouts(monkeypatch):
@@ -101,4 +106,4 @@ def test_two_processes_roll_out_and_train_like_one(tmp_path, monkeypatch):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[2], sys.argv[3])
+    worker(sys.argv[2], sys.argv[3], int(sys.argv[1]))
