@@ -12,17 +12,20 @@ at 1 row (then 4 for the Llama shapes): (a) XLA's product as the model's decode 
 weights: x @ w; int8: kernels.qmatmul's XLA form, pinned with FLAXGPT_QMATMUL=xla whatever its
 default; int4 groups of 128: kernels.int4.matmul); (b) pallas_decode.gemv with bf16 weights and (c)
 pallas_qgemv.gemv with int8 and int4 weights, each over a grid of `Tiles` (GRID, bf16's: block_n 16-128,
-block_k 128-2048, 4 or 8 warps, 3 stages; QGRID, int8's and int4's: split-K first, K in 2-8 ranges
-(2 x 32x512, 4 x 32x256, 8 x 16x512, 4 x 64x512 over 8 warps), then 3 unsplit tilings; pruned to at
-most 128 weights a thread, which otherwise spill registers, and >= 64 programs; GPT-2's shapes take
-1-2 tilings besides the default, the 4-row cases the best 1-row one). The plan: 125 + 12 Triton
-programs, 36 XLA ones, 3 MoE: ~178 s predicted at ~0.8 s a Triton compile (the 2026-11-29 lease's
-estimate) and ~1 s an XLA one; --budget_s (155) then cuts the 1-row grid's last rounds (the MoE and
-4-row rows keep 30 s of it): by that estimate XLA's round and the kernels' rounds 1-5 (of 9) run,
-int8's and int4's default and four split-K tilings. Then (d) Mixtral-8x7B's expert product, 16384
-rows sorted into 8 groups of ~2048, D 4096 -> F 14336, bf16, forward: models.moe.tiled_grouped_matmul,
-jax.lax.ragged_dot (a real grouped GEMM, or each group's matrix over every row?) and 8 dense dots over
-the same static groups; milliseconds and TFLOP/s.
+block_k 128-2048, 4 or 8 warps, 3 stages; QGRID, int8's and int4's: split-K first, K in 2-8 ranges (2 x
+32x512, 4 x 32x256, 8 x 16x512, 4 x 64x512 over 8 warps), then 3 unsplit tilings; pruned to at most 128
+weights a thread, which otherwise spill registers, and >= 64 programs; GPT-2's shapes take 1-2 tilings
+besides the default, the 4-row cases the best 1-row one), and GPT-2's bf16 weights also as their rows
+[N, K] (`bf16_rows`: pallas_decode.gemv(rows_w=True) against XLA's dot over w's K, the default tiling
+and 4 or 8 channels a program: 96-768 programs reading 512-byte runs, where flax's [K, N] at 4 channels
+reads 8-byte runs). The plan: 137 + 12 Triton programs, 40 XLA ones, 3 MoE: ~193 s predicted at ~0.8 s a
+Triton compile (the 2026-11-29 lease's estimate) and ~1 s an XLA one; --budget_s (155) then cuts the
+1-row grid's last rounds (the MoE and 4-row rows keep 30 s of it): by that estimate XLA's round and the
+kernels' rounds 1-4 (5 at the margin; of 9) run, int8's and int4's default and three or four split-K
+tilings, GPT-2's rows in rounds 0-3. Then (d) Mixtral-8x7B's expert product, 16384 rows sorted into 8
+groups of ~2048, D 4096 -> F 14336, bf16, forward: models.moe.tiled_grouped_matmul, jax.lax.ragged_dot
+(a real grouped GEMM, or each group's matrix over every row?) and 8 dense dots over the same static
+groups; milliseconds and TFLOP/s.
 
 Method (the workplace's METHOD.md): each timing is one jitted program of n calls, unrolled (no
 while-loop round trip to the host, no kernels between the calls), each call on its own x and on one
@@ -37,12 +40,12 @@ The rounds go XLA, each kernel's default tiling, then the grid, across all shape
 budget that runs out cuts the grid's tail, not a shape. Rows as they come on stdout; every row as
 JSON (--json, rewritten after each); last, the best tiling per (kernel, shape) against XLA's.
 
---compile_for h100-1 compiles the whole plan on this machine for a `flaxgpt aot` target instead (176
-programs in 51 s on 2-core AVX-512, loaded, none failed, split-K's 32 among them: every tiling lowers
-through Triton), and for the MoE forms the compiled matmul FLOPs over the product's own: with jaxlib
-0.10.2's XLA, ragged_dot is one GEMM over x widened to every group (8.0x; 15.9 ms bound on an H100),
-the tiled form 1.88x (5.5 ms), the dense dots 1.0x (2.2 ms): compiled, not measured; the lease runs
-jax 0.11.2's.
+--compile_for h100-1 compiles the whole plan on this machine for a `flaxgpt aot` target instead (192
+programs in 126 s on 2-core AVX-512 beside a CI run, none failed, split-K's 32 and the rows' 16 among
+them: every tiling lowers through Triton), and for the MoE forms the compiled matmul FLOPs over the
+product's own: with jaxlib 0.10.2's XLA, ragged_dot is one GEMM over x widened to every group (8.0x;
+15.9 ms bound on an H100), the tiled form 1.88x (5.5 ms), the dense dots 1.0x (2.2 ms): compiled, not
+measured; the lease runs jax 0.11.2's.
 """
 
 from __future__ import annotations
@@ -74,6 +77,11 @@ LLAMA = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate|up", 4096, 28672), ("dow
 GPT2 = [("c_attn", 768, 2304), ("attn c_proj", 768, 768), ("c_fc", 768, 3072), ("mlp c_proj", 3072, 768)]
 DRY = [("tiny", 256, 64)]
 KINDS = ("bf16", "int8", "int4")
+# GPT-2's (and the dry run's) bf16 weights also as their rows [N, K] (rows_w, as a tied head's table
+# lies): a program's tile then reads bn whole rows of contiguous inputs, so a few channels a program
+# (GPT-2's 768 outputs: 192 programs at 4) still read 512-byte runs, where flax's [K, N] gives them
+# bn * 2 bytes; the layout a decode-only copy of the weights could take
+ROWS = "bf16_rows"
 # (block_n, block_k, warps[, split_k]) in the order run after the default: the tile's bytes (4-64 KiB)
 # and the programs (N / block_n) spread first, then warps; 3 stages throughout. bf16 (pallas_decode):
 GRID = [(16, 512, 4), (32, 1024, 8), (64, 128, 4), (16, 2048, 8), (32, 256, 8), (64, 512, 8), (16, 1024, 4)]
@@ -85,14 +93,16 @@ GRID += [(128, 128, 4)]
 QGRID = [(32, 256, 4, 4), (32, 512, 4, 2), (16, 512, 4, 8), (64, 512, 8, 4), (16, 512, 4), (32, 1024, 8)]
 QGRID += [(16, 2048, 8)]
 SMALL_GRID = {"bf16": [(16, 256, 4), (16, 512, 8)], "int8": [(16, 256, 4)], "int4": [(16, 256, 4)]}  # GPT-2
+SMALL_GRID[ROWS] = [(4, 512, 4), (8, 256, 4)]
 DRY_GRID = {"bf16": [(16, 128, 4)], "int8": [(16, 128, 4, 2)], "int4": [(16, 128, 4, 2)]}  # K 256: 2 steps
+DRY_GRID[ROWS] = [(4, 128, 4)]
 MIN_PROGRAMS = 64  # fewer (N / block_n * split_k) leave over half an H100's / H200's 132 SMs idle
 # shares of the budget kept from the 1-row grid for the MoE and 4-row rows (30 s of 155), for the 4-row (15 s)
 RESERVE = (0.19, 0.1)
 
 
 def default_tiles(kind: str, K: int) -> Tiles:
-    if kind == "bf16":
+    if kind in ("bf16", ROWS):
         return Tiles(pallas_decode.BLOCK_N, min(pallas_decode.BLOCK_K, 1 << (K.bit_length() - 1)))
     return Tiles(pallas_qgemv.BLOCK_N, pallas_qgemv.INT4_BLOCK_K if kind == "int4" else pallas_qgemv.BLOCK_K)
 
@@ -106,9 +116,8 @@ def grid(kind: str, K: int, N: int, small: bool, dry: bool) -> list[Tiles]:
     big = QGRID if kind in ("int8", "int4") else GRID
     for bn, bk, warps, *split in DRY_GRID[kind] if dry else SMALL_GRID[kind] if small else big:
         t = Tiles(bn, bk, warps, 3, *split)
-        why = (
-            t.why_not(N, K) if kind == "bf16" else pallas_qgemv.why_not(1, N, K, GROUP * (kind == "int4"), t)
-        )
+        quantized = kind in ("int8", "int4")
+        why = pallas_qgemv.why_not(1, N, K, GROUP * (kind == "int4"), t) if quantized else t.why_not(N, K)
         fits = not why and bn * bk <= 128 * 32 * warps
         fits = fits and (small or dry or N // bn * t.split_k >= MIN_PROGRAMS)
         if fits and t not in out:
@@ -156,9 +165,10 @@ def program(kind: str, impl: str, tiles, interpret: bool):
 
 def weights(kind, K, N, key):
     """Random weights (never zeros: they hide unwritten outputs and run fast): bf16 [K, N] as flax's
-    kernel lies; int8 [N, K] and a scale a row; int4 packed [N, K/2] and a scale a group."""
-    if kind == "bf16":
-        return ((jax.random.normal(key, (K, N)) / math.sqrt(K)).astype(jnp.bfloat16),)
+    kernel lies (ROWS: [N, K]); int8 [N, K] and a scale a row; int4 packed [N, K/2] and a scale a group."""
+    if kind in ("bf16", ROWS):
+        shape = (N, K) if kind == ROWS else (K, N)
+        return ((jax.random.normal(key, shape) / math.sqrt(K)).astype(jnp.bfloat16),)
     k = jax.random.split(key)
     if kind == "int8":
         w = jax.random.randint(k[0], (N, K), -127, 128, jnp.int32).astype(jnp.int8)
@@ -170,8 +180,8 @@ def weights(kind, K, N, key):
 def reference(kind, x, w, scale=None):
     """The float32 product of the same inputs, at full float32 precision (not the GPU's tf32)."""
     x, hi = x.astype(jnp.float32), jax.lax.Precision.HIGHEST
-    if kind == "bf16":
-        return jnp.matmul(x, w.astype(jnp.float32), precision=hi)
+    if kind in ("bf16", ROWS):
+        return jnp.matmul(x, (w.T if kind == ROWS else w).astype(jnp.float32), precision=hi)
     return jnp.matmul(x, qmatmul.dequantize(w, scale).T, precision=hi)
 
 
@@ -180,9 +190,11 @@ def product(kind: str, impl: str, tiles: Tiles | None, interpret: bool):
     if impl == "xla":
         if kind == "bf16":
             return lambda x, w: x @ w
+        if kind == ROWS:  # a dot contracting both operands' K: no transposed copy of w
+            return lambda x, w: jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
         return int4.matmul if kind == "int4" else qmatmul.qmatmul
-    if kind == "bf16":
-        return lambda x, w: pallas_decode.gemv(x, w, tiles=tiles, interpret=interpret)
+    if kind in ("bf16", ROWS):
+        return lambda x, w: pallas_decode.gemv(x, w, rows_w=kind == ROWS, tiles=tiles, interpret=interpret)
     return lambda x, w, s: pallas_qgemv.gemv(x, w, s, tiles=tiles, interpret=interpret)
 
 
@@ -365,7 +377,7 @@ def plan(a):
     shapes += [] if a.dry_run else [("GPT-2 124M", *s) for s in GPT2]
     jobs = []
     for model, name, K, N in shapes:
-        for kind in KINDS:
+        for kind in KINDS if model == "Llama-3-8B" else (*KINDS, ROWS):
             tilings = grid(kind, K, N, model == "GPT-2 124M", a.dry_run)
             jobs += [(0, (model, name, K, N, kind), "xla", None)]
             jobs += [(1 + i, (model, name, K, N, kind), "pallas", t) for i, t in enumerate(tilings)]

@@ -34,17 +34,18 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     for r in rows:
         by_part.setdefault(r["part"], []).append(r)
     # kernel_sweep.py's dry run (one tiny shape, interpreted): the ceiling, the best of its 2 tilings per
-    # kernel at 1 and 4 rows against XLA's, the three MoE products; every row in OUT/kernel_sweep.json
+    # kernel (bf16's weights also as rows) at 1 and 4 rows against XLA's, the three MoE products; every
+    # row in OUT/kernel_sweep.json
     sweep = {r["what"]: r for r in by_part["kernel_sweep"]}
-    assert next(w for w in sweep).startswith("copy ceiling") and len(sweep) == 1 + 6 + 3 + 1, list(sweep)
-    for w in ("bf16", "int8", "int4"):
+    assert next(w for w in sweep).startswith("copy ceiling") and len(sweep) == 1 + 8 + 3 + 1, list(sweep)
+    for w in ("bf16", "int8", "int4", "bf16_rows"):
         assert sweep[f"tiny tiny {w} M=1: best of 2 tilings"]["best_gbps"] > 0
         assert sweep[f"tiny tiny {w} M=4: best of 1 tilings"]["xla_gbps"] > 0
     moe = [r for w, r in sweep.items() if w.startswith("MoE ")]
     assert [r["what"].split(":")[0] for r in moe] == [
         "MoE dense dots over static groups", "MoE moe.tiled_grouped_matmul", "MoE jax.lax.ragged_dot"
     ] and all(r["step_ms"] > 0 for r in moe)  # fmt: skip
-    assert sweep["15 GEMV rows, 0 skipped by the budget"]["result"] == "kernel_sweep.json"
+    assert sweep["20 GEMV rows, 0 skipped by the budget"]["result"] == "kernel_sweep.json"
     swept = json.loads((out / "kernel_sweep.json").read_text())
     assert all(r["ok"] for r in swept if r["section"] == "gemv")  # each tiling's output the float32 product's
     recipe = by_part["recipe"][0]
@@ -79,8 +80,9 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
 
 
 def test_the_sweeps_programs_compile_for_an_h100():
-    """kernel_sweep.py --compile_for (its dry-run plan: 2 tilings of each kernel, XLA's products, the
-    three MoE forms) on this CPU: every program compiles, each kernel call one Triton custom call."""
+    """kernel_sweep.py --compile_for (its dry-run plan: 2 tilings of each kernel and layout, XLA's
+    products, the three MoE forms) on this CPU: every program compiles, each kernel call one Triton
+    custom call."""
     pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
     cmd = [sys.executable, "benchmarks/kernel_sweep.py", "--dry_run", "--compile_for", "h100-1"]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
@@ -88,13 +90,14 @@ def test_the_sweeps_programs_compile_for_an_h100():
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     gemv = [r for r in rows if "impl" in r]
-    assert len(gemv) == 3 * (3 + 2) and not any("error" in r for r in gemv)  # 1 row: 3 each; 4 rows: 2
+    # bf16, its rows layout, int8, int4; 1 row: 3 each; 4 rows: 2
+    assert len(gemv) == 4 * (3 + 2) and not any("error" in r for r in gemv)
     assert all(r["triton_calls"] == (r["calls"] if r["impl"] == "pallas" else 0) for r in gemv)
     moe = {r["what"]: r for r in rows if "what" in r}
     assert moe["MoE dense dots over static groups"]["flops_x"] == 1.0
     assert moe["MoE jax.lax.ragged_dot"]["flops_x"] >= 1.0  # jaxlib 0.10.2: 4.0, every group over every row
     last = p.stdout.splitlines()[-1]
-    assert last.startswith("18 programs compiled for h100-1 in ") and last.endswith(" s, 0 failed"), last
+    assert last.startswith("23 programs compiled for h100-1 in ") and last.endswith(" s, 0 failed"), last
 
 
 def test_a_part_out_of_time_is_one_row_and_leaves_nothing_running(tmp_path, monkeypatch):

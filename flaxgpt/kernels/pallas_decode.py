@@ -46,15 +46,19 @@ from jax.experimental.pallas import triton as plgpu
 MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's GEMM is compute-bound
 BLOCK_N = 32  # output channels a program: GPT-2's 768 make 24 programs, c_fc's 3072 make 96
 BLOCK_K = 128  # inputs a step: a [128, 32] float32 tile, 32 values a thread at 4 warps
-MIN_DIM = 16  # the smallest tile side Triton takes
+MIN_DIM = 16  # the smallest K step, and the smallest N and K of a weight the kernel takes
+# output channels a program: any power of two (the products are multiplies and row sums, not Triton's
+# dot, whose tiles start at 16): GPT-2's 768 outputs make 24 programs at 32, 192 at 4 (of 132 SMs)
+MIN_BLOCK_N = 1
 NORMS = ("layernorm", "rmsnorm")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 class Tiles(NamedTuple):
-    """A GEMV kernel's tiling: output channels a program, inputs a step (powers of two >= MIN_DIM, at
-    most N and K), Triton's warps a program and its software-pipelining stages; split_k > 1 (only
-    kernels.pallas_qgemv's) splits K into that many ranges, each its own program, summed after."""
+    """A GEMV kernel's tiling: output channels a program (a power of two >= MIN_BLOCK_N), inputs a step
+    (a power of two >= MIN_DIM), at most N and K, Triton's warps a program and its software-pipelining
+    stages; split_k > 1 (only kernels.pallas_qgemv's) splits K into that many ranges, each its own
+    program, summed after."""
 
     block_n: int
     block_k: int
@@ -64,9 +68,12 @@ class Tiles(NamedTuple):
 
     def why_not(self, N: int, K: int) -> str:
         """'' when the tiling fits w with N outputs and K inputs, else why not."""
-        for name, v, side, dim in (("block_n", self.block_n, "N", N), ("block_k", self.block_k, "K", K)):
-            if v < MIN_DIM or v & (v - 1):
-                return f"{name}={v} is not a power of two >= {MIN_DIM}"
+        for name, v, side, dim, least in (
+            ("block_n", self.block_n, "N", N, MIN_BLOCK_N),
+            ("block_k", self.block_k, "K", K, MIN_DIM),
+        ):
+            if v < least or v & (v - 1):
+                return f"{name}={v} is not a power of two >= {least}"
             if v > dim:
                 return f"{name}={v} > {side}={dim}"
         if self.num_warps not in (1, 2, 4, 8, 16, 32):  # Triton's: a power of two, at most 1024 threads

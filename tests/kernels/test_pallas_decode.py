@@ -132,31 +132,36 @@ def test_shapes_it_cannot_take_are_one_line():
         (3, 200, 40, Tiles(32, 128, 8, 2)),  # neither divides: both last blocks overlap the one before
         (1, 96, 80, Tiles(16, 32, 2, 1)),  # 5 blocks of channels, 3 steps
         (2, 64, 64, Tiles(64, 64)),  # one program, one step
+        (1, 96, 44, Tiles(4, 32, 1, 1)),  # 4 channels a program: 11 programs, 3 steps
+        (2, 64, 24, Tiles(1, 64)),  # a channel a program
     ],
 )
-def test_every_tiling_gives_the_reference(M, K, N, tiles):
+@pytest.mark.parametrize("rows_w", [False, True])
+def test_every_tiling_gives_the_reference(M, K, N, tiles, rows_w):
     """kernel_sweep.py's tilings compute the same function: layernorm + product + bias + residual in
-    float32 against float64, and the bfloat16 form as the default tiling's."""
+    float32 against float64, and the bfloat16 form as the default tiling's; the weight as flax's kernel
+    [K, N] or as its rows [N, K] (rows_w)."""
     k = jax.random.split(jax.random.key(K + N), 6)
     x, w = jax.random.normal(k[0], (M, K)) * 2 + 0.5, jax.random.normal(k[1], (K, N)) / np.sqrt(K)
     b, r = jax.random.normal(k[2], (N,)), jax.random.normal(k[5], (M, N))
     norm = Norm(
         "layernorm", 1 + 0.1 * jax.random.normal(k[3], (K,)), 0.1 * jax.random.normal(k[4], (K,)), 1e-5
     )
-    got = gemv(x, w, b, norm=norm, residual_MN=r, tiles=tiles, interpret=True)
+    given = w.T if rows_w else w
+    got = gemv(x, given, b, norm=norm, residual_MN=r, rows_w=rows_w, tiles=tiles, interpret=True)
     want = reference(x, w, b, norm, None, r)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=2e-5)
-    x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    got16 = gemv(x16, w16, tiles=tiles, interpret=True).astype(jnp.float32)
+    x16, w16 = x.astype(jnp.bfloat16), given.astype(jnp.bfloat16)
+    got16 = gemv(x16, w16, rows_w=rows_w, tiles=tiles, interpret=True).astype(jnp.float32)
     np.testing.assert_allclose(
-        got16, gemv(x16, w16, interpret=True).astype(jnp.float32), atol=0.02, rtol=0.02
+        got16, gemv(x16, w16, rows_w=rows_w, interpret=True).astype(jnp.float32), atol=0.02, rtol=0.02
     )
 
 
 @pytest.mark.parametrize(
     "tiles,message",
     [
-        (Tiles(48, 32), r"block_n=48 is not a power of two >= 16"),
+        (Tiles(48, 32), r"block_n=48 is not a power of two >= 1"),
         (Tiles(32, 8), r"block_k=8 is not a power of two >= 16"),
         (Tiles(128, 32), r"block_n=128 > N=64"),
         (Tiles(16, 64), r"block_k=64 > K=32"),

@@ -123,6 +123,8 @@ def test_kernel_compiles_for_h100_as_one_triton_call(mode, tiles):
         ("int8", 1, 48, 512, Tiles(32, 512)),  # K in one step
         ("int4", 3, 40, 640, Tiles(16, 256, 2, 1)),  # 5 groups of 128, 2 a step: the last step overlaps
         ("int4_g64", 1, 64, 384, Tiles(64, 64)),  # a group a step, one block of channels
+        ("int8", 1, 20, 256, Tiles(4, 128, 1, 1)),  # 4 channels a program: 5 programs
+        ("int4", 2, 12, 256, Tiles(2, 128)),  # 2 channels a program, a group a step
     ],
 )
 def test_every_tiling_gives_the_dequantized_product(mode, M, N, K, tiles):
@@ -172,8 +174,8 @@ def test_split_k_gives_the_dequantized_product(mode, M, N, K, tiles):
 @pytest.mark.parametrize(
     "tiles,mode,message",
     [
-        (Tiles(24, 128), "int8", r"block_n=24 is not a power of two >= 16"),
-        (Tiles(8, 128), "int8", r"block_n=8 is not a power of two >= 16"),
+        (Tiles(24, 128), "int8", r"block_n=24 is not a power of two >= 1"),
+        (Tiles(8, 96), "int8", r"block_k=96 is not a power of two >= 16"),
         (Tiles(64, 128), "int8", r"block_n=64 > N=48"),
         (Tiles(16, 1024), "int8", r"block_k=1024 > K=512"),
         (Tiles(16, 128, 3), "int8", r"num_warps=3 is not a power of two <= 32"),
