@@ -139,10 +139,7 @@ class Episodes:
         def play(engine_rollouts, mine, lo, hi):
             return self._play(engine_rollouts, mine, prompt_ids[lo:hi], rows[lo:hi], G, seed, lo)
 
-        if hasattr(rollouts, "shares"):
-            shares = rollouts.shares(weights, len(prompt_ids), play)
-        else:
-            shares = [play(rollouts, weights, 0, len(prompt_ids))]
+        shares = rollouts.shares(weights, len(prompt_ids), play)
         prompts, plays, dropped, self.errors = [], [], set(), []
         for share_prompts, share_plays, share_dropped, errors in shares:
             prompts += share_prompts

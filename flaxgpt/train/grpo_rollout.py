@@ -208,6 +208,10 @@ class EngineRollouts:
         other.mesh, other.slots, other.engine = mesh, slots, None
         return other
 
+    def shares(self, weights, n_prompts: int, play) -> list:
+        """[play(self, weights, 0, n_prompts)]: the step's prompts as one share (Replicas.shares' k)."""
+        return [play(self, weights, 0, n_prompts)]
+
     def sample(self, weights, prompt_ids, group_size: int, *, seed: int, stream0: int = 0):
         """(prompts, completion ids): N = prompts x G token lists, prompt-major (completion n is prompt
         n // G's; its key's stream stream0 + n: Replicas' share of a step starts at `stream0`), each
