@@ -192,7 +192,7 @@ def test_bad_async_settings(tmp_path):
         "grpo.engine_replicas=2 splits the engine's rollouts; grpo.rollout=generate samples": {
             "grpo.engine_replicas": 2, "grpo.rollout": "generate"
         },
-        "engine_replicas=3 gives each engine batch_size // 3 = 2 slots, fewer than a group's 4": {
+        "engine_replicas=3 gives each engine ceil(batch_size / 3) = 3 slots, fewer than a group's 4": {
             "grpo.engine_replicas": 3, "grpo.env": "flaxgpt.envs.calculator:Calculator"
         },
         "grpo.engine_replicas=0 must be >= 1": {"grpo.engine_replicas": 0},
