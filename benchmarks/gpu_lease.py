@@ -35,7 +35,9 @@ find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epi
   2026-11-29 lease); decode_gpt2_plain: the same without (`graphs=False`); decode_gpt2_kernels: the
   float and bf16 rows at batch 1 with FLAXGPT_DECODE_KERNELS=on (each layer's norms and residual adds
   in its GEMVs and the cache writes in the attention, kernels/pallas_decode*.py), for the side by side
-  (the GPT-2 >= 4,000 tok/s target; slower than XLA's path on 2026-11-29)
+  (the GPT-2 >= 4,000 tok/s target; slower than XLA's path on 2026-11-29): "float" reads flax's [K, N]
+  kernels cast to bf16, 32 channels a program; "bf16" (quantize_params' rows [N, K]) reads them as rows,
+  8 channels a program (since 2026-11-30; on 2026-11-29 its products were XLA's)
 - decode_llama8b: the same for Llama-3-8B's shape, random bf16 weights made on the device (16 GB;
   int8 8 GB; int4, groups of 128, 4.3 GB), 128 new tokens
 - decode_llama8b_pallas: its batch-1 int8 and int4 rows with FLAXGPT_QMATMUL=pallas (the weight products

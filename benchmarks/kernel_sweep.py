@@ -16,8 +16,9 @@ block_k 128-2048, 4 or 8 warps, 3 stages; QGRID, int8's and int4's: split-K firs
 32x512, 4 x 32x256, 8 x 16x512, 4 x 64x512 over 8 warps), then 3 unsplit tilings; pruned to at most 128
 weights a thread, which otherwise spill registers, and >= 64 programs; GPT-2's shapes take 1-2 tilings
 besides the default, the 4-row cases the best 1-row one), and GPT-2's bf16 weights also as their rows
-[N, K] (`bf16_rows`: pallas_decode.gemv(rows_w=True) against XLA's dot over w's K, the default tiling
-and 4 or 8 channels a program: 96-768 programs reading 512-byte runs, where flax's [K, N] at 4 channels
+[N, K] (`bf16_rows`, as `--quantize bf16` lays them: pallas_decode.gemv(rows_w=True) against XLA's dot
+over w's K, the rows' default tiling of 8 channels a program, 4 channels x 512, and 32 x 128 (the
+default before 2026-11-30): 96-768 programs reading 512-byte runs, where flax's [K, N] at 4 channels
 reads 8-byte runs). The plan: 137 + 12 Triton programs, 40 XLA ones, 3 MoE: ~193 s predicted at ~0.8 s a
 Triton compile (the 2026-11-29 lease's estimate) and ~1 s an XLA one; --budget_s (155) then cuts the
 1-row grid's last rounds (the MoE and 4-row rows keep 30 s of it): by that estimate XLA's round and the
@@ -93,7 +94,7 @@ GRID += [(128, 128, 4)]
 QGRID = [(32, 256, 4, 4), (32, 512, 4, 2), (16, 512, 4, 8), (64, 512, 8, 4), (16, 512, 4), (32, 1024, 8)]
 QGRID += [(16, 2048, 8)]
 SMALL_GRID = {"bf16": [(16, 256, 4), (16, 512, 8)], "int8": [(16, 256, 4)], "int4": [(16, 256, 4)]}  # GPT-2
-SMALL_GRID[ROWS] = [(4, 512, 4), (8, 256, 4)]
+SMALL_GRID[ROWS] = [(4, 512, 4), (32, 128, 4)]  # the default is ROWS_BLOCK_N x ROWS_BLOCK_K
 DRY_GRID = {"bf16": [(16, 128, 4)], "int8": [(16, 128, 4, 2)], "int4": [(16, 128, 4, 2)]}  # K 256: 2 steps
 DRY_GRID[ROWS] = [(4, 128, 4)]
 MIN_PROGRAMS = 64  # fewer (N / block_n * split_k) leave over half an H100's / H200's 132 SMs idle
@@ -102,7 +103,9 @@ RESERVE = (0.19, 0.1)
 
 
 def default_tiles(kind: str, K: int) -> Tiles:
-    if kind in ("bf16", ROWS):
+    if kind == ROWS:
+        return Tiles(pallas_decode.ROWS_BLOCK_N, min(pallas_decode.ROWS_BLOCK_K, 1 << (K.bit_length() - 1)))
+    if kind == "bf16":
         return Tiles(pallas_decode.BLOCK_N, min(pallas_decode.BLOCK_K, 1 << (K.bit_length() - 1)))
     return Tiles(pallas_qgemv.BLOCK_N, pallas_qgemv.INT4_BLOCK_K if kind == "int4" else pallas_qgemv.BLOCK_K)
 

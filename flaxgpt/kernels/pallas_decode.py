@@ -30,7 +30,9 @@ rule) no larger than N and K. `why_not` says why a shape does not tile ("" when 
 refuses the others in one line. `tiles=Tiles(bn, bk, num_warps, num_stages)` overrides the tiling
 (kernels.pallas_qgemv takes the same; benchmarks/kernel_sweep.py times a grid of them on a GPU);
 None keeps BLOCK_N, BLOCK_K, 4 warps and 3 stages, never measured against others on a GPU.
-Who calls it and when: models.linear (`decode_kernels`, FLAXGPT_DECODE_KERNELS); models.gpt (a tied head).
+Who calls it and when: models.linear (`decode_kernels`, FLAXGPT_DECODE_KERNELS: float weights as [K, N],
+and `--quantize bf16`'s as their rows [N, K], the layout whose programs read long runs with few channels
+each: ROWS_BLOCK_N); models.gpt (a tied head).
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ MIN_DIM = 16  # the smallest K step, and the smallest N and K of a weight the ke
 # output channels a program: any power of two (the products are multiplies and row sums, not Triton's
 # dot, whose tiles start at 16): GPT-2's 768 outputs make 24 programs at 32, 192 at 4 (of 132 SMs)
 MIN_BLOCK_N = 1
+# w as rows [N, K] (`rows_w`: a tied head's table, `--quantize bf16`'s weights): fewer channels a
+# program and longer steps along K, each channel's bf16 run 512 bytes (a prediction for a GPU until
+# benchmarks/kernel_sweep.py's bf16_rows measures it): GPT-2's 768 outputs make 96 programs
+ROWS_BLOCK_N = 8
+ROWS_BLOCK_K = 256
 NORMS = ("layernorm", "rmsnorm")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -122,11 +129,11 @@ def takes(M: int, N: int, K: int, *dtypes, splits: tuple[int, ...] = ()) -> bool
     return not (why_not(M, N, K, splits) or _dtypes_why(*dtypes))
 
 
-def _block_n(N: int, splits: tuple[int, ...]) -> int:
-    """Output channels a program: a power of two <= N; with `splits`, one dividing every piece."""
+def _block_n(N: int, splits: tuple[int, ...], most: int = BLOCK_N) -> int:
+    """Output channels a program: a power of two <= N and `most`; with `splits`, one dividing every piece."""
     bounds = (0, *splits, N)
     widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-    return min(BLOCK_N, _pow2_floor(N), *(w & -w for w in widths)) if splits else min(BLOCK_N, _pow2_floor(N))
+    return min(most, _pow2_floor(N), *(w & -w for w in widths)) if splits else min(most, _pow2_floor(N))
 
 
 def gemv(
@@ -149,7 +156,8 @@ def gemv(
     path's). With `splits` (column boundaries) the output comes as that many arrays, each written by
     the programs of its columns (c_attn's q | k | v for the attention kernel: no split copy).
     `rows_w`: w_KN is given as its transpose [N, K] (a tied head's token table), read as it lies.
-    `tiles`: the tiling (None: BLOCK_N and BLOCK_K within the shape, 4 warps, 3 stages)."""
+    `tiles`: the tiling (None: BLOCK_N and BLOCK_K within the shape, ROWS_BLOCK_N and ROWS_BLOCK_K
+    with `rows_w`, 4 warps, 3 stages)."""
     M, K = x_MK.shape
     w_K, N = w_KN.shape[::-1] if rows_w else w_KN.shape
     dtype = jnp.dtype(dtype or x_MK.dtype)
@@ -180,7 +188,8 @@ def gemv(
             have.append(name)
     bounds = (0, *splits, N)
     if tiles is None:
-        tiles = Tiles(_block_n(N, splits), min(BLOCK_K, _pow2_floor(K)))
+        most_n, most_k = (ROWS_BLOCK_N, ROWS_BLOCK_K) if rows_w else (BLOCK_N, BLOCK_K)
+        tiles = Tiles(_block_n(N, splits, most_n), min(most_k, _pow2_floor(K)))
     widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     why = tiles.why_not(N, K) or (
         f"block_n={tiles.block_n} does not divide the pieces {widths}" if splits and any(

@@ -141,21 +141,29 @@ class Linear(nn.Module):
 
     def _decode_kernel(self, x, kernel, bias, norm, residual):
         """norm + product + bias + activation + residual as one kernel (kernels.pallas_decode), its
-        output in `splits`' pieces if any, for a float weight without adapters or float8 in shapes and
-        dtypes it tiles (the step takes the kernels: the caller's `pre_norm` / `residual` say so); else
-        None (the caller takes XLA's steps)."""
+        output in `splits`' pieces if any, for a float weight or a bf16-quantized one (rows [N, K],
+        read as they lie: `--quantize bf16`), without adapters or float8, in shapes and dtypes it
+        tiles (the step takes the kernels: the caller's `pre_norm` / `residual` say so); else None
+        (the caller takes XLA's steps). int8 and int4 rows keep kernels.qmatmul's route."""
         x_MK = x.reshape(-1, x.shape[-1])
-        if isinstance(kernel, QuantizedWeight) or self.fp8 or self.lora is not None:
+        rows = isinstance(kernel, QuantizedWeight) and jnp.dtype(kernel.w.dtype) == jnp.bfloat16
+        if (isinstance(kernel, QuantizedWeight) and not rows) or self.fp8 or self.lora is not None:
             return None
-        (M, K), N = x_MK.shape, kernel.shape[1]
-        dtype = jnp.dtype(self.dtype or jnp.result_type(x, kernel, *(() if bias is None else (bias,))))
+        # bf16 rows' scales are ones (quantize's bf16 mode), so the rows are the weight; the quantized
+        # path computes in the layer's dtype (else x's), as _product's qdot does
+        w = kernel.w if rows else kernel
+        (M, K), N = x_MK.shape, w.shape[0] if rows else w.shape[1]
+        if rows:
+            dtype = jnp.dtype(self.dtype or x.dtype)
+        else:
+            dtype = jnp.dtype(self.dtype or jnp.result_type(x, w, *(() if bias is None else (bias,))))
         out = dtype if residual is None else jnp.result_type(residual, dtype)
-        if not pallas_decode.takes(M, N, K, x.dtype, kernel.dtype, dtype, out, splits=self.splits):
+        if not pallas_decode.takes(M, N, K, x.dtype, w.dtype, dtype, out, splits=self.splits):
             return None
         res_MN = None if residual is None else residual.reshape(M, N)
         y_MN = pallas_decode.gemv(
-            x_MK, kernel, bias, norm=norm, activation=self.activation, residual_MN=res_MN,
-            splits=self.splits, dtype=dtype, out_dtype=out, interpret=target.platform() != "gpu",
+            x_MK, w, bias, norm=norm, activation=self.activation, residual_MN=res_MN, splits=self.splits,
+            rows_w=rows, dtype=dtype, out_dtype=out, interpret=target.platform() != "gpu",
         )  # fmt: skip
         if self.splits:  # the pieces as the kernel wrote them: no split copy
             return [y.reshape(*x.shape[:-1], -1) for y in y_MN]

@@ -15,7 +15,7 @@ from flaxgpt.aot import hlo_cost
 KERNEL = re.compile(r"custom-call\(.*__gpu\$xla\.gpu\.triton.*decode_(gemv|attention)")
 
 
-def compile_sample(tmp_path, mode, monkeypatch):
+def compile_sample(tmp_path, mode, monkeypatch, quantize=None):
     from flaxgpt.aot import compile as aot
     from flaxgpt.aot import targets
     from tests.aot.test_compile import tiny
@@ -24,7 +24,7 @@ def compile_sample(tmp_path, mode, monkeypatch):
     jax.clear_caches()  # read when traced: a trace of the other mode must not be reused
     rows, mc = aot.run(
         tiny(model__n_layer=2, batch_size=1, grad_accum=1), targets.get("h100-1"), ("sample",),
-        dump=tmp_path, print_fn=lambda *_: None,
+        dump=tmp_path, print_fn=lambda *_: None, quantize=quantize,
     )  # fmt: skip
     by = {r.program: r for r in rows}
     hlo = {p: (tmp_path / f"{p}.h100-1.hlo.txt").read_text() for p in by}
@@ -60,3 +60,19 @@ def test_the_token_loop_takes_five_kernels_a_layer_on_h100(tmp_path, monkeypatch
     # each layer: the norms' passes, the one-row products' separate sums, the residual adds, the cache
     # scatters and attention's two products gone
     assert on["sample.decode"].kernels <= off["sample.decode"].kernels - 6 * mc.n_layer
+
+
+def test_bf16_rows_take_the_same_kernels_on_h100(tmp_path, monkeypatch):
+    """`--quantize bf16` (the weights as rows [N, K]) with FLAXGPT_DECODE_KERNELS=on: the token loop takes
+    the same five kernels a layer and one for ln_f + the head as float weights, its products reading the
+    rows as they lie (no transpose or copy of a weight in the loop), within the float path's kernels."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    rows, kernels, hlo, mc = compile_sample(tmp_path / "rows", "on", monkeypatch, quantize="bf16")
+    assert kernels == {"sample.prefill": 0, "sample.decode": 5 * mc.n_layer + 1}
+    body, comps, token = token_loop(hlo["sample.decode"])
+    weight = re.compile(r"bf16\[(\d+),(\d+)\]")
+    moved = [i.name for i in comps[body] if i.op in ("copy", "transpose") and weight.match(i.type)]
+    assert not moved, moved
+    _, _, hlo_float, _ = compile_sample(tmp_path / "float", "on", monkeypatch)
+    assert token.kernels <= token_loop(hlo_float["sample.decode"])[2].kernels
+    assert all(r.fits(0.1) for r in rows.values())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flaxgpt.models.cache import KVCache
-from flaxgpt.models.gpt import GPT, GPTConfig, init_params
+from flaxgpt.models.gpt import GPT, GPTConfig, init_params, quantize_params
 
 GPT2 = dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32)
 LLAMA = dict(GPT2, norm="rmsnorm", glu=True, activation="silu", bias=False, qkv_bias=False, n_kv_head=1)
@@ -55,6 +55,36 @@ def test_decode_with_kernels_equals_xla(arch, dtype, monkeypatch):
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=1e-2, rtol=1e-2)  # bf16: ~2 ulps
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, **tol)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_bf16_rows_take_the_kernels_and_equal_xla(arch, monkeypatch):
+    """`--quantize bf16` (every weight as its rows [N, K], the tied head an lm_head over the table):
+    with the kernels on, each product reads the rows as they lie (pallas_decode.gemv(rows_w=True)),
+    5 kernels a layer and ln_f + the head one, as float weights; the logits within bf16's rounding of
+    XLA's quantized path. int8 rows keep kernels.qmatmul's products (only the attention kernel a layer)."""
+    kw = {"gpt2": GPT2, "llama": LLAMA}[arch]
+    cfg = GPTConfig(**kw, dtype="bfloat16")
+    params = init_params(GPTConfig(**kw), jax.random.key(0))
+    params = jax.tree_util.tree_map(lambda a: a + 0.02 * jnp.sign(a), params)  # biases not 0
+    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, 61)
+    qcfg, qparams = quantize_params(cfg, params, "bf16")
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")
+    want, _ = decode(qcfg, qparams, tokens, 2)
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "on")
+    from flaxgpt.kernels import pallas_decode
+
+    asked, gemv = [], pallas_decode.gemv
+    monkeypatch.setattr(pallas_decode, "gemv", lambda *a, **k: asked.append(k["rows_w"]) or gemv(*a, **k))
+    got, texts = decode(qcfg, qparams, tokens, 2)
+    L = cfg.n_layer
+    assert [t.count("pallas_call") for t in texts] == [0, 5 * L + 1, 5 * L + 1]
+    assert asked == [True] * (4 * L + 1)  # every product but the attention's, as rows (traced once)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, atol=1e-2, rtol=1e-2)
+    qcfg, qparams = quantize_params(cfg, params, "int8")
+    _, texts = decode(qcfg, qparams, tokens, 1)
+    assert texts[1].count("pallas_call") == L
 
 
 def test_auto_is_xla_on_a_cpu_and_bad_modes_are_one_line(monkeypatch):
