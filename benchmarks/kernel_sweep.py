@@ -102,12 +102,11 @@ MIN_PROGRAMS = 64  # fewer (N / block_n * split_k) leave over half an H100's / H
 RESERVE = (0.19, 0.1)
 
 
-def default_tiles(kind: str, K: int) -> Tiles:
-    if kind == ROWS:
-        return Tiles(pallas_decode.ROWS_BLOCK_N, min(pallas_decode.ROWS_BLOCK_K, 1 << (K.bit_length() - 1)))
-    if kind == "bf16":
-        return Tiles(pallas_decode.BLOCK_N, min(pallas_decode.BLOCK_K, 1 << (K.bit_length() - 1)))
-    return Tiles(pallas_qgemv.BLOCK_N, pallas_qgemv.INT4_BLOCK_K if kind == "int4" else pallas_qgemv.BLOCK_K)
+def default_tiles(kind: str, K: int, N: int) -> Tiles:
+    """The kernel's own default for this shape (what it takes when given no tiles)."""
+    if kind in ("int8", "int4"):
+        return pallas_qgemv.default_tiles(K, GROUP * (kind == "int4"))
+    return pallas_decode.default_tiles(N, K, rows_w=kind == ROWS)
 
 
 def grid(kind: str, K: int, N: int, small: bool, dry: bool) -> list[Tiles]:
@@ -115,7 +114,7 @@ def grid(kind: str, K: int, N: int, small: bool, dry: bool) -> list[Tiles]:
     (block_n * block_k / (32 * warps)): more spill registers, the kernel holds its tile as float32; and
     (not GPT-2's, 24-96 programs at most) MIN_PROGRAMS programs; the kernels' own rules (why_not:
     int4's whole groups, split_k at most K's steps)."""
-    out = [default_tiles(kind, K)]
+    out = [default_tiles(kind, K, N)]
     big = QGRID if kind in ("int8", "int4") else GRID
     for bn, bk, warps, *split in DRY_GRID[kind] if dry else SMALL_GRID[kind] if small else big:
         t = Tiles(bn, bk, warps, 3, *split)
@@ -220,7 +219,8 @@ def time_case(case: Case, impl: str, tiles, a, ceiling: float) -> dict:
     ws, run = case.ws, program(case.kind, impl, tiles, a.interpret)
     row = dict(section="gemv", model=case.model, shape=case.name, K=case.K, N=case.N, M=case.M)
     row.update(weights=case.kind, impl=impl, tiles=None if tiles is None else list(tiles))
-    row.update(default=tiles == default_tiles(case.kind, case.K), calls=case.n, copies=len(ws), l2x=case.l2x)
+    row.update(default=tiles == default_tiles(case.kind, case.K, case.N), calls=case.n, copies=len(ws))
+    row.update(l2x=case.l2x)
     try:
         compile_s, seconds, out = time_program(run, (case.xs, ws), a.repeats)
     except Exception as e:  # a tiling Triton cannot compile (shared memory, registers) is a row, not the end
@@ -335,7 +335,7 @@ def compile_for(a) -> int:
     jobs += [
         (key, 4, impl, t)
         for key in fours
-        for impl, t in (("xla", None), ("pallas", default_tiles(key[4], key[2])))
+        for impl, t in (("xla", None), ("pallas", default_tiles(key[4], key[2], key[3])))
     ]
     failed, t_all = 0, time.perf_counter()
     for (model, name, K, N, kind), M, impl, tiles in jobs:

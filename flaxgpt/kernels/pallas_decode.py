@@ -136,6 +136,13 @@ def _block_n(N: int, splits: tuple[int, ...], most: int = BLOCK_N) -> int:
     return min(most, _pow2_floor(N), *(w & -w for w in widths)) if splits else min(most, _pow2_floor(N))
 
 
+def default_tiles(N: int, K: int, splits: tuple[int, ...] = (), rows_w: bool = False) -> Tiles:
+    """The tiling `gemv` takes when given none (kernel_sweep marks its row as the default): BLOCK_N and
+    BLOCK_K, ROWS_BLOCK_N and ROWS_BLOCK_K with `rows_w`, within the shape (and its pieces)."""
+    most_n, most_k = (ROWS_BLOCK_N, ROWS_BLOCK_K) if rows_w else (BLOCK_N, BLOCK_K)
+    return Tiles(_block_n(N, splits, most_n), min(most_k, _pow2_floor(K)))
+
+
 def gemv(
     x_MK,
     w_KN,
@@ -156,8 +163,7 @@ def gemv(
     path's). With `splits` (column boundaries) the output comes as that many arrays, each written by
     the programs of its columns (c_attn's q | k | v for the attention kernel: no split copy).
     `rows_w`: w_KN is given as its transpose [N, K] (a tied head's token table), read as it lies.
-    `tiles`: the tiling (None: BLOCK_N and BLOCK_K within the shape, ROWS_BLOCK_N and ROWS_BLOCK_K
-    with `rows_w`, 4 warps, 3 stages)."""
+    `tiles`: the tiling (None: `default_tiles`)."""
     M, K = x_MK.shape
     w_K, N = w_KN.shape[::-1] if rows_w else w_KN.shape
     dtype = jnp.dtype(dtype or x_MK.dtype)
@@ -187,9 +193,7 @@ def gemv(
             args.append(a)
             have.append(name)
     bounds = (0, *splits, N)
-    if tiles is None:
-        most_n, most_k = (ROWS_BLOCK_N, ROWS_BLOCK_K) if rows_w else (BLOCK_N, BLOCK_K)
-        tiles = Tiles(_block_n(N, splits, most_n), min(most_k, _pow2_floor(K)))
+    tiles = tiles or default_tiles(N, K, splits, rows_w)
     widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
     why = tiles.why_not(N, K) or (
         f"block_n={tiles.block_n} does not divide the pieces {widths}" if splits and any(

@@ -18,9 +18,9 @@ Triton's and the interpreter's views agree; it needs N >= BLOCK_N, int8's K >= B
 multiple of its group (quantize's rule). `why_not` says why a shape does not tile ("" when it
 does); `gemv` refuses in one line the shapes that do not, naming XLA's form (kernels.qmatmul), which
 kernels.qmatmul then uses. `tiles=Tiles(block_n, block_k, num_warps, num_stages)` (kernels.pallas_decode's
-type) overrides the tiling, int4's block_k whole groups; None keeps BLOCK_N, BLOCK_K (INT4_BLOCK_K, at
-most K), 4 warps and 3 stages, which no GPU has yet compared with others: benchmarks/kernel_sweep.py
-times a grid of tilings for the next lease to choose from.
+type) overrides the tiling, int4's block_k whole groups; None keeps `default_tiles` (BLOCK_N, BLOCK_K;
+INT4_BLOCK_K at most K), 4 warps and 3 stages, which no GPU has yet compared with others:
+benchmarks/kernel_sweep.py times a grid of tilings for the next lease to choose from.
 
 Split-K (tiles.split_k = S > 1): at batch 1 a program per BLOCK_N channels is 128 programs for N = 4096,
 one an SM, each with a few KiB in flight: an H200 lease measured int8 at 29% of its bandwidth, int4 at
@@ -56,6 +56,12 @@ MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's do
 BLOCK_N = 32  # output channels a program: an 8B layer's 4096 make 128 programs, about an H100's 132 SMs
 BLOCK_K = 256  # int8 inputs a step: a [32, 256] tile, 8 KiB
 INT4_BLOCK_K = 256  # int4 inputs a step (whole groups: 2 of 128, 4 of 64, 8 of 32)
+
+
+def default_tiles(K: int, group: int = 0) -> Tiles:
+    """The tiling `gemv` takes when given none (group: int4's group size; 0: int8): BLOCK_N channels a
+    program; int4 steps over whole groups, at most K (the default steps over as many as there are)."""
+    return Tiles(BLOCK_N, max(group, min(INT4_BLOCK_K, K)) if group else BLOCK_K)
 
 
 def why_not(M: int, N: int, K: int, group: int = 0, tiles: Tiles | None = None) -> str:
@@ -96,8 +102,7 @@ def gemv(x_MK, w, scale, tiles: Tiles | None = None, interpret: bool = False) ->
     if why:
         raise ValueError(f"qgemv cannot tile x {x_MK.shape} @ w [{N}, {K}]: {why}; use XLA's form "
                          "(kernels.qmatmul, FLAXGPT_QMATMUL unset)")  # fmt: skip
-    if tiles is None:  # int4's step whole groups, at most K (the default steps over as many as there are)
-        tiles = Tiles(BLOCK_N, max(group, min(INT4_BLOCK_K, K)) if int4 else BLOCK_K)
+    tiles = tiles or default_tiles(K, group)
     x_MK = x_MK.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
     out = jax.ShapeDtypeStruct((M, N), jnp.float32)

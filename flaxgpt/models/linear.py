@@ -146,8 +146,9 @@ class Linear(nn.Module):
         tiles (the step takes the kernels: the caller's `pre_norm` / `residual` say so); else None
         (the caller takes XLA's steps). int8 and int4 rows keep kernels.qmatmul's route."""
         x_MK = x.reshape(-1, x.shape[-1])
-        rows = isinstance(kernel, QuantizedWeight) and jnp.dtype(kernel.w.dtype) == jnp.bfloat16
-        if (isinstance(kernel, QuantizedWeight) and not rows) or self.fp8 or self.lora is not None:
+        quantized = isinstance(kernel, QuantizedWeight)
+        rows = quantized and jnp.dtype(kernel.w.dtype) == jnp.bfloat16
+        if (quantized and not rows) or self.fp8 or self.lora is not None:
             return None
         # bf16 rows' scales are ones (quantize's bf16 mode), so the rows are the weight; the quantized
         # path computes in the layer's dtype (else x's), as _product's qdot does

@@ -159,11 +159,12 @@ def _check_grpo(config, s: sections.Sections) -> None:
     # an episode group takes G slots of one replica at once (grpo_episodes); a replica has
     # ceil(batch_size / k) slots (grpo_rollout.Replicas)
     k, B = g.engine_replicas, config.batch_size
-    if g.env and k > 1 and -(-B // k) < G:
-        most = max(j for j in range(1, k) if -(-B // j) >= G) if B >= G else 1
+    slots = lambda j: -(-B // j)  # noqa: E731
+    if g.env and k > 1 and slots(k) < G:
+        most = max(j for j in range(1, k) if slots(j) >= G) if B >= G else 1
         raise ConfigError(
             f"--config.grpo.engine_replicas={k} gives each engine ceil(batch_size / {k}) = "
-            f"{-(-B // k)} slots, fewer than a group's {G} episodes (grpo.env plays a group "
+            f"{slots(k)} slots, fewer than a group's {G} episodes (grpo.env plays a group "
             f"at once): lower engine_replicas to at most {most}"
         )
     try:  # none is the section's rule to judge (an environment may score alone)
