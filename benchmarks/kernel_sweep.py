@@ -19,14 +19,16 @@ besides the default, the 4-row cases the best 1-row one), and GPT-2's bf16 weigh
 [N, K] (`bf16_rows`, as `--quantize bf16` lays them: pallas_decode.gemv(rows_w=True) against XLA's dot
 over w's K, the rows' default tiling of 8 channels a program, 4 channels x 512, and 32 x 128 (the
 default before 2026-11-30): 96-768 programs reading 512-byte runs, where flax's [K, N] at 4 channels
-reads 8-byte runs). The plan: 137 + 12 Triton programs, 40 XLA ones, 3 MoE: ~193 s predicted at ~0.8 s a
-Triton compile (the 2026-11-29 lease's estimate) and ~1 s an XLA one; --budget_s (155) then cuts the
-1-row grid's last rounds (the MoE and 4-row rows keep 30 s of it): by that estimate XLA's round and the
-kernels' rounds 1-4 (5 at the margin; of 9) run, int8's and int4's default and three or four split-K
-tilings, GPT-2's rows in rounds 0-3. Then (d) Mixtral-8x7B's expert product, 16384 rows sorted into 8
-groups of ~2048, D 4096 -> F 14336, bf16, forward: models.moe.tiled_grouped_matmul, jax.lax.ragged_dot
-(a real grouped GEMM, or each group's matrix over every row?) and 8 dense dots over the same static
-groups; milliseconds and TFLOP/s.
+reads 8-byte runs). Each default tiling runs again at 1 stage (the kernels' loop as the 2026-11-29
+lease timed it: no loads queued ahead) and 4 (three steps ahead; 3, the default, queues two), rounds 1
+and 2. The plan: 193 + 12 Triton programs, 40 XLA ones, 3 MoE: ~238 s predicted at ~0.8 s a Triton
+compile (the 2026-11-29 lease's estimate) and ~1 s an XLA one; --budget_s (155) then cuts the 1-row
+grid's last rounds (the MoE and 4-row rows keep 30 s of it): by that estimate XLA's round and the
+kernels' rounds 0-4 (of 11) run: the defaults at 3, 1 and 4 stages, then int8's and int4's first two
+split-K tilings and two of bf16's and the rows' grid. Then (d) Mixtral-8x7B's expert product, 16384
+rows sorted into 8 groups of ~2048, D 4096 -> F 14336, bf16, forward: models.moe.tiled_grouped_matmul,
+jax.lax.ragged_dot (a real grouped GEMM, or each group's matrix over every row?) and 8 dense dots over
+the same static groups; milliseconds and TFLOP/s.
 
 Method (the workplace's METHOD.md): each timing is one jitted program of n calls, unrolled (no
 while-loop round trip to the host, no kernels between the calls), each call on its own x and on one
@@ -41,8 +43,8 @@ The rounds go XLA, each kernel's default tiling, then the grid, across all shape
 budget that runs out cuts the grid's tail, not a shape. Rows as they come on stdout; every row as
 JSON (--json, rewritten after each); last, the best tiling per (kernel, shape) against XLA's.
 
---compile_for h100-1 compiles the whole plan on this machine for a `flaxgpt aot` target instead (192
-programs in 126 s on 2-core AVX-512 beside a CI run, none failed, split-K's 32 and the rows' 16 among
+--compile_for h100-1 compiles the whole plan on this machine for a `flaxgpt aot` target instead (248
+programs in 136 s on the 2-core AVX2 machine on 2026-11-30, none failed, split-K's 32 and the rows' 16 among
 them: every tiling lowers through Triton), and for the MoE forms the compiled matmul FLOPs over the
 product's own: with jaxlib 0.10.2's XLA, ragged_dot is one GEMM over x widened to every group (8.0x;
 15.9 ms bound on an H100), the tiled form 1.88x (5.5 ms), the dense dots 1.0x (2.2 ms): compiled, not
@@ -97,6 +99,10 @@ SMALL_GRID = {"bf16": [(16, 256, 4), (16, 512, 8)], "int8": [(16, 256, 4)], "int
 SMALL_GRID[ROWS] = [(4, 512, 4), (32, 128, 4)]  # the default is ROWS_BLOCK_N x ROWS_BLOCK_K
 DRY_GRID = {"bf16": [(16, 128, 4)], "int8": [(16, 128, 4, 2)], "int4": [(16, 128, 4, 2)]}  # K 256: 2 steps
 DRY_GRID[ROWS] = [(4, 128, 4)]
+# the default tiling again at these num_stages (the kernels' own: num_stages - 1 steps' loads in flight
+# ahead of the step using them, 2 by default): 1 is the loop as the 2026-11-29 lease timed it, each
+# step's loads asked for at its top and waited on by its own sums
+STAGES = (1, 4)
 MIN_PROGRAMS = 64  # fewer (N / block_n * split_k) leave over half an H100's / H200's 132 SMs idle
 # shares of the budget kept from the 1-row grid for the MoE and 4-row rows (30 s of 155), for the 4-row (15 s)
 RESERVE = (0.19, 0.1)
@@ -115,6 +121,7 @@ def grid(kind: str, K: int, N: int, small: bool, dry: bool) -> list[Tiles]:
     (not GPT-2's, 24-96 programs at most) MIN_PROGRAMS programs; the kernels' own rules (why_not:
     int4's whole groups, split_k at most K's steps)."""
     out = [default_tiles(kind, K, N)]
+    out += [] if dry else [out[0]._replace(num_stages=n) for n in STAGES]
     big = QGRID if kind in ("int8", "int4") else GRID
     for bn, bk, warps, *split in DRY_GRID[kind] if dry else SMALL_GRID[kind] if small else big:
         t = Tiles(bn, bk, warps, 3, *split)

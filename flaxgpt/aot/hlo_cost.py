@@ -215,10 +215,18 @@ class _Model:
 
 
 def estimate(
-    hlo: str, peak_flops: float, bandwidth: float, launch_s: float = 0.0, computation: str | None = None
+    hlo: str,
+    peak_flops: float,
+    bandwidth: float,
+    launch_s: float = 0.0,
+    computation: str | None = None,
+    branch=max,
 ) -> Cost:
     """The cost of one call of the program whose optimized HLO text is `hlo` (see the module doc), or
-    of one run of its `computation` (a while loop's body: a decoding token's kernels)."""
+    of one run of its `computation` (a while loop's body: a decoding token's kernels). Each conditional
+    counts as one of its branches, by instruction count: `branch=max`, the largest (an upper bound),
+    or `min`, the smallest (a skip branch: what a token runs when no row needs the pass, e.g. greedy
+    rows past the sampler's filter and draw)."""
     comps, entry = parse(hlo)
     model = _Model(comps)
     found: dict[tuple[str, str], Kernel] = {}
@@ -238,8 +246,8 @@ def estimate(
                 branches = _called(instr.attrs, "branch_computations") or (
                     _called(instr.attrs, "true_computation") + _called(instr.attrs, "false_computation")
                 )
-                if branches:  # one branch runs: the largest stands for it (a skip branch is empty)
-                    walk(max(branches, key=lambda b: len(comps.get(b, []))), times, depth + 1)
+                if branches:  # one branch runs: the largest (or smallest) stands for it
+                    walk(branch(branches, key=lambda b: len(comps.get(b, []))), times, depth + 1)
                 continue
             if instr.op in ("call", "async-start") or instr.op.endswith("-start") and "calls=" in instr.attrs:
                 for c in _called(instr.attrs, "calls") or _called(instr.attrs, "to_apply"):

@@ -29,7 +29,16 @@ block of K at K - bk, the inputs an earlier block summed masked; bn and bk are p
 rule) no larger than N and K. `why_not` says why a shape does not tile ("" when it does); `gemv`
 refuses the others in one line. `tiles=Tiles(bn, bk, num_warps, num_stages)` overrides the tiling
 (kernels.pallas_qgemv takes the same; benchmarks/kernel_sweep.py times a grid of them on a GPU);
-None keeps BLOCK_N, BLOCK_K, 4 warps and 3 stages, never measured against others on a GPU.
+None keeps `default_tiles`, 4 warps and 3 stages, never measured against others on a GPU.
+
+The K loop is pipelined by the kernel itself: step j + num_stages - 1's inputs (weight tile, x, the
+norm's scale and bias) are asked for at the top of step j, so num_stages - 1 steps' loads are in flight
+while step j waits on its own. Triton's pipeliner leaves loads that feed no dot alone (the compiled
+PTX had none ahead, and each step's row sums, crossing warps, put barriers between one step's loads
+and the next's: the ~5 us a call the 2026-11-29 lease measured), so Triton is told 1 stage. Where a
+thread holds them (M * bn * bk <= TILE_SUMS * 32 * num_warps: batch 1 at the default tiles) each
+row's products are summed as whole tiles and along K once after the loop, so the loop has no shuffle
+(tests/aot/test_decode_kernels.py reads the PTX compiled for an H100, and ptxas's registers).
 Who calls it and when: models.linear (`decode_kernels`, FLAXGPT_DECODE_KERNELS: float weights as [K, N],
 and `--quantize bf16`'s as their rows [N, K], the layout whose programs read long runs with few channels
 each: ROWS_BLOCK_N); models.gpt (a tied head).
@@ -52,6 +61,9 @@ MIN_DIM = 16  # the smallest K step, and the smallest N and K of a weight the ke
 # output channels a program: any power of two (the products are multiplies and row sums, not Triton's
 # dot, whose tiles start at 16): GPT-2's 768 outputs make 24 programs at 32, 192 at 4 (of 132 SMs)
 MIN_BLOCK_N = 1
+# float32 sums a thread may hold for tile_sums (a row's [bk, bn] products kept whole, summed along K
+# once): 32 at batch 1's default tiles (32 x 128 and 8 x 256 at 4 warps: 4,096 and 2,048 sums)
+TILE_SUMS = 32
 # w as rows [N, K] (`rows_w`: a tied head's table, `--quantize bf16`'s weights): fewer channels a
 # program and longer steps along K, each channel's bf16 run 512 bytes (a prediction for a GPU until
 # benchmarks/kernel_sweep.py's bf16_rows measures it): GPT-2's 768 outputs make 96 programs
@@ -205,14 +217,16 @@ def gemv(
     spec = _Spec(
         M, N, K, tiles.block_n, tiles.block_k, tuple(have),
         None if norm is None else norm.kind, 0.0 if norm is None else float(norm.eps), activation, dtype,
-        tuple(zip(bounds[:-1], bounds[1:])) if splits else (), rows_w,
+        tuple(zip(bounds[:-1], bounds[1:])) if splits else (), rows_w, tiles.num_stages - 1,
+        M * tiles.block_n * tiles.block_k <= TILE_SUMS * 32 * tiles.num_warps,
     )  # fmt: skip
     pieces = [jax.ShapeDtypeStruct((M, hi - lo), out_dtype) for lo, hi in spec.pieces]
     call = pl.pallas_call(
         functools.partial(_kernel, spec),
         grid=(pl.cdiv(N, spec.bn),),
         out_shape=pieces or jax.ShapeDtypeStruct((M, N), out_dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        # the stages are the kernel's own (`ahead`): Triton's pipeliner would add none to these loads
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret,
         name="decode_gemv",
     )
@@ -246,6 +260,8 @@ class _Spec(NamedTuple):
     dtype: Any
     pieces: tuple  # ((lo, hi), ...) of an output in pieces; () one output
     rows_w: bool  # w given as [N, K]
+    ahead: int  # steps' inputs loaded ahead of the step using them (tiles.num_stages - 1)
+    tile_sums: bool  # products summed as whole tiles (TILE_SUMS a thread at most), along K at the end
 
 
 def _kernel(s: _Spec, x_ref, *refs):
@@ -262,21 +278,19 @@ def _kernel(s: _Spec, x_ref, *refs):
         start = jnp.minimum(j * s.bk, s.K - s.bk)
         return pl.ds(start, s.bk), start + jnp.arange(s.bk) >= j * s.bk
 
-    def row(m, ks, fresh):
-        return jnp.where(fresh, x_ref[m, ks].astype(f32), 0.0)
-
     stats = [(0.0, 1.0)] * s.M  # (mean, 1 / std) a row
     if s.norm is not None:
 
-        def moments(j, sums):
-            ks, fresh = block(j)
+        def moments(j, sums):  # sums as vectors, reduced once after the loop (a reduction a step crosses
+            ks, fresh = block(j)  # warps: barriers)
             out = []
             for m in range(s.M):
-                x = row(m, ks, fresh)
-                out += [sums[2 * m] + jnp.sum(x), sums[2 * m + 1] + jnp.sum(x * x)]
+                x = jnp.where(fresh, x_ref[m, ks].astype(f32), 0.0)
+                out += [sums[2 * m] + x, sums[2 * m + 1] + x * x]
             return tuple(out)
 
-        sums = jax.lax.fori_loop(0, steps, moments, tuple(jnp.zeros((), f32) for _ in range(2 * s.M)))
+        zeros = tuple(jnp.zeros((s.bk,), f32) for _ in range(2 * s.M))
+        sums = [jnp.sum(v) for v in jax.lax.fori_loop(0, steps, moments, zeros)]
         stats = []
         for m in range(s.M):
             mean, mean_sq = sums[2 * m] / s.K, sums[2 * m + 1] / s.K
@@ -285,26 +299,48 @@ def _kernel(s: _Spec, x_ref, *refs):
             else:
                 stats.append((mean, jax.lax.rsqrt(jnp.maximum(mean_sq - mean * mean, 0.0) + s.eps)))
 
-    def body(j, accs):
+    def loads(j):
+        """Step j's inputs as they lie: the weight tile ([bn, bk] rows, or [bk, bn]), the norm's scale
+        and bias, each row's x."""
+        ks = block(j)[0]
+        w = refs["w"][cols, ks] if s.rows_w else refs["w"][ks, cols]
+        g_beta = {k: refs[k][ks] for k in ("g", "beta") if k in refs}
+        return w, g_beta, tuple(x_ref[m, ks] for m in range(s.M))
+
+    def body(j, carry):
+        accs, ahead = carry
+        # step j + `len(ahead)`'s inputs are asked for before this step's sums, so that many steps'
+        # loads are in flight while this one waits on its own: Triton's pipeliner leaves these loads
+        # alone (no dot), and a step's sums cross warps (barriers that loads asked later wait behind)
+        if ahead:
+            (w, g_beta, xs), ahead = ahead[0], (*ahead[1:], loads(jnp.minimum(j + len(ahead), steps - 1)))
+        else:
+            w, g_beta, xs = loads(j)
         ks, fresh = block(j)
         if s.rows_w:  # the table's rows of these channels, [bn, bk], summed along its rows (no transpose)
-            w = jnp.where(fresh[None, :], refs["w"][cols, ks].astype(f32), 0.0)
+            w = jnp.where(fresh[None, :], w.astype(f32), 0.0)
         else:
-            w = jnp.where(fresh[:, None], refs["w"][ks, cols].astype(f32), 0.0)  # [bk, bn]
-        g = refs["g"][ks].astype(f32) if "g" in refs else 1.0
-        beta = refs["beta"][ks].astype(f32) if "beta" in refs else 0.0
+            w = jnp.where(fresh[:, None], w.astype(f32), 0.0)  # [bk, bn]
+        g = g_beta["g"].astype(f32) if "g" in g_beta else 1.0
+        beta = g_beta["beta"].astype(f32) if "beta" in g_beta else 0.0
         out = []
-        for m, acc in enumerate(accs):
-            x = row(m, ks, fresh)
+        for acc, x in zip(accs, xs, strict=True):
+            x = jnp.where(fresh, x.astype(f32), 0.0)
             if s.norm is not None:  # normalized, then rounded as the plain path hands it to the product
-                mean, rstd = stats[m]
+                mean, rstd = stats[len(out)]
                 x = ((x - mean) * (rstd * g) + beta).astype(s.dtype).astype(f32)
-            out.append(
-                acc + (jnp.sum(x[None, :] * w, axis=1) if s.rows_w else jnp.sum(x[:, None] * w, axis=0))
-            )
-        return tuple(out)
+            xw = x[None, :] * w if s.rows_w else x[:, None] * w
+            out.append(acc + (xw if s.tile_sums else sum_k(xw)))
+        return tuple(out), ahead
 
-    accs = jax.lax.fori_loop(0, steps, body, tuple(jnp.zeros((s.bn,), f32) for _ in range(s.M)))
+    sum_k = functools.partial(jnp.sum, axis=1 if s.rows_w else 0)
+    # tile_sums: each row's products summed as whole tiles, along K once after the loop (a sum a step
+    # crosses warps: barriers and shuffles every step), where the tiles fit the registers
+    shape = ((s.bn, s.bk) if s.rows_w else (s.bk, s.bn)) if s.tile_sums else (s.bn,)
+    zeros = tuple(jnp.zeros(shape, f32) for _ in range(s.M))
+    primed = tuple(loads(min(i, steps - 1)) for i in range(s.ahead))
+    accs, _ = jax.lax.fori_loop(0, steps, body, (zeros, primed))
+    accs = [sum_k(acc) for acc in accs] if s.tile_sums else accs
     b = refs["b"][cols].astype(f32) if "b" in refs else 0.0
     for m, acc in enumerate(accs):
         y = acc + b

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 BLOCK_S = 64  # cache positions a step: a [64, K] tile of keys and one of values
+AHEAD = 2  # blocks whose loads are in flight ahead of the one being summed
 _NEG = -1e30  # a masked logit: finite, so a fully masked block gives exp(-inf + inf) nowhere
 
 
@@ -66,7 +67,7 @@ def attend(q_NGK, k_NK, v_NK, pos_N, k_NSK, v_NSK, *, scale: float, softcap: flo
         grid=(N,),
         out_shape=shapes,
         input_output_aliases={4: 1, 5: 2},  # the caches, updated in place
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),  # its loads queued by the kernel
         interpret=interpret,
         name="decode_attention",
     )
@@ -96,18 +97,29 @@ def _kernel(S, bs, scale, softcap, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc_re
     acc = total[:, None] * vn.astype(vo_ref.dtype).astype(f32)[None, :]  # [G, K]
     before = jnp.minimum(pos, S)
 
-    def body(j, carry):
-        top, total, acc = carry
+    blocks = pl.cdiv(before, bs)
+
+    def tiles(j):  # block j's keys and values as the cache holds them
         rows = pl.ds(j * bs, bs)
-        k = ko_ref[n, rows, :].astype(f32)  # [bs, K]
-        v = vo_ref[n, rows, :].astype(f32)
+        return ko_ref[n, rows, :], vo_ref[n, rows, :]
+
+    def body(j, carry):
+        top, total, acc, ahead = carry
+        # block j + AHEAD's keys and values are asked for before block j's sums, so AHEAD blocks' loads
+        # are in flight while this one waits on its own (Triton's pipeliner leaves loads feeding no dot
+        # alone): the cache's rows a program reads are one block after another, each a DRAM round trip
+        (k, v), ahead = ahead[0], (*ahead[1:], tiles(jnp.minimum(j + AHEAD, blocks - 1)))
+        k, v = k.astype(f32), v.astype(f32)  # [bs, K]
         s = logits(jnp.sum(q[:, None, :] * k[None, :, :], axis=2))  # [G, bs]
         s = jnp.where((j * bs + jnp.arange(bs))[None, :] < before, s, _NEG)
         top_new = jnp.maximum(top, jnp.max(s, axis=1))
         p = jnp.exp(s - top_new[:, None])
         fade = jnp.exp(top - top_new)
         acc = acc * fade[:, None] + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
-        return top_new, total * fade + jnp.sum(p, axis=1), acc
+        return top_new, total * fade + jnp.sum(p, axis=1), acc, ahead
 
-    top, total, acc = jax.lax.fori_loop(0, pl.cdiv(before, bs), body, (top, total, acc))
+    # blocks past the last are never asked for: a block index is clipped to the last (block 0 where
+    # none precedes pos, read and unused: S >= bs)
+    primed = tuple(tiles(jnp.minimum(i, jnp.maximum(blocks - 1, 0))) for i in range(AHEAD))
+    top, total, acc, _ = jax.lax.fori_loop(0, blocks, body, (top, total, acc, primed))
     y_ref[n, :, :] = (acc / total[:, None]).astype(y_ref.dtype)

@@ -10,7 +10,11 @@ an H200 (of 4.8: docs/accelerators.md), and an int4 weight must be unpacked befo
 program owns BLOCK_N output channels and walks K once: each weight tile is loaded once, widened
 (int4: split into its two nibbles, each multiplied by the even or odd inputs, so nothing is
 interleaved) and multiplied by every row of x held in registers, the products summed along K; int8's
-row scale, and int4's scale per group, multiply the partial sums, not the weights.
+row scale, and int4's scale per group, multiply the partial sums, not the weights. As in
+kernels.pallas_decode, the loop loads num_stages - 1 steps ahead itself (`_pipelined`; Triton is told 1
+stage); int8 sums whole tiles along K once where they fit (TILE_SUMS: not 32 x 256 at 4 warps); int4
+sums a group at a time and queues only weights and scales (its x halves queued too spilled registers:
+ptxas, sm_90a).
 
 Tiles never read past the arrays: the last block of channels (of K) starts at N - BLOCK_N (K - its
 block) and the part another block covered is masked (channels written twice carry equal values), so
@@ -50,7 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxgpt.kernels.pallas_decode import Tiles
+from flaxgpt.kernels.pallas_decode import TILE_SUMS, Tiles
 
 MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's dot is compute-bound
 BLOCK_N = 32  # output channels a program: an 8B layer's 4096 make 128 programs, about an H100's 132 SMs
@@ -106,15 +110,18 @@ def gemv(x_MK, w, scale, tiles: Tiles | None = None, interpret: bool = False) ->
     x_MK = x_MK.astype(jnp.float32)
     scale = scale.astype(jnp.float32)
     out = jax.ShapeDtypeStruct((M, N), jnp.float32)
-    params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    # the stages are the kernel's own (`ahead` steps' loads in flight): Triton's pipeliner adds none here
+    params = plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1)
+    ahead = tiles.num_stages - 1
     bn, bk, S = tiles.block_n, tiles.block_k, tiles.split_k
     grid = (pl.cdiv(N, bn),) if S == 1 else (pl.cdiv(N, bn), S)
     out = out if S == 1 else jax.ShapeDtypeStruct((S, M, N), jnp.float32)  # a partial a range of K
     if int4:  # the even and odd inputs apart: each nibble multiplies its own half of x, no interleave
-        kernel = functools.partial(_int4_kernel, M, N, K, group, bn, bk // group, S)
+        kernel = functools.partial(_int4_kernel, M, N, K, group, bn, bk // group, S, ahead)
         args = (x_MK[:, 0::2], x_MK[:, 1::2], w, scale)
     else:
-        kernel, args = functools.partial(_int8_kernel, M, N, K, bn, bk, S), (x_MK, w, scale)
+        sums = M * bn * bk <= TILE_SUMS * 32 * tiles.num_warps  # each row's [bn, bk] products kept
+        kernel, args = functools.partial(_int8_kernel, M, N, K, bn, bk, S, ahead, sums), (x_MK, w, scale)
     call = pl.pallas_call(
         kernel, grid=grid, out_shape=out, compiler_params=params, interpret=interpret, name="qgemv"
     )
@@ -147,43 +154,71 @@ def _store(o_ref, accs, rows, S, scale=None):
             o_ref[pl.program_id(1), m, rows] = acc
 
 
-def _int8_kernel(M, N, K, bn, bk, S, x_ref, w_ref, s_ref, o_ref):
+def _pipelined(lo, hi, ahead, loads, step, init):
+    """fori_loop(lo, hi) of step(j, inputs, accs) where step j's inputs (`loads(j)`) were asked for
+    `ahead` steps before: that many steps' loads are in flight while a step waits on its own (Triton's
+    pipeliner leaves loads that feed no dot alone; kernels.pallas_decode does the same)."""
+
+    def body(j, carry):
+        accs, queued = carry
+        if not queued:
+            return step(j, loads(j), accs), queued
+        inputs, queued = queued[0], (*queued[1:], loads(jnp.minimum(j + len(queued), hi - 1)))
+        return step(j, inputs, accs), queued
+
+    primed = tuple(loads(jnp.minimum(lo + i, hi - 1)) for i in range(ahead))
+    return jax.lax.fori_loop(lo, hi, body, (init, primed))[0]
+
+
+def _int8_kernel(M, N, K, bn, bk, S, ahead, tile_sums, x_ref, w_ref, s_ref, o_ref):
     rows = _channels(N, bn)
 
-    def body(j, accs):
-        start = jnp.minimum(j * bk, K - bk)  # the last step ends at K
-        fresh = start + jnp.arange(bk) >= j * bk  # inputs no earlier step summed
-        w = jnp.where(fresh[None, :], w_ref[rows, pl.ds(start, bk)].astype(jnp.float32), 0.0)
-        return tuple(acc + jnp.sum(w * x_ref[m, pl.ds(start, bk)][None, :], axis=1)
-                     for m, acc in enumerate(accs))  # fmt: skip
+    def loads(j):
+        ks = pl.ds(jnp.minimum(j * bk, K - bk), bk)  # the last step ends at K
+        return w_ref[rows, ks], tuple(x_ref[m, ks] for m in range(M))
 
-    init = tuple(jnp.zeros((bn,), jnp.float32) for _ in range(M))
-    accs = jax.lax.fori_loop(*_steps(pl.cdiv(K, bk), S), body, init)
+    def step(j, inputs, accs):
+        w, xs = inputs
+        fresh = jnp.minimum(j * bk, K - bk) + jnp.arange(bk) >= j * bk  # inputs no earlier step summed
+        w = jnp.where(fresh[None, :], w.astype(jnp.float32), 0.0)
+        xw = [w * x[None, :] for x in xs]
+        # whole tiles summed along K once after the loop, where they fit the registers (a sum a step
+        # crosses threads every step)
+        return tuple(acc + (p if tile_sums else jnp.sum(p, axis=1)) for acc, p in zip(accs, xw))
+
+    init = tuple(jnp.zeros((bn, bk) if tile_sums else (bn,), jnp.float32) for _ in range(M))
+    accs = _pipelined(*_steps(pl.cdiv(K, bk), S), ahead, loads, step, init)
+    accs = [jnp.sum(acc, axis=1) for acc in accs] if tile_sums else accs
     _store(o_ref, accs, rows, S, s_ref[rows] if S == 1 else None)  # split: XLA scales the sum
 
 
-def _int4_kernel(M, N, K, group, bn, step_groups, S, xe_ref, xo_ref, w_ref, s_ref, o_ref):
+def _int4_kernel(M, N, K, group, bn, step_groups, S, ahead, xe_ref, xo_ref, w_ref, s_ref, o_ref):
     rows = _channels(N, bn)
     half = group // 2  # bytes of a group: its even inputs in the low nibbles, its odd in the high
     n_groups = K // group
     per_step = max(1, min(step_groups, n_groups))
 
-    def body(j, accs):
-        first = jnp.minimum(j * per_step, n_groups - per_step)  # the last step ends at the last group
-        for i in range(per_step):  # whole groups: a partial sum each, times its scale
-            g = first + i
-            fresh = (g >= j * per_step).astype(jnp.float32)
-            cols = pl.ds(g * half, half)
-            packed = w_ref[rows, cols]
+    def first(j):  # the step's first group: the last step ends at the last group
+        return jnp.minimum(j * per_step, n_groups - per_step)
+
+    def loads(j):  # the weights and scales (x, from L2, at its step: queued, its copies spilled registers)
+        groups = [first(j) + i for i in range(per_step)]
+        return tuple((w_ref[rows, pl.ds(g * half, half)], s_ref[rows, pl.ds(g, 1)][:, 0]) for g in groups)
+
+    def step(j, inputs, accs):
+        for i, (packed, s) in enumerate(inputs):  # whole groups: a partial sum each, times its scale
+            cols = pl.ds((first(j) + i) * half, half)
+            xs = [(xe_ref[m, cols], xo_ref[m, cols]) for m in range(M)]
+            s = s * (first(j) + i >= j * per_step).astype(jnp.float32)
             lo = (packed & 0xF).astype(jnp.float32) - 8.0
             hi = (packed >> 4).astype(jnp.float32) - 8.0
-            s = s_ref[rows, pl.ds(g, 1)][:, 0] * fresh
+            # summed a group at a time: whole [bn, group / 2] sums kept across steps spilled registers
             accs = tuple(
-                acc + s * jnp.sum(lo * xe_ref[m, cols][None, :] + hi * xo_ref[m, cols][None, :], axis=1)
-                for m, acc in enumerate(accs)
+                acc + s * jnp.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
+                for acc, (xe, xo) in zip(accs, xs, strict=True)
             )
         return accs
 
     init = tuple(jnp.zeros((bn,), jnp.float32) for _ in range(M))
-    accs = jax.lax.fori_loop(*_steps(pl.cdiv(n_groups, per_step), S), body, init)
+    accs = _pipelined(*_steps(pl.cdiv(n_groups, per_step), S), ahead, loads, step, init)
     _store(o_ref, accs, rows, S)

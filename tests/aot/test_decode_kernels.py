@@ -8,9 +8,11 @@ than XLA's path (FLAXGPT_DECODE_KERNELS=off); the prefill keeps XLA's path. The 
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from flaxgpt.aot import hlo_cost
+from flaxgpt.kernels import pallas_decode, pallas_decode_attention, pallas_qgemv
 
 KERNEL = re.compile(r"custom-call\(.*__gpu\$xla\.gpu\.triton.*decode_(gemv|attention)")
 
@@ -76,3 +78,83 @@ def test_bf16_rows_take_the_same_kernels_on_h100(tmp_path, monkeypatch):
     _, _, hlo_float, _ = compile_sample(tmp_path / "float", "on", monkeypatch)
     assert token.kernels <= token_loop(hlo_float["sample.decode"])[2].kernels
     assert all(r.fits(0.1) for r in rows.values())
+
+
+def compiled_loop(tmp_path, fn, shapes):
+    """fn's Triton kernel compiled for h100-1 (sm_90a) -> (PTX text, the ld.global before its main loop,
+    the loop's instructions: from its label to the branch back; the main loop: the one with most loads)."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from flaxgpt.aot import targets
+
+    mesh = Mesh(np.array(targets.get("h100-1").devices()[:1]), ("x",))
+    one = NamedSharding(mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in shapes]
+    jax.jit(fn).lower(*args).compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    entry = re.compile(r"\.entry (decode_gemv|qgemv|decode_attention)\b")
+    (ptx,) = [t for p in tmp_path.glob("*.ptx") if entry.search(t := p.read_text())]
+    lines = [line.strip() for line in ptx.splitlines()]
+    loops = []  # (its label's line, its branch back): the labels a later line branches back to
+    for top, line in enumerate(lines):
+        if re.match(r"^\$L\w+:$", line):
+            branch = re.compile(rf"bra(\.uni)?\s+{re.escape(line[:-1])};")
+            back = [i for i in range(top, len(lines)) if branch.search(lines[i])]
+            loops += [(top, back[-1])] if back else []
+    top, back = max(loops, key=lambda tb: sum("ld.global" in line for line in lines[tb[0] : tb[1]]))
+    prologue = sum("ld.global" in line for line in lines[:top])
+    return ptx, prologue, lines[top:back]
+
+
+def spills(ptx: str) -> str:
+    """ptxas -v's report of the PTX for sm_90a: '' without spills, else the line."""
+    import subprocess
+
+    nvcc = pytest.importorskip("nvidia.cuda_nvcc", reason="ptxas comes with the CUDA plugin's nvcc wheel")
+    ptxas = next(iter(nvcc.__path__)) + "/bin/ptxas"
+    r = subprocess.run([ptxas, "-v", "-arch=sm_90a", "-", "-o", "/dev/null"], input=ptx, capture_output=True,
+                       text=True, check=True)  # fmt: skip
+    bad = [
+        line for line in r.stderr.splitlines() if "spill" in line and not re.search(r"\b0 bytes spill", line)
+    ]
+    return "\n".join(bad)
+
+
+BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+GEMVS = {  # a product each kernel takes at batch 1: (the call, its operands' shapes and dtypes)
+    "bf16 [K, N] + residual": (
+        lambda x, w, r: pallas_decode.gemv(x, w, residual_MN=r),
+        [((1, 3072), BF16), ((3072, 768), BF16), ((1, 768), BF16)],
+    ),
+    "bf16 rows": (lambda x, w: pallas_decode.gemv(x, w, rows_w=True), [((1, 768), BF16), ((768, 768), BF16)]),
+    "int8": (pallas_qgemv.gemv, [((1, 4096), BF16), ((4096, 4096), jnp.dtype(jnp.int8)), ((4096,), F32)]),
+    "int4": (pallas_qgemv.gemv, [((1, 4096), BF16), ((4096, 2048), jnp.dtype(jnp.uint8)), ((4096, 32), F32)]),
+    "attention": (  # GPT-2's 12 heads over a cache of 1024
+        lambda q, kn, vn, pos, kc, vc: pallas_decode_attention.attend(q, kn, vn, pos, kc, vc, scale=0.125),
+        [((12, 1, 64), BF16), ((12, 64), BF16), ((12, 64), BF16), ((12,), jnp.dtype(jnp.int32))]
+        + [((12, 1024, 64), BF16)] * 2,
+    ),
+}
+
+
+@pytest.mark.parametrize("what", GEMVS)
+def test_gemv_loops_load_steps_ahead_without_spills(tmp_path, what):
+    """The decoding kernels' loops as compiled for an H100 (the 2026-11-29 lease timed the GEMVs at ~5 us
+    a call where XLA's took ~1.8; their PTX showed each step's loads asked for at its top and waited on
+    by its own sums, two steps' loads never in flight at once): the first steps' weights (the
+    attention's first key and value blocks) are asked for before the loop, and each step asks for a
+    later one's before its own products; at batch 1 the bf16 GEMVs sum whole tiles (no shuffle a step);
+    ptxas spills no register."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    ptx, prologue, loop = compiled_loop(tmp_path, *GEMVS[what])
+    # each step's queued loads (weight tile and x: 4 + 1 vector loads at [K, N], 2 + 1 as rows, int8's
+    # 4 + 1, int4's weights and scales of 2 groups, the attention's 8 of a key and a value block; the
+    # attention also reads q, the new key and value, pos first): two steps' before the loop (3 stages;
+    # the attention's AHEAD) where the loop as the lease timed it had none
+    queued = {"bf16 [K, N] + residual": 5, "bf16 rows": 3, "int8": 5, "int4": 4, "attention": 8}[what]
+    assert prologue >= 2 * queued, (what, prologue)
+    first_math = next(i for i, line in enumerate(loop) if re.match(r"(fma|mul|add)\.(rn\.)?f32", line))
+    assert sum("ld.global" in line for line in loop[:first_math]) >= queued, what
+    if what.startswith("bf16"):
+        assert not [line for line in loop if line.startswith("shfl")], what
+    assert not spills(ptx), what

@@ -1,6 +1,7 @@
 # ruff: noqa: E501 (HLO text lines are as long as XLA prints them)
 """flaxgpt.aot.hlo_cost: kernels counted with their loops' trip counts, in-place updates and slices
-costed by the bytes they touch, matmul FLOPs from the dot shapes, a conditional by its largest branch."""
+costed by the bytes they touch, matmul FLOPs from the dot shapes, a conditional by its largest branch
+(or its smallest)."""
 
 import pytest
 
@@ -101,6 +102,10 @@ def test_loop_trips_in_place_updates_slices_and_branches():
     )
     assert cost.memory_bound_s == pytest.approx(cost.bound_s)
     assert cost.top(1)[0].name in ("mm", "sl", "up")
+    # branch=min: the smallest branch stands for the conditional (a skip branch: what runs when no row
+    # needs the pass), the loop as before
+    fewest = {k.name: k for k in hlo_cost.estimate(HLO, 1e12, 1e9, branch=min).by_kernel}
+    assert "neg" in fewest and not {"e", "l"} & set(fewest) and fewest["mm"].count == 12
 
 
 def test_a_loop_of_unknown_length_counts_once():

@@ -134,6 +134,7 @@ def test_shapes_it_cannot_take_are_one_line():
         (2, 64, 64, Tiles(64, 64)),  # one program, one step
         (1, 96, 44, Tiles(4, 32, 1, 1)),  # 4 channels a program: 11 programs, 3 steps
         (2, 64, 24, Tiles(1, 64)),  # a channel a program
+        (1, 160, 40, Tiles(8, 32, 1, 4)),  # 5 steps, 3 queued ahead (the last ones clipped), whole-tile sums
     ],
 )
 @pytest.mark.parametrize("rows_w", [False, True])

@@ -36,6 +36,8 @@ def reference(q, kn, vn, pos, kc, vc, scale, softcap):
         (3, 1, 48, 16, [5, 0, 47], 0.0),  # one block of 48; the first and the last position
         (2, 4, 128, 32, [100, 130], 0.0),  # two blocks; 130 >= S: dropped, every position attended
         (2, 2, 64, 16, [63, 17], 5.0),  # Gemma 2's soft-cap
+        # five blocks: more than the AHEAD queued (their loads clipped to the last block), and fewer
+        (4, 1, 320, 16, [319, 200, 64, 1], 0.0),
     ],
 )
 def test_equals_float64_reference(N, G, S, K, pos, softcap, dtype):
