@@ -187,6 +187,21 @@ def unpack_mask(mask_BW, V: int) -> jax.Array:
     return bits_BW32.reshape(mask_BW.shape[0], -1)[:, :V].astype(bool)
 
 
+def _biased(rows: Rows, logits_BV, biased=None):
+    """Whether some row has a logit_bias entry (`biased`, RowTests', if known)."""
+    if biased is not None:
+        return biased
+    return jnp.any((rows.bias_ids_BL >= 0) & (rows.bias_ids_BL < logits_BV.shape[1]))
+
+
+def _add_bias(rows: Rows, x_BV):
+    """x_BV (float32) with each row's logit_bias added (ids past V are none)."""
+    B, V = x_BV.shape
+    used_BL = (rows.bias_ids_BL >= 0) & (rows.bias_ids_BL < V)  # inside the branch: no pass of its own
+    safe_BL = jnp.where(used_BL, rows.bias_ids_BL, 0)
+    return x_BV.at[jnp.arange(B)[:, None], safe_BL].add(jnp.where(used_BL, rows.bias_BL, 0.0))
+
+
 def adjust_logits(rows: Rows, logits_BV, counts_BV=None, seen_BV=None, mask_BW=None, biased=None):
     """The logits the sampler draws from (float32): a structured-output mask's banned tokens -inf,
     then logit_bias, repetition, frequency and presence penalties (Sampling's definitions). counts_BV:
@@ -194,18 +209,10 @@ def adjust_logits(rows: Rows, logits_BV, counts_BV=None, seen_BV=None, mask_BW=N
     when the caller keeps no counts (generate): bias only. Rows that ask for none of it cost a
     conditional, not a pass over the logits; biased: whether some row may have a bias (`RowTests`)."""
     logits_BV = logits_BV.astype(jnp.float32)
-    B, V = logits_BV.shape
     if mask_BW is not None:
-        logits_BV = jnp.where(unpack_mask(mask_BW, V), logits_BV, -jnp.inf)
-    ids_BL = rows.bias_ids_BL
-    used = lambda: (ids_BL >= 0) & (ids_BL < V)  # noqa: E731  (inside the branch: no pass of its own)
-
-    def bias(x_BV):
-        used_BL = used()
-        safe_BL = jnp.where(used_BL, ids_BL, 0)
-        return x_BV.at[jnp.arange(B)[:, None], safe_BL].add(jnp.where(used_BL, rows.bias_BL, 0.0))
-
-    logits_BV = jax.lax.cond(jnp.any(used()) if biased is None else biased, bias, lambda x: x, logits_BV)
+        logits_BV = jnp.where(unpack_mask(mask_BW, logits_BV.shape[1]), logits_BV, -jnp.inf)
+    bias = functools.partial(_add_bias, rows)
+    logits_BV = jax.lax.cond(_biased(rows, logits_BV, biased), bias, lambda x: x, logits_BV)
     if counts_BV is None:
         return logits_BV
 
@@ -300,8 +307,15 @@ def take(
     rows_B = jnp.arange(raw_BV.shape[0])
     active_B = ~state.done_B
     biased, runs = (None, None) if tests is None else (tests.biased, tests.runs)
-    adjusted_BV = adjust_logits(state.rows, raw_BV, state.counts_BV, state.seen_BV, mask_BW, biased)
-    tok_B = next_tokens(state.rows, state.count_B, adjusted_BV, max_k, runs)
+    if max_k == 0 and state.counts_BV is None and mask_BW is None:
+        # greedy rows, at most a logit_bias: the bias's conditional ends in the argmax, so its skip
+        # branch returns the tokens where it copied the logits (a GPU kernel a token, and another for
+        # the float32 logits the argmax's own pass then reads)
+        argmax = lambda x: greedy(_add_bias(state.rows, x.astype(jnp.float32)))  # noqa: E731
+        tok_B = jax.lax.cond(_biased(state.rows, raw_BV, biased), argmax, greedy, raw_BV)
+    else:
+        adjusted_BV = adjust_logits(state.rows, raw_BV, state.counts_BV, state.seen_BV, mask_BW, biased)
+        tok_B = next_tokens(state.rows, state.count_B, adjusted_BV, max_k, runs)
     count_B = state.count_B + active_B
     if keep:  # a select over the row, not a scatter: XLA's scatter costs a bounds check and a slice (kernels)
         at_BW = jnp.arange(state.window_BW.shape[1]) == pos_B[:, None]

@@ -1,7 +1,7 @@
 """A decoding step's attention over a contiguous KV cache with the step's key and value written into the
 cache by the same kernel: Pallas on the Triton backend, for GPUs.
 
-    y_NGK, k_NSK, v_NSK = attend(q_NGK, k_NK, v_NK, pos_N, k_NSK, v_NSK, scale=K**-0.5)
+    y_NGK, k_NSK, v_NSK = attend(q_NGK, k_NK, v_NK, pos_B, k_NSK, v_NSK, scale=K**-0.5)
     ... = attend(..., interpret=True)             # the same program run by Pallas on the CPU
 
 N = B * J cache rows (key/value head j of sequence b, models/cache.py's ContiguousLayer), G query heads
@@ -47,16 +47,21 @@ def why_not(N: int, G: int, S: int, K: int) -> str:
     return ""
 
 
-def attend(q_NGK, k_NK, v_NK, pos_N, k_NSK, v_NSK, *, scale: float, softcap: float = 0.0, interpret=False):
+def attend(q_NGK, k_NK, v_NK, pos_B, k_NSK, v_NSK, *, scale: float, softcap: float = 0.0, interpret=False):
     """(y [N, G, K] in q's dtype, keys [N, S, K], values [N, S, K]): the new key and value written at
-    pos_N (dropped where >= S), then softmax(scale * q . k) . v over positions <= pos."""
+    the row's position (dropped where >= S), then softmax(scale * q . k) . v over positions <= it.
+    pos_B: a position per sequence, its N / B cache rows (key/value heads) consecutive; B = N gives each
+    row its own (the positions are not broadcast over the heads first: a GPU kernel a token)."""
     N, G, K = q_NGK.shape
     S = k_NSK.shape[1]
     why = why_not(N, G, S, K)
     if why:
         raise ValueError(f"decode attention cannot take q {q_NGK.shape} over a cache {k_NSK.shape}: {why}; "
                          "FLAXGPT_DECODE_KERNELS=off keeps XLA's path")  # fmt: skip
-    kernel = functools.partial(_kernel, S, min(BLOCK_S, S), float(scale), float(softcap))
+    if N % pos_B.shape[0]:
+        raise ValueError(f"decode attention: {pos_B.shape[0]} positions for {N} cache rows (a divisor of N)")
+    J = N // pos_B.shape[0]
+    kernel = functools.partial(_kernel, S, min(BLOCK_S, S), float(scale), float(softcap), J)
     shapes = (
         jax.ShapeDtypeStruct((N, G, K), q_NGK.dtype),
         jax.ShapeDtypeStruct(k_NSK.shape, k_NSK.dtype),
@@ -71,14 +76,14 @@ def attend(q_NGK, k_NK, v_NK, pos_N, k_NSK, v_NSK, *, scale: float, softcap: flo
         interpret=interpret,
         name="decode_attention",
     )
-    return call(q_NGK, k_NK, v_NK, pos_N.astype(jnp.int32), k_NSK, v_NSK)
+    return call(q_NGK, k_NK, v_NK, pos_B.astype(jnp.int32), k_NSK, v_NSK)
 
 
-def _kernel(S, bs, scale, softcap, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc_ref, y_ref, ko_ref, vo_ref):
+def _kernel(S, bs, scale, softcap, J, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc_ref, y_ref, ko_ref, vo_ref):
     del kc_ref, vc_ref  # the same buffers as ko_ref, vo_ref (aliased): read and written through those
     f32 = jnp.float32
     n = pl.program_id(0)
-    pos = pos_ref[n]
+    pos = pos_ref[n // J]
     q = q_ref[n, :, :].astype(f32) * scale  # [G, K]
     kn, vn = kn_ref[n, :], vn_ref[n, :]
 

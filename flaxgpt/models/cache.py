@@ -153,7 +153,7 @@ class ContiguousLayer(KVLayer):
         J = k_BTJK.shape[2]
         y_NGK, k_NSK, v_NSK = pallas_decode_attention.attend(
             q_BTHK.reshape(B * J, H // J, K), k_BTJK.reshape(B * J, K), v_BTJK.reshape(B * J, K),
-            jnp.repeat(positions_BT[:, 0], J), self.k, self.v, scale=scale or 1 / math.sqrt(K),
+            positions_BT[:, 0], self.k, self.v, scale=scale or 1 / math.sqrt(K),
             softcap=softcap, interpret=target.platform() != "gpu",
         )  # fmt: skip
         return y_NGK.reshape(B, 1, H, K), ContiguousLayer(k_NSK, v_NSK)

@@ -366,6 +366,25 @@ def test_tests_taken_outside_the_token_loop_change_no_token():
         for b, s in enumerate(batch):  # the passes ran where needed: the argmax, the bias's token
             assert s.temperature or want[b] == jnp.argmax(logits_BV[b])
             assert not s.logit_bias or want[b] == 7
+    # max_k 0 (every row greedy: generate's and the engine's greedy programs): the bias's conditional
+    # ends in the argmax; the same tokens as the general path's, biased or not, from bf16 logits too
+    greedy_biased = Sampling(0.0, logit_bias=((7, 30.0), (V + 1, 5.0)))
+    for batch in ([settings[0]] * 2, [greedy_biased, settings[0]]):
+        rows = Rows.stack([Rows.of(s, max_new_tokens=4, stream=b) for b, s in enumerate(batch)]).keyed()
+        B = len(batch)
+        state = DecodeState(
+            cache=None, last_B=jnp.zeros(B, jnp.int32), fill_B=jnp.ones(B, jnp.int32),
+            count_B=jnp.full(B, 2, jnp.int32), done_B=jnp.zeros(B, bool), rows=rows,
+        )  # fmt: skip
+        for x in (logits_BV[:B], logits_BV[:B].astype(jnp.bfloat16)):
+            want = take(state, x, None, state.fill_B, None, 256, 0, False)[1]
+            for tests in (None, RowTests.of(rows)):
+                np.testing.assert_array_equal(
+                    take(state, x, None, state.fill_B, None, 0, 0, False, tests)[1], want
+                )
+            assert [int(t) for t in want] == [
+                7 if s.logit_bias else int(jnp.argmax(x[b])) for b, s in enumerate(batch)
+            ]
 
 
 def test_bad_arguments():

@@ -71,3 +71,20 @@ def test_shapes_it_cannot_take_are_one_line():
     assert (
         why_not(1, 1, 80, 16) == "cache length S=80 must be >= 16 and a multiple of 64 (or smaller than it)"
     )
+
+
+def test_a_position_a_sequence_serves_its_heads():
+    """pos_B with B < N: sequence b's N / B key/value heads (consecutive cache rows) take its position,
+    as the same position repeated per row does (no broadcast kernel first); N / B must be whole."""
+    N, S, K = 6, 128, 16
+    ks = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(ks[0], (N, 1, K))
+    kn, vn = (jax.random.normal(k, (N, K)) for k in ks[1:3])
+    kc, vc = (jax.random.normal(k, (N, S, K)) for k in ks[3:5])
+    pos_B = jnp.asarray([70, 3], jnp.int32)  # 2 sequences of 3 heads
+    got = attend(q, kn, vn, pos_B, kc, vc, scale=0.25, interpret=True)
+    want = attend(q, kn, vn, jnp.repeat(pos_B, 3), kc, vc, scale=0.25, interpret=True)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(ValueError, match=r"^decode attention: 4 positions for 6 cache rows \(a divisor"):
+        attend(q, kn, vn, jnp.zeros(4, jnp.int32), kc, vc, scale=0.25, interpret=True)
