@@ -307,15 +307,8 @@ def _kernel(s: _Spec, x_ref, *refs):
         g_beta = {k: refs[k][ks] for k in ("g", "beta") if k in refs}
         return w, g_beta, tuple(x_ref[m, ks] for m in range(s.M))
 
-    def body(j, carry):
-        accs, ahead = carry
-        # step j + `len(ahead)`'s inputs are asked for before this step's sums, so that many steps'
-        # loads are in flight while this one waits on its own: Triton's pipeliner leaves these loads
-        # alone (no dot), and a step's sums cross warps (barriers that loads asked later wait behind)
-        if ahead:
-            (w, g_beta, xs), ahead = ahead[0], (*ahead[1:], loads(jnp.minimum(j + len(ahead), steps - 1)))
-        else:
-            w, g_beta, xs = loads(j)
+    def step(j, inputs, accs):
+        w, g_beta, xs = inputs
         ks, fresh = block(j)
         if s.rows_w:  # the table's rows of these channels, [bn, bk], summed along its rows (no transpose)
             w = jnp.where(fresh[None, :], w.astype(f32), 0.0)
@@ -331,15 +324,14 @@ def _kernel(s: _Spec, x_ref, *refs):
                 x = ((x - mean) * (rstd * g) + beta).astype(s.dtype).astype(f32)
             xw = x[None, :] * w if s.rows_w else x[:, None] * w
             out.append(acc + (xw if s.tile_sums else sum_k(xw)))
-        return tuple(out), ahead
+        return tuple(out)
 
     sum_k = functools.partial(jnp.sum, axis=1 if s.rows_w else 0)
     # tile_sums: each row's products summed as whole tiles, along K once after the loop (a sum a step
     # crosses warps: barriers and shuffles every step), where the tiles fit the registers
     shape = ((s.bn, s.bk) if s.rows_w else (s.bk, s.bn)) if s.tile_sums else (s.bn,)
     zeros = tuple(jnp.zeros(shape, f32) for _ in range(s.M))
-    primed = tuple(loads(min(i, steps - 1)) for i in range(s.ahead))
-    accs, _ = jax.lax.fori_loop(0, steps, body, (zeros, primed))
+    accs = pipelined(0, steps, s.ahead, loads, step, zeros)
     accs = [sum_k(acc) for acc in accs] if s.tile_sums else accs
     b = refs["b"][cols].astype(f32) if "b" in refs else 0.0
     for m, acc in enumerate(accs):
@@ -349,6 +341,28 @@ def _kernel(s: _Spec, x_ref, *refs):
         if "res" in refs:  # two rounded arrays added, as the plain path's x + h
             y = refs["res"][m, cols].astype(f32) + y.astype(s.dtype).astype(f32)
         _store(s, o_refs, first, m, y)
+
+
+def pipelined(lo, hi, ahead: int, loads, step, init):
+    """fori_loop(lo, hi) of accs = step(j, inputs, accs) where step j's inputs, `loads(j)` (a pytree of
+    loads from refs), were asked for `ahead` steps before it: at the top of step j - ahead, so that many
+    steps' loads are in flight while a step waits on its own. Triton's pipeliner (num_stages) leaves
+    loads that feed no dot alone, and a step's sums crossing warps put barriers that loads asked later
+    would wait behind (the decode GEMVs' and attention's loops, as the 2026-11-29 lease timed them).
+    Steps past hi - 1 load step hi - 1 again (unused); lo < hi is the caller's (an empty loop loads
+    step lo's inputs, unused: they must be in bounds). The kernels here and in kernels.pallas_qgemv and
+    kernels.pallas_decode_attention loop through it."""
+
+    def body(j, carry):
+        accs, queued = carry
+        if not queued:
+            return step(j, loads(j), accs), queued
+        inputs, queued = queued[0], (*queued[1:], loads(jnp.minimum(j + len(queued), hi - 1)))
+        return step(j, inputs, accs), queued
+
+    last = jnp.maximum(hi - 1, lo)
+    primed = tuple(loads(jnp.minimum(lo + i, last)) for i in range(ahead))
+    return jax.lax.fori_loop(lo, hi, body, (init, primed))[0]
 
 
 def _store(s: _Spec, o_refs, first, m, y):

@@ -11,7 +11,8 @@ step is four kernels a layer here (the k scatter, q . k, the v scatter, softmax 
 value at `pos` (positions >= S are dropped, as the scatter's), and attends over the cache's positions
 before `pos` plus the new key, read from registers rather than back from the cache (a program's store
 is not ordered before its own later loads); blocks of BLOCK_S positions with an online softmax (a
-running max and sum), only the blocks before `pos` read. Logits and softmax in float32; the output
+running max and sum), only the blocks before `pos` read, AHEAD blocks' loads queued ahead of the one
+summed (kernels.pallas_decode.pipelined). Logits and softmax in float32; the output
 rounded to q's dtype. The cache buffers are the call's outputs too (input_output_aliases): written in
 place, never copied.
 
@@ -28,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from flaxgpt.kernels import pallas_decode
 
 BLOCK_S = 64  # cache positions a step: a [64, K] tile of keys and one of values
 AHEAD = 2  # blocks whose loads are in flight ahead of the one being summed
@@ -108,23 +111,19 @@ def _kernel(S, bs, scale, softcap, J, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc
         rows = pl.ds(j * bs, bs)
         return ko_ref[n, rows, :], vo_ref[n, rows, :]
 
-    def body(j, carry):
-        top, total, acc, ahead = carry
-        # block j + AHEAD's keys and values are asked for before block j's sums, so AHEAD blocks' loads
-        # are in flight while this one waits on its own (Triton's pipeliner leaves loads feeding no dot
-        # alone): the cache's rows a program reads are one block after another, each a DRAM round trip
-        (k, v), ahead = ahead[0], (*ahead[1:], tiles(jnp.minimum(j + AHEAD, blocks - 1)))
-        k, v = k.astype(f32), v.astype(f32)  # [bs, K]
+    def step(j, kv, carry):
+        top, total, acc = carry
+        k, v = kv[0].astype(f32), kv[1].astype(f32)  # [bs, K]
         s = logits(jnp.sum(q[:, None, :] * k[None, :, :], axis=2))  # [G, bs]
         s = jnp.where((j * bs + jnp.arange(bs))[None, :] < before, s, _NEG)
         top_new = jnp.maximum(top, jnp.max(s, axis=1))
         p = jnp.exp(s - top_new[:, None])
         fade = jnp.exp(top - top_new)
         acc = acc * fade[:, None] + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
-        return top_new, total * fade + jnp.sum(p, axis=1), acc, ahead
+        return top_new, total * fade + jnp.sum(p, axis=1), acc
 
-    # blocks past the last are never asked for: a block index is clipped to the last (block 0 where
-    # none precedes pos, read and unused: S >= bs)
-    primed = tuple(tiles(jnp.minimum(i, jnp.maximum(blocks - 1, 0))) for i in range(AHEAD))
-    top, total, acc, _ = jax.lax.fori_loop(0, blocks, body, (top, total, acc, primed))
+    # AHEAD blocks' keys and values in flight while a block waits on its own (pallas_decode.pipelined):
+    # a program's blocks are one DRAM round trip after another otherwise; where no position precedes
+    # pos, block 0 is read and unused (S >= bs)
+    top, total, acc = pallas_decode.pipelined(0, blocks, AHEAD, tiles, step, (top, total, acc))
     y_ref[n, :, :] = (acc / total[:, None]).astype(y_ref.dtype)

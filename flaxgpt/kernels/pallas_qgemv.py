@@ -10,11 +10,10 @@ an H200 (of 4.8: docs/accelerators.md), and an int4 weight must be unpacked befo
 program owns BLOCK_N output channels and walks K once: each weight tile is loaded once, widened
 (int4: split into its two nibbles, each multiplied by the even or odd inputs, so nothing is
 interleaved) and multiplied by every row of x held in registers, the products summed along K; int8's
-row scale, and int4's scale per group, multiply the partial sums, not the weights. As in
-kernels.pallas_decode, the loop loads num_stages - 1 steps ahead itself (`_pipelined`; Triton is told 1
-stage); int8 sums whole tiles along K once where they fit (TILE_SUMS: not 32 x 256 at 4 warps); int4
-sums a group at a time and queues only weights and scales (its x halves queued too spilled registers:
-ptxas, sm_90a).
+row scale, and int4's scale per group, multiply the partial sums, not the weights. The loop loads
+num_stages - 1 steps ahead itself (`pallas_decode.pipelined`; Triton is told 1 stage); int8 sums whole
+tiles along K once where they fit (TILE_SUMS: not 32 x 256 at 4 warps); int4 sums a group at a time and
+queues only weights and scales (its x halves queued too spilled registers: ptxas, sm_90a).
 
 Tiles never read past the arrays: the last block of channels (of K) starts at N - BLOCK_N (K - its
 block) and the part another block covered is masked (channels written twice carry equal values), so
@@ -54,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxgpt.kernels.pallas_decode import TILE_SUMS, Tiles
+from flaxgpt.kernels.pallas_decode import TILE_SUMS, Tiles, pipelined
 
 MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's dot is compute-bound
 BLOCK_N = 32  # output channels a program: an 8B layer's 4096 make 128 programs, about an H100's 132 SMs
@@ -154,22 +153,6 @@ def _store(o_ref, accs, rows, S, scale=None):
             o_ref[pl.program_id(1), m, rows] = acc
 
 
-def _pipelined(lo, hi, ahead, loads, step, init):
-    """fori_loop(lo, hi) of step(j, inputs, accs) where step j's inputs (`loads(j)`) were asked for
-    `ahead` steps before: that many steps' loads are in flight while a step waits on its own (Triton's
-    pipeliner leaves loads that feed no dot alone; kernels.pallas_decode does the same)."""
-
-    def body(j, carry):
-        accs, queued = carry
-        if not queued:
-            return step(j, loads(j), accs), queued
-        inputs, queued = queued[0], (*queued[1:], loads(jnp.minimum(j + len(queued), hi - 1)))
-        return step(j, inputs, accs), queued
-
-    primed = tuple(loads(jnp.minimum(lo + i, hi - 1)) for i in range(ahead))
-    return jax.lax.fori_loop(lo, hi, body, (init, primed))[0]
-
-
 def _int8_kernel(M, N, K, bn, bk, S, ahead, tile_sums, x_ref, w_ref, s_ref, o_ref):
     rows = _channels(N, bn)
 
@@ -187,7 +170,7 @@ def _int8_kernel(M, N, K, bn, bk, S, ahead, tile_sums, x_ref, w_ref, s_ref, o_re
         return tuple(acc + (p if tile_sums else jnp.sum(p, axis=1)) for acc, p in zip(accs, xw))
 
     init = tuple(jnp.zeros((bn, bk) if tile_sums else (bn,), jnp.float32) for _ in range(M))
-    accs = _pipelined(*_steps(pl.cdiv(K, bk), S), ahead, loads, step, init)
+    accs = pipelined(*_steps(pl.cdiv(K, bk), S), ahead, loads, step, init)
     accs = [jnp.sum(acc, axis=1) for acc in accs] if tile_sums else accs
     _store(o_ref, accs, rows, S, s_ref[rows] if S == 1 else None)  # split: XLA scales the sum
 
@@ -220,5 +203,5 @@ def _int4_kernel(M, N, K, group, bn, step_groups, S, ahead, xe_ref, xo_ref, w_re
         return accs
 
     init = tuple(jnp.zeros((bn,), jnp.float32) for _ in range(M))
-    accs = _pipelined(*_steps(pl.cdiv(n_groups, per_step), S), ahead, loads, step, init)
+    accs = pipelined(*_steps(pl.cdiv(n_groups, per_step), S), ahead, loads, step, init)
     _store(o_ref, accs, rows, S)
