@@ -218,7 +218,7 @@ def gemv(
         M, N, K, tiles.block_n, tiles.block_k, tuple(have),
         None if norm is None else norm.kind, 0.0 if norm is None else float(norm.eps), activation, dtype,
         tuple(zip(bounds[:-1], bounds[1:])) if splits else (), rows_w, tiles.num_stages - 1,
-        M * tiles.block_n * tiles.block_k <= TILE_SUMS * 32 * tiles.num_warps,
+        tile_sums_fit(M, tiles),
     )  # fmt: skip
     pieces = [jax.ShapeDtypeStruct((M, hi - lo), out_dtype) for lo, hi in spec.pieces]
     call = pl.pallas_call(
@@ -341,6 +341,12 @@ def _kernel(s: _Spec, x_ref, *refs):
         if "res" in refs:  # two rounded arrays added, as the plain path's x + h
             y = refs["res"][m, cols].astype(f32) + y.astype(s.dtype).astype(f32)
         _store(s, o_refs, first, m, y)
+
+
+def tile_sums_fit(M: int, tiles: Tiles) -> bool:
+    """Whether M rows' [block_n, block_k] float32 products fit TILE_SUMS a thread: a GEMV may then sum
+    them as whole tiles and along K once after its loop (no sum crossing threads a step)."""
+    return M * tiles.block_n * tiles.block_k <= TILE_SUMS * 32 * tiles.num_warps
 
 
 def pipelined(lo, hi, ahead: int, loads, step, init):

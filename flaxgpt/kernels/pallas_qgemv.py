@@ -12,8 +12,9 @@ program owns BLOCK_N output channels and walks K once: each weight tile is loade
 interleaved) and multiplied by every row of x held in registers, the products summed along K; int8's
 row scale, and int4's scale per group, multiply the partial sums, not the weights. The loop loads
 num_stages - 1 steps ahead itself (`pallas_decode.pipelined`; Triton is told 1 stage); int8 sums whole
-tiles along K once where they fit (TILE_SUMS: not 32 x 256 at 4 warps); int4 sums a group at a time and
-queues only weights and scales (its x halves queued too spilled registers: ptxas, sm_90a).
+tiles along K once where they fit (pallas_decode.tile_sums_fit: not 32 x 256 at 4 warps); int4 sums a
+group at a time and queues only weights and scales (its x halves queued too spilled registers: ptxas,
+sm_90a).
 
 Tiles never read past the arrays: the last block of channels (of K) starts at N - BLOCK_N (K - its
 block) and the part another block covered is masked (channels written twice carry equal values), so
@@ -53,7 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flaxgpt.kernels.pallas_decode import TILE_SUMS, Tiles, pipelined
+from flaxgpt.kernels.pallas_decode import Tiles, pipelined, tile_sums_fit
 
 MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's dot is compute-bound
 BLOCK_N = 32  # output channels a program: an 8B layer's 4096 make 128 programs, about an H100's 132 SMs
@@ -119,7 +120,7 @@ def gemv(x_MK, w, scale, tiles: Tiles | None = None, interpret: bool = False) ->
         kernel = functools.partial(_int4_kernel, M, N, K, group, bn, bk // group, S, ahead)
         args = (x_MK[:, 0::2], x_MK[:, 1::2], w, scale)
     else:
-        sums = M * bn * bk <= TILE_SUMS * 32 * tiles.num_warps  # each row's [bn, bk] products kept
+        sums = tile_sums_fit(M, tiles)  # each row's [bn, bk] products kept whole
         kernel, args = functools.partial(_int8_kernel, M, N, K, bn, bk, S, ahead, sums), (x_MK, w, scale)
     call = pl.pallas_call(
         kernel, grid=grid, out_shape=out, compiler_params=params, interpret=interpret, name="qgemv"
