@@ -12,8 +12,12 @@ value at `pos` (positions >= S are dropped, as the scatter's), and attends over 
 before `pos` plus the new key, read from registers rather than back from the cache (a program's store
 is not ordered before its own later loads); blocks of BLOCK_S positions with an online softmax (a
 running max and sum), only the blocks before `pos` read, AHEAD blocks' loads queued ahead of the one
-summed (kernels.pallas_decode.pipelined). Logits and softmax in float32; the output
-rounded to q's dtype. The cache buffers are the call's outputs too (input_output_aliases): written in
+summed (kernels.pallas_decode.pipelined). q . k and p . v are Triton dots (the tensor cores), with the
+G query heads repeated to MIN_ROWS rows where fewer (GPT-2's G = 1: as multiplies summed across
+threads they were 205 shuffles and 24 barriers a block in the compiled PTX, 20 and 14 now), in XLA's
+path's arithmetic: q . k in q's dtype with float32 sums (full float32 for float32, not TF32), then the
+scale; softmax in float32, the probabilities rounded to v's dtype for p . v; the output rounded to q's
+dtype. The cache buffers are the call's outputs too (input_output_aliases): written in
 place, never copied.
 
 Who calls it and when: models/cache.py (ContiguousLayer.attend) where models.linear.decode_kernels takes
@@ -34,6 +38,7 @@ from flaxgpt.kernels import pallas_decode
 
 BLOCK_S = 64  # cache positions a step: a [64, K] tile of keys and one of values
 AHEAD = 2  # blocks whose loads are in flight ahead of the one being summed
+MIN_ROWS = 16  # rows of a tensor-core product (Triton's dot): fewer query heads are repeated to it
 _NEG = -1e30  # a masked logit: finite, so a fully masked block gives exp(-inf + inf) nowhere
 
 
@@ -75,7 +80,7 @@ def attend(q_NGK, k_NK, v_NK, pos_B, k_NSK, v_NSK, *, scale: float, softcap: flo
         grid=(N,),
         out_shape=shapes,
         input_output_aliases={4: 1, 5: 2},  # the caches, updated in place
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),  # its loads queued by the kernel
+        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),  # its loads queued by the kernel
         interpret=interpret,
         name="decode_attention",
     )
@@ -87,8 +92,19 @@ def _kernel(S, bs, scale, softcap, J, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc
     f32 = jnp.float32
     n = pl.program_id(0)
     pos = pos_ref[n // J]
-    q = q_ref[n, :, :].astype(f32) * scale  # [G, K]
+    q = q_ref[n, :, :]  # [G, K]
+    (G, K), R = q.shape, max(MIN_ROWS, q.shape[0])
+    # the tensor cores' products take >= 16 rows: G < 16 query heads are repeated to R rows (the same
+    # arithmetic on each copy, so their results are equal bit for bit; one copy is stored)
+    q_RK = q if G == R else jnp.broadcast_to(q[None], (R // G, G, K)).reshape(R, K)
     kn, vn = kn_ref[n, :], vn_ref[n, :]
+    # XLA's path's arithmetic (models.attention.attend_cached): q . k in q's dtype with float32 sums (full
+    # float32 products for float32, not TF32), then the scale; the probabilities rounded to v's dtype
+    exact = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+    def dot(a, b, contract_b):  # a [R, X] . b over b's axis contract_b -> [R, Y] float32
+        dims = (((1,), (contract_b,)), ((), ()))
+        return jax.lax.dot_general(a, b, dims, precision=exact, preferred_element_type=f32)
 
     @pl.when(pos < S)
     def _write():
@@ -96,13 +112,15 @@ def _kernel(S, bs, scale, softcap, J, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc
         vo_ref[n, pl.ds(pos, 1), :] = vn[None, :].astype(vo_ref.dtype)
 
     def logits(s):
+        s = s * scale
         return softcap * jnp.tanh(s / softcap) if softcap else s
 
-    # the new key first (rounded as the cache holds it), then the cache's positions before pos
+    # the new key first (rounded as the cache holds it, then to q's dtype), then the positions before pos
     new = pos < S
-    top = jnp.where(new, logits(jnp.sum(q * kn.astype(ko_ref.dtype).astype(f32)[None, :], axis=1)), _NEG)
+    kn_q = kn.astype(ko_ref.dtype).astype(q.dtype).astype(f32)
+    top = jnp.where(new, logits(jnp.sum(q_RK.astype(f32) * kn_q[None, :], axis=1)), _NEG)  # [R]
     total = jnp.where(new, jnp.ones_like(top), jnp.zeros_like(top))
-    acc = total[:, None] * vn.astype(vo_ref.dtype).astype(f32)[None, :]  # [G, K]
+    acc = total[:, None] * vn.astype(vo_ref.dtype).astype(f32)[None, :]  # [R, K]
     before = jnp.minimum(pos, S)
 
     blocks = pl.cdiv(before, bs)
@@ -113,17 +131,19 @@ def _kernel(S, bs, scale, softcap, J, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc
 
     def step(j, kv, carry):
         top, total, acc = carry
-        k, v = kv[0].astype(f32), kv[1].astype(f32)  # [bs, K]
-        s = logits(jnp.sum(q[:, None, :] * k[None, :, :], axis=2))  # [G, bs]
+        k, v = kv
+        s = logits(dot(q_RK, k.astype(q.dtype), 1))  # [R, bs]
         s = jnp.where((j * bs + jnp.arange(bs))[None, :] < before, s, _NEG)
         top_new = jnp.maximum(top, jnp.max(s, axis=1))
         p = jnp.exp(s - top_new[:, None])
         fade = jnp.exp(top - top_new)
-        acc = acc * fade[:, None] + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * fade[:, None] + dot(p.astype(v.dtype), v, 0)
         return top_new, total * fade + jnp.sum(p, axis=1), acc
 
     # AHEAD blocks' keys and values in flight while a block waits on its own (pallas_decode.pipelined):
     # a program's blocks are one DRAM round trip after another otherwise; where no position precedes
     # pos, block 0 is read and unused (S >= bs)
     top, total, acc = pallas_decode.pipelined(0, blocks, AHEAD, tiles, step, (top, total, acc))
-    y_ref[n, :, :] = (acc / total[:, None]).astype(y_ref.dtype)
+    y_RK = acc / total[:, None]
+    y_GK = y_RK if G == R else jnp.max(y_RK.reshape(R // G, G, K), axis=0)  # the copies are equal
+    y_ref[n, :, :] = y_GK.astype(y_ref.dtype)
