@@ -21,14 +21,14 @@ over w's K, the rows' default tiling of 8 channels a program, 4 channels x 512, 
 default before 2026-11-30): 96-768 programs reading 512-byte runs, where flax's [K, N] at 4 channels
 reads 8-byte runs). Each default tiling runs again at 1 stage (the kernels' loop as the 2026-11-29
 lease timed it: no loads queued ahead) and 4 (three steps ahead; 3, the default, queues two), rounds 1
-and 2. The plan: 193 + 12 Triton programs, 40 XLA ones, 3 MoE: ~238 s predicted at ~0.8 s a Triton
+and 2. The plan: 201 + 12 Triton programs, 40 XLA ones, 3 MoE: ~244 s predicted at ~0.8 s a Triton
 compile (the 2026-11-29 lease's estimate) and ~1 s an XLA one; --budget_s (155) then cuts the 1-row
 grid's last rounds (the MoE and 4-row rows keep 30 s of it): by that estimate XLA's round and the
-kernels' rounds 0-4 (of 11) run: the defaults at 3, 1 and 4 stages, then int8's and int4's first two
-split-K tilings and two of bf16's and the rows' grid. Then (d) Mixtral-8x7B's expert product, 16384
-rows sorted into 8 groups of ~2048, D 4096 -> F 14336, bf16, forward: models.moe.tiled_grouped_matmul,
-jax.lax.ragged_dot (a real grouped GEMM, or each group's matrix over every row?) and 8 dense dots over
-the same static groups; milliseconds and TFLOP/s.
+kernels' rounds 0-4 (of 11) run: the defaults at 3, 1 and 4 stages, then int8's and int4's first
+split-K tiling and their default at 8 warps, two of bf16's and the rows' grid. Then (d) Mixtral-8x7B's
+expert product, 16384 rows sorted into 8 groups of ~2048, D 4096 -> F 14336, bf16, forward:
+models.moe.tiled_grouped_matmul, jax.lax.ragged_dot (a real grouped GEMM, or each group's matrix over
+every row?) and 8 dense dots over the same static groups; milliseconds and TFLOP/s.
 
 Method (the workplace's METHOD.md): each timing is one jitted program of n calls, unrolled (no
 while-loop round trip to the host, no kernels between the calls), each call on its own x and on one
@@ -43,8 +43,8 @@ The rounds go XLA, each kernel's default tiling, then the grid, across all shape
 budget that runs out cuts the grid's tail, not a shape. Rows as they come on stdout; every row as
 JSON (--json, rewritten after each); last, the best tiling per (kernel, shape) against XLA's.
 
---compile_for h100-1 compiles the whole plan on this machine for a `flaxgpt aot` target instead (248
-programs in 136 s on the 2-core AVX2 machine on 2026-11-30, none failed, split-K's 32 and the rows' 16 among
+--compile_for h100-1 compiles the whole plan on this machine for a `flaxgpt aot` target instead (256
+programs in 149 s on the 2-core AVX2 machine on 2026-11-30, none failed, split-K's 32 and the rows' 16 among
 them: every tiling lowers through Triton), and for the MoE forms the compiled matmul FLOPs over the
 product's own: with jaxlib 0.10.2's XLA, ragged_dot is one GEMM over x widened to every group (8.0x;
 15.9 ms bound on an H100), the tiled form 1.88x (5.5 ms), the dense dots 1.0x (2.2 ms): compiled, not
@@ -86,15 +86,18 @@ KINDS = ("bf16", "int8", "int4")
 # bn * 2 bytes; the layout a decode-only copy of the weights could take
 ROWS = "bf16_rows"
 # (block_n, block_k, warps[, split_k]) in the order run after the default: the tile's bytes (4-64 KiB)
-# and the programs (N / block_n) spread first, then warps; 3 stages throughout. bf16 (pallas_decode):
+# and the programs (N / block_n) spread first, then warps; 3 stages (STAGES: the defaults at 1 and 4
+# too, first). bf16 (pallas_decode):
 GRID = [(16, 512, 4), (32, 1024, 8), (64, 128, 4), (16, 2048, 8), (32, 256, 8), (64, 512, 8), (16, 1024, 4)]
 GRID += [(128, 128, 4)]
 # int8 / int4 (pallas_qgemv): split-K first, the lease's fix for 128 programs walking K alone (29% / 12%
 # of an H200's bandwidth at batch 1): 256-2048 programs of 1-4 steps for K = 4096; then 3 unsplit
-# tilings (more programs or a tile twice the default's). The budget cuts the late rounds (~4 of 8 run):
-# the quantized grid keeps 7 points (bf16's 8; the unsplit 64x128, 32x256x8, 64x512, 16x1024, 128x128 gone)
-QGRID = [(32, 256, 4, 4), (32, 512, 4, 2), (16, 512, 4, 8), (64, 512, 8, 4), (16, 512, 4), (32, 1024, 8)]
-QGRID += [(16, 2048, 8)]
+# tilings (more programs or a tile twice the default's). The budget cuts the late rounds (~2 of 8 run
+# after the stages): the quantized grid keeps 8 points (bf16's 8; the unsplit 64x128, 64x512, 16x1024,
+# 128x128 gone); second, the default at 8 warps: int8's whole-tile sums fit there
+# (pallas_decode.tile_sums_fit: no shuffle a step in its PTX)
+QGRID = [(32, 256, 4, 4), (32, 256, 8), (32, 512, 4, 2), (16, 512, 4, 8), (64, 512, 8, 4), (16, 512, 4)]
+QGRID += [(32, 1024, 8), (16, 2048, 8)]
 SMALL_GRID = {"bf16": [(16, 256, 4), (16, 512, 8)], "int8": [(16, 256, 4)], "int4": [(16, 256, 4)]}  # GPT-2
 SMALL_GRID[ROWS] = [(4, 512, 4), (32, 128, 4)]  # the default is ROWS_BLOCK_N x ROWS_BLOCK_K
 DRY_GRID = {"bf16": [(16, 128, 4)], "int8": [(16, 128, 4, 2)], "int4": [(16, 128, 4, 2)]}  # K 256: 2 steps
