@@ -104,6 +104,7 @@ def test_decoders_import_no_model():
     graph = import_graph()
     for decoder in (
         "flaxgpt.decode.sampler",
+        "flaxgpt.decode.logits",
         "flaxgpt.decode.sampling",
         "flaxgpt.decode.beam_search",
         "flaxgpt.decode.speculative",

@@ -3,5 +3,6 @@ search and speculative decoding all take a `step_fn(tokens, positions, cache) ->
 translate is the encoder-decoder's use of beam search.
 
 May import: flaxgpt.models, flaxgpt.loader (translate only: the encoder-decoder and its runs).
-sampling, beam_search and speculative import nothing of flaxgpt but each other (tests/test_imports.py).
+sampler, logits, sampling, beam_search and speculative import nothing of flaxgpt but each other
+(tests/test_imports.py).
 """

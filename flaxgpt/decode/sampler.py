@@ -122,7 +122,7 @@ class RowTests(NamedTuple):
     a decode loop), computed once a chunk, outside its token loop: inside, each was a kernel a token.
     Each may say yes where no row needs the pass (a bias id >= V counted): the pass then changes nothing."""
 
-    biased: jax.Array  # some row has a logit_bias entry (decode.sampling.adjust_logits)
+    biased: jax.Array  # some row has a logit_bias entry (decode.logits.adjust_logits)
     runs: tuple  # `branches`: some row filters, some row draws
 
     @classmethod

@@ -50,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from flaxgpt.decode.logits import add_bias, adjust_logits, biased_rows
 from flaxgpt.decode.sampler import (
     MAX_LOGPROBS,
     RowTests,
@@ -180,52 +181,6 @@ def bias_arrays(logit_bias) -> tuple[np.ndarray, np.ndarray]:
     return ids_L, bias_L
 
 
-def unpack_mask(mask_BW, V: int) -> jax.Array:
-    """An int32 bitmask [B, ceil(V/32)] (bit j of word i: token 32 i + j allowed; the layout of
-    llguidance and xgrammar) -> bool [B, V]."""
-    bits_BW32 = (mask_BW[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
-    return bits_BW32.reshape(mask_BW.shape[0], -1)[:, :V].astype(bool)
-
-
-def _biased(rows: Rows, logits_BV, biased=None):
-    """Whether some row has a logit_bias entry (`biased`, RowTests', if known)."""
-    if biased is not None:
-        return biased
-    return jnp.any((rows.bias_ids_BL >= 0) & (rows.bias_ids_BL < logits_BV.shape[1]))
-
-
-def _add_bias(rows: Rows, x_BV):
-    """x_BV (float32) with each row's logit_bias added (ids past V are none)."""
-    B, V = x_BV.shape
-    used_BL = (rows.bias_ids_BL >= 0) & (rows.bias_ids_BL < V)  # inside the branch: no pass of its own
-    safe_BL = jnp.where(used_BL, rows.bias_ids_BL, 0)
-    return x_BV.at[jnp.arange(B)[:, None], safe_BL].add(jnp.where(used_BL, rows.bias_BL, 0.0))
-
-
-def adjust_logits(rows: Rows, logits_BV, counts_BV=None, seen_BV=None, mask_BW=None, biased=None):
-    """The logits the sampler draws from (float32): a structured-output mask's banned tokens -inf,
-    then logit_bias, repetition, frequency and presence penalties (Sampling's definitions). counts_BV:
-    each token's count in the row's output so far; seen_BV: tokens in its prompt or output; both None
-    when the caller keeps no counts (generate): bias only. Rows that ask for none of it cost a
-    conditional, not a pass over the logits; biased: whether some row may have a bias (`RowTests`)."""
-    logits_BV = logits_BV.astype(jnp.float32)
-    if mask_BW is not None:
-        logits_BV = jnp.where(unpack_mask(mask_BW, logits_BV.shape[1]), logits_BV, -jnp.inf)
-    bias = functools.partial(_add_bias, rows)
-    logits_BV = jax.lax.cond(_biased(rows, logits_BV, biased), bias, lambda x: x, logits_BV)
-    if counts_BV is None:
-        return logits_BV
-
-    def penalize(x_BV):
-        rep_B1 = rows.repetition_B[:, None]
-        x_BV = jnp.where(seen_BV, jnp.where(x_BV > 0, x_BV / rep_B1, x_BV * rep_B1), x_BV)
-        counts_BV_f = counts_BV.astype(jnp.float32)
-        return x_BV - rows.frequency_B[:, None] * counts_BV_f - rows.presence_B[:, None] * (counts_BV > 0)
-
-    on_B = (rows.repetition_B != 1) | (rows.frequency_B != 0) | (rows.presence_B != 0)
-    return jax.lax.cond(jnp.any(on_B), penalize, lambda x: x, logits_BV)
-
-
 def next_tokens(rows: Rows, count_B, logits_BV, max_k: int = 256, runs=None):
     """Row b's token number count_B[b] (0 = the prefill's), drawn with fold_in(key_B[b], count_B[b]).
     max_k 0: every row is greedy (generate knows it when it traces): the argmax alone, without the
@@ -311,8 +266,8 @@ def take(
         # greedy rows, at most a logit_bias: the bias's conditional ends in the argmax, so its skip
         # branch returns the tokens where it copied the logits (a GPU kernel a token, and another for
         # the float32 logits the argmax's own pass then reads)
-        argmax = lambda x: greedy(_add_bias(state.rows, x.astype(jnp.float32)))  # noqa: E731
-        tok_B = jax.lax.cond(_biased(state.rows, raw_BV, biased), argmax, greedy, raw_BV)
+        argmax = lambda x: greedy(add_bias(state.rows, x.astype(jnp.float32)))  # noqa: E731
+        tok_B = jax.lax.cond(biased_rows(state.rows, raw_BV.shape[1], biased), argmax, greedy, raw_BV)
     else:
         adjusted_BV = adjust_logits(state.rows, raw_BV, state.counts_BV, state.seen_BV, mask_BW, biased)
         tok_B = next_tokens(state.rows, state.count_B, adjusted_BV, max_k, runs)

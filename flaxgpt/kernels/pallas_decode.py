@@ -75,9 +75,9 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16
 
 class Tiles(NamedTuple):
     """A GEMV kernel's tiling: output channels a program (a power of two >= MIN_BLOCK_N), inputs a step
-    (a power of two >= MIN_DIM), at most N and K, Triton's warps a program and its software-pipelining
-    stages; split_k > 1 (only kernels.pallas_qgemv's) splits K into that many ranges, each its own
-    program, summed after."""
+    (a power of two >= MIN_DIM), at most N and K, Triton's warps a program, and the pipeline's stages
+    (the kernel's own: num_stages - 1 steps' loads queued ahead, `pipelined`); split_k > 1 (only
+    kernels.pallas_qgemv's) splits K into that many ranges, each its own program, summed after."""
 
     block_n: int
     block_k: int

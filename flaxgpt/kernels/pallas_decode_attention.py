@@ -98,11 +98,11 @@ def _kernel(S, bs, scale, softcap, J, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc
     # arithmetic on each copy, so their results are equal bit for bit; one copy is stored)
     q_RK = q if G == R else jnp.broadcast_to(q[None], (R // G, G, K)).reshape(R, K)
     kn, vn = kn_ref[n, :], vn_ref[n, :]
+
     # XLA's path's arithmetic (models.attention.attend_cached): q . k in q's dtype with float32 sums (full
     # float32 products for float32, not TF32), then the scale; the probabilities rounded to v's dtype
-    exact = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
-
     def dot(a, b, contract_b):  # a [R, X] . b over b's axis contract_b -> [R, Y] float32
+        exact = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
         dims = (((1,), (contract_b,)), ((), ()))
         return jax.lax.dot_general(a, b, dims, precision=exact, preferred_element_type=f32)
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxgpt import sharding
+from flaxgpt.decode.logits import adjust_logits
 from flaxgpt.decode.sampler import greedy, token_logprobs
 from flaxgpt.decode.sampling import (
     GPU_LOOP_OPTIONS,
@@ -47,7 +48,6 @@ from flaxgpt.decode.sampling import (
     DecodeState,
     Rows,
     Sampling,
-    adjust_logits,
     decode_chunk,
     feed,
     finished,
