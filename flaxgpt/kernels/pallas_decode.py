@@ -36,7 +36,7 @@ norm's scale and bias) are asked for at the top of step j, so num_stages - 1 ste
 while step j waits on its own. Triton's pipeliner leaves loads that feed no dot alone (the compiled
 PTX had none ahead, and each step's row sums, crossing warps, put barriers between one step's loads
 and the next's: the ~5 us a call the 2026-11-29 lease measured), so Triton is told 1 stage. Where a
-thread holds them (M * bn * bk <= TILE_SUMS * 32 * num_warps: batch 1 at the default tiles) each
+thread holds them (`tile_sums_fit`: batch 1 at the default tiles) each
 row's products are summed as whole tiles and along K once after the loop, so the loop has no shuffle
 (tests/aot/test_decode_kernels.py reads the PTX compiled for an H100, and ptxas's registers).
 Who calls it and when: models.linear (`decode_kernels`, FLAXGPT_DECODE_KERNELS: float weights as [K, N],
@@ -317,10 +317,9 @@ def _kernel(s: _Spec, x_ref, *refs):
         g = g_beta["g"].astype(f32) if "g" in g_beta else 1.0
         beta = g_beta["beta"].astype(f32) if "beta" in g_beta else 0.0
         out = []
-        for acc, x in zip(accs, xs, strict=True):
+        for acc, x, (mean, rstd) in zip(accs, xs, stats, strict=True):
             x = jnp.where(fresh, x.astype(f32), 0.0)
             if s.norm is not None:  # normalized, then rounded as the plain path hands it to the product
-                mean, rstd = stats[len(out)]
                 x = ((x - mean) * (rstd * g) + beta).astype(s.dtype).astype(f32)
             xw = x[None, :] * w if s.rows_w else x[:, None] * w
             out.append(acc + (xw if s.tile_sums else sum_k(xw)))
