@@ -22,7 +22,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     cmd = [sys.executable, "benchmarks/gpu_lease.py", "--dry_run", "--out", str(out), "--work", str(work)]
     cmd += [
         "--parts",
-        "kernel_sweep,recipe,decode_gpt2,decode_gpt2_kernels,fused_loss,epilogues,fp8,fp8_moe,nanogpt",
+        "kernel_sweep,recipe,decode_gpt2,fused_loss,fp8_moe,nanogpt",
         "--nanogpt_model",
         str(tmp_path / "absent.py"),
     ]
@@ -55,20 +55,10 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     decodes = {r["what"]: r for r in by_part["decode_gpt2"]}
     assert set(decodes) == {f"decode tiny {m} batch {b}" for m in ("float", "bf16", "int8") for b in (1, 4)}
     assert all(r["tokens_per_s"] > 0 for r in decodes.values())
-    # the float rows through the decode kernels (FLAXGPT_DECODE_KERNELS=on), batch 1 only: the side by side
-    assert [r["what"] for r in by_part["decode_gpt2_kernels"]] == [
-        f"decode tiny (decode kernels) {m} batch 1" for m in ("float", "bf16")
-    ]
     fused = {r["what"].rpartition(" ")[2]: r for r in by_part["fused_loss"]}  # logits, fused, pallas
     assert set(fused) == {"logits", "fused", "pallas"} and all(r["step_ms"] > 0 for r in fused.values())
     # the same step from the same start: the same loss whichever path computes it
     assert abs(float(fused["fused"]["result"][5:]) - float(fused["logits"]["result"][5:])) < 1e-3
-    epilogues = {r["what"].rpartition(" ")[2]: r for r in by_part["epilogues"]}  # the fused forms, the plain
-    assert set(epilogues) == {"fused", "plain"} and all(r["step_ms"] > 0 for r in epilogues.values())
-    assert abs(float(epilogues["fused"]["result"][5:]) - float(epilogues["plain"]["result"][5:])) < 1e-3
-    fp8 = {r["what"].rpartition(" ")[2]: r for r in by_part["fp8"]}  # one 8B-shaped layer, tiny here
-    assert set(fp8) == {"bf16", "fp8"} and all(r["tokens_per_s"] > 0 for r in fp8.values())
-    assert fp8["fp8"]["result"].endswith("x bf16 (target >= 1.3x)")
     # the mixture's layer (fp8_layer.py --preset mixtral-8x7b: 4 experts, top 2 here), its experts in float8
     moe = {r["what"].rpartition(" ")[2]: r for r in by_part["fp8_moe"]}
     assert set(moe) == {"bf16", "fp8", "fp8_experts"} and all(r["tokens_per_s"] > 0 for r in moe.values())
@@ -123,10 +113,19 @@ def test_a_part_out_of_time_is_one_row_and_leaves_nothing_running(tmp_path, monk
     assert not left.strip()
 
 
-def test_grouped_moe_times_the_mixtral_layer_through_the_pallas_grouped_gemm(tmp_path, monkeypatch, capsys):
-    """The part grouped_moe runs fp8_layer.py's Mixtral layer with --grouped pallas (FLAXGPT_GROUPED;
-    the script's own dry run of that is 27 s, too slow for here: the command and the rows are checked,
-    with fp8_layer.py's output stood in by the figures it writes)."""
+@pytest.mark.parametrize(
+    "part, preset, args, sides",
+    [
+        ("grouped_moe", "mixtral-8x7b", ["--grouped", "pallas"], ["bf16", "fp8", "fp8_experts"]),
+        ("fp8", "llama-3-8b", [], ["bf16", "fp8"]),
+    ],
+)
+def test_fp8_layer_parts_run_its_script_and_report_a_row_a_side(tmp_path, monkeypatch, capsys, part, preset,
+                                                                args, sides):  # fmt: skip
+    """The parts over fp8_layer.py: fp8 (a Llama-3-8B layer, bf16 then float8) and grouped_moe (the
+    Mixtral layer with --grouped pallas, FLAXGPT_GROUPED; the script's own dry run of that is 27 s, too
+    slow for here: the command and the rows are checked, with fp8_layer.py's output stood in by the
+    figures it writes). fp8_moe runs the same helper for real in the dry run above."""
     import argparse
 
     ran = []
@@ -134,16 +133,69 @@ def test_grouped_moe_times_the_mixtral_layer_through_the_pallas_grouped_gemm(tmp
     def fake_run(cmd, **kw):
         ran.append(cmd)
         figures = {"step_ms": 2.0, "tokens_per_s": 32.0, "compile_s": 1.0}
-        result = {"tokens_per_step": 64, "grouped": "pallas", "speedup": 1.5, "speedup_fp8_experts": 0.5}
-        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({**result, "bf16": figures,
-            "fp8": figures, "fp8_experts": figures}))  # fmt: skip
+        result = {"tokens_per_step": 64, "speedup": 1.5, **{s: figures for s in sides}}
+        if "fp8_experts" in sides:
+            result["speedup_fp8_experts"] = 0.5
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(result))
 
     monkeypatch.setattr(lease.subprocess, "run", fake_run)
-    lease.part_grouped_moe(argparse.Namespace(work=tmp_path, dry_run=True))
+    getattr(lease, f"part_{part}")(argparse.Namespace(work=tmp_path, dry_run=True))
     (cmd,) = ran
-    assert cmd[1].endswith("benchmarks/fp8_layer.py") and cmd[cmd.index("--preset") + 1] == "mixtral-8x7b"
-    assert cmd[cmd.index("--grouped") + 1] == "pallas" and "--dry_run" in cmd
+    assert cmd[1].endswith("benchmarks/fp8_layer.py") and cmd[cmd.index("--preset") + 1] == preset
+    assert cmd[cmd.index("--json") + 2 : -1] == args and cmd[-1] == "--dry_run"
     rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if line.startswith("ROW ")]
-    assert [r["what"].rpartition(" ")[2] for r in rows] == ["bf16", "fp8", "fp8_experts"]
-    assert all(r["part"] == "grouped_moe" and "Pallas grouped GEMM" in r["what"] for r in rows)
-    assert [r["result"] for r in rows] == [None, "1.5x bf16 (target >= 1.3x)", "0.5x bf16 (target >= 1.3x)"]
+    assert [r["what"].rpartition(" ")[2] for r in rows] == sides and all(r["part"] == part for r in rows)
+    expected = [None, "1.5x bf16 (target >= 1.3x)", "0.5x bf16 (target >= 1.3x)"][: len(sides)]
+    assert [r["result"] for r in rows] == expected
+    assert ("Pallas grouped GEMM" in rows[0]["what"]) == (part == "grouped_moe")
+
+
+def test_epilogues_times_the_step_fused_then_plain(tmp_path, monkeypatch, capsys):
+    """The part epilogues: train_throughput.py twice, FLAXGPT_EPILOGUES on then off (read when the step is
+    traced), a row each with its loss (the dry run above runs the same helper for real in fused_loss)."""
+    import argparse
+
+    ran = []
+
+    def fake_run(cmd, env=None, **kw):
+        ran.append((cmd, env["FLAXGPT_EPILOGUES"]))
+        figures = dict(batch_size=4, tokens_per_s=10.0, mfu=0.1, step_ms=3.0, peak_memory_gib=0.5, loss=4.25)
+        Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps(figures))
+
+    monkeypatch.setattr(lease.subprocess, "run", fake_run)
+    lease.part_epilogues(argparse.Namespace(work=tmp_path, dry_run=True))
+    assert [e for _, e in ran] == ["on", "off"]
+    assert all(c[1].endswith("benchmarks/train_throughput.py") and "--step" in c for c, _ in ran)
+    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if line.startswith("ROW ")]
+    assert [r["what"] for r in rows] == [
+        f"train step, batch 4, MLP and q/k/v epilogues {m}" for m in ("fused", "plain")
+    ] and all(r["result"] == "loss 4.25" and r["part"] == "epilogues" for r in rows)  # fmt: skip
+
+
+def test_decode_kernels_part_decodes_batch_1_through_the_kernels(tmp_path, monkeypatch, capsys):
+    """The part decode_gpt2_kernels: FLAXGPT_DECODE_KERNELS=on before the step is traced, the float and
+    bf16 weights at batch 1 only (the kernels take one row); decode_gpt2 runs the same function for
+    real in the dry run above, so generate is stood in for here (the kernels' tokens:
+    tests/models/test_decode_kernels.py)."""
+    import argparse
+
+    import numpy as np
+
+    from flaxgpt.decode import sampling
+
+    calls = []
+
+    def fake_generate(step_fn, cache, prompt, lens, max_new_tokens, **kw):
+        calls.append((prompt.shape[0], os.environ.get("FLAXGPT_DECODE_KERNELS"), kw["temperature"]))
+        return None, np.full(prompt.shape[0], max_new_tokens)
+
+    monkeypatch.setattr(sampling, "generate", fake_generate)
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")  # restored after the test; the part sets "on"
+    a = argparse.Namespace(work=tmp_path, dry_run=True, part="decode_gpt2_kernels", bandwidth=None)
+    lease.part_decode(a, "gpt2")
+    assert calls == [(1, "on", 0)] * 6  # each weight type: a compiling run, then the best of 2
+    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if line.startswith("ROW ")]
+    assert [r["what"] for r in rows] == [
+        f"decode tiny (decode kernels) {m} batch 1" for m in ("float", "bf16")
+    ]
+    assert all(r["tokens_per_s"] > 0 and r["part"] == "decode_gpt2_kernels" for r in rows)
