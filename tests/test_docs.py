@@ -12,6 +12,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from tests import readme_extras
+from tests.procs import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -21,9 +22,12 @@ OVERRIDES = {"summary", "attention-map"}  # they take model-config fields as --f
 
 
 def env():
-    """A user's shell: the device count the tests simulate (conftest) is not inherited."""
+    """A user's shell: the device count the tests simulate (conftest) is not inherited (its compile
+    flags are: tests/procs.py)."""
     e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    return dict(e, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")  # this checkout's flaxgpt, not an installed one
+    return dict(
+        e, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags()
+    )  # this checkout's flaxgpt, not an installed one
 
 
 def cli() -> list[str] | None:

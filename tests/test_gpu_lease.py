@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # its `import harness`, as `python benchmarks/...` finds it
 _spec = importlib.util.spec_from_file_location("gpu_lease", ROOT / "benchmarks/gpu_lease.py")
@@ -28,7 +30,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     # one device, as on the lease; the suite's faster-compiling CPU emitters kept (tests/conftest.py)
-    env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "fusion_emitters" in f)
+    env["XLA_FLAGS"] = xla_flags()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = json.loads((out / "lease.json").read_text())

@@ -20,6 +20,7 @@ from flaxgpt import runtime
 from flaxgpt.data import prepare
 from flaxgpt.hf import files as hf_files
 from flaxgpt.runs import checkpoint
+from tests.procs import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 NOISE = ("Traceback", "Event loop is closed", "<bound method", "pybind11")
@@ -78,7 +79,7 @@ def on_a_small_disk(args: list[str], mnt: Path):
     ns = ["unshare", "--user", "--map-root-user", "--mount"]
     probe = shutil.which("unshare") and subprocess.run([*ns, "true"], capture_output=True).returncode == 0
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), JAX_NUM_CPU_DEVICES="2")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = xla_flags(2)
     if probe:
         script = f'mount -t tmpfs -o size=120k tmpfs "{mnt}" && exec "$@"'
         cmd = [*ns, "sh", "-c", script, "sh", sys.executable, *args]

@@ -13,6 +13,8 @@ import textwrap
 
 import pytest
 
+from tests.procs import xla_flags
+
 PROBE = textwrap.dedent(
     """
     import json, resource, sys
@@ -56,7 +58,8 @@ PROBE = textwrap.dedent(
 
 def probe(mode: str, devices: int) -> dict:
     # not conftest's 8 devices (XLA_FLAGS' device count): this process sets its own
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices), "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices),
+           "XLA_FLAGS": xla_flags()}  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, timeout=300
     )

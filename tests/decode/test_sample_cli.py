@@ -17,6 +17,7 @@ from flaxgpt.runs.checkpoint import Checkpointer
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import sample  # noqa: E402
+from tests.procs import xla_flags  # noqa: E402
 
 CHARS = sorted(set("abcdefghij ROMEO:\n"))
 
@@ -119,7 +120,7 @@ def test_bad_input_is_one_line(run_dir, capsys, args, message):
 
 
 def test_cli_subprocess_and_missing_checkpoint(run_dir, tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", JAX_NUM_CPU_DEVICES="1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(), JAX_NUM_CPU_DEVICES="1")
     cmd = [sys.executable, str(ROOT / "sample.py"), "--max_new_tokens", "12", "--start", "abc"]
     r = subprocess.run(
         [*cmd, "--out_dir", str(run_dir)], env=env, capture_output=True, text=True, timeout=300

@@ -31,6 +31,7 @@ pytest.importorskip("tenacity")  # lm-eval's API models retry with it (lm-eval[a
 from flaxgpt.eval import evaluate as fe  # noqa: E402
 from flaxgpt.eval.reference import results_by_task  # noqa: E402
 from tests.eval.test_eval import sentence, write_hellaswag  # noqa: E402
+from tests.procs import xla_flags  # noqa: E402
 from tests.serve.test_serve import free_port, wait_healthy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +80,7 @@ def files(tmp_path_factory):
 def server(files):
     """serve.py on the same weights; started here, waited for by the test (it compiles meanwhile)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     cmd = [sys.executable, str(ROOT / "serve.py"), "--init_from", str(files / "model"), "--port", str(port)]
     cmd += ["--slots", "2", "--model_name", "tiny"]
     cmd += ["--prefill_chunk", "16"]  # one prompt bucket: fewer programs to compile at start

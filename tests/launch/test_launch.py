@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from flaxgpt import cluster
+from tests.procs import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"
@@ -119,7 +120,7 @@ def test_the_sbatch_script_trains_two_processes_with_a_local_srun(tmp_path):
         PYTHON=sys.executable,
         JAX_PLATFORMS="cpu",
         JAX_NUM_CPU_DEVICES="1",
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        XLA_FLAGS=xla_flags(1),
         JAX_COORDINATOR_PORT=str(free_port()),  # jax's own variable: a free port, not the job id's
         SLURM_JOB_ID="4243",
         SLURM_NTASKS="2",

@@ -23,6 +23,7 @@ from flaxgpt.runs.checkpoint import (
 )
 from flaxgpt.runs.checksum import all_finite
 from flaxgpt.runs.run_dir import resume_step
+from tests.procs import xla_flags
 
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -288,7 +289,7 @@ def test_kill_9_during_save_leaves_previous_checkpoints_intact(tmp_path):
         [sys.executable, "-c", KILL_SCRIPT, str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "XLA_FLAGS": "", "JAX_NUM_CPU_DEVICES": "1"},
+        env={**os.environ, "XLA_FLAGS": xla_flags(), "JAX_NUM_CPU_DEVICES": "1"},
     )
     ckpt_dir = tmp_path / "checkpoints"
     deadline = time.time() + 60
@@ -345,7 +346,7 @@ def test_load_for_inference_on_a_single_cpu(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "XLA_FLAGS": "", "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"},
+        env={**os.environ, "XLA_FLAGS": xla_flags(), "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"},
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("64 SingleDeviceSharding")

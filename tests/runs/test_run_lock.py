@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flaxgpt.runs import run_lock  # noqa: E402
 from flaxgpt.runs.run_lock import LOCK_FILE, RunLocked  # noqa: E402
 from flaxgpt.train import trainer  # noqa: E402
+from tests.procs import xla_flags  # noqa: E402
 from tests.train.test_trainer import data_dir, tiny_config  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +58,7 @@ def test_a_second_run_refuses_and_a_killed_holders_lock_is_taken_over(data_dir, 
         # train.py: one line, exit code 1
         args = [sys.executable, "train.py", "--config", "configs/default.py", f"--config.out_dir={out}"]
         args += [f"--config.data.dir={data_dir}"]
-        env = {**os.environ, "XLA_FLAGS": "", "JAX_NUM_CPU_DEVICES": "1"}
+        env = {**os.environ, "XLA_FLAGS": xla_flags(), "JAX_NUM_CPU_DEVICES": "1"}
         r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and len(lines) == 1, r.stderr[-2000:]

@@ -26,6 +26,7 @@ from flaxgpt.serve.adapters import AdapterPool
 from tests.hf.test_llama import make_hf_model
 from tests.hf.test_llama_cli import make_tokenizer
 from tests.hf.test_peft import LLAMA_TARGETS, make_adapter
+from tests.procs import xla_flags
 from tests.serve import references
 from tests.serve.test_serve import free_port, wait_healthy
 
@@ -148,7 +149,7 @@ def test_engine_rows_of_different_adapters_match_merged(dirs, reference):
 def server(dirs):
     """serve.py started (not yet waited for) with a1 and a2 in two adapter slots."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     cmd = [sys.executable, str(ROOT / "serve.py"), "--init_from", str(dirs / "base"), "--port", str(port)]
     cmd += ["--adapter", f"a1={dirs / 'a1'}", "--adapter", f"a2={dirs / 'a2'}", "--model_name", "base"]
     cmd += ["--max_adapters", "2", "--max_lora_rank", "8", "--max_len", str(W), "--slots", "4"]

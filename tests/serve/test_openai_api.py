@@ -34,6 +34,7 @@ import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from tests.procs import xla_flags
 from tests.serve import tool_templates
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,7 +139,7 @@ def api(tmp_path_factory):
     directory = tmp_path_factory.mktemp("qwen2")
     model, V = build_model_dir(directory)
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     cmd = [sys.executable, str(ROOT / "serve.py"), "--init_from", str(directory), "--port", str(port)]
     cmd += ["--slots", "4", "--max_queue", "32", "--max_len", "1024", "--model_name", "tiny"]
     cmd += ["--prefill_chunk", "32"]  # prompt buckets 16, 24, 32: few programs to compile at start

@@ -22,6 +22,7 @@ import pytest
 from flaxgpt.data.tokenizers import CharTokenizer
 from flaxgpt.models.gpt import GPTConfig, init_params
 from flaxgpt.runs.checkpoint import Checkpointer
+from tests.procs import xla_flags
 
 ROOT = Path(__file__).resolve().parents[2]
 CHARS = sorted(set("abcdefghijklmnopqrstuvwxyz ROMEO:\n"))
@@ -62,7 +63,7 @@ def server(tmp_path_factory):
     ckpt.save(1, {"params": init_params(cfg, jax.random.key(0))}, extra={})
     ckpt.close()
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()}
     cmd = [sys.executable, str(ROOT / "serve.py"), "--out_dir", str(out), "--port", str(port)]
     cmd += ["--slots", "2", "--max_queue", "1", "--model_name", "tiny"]
     cmd += ["--prefill_chunk", "32"]  # prompt buckets 16, 24, 32 (not 9 up to W) to compile at start

@@ -26,6 +26,7 @@ from flaxgpt.decode.sampling import Rows, Sampling
 from flaxgpt.serve import launch, replay
 from flaxgpt.serve.engine import Engine
 from flaxgpt.serve.scheduler import Failed, Finish, Scheduler, Sequence
+from tests.procs import xla_flags
 from tests.serve.test_paged import BLOCKS, CFG, CHARS, PAGE, SLOTS, W, params, step  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,7 +179,7 @@ def clean_env(devices: int) -> dict:
     env = {k: v for k, v in env.items() if not k.startswith("JAX_COORD")}
     return env | {
         "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices),
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "PYTHONUNBUFFERED": "1",
+        "XLA_FLAGS": xla_flags(devices), "PYTHONUNBUFFERED": "1",
     }  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import flaxgpt
 from flaxgpt.data.hf_tokenizer import HFTokenizer
 from tests.hf.test_llama import make_hf_model
 from tests.hf.test_llama_cli import make_tokenizer
+from tests.procs import xla_flags
 from tests.serve import references
 from tests.serve.test_serve import free_port, wait_healthy
 
@@ -29,7 +30,7 @@ V = 304
 
 
 def env():
-    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""} | {
+    return {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags()} | {
         "JAX_NUM_CPU_DEVICES": "8"
     }
 

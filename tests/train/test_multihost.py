@@ -181,12 +181,14 @@ def launch(args, engine: str, local_devices: int = 1):
     """The PROCESSES processes of a job (Popen, output piped): `python ARGS` each, with `engine`'s
     variables (none left from this process) and `local_devices` CPU devices. args(port) -> the
     arguments, where "{i}" becomes the process's index (the settings' process_id)."""
+    from tests.procs import xla_flags  # here: the workers run this file as a script
+
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env = {k: v for k, v in env.items() if not re.match(r"(SLURM|OMPI|SKYPILOT|JOBSET)_|JAX_COORD", k)}
     env.update(
         JAX_PLATFORMS="cpu",
         JAX_NUM_CPU_DEVICES=str(local_devices),
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={local_devices}",
+        XLA_FLAGS=xla_flags(local_devices),
         PYTHONUNBUFFERED="1",
     )
     port = free_port()

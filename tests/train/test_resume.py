@@ -19,6 +19,7 @@ from flaxgpt.data import prepare  # noqa: E402
 from flaxgpt.runs.checkpoint import Checkpointer, CheckpointError  # noqa: E402
 from flaxgpt.runs.run_dir import RunError, load_run  # noqa: E402
 from flaxgpt.train import trainer  # noqa: E402
+from tests.procs import xla_flags
 from tests.train.test_trainer import TEXT, data_dir, tiny_config  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,7 +142,7 @@ def test_sigterm_saves_exits_0_and_the_next_start_resumes(data_dir, tmp_path):  
     }
     args = [sys.executable, "train.py", "--config", "configs/shakespeare_char_cpu.py"]
     args += [f"--config.{k}={v}" for k, v in overrides.items()]
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_NUM_CPU_DEVICES": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "JAX_NUM_CPU_DEVICES": "1", "PYTHONUNBUFFERED": "1"}
     pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proc = subprocess.Popen(args, cwd=ROOT, env=env, **pipe)
     lines = []

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import xla_flags
+
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = "".join(f"{i % 9} ducks crossed the road, and {i % 4} geese followed them.\n" for i in range(400))
 TINY = [
@@ -28,7 +30,7 @@ def run(args, cwd):
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=xla_flags(2),
         JAX_NUM_CPU_DEVICES="2",
     )
     return subprocess.run(
