@@ -80,6 +80,44 @@ def test_bf16_rows_take_the_same_kernels_on_h100(tmp_path, monkeypatch):
     assert all(r.fits(0.1) for r in rows.values())
 
 
+def greedy_token(monkeypatch, mode: str):
+    """A greedy token (max_k 0, as the lease's decode parts: no filter, no draw) of a 2-layer bf16 model
+    whose vocabulary is padded (250 -> 256, as GPT-2's 50257 -> 50304), compiled for h100-1 -> the
+    token loop's kernels when no row needs a conditional's pass (branch=min), by name."""
+    import dataclasses
+
+    from flaxgpt.aot import programs, targets
+    from flaxgpt.models.gpt import GPTConfig
+
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", mode)
+    jax.clear_caches()
+    mc = GPTConfig(vocab_size=250, pad_vocab_multiple=64, n_layer=2, n_head=2, n_embd=64, block_size=64,
+                   dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
+    decode = programs.sample_programs(mc, targets.get("h100-1").devices(), chunk=8)[1]
+    decode = dataclasses.replace(decode, kwargs=dict(decode.kwargs, max_k=0))
+    hlo = decode.trace().lower().compile().as_text()
+    comps, entry = hlo_cost.parse(hlo)
+    (body,) = [re.search(r"body=%?([\w.\-]+)", i.attrs).group(1) for i in comps[entry] if i.op == "while"]
+    cost = hlo_cost.estimate(hlo, 989e12, 3.35e12, computation=body, branch=min)
+    return mc, [k.name for k in cost.by_kernel for _ in range(k.count)]
+
+
+def test_a_greedy_token_takes_the_layers_kernels_and_ten_more_on_h100(monkeypatch):
+    """docs/accelerators.md's "Counting a greedy token" (GPT-2 124M: 61 Pallas calls + 11 = 72, against
+    180 on XLA's path), pinned on a small model: 5 kernels a layer and ln_f + the head, then the
+    embedding add, the position's min with the cache's end, the logits' slice to the vocabulary, the
+    argmax (one pass at 250 columns; GPT-2's 50257 take two) and the loop's six updates. A skip branch
+    that copies the logits (logit_bias' conditional before `sampling.take` ended it in the argmax), or a
+    layer's kernel split in two, fails it."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    mc, kernels = greedy_token(monkeypatch, "on")
+    pallas = [k for k in kernels if k.startswith("pallas_call")]
+    assert len(pallas) == 5 * mc.n_layer + 1, kernels
+    assert len(kernels) - len(pallas) <= 10, [k for k in kernels if k not in pallas]
+    _, xla = greedy_token(monkeypatch, "off")
+    assert len(xla) >= len(kernels) + 6 * mc.n_layer, xla  # XLA's path: 36 here
+
+
 def compiled_loop(tmp_path, fn, shapes):
     """fn's Triton kernel compiled for h100-1 (sm_90a) -> (PTX text, the ld.global before its main loop,
     the loop's instructions: from its label to the branch back; the main loop: the one with most loads)."""
