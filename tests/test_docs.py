@@ -22,12 +22,10 @@ OVERRIDES = {"summary", "attention-map"}  # they take model-config fields as --f
 
 
 def env():
-    """A user's shell: the device count the tests simulate (conftest) is not inherited (its compile
-    flags are: tests/procs.py)."""
+    """A user's shell: not the device count the tests simulate (conftest), only the suite's compile
+    flags (tests/procs.py); PYTHONPATH: this checkout's flaxgpt, not an installed one."""
     e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    return dict(
-        e, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags()
-    )  # this checkout's flaxgpt, not an installed one
+    return dict(e, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
 
 
 def cli() -> list[str] | None:
