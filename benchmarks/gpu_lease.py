@@ -125,8 +125,13 @@ GROUPS = {
 
 
 def emit(**row) -> None:
-    """A result row: the parent collects every `ROW {...}` line its parts print."""
+    """A result row: the parent collects every `ROW {...}` line its parts print (`rows_in`)."""
     print("ROW " + json.dumps(row), flush=True)
+
+
+def rows_in(output: str) -> list[dict]:
+    """The rows `emit` printed into a part's output."""
+    return [json.loads(x[4:]) for x in output.splitlines() if x.startswith("ROW ")]
 
 
 # ---------------------------------------------------------------- parts (each in its own process)
@@ -573,7 +578,7 @@ def run_part(a, name: str, limit: float) -> list[dict]:
     err = [x for x in (a.work / f"{name}.log").read_text().splitlines() if x.strip()][-1:]  # stderr's last
     with (a.work / f"{name}.log").open("a") as log:
         log.write(out)
-    rows = [json.loads(x[4:]) for x in out.splitlines() if x.startswith("ROW ")]
+    rows = rows_in(out)
     seconds = time.perf_counter() - t0
     if status != "ok" or not rows:
         rows.append(dict(part=name, what=f"{status}: {err[0][:160] if err else ''}"))

@@ -145,7 +145,7 @@ def test_fp8_layer_parts_run_its_script_and_report_a_row_a_side(tmp_path, monkey
     (cmd,) = ran
     assert cmd[1].endswith("benchmarks/fp8_layer.py") and cmd[cmd.index("--preset") + 1] == preset
     assert cmd[cmd.index("--json") + 2 : -1] == args and cmd[-1] == "--dry_run"
-    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if line.startswith("ROW ")]
+    rows = lease.rows_in(capsys.readouterr().out)
     assert [r["what"].rpartition(" ")[2] for r in rows] == sides and all(r["part"] == part for r in rows)
     expected = [None, "1.5x bf16 (target >= 1.3x)", "0.5x bf16 (target >= 1.3x)"][: len(sides)]
     assert [r["result"] for r in rows] == expected
@@ -168,7 +168,7 @@ def test_epilogues_times_the_step_fused_then_plain(tmp_path, monkeypatch, capsys
     lease.part_epilogues(argparse.Namespace(work=tmp_path, dry_run=True))
     assert [e for _, e in ran] == ["on", "off"]
     assert all(c[1].endswith("benchmarks/train_throughput.py") and "--step" in c for c, _ in ran)
-    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if line.startswith("ROW ")]
+    rows = lease.rows_in(capsys.readouterr().out)
     assert [r["what"] for r in rows] == [
         f"train step, batch 4, MLP and q/k/v epilogues {m}" for m in ("fused", "plain")
     ] and all(r["result"] == "loss 4.25" and r["part"] == "epilogues" for r in rows)  # fmt: skip
@@ -196,7 +196,7 @@ def test_decode_kernels_part_decodes_batch_1_through_the_kernels(tmp_path, monke
     a = argparse.Namespace(work=tmp_path, dry_run=True, part="decode_gpt2_kernels", bandwidth=None)
     lease.part_decode(a, "gpt2")
     assert calls == [(1, "on", 0)] * 6  # each weight type: a compiling run, then the best of 2
-    rows = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines() if line.startswith("ROW ")]
+    rows = lease.rows_in(capsys.readouterr().out)
     assert [r["what"] for r in rows] == [
         f"decode tiny (decode kernels) {m} batch 1" for m in ("float", "bf16")
     ]

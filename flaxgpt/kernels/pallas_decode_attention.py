@@ -145,5 +145,6 @@ def _kernel(S, bs, scale, softcap, J, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc
     # pos, block 0 is read and unused (S >= bs)
     top, total, acc = pallas_decode.pipelined(0, blocks, AHEAD, tiles, step, (top, total, acc))
     y_RK = acc / total[:, None]
-    y_GK = y_RK if G == R else jnp.max(y_RK.reshape(R // G, G, K), axis=0)  # the copies are equal
+    # one of the equal copies: their max, since Pallas' Triton lowering has no slice of a value
+    y_GK = y_RK if G == R else jnp.max(y_RK.reshape(R // G, G, K), axis=0)
     y_ref[n, :, :] = y_GK.astype(y_ref.dtype)

@@ -33,11 +33,12 @@ def compile_sample(tmp_path, mode, monkeypatch, quantize=None):
     return by, {p: len(KERNEL.findall(t)) for p, t in hlo.items()}, hlo, mc
 
 
-def token_loop(hlo: str):
-    """The decode call's while body (its token loop): (its name, computations, its hlo_cost a token)."""
+def token_loop(hlo: str, branch=max):
+    """The decode call's while body (its token loop): (its name, computations, its hlo_cost a token,
+    each conditional counted by its `branch`: max, its largest; min, what runs when no row needs it)."""
     comps, entry = hlo_cost.parse(hlo)
     (body,) = [re.search(r"body=%?([\w.\-]+)", i.attrs).group(1) for i in comps[entry] if i.op == "while"]
-    return body, comps, hlo_cost.estimate(hlo, 989e12, 3.35e12, computation=body)
+    return body, comps, hlo_cost.estimate(hlo, 989e12, 3.35e12, computation=body, branch=branch)
 
 
 def test_the_token_loop_takes_five_kernels_a_layer_on_h100(tmp_path, monkeypatch):
@@ -95,10 +96,7 @@ def greedy_token(monkeypatch, mode: str):
                    dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
     decode = programs.sample_programs(mc, targets.get("h100-1").devices(), chunk=8)[1]
     decode = dataclasses.replace(decode, kwargs=dict(decode.kwargs, max_k=0))
-    hlo = decode.trace().lower().compile().as_text()
-    comps, entry = hlo_cost.parse(hlo)
-    (body,) = [re.search(r"body=%?([\w.\-]+)", i.attrs).group(1) for i in comps[entry] if i.op == "while"]
-    cost = hlo_cost.estimate(hlo, 989e12, 3.35e12, computation=body, branch=min)
+    _, _, cost = token_loop(decode.trace().lower().compile().as_text(), branch=min)
     return mc, [k.name for k in cost.by_kernel for _ in range(k.count)]
 
 
