@@ -12,10 +12,10 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
 The parts' limits now add up to ~35 minutes, and a session has 15 minutes of device time, the start
 included. The next lease: first `--parts sweep` (kernel_sweep, fp8_moe, grouped_moe, limits 420 s: the
 data to choose the GEMV kernels' tiles, the Mixtral layer's float8 rows and its Pallas grouped GEMM's),
-then on the warm machine
-`--parts decode_gpt2,decode_gpt2_kernels,decode_llama8b,decode_llama8b_pallas` (issue #54's decoding
-targets, limits 560 s: together more than the session holds after its start, so the last part may
-find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`). The parts:
+then on the warm machine `--parts decode_llama8b,decode_gpt2,decode_gpt2_kernels,decode_llama8b_pallas
+--llama_batches 1` (issue #54's decoding targets, the attention kernel alone beside XLA's path first;
+limits 620 s: more than one call and the session hold after its start, so the last part may find no
+time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`). The parts:
 - kernel_sweep: `benchmarks/kernel_sweep.py` (its docstring: the method): the decoding GEMV kernels
   (kernels/pallas_decode.py bf16, kernels/pallas_qgemv.py int8 and int4) over a grid of tilings
   against XLA's products, for Llama-3-8B's and GPT-2's weight shapes at 1 row (Llama's at 4 too): us
@@ -29,8 +29,9 @@ find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epi
 - fused_loss: the same step (the recipe's micro-batch) with the loss from the logits, then through the
   fused linear + cross-entropy (`--loss_impl fused`, train/losses.py), then that with its Triton kernels
   (FLAXGPT_XENT=pallas, kernels/pallas_xent.py; on the CPU the XLA form again): step time and peak memory
-- decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, float weights, float weights in
-  bf16 (sample.py's param_dtype=bfloat16), bf16 and int8 weights (quantize_params) at batch 1 and 64,
+- decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, float weights in bf16 (sample.py's
+  param_dtype=bfloat16; "float+attention": those with FLAXGPT_DECODE_KERNELS=attention, the attention
+  kernel alone, at batch 1), bf16 and int8 weights (quantize_params) at batch 1 and 64,
   the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS), on the default path (XLA's since the
   2026-11-29 lease); decode_gpt2_plain: the same without (`graphs=False`); decode_gpt2_kernels: the
   float and bf16 rows at batch 1 with FLAXGPT_DECODE_KERNELS=on (each layer's norms and residual adds
@@ -39,7 +40,8 @@ find no time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epi
   kernels cast to bf16, 32 channels a program; "bf16" (quantize_params' rows [N, K]) reads them as rows,
   8 channels a program (since 2026-11-30; on 2026-11-29 its products were XLA's)
 - decode_llama8b: the same for Llama-3-8B's shape, random bf16 weights made on the device (16 GB;
-  int8 8 GB; int4, groups of 128, 4.3 GB), 128 new tokens
+  "bf16+attention" at batch 1: the attention kernel alone, the products XLA's, 13 kernels a layer
+  where XLA's path takes 18, compiled; int8 8 GB; int4, groups of 128, 4.3 GB), 128 new tokens
 - decode_llama8b_pallas: its batch-1 int8 and int4 rows with FLAXGPT_QMATMUL=pallas (the weight products
   through kernels/pallas_qgemv.py's Triton GEMV, each weight byte read once): the int8 >= 1.6x and
   int4 >= 2.0x bf16 targets against decode_llama8b's XLA rows
@@ -102,11 +104,12 @@ PARTS = {
     "grouped_moe": 90,  # fp8_moe's layer with FLAXGPT_GROUPED=pallas (not yet run on a lease)
     "epilogues": 110,  # two compiles and runs of the step; on 2026-11-29 killed at 80 s as the second ended
     "nanogpt": 70,
-    "decode_gpt2": 130,  # 58 s on 2026-11-27 with bf16 and int8; float rows added
+    "decode_gpt2": 150,  # 58 s on 2026-11-27 with bf16 and int8; float rows added, then float+attention
     "decode_gpt2_plain": 100,
     "decode_gpt2_kernels": 70,  # float and bf16 at batch 1, FLAXGPT_DECODE_KERNELS=on (float: 31 s, 11-29)
-    # 137 s on 2026-11-27; on 2026-11-29 batch 1's rows took 143 s and batch 64's bf16 compile ran out at 170
-    "decode_llama8b": 240,
+    # 137 s on 2026-11-27; on 2026-11-29 batch 1's rows took 143 s and batch 64's bf16 compile ran out at
+    # 170; bf16+attention (batch 1) added since
+    "decode_llama8b": 270,
     "decode_llama8b_reduce": 110,  # batch 1, FLAXGPT_QMATMUL=reduce: the int8 products as row reductions
     "decode_llama8b_pallas": 130,  # batch 1, int8 and int4, FLAXGPT_QMATMUL=pallas (not yet run on a lease)
     "hf_generate": 150,
@@ -344,6 +347,7 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     import numpy as np
 
     from flaxgpt.decode import sampling
+    from flaxgpt.kernels import pallas_decode
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
 
@@ -352,22 +356,31 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     progress(f"{label}: random weights")
     params = _random_params(cfg)
     prompt_len = 16
-    quantized = {}
-    for mode in quantize_modes:
-        progress(f"{label}: {mode} weights")
-        if mode == "float":  # float weights cast to bf16, as sample.py's param_dtype=bfloat16
+    quantized = {}  # by weight type; "bf16+attention" decodes "bf16"'s weights with the attention kernel
+    for weights in dict.fromkeys(m.partition("+")[0] for m in quantize_modes):
+        progress(f"{label}: {weights} weights")
+        if weights == "float":  # float weights cast to bf16, as sample.py's param_dtype=bfloat16
             bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-            quantized[mode] = (dataclasses.replace(cfg, param_dtype="bfloat16"), bf16)
+            quantized[weights] = (dataclasses.replace(cfg, param_dtype="bfloat16"), bf16)
         else:
-            quantized[mode] = gpt.quantize_params(cfg, params, mode)
+            quantized[weights] = gpt.quantize_params(cfg, params, weights)
     del params
+    kernels_mode = os.environ.get("FLAXGPT_DECODE_KERNELS", "auto")  # the part's
     for B in batches:  # batch 1 of every weight type first: what matters most if time runs out
         if a.part.endswith("_kernels") and B > 1:  # the decode kernels take batch 1's rows only
             continue
         prompt = np.random.RandomState(B).randint(0, cfg.vocab_size, (B, prompt_len)).astype(np.int32)
         W = sampling.cache_length(cfg.block_size, prompt_len, new_tokens)
-        for mode, (qcfg, qparams) in quantized.items():
+        for mode in quantize_modes:
+            kind, _, kernels = mode.partition("+")
+            if kernels and B > pallas_decode.MAX_ROWS:  # XLA's path again: no row of its own
+                continue
+            qcfg, qparams = quantized[kind]
             weights = sum(x.nbytes for x in jax.tree.leaves(qparams))
+            # read when the step is traced: the same config's trace (bf16, then bf16+attention) is not
+            # reused across modes
+            os.environ["FLAXGPT_DECODE_KERNELS"] = kernels or kernels_mode
+            jax.clear_caches()
             step_fn = gpt.step_fn(qcfg, qparams)
 
             def run(n, step_fn=step_fn, qcfg=qcfg, B=B, W=W, prompt=prompt):
@@ -401,8 +414,13 @@ def part_decode(a, model: str) -> None:
     from flaxgpt.models.gpt import GPTConfig
 
     int4 = "int4_g32" if a.dry_run else "int4"  # the tiny model's 64 features take groups of 32
-    modes = {"decode_llama8b": ("bf16", "int8", int4), "decode_llama8b_pallas": ("int8", int4)}
-    modes.update(decode_gpt2=("float", "bf16", "int8"), decode_gpt2_kernels=("float", "bf16"))
+    modes = {
+        "decode_llama8b": ("bf16", "bf16+attention", "int8", int4),
+        "decode_llama8b_pallas": ("int8", int4),
+    }
+    modes.update(
+        decode_gpt2=("float", "float+attention", "bf16", "int8"), decode_gpt2_kernels=("float", "bf16")
+    )
     modes = modes.get(a.part, ("bf16", "int8"))
     if a.dry_run:
         cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=64, block_size=128, dtype="bfloat16")

@@ -55,7 +55,13 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     recipe = by_part["recipe"][0]
     assert recipe["tokens_per_s"] > 0 and recipe["step_ms"] > 0  # read back from the run's metrics.jsonl
     decodes = {r["what"]: r for r in by_part["decode_gpt2"]}
-    assert set(decodes) == {f"decode tiny {m} batch {b}" for m in ("float", "bf16", "int8") for b in (1, 4)}
+    kinds = (
+        "float",
+        "float+attention",
+        "bf16",
+        "int8",
+    )  # +attention: the attention kernel alone, interpreted
+    assert set(decodes) == {f"decode tiny {m} batch {b}" for m in kinds for b in (1, 4)}
     assert all(r["tokens_per_s"] > 0 for r in decodes.values())
     fused = {r["what"].rpartition(" ")[2]: r for r in by_part["fused_loss"]}  # logits, fused, pallas
     assert set(fused) == {"logits", "fused", "pallas"} and all(r["step_ms"] > 0 for r in fused.values())
@@ -172,6 +178,43 @@ def test_epilogues_times_the_step_fused_then_plain(tmp_path, monkeypatch, capsys
     assert [r["what"] for r in rows] == [
         f"train step, batch 4, MLP and q/k/v epilogues {m}" for m in ("fused", "plain")
     ] and all(r["result"] == "loss 4.25" and r["part"] == "epilogues" for r in rows)  # fmt: skip
+
+
+def test_a_plus_attention_row_traces_its_weights_with_the_attention_kernel(tmp_path, monkeypatch, capsys):
+    """decode_gpt2's "float+attention": the float row's weights decoded with FLAXGPT_DECODE_KERNELS=
+    attention while its step is traced (the caches cleared first: the float row's trace of the same
+    config is not reused), the other rows with the part's own mode; its rows at batch 1 only when the
+    batch is more than the kernels' rows (64 > MAX_ROWS: XLA's path, a row of its own would repeat
+    the float one)."""
+    import argparse
+
+    import jax
+    import numpy as np
+
+    from flaxgpt.decode import sampling
+
+    calls, cleared = [], []
+
+    def fake_generate(step_fn, cache, prompt, lens, max_new_tokens, **kw):
+        calls.append((prompt.shape[0], os.environ.get("FLAXGPT_DECODE_KERNELS")))
+        return None, np.full(prompt.shape[0], max_new_tokens)
+
+    monkeypatch.setattr(sampling, "generate", fake_generate)
+    monkeypatch.setattr(jax, "clear_caches", lambda: cleared.append(len(calls)))
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")
+    from flaxgpt.models.gpt import GPTConfig
+
+    a = argparse.Namespace(work=tmp_path, dry_run=True, part="decode_gpt2", bandwidth=None)
+    cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, block_size=64)
+    lease._decode(a, cfg, "tiny", (1, 64), ("float", "float+attention", "bf16"), 8)
+    # each mode: a compiling run, then the best of 2
+    assert calls == [(1, m) for m in ("off", "attention", "off") for _ in range(3)] + [(64, "off")] * 6
+    assert cleared == [0, 3, 6, 9, 12]  # before each mode's first (compiling) run
+    rows = lease.rows_in(capsys.readouterr().out)
+    assert [r["what"] for r in rows] == [
+        "decode tiny float batch 1", "decode tiny float+attention batch 1", "decode tiny bf16 batch 1",
+        "decode tiny float batch 64", "decode tiny bf16 batch 64",
+    ]  # fmt: skip
 
 
 def test_decode_kernels_part_decodes_batch_1_through_the_kernels(tmp_path, monkeypatch, capsys):

@@ -118,14 +118,12 @@ def _pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
-def why_not(M: int, N: int, K: int, splits: tuple[int, ...] = ()) -> str:
-    """'' when the kernel tiles x [M, K] @ w [K, N] (its output in pieces at `splits`), else why not."""
+def why_not(M: int, N: int, K: int) -> str:
+    """'' when the kernel tiles x [M, K] @ w [K, N], else why not."""
     if M > MAX_ROWS:
         return f"{M} rows > MAX_ROWS {MAX_ROWS} (prefill: a compute-bound GEMM)"
     if N < MIN_DIM or K < MIN_DIM:
         return f"w [{K}, {N}] has a side < {MIN_DIM} (Triton's smallest tile)"
-    if splits and _block_n(N, splits) < MIN_DIM:
-        return f"pieces at {splits} of {N} columns are not multiples of {MIN_DIM}"
     return ""
 
 
@@ -135,24 +133,17 @@ def _dtypes_why(*dtypes) -> str:
     return f"dtype {bad[0]} (the kernel takes float32, bfloat16, float16)" if bad else ""
 
 
-def takes(M: int, N: int, K: int, *dtypes, splits: tuple[int, ...] = ()) -> bool:
-    """Whether `gemv` takes x [M, K] @ w [K, N] (its output in pieces at `splits`) with these dtypes
+def takes(M: int, N: int, K: int, *dtypes) -> bool:
+    """Whether `gemv` takes x [M, K] @ w [K, N] with these dtypes
     (x's, w's, the compute's, the output's)."""
-    return not (why_not(M, N, K, splits) or _dtypes_why(*dtypes))
+    return not (why_not(M, N, K) or _dtypes_why(*dtypes))
 
 
-def _block_n(N: int, splits: tuple[int, ...], most: int = BLOCK_N) -> int:
-    """Output channels a program: a power of two <= N and `most`; with `splits`, one dividing every piece."""
-    bounds = (0, *splits, N)
-    widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
-    return min(most, _pow2_floor(N), *(w & -w for w in widths)) if splits else min(most, _pow2_floor(N))
-
-
-def default_tiles(N: int, K: int, splits: tuple[int, ...] = (), rows_w: bool = False) -> Tiles:
+def default_tiles(N: int, K: int, rows_w: bool = False) -> Tiles:
     """The tiling `gemv` takes when given none (kernel_sweep marks its row as the default): BLOCK_N and
-    BLOCK_K, ROWS_BLOCK_N and ROWS_BLOCK_K with `rows_w`, within the shape (and its pieces)."""
+    BLOCK_K, ROWS_BLOCK_N and ROWS_BLOCK_K with `rows_w`, within the shape."""
     most_n, most_k = (ROWS_BLOCK_N, ROWS_BLOCK_K) if rows_w else (BLOCK_N, BLOCK_K)
-    return Tiles(_block_n(N, splits, most_n), min(most_k, _pow2_floor(K)))
+    return Tiles(min(most_n, _pow2_floor(N)), min(most_k, _pow2_floor(K)))
 
 
 def gemv(
@@ -163,7 +154,6 @@ def gemv(
     norm: Norm | None = None,
     activation=None,
     residual_MN=None,
-    splits: tuple[int, ...] = (),
     rows_w: bool = False,
     dtype=None,
     out_dtype=None,
@@ -172,9 +162,7 @@ def gemv(
 ):
     """residual + activation(norm(x) @ w + bias) -> [M, N] in `out_dtype` (default `dtype`); `dtype`
     (default x's) is the compute dtype the normalized x and the product are rounded to (the plain
-    path's). With `splits` (column boundaries) the output comes as that many arrays, each written by
-    the programs of its columns (c_attn's q | k | v for the attention kernel: no split copy).
-    `rows_w`: w_KN is given as its transpose [N, K] (a tied head's token table), read as it lies.
+    path's). `rows_w`: w_KN is given as its transpose [N, K] (a tied head's token table), read as it lies.
     `tiles`: the tiling (None: `default_tiles`)."""
     M, K = x_MK.shape
     w_K, N = w_KN.shape[::-1] if rows_w else w_KN.shape
@@ -182,15 +170,13 @@ def gemv(
     out_dtype = jnp.dtype(out_dtype or dtype)
     if w_K != K:
         raise ValueError(f"decode gemv: x {x_MK.shape} and w {w_KN.shape} (rows_w={rows_w}) disagree on K")
-    why = why_not(M, N, K, splits)
+    why = why_not(M, N, K)
     why = why or _dtypes_why(x_MK.dtype, w_KN.dtype)
     if norm is not None and norm.kind not in NORMS:
         why = why or f"norm {norm.kind!r} (it takes {NORMS})"
     if why:
         raise ValueError(f"decode gemv cannot take x {x_MK.shape} @ w [{K}, {N}]: {why}; "
                          "FLAXGPT_DECODE_KERNELS=off keeps XLA's path")  # fmt: skip
-    if splits and residual_MN is not None:
-        raise ValueError("decode gemv: an output in pieces takes no residual")
     if residual_MN is not None and residual_MN.shape != (M, N):
         raise ValueError(f"decode gemv: residual {residual_MN.shape} is not the output's [{M}, {N}]")
     args, have = [x_MK], []
@@ -204,12 +190,8 @@ def gemv(
         if a is not None:
             args.append(a)
             have.append(name)
-    bounds = (0, *splits, N)
-    tiles = tiles or default_tiles(N, K, splits, rows_w)
-    widths = [hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])]
+    tiles = tiles or default_tiles(N, K, rows_w)
     why = tiles.why_not(N, K) or (
-        f"block_n={tiles.block_n} does not divide the pieces {widths}" if splits and any(
-            w % tiles.block_n for w in widths) else "") or (
         f"split_k={tiles.split_k}: this kernel's epilogue (norm, activation, residual) needs whole "
         "sums; split K in kernels.pallas_qgemv only" if tiles.split_k != 1 else "")  # fmt: skip
     if why:
@@ -217,14 +199,13 @@ def gemv(
     spec = _Spec(
         M, N, K, tiles.block_n, tiles.block_k, tuple(have),
         None if norm is None else norm.kind, 0.0 if norm is None else float(norm.eps), activation, dtype,
-        tuple(zip(bounds[:-1], bounds[1:])) if splits else (), rows_w, tiles.num_stages - 1,
+        rows_w, tiles.num_stages - 1,
         tile_sums_fit(M, tiles),
     )  # fmt: skip
-    pieces = [jax.ShapeDtypeStruct((M, hi - lo), out_dtype) for lo, hi in spec.pieces]
     call = pl.pallas_call(
         functools.partial(_kernel, spec),
         grid=(pl.cdiv(N, spec.bn),),
-        out_shape=pieces or jax.ShapeDtypeStruct((M, N), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype),
         # the stages are the kernel's own (`ahead`): Triton's pipeliner would add none to these loads
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
         interpret=interpret,
@@ -258,16 +239,14 @@ class _Spec(NamedTuple):
     eps: float
     activation: Any
     dtype: Any
-    pieces: tuple  # ((lo, hi), ...) of an output in pieces; () one output
     rows_w: bool  # w given as [N, K]
     ahead: int  # steps' inputs loaded ahead of the step using them (tiles.num_stages - 1)
     tile_sums: bool  # products summed as whole tiles (TILE_SUMS a thread at most), along K at the end
 
 
 def _kernel(s: _Spec, x_ref, *refs):
-    n_out = len(s.pieces) or 1
-    o_refs = refs[-n_out:]
-    refs = dict(zip(s.have, refs[:-n_out], strict=True))
+    *refs, o_ref = refs
+    refs = dict(zip(s.have, refs, strict=True))
     f32 = jnp.float32
     first = jnp.minimum(pl.program_id(0) * s.bn, s.N - s.bn)  # in bounds: see the module doc
     cols = pl.ds(first, s.bn)
@@ -339,7 +318,7 @@ def _kernel(s: _Spec, x_ref, *refs):
             y = s.activation(y)
         if "res" in refs:  # two rounded arrays added, as the plain path's x + h
             y = refs["res"][m, cols].astype(f32) + y.astype(s.dtype).astype(f32)
-        _store(s, o_refs, first, m, y)
+        o_ref[m, cols] = y.astype(o_ref.dtype)
 
 
 def tile_sums_fit(M: int, tiles: Tiles) -> bool:
@@ -368,15 +347,3 @@ def pipelined(lo, hi, ahead: int, loads, step, init):
     last = jnp.maximum(hi - 1, lo)
     primed = tuple(loads(jnp.minimum(lo + i, last)) for i in range(ahead))
     return jax.lax.fori_loop(lo, hi, body, (init, primed))[0]
-
-
-def _store(s: _Spec, o_refs, first, m, y):
-    """Row m of this program's channels into the output, or into the piece holding them (pieces are
-    multiples of bn: a program's channels lie in one)."""
-    if not s.pieces:
-        o_refs[0][m, pl.ds(first, s.bn)] = y.astype(o_refs[0].dtype)
-    for o_ref, (lo, hi) in zip(o_refs, s.pieces):  # pl.when runs its function at once: the loop's values hold
-
-        @pl.when((first >= lo) & (first < hi))
-        def _(o_ref=o_ref, lo=lo):
-            o_ref[m, pl.ds(first - lo, s.bn)] = y.astype(o_ref.dtype)

@@ -1,13 +1,15 @@
 """A decoding step's attention over a contiguous KV cache with the step's key and value written into the
 cache by the same kernel: Pallas on the Triton backend, for GPUs.
 
-    y_NGK, k_NSK, v_NSK = attend(q_NGK, k_NK, v_NK, pos_B, k_NSK, v_NSK, scale=K**-0.5)
+    y_BHK, k_NSK, v_NSK = attend(qkv_BCK, pos_B, k_NSK, v_NSK, scale=K**-0.5)
     ... = attend(..., interpret=True)             # the same program run by Pallas on the CPU
 
 N = B * J cache rows (key/value head j of sequence b, models/cache.py's ContiguousLayer), G query heads
-a key/value head, S cache positions, K head dim; one query position a row (decoding). XLA's decoding
-step is four kernels a layer here (the k scatter, q . k, the v scatter, softmax + p . v: 48 of GPT-2's
-157 a token, docs/accelerators.md); this is one. A program owns one cache row: it writes the new key and
+a key/value head (H = J * G), C = H + 2J, S cache positions, K head dim; one query position a row
+(decoding). XLA's decoding step is 4-7 kernels a layer here (the k and v scatters, q . k, softmax, p . v,
+and for a Llama the ropes and p . v's split-K sum; docs/accelerators.md); this is one, and q, k and v
+come as one array, so whatever writes them (rope's fusion, or c_attn's output as it lies) is one kernel
+too. A program owns one cache row: it writes the new key and
 value at `pos` (positions >= S are dropped, as the scatter's), and attends over the cache's positions
 before `pos` plus the new key, read from registers rather than back from the cache (a program's store
 is not ordered before its own later loads); blocks of BLOCK_S positions with an online softmax (a
@@ -20,9 +22,13 @@ scale; softmax in float32, the probabilities rounded to v's dtype for p . v; the
 dtype. The cache buffers are the call's outputs too (input_output_aliases): written in
 place, never copied.
 
+A program walks its row's positions alone (no split over them, as flash-decoding's): latency-bound on
+a long cache with few key/value heads, which is why XLA's path stays the default until a lease
+measures it (gpu_lease.py's `+attention` rows).
+
 Who calls it and when: models/cache.py (ContiguousLayer.attend) where models.linear.decode_kernels takes
-the decode kernels, without a window or the attention weights asked for. `why_not` says why a shape
-does not tile ("" when it does).
+the attention kernel (FLAXGPT_DECODE_KERNELS=on or attention), without a window or the attention weights
+asked for. `why_not` says why a shape does not tile ("" when it does).
 """
 
 from __future__ import annotations
@@ -55,23 +61,27 @@ def why_not(N: int, G: int, S: int, K: int) -> str:
     return ""
 
 
-def attend(q_NGK, k_NK, v_NK, pos_B, k_NSK, v_NSK, *, scale: float, softcap: float = 0.0, interpret=False):
-    """(y [N, G, K] in q's dtype, keys [N, S, K], values [N, S, K]): the new key and value written at
-    the row's position (dropped where >= S), then softmax(scale * q . k) . v over positions <= it.
-    pos_B: a position per sequence, its N / B cache rows (key/value heads) consecutive; B = N gives each
-    row its own (the positions are not broadcast over the heads first: a GPU kernel a token)."""
-    N, G, K = q_NGK.shape
-    S = k_NSK.shape[1]
-    why = why_not(N, G, S, K)
+def attend(qkv_BCK, pos_B, k_NSK, v_NSK, *, scale: float, softcap: float = 0.0, interpret=False):
+    """(y [B, H, K] in q's dtype, keys [N, S, K], values [N, S, K]): each key/value head's new key and
+    value written at its sequence's position (dropped where >= S), then softmax(scale * q . k) . v
+    over positions <= it. qkv_BCK: sequence b's H query heads, then its J keys, then its J values
+    (C = H + 2J), as one array: the product's columns q | k | v as they lie, or rope's one fusion
+    writing them (a kernel a layer where three arrays took three); its J cache rows are consecutive
+    (N = B * J), and query heads j*G .. j*G+G-1 read key/value head j."""
+    B, C, K = qkv_BCK.shape
+    N, S = k_NSK.shape[:2]
+    J = N // B
+    if N % B or C <= 2 * J or (C - 2 * J) % J:
+        raise ValueError(f"decode attention: q|k|v {qkv_BCK.shape} of {B} sequences over {N} cache rows: "
+                         "N must be B x J and C = H + 2J with J dividing H")  # fmt: skip
+    H = C - 2 * J
+    why = why_not(N, H // J, S, K)
     if why:
-        raise ValueError(f"decode attention cannot take q {q_NGK.shape} over a cache {k_NSK.shape}: {why}; "
-                         "FLAXGPT_DECODE_KERNELS=off keeps XLA's path")  # fmt: skip
-    if N % pos_B.shape[0]:
-        raise ValueError(f"decode attention: {pos_B.shape[0]} positions for {N} cache rows (a divisor of N)")
-    J = N // pos_B.shape[0]
-    kernel = functools.partial(_kernel, S, min(BLOCK_S, S), float(scale), float(softcap), J)
+        raise ValueError(f"decode attention cannot take q|k|v {qkv_BCK.shape} over a cache {k_NSK.shape}: "
+                         f"{why}; FLAXGPT_DECODE_KERNELS=off keeps XLA's path")  # fmt: skip
+    kernel = functools.partial(_kernel, S, min(BLOCK_S, S), float(scale), float(softcap), J, H // J)
     shapes = (
-        jax.ShapeDtypeStruct((N, G, K), q_NGK.dtype),
+        jax.ShapeDtypeStruct((B, H, K), qkv_BCK.dtype),
         jax.ShapeDtypeStruct(k_NSK.shape, k_NSK.dtype),
         jax.ShapeDtypeStruct(v_NSK.shape, v_NSK.dtype),
     )
@@ -79,25 +89,26 @@ def attend(q_NGK, k_NK, v_NK, pos_B, k_NSK, v_NSK, *, scale: float, softcap: flo
         kernel,
         grid=(N,),
         out_shape=shapes,
-        input_output_aliases={4: 1, 5: 2},  # the caches, updated in place
+        input_output_aliases={2: 1, 3: 2},  # the caches, updated in place
         compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),  # its loads queued by the kernel
         interpret=interpret,
         name="decode_attention",
     )
-    return call(q_NGK, k_NK, v_NK, pos_B.astype(jnp.int32), k_NSK, v_NSK)
+    return call(qkv_BCK, pos_B.astype(jnp.int32), k_NSK, v_NSK)
 
 
-def _kernel(S, bs, scale, softcap, J, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc_ref, y_ref, ko_ref, vo_ref):
+def _kernel(S, bs, scale, softcap, J, G, qkv_ref, pos_ref, kc_ref, vc_ref, y_ref, ko_ref, vo_ref):
     del kc_ref, vc_ref  # the same buffers as ko_ref, vo_ref (aliased): read and written through those
     f32 = jnp.float32
     n = pl.program_id(0)
-    pos = pos_ref[n // J]
-    q = q_ref[n, :, :]  # [G, K]
-    (G, K), R = q.shape, max(MIN_ROWS, q.shape[0])
+    b, j, H = n // J, n % J, G * J
+    pos = pos_ref[b]
+    q = qkv_ref[b, pl.ds(j * G, G), :]  # [G, K]
+    K, R = q.shape[1], max(MIN_ROWS, G)
     # the tensor cores' products take >= 16 rows: G < 16 query heads are repeated to R rows (the same
     # arithmetic on each copy, so their results are equal bit for bit; one copy is stored)
     q_RK = q if G == R else jnp.broadcast_to(q[None], (R // G, G, K)).reshape(R, K)
-    kn, vn = kn_ref[n, :], vn_ref[n, :]
+    kn, vn = qkv_ref[b, H + j, :], qkv_ref[b, H + J + j, :]
 
     # XLA's path's arithmetic (models.attention.attend_cached): q . k in q's dtype with float32 sums (full
     # float32 products for float32, not TF32), then the scale; the probabilities rounded to v's dtype
@@ -147,4 +158,4 @@ def _kernel(S, bs, scale, softcap, J, q_ref, kn_ref, vn_ref, pos_ref, kc_ref, vc
     y_RK = acc / total[:, None]
     # one of the equal copies: their max, since Pallas' Triton lowering has no slice of a value
     y_GK = y_RK if G == R else jnp.max(y_RK.reshape(R // G, G, K), axis=0)
-    y_ref[n, :, :] = y_GK.astype(y_ref.dtype)
+    y_ref[b, pl.ds(j * G, G), :] = y_GK.astype(y_ref.dtype)

@@ -19,7 +19,7 @@ from flax import linen as nn
 from flaxgpt.kernels import target
 from flaxgpt.models import context_attention
 from flaxgpt.models.layers import norm, normal_init, zeros_init
-from flaxgpt.models.linear import Linear
+from flaxgpt.models.linear import NO_KERNELS, DecodeKernels, Linear
 from flaxgpt.models.rope import RoPE
 
 Dtype = Any
@@ -246,7 +246,7 @@ class SelfAttention(nn.Module):
     deterministic: bool = True
     lora: Any = None  # models.lora.LoraSpec: c_attn's and c_proj's adapters (models/linear.py)
     fp8: bool = False  # c_attn's and c_proj's base products in float8 (GPTConfig.fp8)
-    kernels: bool = False  # a decoding step taking the decode kernels: kv.attend's (models/cache.py)
+    kernels: DecodeKernels = NO_KERNELS  # the decoding step's (models.linear): `attention`, kv.attend's
 
     @nn.compact
     def __call__(
@@ -272,10 +272,9 @@ class SelfAttention(nn.Module):
         # out of one [B*T, (H+2J)*K] product they are split by a copy, and the gradients concatenated
         # back by another. With a product each (Linear's `splits`, a piece of the kernel each) the
         # backward's concatenation is gone (compiled for h100-1: docs/accelerators.md). Decoding keeps
-        # the one product, its pieces written apart by the decode kernel (pre_norm: models.linear)
-        # so the attention kernel takes k and v without a split copy.
+        # the one product, which the decode attention kernel takes as it lies (models/cache.py).
         apart = kv is None and context_attention.axis_size() <= 1
-        apart = (apart and resolve_attention_impl(self.impl, self.dtype) == "cudnn") or pre_norm is not None
+        apart = apart and resolve_attention_impl(self.impl, self.dtype) == "cudnn"
         qkv = Linear(
             (H + 2 * J) * K,  # columns q | k | v, heads inside each (3D for GPT-2)
             use_bias=self.qkv_bias,
@@ -309,7 +308,7 @@ class SelfAttention(nn.Module):
         if kv is not None:  # a cache layer (models/cache.py: contiguous, ring or paged) writes and attends
             y_BTHK, kv = kv.attend(
                 q_BTHK, k_BTJK, v_BTJK, positions_BT, window=self.window, real_BT=real_BT,
-                kernels=self.kernels, sow=sow, scale=self.scale, softcap=self.softcap,
+                kernels=self.kernels.attention, sow=sow, scale=self.scale, softcap=self.softcap,
             )  # fmt: skip
         elif context_attention.axis_size() > 1:  # sequences split over the mesh's context axis
             y_BTHK = self._over_context(q_BTHK, k_BTJK, v_BTJK, mask_BHTS, segment_ids_BT, sow)

@@ -130,7 +130,12 @@ class ContiguousLayer(KVLayer):
     def attend(
         self, q_BTHK, k_BTJK, v_BTJK, positions_BT, *, window=0, real_BT=None, kernels=False, **attend_kw
     ):
-        if kernels and not window and attend_kw.get("sow") is None and self._kernel_takes(q_BTHK, k_BTJK):
+        if (
+            kernels
+            and not window
+            and attend_kw.get("sow") is None
+            and self._kernel_takes(q_BTHK, k_BTJK, v_BTJK)
+        ):
             return self._attend_kernel(q_BTHK, k_BTJK, v_BTJK, positions_BT, **attend_kw)
         layer = ContiguousLayer(
             write_cache(self.k, k_BTJK, positions_BT), write_cache(self.v, v_BTJK, positions_BT)
@@ -138,25 +143,29 @@ class ContiguousLayer(KVLayer):
         mask_BHTS = causal_mask(positions_BT, layer.k.shape[1], window)
         return attend_cached(q_BTHK, layer.k, layer.v, mask_BHTS, **attend_kw), layer
 
-    def _kernel_takes(self, q_BTHK, k_BTJK) -> bool:
+    def _kernel_takes(self, q_BTHK, k_BTJK, v_BTJK) -> bool:
         """One position a row, in dtypes and shapes kernels.pallas_decode_attention tiles: the writes
         and the attention as one kernel."""
         (_, T, H, K), (N, S, _), J = q_BTHK.shape, self.k.shape, k_BTJK.shape[2]
-        dtypes = {jnp.dtype(a.dtype) for a in (q_BTHK, self.k, self.v)} <= {
-            jnp.dtype(jnp.bfloat16),
-            jnp.dtype(jnp.float32),
-        }
-        return T == 1 and dtypes and not pallas_decode_attention.why_not(N, H // J, S, K)
+        dtypes = {jnp.dtype(a.dtype) for a in (q_BTHK, k_BTJK, v_BTJK)}
+        cached = {jnp.dtype(a.dtype) for a in (self.k, self.v)}
+        floats = {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)}
+        return (
+            T == 1
+            and len(dtypes) == 1
+            and dtypes | cached <= floats
+            and not pallas_decode_attention.why_not(N, H // J, S, K)
+        )
 
     def _attend_kernel(self, q_BTHK, k_BTJK, v_BTJK, positions_BT, sow=None, scale=0.0, softcap=0.0):
-        B, _, H, K = q_BTHK.shape
-        J = k_BTJK.shape[2]
-        y_NGK, k_NSK, v_NSK = pallas_decode_attention.attend(
-            q_BTHK.reshape(B * J, H // J, K), k_BTJK.reshape(B * J, K), v_BTJK.reshape(B * J, K),
-            positions_BT[:, 0], self.k, self.v, scale=scale or 1 / math.sqrt(K),
+        # q | k | v as one array: XLA writes it in one fusion with rope's (or it is c_attn's output as
+        # it lies), where three arrays took a kernel each
+        qkv_BCK = jnp.concatenate([q_BTHK, k_BTJK, v_BTJK], axis=2)[:, 0]
+        y_BHK, k_NSK, v_NSK = pallas_decode_attention.attend(
+            qkv_BCK, positions_BT[:, 0], self.k, self.v, scale=scale or 1 / math.sqrt(q_BTHK.shape[-1]),
             softcap=softcap, interpret=target.platform() != "gpu",
         )  # fmt: skip
-        return y_NGK.reshape(B, 1, H, K), ContiguousLayer(k_NSK, v_NSK)
+        return y_BHK[:, None], ContiguousLayer(k_NSK, v_NSK)
 
 
 @struct.dataclass

@@ -36,7 +36,7 @@ from flaxgpt.models.attention import SelfAttention
 from flaxgpt.models.cache import KVCache
 from flaxgpt.models.gpt_config import LLAMA_STYLE, REMAT_POLICIES, GPTConfig, check_tokens  # noqa: F401  (gpt.GPTConfig)
 from flaxgpt.models.layers import MLP, norm, normal_init, ones_init, sinusoidal_positions
-from flaxgpt.models.linear import Embedding, Linear, decode_kernels
+from flaxgpt.models.linear import NO_KERNELS, DecodeKernels, Embedding, Linear, decode_kernels
 from flaxgpt.models.moe import ROUTER, MoE
 
 
@@ -50,7 +50,7 @@ class Block(nn.Module):
     deterministic: bool = True
     layer: int = 0  # the block's index: window and rotary base may differ per layer (Gemma)
     lora: Any = None  # models.lora.LoraSpec: how the "lora" collection's adapters apply (models/linear.py)
-    kernels: bool = False  # this decoding step takes the decode kernels (the GPT's one decision)
+    kernels: DecodeKernels = NO_KERNELS  # what this decoding step takes as kernels (the GPT's one decision)
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, kv=None, ve_BTD=None, segment_ids_BT=None, real_BT=None):
@@ -136,7 +136,7 @@ class ScannedBlock(nn.Module):
     config: GPTConfig
     deterministic: bool = True
     lora: Any = None
-    kernels: bool = False
+    kernels: DecodeKernels = NO_KERNELS
 
     @nn.compact
     def __call__(self, carry, kv):
@@ -241,7 +241,7 @@ class GPT(nn.Module):
             if logits_at is not None:
                 real_BT &= jnp.arange(T)[None] <= jnp.asarray(logits_at)[:, None]
         # whether a decoding step takes the decode kernels: decided once, read by every block and the head
-        kernels = kv_layers is not None and decode_kernels(B * T)
+        kernels = NO_KERNELS if kv_layers is None else decode_kernels(B * T)
         x_BTD, kv_layers = self._blocks(
             x_BTD, positions, kv_layers, deterministic, tokens_BT, segment_ids_BT, real_BT, kernels
         )
@@ -274,7 +274,7 @@ class GPT(nn.Module):
 
     def _blocks(
         self, x_BTD, positions_BT, kv_layers, deterministic: bool, tokens_BT=None, seg_BT=None, real_BT=None,
-        kernels: bool = False,
+        kernels: DecodeKernels = NO_KERNELS,
     ):  # fmt: skip
         """The n_layer blocks; kv_layers (or None) holds each layer's cache.KVLayer, handed to its block."""
         c = self.config
@@ -333,14 +333,14 @@ class GPT(nn.Module):
         ]
         return tables + [None] * (c.n_layer - 2 * N) + tables
 
-    def _head(self, wte, x_BTD, kernels: bool = False):
-        """ln_f and the head; with the decode kernels (`kernels`) one kernel (ln_f in the head's product)."""
+    def _head(self, wte, x_BTD, kernels: DecodeKernels = NO_KERNELS):
+        """ln_f and the head: one kernel with the decode kernels' products (ln_f in the head's GEMV)."""
         c = self.config
         dtype, pdtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
         B, T, D = x_BTD.shape
         table, x_dtype, pre_norm = (wte.embedding if c.tie_embeddings else None), x_BTD.dtype, None
         tiles = table is None or pallas_decode.takes(B * T, table.shape[0], D, x_dtype, table.dtype, dtype)
-        if kernels and c.norm in pallas_decode.NORMS and tiles:
+        if kernels.products and c.norm in pallas_decode.NORMS and tiles:
             pre_norm = layers.NormParams(c.norm, c.bias, c.layer_norm_epsilon, pdtype, name="ln_f")(D)
         else:  # on [B, T, D], as `hidden` returns it
             x_BTD = norm(c.norm, c.bias, c.layer_norm_epsilon, dtype, pdtype, "ln_f")(x_BTD)

@@ -24,7 +24,7 @@ import numpy as np
 from flax import linen as nn
 
 from flaxgpt.kernels.pallas_decode import Norm
-from flaxgpt.models.linear import Linear
+from flaxgpt.models.linear import DecodeKernels, Linear
 
 Dtype = Any
 
@@ -225,7 +225,7 @@ class NormParams(nn.Module):
         return Norm(self.kind, scale, bias, self.eps)
 
 
-def sublayer_input(c, layer: int, kernels: bool, lora, deterministic: bool, name: str, x_BTD):
+def sublayer_input(c, layer: int, kernels: DecodeKernels, lora, deterministic: bool, name: str, x_BTD):
     """Block `layer`'s input to its attention or MLP and the extra call arguments (c: the GPT's config,
     the rest the block's): norm(x) and {}, or where `fuse_decode` takes the kernels x itself and
     {pre_norm, residual: x}, the sublayer's first product normalizing x and its last adding x back,
@@ -237,14 +237,14 @@ def sublayer_input(c, layer: int, kernels: bool, lora, deterministic: bool, name
     return x_BTD, {"pre_norm": params, "residual": x_BTD}
 
 
-def fuse_decode(c, layer: int, kernels: bool, lora, deterministic: bool) -> bool:
+def fuse_decode(c, layer: int, kernels: DecodeKernels, lora, deterministic: bool) -> bool:
     """Whether block `layer` of the GPT config `c` takes `sublayer_input`'s fused form: a decoding step
-    taking the decode kernels (`kernels`, the GPT's decision by models.linear.decode_kernels), a norm
+    taking the decode kernels' products (`kernels`, the GPT's models.linear.DecodeKernels), a norm
     the kernel has, and sublayers with nothing between the norm, the products and the residual add
     (no post-norms, mixture of experts, adapters, float8 or dropout)."""
     plain = not (c.post_norms or c.layer_is_sparse(layer) or lora or c.fp8)
     plain = plain and (deterministic or not c.resid_dropout) and c.norm in ("layernorm", "rmsnorm")
-    return kernels and plain
+    return kernels.products and plain
 
 
 class RMSNormPlusOne(nn.Module):

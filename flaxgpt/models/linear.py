@@ -36,6 +36,7 @@ B batch rows, T positions, R the slots' rank, P = R times the targets one layer 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -140,11 +141,11 @@ class Linear(nn.Module):
         return self._activate(self._split(self._adapted(x, y)))
 
     def _decode_kernel(self, x, kernel, bias, norm, residual):
-        """norm + product + bias + activation + residual as one kernel (kernels.pallas_decode), its
-        output in `splits`' pieces if any, for a float weight or a bf16-quantized one (rows [N, K],
-        read as they lie: `--quantize bf16`), without adapters or float8, in shapes and dtypes it
-        tiles (the step takes the kernels: the caller's `pre_norm` / `residual` say so); else None
-        (the caller takes XLA's steps). int8 and int4 rows keep kernels.qmatmul's route."""
+        """norm + product + bias + activation + residual as one kernel (kernels.pallas_decode), for a
+        float weight or a bf16-quantized one (rows [N, K], read as they lie: `--quantize bf16`),
+        without adapters, float8 or an output in pieces, in shapes and dtypes it tiles (the step
+        takes the kernels: the caller's `pre_norm` / `residual` say so); else None (the caller
+        takes XLA's steps). int8 and int4 rows keep kernels.qmatmul's route."""
         x_MK = x.reshape(-1, x.shape[-1])
         quantized = isinstance(kernel, QuantizedWeight)
         rows = quantized and jnp.dtype(kernel.w.dtype) == jnp.bfloat16
@@ -159,15 +160,13 @@ class Linear(nn.Module):
         else:
             dtype = jnp.dtype(self.dtype or jnp.result_type(x, w, *(() if bias is None else (bias,))))
         out = dtype if residual is None else jnp.result_type(residual, dtype)
-        if not pallas_decode.takes(M, N, K, x.dtype, w.dtype, dtype, out, splits=self.splits):
+        if self.splits or not pallas_decode.takes(M, N, K, x.dtype, w.dtype, dtype, out):
             return None
         res_MN = None if residual is None else residual.reshape(M, N)
         y_MN = pallas_decode.gemv(
-            x_MK, w, bias, norm=norm, activation=self.activation, residual_MN=res_MN, splits=self.splits,
-            rows_w=rows, dtype=dtype, out_dtype=out, interpret=target.platform() != "gpu",
+            x_MK, w, bias, norm=norm, activation=self.activation, residual_MN=res_MN, rows_w=rows,
+            dtype=dtype, out_dtype=out, interpret=target.platform() != "gpu",
         )  # fmt: skip
-        if self.splits:  # the pieces as the kernel wrote them: no split copy
-            return [y.reshape(*x.shape[:-1], -1) for y in y_MN]
         return y_MN.reshape(*x.shape[:-1], -1)
 
     def _adapted(self, x, y):
@@ -217,24 +216,46 @@ def fused_epilogues() -> bool:
     return mode == "on" or (mode == "auto" and target.platform() == "gpu")
 
 
-def decode_kernels(rows: int) -> bool:
-    """Whether a decoding step's norm + product (+ GELU), product + residual, and cache writes +
-    attention run as one kernel each (kernels.pallas_decode, kernels.pallas_decode_attention via
-    models/cache.py): asked once a step, when traced, by models.gpt.GPT, whose blocks hand the
-    answer to their products and cache layer. FLAXGPT_DECODE_KERNELS=on takes them for `rows` <=
-    MAX_ROWS on one device (interpreted off GPUs: the tests); auto (the default) and off keep XLA's
-    path. Why not on GPUs by default: measured on an H200 (2026-11-29, docs/accelerators.md) they
-    were slower than XLA's path although they launch half the kernels (GPT-2 124M at batch 1, float:
-    1,340 tok/s against 1,606; the Llama-3-8B shape in bf16 183 tok/s, 61% of HBM, where XLA's path
-    read 72% on the 2026-11-27 lease): their tiles are untuned (benchmarks/kernel_sweep.py measures
-    them on the next lease). A prefill's many rows and several devices (XLA cannot split the
+@dataclasses.dataclass(frozen=True)
+class DecodeKernels:
+    """What a decoding step takes as Pallas kernels (`decode_kernels`, the GPT's one decision a step,
+    handed to its blocks and head): `products`, each sublayer's norm + product (+ GELU) and product +
+    residual, and ln_f + the head (kernels.pallas_decode, via models.layers.sublayer_input and
+    Linear's pre_norm / residual); `attention`, each cache layer's writes + attention
+    (kernels.pallas_decode_attention, via models/cache.py)."""
+
+    products: bool = False
+    attention: bool = False
+
+
+NO_KERNELS = DecodeKernels()
+# FLAXGPT_DECODE_KERNELS's values
+MODES = {
+    "auto": NO_KERNELS,
+    "off": NO_KERNELS,
+    "on": DecodeKernels(True, True),
+    "attention": DecodeKernels(attention=True),
+}
+
+
+def decode_kernels(rows: int) -> DecodeKernels:
+    """Which of a decoding step's kernels it takes (DecodeKernels), asked once a step when traced by
+    models.gpt.GPT. FLAXGPT_DECODE_KERNELS=on takes them all for `rows` <= MAX_ROWS on one device
+    (interpreted off GPUs: the tests), `attention` the attention kernel alone (the products XLA's: a
+    Llama-3-8B token's 18 kernels a layer come to 13, compiled for h100-1); auto (the
+    default) and off keep XLA's path. Why not on GPUs by default: measured on an H200 (2026-11-29,
+    docs/accelerators.md) they were slower than XLA's path although they launch half the kernels
+    (GPT-2 124M at batch 1, float: 1,340 tok/s against 1,606; the Llama-3-8B shape in bf16 183 tok/s,
+    61% of HBM, where XLA's path read 72% on the 2026-11-27 lease): the GEMVs' tiles are untuned
+    (benchmarks/kernel_sweep.py measures them on the next lease, and gpu_lease.py's decode parts the
+    attention kernel alone). A prefill's many rows and several devices (XLA cannot split the
     kernel) keep XLA's path whatever the mode."""
     mode = os.environ.get("FLAXGPT_DECODE_KERNELS", "auto")
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"FLAXGPT_DECODE_KERNELS={mode!r}: use auto (XLA's path), on or off")
+    if mode not in MODES:
+        raise ValueError(f"FLAXGPT_DECODE_KERNELS={mode!r}: use auto (XLA's path), on, attention or off")
     if rows > pallas_decode.MAX_ROWS or not target.one_device():
-        return False
-    return mode == "on"
+        return NO_KERNELS
+    return MODES[mode]
 
 
 def _activated(activation, y, bias):

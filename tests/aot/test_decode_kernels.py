@@ -81,10 +81,15 @@ def test_bf16_rows_take_the_same_kernels_on_h100(tmp_path, monkeypatch):
     assert all(r.fits(0.1) for r in rows.values())
 
 
-def greedy_token(monkeypatch, mode: str):
+LLAMA = dict(n_head=4, n_kv_head=2, n_embd=128, norm="rmsnorm", glu=True, activation="silu", bias=False,
+             qkv_bias=False, pos_embedding="rope", tie_embeddings=False)  # fmt: skip
+
+
+def greedy_token(monkeypatch, mode: str, **model):
     """A greedy token (max_k 0, as the lease's decode parts: no filter, no draw) of a 2-layer bf16 model
-    whose vocabulary is padded (250 -> 256, as GPT-2's 50257 -> 50304), compiled for h100-1 -> the
-    token loop's kernels when no row needs a conditional's pass (branch=min), by name."""
+    (GPT-2's blocks, or `model`'s) whose vocabulary is padded (250 -> 256, as GPT-2's 50257 -> 50304),
+    compiled for h100-1 -> the token loop's kernels when no row needs a conditional's pass
+    (branch=min), by name."""
     import dataclasses
 
     from flaxgpt.aot import programs, targets
@@ -92,8 +97,9 @@ def greedy_token(monkeypatch, mode: str):
 
     monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", mode)
     jax.clear_caches()
-    mc = GPTConfig(vocab_size=250, pad_vocab_multiple=64, n_layer=2, n_head=2, n_embd=64, block_size=64,
-                   dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
+    base = dict(vocab_size=250, pad_vocab_multiple=64, n_layer=2, n_head=2, n_embd=64, block_size=64,
+                dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
+    mc = GPTConfig(**{**base, **model})
     decode = programs.sample_programs(mc, targets.get("h100-1").devices(), chunk=8)[1]
     decode = dataclasses.replace(decode, kwargs=dict(decode.kwargs, max_k=0))
     _, _, cost = token_loop(decode.trace().lower().compile().as_text(), branch=min)
@@ -114,6 +120,21 @@ def test_a_greedy_token_takes_the_layers_kernels_and_ten_more_on_h100(monkeypatc
     assert len(kernels) - len(pallas) <= 10, [k for k in kernels if k not in pallas]
     _, xla = greedy_token(monkeypatch, "off")
     assert len(xla) >= len(kernels) + 6 * mc.n_layer, xla  # XLA's path: 36 here
+
+
+def test_the_attention_kernel_alone_takes_a_llama_layers_cache_writes_and_attention_on_h100(monkeypatch):
+    """FLAXGPT_DECODE_KERNELS=attention (the norms and products XLA's): a Llama-style layer's greedy
+    token takes the attention kernel for its k and v scatters, q . k, the softmax, p . v and its
+    split-K sum, and one fusion writes q | k | v with rope's rotation where q and k took one each
+    and v a slice (the kernel takes them as one array): 4 a layer fewer than XLA's path (the
+    Llama-3-8B shape: 589 -> 430 a token, 18 -> 13 a layer; docs/accelerators.md)."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    mc, kernels = greedy_token(monkeypatch, "attention", **LLAMA)
+    assert sum(k.startswith("pallas_call") for k in kernels) == mc.n_layer, kernels
+    assert sum(k.startswith("input_concatenate_fusion") for k in kernels) == mc.n_layer, kernels  # q | k | v
+    _, xla = greedy_token(monkeypatch, "off", **LLAMA)
+    assert not any(k.startswith("pallas_call") for k in xla)
+    assert len(xla) >= len(kernels) + 4 * mc.n_layer, (xla, kernels)  # here 45 against 36
 
 
 def compiled_loop(tmp_path, fn, shapes):
@@ -165,10 +186,9 @@ GEMVS = {  # a product each kernel takes at batch 1: (the call, its operands' sh
     "bf16 rows": (lambda x, w: pallas_decode.gemv(x, w, rows_w=True), [((1, 768), BF16), ((768, 768), BF16)]),
     "int8": (pallas_qgemv.gemv, [((1, 4096), BF16), ((4096, 4096), jnp.dtype(jnp.int8)), ((4096,), F32)]),
     "int4": (pallas_qgemv.gemv, [((1, 4096), BF16), ((4096, 2048), jnp.dtype(jnp.uint8)), ((4096, 32), F32)]),
-    "attention": (  # GPT-2's 12 heads over a cache of 1024
-        lambda q, kn, vn, pos, kc, vc: pallas_decode_attention.attend(q, kn, vn, pos, kc, vc, scale=0.125),
-        [((12, 1, 64), BF16), ((12, 64), BF16), ((12, 64), BF16), ((12,), jnp.dtype(jnp.int32))]
-        + [((12, 1024, 64), BF16)] * 2,
+    "attention": (  # GPT-2's 12 heads over a cache of 1024: q | k | v [1, 36, 64]
+        lambda qkv, pos, kc, vc: pallas_decode_attention.attend(qkv, pos, kc, vc, scale=0.125),
+        [((1, 36, 64), BF16), ((1,), jnp.dtype(jnp.int32))] + [((12, 1024, 64), BF16)] * 2,
     ),
 }
 

@@ -65,23 +65,6 @@ def test_equals_float64_reference(M, K, N, kind, act, res, dtype):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, **tol)
 
 
-def test_an_output_in_pieces_is_the_product_split():
-    """c_attn's q | k | v written apart (splits): each piece the product's columns; programs of 16
-    channels where a piece is 16 wide (a key/value head of 16)."""
-    k = jax.random.split(jax.random.key(3), 4)
-    x, w, b = (
-        jax.random.normal(k[0], (2, 32)),
-        jax.random.normal(k[1], (32, 64)),
-        jax.random.normal(k[2], (64,)),
-    )
-    norm = Norm("layernorm", 1 + 0.1 * jax.random.normal(k[3], (32,)), None, 1e-5)
-    got = gemv(x, w, b, norm=norm, splits=(32, 48), interpret=True)
-    want = reference(x, w, b, norm, None, None)
-    assert [g.shape for g in got] == [(2, 32), (2, 16), (2, 16)]
-    np.testing.assert_allclose(np.concatenate(got, axis=1), want, atol=2e-5, rtol=2e-5)
-    assert "not multiples of 16" in why_not(1, 64, 32, splits=(40,))
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("M,K,N,kind", [(1, 96, 80, "layernorm"), (3, 200, 48, "rmsnorm")])
 def test_a_weight_given_as_rows_is_its_transpose(M, K, N, kind, dtype):
@@ -175,5 +158,3 @@ def test_a_tiling_that_does_not_fit_is_one_line(tiles, message):
         ValueError, match=r"^decode gemv: tiles \(.*\) do not fit w \[32, 64\]: " + message + "$"
     ):
         gemv(jnp.ones((1, 32)), jnp.ones((32, 64)), tiles=tiles, interpret=True)
-    with pytest.raises(ValueError, match=r"block_n=32 does not divide the pieces \[32, 16, 16\]"):
-        gemv(jnp.ones((1, 32)), jnp.ones((32, 64)), splits=(32, 48), tiles=Tiles(32, 32), interpret=True)

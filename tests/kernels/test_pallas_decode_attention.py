@@ -1,6 +1,7 @@
 """kernels.pallas_decode_attention in Pallas interpret mode: the step's key and value written into the
 cache (in place; positions >= S dropped) and attention over positions <= pos, against a float64
-reference, for grouped heads, several blocks of the cache, a soft-cap, float32 and bfloat16."""
+reference, for grouped heads, several blocks of the cache, a soft-cap, float32 and bfloat16; q, k and
+v handed over as one array, each sequence's heads q | k | v."""
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,16 @@ def reference(q, kn, vn, pos, kc, vc, scale, softcap):
     return y, kc, vc
 
 
+def packed(q_NGK, kn_NK, vn_NK, B):
+    """Cache rows n = b * J + j (J = N / B) as attend takes them: [B, H + 2J, K], sequence b's query
+    heads (j-major, G a key/value head), then its J keys, then its J values."""
+    N, G, K = q_NGK.shape
+    J = N // B
+    return jnp.concatenate(
+        [q_NGK.reshape(B, J * G, K), kn_NK.reshape(B, J, K), vn_NK.reshape(B, J, K)], axis=1
+    )
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     "N,G,S,K,pos,softcap",
@@ -40,51 +51,63 @@ def reference(q, kn, vn, pos, kc, vc, scale, softcap):
         (4, 1, 320, 16, [319, 200, 64, 1], 0.0),
     ],
 )
-def test_equals_float64_reference(N, G, S, K, pos, softcap, dtype):
+@pytest.mark.parametrize("B", [1, 0])  # 0: a sequence a cache row (J = 1)
+def test_equals_float64_reference(N, G, S, K, pos, softcap, dtype, B):
     ks = jax.random.split(jax.random.key(N * S + G), 5)
     q = jax.random.normal(ks[0], (N, G, K)).astype(dtype)
     kn, vn = (jax.random.normal(k, (N, K)).astype(dtype) for k in ks[1:3])
     kc, vc = (jax.random.normal(k, (N, S, K)).astype(dtype) for k in ks[3:5])
-    pos = jnp.asarray(pos, jnp.int32)
-    want = reference(q, kn, vn, pos, kc, vc, K**-0.5, softcap)
-    got = attend(q, kn, vn, pos, kc, vc, scale=K**-0.5, softcap=softcap, interpret=True)
+    B = B or N  # 1: one sequence of N key/value heads, all at its position pos[0]
+    pos = jnp.asarray(pos[:B], jnp.int32)
+    want = reference(q, kn, vn, jnp.repeat(pos, N // B), kc, vc, K**-0.5, softcap)
+    got = attend(packed(q, kn, vn, B), pos, kc, vc, scale=K**-0.5, softcap=softcap, interpret=True)
     assert [a.dtype for a in got] == [jnp.dtype(dtype)] * 3
+    assert got[0].shape == (B, N // B * G, K)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=0.03, rtol=0.03)
-    np.testing.assert_allclose(np.asarray(got[0], np.float64), want[0], **tol)
+    np.testing.assert_allclose(np.asarray(got[0], np.float64).reshape(N, G, K), want[0], **tol)
     for g, w in zip(got[1:], want[1:]):  # the writes exact, the rest of the cache as it was
         np.testing.assert_array_equal(np.asarray(g, np.float64), w)
 
 
 def test_shapes_it_cannot_take_are_one_line():
     assert why_not(2, 2, 64, 16) == "" and "powers of two" in why_not(2, 3, 64, 16)
-    x = jnp.ones((2, 1, 24))
+    qkv, cache = jnp.ones((2, 3, 24)), jnp.ones((2, 64, 24))
     with pytest.raises(ValueError, match=r"head dim K=24 must be powers of two.*FLAXGPT_DECODE_KERNELS=off"):
-        attend(
-            x,
-            x[:, 0],
-            x[:, 0],
-            jnp.zeros(2, jnp.int32),
-            jnp.ones((2, 64, 24)),
-            jnp.ones((2, 64, 24)),
-            scale=1.0,
-        )
+        attend(qkv, jnp.zeros(2, jnp.int32), cache, cache, scale=1.0)
     assert (
         why_not(1, 1, 80, 16) == "cache length S=80 must be >= 16 and a multiple of 64 (or smaller than it)"
     )
+    # 6 cache rows for 4 sequences; 3 key/value heads a sequence with 4 query heads (3 does not divide 4)
+    with pytest.raises(ValueError, match=r"^decode attention: q\|k\|v \(4, 3, 16\) of 4 sequences over 6"):
+        attend(
+            jnp.ones((4, 3, 16)),
+            jnp.zeros(4, jnp.int32),
+            jnp.ones((6, 64, 16)),
+            jnp.ones((6, 64, 16)),
+            scale=1.0,
+        )
+    with pytest.raises(ValueError, match=r"N must be B x J and C = H \+ 2J with J dividing H$"):
+        attend(
+            jnp.ones((2, 10, 16)),
+            jnp.zeros(2, jnp.int32),
+            jnp.ones((6, 64, 16)),
+            jnp.ones((6, 64, 16)),
+            scale=1.0,
+        )
 
 
 def test_a_position_a_sequence_serves_its_heads():
-    """pos_B with B < N: sequence b's N / B key/value heads (consecutive cache rows) take its position,
-    as the same position repeated per row does (no broadcast kernel first); N / B must be whole."""
-    N, S, K = 6, 128, 16
+    """2 sequences of 3 key/value heads (2 query heads each) at their own positions: each cache row
+    attends as if it were a sequence of its own (6 sequences of one head) at its sequence's position;
+    the output heads in the sequence's order."""
+    N, G, S, K, B = 6, 2, 128, 16, 2
     ks = jax.random.split(jax.random.key(3), 5)
-    q = jax.random.normal(ks[0], (N, 1, K))
+    q = jax.random.normal(ks[0], (N, G, K))
     kn, vn = (jax.random.normal(k, (N, K)) for k in ks[1:3])
     kc, vc = (jax.random.normal(k, (N, S, K)) for k in ks[3:5])
-    pos_B = jnp.asarray([70, 3], jnp.int32)  # 2 sequences of 3 heads
-    got = attend(q, kn, vn, pos_B, kc, vc, scale=0.25, interpret=True)
-    want = attend(q, kn, vn, jnp.repeat(pos_B, 3), kc, vc, scale=0.25, interpret=True)
-    for g, w in zip(got, want, strict=True):
+    pos_B = jnp.asarray([70, 3], jnp.int32)
+    got = attend(packed(q, kn, vn, B), pos_B, kc, vc, scale=0.25, interpret=True)
+    want = attend(packed(q, kn, vn, N), jnp.repeat(pos_B, N // B), kc, vc, scale=0.25, interpret=True)
+    np.testing.assert_array_equal(got[0].reshape(N, G, K), want[0].reshape(N, G, K))
+    for g, w in zip(got[1:], want[1:], strict=True):
         np.testing.assert_array_equal(g, w)
-    with pytest.raises(ValueError, match=r"^decode attention: 4 positions for 6 cache rows \(a divisor"):
-        attend(q, kn, vn, jnp.zeros(4, jnp.int32), kc, vc, scale=0.25, interpret=True)

@@ -46,15 +46,18 @@ def test_decode_with_kernels_equals_xla(arch, dtype, monkeypatch):
     monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")
     want, texts = decode(cfg, params, tokens, 2)
     assert not any("pallas_call" in t for t in texts)
-    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "on")
-    got, texts = decode(cfg, params, tokens, 2)
-    # each step's blocks take 5 kernels a layer (ln_1 + c_attn, attention + cache writes, c_proj + x,
-    # ln_2 + c_fc, c_proj + x), and ln_f + the head (tied or not) one; the prefill's 10 rows
-    # (> MAX_ROWS 8) keep XLA's path
-    assert [t.count("pallas_call") for t in texts] == [0, 5 * cfg.n_layer + 1, 5 * cfg.n_layer + 1]
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=1e-2, rtol=1e-2)  # bf16: ~2 ulps
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(g, w, **tol)
+    # on: each step's blocks take 5 kernels a layer (ln_1 + c_attn, attention + cache writes, c_proj + x,
+    # ln_2 + c_fc, c_proj + x), and ln_f + the head (tied or not) one; attention: the attention and
+    # cache writes alone, the norms and products XLA's; the prefill's 10 rows (> MAX_ROWS 8) keep
+    # XLA's path either way
+    for mode, gemvs in (("on", 4 * cfg.n_layer + 1), ("attention", 0)):
+        monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", mode)
+        got, texts = decode(cfg, params, tokens, 2)
+        assert [t.count("pallas_call") for t in texts] == [0] + [cfg.n_layer + gemvs] * 2
+        assert [t.count("name=decode_gemv") for t in texts] == [0, gemvs, gemvs]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, **tol)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -95,7 +98,7 @@ def test_auto_is_xla_on_a_cpu_and_bad_modes_are_one_line(monkeypatch):
     _, texts = decode(cfg, params, tokens, 1)
     assert "pallas_call" not in texts[1]
     monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "yes")
-    with pytest.raises(ValueError, match="FLAXGPT_DECODE_KERNELS='yes': use auto"):
+    with pytest.raises(ValueError, match="FLAXGPT_DECODE_KERNELS='yes': use auto .*, on, attention or off"):
         decode(cfg, params, tokens, 1)
 
 
@@ -109,7 +112,7 @@ def test_one_decision_a_step(monkeypatch):
     tokens = jax.random.randint(jax.random.key(1), (1, 3), 0, 61)
     monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "on")
     asked = []
-    monkeypatch.setattr(gpt, "decode_kernels", lambda rows: asked.append(rows) or False)
+    monkeypatch.setattr(gpt, "decode_kernels", lambda rows: asked.append(rows) or gpt.NO_KERNELS)
     _, texts = decode(cfg, params, tokens, 1)
     assert asked == [3, 1]  # the prefill's 3 rows, then the step's 1: once each, not per layer
     assert not any("pallas_call" in t for t in texts)
