@@ -10,8 +10,9 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
 2026-11-27 (H200): `--parts decode_llama8b,tests,hf_generate` (465 s), then at once on the warm machine
 `decode_gpt2`, `recipe,nanogpt` and `step` (58, 89 and 31 s): 797 s of device time with the start.
 The parts' limits now add up to ~35 minutes, and a session has 15 minutes of device time, the start
-included. The next lease: first `--parts sweep` (kernel_sweep, fp8_moe, grouped_moe, limits 420 s: the
-data to choose the GEMV kernels' tiles, the Mixtral layer's float8 rows and its Pallas grouped GEMM's),
+included. The next lease: first `--parts sweep` (kernel_sweep, decode_attention, fp8_moe, grouped_moe,
+limits 480 s: the data to choose the GEMV kernels' tiles and whether the attention kernel pays, the
+Mixtral layer's float8 rows and its Pallas grouped GEMM's),
 then on the warm machine `--parts decode_llama8b,decode_gpt2,decode_gpt2_kernels,decode_llama8b_pallas
 --llama_batches 1` (issue #54's decoding targets, the attention kernel alone beside XLA's path first;
 limits 620 s: more than one call and the session hold after its start, so the last part may find no
@@ -22,6 +23,10 @@ time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`)
   a call, GB/s and % of a measured copy ceiling; Mixtral-8x7B's expert product by the tiled grouped
   matmul, jax.lax.ragged_dot and dense dots. Rows: the ceiling, the best tiling per (kernel, shape)
   against the default and XLA, the MoE rows; every row in OUT/kernel_sweep.json
+- decode_attention: `benchmarks/decode_attention.py`: a decoding row's attention over its cache, XLA's
+  path against kernels/pallas_decode_attention.py, per call (32 layers' buffers a program), for the
+  Llama-3-8B and GPT-2 shapes at caches of 192-8192 positions: where the kernel (one program a
+  key/value head, no split over positions) gains and where it falls behind
 - recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
   metrics.jsonl (the trainer's own figures; steps after the first)
 - step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu`), GPT-2 124M, T 1024,
@@ -110,6 +115,7 @@ PARTS = {
     # 137 s on 2026-11-27; on 2026-11-29 batch 1's rows took 143 s and batch 64's bf16 compile ran out at
     # 170; bf16+attention (batch 1) added since
     "decode_llama8b": 270,
+    "decode_attention": 60,  # 6 (shape, cache, position) cases x 2 forms, 32 layers' calls a program
     "decode_llama8b_reduce": 110,  # batch 1, FLAXGPT_QMATMUL=reduce: the int8 products as row reductions
     "decode_llama8b_pallas": 130,  # batch 1, int8 and int4, FLAXGPT_QMATMUL=pallas (not yet run on a lease)
     "hf_generate": 150,
@@ -117,7 +123,8 @@ PARTS = {
 }
 # what one call of at most 10 minutes holds
 GROUPS = {
-    "sweep": ("kernel_sweep", "fp8_moe", "grouped_moe"),  # the next lease's first call (limits: 420 s)
+    # the next lease's first call (limits: 480 s)
+    "sweep": ("kernel_sweep", "decode_attention", "fp8_moe", "grouped_moe"),
     "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 570 s)
     "decode": ("decode_gpt2", "decode_gpt2_kernels", "decode_llama8b", "hf_generate"),  # ~8 min
     # ~6.5 min: the int8 / int4 GEMV kernels and the mixture's float8 layer (limits: 390 s; train has
@@ -244,6 +251,24 @@ def part_kernel_sweep(a) -> None:
             emit(part="kernel_sweep", what=f"MoE {r['what']}", result=result, step_ms=r.get("ms"))
     skipped = sum("budget" in r.get("error", "") for r in gemv)
     emit(part="kernel_sweep", what=f"{len(gemv)} GEMV rows, {skipped} skipped by the budget", result=out.name)
+
+
+def part_decode_attention(a) -> None:
+    """benchmarks/decode_attention.py: a decoding row's attention, XLA's path against the Pallas kernel
+    (FLAXGPT_DECODE_KERNELS=attention's), per call, at the lease's cache lengths and longer; a row per
+    (shape, S, pos), every row into OUT/decode_attention.json."""
+    out = a.out / "decode_attention.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/decode_attention.py"), f"--json={out}"]
+    done = subprocess.run(cmd + (["--dry_run"] if a.dry_run else []), cwd=ROOT)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    xla = {(r["shape"], r["S"], r["pos"]): r for r in rows if r["form"] == "xla"}
+    for r in (r for r in rows if r["form"] == "kernel"):
+        x = xla[r["shape"], r["S"], r["pos"]]
+        emit(part="decode_attention", what=f"{r['shape']} attention, cache {r['S']}, position {r['pos']}",
+             result=f"XLA {x['us']} us, kernel {r['us']} us a layer: {r['speedup']}x (err {r['err']})",
+             us=r["us"], xla_us=x["us"])  # fmt: skip
+    if done.returncode:
+        emit(part="decode_attention", what="decode_attention.py", result=f"exit {done.returncode}")
 
 
 def _random_data(path: Path, vocab: str, tokens: int) -> None:

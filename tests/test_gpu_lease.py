@@ -24,7 +24,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     cmd = [sys.executable, "benchmarks/gpu_lease.py", "--dry_run", "--out", str(out), "--work", str(work)]
     cmd += [
         "--parts",
-        "kernel_sweep,recipe,decode_gpt2,fused_loss,fp8_moe,nanogpt",
+        "kernel_sweep,decode_attention,recipe,decode_gpt2,fused_loss,fp8_moe,nanogpt",
         "--nanogpt_model",
         str(tmp_path / "absent.py"),
     ]
@@ -52,6 +52,12 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     assert sweep["20 GEMV rows, 0 skipped by the budget"]["result"] == "kernel_sweep.json"
     swept = json.loads((out / "kernel_sweep.json").read_text())
     assert all(r["ok"] for r in swept if r["section"] == "gemv")  # each tiling's output the float32 product's
+    # decode_attention.py's dry run: XLA's path and the kernel (interpreted) at 2 tiny cases, the same outputs
+    attention = [r["what"] for r in by_part["decode_attention"]]
+    assert attention == [f"tiny attention, cache {S}, position {p}" for S, p in ((64, 10), (128, 127))]
+    assert all(" us a layer: " in r["result"] and r["us"] > 0 for r in by_part["decode_attention"])
+    attention = json.loads((out / "decode_attention.json").read_text())
+    assert [r["ok"] for r in attention if r["form"] == "kernel"] == [True] * 2
     recipe = by_part["recipe"][0]
     assert recipe["tokens_per_s"] > 0 and recipe["step_ms"] > 0  # read back from the run's metrics.jsonl
     decodes = {r["what"]: r for r in by_part["decode_gpt2"]}
@@ -98,6 +104,21 @@ def test_the_sweeps_programs_compile_for_an_h100():
     assert moe["MoE jax.lax.ragged_dot"]["flops_x"] >= 1.0  # jaxlib 0.10.2: 4.0, every group over every row
     last = p.stdout.splitlines()[-1]
     assert last.startswith("23 programs compiled for h100-1 in ") and last.endswith(" s, 0 failed"), last
+
+
+def test_the_attention_programs_compile_for_an_h100_in_place():
+    """decode_attention.py --compile_for h100-1: every case's two programs compile; the kernel's is its
+    call and one q | k | v fusion a layer where XLA's path takes 3-6, and neither copies a cache
+    buffer (donated: written in place, as decoding's)."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    cmd = [sys.executable, "benchmarks/decode_attention.py", "--compile_for", "h100-1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    p = subprocess.run(cmd, cwd=ROOT, env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    assert len(rows) == 2 * 6 and not any(r["cache_copies"] for r in rows)
+    assert all(r["kernels_a_layer"] < 2.1 for r in rows if r["form"] == "kernel")
+    assert all(r["kernels_a_layer"] > 3 for r in rows if r["form"] == "xla")
 
 
 def test_a_part_out_of_time_is_one_row_and_leaves_nothing_running(tmp_path, monkeypatch):
