@@ -11,8 +11,8 @@ masked past the position, softmax, p . v: 5-7 kernels a layer) or as kernels/pal
 (one kernel reading only the positions up to the row's). For the Llama-3-8B shape (8 key/value heads
 of 4 query heads, K 128) and GPT-2 124M's (12 heads, K 64), caches of S positions with the row at
 `pos`: the lease's decode parts run S = 192 / 320 at positions up to 143 / 271; serving and long
-prompts run longer caches, where XLA's path reads all S positions a call and the kernel, a program a
-key/value head walking its positions alone (no split over them), may fall behind.
+prompts run longer caches, where XLA's path reads all S positions a call and the kernel reads those up
+to pos, a program a key/value head and range of SPAN (1,024) positions, the ranges merged after.
 
 Method: one jitted program of LAYERS calls, each on its own layer's cache buffers (a token's layers:
 no two calls share a buffer, so none is in cache for another), the buffers donated and carried from
@@ -25,7 +25,7 @@ output is checked against XLA's (`err`, relative, bf16). Rows on stdout; every r
 prints the kernels a layer (flaxgpt.aot.hlo_cost) and the cache buffers copied (none: the donated
 buffers are written in place); on 2026-11-30 (jax 0.10.2): XLA's path 5 kernels a layer at S 192, 6 at
 8192 (p . v split over K, then summed), GPT-2's 3.2; the kernel 2 (its call, and q | k | v written as
-one array, which in the model is rope's fusion).
+one array, which in the model is rope's fusion; at 8192 its ranges' merge fused with the outputs' stack).
 """
 
 from __future__ import annotations

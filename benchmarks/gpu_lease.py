@@ -25,8 +25,8 @@ time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`)
   against the default and XLA, the MoE rows; every row in OUT/kernel_sweep.json
 - decode_attention: `benchmarks/decode_attention.py`: a decoding row's attention over its cache, XLA's
   path against kernels/pallas_decode_attention.py, per call (32 layers' buffers a program), for the
-  Llama-3-8B and GPT-2 shapes at caches of 192-8192 positions: where the kernel (one program a
-  key/value head, no split over positions) gains and where it falls behind
+  Llama-3-8B and GPT-2 shapes at caches of 192-8192 positions: where the kernel (a program a key/value
+  head and range of 1,024 positions) gains and where it falls behind
 - recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
   metrics.jsonl (the trainer's own figures; steps after the first)
 - step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu`), GPT-2 124M, T 1024,

@@ -117,7 +117,11 @@ def test_the_attention_programs_compile_for_an_h100_in_place():
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     rows = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     assert len(rows) == 2 * 6 and not any(r["cache_copies"] for r in rows)
-    assert all(r["kernels_a_layer"] < 2.1 for r in rows if r["form"] == "kernel")
+    # caches over SPAN positions: their ranges' softmax terms merged by XLA after the kernel, a kernel more
+    # at most (here fused with the program's stack of the outputs)
+    from flaxgpt.kernels.pallas_decode_attention import SPAN
+
+    assert all(r["kernels_a_layer"] < (2.1 if r["S"] <= SPAN else 3.1) for r in rows if r["form"] == "kernel")
     assert all(r["kernels_a_layer"] > 3 for r in rows if r["form"] == "xla")
 
 

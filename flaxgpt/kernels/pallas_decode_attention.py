@@ -22,9 +22,11 @@ scale; softmax in float32, the probabilities rounded to v's dtype for p . v; the
 dtype. The cache buffers are the call's outputs too (input_output_aliases): written in
 place, never copied.
 
-A program walks its row's positions alone (no split over them, as flash-decoding's): latency-bound on
-a long cache with few key/value heads, which is why XLA's path stays the default until a lease
-measures it (gpu_lease.py's `+attention` rows).
+A cache longer than SPAN positions is split into ranges, a program each (flash-decoding's split: the
+Llama-3-8B shape's 8 key/value heads over 8192 positions are 64 programs, not 8 walking 128 blocks
+alone), each writing its softmax terms (max, sum, weighted values; the first range also the new key's)
+for XLA to merge after. XLA's path stays the default until a lease measures this against it
+(benchmarks/decode_attention.py; gpu_lease.py's `+attention` rows).
 
 Who calls it and when: models/cache.py (ContiguousLayer.attend) where models.linear.decode_kernels takes
 the attention kernel (FLAXGPT_DECODE_KERNELS=on or attention), without a window or the attention weights
@@ -45,6 +47,11 @@ from flaxgpt.kernels import pallas_decode
 BLOCK_S = 64  # cache positions a step: a [64, K] tile of keys and one of values
 AHEAD = 2  # blocks whose loads are in flight ahead of the one being summed
 MIN_ROWS = 16  # rows of a tensor-core product (Triton's dot): fewer query heads are repeated to it
+# cache positions a program walks at most (a multiple of BLOCK_S): a longer cache is split over
+# programs whose partial softmaxes (max, sum, weighted values) XLA merges after, flash-decoding's
+# split, so a long cache's few key/value heads (the Llama-3-8B shape's 8) are not 8 programs walking
+# every position alone; caches up to SPAN (the lease's decoding: 192-320) are one program a row
+SPAN = 1024
 _NEG = -1e30  # a masked logit: finite, so a fully masked block gives exp(-inf + inf) nowhere
 
 
@@ -61,13 +68,16 @@ def why_not(N: int, G: int, S: int, K: int) -> str:
     return ""
 
 
-def attend(qkv_BCK, pos_B, k_NSK, v_NSK, *, scale: float, softcap: float = 0.0, interpret=False):
+def attend(
+    qkv_BCK, pos_B, k_NSK, v_NSK, *, scale: float, softcap: float = 0.0, span: int = SPAN, interpret=False
+):
     """(y [B, H, K] in q's dtype, keys [N, S, K], values [N, S, K]): each key/value head's new key and
     value written at its sequence's position (dropped where >= S), then softmax(scale * q . k) . v
     over positions <= it. qkv_BCK: sequence b's H query heads, then its J keys, then its J values
     (C = H + 2J), as one array: the product's columns q | k | v as they lie, or rope's one fusion
     writing them (a kernel a layer where three arrays took three); its J cache rows are consecutive
-    (N = B * J), and query heads j*G .. j*G+G-1 read key/value head j."""
+    (N = B * J), and query heads j*G .. j*G+G-1 read key/value head j. A cache longer than `span`
+    positions is split into ceil(S / span) ranges, a program each, merged after by XLA."""
     B, C, K = qkv_BCK.shape
     N, S = k_NSK.shape[:2]
     J = N // B
@@ -79,28 +89,43 @@ def attend(qkv_BCK, pos_B, k_NSK, v_NSK, *, scale: float, softcap: float = 0.0, 
     if why:
         raise ValueError(f"decode attention cannot take q|k|v {qkv_BCK.shape} over a cache {k_NSK.shape}: "
                          f"{why}; FLAXGPT_DECODE_KERNELS=off keeps XLA's path")  # fmt: skip
-    kernel = functools.partial(_kernel, S, min(BLOCK_S, S), float(scale), float(softcap), J, H // J)
-    shapes = (
-        jax.ShapeDtypeStruct((B, H, K), qkv_BCK.dtype),
-        jax.ShapeDtypeStruct(k_NSK.shape, k_NSK.dtype),
-        jax.ShapeDtypeStruct(v_NSK.shape, v_NSK.dtype),
-    )
+    bs, G = min(BLOCK_S, S), H // J
+    parts = -(-S // span)
+    if parts > 1 and span % bs:
+        raise ValueError(f"decode attention: span={span} is not a multiple of the block of {bs} positions")
+    blocks_per = span // bs if parts > 1 else -(-S // bs)
+    kernel = functools.partial(_kernel, S, bs, blocks_per, parts, float(scale), float(softcap), J, G)
+    f32 = jnp.float32
+    if parts == 1:  # y
+        shapes = [jax.ShapeDtypeStruct((B, H, K), qkv_BCK.dtype)]
+    else:  # each range's max and sum of exp(logit - max) [N, parts, G], its weighted values [N, parts, G, K]
+        shapes = [jax.ShapeDtypeStruct((N, parts, G), f32)] * 2 + [
+            jax.ShapeDtypeStruct((N, parts, G, K), f32)
+        ]
+    caches = [jax.ShapeDtypeStruct(k_NSK.shape, k_NSK.dtype), jax.ShapeDtypeStruct(v_NSK.shape, v_NSK.dtype)]
     call = pl.pallas_call(
         kernel,
-        grid=(N,),
-        out_shape=shapes,
-        input_output_aliases={2: 1, 3: 2},  # the caches, updated in place
+        grid=(N, parts),
+        out_shape=(*shapes, *caches),
+        input_output_aliases={2: len(shapes), 3: len(shapes) + 1},  # the caches, updated in place
         compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),  # its loads queued by the kernel
         interpret=interpret,
         name="decode_attention",
     )
-    return call(qkv_BCK, pos_B.astype(jnp.int32), k_NSK, v_NSK)
+    *out, k_NSK, v_NSK = call(qkv_BCK, pos_B.astype(jnp.int32), k_NSK, v_NSK)
+    if parts == 1:
+        return out[0], k_NSK, v_NSK
+    top_NPG, total_NPG, acc_NPGK = out  # merged: each range's terms rescaled to the largest max
+    fade_NPG = jnp.exp(top_NPG - jnp.max(top_NPG, axis=1, keepdims=True))
+    y_NGK = jnp.sum(acc_NPGK * fade_NPG[..., None], axis=1) / jnp.sum(total_NPG * fade_NPG, axis=1)[..., None]
+    return y_NGK.astype(qkv_BCK.dtype).reshape(B, H, K), k_NSK, v_NSK
 
 
-def _kernel(S, bs, scale, softcap, J, G, qkv_ref, pos_ref, kc_ref, vc_ref, y_ref, ko_ref, vo_ref):
+def _kernel(S, bs, blocks_per, parts, scale, softcap, J, G, qkv_ref, pos_ref, kc_ref, vc_ref, *out_refs):
     del kc_ref, vc_ref  # the same buffers as ko_ref, vo_ref (aliased): read and written through those
+    *out_refs, ko_ref, vo_ref = out_refs
     f32 = jnp.float32
-    n = pl.program_id(0)
+    n, part = pl.program_id(0), pl.program_id(1)  # part: which range of the cache's positions
     b, j, H = n // J, n % J, G * J
     pos = pos_ref[b]
     q = qkv_ref[b, pl.ds(j * G, G), :]  # [G, K]
@@ -117,7 +142,10 @@ def _kernel(S, bs, scale, softcap, J, G, qkv_ref, pos_ref, kc_ref, vc_ref, y_ref
         dims = (((1,), (contract_b,)), ((), ()))
         return jax.lax.dot_general(a, b, dims, precision=exact, preferred_element_type=f32)
 
-    @pl.when(pos < S)
+    # the first range's program writes the new key and value, and counts them
+    new = (pos < S) & (part == 0)
+
+    @pl.when(new)
     def _write():
         ko_ref[n, pl.ds(pos, 1), :] = kn[None, :].astype(ko_ref.dtype)
         vo_ref[n, pl.ds(pos, 1), :] = vn[None, :].astype(vo_ref.dtype)
@@ -127,14 +155,14 @@ def _kernel(S, bs, scale, softcap, J, G, qkv_ref, pos_ref, kc_ref, vc_ref, y_ref
         return softcap * jnp.tanh(s / softcap) if softcap else s
 
     # the new key first (rounded as the cache holds it, then to q's dtype), then the positions before pos
-    new = pos < S
     kn_q = kn.astype(ko_ref.dtype).astype(q.dtype).astype(f32)
     top = jnp.where(new, logits(jnp.sum(q_RK.astype(f32) * kn_q[None, :], axis=1)), _NEG)  # [R]
     total = jnp.where(new, jnp.ones_like(top), jnp.zeros_like(top))
     acc = total[:, None] * vn.astype(vo_ref.dtype).astype(f32)[None, :]  # [R, K]
     before = jnp.minimum(pos, S)
 
-    blocks = pl.cdiv(before, bs)
+    lo = part * blocks_per
+    hi = jnp.minimum(lo + blocks_per, pl.cdiv(before, bs))  # this range's blocks before pos (maybe none)
 
     def tiles(j):  # block j's keys and values as the cache holds them
         rows = pl.ds(j * bs, bs)
@@ -153,9 +181,13 @@ def _kernel(S, bs, scale, softcap, J, G, qkv_ref, pos_ref, kc_ref, vc_ref, y_ref
 
     # AHEAD blocks' keys and values in flight while a block waits on its own (pallas_decode.pipelined):
     # a program's blocks are one DRAM round trip after another otherwise; where no position precedes
-    # pos, block 0 is read and unused (S >= bs)
-    top, total, acc = pallas_decode.pipelined(0, blocks, AHEAD, tiles, step, (top, total, acc))
-    y_RK = acc / total[:, None]
+    # pos in this range, its first block is read and unused (lo < the cache's blocks)
+    top, total, acc = pallas_decode.pipelined(lo, hi, AHEAD, tiles, step, (top, total, acc))
     # one of the equal copies: their max, since Pallas' Triton lowering has no slice of a value
-    y_GK = y_RK if G == R else jnp.max(y_RK.reshape(R // G, G, K), axis=0)
-    y_ref[b, pl.ds(j * G, G), :] = y_GK.astype(y_ref.dtype)
+    one = lambda x_R: x_R if G == R else jnp.max(x_R.reshape(R // G, G, *x_R.shape[1:]), axis=0)  # noqa: E731
+    if parts == 1:
+        y_ref = out_refs[0]
+        y_ref[b, pl.ds(j * G, G), :] = one(acc / total[:, None]).astype(y_ref.dtype)
+    else:
+        top_ref, total_ref, acc_ref = out_refs
+        top_ref[n, part, :], total_ref[n, part, :], acc_ref[n, part, :, :] = one(top), one(total), one(acc)

@@ -190,6 +190,10 @@ GEMVS = {  # a product each kernel takes at batch 1: (the call, its operands' sh
         lambda qkv, pos, kc, vc: pallas_decode_attention.attend(qkv, pos, kc, vc, scale=0.125),
         [((1, 36, 64), BF16), ((1,), jnp.dtype(jnp.int32))] + [((12, 1024, 64), BF16)] * 2,
     ),
+    "attention 8B": (  # the Llama-3-8B shape's 8 key/value heads of 4 over 8192 positions: 8 ranges a head
+        lambda qkv, pos, kc, vc: pallas_decode_attention.attend(qkv, pos, kc, vc, scale=128**-0.5),
+        [((1, 48, 128), BF16), ((1,), jnp.dtype(jnp.int32))] + [((8, 8192, 128), BF16)] * 2,
+    ),
 }
 
 
@@ -208,13 +212,23 @@ def test_gemv_loops_load_steps_ahead_without_spills(tmp_path, what):
     # 4 + 1, int4's weights and scales of 2 groups, the attention's 4 of a key and a value block at 8
     # warps; it also reads q, the new key and value, pos first): two steps' before the loop (3 stages;
     # the attention's AHEAD) where the loop as the lease timed it had none
-    queued = {"bf16 [K, N] + residual": 5, "bf16 rows": 3, "int8": 5, "int4": 4, "attention": 4}[what]
+    queued = {
+        "bf16 [K, N] + residual": 5,
+        "bf16 rows": 3,
+        "int8": 5,
+        "int4": 4,
+        "attention": 4,
+        "attention 8B": 8,
+    }
+    queued = queued[what]
     assert prologue >= 2 * queued, (what, prologue)
     first_math = next(i for i, line in enumerate(loop) if re.match(r"(fma|mul|add)\.(rn\.)?f32", line))
     assert sum("ld.global" in line for line in loop[:first_math]) >= queued, what
     shuffles = sum(line.startswith("shfl") for line in loop)
     if what.startswith("bf16"):
         assert shuffles == 0, what
-    if what == "attention":  # q . k and p . v on the tensor cores, not multiplies summed across threads
+    if what.startswith(
+        "attention"
+    ):  # q . k and p . v on the tensor cores, not multiplies summed across threads
         assert any(line.startswith("mma.sync") for line in loop) and shuffles <= 40, shuffles
     assert not spills(ptx), what

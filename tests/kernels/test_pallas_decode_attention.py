@@ -69,6 +69,31 @@ def test_equals_float64_reference(N, G, S, K, pos, softcap, dtype, B):
         np.testing.assert_array_equal(np.asarray(g, np.float64), w)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "N,G,S,K,pos,B",
+    [
+        (2, 4, 128, 32, [100, 130], 2),  # 2 ranges of 64; 130 >= S: dropped, both ranges attended
+        (4, 1, 320, 16, [200], 1),  # 5 ranges, the last 3 past pos: no positions, merged as nothing
+        (4, 2, 320, 16, [319, 63, 64, 0], 4),  # all 5; only the first; the second's first; the new key
+    ],
+)
+def test_a_long_cache_split_into_ranges_equals_the_reference(N, G, S, K, pos, B, dtype):
+    """span: a cache longer than it split into ranges of `span` positions, a program each, their softmax
+    terms merged after (flash-decoding's split): the float64 reference, whichever ranges hold pos."""
+    ks = jax.random.split(jax.random.key(S + K), 5)
+    q = jax.random.normal(ks[0], (N, G, K)).astype(dtype)
+    kn, vn = (jax.random.normal(k, (N, K)).astype(dtype) for k in ks[1:3])
+    kc, vc = (jax.random.normal(k, (N, S, K)).astype(dtype) for k in ks[3:5])
+    pos = jnp.asarray(pos, jnp.int32)
+    want = reference(q, kn, vn, jnp.repeat(pos, N // B), kc, vc, K**-0.5, 0.0)
+    got = attend(packed(q, kn, vn, B), pos, kc, vc, scale=K**-0.5, span=64, interpret=True)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=0.03, rtol=0.03)
+    np.testing.assert_allclose(np.asarray(got[0], np.float64).reshape(N, G, K), want[0], **tol)
+    for g, w in zip(got[1:], want[1:]):  # each new key and value written once, by its first range
+        np.testing.assert_array_equal(np.asarray(g, np.float64), w)
+
+
 def test_shapes_it_cannot_take_are_one_line():
     assert why_not(2, 2, 64, 16) == "" and "powers of two" in why_not(2, 3, 64, 16)
     qkv, cache = jnp.ones((2, 3, 24)), jnp.ones((2, 64, 24))
@@ -93,6 +118,15 @@ def test_shapes_it_cannot_take_are_one_line():
             jnp.ones((6, 64, 16)),
             jnp.ones((6, 64, 16)),
             scale=1.0,
+        )
+    with pytest.raises(ValueError, match=r"^decode attention: span=96 is not a multiple of the block of 64"):
+        attend(
+            jnp.ones((1, 3, 16)),
+            jnp.zeros(1, jnp.int32),
+            jnp.ones((1, 128, 16)),
+            jnp.ones((1, 128, 16)),
+            scale=1.0,
+            span=96,
         )
 
 
