@@ -105,7 +105,10 @@ def token_stats(
 def pick_impl(n_tokens: int, n_features: int, vocab_size: int) -> str:
     """ "xla", unless FLAXGPT_XENT=pallas asks for the Triton kernels (pallas_xent: opt-in, its
     docstring says why) and the program is for one GPU (kernels.target) whose shapes the tiles cover."""
-    if os.environ.get("FLAXGPT_XENT", "xla") != "pallas" or target.platform() != "gpu":
+    mode = os.environ.get("FLAXGPT_XENT", "xla")
+    if mode not in ("xla", "pallas"):
+        raise ValueError(f"FLAXGPT_XENT={mode!r}: use xla (the default) or pallas (Triton kernels, one GPU)")
+    if mode != "pallas" or target.platform() != "gpu":
         return "xla"
     # XLA cannot split a Pallas call over devices (it would gather every row onto each): one GPU only
     mesh = jax.sharding.get_abstract_mesh()

@@ -16,9 +16,9 @@ int4 weights take kernels.int4's XLA form (the C++ kernel reads int8 and bf16 on
 rows on one GPU, which take kernels.pallas_qgemv's Triton GEMV where it tiles the shape: measured on an
 H200 (2026-11-29, docs/accelerators.md), the Llama-3-8B shape at batch 1 decoded 134 tok/s with it and
 42 with XLA's unpack-then-dot form. int8 keeps XLA's fusion there (212 tok/s against the GEMV's 173).
-FLAXGPT_QMATMUL=pallas sends int8 and int4 decoding rows through pallas_qgemv on any platform (Pallas'
-interpreter off GPUs: a check, not a speed-up); FLAXGPT_QMATMUL=xla keeps XLA's forms everywhere.
-`route` is the one rule.
+FLAXGPT_QMATMUL=pallas sends int8 and int4 decoding rows through pallas_qgemv on any platform, one
+device (Pallas' interpreter off GPUs: a check, not a speed-up); FLAXGPT_QMATMUL=xla keeps XLA's forms
+everywhere. `route` is the one rule.
 "Other backends" means the devices the program is traced for (kernels.target: the mesh context's, else
 this host's), so a program compiled ahead of time for a TPU or a GPU on this CPU holds no CPU custom call.
 """
@@ -108,9 +108,13 @@ def route(M: int, N: int, K: int, wdtype, group: int = 0) -> str:
     multiply-reduce, int8 / bf16 decoding rows off CPUs) or "dense" (int8 / bf16: the CPU kernel or
     XLA's dot, below). group: int4's group size (0 for int8 / bf16)."""
     mode = os.environ.get("FLAXGPT_QMATMUL", "")
+    if mode not in ("", "pallas", "reduce", "xla"):
+        raise ValueError(
+            f"FLAXGPT_QMATMUL={mode!r}: use pallas, reduce or xla, or leave it unset (the default)"
+        )
     int4 = jnp.dtype(wdtype) == jnp.uint8
     tiles = jnp.dtype(wdtype) in (jnp.int8, jnp.uint8) and not pallas_qgemv.why_not(M, N, K, group)
-    if tiles and mode == "pallas":
+    if tiles and mode == "pallas" and target.one_device():
         return "pallas"
     # int4 on one GPU: the GEMV, 3.2x XLA's unpack-then-dot on the 8B shape (module docstring)
     if tiles and int4 and not mode and target.platform() == "gpu" and target.one_device():

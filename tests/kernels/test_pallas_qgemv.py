@@ -8,6 +8,7 @@ why; FLAXGPT_QMATMUL=pallas routes qmatmul through it."""
 import functools
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,6 +84,15 @@ def test_opt_in_routes_qmatmul_through_the_kernel(monkeypatch):
         got = np.asarray(qmatmul.qmatmul(jnp.asarray(x), q.w, q.scale))
         assert np.abs(got - reference(x, q)).max() / np.abs(reference(x, q)).max() < TOL
     assert calls == [{"interpret": True}]
+    # a program traced over several devices keeps XLA's form (XLA cannot split a custom call)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))
+    with jax.set_mesh(mesh):
+        assert qmatmul.route(2, 64, 256, jnp.uint8, 64) == "int4"
+    assert qmatmul.route(2, 64, 256, jnp.uint8, 64) == "pallas"
+    # a misspelt mode: one line, not the default route silently
+    monkeypatch.setenv("FLAXGPT_QMATMUL", "palas")
+    with pytest.raises(ValueError, match=r"^FLAXGPT_QMATMUL='palas': use pallas, reduce or xla, or leave"):
+        qmatmul.qmatmul(jnp.asarray(x), q.w, q.scale)
 
 
 @pytest.mark.parametrize(

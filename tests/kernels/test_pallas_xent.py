@@ -56,6 +56,11 @@ def test_the_rule_picks_xla_unless_asked_on_one_gpu(monkeypatch):
     assert linear_xent.pick_impl(128, 768, 50257) == "xla"
     monkeypatch.setenv("FLAXGPT_XENT", "pallas")
     assert linear_xent.pick_impl(128, 768, 50257) == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    monkeypatch.setenv(
+        "FLAXGPT_XENT", "triton"
+    )  # a value it does not know: one line, not XLA's form silently
+    with pytest.raises(ValueError, match=r"^FLAXGPT_XENT='triton': use xla \(the default\) or pallas"):
+        linear_xent.pick_impl(128, 768, 50257)
     x, w, t = np.zeros((100, 128), np.float32), np.zeros((128, 200), np.float32), np.zeros(100, np.int32)
     with pytest.raises(
         ValueError, match="cannot tile 100 tokens x 128 features x 200 words .*use impl='xla'"
