@@ -95,39 +95,23 @@ def test_a_long_cache_split_into_ranges_equals_the_reference(N, G, S, K, pos, B,
 
 
 def test_shapes_it_cannot_take_are_one_line():
+    def attend_ones(B, C, N, S=64, K=16, **kw):  # q|k|v [B, C, K] over caches [N, S, K]
+        cache = jnp.ones((N, S, K))
+        return attend(jnp.ones((B, C, K)), jnp.zeros(B, jnp.int32), cache, cache, scale=1.0, **kw)
+
     assert why_not(2, 2, 64, 16) == "" and "powers of two" in why_not(2, 3, 64, 16)
-    qkv, cache = jnp.ones((2, 3, 24)), jnp.ones((2, 64, 24))
     with pytest.raises(ValueError, match=r"head dim K=24 must be powers of two.*FLAXGPT_DECODE_KERNELS=off"):
-        attend(qkv, jnp.zeros(2, jnp.int32), cache, cache, scale=1.0)
+        attend_ones(2, 3, 2, K=24)
     assert (
         why_not(1, 1, 80, 16) == "cache length S=80 must be >= 16 and a multiple of 64 (or smaller than it)"
     )
-    # 6 cache rows for 4 sequences; 3 key/value heads a sequence with 4 query heads (3 does not divide 4)
+    # 4 sequences over 6 cache rows (not a multiple); 2 over 6 (J 3) with C 10: H 4, which 3 does not divide
     with pytest.raises(ValueError, match=r"^decode attention: q\|k\|v \(4, 3, 16\) of 4 sequences over 6"):
-        attend(
-            jnp.ones((4, 3, 16)),
-            jnp.zeros(4, jnp.int32),
-            jnp.ones((6, 64, 16)),
-            jnp.ones((6, 64, 16)),
-            scale=1.0,
-        )
+        attend_ones(4, 3, 6)
     with pytest.raises(ValueError, match=r"N must be B x J and C = H \+ 2J with J dividing H$"):
-        attend(
-            jnp.ones((2, 10, 16)),
-            jnp.zeros(2, jnp.int32),
-            jnp.ones((6, 64, 16)),
-            jnp.ones((6, 64, 16)),
-            scale=1.0,
-        )
+        attend_ones(2, 10, 6)
     with pytest.raises(ValueError, match=r"^decode attention: span=96 is not a multiple of the block of 64"):
-        attend(
-            jnp.ones((1, 3, 16)),
-            jnp.zeros(1, jnp.int32),
-            jnp.ones((1, 128, 16)),
-            jnp.ones((1, 128, 16)),
-            scale=1.0,
-            span=96,
-        )
+        attend_ones(1, 3, 1, S=128, span=96)
 
 
 def test_a_position_a_sequence_serves_its_heads():
