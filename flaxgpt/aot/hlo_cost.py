@@ -214,6 +214,16 @@ class _Model:
         return float(sum(operand_bytes) + out), flops
 
 
+def loop_body(hlo: str) -> str:
+    """The name of the body of the entry computation's one while loop (a decode call's token loop:
+    `estimate(hlo, ..., computation=loop_body(hlo))` is a token's kernels)."""
+    comps, entry = parse(hlo)
+    bodies = [_called(i.attrs, "body") for i in comps[entry] if i.op == "while"]
+    if len(bodies) != 1:
+        raise ValueError(f"the entry computation has {len(bodies)} while loops, not one")
+    return bodies[0][0]
+
+
 def estimate(
     hlo: str,
     peak_flops: float,

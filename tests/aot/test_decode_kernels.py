@@ -36,8 +36,7 @@ def compile_sample(tmp_path, mode, monkeypatch, quantize=None):
 def token_loop(hlo: str, branch=max):
     """The decode call's while body (its token loop): (its name, computations, its hlo_cost a token,
     each conditional counted by its `branch`: max, its largest; min, what runs when no row needs it)."""
-    comps, entry = hlo_cost.parse(hlo)
-    (body,) = [re.search(r"body=%?([\w.\-]+)", i.attrs).group(1) for i in comps[entry] if i.op == "while"]
+    comps, body = hlo_cost.parse(hlo)[0], hlo_cost.loop_body(hlo)
     return body, comps, hlo_cost.estimate(hlo, 989e12, 3.35e12, computation=body, branch=branch)
 
 

@@ -108,6 +108,15 @@ def test_loop_trips_in_place_updates_slices_and_branches():
     assert "neg" in fewest and not {"e", "l"} & set(fewest) and fewest["mm"].count == 12
 
 
+def test_the_loop_body_is_a_token_and_costs_one_trip():
+    """loop_body: the entry's one while loop's body (a decode call's token loop); costed alone, one trip
+    of its kernels (the three and the counter's add); no while loop, or two, is one line."""
+    assert hlo_cost.loop_body(HLO) == "body"
+    assert hlo_cost.estimate(HLO, 1e12, 1e9, computation="body").kernels == 4
+    with pytest.raises(ValueError, match=r"^the entry computation has 0 while loops, not one$"):
+        hlo_cost.loop_body(HLO.replace("while(%init)", "tuple(%init)"))
+
+
 def test_a_loop_of_unknown_length_counts_once():
     hlo = HLO.replace(', backend_config={"known_trip_count":{"n":"12"}}', "")
     assert hlo_cost.estimate(hlo, 1e12, 1e9).kernels == 4 + 2
