@@ -63,8 +63,8 @@ def why_not(N: int, G: int, S: int, K: int) -> str:
     """'' when the kernel takes q [N, G, K] over a cache [N, S, K], else why not."""
     if not (_pow2(G) and _pow2(K) and K >= 16):
         return f"G={G} query heads a key/value head and head dim K={K} must be powers of two (K >= 16)"
-    if S % min(BLOCK_S, S) or S < 16:
-        return f"cache length S={S} must be >= 16 and a multiple of {BLOCK_S} (or smaller than it)"
+    if S % BLOCK_S if S >= BLOCK_S else not (_pow2(S) and S >= 16):  # a block is a Triton tile: 2^n rows
+        return f"cache length S={S} must be a multiple of {BLOCK_S}, or a power of two from 16 below it"
     return ""
 
 

@@ -1,7 +1,8 @@
-"""kernels.pallas_decode in Pallas interpret mode: norm + GEMV + bias + activation + residual against
-a float64 reference, over shapes whose last channel and input blocks overlap the ones before, in
-float32 and bfloat16, with the default tiling and others (benchmarks/kernel_sweep.py's); shapes it
-cannot take and tilings that do not fit are refused in one line."""
+"""kernels.pallas_decode (Pallas' interpreter on a CPU, compiled on a GPU): norm + GEMV + bias +
+activation + residual against a float64 reference, over shapes whose last channel and input blocks
+overlap the ones before, in float32 and bfloat16, with the default tiling and others
+(benchmarks/kernel_sweep.py's); shapes it cannot take and tilings that do not fit are refused in one
+line."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +10,9 @@ import numpy as np
 import pytest
 
 from flaxgpt.kernels.pallas_decode import MAX_ROWS, Norm, Tiles, gemv, normalize, why_not
+
+# Pallas' interpreter on a CPU; on a GPU (a lease's `tests` part) the compiled Triton kernels
+INTERPRET = jax.default_backend() != "gpu"
 
 
 def gelu64(y):
@@ -58,7 +62,7 @@ def test_equals_float64_reference(M, K, N, kind, act, res, dtype):
         norm = Norm(kind.split("_")[0], 1 + 0.1 * jax.random.normal(k[3], (K,)), beta, 1e-5)
     r = jax.random.normal(k[5], (M, N)).astype(dtype) if res else None
     activation = (lambda y: jax.nn.gelu(y, approximate=True)) if act else None
-    got = gemv(x, w, b, norm=norm, activation=activation, residual_MN=r, interpret=True)
+    got = gemv(x, w, b, norm=norm, activation=activation, residual_MN=r, interpret=INTERPRET)
     assert got.shape == (M, N) and got.dtype == jnp.dtype(dtype)
     want = reference(x, w, b, norm, activation, r)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=0.05, rtol=0.02)
@@ -75,16 +79,16 @@ def test_a_weight_given_as_rows_is_its_transpose(M, K, N, kind, dtype):
     table = (jax.random.normal(k[1], (N, K)) / np.sqrt(K)).astype(dtype)
     beta = 0.1 * jax.random.normal(k[3], (K,)) if kind == "layernorm" else None
     norm = Norm(kind, 1 + 0.1 * jax.random.normal(k[2], (K,)), beta, 1e-5)
-    got = gemv(x, table, norm=norm, rows_w=True, interpret=True)
+    got = gemv(x, table, norm=norm, rows_w=True, interpret=INTERPRET)
     assert got.shape == (M, N) and got.dtype == jnp.dtype(dtype)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=0.05, rtol=0.02)
     np.testing.assert_allclose(
         np.asarray(got, np.float64), reference(x, table.T, None, norm, None, None), **tol
     )
-    same = gemv(x, table.T, norm=norm, interpret=True)
+    same = gemv(x, table.T, norm=norm, interpret=INTERPRET)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(same, np.float32), **tol)
     with pytest.raises(ValueError, match=r"disagree on K"):
-        gemv(x, table.T, rows_w=True, interpret=True)
+        gemv(x, table.T, rows_w=True, interpret=INTERPRET)
 
 
 def test_normalize_is_flax_layernorm_and_rmsnorm():
@@ -102,11 +106,11 @@ def test_shapes_it_cannot_take_are_one_line():
     assert why_not(MAX_ROWS, 32, 32) == "" and "prefill" in why_not(MAX_ROWS + 1, 32, 32)
     x, w = jnp.ones((MAX_ROWS + 1, 32)), jnp.ones((32, 32))
     with pytest.raises(ValueError, match=r"9 rows > MAX_ROWS 8 .*FLAXGPT_DECODE_KERNELS=off"):
-        gemv(x, w, interpret=True)
+        gemv(x, w, interpret=INTERPRET)
     with pytest.raises(ValueError, match=r"side < 16"):
-        gemv(jnp.ones((1, 32)), jnp.ones((32, 8)), interpret=True)
+        gemv(jnp.ones((1, 32)), jnp.ones((32, 8)), interpret=INTERPRET)
     with pytest.raises(ValueError, match=r"dtype int8"):
-        gemv(jnp.ones((1, 32), jnp.int8), jnp.ones((32, 32)), interpret=True)
+        gemv(jnp.ones((1, 32), jnp.int8), jnp.ones((32, 32)), interpret=INTERPRET)
 
 
 @pytest.mark.parametrize(
@@ -132,13 +136,13 @@ def test_every_tiling_gives_the_reference(M, K, N, tiles, rows_w):
         "layernorm", 1 + 0.1 * jax.random.normal(k[3], (K,)), 0.1 * jax.random.normal(k[4], (K,)), 1e-5
     )
     given = w.T if rows_w else w
-    got = gemv(x, given, b, norm=norm, residual_MN=r, rows_w=rows_w, tiles=tiles, interpret=True)
+    got = gemv(x, given, b, norm=norm, residual_MN=r, rows_w=rows_w, tiles=tiles, interpret=INTERPRET)
     want = reference(x, w, b, norm, None, r)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-5, rtol=2e-5)
     x16, w16 = x.astype(jnp.bfloat16), given.astype(jnp.bfloat16)
-    got16 = gemv(x16, w16, rows_w=rows_w, tiles=tiles, interpret=True).astype(jnp.float32)
+    got16 = gemv(x16, w16, rows_w=rows_w, tiles=tiles, interpret=INTERPRET).astype(jnp.float32)
     np.testing.assert_allclose(
-        got16, gemv(x16, w16, rows_w=rows_w, interpret=True).astype(jnp.float32), atol=0.02, rtol=0.02
+        got16, gemv(x16, w16, rows_w=rows_w, interpret=INTERPRET).astype(jnp.float32), atol=0.02, rtol=0.02
     )
 
 
@@ -157,4 +161,4 @@ def test_a_tiling_that_does_not_fit_is_one_line(tiles, message):
     with pytest.raises(
         ValueError, match=r"^decode gemv: tiles \(.*\) do not fit w \[32, 64\]: " + message + "$"
     ):
-        gemv(jnp.ones((1, 32)), jnp.ones((32, 64)), tiles=tiles, interpret=True)
+        gemv(jnp.ones((1, 32)), jnp.ones((32, 64)), tiles=tiles, interpret=INTERPRET)

@@ -1,7 +1,7 @@
-"""kernels.pallas_decode_attention in Pallas interpret mode: the step's key and value written into the
-cache (in place; positions >= S dropped) and attention over positions <= pos, against a float64
-reference, for grouped heads, several blocks of the cache, a soft-cap, float32 and bfloat16; q, k and
-v handed over as one array, each sequence's heads q | k | v."""
+"""kernels.pallas_decode_attention (Pallas' interpreter on a CPU, compiled on a GPU): the step's key
+and value written into the cache (in place; positions >= S dropped) and attention over positions <=
+pos, against a float64 reference, for grouped heads, several blocks of the cache, a soft-cap, float32
+and bfloat16; q, k and v handed over as one array, each sequence's heads q | k | v."""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 from flaxgpt.kernels.pallas_decode_attention import attend, why_not
+
+# Pallas' interpreter on a CPU; on a GPU (a lease's `tests` part) the compiled Triton kernels
+INTERPRET = jax.default_backend() != "gpu"
 
 
 def reference(q, kn, vn, pos, kc, vc, scale, softcap):
@@ -44,7 +47,7 @@ def packed(q_NGK, kn_NK, vn_NK, B):
 @pytest.mark.parametrize(
     "N,G,S,K,pos,softcap",
     [
-        (3, 1, 48, 16, [5, 0, 47], 0.0),  # one block of 48; the first and the last position
+        (3, 1, 32, 16, [5, 0, 31], 0.0),  # one block of 32; the first and the last position
         (2, 4, 128, 32, [100, 130], 0.0),  # two blocks; 130 >= S: dropped, every position attended
         (2, 2, 64, 16, [63, 17], 5.0),  # Gemma 2's soft-cap
         # five blocks: more than the AHEAD queued (their loads clipped to the last block), and fewer
@@ -60,7 +63,7 @@ def test_equals_float64_reference(N, G, S, K, pos, softcap, dtype, B):
     B = B or N  # 1: one sequence of N key/value heads, all at its position pos[0]
     pos = jnp.asarray(pos[:B], jnp.int32)
     want = reference(q, kn, vn, jnp.repeat(pos, N // B), kc, vc, K**-0.5, softcap)
-    got = attend(packed(q, kn, vn, B), pos, kc, vc, scale=K**-0.5, softcap=softcap, interpret=True)
+    got = attend(packed(q, kn, vn, B), pos, kc, vc, scale=K**-0.5, softcap=softcap, interpret=INTERPRET)
     assert [a.dtype for a in got] == [jnp.dtype(dtype)] * 3
     assert got[0].shape == (B, N // B * G, K)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=0.03, rtol=0.03)
@@ -87,7 +90,7 @@ def test_a_long_cache_split_into_ranges_equals_the_reference(N, G, S, K, pos, B,
     kc, vc = (jax.random.normal(k, (N, S, K)).astype(dtype) for k in ks[3:5])
     pos = jnp.asarray(pos, jnp.int32)
     want = reference(q, kn, vn, jnp.repeat(pos, N // B), kc, vc, K**-0.5, 0.0)
-    got = attend(packed(q, kn, vn, B), pos, kc, vc, scale=K**-0.5, span=64, interpret=True)
+    got = attend(packed(q, kn, vn, B), pos, kc, vc, scale=K**-0.5, span=64, interpret=INTERPRET)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=0.03, rtol=0.03)
     np.testing.assert_allclose(np.asarray(got[0], np.float64).reshape(N, G, K), want[0], **tol)
     for g, w in zip(got[1:], want[1:]):  # each new key and value written once, by its first range
@@ -102,9 +105,12 @@ def test_shapes_it_cannot_take_are_one_line():
     assert why_not(2, 2, 64, 16) == "" and "powers of two" in why_not(2, 3, 64, 16)
     with pytest.raises(ValueError, match=r"head dim K=24 must be powers of two.*FLAXGPT_DECODE_KERNELS=off"):
         attend_ones(2, 3, 2, K=24)
-    assert (
-        why_not(1, 1, 80, 16) == "cache length S=80 must be >= 16 and a multiple of 64 (or smaller than it)"
-    )
+    for S in (80, 48, 8):  # a block of positions is a Triton tile: 64, or the whole cache as a power of two
+        assert (
+            why_not(1, 1, S, 16)
+            == f"cache length S={S} must be a multiple of 64, or a power of two from 16 below it"
+        )
+    assert why_not(1, 1, 16, 16) == why_not(1, 1, 128, 16) == ""
     # 4 sequences over 6 cache rows (not a multiple); 2 over 6 (J 3) with C 10: H 4, which 3 does not divide
     with pytest.raises(ValueError, match=r"^decode attention: q\|k\|v \(4, 3, 16\) of 4 sequences over 6"):
         attend_ones(4, 3, 6)
@@ -124,8 +130,8 @@ def test_a_position_a_sequence_serves_its_heads():
     kn, vn = (jax.random.normal(k, (N, K)) for k in ks[1:3])
     kc, vc = (jax.random.normal(k, (N, S, K)) for k in ks[3:5])
     pos_B = jnp.asarray([70, 3], jnp.int32)
-    got = attend(packed(q, kn, vn, B), pos_B, kc, vc, scale=0.25, interpret=True)
-    want = attend(packed(q, kn, vn, N), jnp.repeat(pos_B, N // B), kc, vc, scale=0.25, interpret=True)
+    got = attend(packed(q, kn, vn, B), pos_B, kc, vc, scale=0.25, interpret=INTERPRET)
+    want = attend(packed(q, kn, vn, N), jnp.repeat(pos_B, N // B), kc, vc, scale=0.25, interpret=INTERPRET)
     np.testing.assert_array_equal(got[0].reshape(N, G, K), want[0].reshape(N, G, K))
     for g, w in zip(got[1:], want[1:], strict=True):
         np.testing.assert_array_equal(g, w)

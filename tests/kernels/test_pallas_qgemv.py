@@ -1,9 +1,9 @@
-"""kernels/pallas_qgemv.py run by Pallas' interpreter on the CPU: decoding rows times int8 and int4
-weights equal the dequantized weights' float64 product (int4's groups of 64 and 128, K not a multiple
-of the kernel's step, N not a multiple of its block, 1 to MAX_ROWS rows), with its default tiling and
-others (benchmarks/kernel_sweep.py's), split-K among them (K's steps in 2-4 ranges, partials summed by
-XLA); shapes it cannot tile are one line naming XLA's form, tilings that do not fit one line saying
-why; FLAXGPT_QMATMUL=pallas routes qmatmul through it."""
+"""kernels/pallas_qgemv.py run by Pallas' interpreter on a CPU (compiled on a GPU): decoding rows times
+int8 and int4 weights equal the dequantized weights' float64 product (int4's groups of 64 and 128, K
+not a multiple of the kernel's step, N not a multiple of its block, 1 to MAX_ROWS rows), with its
+default tiling and others (benchmarks/kernel_sweep.py's), split-K among them (K's steps in 2-4 ranges,
+partials summed by XLA); shapes it cannot tile are one line naming XLA's form, tilings that do not fit
+one line saying why; FLAXGPT_QMATMUL=pallas routes qmatmul through it."""
 
 import functools
 import re
@@ -16,6 +16,9 @@ import pytest
 from flaxgpt.kernels import int4, pallas_qgemv, qmatmul
 from flaxgpt.kernels.pallas_decode import Tiles
 from flaxgpt.models.quantize import quantize_rows
+
+# Pallas' interpreter on a CPU; on a GPU (a lease's `tests` part) the compiled Triton kernels
+INTERPRET = jax.default_backend() != "gpu"
 
 TOL = 2e-6  # relative to the largest output: float32 sums in another order than float64's
 
@@ -45,7 +48,7 @@ def test_interpreted_kernel_equals_the_dequantized_product(mode, M, N, K):
     rng = np.random.RandomState(M * N + K)
     q = quantize_rows(rng.standard_normal((N, K)).astype(np.float32), mode)
     x_MK = rng.standard_normal((M, K)).astype(np.float32)
-    got = np.asarray(pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, interpret=True))
+    got = np.asarray(pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, interpret=INTERPRET))
     want = reference(x_MK, q)
     assert got.shape == (M, N)
     assert np.abs(got - want).max() / np.abs(want).max() < TOL
@@ -58,13 +61,13 @@ def test_shapes_it_cannot_tile_are_one_line_naming_xla():
     x = jnp.ones((1, 512), jnp.float32)
     q = quantize_rows(np.ones((16, 512), np.float32), "int8")  # 16 channels < BLOCK_N
     with pytest.raises(ValueError, match=r"qgemv cannot tile .* N=16 output channels < BLOCK_N 32; use XLA"):
-        pallas_qgemv.gemv(x, q.w, q.scale, interpret=True)
+        pallas_qgemv.gemv(x, q.w, q.scale, interpret=INTERPRET)
     q = quantize_rows(np.ones((32, 128), np.float32), "int8")
     with pytest.raises(ValueError, match=r"K=128 < BLOCK_K 256; use XLA's form"):
-        pallas_qgemv.gemv(jnp.ones((1, 128)), q.w, q.scale, interpret=True)
+        pallas_qgemv.gemv(jnp.ones((1, 128)), q.w, q.scale, interpret=INTERPRET)
     q = quantize_rows(np.ones((32, 512), np.float32), "int4")
     with pytest.raises(ValueError, match=r"16 rows > MAX_ROWS 8 \(prefill"):
-        pallas_qgemv.gemv(jnp.ones((16, 512)), q.w, q.scale, interpret=True)
+        pallas_qgemv.gemv(jnp.ones((16, 512)), q.w, q.scale, interpret=INTERPRET)
     assert pallas_qgemv.why_not(1, 4096, 4096, 128) == "" and pallas_qgemv.why_not(1, 4096, 4096) == ""
     with pytest.raises(ValueError, match=r"group size 128 does not divide K=192 .*use --quantize int4_g64"):
         int4.quantize(np.ones((32, 192), np.float32), 128)
@@ -142,7 +145,7 @@ def test_every_tiling_gives_the_dequantized_product(mode, M, N, K, tiles):
     rng = np.random.RandomState(N + K)
     q = quantize_rows(rng.standard_normal((N, K)).astype(np.float32), mode)
     x_MK = rng.standard_normal((M, K)).astype(np.float32)
-    got = np.asarray(pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, tiles=tiles, interpret=True))
+    got = np.asarray(pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, tiles=tiles, interpret=INTERPRET))
     want = reference(x_MK, q)
     assert got.shape == (M, N) and np.abs(got - want).max() / np.abs(want).max() < TOL
 
@@ -172,11 +175,11 @@ def test_split_k_gives_the_dequantized_product(mode, M, N, K, tiles):
     rng = np.random.RandomState(M + N + K)
     q = quantize_rows(rng.standard_normal((N, K)).astype(np.float32), mode)
     x_MK = rng.standard_normal((M, K)).astype(np.float32)
-    got = np.asarray(pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, tiles=tiles, interpret=True))
+    got = np.asarray(pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, tiles=tiles, interpret=INTERPRET))
     want = reference(x_MK, q)
     assert got.shape == (M, N) and np.abs(got - want).max() / np.abs(want).max() < TOL
     one = np.asarray(
-        pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, tiles._replace(split_k=1), interpret=True)
+        pallas_qgemv.gemv(jnp.asarray(x_MK), q.w, q.scale, tiles._replace(split_k=1), interpret=INTERPRET)
     )
     assert np.abs(got - one).max() / np.abs(want).max() < TOL  # the unsplit tiling's sums, in another order
 
@@ -200,4 +203,4 @@ def test_a_tiling_that_does_not_fit_is_one_line(tiles, mode, message):
     with pytest.raises(
         ValueError, match=r"^qgemv: tiles \(.*\) do not fit x \(1, 512\) @ w \[48, 512\]: " + message
     ):
-        pallas_qgemv.gemv(jnp.ones((1, 512)), q.w, q.scale, tiles=tiles, interpret=True)
+        pallas_qgemv.gemv(jnp.ones((1, 512)), q.w, q.scale, tiles=tiles, interpret=INTERPRET)
