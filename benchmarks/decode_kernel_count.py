@@ -6,17 +6,16 @@
 For each model and FLAXGPT_DECODE_KERNELS mode (off: XLA's path; attention: the attention kernel
 alone; on: every decode kernel, docs/accelerators.md's "Kernel switches"), sample.py's decode program
 at batch 1 with bf16 weights, greedy (`max_k` 0: no filter or draw, as gpu_lease.py's decode parts),
-compiled for `flaxgpt aot`'s h100-1 target; its token loop (the while body) costed by
-flaxgpt.aot.hlo_cost, each conditional by its smallest branch (what a greedy row runs): kernels a
-token, the Pallas calls among them, the cost model's HBM bytes and bound at 3.35 TB/s. Compiled, not
-measured: the launches a lease's tokens/s divide into. Needs the CUDA plugin (`pip install
+compiled for `flaxgpt aot`'s h100-1 target (flaxgpt.aot.programs.greedy_token); its token loop (the
+while body) costed by flaxgpt.aot.hlo_cost, each conditional by its smallest branch (what a greedy row
+runs): kernels a token, the Pallas calls among them, the cost model's HBM bytes and bound at 3.35 TB/s.
+Compiled, not measured: the launches a lease's tokens/s divide into. Needs the CUDA plugin (`pip install
 "jax[cuda12]"`) for the target, not a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 import harness
@@ -31,17 +30,14 @@ MODES = ("off", "attention", "on")
 def count(model: str, mode: str) -> dict:
     import jax
 
-    from flaxgpt.aot import hlo_cost, programs, targets
+    from flaxgpt.aot import programs, targets
     from flaxgpt.models.gpt import GPTConfig
 
     os.environ["FLAXGPT_DECODE_KERNELS"] = mode  # read when the step is traced
     jax.clear_caches()  # the same config traced in another mode must not be reused
     preset, kw = MODELS[model]
     mc = GPTConfig.preset(preset, dtype="bfloat16", param_dtype="bfloat16", **kw)
-    decode = programs.sample_programs(mc, targets.get("h100-1").devices())[1]
-    decode = dataclasses.replace(decode, kwargs=dict(decode.kwargs, max_k=0))
-    hlo = decode.trace().lower().compile().as_text()
-    token = hlo_cost.estimate(hlo, 989e12, 3.35e12, computation=hlo_cost.loop_body(hlo), branch=min)
+    token = programs.greedy_token(mc, targets.get("h100-1"))
     pallas = sum(k.count for k in token.by_kernel if k.name.startswith("pallas_call"))
     return dict(model=model, mode=mode, layers=mc.n_layer, kernels=token.kernels, pallas=pallas,
                 hbm_mb=round(token.hbm_bytes / 1e6), bound_us=round(token.bound_s * 1e6, 1))  # fmt: skip

@@ -260,8 +260,8 @@ def part_decode_attention(a) -> None:
     out = a.out / "decode_attention.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/decode_attention.py"), f"--json={out}"]
     try:  # its rows so far come back before the part's own limit (the file is rewritten after each case)
-        rc = subprocess.run(cmd + (["--dry_run"] if a.dry_run else []), cwd=ROOT, timeout=PARTS[a.part] - 10)
-        rc = rc.returncode
+        args = cmd + (["--dry_run"] if a.dry_run else [])
+        rc = subprocess.run(args, cwd=ROOT, timeout=PARTS[a.part] - 10).returncode
     except subprocess.TimeoutExpired:
         rc = "out of time"
     rows = json.loads(out.read_text()) if out.exists() else []

@@ -232,6 +232,20 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize=None
     return [prefill, decode]
 
 
+def greedy_token(mc, target, chunk: int = 256):
+    """A greedy decoding token's kernels (an hlo_cost.Cost): sample.decode with max_k 0 (the argmax
+    alone, no filter or draw, as gpu_lease.py's decode parts) compiled for `target` (targets.Target),
+    its token loop costed at the target's peaks, each conditional by its smallest branch (what a
+    greedy row runs)."""
+    from flaxgpt.aot import hlo_cost
+
+    decode = sample_programs(mc, target.devices(), chunk=chunk)[1]
+    decode = dataclasses.replace(decode, kwargs=dict(decode.kwargs, max_k=0))
+    hlo = decode.trace().lower().compile().as_text()
+    body = hlo_cost.loop_body(hlo)
+    return hlo_cost.estimate(hlo, target.peak_flops, target.bandwidth, computation=body, branch=min)
+
+
 def serve_programs(
     mc, devices, slots: int = 8, max_len: int = 0, chunk: int = 4, prefill_chunk: int = 128, quantize=None,
     decoding=None, speculative_tokens: int = 0,

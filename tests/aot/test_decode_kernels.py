@@ -89,8 +89,6 @@ def greedy_token(monkeypatch, mode: str, **model):
     (GPT-2's blocks, or `model`'s) whose vocabulary is padded (250 -> 256, as GPT-2's 50257 -> 50304),
     compiled for h100-1 -> the token loop's kernels when no row needs a conditional's pass
     (branch=min), by name."""
-    import dataclasses
-
     from flaxgpt.aot import programs, targets
     from flaxgpt.models.gpt import GPTConfig
 
@@ -99,9 +97,7 @@ def greedy_token(monkeypatch, mode: str, **model):
     base = dict(vocab_size=250, pad_vocab_multiple=64, n_layer=2, n_head=2, n_embd=64, block_size=64,
                 dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
     mc = GPTConfig(**{**base, **model})
-    decode = programs.sample_programs(mc, targets.get("h100-1").devices(), chunk=8)[1]
-    decode = dataclasses.replace(decode, kwargs=dict(decode.kwargs, max_k=0))
-    _, _, cost = token_loop(decode.trace().lower().compile().as_text(), branch=min)
+    cost = programs.greedy_token(mc, targets.get("h100-1"), chunk=8)
     return mc, [k.name for k in cost.by_kernel for _ in range(k.count)]
 
 
