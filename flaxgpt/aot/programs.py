@@ -232,14 +232,14 @@ def sample_programs(mc, devices, batch: int = 1, chunk: int = 256, quantize=None
     return [prefill, decode]
 
 
-def greedy_token(mc, target, chunk: int = 256):
+def greedy_token(mc, target, chunk: int = 256, quantize=None):
     """A greedy decoding token's kernels (an hlo_cost.Cost): sample.decode with max_k 0 (the argmax
     alone, no filter or draw, as gpu_lease.py's decode parts) compiled for `target` (targets.Target),
     its token loop costed at the target's peaks, each conditional by its smallest branch (what a
-    greedy row runs)."""
+    greedy row runs); `quantize`: sample.py's --quantize mode of the weights."""
     from flaxgpt.aot import hlo_cost
 
-    decode = sample_programs(mc, target.devices(), chunk=chunk)[1]
+    decode = sample_programs(mc, target.devices(), chunk=chunk, quantize=quantize)[1]
     decode = dataclasses.replace(decode, kwargs=dict(decode.kwargs, max_k=0))
     hlo = decode.trace().lower().compile().as_text()
     body = hlo_cost.loop_body(hlo)

@@ -133,7 +133,7 @@ class Linear(nn.Module):
             if self.fp8:  # e4m3 operands scaled per tensor, float32 accumulation, y in the compute dtype
                 y = fp8_dot(x_, kernel)
             else:
-                y = jax.lax.dot_general(x_, kernel, (((x_.ndim - 1,), (0,)), ((), ())))
+                y = product(x_, kernel)
             if self.activation is not None and self.lora is None and fused_epilogues():
                 return _activated(self.activation, y, bias)
             if bias is not None:
@@ -199,9 +199,33 @@ class Linear(nn.Module):
         bounds = (0, *self.splits, kernel.shape[-1])
         ys = []
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            y = jax.lax.dot_general(x, kernel[:, lo:hi], (((x.ndim - 1,), (0,)), ((), ())))
+            y = product(x, kernel[:, lo:hi])
             ys.append(y if bias is None else y + jnp.reshape(bias[lo:hi], (1,) * (y.ndim - 1) + (-1,)))
         return ys
+
+
+# XLA's GPU compiler takes a product with a one-row operand and fewer than this many entries in
+# the other as an elementwise multiply and a sum (its dot strength reduction's size threshold)
+XLA_GPU_REDUCED_BELOW = 10_000_000
+
+
+def product(x, kernel):
+    """x W over x's last axis (nn.Dense's dot_general). One row (a batch-1 decoding step) on a GPU
+    goes in as the same row twice, the second result dropped, where W has fewer than
+    XLA_GPU_REDUCED_BELOW entries: XLA takes such a product as an elementwise multiply and a sum over
+    K, and where the sum keeps few columns (GPT-2's c_proj products, N = 768) it writes the whole
+    [K, N] product to HBM between two kernels (in bf16, rounded before the sum). Two rows are a GEMM
+    to it (Triton's, autotuned on the device, float32 accumulation) that reads W once: GPT-2 124M's
+    greedy bf16 token compiled for h100-1 moves 366 MB instead of 505, in the same 180 kernels
+    (docs/accelerators.md). float32 asks for the GEMM at HIGHEST precision: the sum it replaces
+    rounded nothing to TF32."""
+    one_row = x.size == x.shape[-1]
+    if one_row and kernel.size < XLA_GPU_REDUCED_BELOW and target.platform() == "gpu":
+        exact = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+        x_2K = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
+        y_2N = jax.lax.dot_general(x_2K, kernel, (((1,), (0,)), ((), ())), precision=exact)
+        return y_2N[:1].reshape(*x.shape[:-1], -1)
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
 
 
 def fused_epilogues() -> bool:

@@ -117,6 +117,31 @@ def test_a_greedy_token_takes_the_layers_kernels_and_ten_more_on_h100(monkeypatc
     assert len(xla) >= len(kernels) + 6 * mc.n_layer, xla  # XLA's path: 36 here
 
 
+def test_one_row_products_read_each_weight_once_on_h100(monkeypatch):
+    """linear.product at GPT-2's width (one layer, bf16, XLA's path): XLA takes a one-row product of a
+    weight under its 10M-entry threshold as a multiply and a sum, writing c_proj's whole [3072, 768]
+    and [768, 768] products to HBM between two kernels; the row taken twice is a GEMM reading each
+    weight once. GPT-2 124M's token: 505 -> 366 MB in 180 kernels (docs/accelerators.md)."""
+    pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
+    from flaxgpt.aot import programs, targets
+    from flaxgpt.models import linear
+    from flaxgpt.models.gpt import GPTConfig
+
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")
+    mc = GPTConfig(vocab_size=250, pad_vocab_multiple=64, n_layer=1, n_head=12, n_embd=768, block_size=64,
+                   dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
+    costs = {}
+    for below in (0, linear.XLA_GPU_REDUCED_BELOW):  # 0: every product as XLA takes one row
+        monkeypatch.setattr(linear, "XLA_GPU_REDUCED_BELOW", below)
+        jax.clear_caches()
+        costs[below] = programs.greedy_token(mc, targets.get("h100-1"), chunk=8)
+    summed, gemm = costs.values()
+    products = 2 * (3072 * 768 + 768 * 768) * 2  # c_proj's two products written and read back, bf16
+    assert gemm.hbm_bytes <= summed.hbm_bytes - 0.9 * products, (summed.hbm_bytes, gemm.hbm_bytes)
+    assert gemm.kernels <= summed.kernels
+    assert any(k.name.startswith("gemm_fusion") for k in gemm.by_kernel)
+
+
 def test_the_attention_kernel_alone_takes_a_llama_layers_cache_writes_and_attention_on_h100(monkeypatch):
     """FLAXGPT_DECODE_KERNELS=attention (the norms and products XLA's): a Llama-style layer's greedy
     token takes the attention kernel for its k and v scatters, q . k, the softmax, p . v and its

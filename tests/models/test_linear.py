@@ -257,3 +257,47 @@ def test_activation_and_split_products_equal_the_plain_expressions(dtype, tol, m
     whole = Linear(24, **kw).apply(q, x_MK)
     np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in pieces], -1), np.asarray(whole))
     np.testing.assert_array_equal(Linear(24, activation=gelu, **kw).apply(q, x_MK), gelu(whole))
+
+
+def _lhs_rows(fn, *args):
+    """The row counts of the dot_generals' left operands in fn's jaxpr (traced afresh: a trace of fn
+    made under the other platform is not reused)."""
+    jaxpr = jax.make_jaxpr(lambda *a: fn(*a))(*args)
+    return [e.invars[0].aval.shape[0] for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+def test_a_one_row_product_on_a_gpu_takes_two_rows_and_the_same_values(monkeypatch):
+    """linear.product: a batch-1 decoding row times a weight under XLA's size threshold goes in as the
+    row twice on a GPU (a GEMM there, not XLA's multiply-and-sum; its compiled bytes are checked in
+    tests/aot/test_decode_kernels.py), the first result kept: the plain product's values (float32 at
+    HIGHEST precision: no TF32). Several rows, a larger weight and other platforms keep the one
+    product."""
+    from flaxgpt.kernels import target
+    from flaxgpt.models import linear
+
+    k = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(k[0], (48, 40), jnp.float32)
+    x = jax.random.normal(k[1], (1, 1, 48), jnp.float32)
+    many = jax.random.normal(k[2], (3, 48), jnp.float32)
+    plain = lambda x, w: jnp.einsum("...k,kn->...n", x, w, precision="highest")  # noqa: E731
+    assert _lhs_rows(linear.product, x, w) == [1]  # the CPU's
+    monkeypatch.setattr(target, "platform", lambda: "gpu")
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        xd, wd = x.astype(dtype), w.astype(dtype)
+        assert _lhs_rows(linear.product, xd, wd) == [2]
+        got = linear.product(xd, wd)
+        assert got.shape == (1, 1, 40) and got.dtype == dtype
+        near(got, plain(xd, wd), 1e-6 if dtype == jnp.float32 else 1e-2)
+    jaxpr = jax.make_jaxpr(lambda x, w: linear.product(x, w))(x, w)
+    assert "HIGHEST" in str(jaxpr)
+    assert _lhs_rows(linear.product, many, w) == [3]
+    monkeypatch.setattr(linear, "XLA_GPU_REDUCED_BELOW", w.size)  # a weight XLA multiplies as a GEMM
+    assert _lhs_rows(linear.product, x, w) == [1]
+    # through the layer (nn.Dense's parameters): the decoding row's output is the plain layer's
+    monkeypatch.setattr(linear, "XLA_GPU_REDUCED_BELOW", 10_000_000)
+    layer = Linear(40, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    params = layer.init(jax.random.key(1), x)
+    xb = x.astype(jnp.bfloat16)
+    assert _lhs_rows(lambda x: layer.apply(params, x), xb) == [2]
+    want = xb @ params["params"]["kernel"] + params["params"]["bias"]
+    near(layer.apply(params, xb), want, 1e-2)
