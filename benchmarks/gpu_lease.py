@@ -36,8 +36,8 @@ time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`)
   (FLAXGPT_XENT=pallas, kernels/pallas_xent.py; on the CPU the XLA form again): step time and peak memory
 - decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, float weights in bf16 (sample.py's
   param_dtype=bfloat16; batch 1's products GEMMs since 2026-11-30, models.linear.product: 1,606 tok/s
-  before, on 2026-11-29, with XLA's multiply-and-sum; "float+attention": those with FLAXGPT_DECODE_KERNELS=attention, the attention
-  kernel alone, at batch 1), bf16 and int8 weights (quantize_params) at batch 1 and 64,
+  before, on 2026-11-29, with XLA's multiply-and-sum; "float+attention": those with
+  FLAXGPT_DECODE_KERNELS=attention, the attention kernel alone, at batch 1), bf16 and int8 weights (quantize_params) at batch 1 and 64,
   the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS), on the default path (XLA's since the
   2026-11-29 lease); decode_gpt2_plain: the same without (`graphs=False`); decode_gpt2_kernels: the
   float and bf16 rows at batch 1 with FLAXGPT_DECODE_KERNELS=on (each layer's norms and residual adds
