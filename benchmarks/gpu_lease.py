@@ -37,14 +37,14 @@ time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`)
 - decode_gpt2: greedy decoding, 16-token prompts, 256 new tokens, float weights in bf16 (sample.py's
   param_dtype=bfloat16; batch 1's products GEMMs since 2026-11-30, models.linear.product: 1,606 tok/s
   before, on 2026-11-29, with XLA's multiply-and-sum; "float+attention": those with
-  FLAXGPT_DECODE_KERNELS=attention, the attention kernel alone, at batch 1), bf16 and int8 weights (quantize_params) at batch 1 and 64,
-  the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS), on the default path (XLA's since the
-  2026-11-29 lease); decode_gpt2_plain: the same without (`graphs=False`); decode_gpt2_kernels: the
-  float and bf16 rows at batch 1 with FLAXGPT_DECODE_KERNELS=on (each layer's norms and residual adds
-  in its GEMVs and the cache writes in the attention, kernels/pallas_decode*.py), for the side by side
-  (the GPT-2 >= 4,000 tok/s target; slower than XLA's path on 2026-11-29): "float" reads flax's [K, N]
-  kernels cast to bf16, 32 channels a program; "bf16" (quantize_params' rows [N, K]) reads them as rows,
-  8 channels a program (since 2026-11-30; on 2026-11-29 its products were XLA's)
+  FLAXGPT_DECODE_KERNELS=attention, the attention kernel alone, at batch 1), bf16 and int8 weights
+  (quantize_params) at batch 1 and 64, the token loop as one CUDA graph (sampling.GPU_LOOP_OPTIONS), on the
+  default path (XLA's since the 2026-11-29 lease); decode_gpt2_plain: the same without (`graphs=False`);
+  decode_gpt2_kernels: the float and bf16 rows at batch 1 with FLAXGPT_DECODE_KERNELS=on (each layer's norms
+  and residual adds in its GEMVs and the cache writes in the attention, kernels/pallas_decode*.py), for the
+  side by side (the GPT-2 >= 4,000 tok/s target; slower than XLA's path on 2026-11-29): "float" reads flax's
+  [K, N] kernels cast to bf16, 32 channels a program; "bf16" (quantize_params' rows [N, K]) reads them as
+  rows, 8 channels a program (since 2026-11-30; on 2026-11-29 its products were XLA's)
 - decode_llama8b: the same for Llama-3-8B's shape, random bf16 weights made on the device (16 GB;
   "bf16+attention" at batch 1: the attention kernel alone, the products XLA's, 13 kernels a layer
   where XLA's path takes 18, compiled; int8 8 GB; int4, groups of 128, 4.3 GB), 128 new tokens
