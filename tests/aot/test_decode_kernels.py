@@ -84,11 +84,11 @@ LLAMA = dict(n_head=4, n_kv_head=2, n_embd=128, norm="rmsnorm", glu=True, activa
              qkv_bias=False, pos_embedding="rope", tie_embeddings=False)  # fmt: skip
 
 
-def greedy_token(monkeypatch, mode: str, **model):
+def greedy_cost(monkeypatch, mode: str, **model):
     """A greedy token (max_k 0, as the lease's decode parts: no filter, no draw) of a 2-layer bf16 model
     (GPT-2's blocks, or `model`'s) whose vocabulary is padded (250 -> 256, as GPT-2's 50257 -> 50304),
-    compiled for h100-1 -> the token loop's kernels when no row needs a conditional's pass
-    (branch=min), by name."""
+    compiled for h100-1 -> (its config, the token loop's hlo_cost when no row needs a conditional's
+    pass: branch=min)."""
     from flaxgpt.aot import programs, targets
     from flaxgpt.models.gpt import GPTConfig
 
@@ -97,7 +97,12 @@ def greedy_token(monkeypatch, mode: str, **model):
     base = dict(vocab_size=250, pad_vocab_multiple=64, n_layer=2, n_head=2, n_embd=64, block_size=64,
                 dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
     mc = GPTConfig(**{**base, **model})
-    cost = programs.greedy_token(mc, targets.get("h100-1"), chunk=8)
+    return mc, programs.greedy_token(mc, targets.get("h100-1"), chunk=8)
+
+
+def greedy_token(monkeypatch, mode: str, **model):
+    """greedy_cost's config and the token loop's kernels, by name."""
+    mc, cost = greedy_cost(monkeypatch, mode, **model)
     return mc, [k.name for k in cost.by_kernel for _ in range(k.count)]
 
 
@@ -123,18 +128,12 @@ def test_one_row_products_read_each_weight_once_on_h100(monkeypatch):
     and [768, 768] products to HBM between two kernels; the row taken twice is a GEMM reading each
     weight once. GPT-2 124M's token: 505 -> 366 MB in 180 kernels (docs/accelerators.md)."""
     pytest.importorskip("jax_cuda12_plugin", reason="the GPU targets need the CUDA plugin (not in CI)")
-    from flaxgpt.aot import programs, targets
     from flaxgpt.models import linear
-    from flaxgpt.models.gpt import GPTConfig
 
-    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")
-    mc = GPTConfig(vocab_size=250, pad_vocab_multiple=64, n_layer=1, n_head=12, n_embd=768, block_size=64,
-                   dtype="bfloat16", param_dtype="bfloat16")  # fmt: skip
     costs = {}
     for below in (0, linear.XLA_GPU_REDUCED_BELOW):  # 0: every product as XLA takes one row
         monkeypatch.setattr(linear, "XLA_GPU_REDUCED_BELOW", below)
-        jax.clear_caches()
-        costs[below] = programs.greedy_token(mc, targets.get("h100-1"), chunk=8)
+        costs[below] = greedy_cost(monkeypatch, "off", n_layer=1, n_head=12, n_embd=768)[1]
     summed, gemm = costs.values()
     products = 2 * (3072 * 768 + 768 * 768) * 2  # c_proj's two products written and read back, bf16
     assert gemm.hbm_bytes <= summed.hbm_bytes - 0.9 * products, (summed.hbm_bytes, gemm.hbm_bytes)
