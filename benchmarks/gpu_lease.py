@@ -22,7 +22,9 @@ time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`)
   against XLA's products, for Llama-3-8B's and GPT-2's weight shapes at 1 row (Llama's at 4 too): us
   a call, GB/s and % of a measured copy ceiling; Mixtral-8x7B's expert product by the tiled grouped
   matmul, jax.lax.ragged_dot and dense dots. Rows: the ceiling, the best tiling per (kernel, shape)
-  against the default and XLA, the MoE rows; every row in OUT/kernel_sweep.json
+  against the default and XLA, the MoE rows; every row in OUT/kernel_sweep.json, the best tilings as
+  kernels.tuned's file in WORK/gemv_tiles.json (--gemv_tiles) and OUT, which decode_gpt2_kernels and
+  decode_llama8b_pallas then take (FLAXGPT_GEMV_TILES; their rows say "swept tiles")
 - decode_attention: `benchmarks/decode_attention.py`: a decoding row's attention over its cache, XLA's
   path against kernels/pallas_decode_attention.py, per call (32 layers' buffers a program), for the
   Llama-3-8B and GPT-2 shapes at caches of 192-8192 positions: where the kernel (a program a key/value
@@ -232,6 +234,9 @@ def part_kernel_sweep(a) -> None:
     out = a.out / "kernel_sweep.json"
     budget = 60 if a.dry_run else PARTS["kernel_sweep"] - 25  # its start, the last program's compile
     cmd = [sys.executable, str(ROOT / "benchmarks/kernel_sweep.py"), f"--json={out}", f"--budget_s={budget}"]
+    # the best tilings, which the kernels' decode parts take (FLAXGPT_GEMV_TILES) in this call or a later
+    # one on the warm machine (--work stays), and which come back in OUT for the defaults' next choice
+    cmd += [f"--tiles_out={a.gemv_tiles}"]
     try:
         subprocess.run(cmd + (["--dry_run"] if a.dry_run else []), check=True, cwd=ROOT, timeout=budget + 15)
     except subprocess.TimeoutExpired:
@@ -252,6 +257,8 @@ def part_kernel_sweep(a) -> None:
             emit(part="kernel_sweep", what=f"MoE {r['what']}", result=result, step_ms=r.get("ms"))
     skipped = sum("budget" in r.get("error", "") for r in gemv)
     emit(part="kernel_sweep", what=f"{len(gemv)} GEMV rows, {skipped} skipped by the budget", result=out.name)
+    if a.gemv_tiles.exists():
+        (a.out / "gemv_tiles.json").write_text(a.gemv_tiles.read_text())
 
 
 def part_decode_attention(a) -> None:
@@ -372,6 +379,11 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     if a.part.endswith("_kernels"):  # read when the blocks are traced (flaxgpt.models.linear.decode_kernels)
         os.environ["FLAXGPT_DECODE_KERNELS"] = "on"  # interpreted on a CPU (the dry run)
         label += " (decode kernels)"
+    if a.part.endswith(("_pallas", "_kernels")) and a.gemv_tiles.exists():
+        # kernel_sweep's fastest tilings on this card, where it timed the shape (kernels.tuned); its
+        # table has each against the default's, so these rows need not time the defaults again
+        os.environ["FLAXGPT_GEMV_TILES"] = str(a.gemv_tiles)
+        label = label[:-1] + ", swept tiles)"
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -607,6 +619,7 @@ def run_part(a, name: str, limit: float) -> list[dict]:
     cmd += [f"--gpt2_batches={','.join(map(str, a.gpt2_batches))}"]
     cmd += [f"--llama_batches={','.join(map(str, a.llama_batches))}"]
     cmd += [f"--test_paths={a.test_paths}", f"--test_workers={a.test_workers}"]
+    cmd += [f"--gemv_tiles={a.gemv_tiles}"]
     log = (a.work / f"{name}.log").open("w")
     t0 = time.perf_counter()
     rows, status = [], "ok"
@@ -663,8 +676,15 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--work", type=Path, default=Path(tempfile.gettempdir(), "flaxgpt_gpu_lease"), help="data, runs, logs"
     )
+    ap.add_argument(
+        "--gemv_tiles",
+        type=Path,
+        help="kernel_sweep's tilings (FLAXGPT_GEMV_TILES), written by the part kernel_sweep and taken by "
+        "decode_gpt2_kernels and decode_llama8b_pallas where it exists (default: WORK/gemv_tiles.json)",
+    )
     ap.add_argument("--part", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    a.gemv_tiles = a.gemv_tiles or a.work / "gemv_tiles.json"
     a.out.mkdir(parents=True, exist_ok=True)
     a.work.mkdir(parents=True, exist_ok=True)
     if a.part:  # a child: one part

@@ -3,6 +3,8 @@
     python benchmarks/kernel_sweep.py --json $OUT/kernel_sweep.json   # one H100 / H200, <= ~165 s
     python benchmarks/kernel_sweep.py --dry_run --json out/sweep.json  # CPU, tiny shapes, interpreted
     python benchmarks/kernel_sweep.py --compile_for h100-1             # CPU: does every program compile?
+    python benchmarks/kernel_sweep.py --tiles_out tiles.json  # the GPU's fastest tilings, for the kernels
+                                                              # to take: FLAXGPT_GEMV_TILES=tiles.json
 
 A lease on 2026-11-29 (H200) measured kernels/pallas_decode.py and kernels/pallas_qgemv.py slower than
 XLA's products at batch 1, with tiles (BLOCK_N 32, BLOCK_K 128 / 256, 4 warps, 3 stages) never tuned
@@ -67,7 +69,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxgpt.kernels import int4, pallas_decode, pallas_qgemv, qmatmul
+from flaxgpt.kernels import int4, pallas_decode, pallas_qgemv, qmatmul, tuned
 from flaxgpt.kernels.pallas_decode import Tiles
 from flaxgpt.models import moe
 
@@ -321,12 +323,26 @@ def summary(rows: list[dict]) -> list[dict]:
         best = min(kern, key=lambda r: r["us"]) if kern else None
         wrong = [r["tiles"] for r in same if r.get("us") and not r.get("ok")]
         out.append(dict(
-            model=key[0], shape=key[1], weights=key[2], M=key[3], tilings=len(kern),
+            model=key[0], shape=key[1], weights=key[2], M=key[3], K=same[0]["K"], N=same[0]["N"],
+            tilings=len(kern),
             best=best and best["tiles"], best_gbps=best and best["gbps"], best_pct=best and best["pct_copy"],
             default_gbps=dflt and dflt["gbps"], xla_gbps=xla and xla["gbps"],
             best_vs_xla=round(xla["us"] / best["us"], 2) if best and xla else None, wrong=wrong,
         ))  # fmt: skip
     return out
+
+
+def write_tiles(path: Path, best_rows: list[dict], device: str) -> None:
+    """kernels.tuned's file (FLAXGPT_GEMV_TILES): the fastest correct tiling per (kernel, N, K, M)."""
+    entries = []
+    for s in best_rows:
+        if s["best"]:
+            w_dtype = {"int8": jnp.int8, "int4": jnp.uint8}.get(s["weights"], jnp.bfloat16)
+            group = GROUP if s["weights"] == "int4" else 0
+            kernel = tuned.kernel_name(w_dtype, rows_w=s["weights"] == ROWS, group=group)
+            measured = {k: s[k] for k in ("best_gbps", "default_gbps", "xla_gbps")}
+            entries.append(dict(kernel=kernel, N=s["N"], K=s["K"], M=s["M"], tiles=s["best"], **measured))
+    tuned.write(path, entries, device, jax.__version__)
 
 
 def compile_for(a) -> int:
@@ -405,6 +421,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats a program (the median)")
     ap.add_argument("--no_moe", action="store_true", help="skip the Mixtral expert product")
     ap.add_argument("--compile_for", help="a flaxgpt aot GPU target (h100-1): compile the plan, run nothing")
+    ap.add_argument("--tiles_out", type=Path, help="the best tilings as FLAXGPT_GEMV_TILES' file (each row)")
     a = ap.parse_args(argv)
     if a.compile_for:
         return compile_for(a)
@@ -435,13 +452,15 @@ def main(argv=None) -> int:
         if a.json:
             a.json.parent.mkdir(parents=True, exist_ok=True)
             a.json.write_text(json.dumps(rows, indent=1) + "\n")
+        if a.tiles_out and row.get("section") == "gemv":  # what was measured so far, if the budget ends it
+            write_tiles(a.tiles_out, summary(rows), device.device_kind)
 
     add(copy_ceiling(a))
     ceiling = rows[0]["gbps"] * 1e9
     cases: dict = {}
     for _, (model, name, K, N, kind), impl, tiles in jobs:
         if time.perf_counter() > deadline - sum(RESERVE) * a.budget_s:
-            skipped = dict(section="gemv", model=model, shape=name, weights=kind, M=1, impl=impl)
+            skipped = dict(section="gemv", model=model, shape=name, K=K, N=N, weights=kind, M=1, impl=impl)
             add(dict(skipped, tiles=tiles and list(tiles), error="skipped: the budget ran out"))
             continue
         key = (model, name, K, N, kind)

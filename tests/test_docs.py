@@ -35,7 +35,7 @@ def cli() -> list[str] | None:
 
 def bash_commands(text: str) -> list[tuple[int, str]]:
     """(line number, command) of every command in the text's ```bash blocks: continuation lines joined,
-    `a && b`, `a; b` and `a | b` split, comments dropped."""
+    `a && b`, `a; b` and `a | b` split, comments and leading environment assignments dropped."""
     out, block, start, joined = [], False, 0, ""
     for i, line in enumerate(text.splitlines(), 1):
         if line.strip().startswith("```"):
@@ -51,6 +51,8 @@ def bash_commands(text: str) -> list[tuple[int, str]]:
                 words = shlex.split(part, comments=True)
             except ValueError:  # quotes across a split (a quoted shell snippet): not ours
                 words = []
+            while words and re.fullmatch(r"[A-Za-z_]\w*=.*", words[0]):  # VAR=value cmd: the command
+                words = words[1:]
             if words:
                 out.append((start, shlex.join(words)))
         joined, start = "", 0
@@ -195,6 +197,10 @@ def test_the_checker_catches_mistakes():
         ]
     )
     assert check_script(["python", "sample.py", "--out_dir", "x", "--temprature", "0"])
+    # a command after environment assignments is still checked
+    assert bash_commands("```bash\nA=1 B=x python sample.py --top_k 5  # c\n```") == [
+        (2, "python sample.py --top_k 5")
+    ]
     assert not check_script(["python", "sample.py", "--out_dir", "x", "--temperature", "0"])
     assert check_cli(["flaxgpt", "prepare", "--datset", "x"]) == ["unknown flag --datset"]
     assert check_cli(["flaxgpt", "summary", "--preset", "gpt2", "--n_layer=2"]) == []

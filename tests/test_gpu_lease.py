@@ -52,6 +52,12 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     assert sweep["20 GEMV rows, 0 skipped by the budget"]["result"] == "kernel_sweep.json"
     swept = json.loads((out / "kernel_sweep.json").read_text())
     assert all(r["ok"] for r in swept if r["section"] == "gemv")  # each tiling's output the float32 product's
+    # the best tilings as kernels.tuned's file (FLAXGPT_GEMV_TILES), brought back in OUT: each kernel of
+    # the tiny shape (w [256, 64]) at 1 and 4 rows
+    tiles = json.loads((out / "gemv_tiles.json").read_text())["tiles"]
+    kernels = ("bf16", "bf16_rows", "int8", "int4_g128")
+    assert sorted((e["kernel"], e["M"]) for e in tiles) == sorted((k, M) for k in kernels for M in (1, 4))
+    assert all((e["N"], e["K"]) == (64, 256) and len(e["tiles"]) == 5 for e in tiles)
     # decode_attention.py's dry run: XLA's path and the kernel (interpreted) at 2 tiny cases, the same outputs
     attention = [r["what"] for r in by_part["decode_attention"]]
     assert attention == [f"tiny attention, cache {S}, position {p}" for S, p in ((64, 10), (128, 127))]
@@ -128,7 +134,7 @@ def test_the_attention_programs_compile_for_an_h100_in_place():
 def test_a_part_out_of_time_is_one_row_and_leaves_nothing_running(tmp_path, monkeypatch):
     a = lease.main.__globals__["argparse"].Namespace(
         out=tmp_path, work=tmp_path, dry_run=True, nanogpt_model=tmp_path / "x.py", recipe_args=[],
-        gpt2_batches=(1,), llama_batches=(1,), test_paths="tests", test_workers=2,
+        gpt2_batches=(1,), llama_batches=(1,), test_paths="tests", test_workers=2, gemv_tiles=tmp_path / "t",
     )  # fmt: skip
     # a part whose process starts a child that would outlive it
     script = tmp_path / "sleeper.py"
@@ -246,7 +252,8 @@ def test_decode_kernels_part_decodes_batch_1_through_the_kernels(tmp_path, monke
     """The part decode_gpt2_kernels: FLAXGPT_DECODE_KERNELS=on before the step is traced, the float and
     bf16 weights at batch 1 only (the kernels take one row); decode_gpt2 runs the same function for
     real in the dry run above, so generate is stood in for here (the kernels' tokens:
-    tests/models/test_decode_kernels.py)."""
+    tests/models/test_decode_kernels.py); with kernel_sweep's tilings in --gemv_tiles, the same with
+    FLAXGPT_GEMV_TILES naming them."""
     import argparse
 
     import numpy as np
@@ -256,16 +263,25 @@ def test_decode_kernels_part_decodes_batch_1_through_the_kernels(tmp_path, monke
     calls = []
 
     def fake_generate(step_fn, cache, prompt, lens, max_new_tokens, **kw):
-        calls.append((prompt.shape[0], os.environ.get("FLAXGPT_DECODE_KERNELS"), kw["temperature"]))
+        env = [os.environ.get(f"FLAXGPT_{v}") for v in ("DECODE_KERNELS", "GEMV_TILES")]
+        calls.append((prompt.shape[0], *env, kw["temperature"]))
         return None, np.full(prompt.shape[0], max_new_tokens)
 
     monkeypatch.setattr(sampling, "generate", fake_generate)
     monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")  # restored after the test; the part sets "on"
-    a = argparse.Namespace(work=tmp_path, dry_run=True, part="decode_gpt2_kernels", bandwidth=None)
-    lease.part_decode(a, "gpt2")
-    assert calls == [(1, "on", 0)] * 6  # each weight type: a compiling run, then the best of 2
-    rows = lease.rows_in(capsys.readouterr().out)
-    assert [r["what"] for r in rows] == [
-        f"decode tiny (decode kernels) {m} batch 1" for m in ("float", "bf16")
-    ]
-    assert all(r["tokens_per_s"] > 0 and r["part"] == "decode_gpt2_kernels" for r in rows)
+    monkeypatch.setenv("FLAXGPT_GEMV_TILES", "")  # restored (unset) after the test
+    tiles = tmp_path / "gemv_tiles.json"
+    a = argparse.Namespace(
+        work=tmp_path, dry_run=True, part="decode_gpt2_kernels", bandwidth=None, gemv_tiles=tiles
+    )
+    for swept in ("", ", swept tiles"):
+        calls.clear()
+        lease.part_decode(a, "gpt2")
+        # each weight type: a compiling run, then the best of 2
+        assert calls == [(1, "on", str(tiles) if swept else "", 0)] * 6
+        rows = lease.rows_in(capsys.readouterr().out)
+        assert [r["what"] for r in rows] == [
+            f"decode tiny (decode kernels{swept}) {m} batch 1" for m in ("float", "bf16")
+        ]
+        assert all(r["tokens_per_s"] > 0 and r["part"] == "decode_gpt2_kernels" for r in rows)
+        tiles.write_text('{"tiles": []}')  # kernel_sweep's file (here with no entry)

@@ -29,7 +29,8 @@ block of K at K - bk, the inputs an earlier block summed masked; bn and bk are p
 rule) no larger than N and K. `why_not` says why a shape does not tile ("" when it does); `gemv`
 refuses the others in one line. `tiles=Tiles(bn, bk, num_warps, num_stages)` overrides the tiling
 (kernels.pallas_qgemv takes the same; benchmarks/kernel_sweep.py times a grid of them on a GPU);
-None keeps `default_tiles`, 4 warps and 3 stages, never measured against others on a GPU.
+None takes the tiling measured fastest for the shape on the card where FLAXGPT_GEMV_TILES names
+kernel_sweep's file (kernels.tuned), else `default_tiles`, 4 warps and 3 stages, chosen on paper.
 
 The K loop is pipelined by the kernel itself: step j + num_stages - 1's inputs (weight tile, x, the
 norm's scale and bias) are asked for at the top of step j, so num_stages - 1 steps' loads are in flight
@@ -53,6 +54,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from flaxgpt.kernels import tuned
 
 MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's GEMM is compute-bound
 BLOCK_N = 32  # output channels a program: GPT-2's 768 make 24 programs, c_fc's 3072 make 96
@@ -163,7 +166,8 @@ def gemv(
     """residual + activation(norm(x) @ w + bias) -> [M, N] in `out_dtype` (default `dtype`); `dtype`
     (default x's) is the compute dtype the normalized x and the product are rounded to (the plain
     path's). `rows_w`: w_KN is given as its transpose [N, K] (a tied head's token table), read as it lies.
-    `tiles`: the tiling (None: `default_tiles`)."""
+    `tiles`: the tiling (None: the one measured for the shape on the card, kernels.tuned's
+    FLAXGPT_GEMV_TILES, else `default_tiles`)."""
     M, K = x_MK.shape
     w_K, N = w_KN.shape[::-1] if rows_w else w_KN.shape
     dtype = jnp.dtype(dtype or x_MK.dtype)
@@ -190,12 +194,14 @@ def gemv(
         if a is not None:
             args.append(a)
             have.append(name)
-    tiles = tiles or default_tiles(N, K, rows_w)
+    measured = None if tiles else tuned.lookup(tuned.kernel_name(w_KN.dtype, rows_w), N, K, M)
+    tiles = tiles or (Tiles(*measured) if measured else default_tiles(N, K, rows_w))
     why = tiles.why_not(N, K) or (
         f"split_k={tiles.split_k}: this kernel's epilogue (norm, activation, residual) needs whole "
         "sums; split K in kernels.pallas_qgemv only" if tiles.split_k != 1 else "")  # fmt: skip
     if why:
-        raise ValueError(f"decode gemv: tiles {tuple(tiles)} do not fit w [{K}, {N}]: {why}")
+        where = tuned.source() if measured else ""
+        raise ValueError(f"decode gemv: tiles {tuple(tiles)}{where} do not fit w [{K}, {N}]: {why}")
     spec = _Spec(
         M, N, K, tiles.block_n, tiles.block_k, tuple(have),
         None if norm is None else norm.kind, 0.0 if norm is None else float(norm.eps), activation, dtype,

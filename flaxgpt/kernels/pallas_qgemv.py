@@ -22,9 +22,10 @@ Triton's and the interpreter's views agree; it needs N >= BLOCK_N, int8's K >= B
 multiple of its group (quantize's rule). `why_not` says why a shape does not tile ("" when it
 does); `gemv` refuses in one line the shapes that do not, naming XLA's form (kernels.qmatmul), which
 kernels.qmatmul then uses. `tiles=Tiles(block_n, block_k, num_warps, num_stages)` (kernels.pallas_decode's
-type) overrides the tiling, int4's block_k whole groups; None keeps `default_tiles` (BLOCK_N, BLOCK_K;
-INT4_BLOCK_K at most K), 4 warps and 3 stages, which no GPU has yet compared with others:
-benchmarks/kernel_sweep.py times a grid of tilings for the next lease to choose from.
+type) overrides the tiling, int4's block_k whole groups; None takes the tiling kernel_sweep measured
+fastest for the shape on the card where FLAXGPT_GEMV_TILES names its file (kernels.tuned), else
+`default_tiles` (BLOCK_N, BLOCK_K; INT4_BLOCK_K at most K), 4 warps and 3 stages, which no GPU has yet
+compared with others: benchmarks/kernel_sweep.py times a grid of tilings and writes that file.
 
 Split-K (tiles.split_k = S > 1): at batch 1 a program per BLOCK_N channels is 128 programs for N = 4096,
 one an SM, each with a few KiB in flight: an H200 lease measured int8 at 29% of its bandwidth, int4 at
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from flaxgpt.kernels import tuned
 from flaxgpt.kernels.pallas_decode import Tiles, pipelined, tile_sums_fit
 
 MAX_ROWS = 8  # decoding rows the kernel takes; more are prefill, where XLA's dot is compute-bound
@@ -93,16 +95,21 @@ def why_not(M: int, N: int, K: int, group: int = 0, tiles: Tiles | None = None) 
 
 def gemv(x_MK, w, scale, tiles: Tiles | None = None, interpret: bool = False) -> jax.Array:
     """x @ dequantize(w)^T -> [M, N] float32; w int8 [N, K] with scale [N], or int4 uint8 [N, K/2] with
-    scale [N, G] (group K / G); `tiles` another tiling than the default's."""
+    scale [N, G] (group K / G); `tiles` another tiling than the default's (None: the one measured for
+    the shape on the card, kernels.tuned's FLAXGPT_GEMV_TILES, else `default_tiles`)."""
     M, K = x_MK.shape
     N = w.shape[0]
     int4 = w.dtype == jnp.uint8
     group = K // scale.shape[1] if int4 else 0
     if int4 and K != 2 * w.shape[1]:
         raise ValueError(f"int4 weights {w.shape} hold {2 * w.shape[1]} inputs, x has K={K}")
+    measured = None if tiles else tuned.lookup(tuned.kernel_name(w.dtype, group=group), N, K, M)
+    tiles = Tiles(*measured) if measured else tiles
     why = why_not(M, N, K, group, tiles)
     if why and tiles is not None:
-        raise ValueError(f"qgemv: tiles {tuple(tiles)} do not fit x {x_MK.shape} @ w [{N}, {K}]: {why}")
+        where = tuned.source() if measured else ""
+        shape = f"x {x_MK.shape} @ w [{N}, {K}]"
+        raise ValueError(f"qgemv: tiles {tuple(tiles)}{where} do not fit {shape}: {why}")
     if why:
         raise ValueError(f"qgemv cannot tile x {x_MK.shape} @ w [{N}, {K}]: {why}; use XLA's form "
                          "(kernels.qmatmul, FLAXGPT_QMATMUL unset)")  # fmt: skip
