@@ -15,7 +15,7 @@ limits 510 s: the data to choose the GEMV kernels' tiles and whether the attenti
 Mixtral layer's float8 rows and its Pallas grouped GEMM's),
 then on the warm machine `--parts decode_llama8b,decode_gpt2,decode_gpt2_kernels,decode_llama8b_pallas
 --llama_batches 1` (issue #54's decoding targets, the attention kernel alone beside XLA's path first;
-limits 620 s: more than one call and the session hold after its start, so the last part may find no
+limits 680 s: more than one call and the session hold after its start, so the last part may find no
 time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`). The parts:
 - kernel_sweep: `benchmarks/kernel_sweep.py` (its docstring: the method): the decoding GEMV kernels
   (kernels/pallas_decode.py bf16, kernels/pallas_qgemv.py int8 and int4) over a grid of tilings
@@ -31,8 +31,9 @@ time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`)
   head and range of 1,024 positions) gains and where it falls behind
 - recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
   metrics.jsonl (the trainer's own figures; steps after the first)
-- step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu`), GPT-2 124M, T 1024,
-  batch 16
+- step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu --profile`), GPT-2 124M,
+  T 1024, batch 16, then 3 steps under JAX's profiler (a row: kernels a step, the device's busy time
+  against the timed step, the heaviest ops)
 - fused_loss: the same step (the recipe's micro-batch) with the loss from the logits, then through the
   fused linear + cross-entropy (`--loss_impl fused`, train/losses.py), then that with its Triton kernels
   (FLAXGPT_XENT=pallas, kernels/pallas_xent.py; on the CPU the XLA form again): step time and peak memory
@@ -76,6 +77,10 @@ time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`)
   layer's HBM traffic 101.3 -> 55.9 GB): its rows beside fp8_moe's tiled ones
 - tests: `pytest tests/kernels tests/models tests/decode tests/train` (--test_paths) on the GPU (last:
   it takes whatever time is left); tests marked `devices(8)` skip on one GPU
+Every decode part's batch-1 rows decode again under JAX's profiler (--profile_tokens, 33 tokens;
+benchmarks/device_profile.py): a "profile" row each, the token loop's kernels a token and the device's
+busy time against the timed token (what the compiled kernel count cannot say: whether a token waits
+on its kernels or between them), every profile's heaviest ops in OUT/profiles.json.
 MFU is against 989 TFLOP/s (H100 SXM / H200 dense bf16) with the trainer's FLOPs per token; the
 decoding rows' HBM percentage against the card's bandwidth (BANDWIDTH, by device kind). Results: a
 table on stdout, every row as JSON in OUT/lease.json, the parts' logs in OUT/logs.txt, the test run's
@@ -105,22 +110,24 @@ BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
 PARTS = {
     "kernel_sweep": 180,  # 178 s predicted by its count: it stops starting programs at 155 s
     "recipe": 90,
-    "step": 60,
+    "step": 70,  # and 3 steps under the profiler (--profile)
     "fused_loss": 150,  # three compiles and runs of the step (~30 s each on 2026-11-27's `step`)
     "fp8": 120,  # two compiles and 10 steps each of one 8B layer (24 s on 2026-11-29)
     "fp8_moe": 150,  # the same for one Mixtral-8x7B layer, three sides (two took 30 s on 2026-11-29)
     "grouped_moe": 90,  # fp8_moe's layer with FLAXGPT_GROUPED=pallas (not yet run on a lease)
     "epilogues": 110,  # two compiles and runs of the step; on 2026-11-29 killed at 80 s as the second ended
     "nanogpt": 70,
-    "decode_gpt2": 150,  # 58 s on 2026-11-27 with bf16 and int8; float rows added, then float+attention
+    # 58 s on 2026-11-27 with bf16 and int8; float rows added, then float+attention, then each batch-1 row's
+    # profile (--profile_tokens: a trace of 33 tokens, ~5 s a row predicted); so below
+    "decode_gpt2": 170,
     "decode_gpt2_plain": 100,
-    "decode_gpt2_kernels": 70,  # float and bf16 at batch 1, FLAXGPT_DECODE_KERNELS=on (float: 31 s, 11-29)
+    "decode_gpt2_kernels": 80,  # float and bf16 at batch 1, FLAXGPT_DECODE_KERNELS=on (float: 31 s, 11-29)
     # 137 s on 2026-11-27; on 2026-11-29 batch 1's rows took 143 s and batch 64's bf16 compile ran out at
     # 170; bf16+attention (batch 1) added since
-    "decode_llama8b": 270,
+    "decode_llama8b": 290,
     "decode_attention": 90,  # 6 (shape, cache, position) cases x 2 forms, 32 layers' calls a program
     "decode_llama8b_reduce": 110,  # batch 1, FLAXGPT_QMATMUL=reduce: the int8 products as row reductions
-    "decode_llama8b_pallas": 130,  # batch 1, int8 and int4, FLAXGPT_QMATMUL=pallas (not yet run on a lease)
+    "decode_llama8b_pallas": 140,  # batch 1, int8 and int4, FLAXGPT_QMATMUL=pallas (not yet run on a lease)
     "hf_generate": 150,
     "tests": 270,  # 204 s on 2026-11-27 with 12 workers and no autotuning
 }
@@ -128,7 +135,7 @@ PARTS = {
 GROUPS = {
     # the next lease's first call (limits: 510 s)
     "sweep": ("kernel_sweep", "decode_attention", "fp8_moe", "grouped_moe"),
-    "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 570 s)
+    "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 610 s)
     "decode": ("decode_gpt2", "decode_gpt2_kernels", "decode_llama8b", "hf_generate"),  # ~8 min
     # ~6.5 min: the int8 / int4 GEMV kernels and the mixture's float8 layer (limits: 390 s; train has
     # no room left for it; fp8_moe is in `sweep` too: a part named twice runs once)
@@ -166,10 +173,13 @@ def _train_step(a, part: str, label: str, what: str, args=(), env=None, result=N
         peak_gib=r["peak_memory_gib"],
         result=result and result(r),
     )
+    if "profile" in r:  # --profile: 3 steps again under JAX's profiler (benchmarks/device_profile.py)
+        what = f"train step, batch {r['batch_size']}, {what}"
+        _profile_row(a, part, what, r["profile"], 1000 * r["step_ms"], "a step")
 
 
 def part_step(a) -> None:
-    _train_step(a, "step", "step", "attention auto")
+    _train_step(a, "step", "step", "attention auto", ["--profile"])
 
 
 def _fp8_layer(a, part: str, preset: str, name: str, args=()) -> None:
@@ -450,6 +460,38 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
                 weights_gb=round(weights / 1e9, 2),
                 first_run_s=round(compile_s, 1),
             )
+            if B == 1 and a.profile_tokens > 1:
+                n = min(a.profile_tokens, new_tokens)
+                _profile(a, f"{label} {mode} batch 1", lambda n=n, run=run: run(n), n - 1, 1e6 * per_step)
+
+
+def _profile(a, what: str, run, tokens: int, timed_us: float) -> None:
+    """The token loop's kernels under JAX's profiler (benchmarks/device_profile.py: the decode_chunk
+    program's events, `tokens` of them; the first token is the prefill's): a row with the kernels
+    and the device's busy time a token against the timed `timed_us`, and the heaviest ops into
+    OUT/profiles.json. What the compiled count cannot say: whether a token waits on its kernels or
+    between them. A profiler that cannot start (CUPTI) costs this row only."""
+    import device_profile
+
+    try:
+        p = device_profile.profile(run, per=tokens, module="decode_chunk")
+    except Exception as e:  # the timings before it stand
+        emit(part=a.part, what=f"profile {what}", result=f"{type(e).__name__}: {str(e)[:150]}")
+        return
+    _profile_row(a, a.part, what, p, timed_us, "a token")
+
+
+def _profile_row(a, part: str, what: str, p: dict, timed_us: float, step: str) -> None:
+    """A device_profile.profile result as a row (kernels and busy time a step against the timed one),
+    and its heaviest ops appended to OUT/profiles.json."""
+    import device_profile
+
+    line = device_profile.summary(p, step=step, timed_us=round(timed_us, 1))
+    emit(part=part, what=f"profile {what}", result=line, kernels_per_step=p["kernels_per"],
+         busy_us=p["busy_us_per"], wall_us=p["wall_us_per"])  # fmt: skip
+    path = a.out / "profiles.json"
+    rows = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps(rows + [dict(part=part, what=what, **p)], indent=1) + "\n")
 
 
 def part_decode(a, model: str) -> None:
@@ -619,7 +661,7 @@ def run_part(a, name: str, limit: float) -> list[dict]:
     cmd += [f"--gpt2_batches={','.join(map(str, a.gpt2_batches))}"]
     cmd += [f"--llama_batches={','.join(map(str, a.llama_batches))}"]
     cmd += [f"--test_paths={a.test_paths}", f"--test_workers={a.test_workers}"]
-    cmd += [f"--gemv_tiles={a.gemv_tiles}"]
+    cmd += [f"--gemv_tiles={a.gemv_tiles}", f"--profile_tokens={a.profile_tokens}"]
     log = (a.work / f"{name}.log").open("w")
     t0 = time.perf_counter()
     rows, status = [], "ok"
@@ -681,6 +723,12 @@ def main(argv=None) -> int:
         type=Path,
         help="kernel_sweep's tilings (FLAXGPT_GEMV_TILES), written by the part kernel_sweep and taken by "
         "decode_gpt2_kernels and decode_llama8b_pallas where it exists (default: WORK/gemv_tiles.json)",
+    )
+    ap.add_argument(
+        "--profile_tokens",
+        type=int,
+        default=33,
+        help="the decode parts' batch-1 rows: decode this many tokens again under JAX's profiler (0: not)",
     )
     ap.add_argument("--part", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

@@ -505,6 +505,17 @@ def step_alone(args) -> None:
         loss=round(loss, 4),
     )
     print_table(list(result), [["n/a" if v is None else str(v) for v in result.values()]], "l" * len(result))
+    if args.profile:  # a few steps again under JAX's profiler: the kernels a step and the device's idle share
+        import device_profile
+
+        def run(n=3):
+            s, o = state, None
+            for _ in range(n):
+                s, o = step(s, batch)
+            return o
+
+        result["profile"] = device_profile.profile(run, per=3)
+        print(device_profile.summary(result["profile"], step="a step", timed_us=round(1e6 * dt, 1)))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
@@ -541,6 +552,9 @@ def main():
     alone.add_argument("--peak_flops", type=float, default=0.0, help="per-device peak (0 = the mode's)")
     alone.add_argument("--json", default="", help="also write the results here")
     alone.add_argument("--compile_only", action="store_true", help="check the set-up: compile, print, exit")
+    alone.add_argument(
+        "--profile", action="store_true", help="then 3 steps under JAX's profiler: kernels, busy time, ops"
+    )
     alone.add_argument(
         "--check_attention",
         action="store_true",

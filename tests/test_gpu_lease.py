@@ -66,7 +66,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     assert [r["ok"] for r in attention if r["form"] == "kernel"] == [True] * 2
     recipe = by_part["recipe"][0]
     assert recipe["tokens_per_s"] > 0 and recipe["step_ms"] > 0  # read back from the run's metrics.jsonl
-    decodes = {r["what"]: r for r in by_part["decode_gpt2"]}
+    decodes = {r["what"]: r for r in by_part["decode_gpt2"] if r["what"].startswith("decode ")}
     kinds = (
         "float",
         "float+attention",
@@ -75,6 +75,14 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     )  # +attention: the attention kernel alone, interpreted
     assert set(decodes) == {f"decode tiny {m} batch {b}" for m in kinds for b in (1, 4)}
     assert all(r["tokens_per_s"] > 0 for r in decodes.values())
+    # each batch-1 row's token loop again under JAX's profiler (here the CPU's XLA thunks): its kernels,
+    # the device's busy time against the wall time; the heaviest ops in OUT/profiles.json
+    profiles = [r for r in by_part["decode_gpt2"] if r["what"].startswith("profile ")]
+    assert [r["what"] for r in profiles] == [f"profile tiny {m} batch 1" for m in kinds]
+    assert all(r["kernels_per_step"] > 0 and 0 < r["busy_us"] <= r["wall_us"] for r in profiles), profiles
+    assert all(" kernels a token, device busy " in r["result"] for r in profiles)
+    tops = json.loads((out / "profiles.json").read_text())
+    assert [t["what"] for t in tops] == [f"tiny {m} batch 1" for m in kinds] and all(t["top"] for t in tops)
     fused = {r["what"].rpartition(" ")[2]: r for r in by_part["fused_loss"]}  # logits, fused, pallas
     assert set(fused) == {"logits", "fused", "pallas"} and all(r["step_ms"] > 0 for r in fused.values())
     # the same step from the same start: the same loss whichever path computes it
@@ -135,6 +143,7 @@ def test_a_part_out_of_time_is_one_row_and_leaves_nothing_running(tmp_path, monk
     a = lease.main.__globals__["argparse"].Namespace(
         out=tmp_path, work=tmp_path, dry_run=True, nanogpt_model=tmp_path / "x.py", recipe_args=[],
         gpt2_batches=(1,), llama_batches=(1,), test_paths="tests", test_workers=2, gemv_tiles=tmp_path / "t",
+        profile_tokens=0,
     )  # fmt: skip
     # a part whose process starts a child that would outlive it
     script = tmp_path / "sleeper.py"
@@ -189,6 +198,23 @@ def test_fp8_layer_parts_run_its_script_and_report_a_row_a_side(tmp_path, monkey
     assert ("Pallas grouped GEMM" in rows[0]["what"]) == (part == "grouped_moe")
 
 
+def test_the_step_part_profiles_its_step(tmp_path, capfd, monkeypatch):
+    """The part step: train_throughput.py --profile (for real, on the CPU: 3 steps timed, 3 profiled), its
+    row, then the profile's against the timed step, and its heaviest ops in OUT/profiles.json."""
+    import argparse
+
+    monkeypatch.delenv("JAX_NUM_CPU_DEVICES")  # one device, as on the lease (the step's process inherits)
+    monkeypatch.setenv("XLA_FLAGS", xla_flags())
+    lease.part_step(argparse.Namespace(work=tmp_path, out=tmp_path, dry_run=True))
+    step, prof = lease.rows_in(capfd.readouterr().out)
+    assert step["what"] == "train step, batch 12, attention auto" and step["part"] == prof["part"] == "step"
+    assert prof["what"] == "profile " + step["what"] and prof["kernels_per_step"] > 10
+    timed = f"of the timed {1000 * step['step_ms']:.1f} us"
+    assert " kernels a step, device busy " in prof["result"] and timed in prof["result"], prof["result"]
+    (saved,) = json.loads((tmp_path / "profiles.json").read_text())
+    assert saved["part"] == "step" and saved["per"] == 3 and saved["top"]
+
+
 def test_epilogues_times_the_step_fused_then_plain(tmp_path, monkeypatch, capsys):
     """The part epilogues: train_throughput.py twice, FLAXGPT_EPILOGUES on then off (read when the step is
     traced), a row each with its loss (the dry run above runs the same helper for real in fused_loss)."""
@@ -235,7 +261,7 @@ def test_a_plus_attention_row_traces_its_weights_with_the_attention_kernel(tmp_p
     monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")
     from flaxgpt.models.gpt import GPTConfig
 
-    a = argparse.Namespace(work=tmp_path, dry_run=True, part="decode_gpt2", bandwidth=None)
+    a = argparse.Namespace(work=tmp_path, dry_run=True, part="decode_gpt2", bandwidth=None, profile_tokens=0)
     cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=32, block_size=64)
     lease._decode(a, cfg, "tiny", (1, 64), ("float", "float+attention", "bf16"), 8)
     # each mode: a compiling run, then the best of 2
@@ -272,7 +298,12 @@ def test_decode_kernels_part_decodes_batch_1_through_the_kernels(tmp_path, monke
     monkeypatch.setenv("FLAXGPT_GEMV_TILES", "")  # restored (unset) after the test
     tiles = tmp_path / "gemv_tiles.json"
     a = argparse.Namespace(
-        work=tmp_path, dry_run=True, part="decode_gpt2_kernels", bandwidth=None, gemv_tiles=tiles
+        work=tmp_path,
+        dry_run=True,
+        part="decode_gpt2_kernels",
+        bandwidth=None,
+        gemv_tiles=tiles,
+        profile_tokens=0,
     )
     for swept in ("", ", swept tiles"):
         calls.clear()
