@@ -15,7 +15,9 @@ TPUs: up to REDUCE_ROWS rows (decoding) as a multiply and a row reduction over K
 int4 weights take kernels.int4's XLA form (the C++ kernel reads int8 and bf16 only), except decoding
 rows on one GPU, which take kernels.pallas_qgemv's Triton GEMV where it tiles the shape: measured on an
 H200 (2026-11-29, docs/accelerators.md), the Llama-3-8B shape at batch 1 decoded 134 tok/s with it and
-42 with XLA's unpack-then-dot form. int8 keeps XLA's fusion there (212 tok/s against the GEMV's 173).
+42 with XLA's unpack-then-dot form. int8 keeps XLA's fusion there (212 tok/s against the GEMV's 173),
+but for the shapes where the card's own sweep measured the GEMV faster (kernels.tuned's file, set by
+FLAXGPT_GEMV_TILES: benchmarks/kernel_sweep.py --tiles_out, XLA's product timed beside each kernel).
 FLAXGPT_QMATMUL=pallas sends int8 and int4 decoding rows through pallas_qgemv on any platform, one
 device (Pallas' interpreter off GPUs: a check, not a speed-up); FLAXGPT_QMATMUL=xla keeps XLA's forms
 everywhere. `route` is the one rule.
@@ -38,7 +40,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from flaxgpt.kernels import int4, pallas_qgemv, target
+from flaxgpt.kernels import int4, pallas_qgemv, target, tuned
 
 MAX_KERNEL_ROWS = 64  # above this the product is compute-bound: XLA's dot is faster
 REDUCE_ROWS = 4  # FLAXGPT_QMATMUL=reduce (accelerators): decoding rows taken as a multiply-reduce
@@ -116,9 +118,11 @@ def route(M: int, N: int, K: int, wdtype, group: int = 0) -> str:
     tiles = jnp.dtype(wdtype) in (jnp.int8, jnp.uint8) and not pallas_qgemv.why_not(M, N, K, group)
     if tiles and mode == "pallas" and target.one_device():
         return "pallas"
-    # int4 on one GPU: the GEMV, 3.2x XLA's unpack-then-dot on the 8B shape (module docstring)
-    if tiles and int4 and not mode and target.platform() == "gpu" and target.one_device():
-        return "pallas"
+    # int4 on one GPU: the GEMV, 3.2x XLA's unpack-then-dot on the 8B shape (module docstring); int8
+    # where the card's sweep (kernels.tuned, FLAXGPT_GEMV_TILES) measured it faster than XLA's dot
+    if tiles and not mode and target.platform() == "gpu" and target.one_device():
+        if int4 or tuned.beats_xla("int8", N, K, M):
+            return "pallas"
     if int4:
         return "int4"
     return "reduce" if mode == "reduce" and M <= REDUCE_ROWS and target.platform() != "cpu" else "dense"

@@ -8,12 +8,16 @@ the best tiling depends on the card (its SMs, L2 and bandwidth) as much as on th
 kernel_sweep.py measured fastest per (kernel, N, K, rows) is kept in a file. A kernel traced without
 `tiles=` looks up its kernel, N and K there and takes the entry measured at the most rows not above its
 own (the sweep times 1 row, and 4 for the Llama-3-8B shapes); a shape the file does not hold keeps the
-default. Read when the product is traced, as the other FLAXGPT_ settings: set it before the program is
-compiled. A file that cannot be read, or a tiling that does not fit the shape it names, is an error of
-one line naming the file (a wrong file never silently falls back to the defaults it was meant to replace).
+default. It also decides one route (kernels.qmatmul.route, `beats_xla`): int8 decoding rows on one GPU,
+FLAXGPT_QMATMUL unset, take pallas_qgemv where the sweep timed it faster than XLA's dot beside it. Read
+when the product is traced, as the other FLAXGPT_ settings: set it before the program is compiled. A
+file that cannot be read, or a tiling that does not fit the shape it names, is an error of one line
+naming the file (a wrong file never silently falls back to the defaults it was meant to replace).
 
 The file (JSON): {"device": "NVIDIA H200", "jax": "0.11.2", "tiles": [{"kernel": "bf16", "N": 768,
-"K": 3072, "M": 1, "tiles": [block_n, block_k, num_warps, num_stages, split_k], "gbps": 1234.5}, ...]}.
+"K": 3072, "M": 1, "tiles": [block_n, block_k, num_warps, num_stages, split_k], "best_gbps": 1234.5,
+"default_gbps": 987.6, "xla_gbps": 1100.2}, ...]} (the figures optional: without both best and XLA's,
+the route stays XLA's).
 Kernels (`kernel_name`): "bf16" / "f16" / "f32" for pallas_decode's float weights as flax's [K, N], the
 same + "_rows" for its rows [N, K] (`rows_w`), "int8", and "int4_g<group>" for pallas_qgemv.
 """
@@ -54,9 +58,10 @@ def _unreadable(path: str, err: OSError) -> ValueError:
 
 
 @functools.lru_cache(maxsize=4)
-def _read(path: str, mtime_ns: int) -> dict[tuple[str, int, int], list[tuple[int, tuple[int, ...]]]]:
-    """(kernel, N, K) -> [(M, tiles)] sorted by M; mtime_ns keys the cache (a rewritten file is read again).
-    Whether a tiling fits its shape is the kernel's rule (Tiles.why_not), checked where it is taken."""
+def _read(path: str, mtime_ns: int) -> dict[tuple[str, int, int], list[tuple[int, tuple[int, ...], bool]]]:
+    """(kernel, N, K) -> [(M, tiles, whether it beat XLA's product)] sorted by M; mtime_ns keys the
+    cache (a rewritten file is read again). Whether a tiling fits its shape is the kernel's rule
+    (Tiles.why_not), checked where it is taken."""
     where = f"{ENV}={path}"
     try:
         entries = json.loads(Path(path).read_text())["tiles"]
@@ -67,9 +72,11 @@ def _read(path: str, mtime_ns: int) -> dict[tuple[str, int, int], list[tuple[int
                 key, M = (str(e["kernel"]), int(e["N"]), int(e["K"])), int(e["M"])
                 if not 2 <= len(tiles) <= 5:
                     raise ValueError(f"{len(tiles)} numbers where [block_n, block_k, warps, stages, split_k]")
+                speeds = [e.get(k) for k in ("best_gbps", "xla_gbps")]
+                beat = None not in speeds and float(speeds[0]) > float(speeds[1])
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"entry {i} is not {{kernel, N, K, M, tiles}}: {err}") from None
-            table.setdefault(key, []).append((M, tiles))
+            table.setdefault(key, []).append((M, tiles, beat))
     except OSError as err:
         raise _unreadable(path, err) from None
     except (json.JSONDecodeError, KeyError, TypeError) as err:
@@ -80,9 +87,7 @@ def _read(path: str, mtime_ns: int) -> dict[tuple[str, int, int], list[tuple[int
     return {k: sorted(v) for k, v in table.items()}
 
 
-def lookup(kernel: str, N: int, K: int, M: int) -> tuple[int, ...] | None:
-    """The file's tiling for this kernel and shape at the most rows <= M (FLAXGPT_GEMV_TILES), or None:
-    no file set, or none measured for the shape (the kernel's default then)."""
+def _entry(kernel: str, N: int, K: int, M: int) -> tuple[int, tuple[int, ...], bool] | None:
     path = os.environ.get(ENV)
     if not path:
         return None
@@ -90,8 +95,22 @@ def lookup(kernel: str, N: int, K: int, M: int) -> tuple[int, ...] | None:
         mtime = os.stat(path).st_mtime_ns
     except OSError as err:
         raise _unreadable(path, err) from None
-    fits = [t for m, t in _read(path, mtime).get((kernel, N, K), []) if m <= M]
+    fits = [e for e in _read(path, mtime).get((kernel, N, K), []) if e[0] <= M]
     return fits[-1] if fits else None
+
+
+def lookup(kernel: str, N: int, K: int, M: int) -> tuple[int, ...] | None:
+    """The file's tiling for this kernel and shape at the most rows <= M (FLAXGPT_GEMV_TILES), or None:
+    no file set, or none measured for the shape (the kernel's default then)."""
+    entry = _entry(kernel, N, K, M)
+    return entry and entry[1]
+
+
+def beats_xla(kernel: str, N: int, K: int, M: int) -> bool:
+    """Whether the file's sweep measured the kernel, at its tiling for this shape and rows, faster than
+    XLA's product of the same shape (best_gbps > xla_gbps); False without a file or a measurement."""
+    entry = _entry(kernel, N, K, M)
+    return bool(entry and entry[2])
 
 
 def source() -> str:

@@ -153,3 +153,28 @@ def test_the_sweep_writes_what_the_kernels_read(tmp_path, monkeypatch):
     monkeypatch.setenv(tuned.ENV, str(tmp_path / "t.json"))
     assert tuned.lookup("int4_g128", 4096, 4096, 8) == (32, 256, 4, 3, 4)
     assert tuned.lookup("int4_g128", 4096, 4096, 1) is None and tuned.lookup("int8", 4096, 4096, 1) is None
+
+
+def test_int8_rows_take_the_kernel_on_a_gpu_where_the_sweep_measured_it_faster(tmp_path, monkeypatch):
+    """qmatmul.route, FLAXGPT_QMATMUL unset, traced for one GPU: int8 keeps XLA's dot unless the file's
+    entry for the shape and rows says the kernel beat it (best_gbps > xla_gbps); int4 takes the kernel
+    either way; other platforms and an explicit mode are not the file's to change."""
+    from flaxgpt.kernels import qmatmul, target
+
+    monkeypatch.delenv("FLAXGPT_QMATMUL", raising=False)
+    monkeypatch.setattr(target, "platform", lambda: "gpu")
+    faster = dict(kernel="int8", N=64, K=512, M=1, tiles=[32, 256, 4, 3, 1], best_gbps=900.0, xla_gbps=600.0)
+    slower = dict(faster, N=128, best_gbps=500.0)
+    unmeasured = {k: v for k, v in faster.items() if k != "xla_gbps"} | {"N": 256}
+    monkeypatch.setenv(tuned.ENV, tiles_file(tmp_path / "t.json", [faster, slower, unmeasured]))
+    routes = {N: qmatmul.route(1, N, 512, jnp.int8) for N in (64, 128, 256, 512)}
+    assert routes == {64: "pallas", 128: "dense", 256: "dense", 512: "dense"}  # 512: not in the file
+    assert qmatmul.route(1, 128, 512, jnp.uint8, 128) == "pallas"  # int4: the kernel without the file
+    monkeypatch.setenv("FLAXGPT_QMATMUL", "xla")
+    assert qmatmul.route(1, 64, 512, jnp.int8) == "dense"
+    monkeypatch.delenv("FLAXGPT_QMATMUL")
+    monkeypatch.setattr(target, "platform", lambda: "cpu")
+    assert qmatmul.route(1, 64, 512, jnp.int8) == "dense"
+    monkeypatch.delenv(tuned.ENV)
+    monkeypatch.setattr(target, "platform", lambda: "gpu")
+    assert qmatmul.route(1, 64, 512, jnp.int8) == "dense"
