@@ -12,7 +12,8 @@ overlap counts once), `wall` the function's time under the profiler, and what is
 device waiting (launches, the host, a graph's node gaps). Each op's count and time a step say which
 kernels take it.
 
-Events: on GPUs and TPUs those of the device planes (/device:GPU:0 ...: kernels, copies), on a CPU the
+Events: on GPUs and TPUs those of the device planes (/device:GPU:0 ...: kernels, copies; not libtpu's
+/device:CUSTOM planes), on a CPU (no device plane with events) the
 XLA thunks on the host's threads (the events with an `hlo_op` stat, but loops and conditionals, whose
 events hold their bodies': how the tests check this on a CPU); grouped by their `hlo_op` stat, else
 their name (a kernel the profiler could not tie to its op, as inside a CUDA graph); kept where their
@@ -36,7 +37,13 @@ CONTROL = re.compile(r"(while|cond|conditional|call)(\.\d+)?")
 def events(data, module: str = "") -> tuple[list[tuple[str, int, int]], int]:
     """([(op, start_ns, duration_ns)], unattributed) of `data` (a jax.profiler.ProfileData): the device
     planes' events, or where there are none the host's XLA thunks, of modules containing `module`."""
-    devices = [p for p in data.planes if p.name.startswith("/device:")]
+    # the accelerators' planes that hold events: libtpu, once loaded (an ahead-of-time TPU compile),
+    # adds a "/device:CUSTOM:Megascale Trace" plane of its own to every trace, empty on a CPU
+    devices = [
+        p for p in data.planes
+        if p.name.startswith("/device:") and not p.name.startswith("/device:CUSTOM")
+        and any(True for line in p.lines for _ in line.events)
+    ]  # fmt: skip
     planes = devices or [p for p in data.planes if p.name == "/host:CPU"]
     out, unattributed = [], 0
     for plane in planes:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax.profiler import ProfileData
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +57,19 @@ def test_a_cpu_loop_counts_its_bodys_thunks_not_the_loop():
     assert 3 in counts.values() and max(counts.values()) <= 4, counts  # the body's ops; the condition's n + 1
 
 
+def test_a_cpu_run_after_libtpu_loaded_still_counts_the_cpu():
+    """libtpu (loaded by an ahead-of-time TPU compile in the same process) adds an empty
+    /device:CUSTOM plane to every trace: the CPU's thunks are still the ones counted."""
+    pytest.importorskip("libtpu", reason="the TPU targets need libtpu: pip install 'jax[tpu]==<jax version>'")
+    from flaxgpt.aot import targets
+
+    targets.get("v5e-8").devices()  # libtpu's topology: loads the plugin in this process
+    f = jax.jit(lambda x: jnp.tanh(x @ x))
+    x = jnp.ones((64, 64))
+    f(x).block_until_ready()
+    assert dp.profile(lambda: f(x), per=1)["kernels_per"] >= 1
+
+
 def test_busy_time_counts_overlapping_intervals_once():
     assert dp.busy_ns([]) == 0
     assert dp.busy_ns([(0, 10), (5, 10), (30, 5), (31, 2)]) == 15 + 5
@@ -88,12 +102,19 @@ planes {
   stat_metadata { key: 11 value { id: 11 name: "hlo_module" } }
 }
 planes { id: 2 name: "/host:CPU" }
+planes {
+  id: 3
+  name: "/device:CUSTOM:Megascale Trace"
+  lines { id: 1 name: "x" timestamp_ns: 0 events { metadata_id: 1 offset_ps: 0 duration_ps: 5 } }
+  event_metadata { key: 1 value { id: 1 name: "not a kernel" } }
+}
 """
 
 
 def test_a_gpu_plane_gives_its_kernels_by_op_else_by_name():
     """The device plane's events, whatever their stats (a graph's kernel without its op keeps its
-    name and counts as unattributed), of the module asked for; the host's events not counted."""
+    name and counts as unattributed), of the module asked for; the host's events not counted, nor
+    libtpu's CUSTOM plane's."""
     data = ProfileData.from_text_proto(GPU_PLANE)
     evs, unattributed = dp.events(data, "decode_chunk")
     # offsets in ps from the line's 1000 ns
