@@ -34,16 +34,20 @@ from collections.abc import Callable
 CONTROL = re.compile(r"(while|cond|conditional|call)(\.\d+)?")
 
 
-def events(data, module: str = "") -> tuple[list[tuple[str, int, int]], int]:
-    """([(op, start_ns, duration_ns)], unattributed) of `data` (a jax.profiler.ProfileData): the device
-    planes' events, or where there are none the host's XLA thunks, of modules containing `module`."""
-    # the accelerators' planes that hold events: libtpu, once loaded (an ahead-of-time TPU compile),
-    # adds a "/device:CUSTOM:Megascale Trace" plane of its own to every trace, empty on a CPU
-    devices = [
+def device_planes(data) -> list:
+    """The accelerators' planes that hold events. libtpu, once loaded (an ahead-of-time TPU compile),
+    adds a "/device:CUSTOM:Megascale Trace" plane of its own to every trace, empty on a CPU."""
+    return [
         p for p in data.planes
         if p.name.startswith("/device:") and not p.name.startswith("/device:CUSTOM")
         and any(True for line in p.lines for _ in line.events)
     ]  # fmt: skip
+
+
+def events(data, module: str = "") -> tuple[list[tuple[str, int, int]], int]:
+    """([(op, start_ns, duration_ns)], unattributed) of `data` (a jax.profiler.ProfileData): the device
+    planes' events, or where there are none the host's XLA thunks, of modules containing `module`."""
+    devices = device_planes(data)
     planes = devices or [p for p in data.planes if p.name == "/host:CPU"]
     out, unattributed = [], 0
     for plane in planes:
@@ -87,6 +91,8 @@ def profile(fn: Callable[[], object], per: int, module: str = "", top: int = 25)
         if not files:
             raise RuntimeError(f"jax.profiler.trace wrote no .xplane.pb under {d}")
         data = ProfileData.from_file(files[0])
+        if jax.devices()[0].platform != "cpu" and not device_planes(data):  # never the host's as kernels
+            raise RuntimeError("the trace holds no device events: can the profiler reach the device (CUPTI)?")
         evs, unattributed = events(data, module)
     by_op: dict[str, list[int]] = {}
     for op, _, dur in evs:

@@ -15,8 +15,9 @@ limits 510 s: the data to choose the GEMV kernels' tiles and whether the attenti
 Mixtral layer's float8 rows and its Pallas grouped GEMM's),
 then on the warm machine `--parts decode_llama8b,decode_gpt2,decode_gpt2_kernels,decode_llama8b_pallas
 --llama_batches 1` (issue #54's decoding targets, the attention kernel alone beside XLA's path first;
-limits 680 s: more than one call and the session hold after its start, so the last part may find no
-time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`). The parts:
+limits 620 s: more than one call and the session hold after its start, so the last part may find no
+time), then whatever time is left for `--parts decode_gpt2_profile,step_profile` (the profiles: why
+GPT-2's token and the step stop where they do), then `fp8`, `step`, `fused_loss`, `epilogues`. The parts:
 - kernel_sweep: `benchmarks/kernel_sweep.py` (its docstring: the method): the decoding GEMV kernels
   (kernels/pallas_decode.py bf16, kernels/pallas_qgemv.py int8 and int4) over a grid of tilings
   against XLA's products, for Llama-3-8B's and GPT-2's weight shapes at 1 row (Llama's at 4 too): us
@@ -31,9 +32,8 @@ time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`)
   head and range of 1,024 positions) gains and where it falls behind
 - recipe: `train.py --config configs/gpt2_124m_1gpu.py` on random tokens, a few steps, read back from
   metrics.jsonl (the trainer's own figures; steps after the first)
-- step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu --profile`), GPT-2 124M,
-  T 1024, batch 16, then 3 steps under JAX's profiler (a row: kernels a step, the device's busy time
-  against the timed step, the heaviest ops)
+- step: flaxgpt's train step alone (`benchmarks/train_throughput.py --step gpu`), GPT-2 124M, T 1024,
+  batch 16; step_profile: the same, then 3 steps under JAX's profiler (`--profile`)
 - fused_loss: the same step (the recipe's micro-batch) with the loss from the logits, then through the
   fused linear + cross-entropy (`--loss_impl fused`, train/losses.py), then that with its Triton kernels
   (FLAXGPT_XENT=pallas, kernels/pallas_xent.py; on the CPU the XLA form again): step time and peak memory
@@ -77,10 +77,15 @@ time), then whatever time is left for (`fp8`, `step`, `fused_loss`, `epilogues`)
   layer's HBM traffic 101.3 -> 55.9 GB): its rows beside fp8_moe's tiled ones
 - tests: `pytest tests/kernels tests/models tests/decode tests/train` (--test_paths) on the GPU (last:
   it takes whatever time is left); tests marked `devices(8)` skip on one GPU
-Every decode part's batch-1 rows decode again under JAX's profiler (--profile_tokens, 33 tokens;
-benchmarks/device_profile.py): a "profile" row each, the token loop's kernels a token and the device's
-busy time against the timed token (what the compiled kernel count cannot say: whether a token waits
-on its kernels or between them), every profile's heaviest ops in OUT/profiles.json.
+The profile parts (group `profile`: decode_gpt2_profile, decode_llama8b_profile, step_profile) time
+batch-1 rows again and then run each under JAX's profiler (--profile_tokens, 33 tokens;
+benchmarks/device_profile.py): a "profile" row each, the token loop's kernels a token (or the step's)
+and the device's busy time against the timed figure (what the compiled kernel count cannot say:
+whether a token waits on its kernels or between them), every profile's heaviest ops in
+OUT/profiles.json. Parts of their own, after the timings: a profiler that fails or hangs on the
+image (CUPTI) costs their rows only. decode_gpt2_profile: float, float+attention and the decode
+kernels (float+on, bf16+on, at kernel_sweep's tilings where it wrote them); decode_llama8b_profile:
+bf16, bf16+attention, int8 and int4.
 MFU is against 989 TFLOP/s (H100 SXM / H200 dense bf16) with the trainer's FLOPs per token; the
 decoding rows' HBM percentage against the card's bandwidth (BANDWIDTH, by device kind). Results: a
 table on stdout, every row as JSON in OUT/lease.json, the parts' logs in OUT/logs.txt, the test run's
@@ -110,24 +115,26 @@ BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}
 PARTS = {
     "kernel_sweep": 180,  # 178 s predicted by its count: it stops starting programs at 155 s
     "recipe": 90,
-    "step": 70,  # and 3 steps under the profiler (--profile)
+    "step": 60,
+    "step_profile": 70,  # the step, then 3 steps under the profiler (--profile)
     "fused_loss": 150,  # three compiles and runs of the step (~30 s each on 2026-11-27's `step`)
     "fp8": 120,  # two compiles and 10 steps each of one 8B layer (24 s on 2026-11-29)
     "fp8_moe": 150,  # the same for one Mixtral-8x7B layer, three sides (two took 30 s on 2026-11-29)
     "grouped_moe": 90,  # fp8_moe's layer with FLAXGPT_GROUPED=pallas (not yet run on a lease)
     "epilogues": 110,  # two compiles and runs of the step; on 2026-11-29 killed at 80 s as the second ended
     "nanogpt": 70,
-    # 58 s on 2026-11-27 with bf16 and int8; float rows added, then float+attention, then each batch-1 row's
-    # profile (--profile_tokens: a trace of 33 tokens, ~5 s a row predicted); so below
-    "decode_gpt2": 170,
+    "decode_gpt2": 150,  # 58 s on 2026-11-27 with bf16 and int8; float rows added, then float+attention
     "decode_gpt2_plain": 100,
-    "decode_gpt2_kernels": 80,  # float and bf16 at batch 1, FLAXGPT_DECODE_KERNELS=on (float: 31 s, 11-29)
+    "decode_gpt2_kernels": 70,  # float and bf16 at batch 1, FLAXGPT_DECODE_KERNELS=on (float: 31 s, 11-29)
     # 137 s on 2026-11-27; on 2026-11-29 batch 1's rows took 143 s and batch 64's bf16 compile ran out at
     # 170; bf16+attention (batch 1) added since
-    "decode_llama8b": 290,
+    "decode_llama8b": 270,
     "decode_attention": 90,  # 6 (shape, cache, position) cases x 2 forms, 32 layers' calls a program
     "decode_llama8b_reduce": 110,  # batch 1, FLAXGPT_QMATMUL=reduce: the int8 products as row reductions
-    "decode_llama8b_pallas": 140,  # batch 1, int8 and int4, FLAXGPT_QMATMUL=pallas (not yet run on a lease)
+    "decode_llama8b_pallas": 130,  # batch 1, int8 and int4, FLAXGPT_QMATMUL=pallas (not yet run on a lease)
+    # batch 1 timed again, then 33 tokens under the profiler, a row each (four modes; not yet run)
+    "decode_gpt2_profile": 100,
+    "decode_llama8b_profile": 200,
     "hf_generate": 150,
     "tests": 270,  # 204 s on 2026-11-27 with 12 workers and no autotuning
 }
@@ -135,7 +142,9 @@ PARTS = {
 GROUPS = {
     # the next lease's first call (limits: 510 s)
     "sweep": ("kernel_sweep", "decode_attention", "fp8_moe", "grouped_moe"),
-    "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 610 s)
+    "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 600 s)
+    # batch-1 decoding and the step timed again, then under JAX's profiler (limits: 370 s)
+    "profile": ("decode_gpt2_profile", "decode_llama8b_profile", "step_profile"),
     "decode": ("decode_gpt2", "decode_gpt2_kernels", "decode_llama8b", "hf_generate"),  # ~8 min
     # ~6.5 min: the int8 / int4 GEMV kernels and the mixture's float8 layer (limits: 390 s; train has
     # no room left for it; fp8_moe is in `sweep` too: a part named twice runs once)
@@ -162,7 +171,14 @@ def _train_step(a, part: str, label: str, what: str, args=(), env=None, result=N
     out = a.work / f"step_{label}.json"
     cmd = [sys.executable, str(ROOT / "benchmarks/train_throughput.py"), "--json", str(out)]
     cmd += ["--step", "cpu", "--steps", "3"] if a.dry_run else ["--step", "gpu"]
-    subprocess.run(cmd + list(args), check=True, cwd=ROOT, env=env)
+    out.unlink(missing_ok=True)  # --work stays between a lease's calls: never an earlier call's figures
+    failed = None
+    try:
+        subprocess.run(cmd + list(args), check=True, cwd=ROOT, env=env)
+    except subprocess.CalledProcessError as e:
+        if not out.exists():
+            raise
+        failed = e  # after its timing (written first): the profile's; the timed row stands
     r = json.loads(out.read_text())
     emit(
         part=part,
@@ -173,13 +189,19 @@ def _train_step(a, part: str, label: str, what: str, args=(), env=None, result=N
         peak_gib=r["peak_memory_gib"],
         result=result and result(r),
     )
-    if "profile" in r:  # --profile: 3 steps again under JAX's profiler (benchmarks/device_profile.py)
+    if "profile" in r:  # step_profile: 3 steps again under JAX's profiler (benchmarks/device_profile.py)
         what = f"train step, batch {r['batch_size']}, {what}"
         _profile_row(a, part, what, r["profile"], 1000 * r["step_ms"], "a step")
+    if failed:
+        raise SystemExit(f"train_throughput.py exited {failed.returncode} after its timing")
 
 
 def part_step(a) -> None:
-    _train_step(a, "step", "step", "attention auto", ["--profile"])
+    _train_step(a, "step", "step", "attention auto")
+
+
+def part_step_profile(a) -> None:
+    _train_step(a, "step_profile", "step_profile", "attention auto", ["--profile"])
 
 
 def _fp8_layer(a, part: str, preset: str, name: str, args=()) -> None:
@@ -389,11 +411,11 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
     if a.part.endswith("_kernels"):  # read when the blocks are traced (flaxgpt.models.linear.decode_kernels)
         os.environ["FLAXGPT_DECODE_KERNELS"] = "on"  # interpreted on a CPU (the dry run)
         label += " (decode kernels)"
-    if a.part.endswith(("_pallas", "_kernels")) and a.gemv_tiles.exists():
+    if a.part.endswith(("_pallas", "_kernels", "_profile")) and a.gemv_tiles.exists():
         # kernel_sweep's fastest tilings on this card, where it timed the shape (kernels.tuned); its
         # table has each against the default's, so these rows need not time the defaults again
         os.environ["FLAXGPT_GEMV_TILES"] = str(a.gemv_tiles)
-        label = label[:-1] + ", swept tiles)"
+        label = label[:-1] + ", swept tiles)" if label.endswith(")") else label + " (swept tiles)"
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -460,7 +482,7 @@ def _decode(a, cfg, label: str, batches, quantize_modes, new_tokens: int) -> Non
                 weights_gb=round(weights / 1e9, 2),
                 first_run_s=round(compile_s, 1),
             )
-            if B == 1 and a.profile_tokens > 1:
+            if a.part.endswith("_profile") and a.profile_tokens > 1:
                 n = min(a.profile_tokens, new_tokens)
                 _profile(a, f"{label} {mode} batch 1", lambda n=n, run=run: run(n), n - 1, 1e6 * per_step)
 
@@ -470,7 +492,8 @@ def _profile(a, what: str, run, tokens: int, timed_us: float) -> None:
     program's events, `tokens` of them; the first token is the prefill's): a row with the kernels
     and the device's busy time a token against the timed `timed_us`, and the heaviest ops into
     OUT/profiles.json. What the compiled count cannot say: whether a token waits on its kernels or
-    between them. A profiler that cannot start (CUPTI) costs this row only."""
+    between them. A profiler that cannot start (CUPTI) costs this row only (and a profile part's
+    rows only: the decode parts themselves do not profile)."""
     import device_profile
 
     try:
@@ -501,10 +524,12 @@ def part_decode(a, model: str) -> None:
     modes = {
         "decode_llama8b": ("bf16", "bf16+attention", "int8", int4),
         "decode_llama8b_pallas": ("int8", int4),
+        "decode_llama8b_profile": ("bf16", "bf16+attention", "int8", int4),
     }
     modes.update(
-        decode_gpt2=("float", "float+attention", "bf16", "int8"), decode_gpt2_kernels=("float", "bf16")
-    )
+        decode_gpt2=("float", "float+attention", "bf16", "int8"), decode_gpt2_kernels=("float", "bf16"),
+        decode_gpt2_profile=("float", "float+attention", "float+on", "bf16+on"),
+    )  # fmt: skip
     modes = modes.get(a.part, ("bf16", "int8"))
     if a.dry_run:
         cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=2, n_embd=64, block_size=128, dtype="bfloat16")
@@ -513,9 +538,10 @@ def part_decode(a, model: str) -> None:
         return _decode(a, cfg, "tiny", (1,), modes, 8)
     if model == "gpt2":
         cfg = GPTConfig.preset("gpt2", dtype="bfloat16", pad_vocab_multiple=64)
-        return _decode(a, cfg, "GPT-2 124M", a.gpt2_batches, modes, 256)
+        batches = (1,) if a.part.endswith("_profile") else a.gpt2_batches
+        return _decode(a, cfg, "GPT-2 124M", batches, modes, 256)
     cfg = GPTConfig.preset("llama-3-8b", dtype="bfloat16", block_size=1024)
-    one_row = a.part.endswith(("_reduce", "_pallas"))  # the experiments are for decoding rows
+    one_row = a.part.endswith(("_reduce", "_pallas", "_profile"))  # these are for decoding rows
     return _decode(a, cfg, "Llama-3-8B shape", (1,) if one_row else a.llama_batches, modes, 128)
 
 
@@ -730,7 +756,7 @@ def main(argv=None) -> int:
         "--profile_tokens",
         type=int,
         default=33,
-        help="the decode parts' batch-1 rows: decode this many tokens again under JAX's profiler (0: not)",
+        help="the profile parts' rows: decode this many tokens again under JAX's profiler (0: not)",
     )
     ap.add_argument("--part", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -745,6 +771,8 @@ def main(argv=None) -> int:
             "decode_llama8b": lambda: part_decode(a, "llama8b"),
             "decode_llama8b_reduce": lambda: part_decode(a, "llama8b"),
             "decode_llama8b_pallas": lambda: part_decode(a, "llama8b"),
+            "decode_gpt2_profile": lambda: part_decode(a, "gpt2"),
+            "decode_llama8b_profile": lambda: part_decode(a, "llama8b"),
         }.get(a.part)
         (fn or (lambda: globals()[f"part_{a.part}"](a)))()
         return 0

@@ -505,6 +505,8 @@ def step_alone(args) -> None:
         loss=round(loss, 4),
     )
     print_table(list(result), [["n/a" if v is None else str(v) for v in result.values()]], "l" * len(result))
+    if args.json:  # before a profile: a profiler that fails takes nothing timed with it
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     if args.profile:  # a few steps again under JAX's profiler: the kernels a step and the device's idle share
         import device_profile
 
@@ -516,8 +518,8 @@ def step_alone(args) -> None:
 
         result["profile"] = device_profile.profile(run, per=3)
         print(device_profile.summary(result["profile"], step="a step", timed_us=round(1e6 * dt, 1)))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
 def given(args, group) -> list[str]:

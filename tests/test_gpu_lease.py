@@ -75,14 +75,7 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     )  # +attention: the attention kernel alone, interpreted
     assert set(decodes) == {f"decode tiny {m} batch 1" for m in kinds}
     assert all(r["tokens_per_s"] > 0 for r in decodes.values())
-    # each batch-1 row's token loop again under JAX's profiler (here the CPU's XLA thunks): its kernels,
-    # the device's busy time against the wall time; the heaviest ops in OUT/profiles.json
-    profiles = [r for r in by_part["decode_gpt2"] if r["what"].startswith("profile ")]
-    assert [r["what"] for r in profiles] == [f"profile tiny {m} batch 1" for m in kinds]
-    assert all(r["kernels_per_step"] > 0 and 0 < r["busy_us"] <= r["wall_us"] for r in profiles), profiles
-    assert all(" kernels a token, device busy " in r["result"] for r in profiles)
-    tops = json.loads((out / "profiles.json").read_text())
-    assert [t["what"] for t in tops] == [f"tiny {m} batch 1" for m in kinds] and all(t["top"] for t in tops)
+    assert len(decodes) == len(by_part["decode_gpt2"])  # profiles are the profile parts' (below)
     fused = {r["what"].rpartition(" ")[2]: r for r in by_part["fused_loss"]}  # logits, fused, pallas
     assert set(fused) == {"logits", "fused", "pallas"} and all(r["step_ms"] > 0 for r in fused.values())
     # the same step from the same start: the same loss whichever path computes it
@@ -198,21 +191,23 @@ def test_fp8_layer_parts_run_its_script_and_report_a_row_a_side(tmp_path, monkey
     assert ("Pallas grouped GEMM" in rows[0]["what"]) == (part == "grouped_moe")
 
 
-def test_the_step_part_profiles_its_step(tmp_path, capfd, monkeypatch):
-    """The part step: train_throughput.py --profile (for real, on the CPU: 3 steps timed, 3 profiled), its
-    row, then the profile's against the timed step, and its heaviest ops in OUT/profiles.json."""
+def test_the_step_profile_part_profiles_its_step(tmp_path, capfd, monkeypatch):
+    """The part step_profile: train_throughput.py --profile (for real, on the CPU: 3 steps timed, 3
+    profiled), its row, then the profile's against the timed step, its heaviest ops in
+    OUT/profiles.json."""
     import argparse
 
     monkeypatch.delenv("JAX_NUM_CPU_DEVICES")  # one device, as on the lease (the step's process inherits)
     monkeypatch.setenv("XLA_FLAGS", xla_flags())
-    lease.part_step(argparse.Namespace(work=tmp_path, out=tmp_path, dry_run=True))
+    lease.part_step_profile(argparse.Namespace(work=tmp_path, out=tmp_path, dry_run=True))
     step, prof = lease.rows_in(capfd.readouterr().out)
-    assert step["what"] == "train step, batch 12, attention auto" and step["part"] == prof["part"] == "step"
+    assert step["what"] == "train step, batch 12, attention auto"
+    assert step["part"] == prof["part"] == "step_profile"
     assert prof["what"] == "profile " + step["what"] and prof["kernels_per_step"] > 10
     timed = f"of the timed {1000 * step['step_ms']:.1f} us"
     assert " kernels a step, device busy " in prof["result"] and timed in prof["result"], prof["result"]
     (saved,) = json.loads((tmp_path / "profiles.json").read_text())
-    assert saved["part"] == "step" and saved["per"] == 3 and saved["top"]
+    assert saved["part"] == "step_profile" and saved["per"] == 3 and saved["top"]
 
 
 def test_epilogues_times_the_step_fused_then_plain(tmp_path, monkeypatch, capsys):
@@ -316,3 +311,60 @@ def test_decode_kernels_part_decodes_batch_1_through_the_kernels(tmp_path, monke
         ]
         assert all(r["tokens_per_s"] > 0 and r["part"] == "decode_gpt2_kernels" for r in rows)
         tiles.write_text('{"tiles": []}')  # kernel_sweep's file (here with no entry)
+
+
+def test_decode_profile_part_times_then_profiles_each_row(tmp_path, monkeypatch, capsys):
+    """The part decode_gpt2_profile: at batch 1 only, each mode (the decode kernels' among them, with
+    kernel_sweep's tilings where the file exists) timed, then decoded again for --profile_tokens under
+    the profiler: a profile row after each timed row, OUT/profiles.json; a profiler that fails is its
+    row's error, the next mode still runs. generate is stood in for (the profiler itself:
+    tests/test_device_profile.py)."""
+    import argparse
+
+    import device_profile
+    import numpy as np
+
+    from flaxgpt.decode import sampling
+
+    calls = []
+
+    def fake_generate(step_fn, cache, prompt, lens, max_new_tokens, **kw):
+        calls.append((prompt.shape[0], max_new_tokens, os.environ.get("FLAXGPT_DECODE_KERNELS")))
+        return None, np.full(prompt.shape[0], max_new_tokens)
+
+    profiled = []
+
+    def fake_profile(run, per, module):
+        run()
+        profiled.append((per, module))
+        if len(profiled) == 2:
+            raise RuntimeError("the trace holds no device events")
+        top = [dict(op="fusion.1", count_per=1.0, us_per=5.0, mean_us=5.0)]
+        return dict(per=per, kernels_per=72.0, busy_us_per=100.0, sum_us_per=100.0, wall_us_per=300.0,
+                    unattributed=0, top=top)  # fmt: skip
+
+    monkeypatch.setattr(sampling, "generate", fake_generate)
+    monkeypatch.setattr(device_profile, "profile", fake_profile)
+    monkeypatch.setenv("FLAXGPT_DECODE_KERNELS", "off")
+    monkeypatch.setenv("FLAXGPT_GEMV_TILES", "")
+    (tmp_path / "tiles.json").write_text('{"tiles": []}')
+    a = argparse.Namespace(
+        work=tmp_path, out=tmp_path, dry_run=True, part="decode_gpt2_profile", bandwidth=None,
+        gemv_tiles=tmp_path / "tiles.json", profile_tokens=5,
+    )  # fmt: skip
+    lease.part_decode(a, "gpt2")
+    modes = ("off", "attention", "on", "on")  # float, float+attention, float+on, bf16+on
+    assert calls == [c for m in modes for c in [(1, 8, m)] * 3 + [(1, 5, m)]]  # compile, best of 2, profile
+    assert profiled == [(4, "decode_chunk")] * 4  # 5 tokens, the first the prefill's
+    assert os.environ["FLAXGPT_GEMV_TILES"] == str(tmp_path / "tiles.json")
+    rows = lease.rows_in(capsys.readouterr().out)
+    names = ("float", "float+attention", "float+on", "bf16+on")
+    label = "tiny (swept tiles)"
+    assert [r["what"] for r in rows] == [
+        w for m in names for w in (f"decode {label} {m} batch 1", f"profile {label} {m} batch 1")
+    ]
+    assert rows[3]["result"] == "RuntimeError: the trace holds no device events"
+    assert rows[1]["result"].startswith("72.0 kernels a token, device busy 100.0 of the timed ")
+    assert [p["what"] for p in json.loads((tmp_path / "profiles.json").read_text())] == [
+        f"{label} {m} batch 1" for m in ("float", "float+on", "bf16+on")
+    ]
