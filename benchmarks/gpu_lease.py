@@ -24,8 +24,9 @@ GPT-2's token and the step stop where they do), then `fp8`, `step`, `fused_loss`
   a call, GB/s and % of a measured copy ceiling; Mixtral-8x7B's expert product by the tiled grouped
   matmul, jax.lax.ragged_dot and dense dots. Rows: the ceiling, the best tiling per (kernel, shape)
   against the default and XLA, the MoE rows; every row in OUT/kernel_sweep.json, the best tilings as
-  kernels.tuned's file in WORK/gemv_tiles.json (--gemv_tiles) and OUT, which decode_gpt2_kernels and
-  decode_llama8b_pallas then take (FLAXGPT_GEMV_TILES; their rows say "swept tiles")
+  kernels.tuned's file in WORK/gemv_tiles.json (--gemv_tiles) and OUT, which decode_gpt2_kernels,
+  decode_llama8b_pallas and the profile parts then take (FLAXGPT_GEMV_TILES; their rows say "swept
+  tiles")
 - decode_attention: `benchmarks/decode_attention.py`: a decoding row's attention over its cache, XLA's
   path against kernels/pallas_decode_attention.py, per call (32 layers' buffers a program), for the
   Llama-3-8B and GPT-2 shapes at caches of 192-8192 positions: where the kernel (a program a key/value
