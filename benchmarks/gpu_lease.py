@@ -751,7 +751,8 @@ def main(argv=None) -> int:
         "--gemv_tiles",
         type=Path,
         help="kernel_sweep's tilings (FLAXGPT_GEMV_TILES), written by the part kernel_sweep and taken by "
-        "decode_gpt2_kernels and decode_llama8b_pallas where it exists (default: WORK/gemv_tiles.json)",
+        "decode_gpt2_kernels, decode_llama8b_pallas and the profile parts where it exists (default: "
+        "WORK/gemv_tiles.json)",
     )
     ap.add_argument(
         "--profile_tokens",
