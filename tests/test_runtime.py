@@ -26,7 +26,8 @@ PROBE = textwrap.dedent(
 
     config = gpt.GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=2, n_embd=128, glu=True,
                            norm="rmsnorm", pos_embedding="rope", bias=False, mlp_hidden=256)
-    base = gpt.GPT(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    # jitted: eagerly, the init dispatches op by op (~5 s of the probe)
+    base = jax.jit(gpt.GPT(config).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
     spec = lora.LoraSpec.make(config, 8, 16.0)
     tokens_BT = jax.random.randint(jax.random.key(2), (16, 257), 0, 256)
     tx = optax.adamw(1e-3)

@@ -403,11 +403,11 @@ def unembedding(config: GPTConfig, params) -> linear_xent.Head:
     return linear_xent.Head(kernel.astype(dtype), "DV", config.vocab_size, config.logit_softcap)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program: init run eagerly compiles op by op (~3 s)
 def init_params(config: GPTConfig, rng: jax.Array):
     """Plain (unboxed) float parameters: {'wte': ..., 'h_0': ..., ...}."""
     dummy = jnp.zeros((1, min(8, config.block_size)), jnp.int32)
-    variables = GPT(config).init(rng, dummy)
-    return nn.unbox(variables["params"])
+    return nn.unbox(GPT(config).init(rng, dummy)["params"])
 
 
 def abstract_params(config: GPTConfig):

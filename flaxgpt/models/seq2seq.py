@@ -358,6 +358,7 @@ def _dummy(config: TransformerConfig):
     return jnp.zeros((1, n), jnp.int32), jnp.full((1,), n, jnp.int32), jnp.zeros((1, n), jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one program: init run eagerly compiles op by op
 def init_params(config: TransformerConfig, rng: jax.Array):
     """Plain (unboxed) float parameters."""
     return nn.unbox(Transformer(config).init(rng, *_dummy(config))["params"])
