@@ -18,7 +18,7 @@ from tests.procs import xla_flags
 PROBE = textwrap.dedent(
     """
     import json, resource, sys
-    import jax, jax.numpy as jnp, optax
+    import jax, optax
     from flaxgpt import runtime
     took = runtime.keep_cpu_step_memory() if sys.argv[1] == "keep" else False
     from flaxgpt.models import gpt, lora
@@ -26,8 +26,7 @@ PROBE = textwrap.dedent(
 
     config = gpt.GPTConfig(vocab_size=256, block_size=256, n_layer=2, n_head=2, n_embd=128, glu=True,
                            norm="rmsnorm", pos_embedding="rope", bias=False, mlp_hidden=256)
-    # jitted: eagerly, the init dispatches op by op (~5 s of the probe)
-    base = jax.jit(gpt.GPT(config).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+    base = gpt.init_params(config, jax.random.key(0))
     spec = lora.LoraSpec.make(config, 8, 16.0)
     tokens_BT = jax.random.randint(jax.random.key(2), (16, 257), 0, 256)
     tx = optax.adamw(1e-3)
