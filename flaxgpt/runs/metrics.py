@@ -111,7 +111,13 @@ class MetricsWriter:
                 self.tb.close()
             except OSError:  # mark its event files closed, so no later flush retries the full disk
                 for file_writer in (self.tb.all_writers or {}).values():
-                    file_writer.event_writer._closed = True
+                    events = file_writer.event_writer
+                    events._closed = True
+                    # its close stopped at the flush, before its flusher thread: stopped here, or that
+                    # thread flushes the full disk again and prints a traceback minutes later
+                    if events._worker is not None:
+                        events._worker.stop()
+                        events._worker = None
                 self.tb.file_writer = self.tb.all_writers = None
 
 
