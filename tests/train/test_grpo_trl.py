@@ -139,7 +139,7 @@ def trl_side(directory, tmp_path, options, rank):
         sgd.step()
         metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
         steps.append(
-            dict(logp=logp.numpy(), loss=float(loss), metrics=metrics, before=before, after=trained())
+            dict(logp=logp.numpy(), loss=loss.item(), metrics=metrics, before=before, after=trained())
         )
     return {k: v.numpy() if hasattr(v, "numpy") else v for k, v in inputs.items()}, steps
 
