@@ -43,7 +43,12 @@ FAMILIES = {  # model_type -> (config class, model class, the family's own optio
     "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(sliding_window=6)),
     "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=24)),
-    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(GEMMA, attn_logit_softcapping=5.0)),
+    # eager: transformers applies Gemma 2's softcap there only (5.17 defaulted it to sdpa, without it)
+    "gemma2": (
+        T.Gemma2Config,
+        T.Gemma2ForCausalLM,
+        dict(GEMMA, attn_logit_softcapping=5.0, attn_implementation="eager"),
+    ),
     "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(GEMMA, sliding_window_pattern=2)),
 }
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=ORIGINAL)
@@ -124,7 +129,7 @@ def test_greedy_decoding_past_the_original_context_and_export_match_transformers
     assert flax_greedy(config, params, prompt, 6) == torch_greedy(model, prompt, 6)
     out = str(tmp_path / "out")
     hf.write(dataclasses.replace(config, block_size=ORIGINAL if scaling == "dynamic" else BLOCK), params, out)
-    back = FAMILIES[model_type][1].from_pretrained(out).eval()
+    back = FAMILIES[model_type][1].from_pretrained(out, attn_implementation="eager").eval()
     np.testing.assert_allclose(
         ref_logits(back, PROMPT), ref_logits(make(model_type, scaling, out + "2"), PROMPT), atol=1e-5, rtol=0
     )

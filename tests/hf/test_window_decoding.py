@@ -30,7 +30,12 @@ from tests.serve.test_engine import run
 
 WINDOW, S = 8, 48  # the models' sliding window; the caches' length
 FAMILIES = {
-    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(attn_logit_softcapping=5.0)),
+    # eager: transformers applies Gemma 2's softcap there only (5.17 defaulted it to sdpa, without it)
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        dict(attn_logit_softcapping=5.0, attn_implementation="eager"),
+    ),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, {}),
 }
 PROMPTS = np.random.RandomState(1).randint(3, TINY["vocab_size"], (2, 24))  # 3 windows long
