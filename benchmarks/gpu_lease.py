@@ -10,13 +10,14 @@ GROUPS the parts that fit one device call of 10 minutes. Every part ran in one 1
 2026-11-27 (H200): `--parts decode_llama8b,tests,hf_generate` (465 s), then at once on the warm machine
 `decode_gpt2`, `recipe,nanogpt` and `step` (58, 89 and 31 s): 797 s of device time with the start.
 The parts' limits now add up to ~35 minutes, and a session has 15 minutes of device time, the start
-included. The next lease: first `--parts sweep` (kernel_sweep, decode_attention, fp8_moe, grouped_moe,
-limits 510 s: the data to choose the GEMV kernels' tiles and whether the attention kernel pays, the
-Mixtral layer's float8 rows and its Pallas grouped GEMM's),
-then on the warm machine `--parts decode_llama8b,decode_gpt2,decode_gpt2_kernels,decode_llama8b_pallas
---llama_batches 1` (issue #54's decoding targets, the attention kernel alone beside XLA's path first;
-limits 620 s: more than one call and the session hold after its start, so the last part may find no
-time), then whatever time is left for `--parts decode_gpt2_profile,step_profile` (the profiles: why
+included. The next lease: first `--parts targets` (kernel_sweep, then the parts that take its
+tilings in the same call, decode_llama8b_pallas and decode_gpt2_kernels, then decode_gpt2; limits
+530 s: issue #54's int8 / int4 and GPT-2 targets measured at the card's own tilings, not the paper
+defaults, and GPT-2's float rows with the attention kernel beside XLA's path), then on the warm
+machine `--parts decode_llama8b --llama_batches 1` (the 8B shape's bf16 target, the attention kernel
+alone beside XLA's path; limit 270 s: the start and the first call leave about this much of the 15
+minutes), then whatever time is left for `--parts decode_attention,fp8_moe,grouped_moe` (what the
+group `sweep` adds to kernel_sweep), `--parts decode_gpt2_profile,step_profile` (the profiles: why
 GPT-2's token and the step stop where they do), then `fp8`, `step`, `fused_loss`, `epilogues`. The parts:
 - kernel_sweep: `benchmarks/kernel_sweep.py` (its docstring: the method): the decoding GEMV kernels
   (kernels/pallas_decode.py bf16, kernels/pallas_qgemv.py int8 and int4) over a grid of tilings
@@ -141,12 +142,15 @@ PARTS = {
 }
 # what one call of at most 10 minutes holds
 GROUPS = {
-    # the next lease's first call (limits: 510 s)
+    # the next lease's first call (limits: 530 s): the GEMV tilings, then the issue's decoding targets
+    # that take them (FLAXGPT_GEMV_TILES) while the machine holds them, then GPT-2's XLA rows
+    "targets": ("kernel_sweep", "decode_llama8b_pallas", "decode_gpt2_kernels", "decode_gpt2"),
+    # the tilings, the attention per call and the Mixtral layer's float8 and grouped rows (limits: 510 s)
     "sweep": ("kernel_sweep", "decode_attention", "fp8_moe", "grouped_moe"),
     "train": ("recipe", "step", "fused_loss", "epilogues", "fp8", "nanogpt"),  # ~7.5 min (limits: 600 s)
     # batch-1 decoding and the step timed again, then under JAX's profiler (limits: 370 s)
     "profile": ("decode_gpt2_profile", "decode_llama8b_profile", "step_profile"),
-    "decode": ("decode_gpt2", "decode_gpt2_kernels", "decode_llama8b", "hf_generate"),  # ~8 min
+    "decode": ("decode_gpt2", "decode_llama8b", "hf_generate"),  # ~6 min (limits: 570 s)
     # ~6.5 min: the int8 / int4 GEMV kernels and the mixture's float8 layer (limits: 390 s; train has
     # no room left for it; fp8_moe is in `sweep` too: a part named twice runs once)
     "gemv": ("decode_llama8b_pallas", "decode_llama8b_reduce", "fp8_moe"),

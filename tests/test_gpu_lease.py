@@ -92,6 +92,18 @@ def test_dry_run_parts_report_rows_and_failures(tmp_path):
     assert "===== decode_gpt2" in (out / "logs.txt").read_text()
 
 
+def test_each_group_fits_one_call_and_sweeps_before_the_parts_taking_its_tilings():
+    """A group is one device call of at most 10 minutes: its parts' limits add up to 600 s at most. The
+    parts that take kernel_sweep's tilings (FLAXGPT_GEMV_TILES: *_pallas, *_kernels, *_profile) come
+    after it where a group holds both, so they measure the card's tilings in the same call."""
+    for name, parts in lease.GROUPS.items():
+        assert sum(lease.PARTS[p] for p in parts) <= 600, (name, parts)
+        if "kernel_sweep" in parts:
+            takers = [p for p in parts if p.endswith(("_pallas", "_kernels", "_profile"))]
+            assert all(parts.index("kernel_sweep") < parts.index(p) for p in takers), (name, parts)
+    assert {"decode_llama8b_pallas", "decode_gpt2_kernels"} <= set(lease.GROUPS["targets"])
+
+
 def test_the_sweeps_programs_compile_for_an_h100():
     """kernel_sweep.py --compile_for (its dry-run plan: 2 tilings of each kernel and layout, XLA's
     products, the three MoE forms) on this CPU: every program compiles, each kernel call one Triton
