@@ -21,6 +21,7 @@ GPU ones the CUDA plugin (`pip install "jax[cuda12]==<jax version>"`); no accele
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 import time
@@ -151,6 +152,23 @@ def versions(platform: str) -> str:
     return ", ".join(out)
 
 
+@contextlib.contextmanager
+def _no_persistent_cache(off: bool):
+    """JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) off while `off`: it would keep a
+    GPU topology's programs, compiled for devices this machine lacks, and fail to read them back on the
+    next run, a warning a program ("PjRtCompiler must be constructed with a Client"). JAX decides once a
+    process, at its first compile, whether it uses the cache: this command compiles nothing before."""
+    import jax
+
+    before = jax.config.jax_enable_compilation_cache
+    if off:
+        jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
 def main(argv=None) -> int:
     args, rest = parse(sys.argv[1:] if argv is None else argv)
     if args.list:
@@ -169,10 +187,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --headroom {args.headroom} must be in [0, 1)")
     config, path = load_config(rest)
     t0 = time.perf_counter()
-    rows, mc = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,
-                   quantize=args.quantize, serve_devices=args.serve_devices, dump=args.dump,
-                   speculative_tokens=args.speculative_tokens,
-                   print_fn=functools.partial(print, flush=True))  # fmt: skip
+    with _no_persistent_cache(target.platform == "cuda"):
+        rows, mc = run(config, target, groups, slots=args.slots, max_len=args.max_len,
+                       vocab_size=args.vocab_size, quantize=args.quantize, serve_devices=args.serve_devices,
+                       dump=args.dump, speculative_tokens=args.speculative_tokens,
+                       print_fn=functools.partial(print, flush=True))  # fmt: skip
     from flaxgpt.aot import report
 
     print(
