@@ -98,6 +98,23 @@ def load_config(rest: list[str]):
     return config, paths[-1]
 
 
+@contextlib.contextmanager
+def _no_persistent_cache(off: bool):
+    """JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) off while `off`: it would keep a
+    GPU topology's programs, compiled for devices this machine lacks, and fail to read them back on the
+    next run, a warning a program ("PjRtCompiler must be constructed with a Client"); `run` compiles
+    inside it (the command, benchmarks/aot_targets.py)."""
+    import jax
+
+    before = jax.config.jax_enable_compilation_cache
+    if off:
+        jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+
+
 def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0, quantize=None,
         serve_devices=1, dump=None, mc=None, print_fn=print, speculative_tokens=0):  # fmt: skip
     """Compile every program of `groups` for `target` -> (report rows, model config)."""
@@ -112,26 +129,30 @@ def run(config, target, groups=GROUPS, *, slots=8, max_len=0, vocab_size=0, quan
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
 
-    if mc is None:
-        mc, source = programs_lib.model_config(config, vocab_size)
-        print_fn(f"model: {source}")
-    try:
-        progs = programs_lib.build(
-            config, devices, groups, mc=mc, slots=slots, max_len=max_len, quantize=quantize,
-            serve_devices=serve_devices, speculative_tokens=speculative_tokens,
-        )  # fmt: skip
-    except ValueError as e:  # a mesh or batch that does not divide the target's devices
-        raise SystemExit(f"error: {e} (target {target.name}: {len(devices)} devices)") from None
-    rows = []
-    for program in progs:  # one line as each compiles: a big model's programs take minutes together
-        rows.append(report.analyze(program, target, dump))
-        error = rows[-1].error
-        failed = ""
-        if error:  # the kernel's own words, or the compiler's long out-of-memory text in short
-            failed = (
-                f" ({error})" if error.startswith("does not compile") else " (out of memory: does not fit)"
-            )
-        print_fn(f"compiled {program.name} in {rows[-1].compile_s:.1f} s{failed}")
+    # the whole of it: JAX decides at a process's first compile whether it uses the persistent cache
+    with _no_persistent_cache(target.platform == "cuda"):
+        if mc is None:
+            mc, source = programs_lib.model_config(config, vocab_size)
+            print_fn(f"model: {source}")
+        try:
+            progs = programs_lib.build(
+                config, devices, groups, mc=mc, slots=slots, max_len=max_len, quantize=quantize,
+                serve_devices=serve_devices, speculative_tokens=speculative_tokens,
+            )  # fmt: skip
+        except ValueError as e:  # a mesh or batch that does not divide the target's devices
+            raise SystemExit(f"error: {e} (target {target.name}: {len(devices)} devices)") from None
+        rows = []
+        for program in progs:  # one line as each compiles: a big model's programs take minutes together
+            rows.append(report.analyze(program, target, dump))
+            error = rows[-1].error
+            failed = ""
+            if error:  # the kernel's own words, or the compiler's long out-of-memory text in short
+                failed = (
+                    f" ({error})"
+                    if error.startswith("does not compile")
+                    else " (out of memory: does not fit)"
+                )
+            print_fn(f"compiled {program.name} in {rows[-1].compile_s:.1f} s{failed}")
     # a GRPO recipe: the train step and its engine on one device, or each on its own (grpo.engine_devices)
     separate = bool(config.get("grpo", {}).get("engine_devices", 0))
     budget = report.grpo_budget(rows, separate)
@@ -152,23 +173,6 @@ def versions(platform: str) -> str:
     return ", ".join(out)
 
 
-@contextlib.contextmanager
-def _no_persistent_cache(off: bool):
-    """JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR) off while `off`: it would keep a
-    GPU topology's programs, compiled for devices this machine lacks, and fail to read them back on the
-    next run, a warning a program ("PjRtCompiler must be constructed with a Client"). JAX decides once a
-    process, at its first compile, whether it uses the cache: this command compiles nothing before."""
-    import jax
-
-    before = jax.config.jax_enable_compilation_cache
-    if off:
-        jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", before)
-
-
 def main(argv=None) -> int:
     args, rest = parse(sys.argv[1:] if argv is None else argv)
     if args.list:
@@ -187,11 +191,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --headroom {args.headroom} must be in [0, 1)")
     config, path = load_config(rest)
     t0 = time.perf_counter()
-    with _no_persistent_cache(target.platform == "cuda"):
-        rows, mc = run(config, target, groups, slots=args.slots, max_len=args.max_len,
-                       vocab_size=args.vocab_size, quantize=args.quantize, serve_devices=args.serve_devices,
-                       dump=args.dump, speculative_tokens=args.speculative_tokens,
-                       print_fn=functools.partial(print, flush=True))  # fmt: skip
+    rows, mc = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,
+                   quantize=args.quantize, serve_devices=args.serve_devices, dump=args.dump,
+                   speculative_tokens=args.speculative_tokens,
+                   print_fn=functools.partial(print, flush=True))  # fmt: skip
     from flaxgpt.aot import report
 
     print(
