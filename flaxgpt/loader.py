@@ -199,13 +199,12 @@ def resolve_init(
 def _pretrained_config(source: str, fields: dict):
     """(GPTConfig, where it came from) of pretrained weights without reading them: a directory's
     config.json through its family's mapping, or the preset a name the family table knows has."""
-    import json
-
     from flaxgpt.hf import families
+    from flaxgpt.hf.files import read_json
     from flaxgpt.models.gpt_config import GPTConfig
 
     if (Path(source) / "config.json").is_file():
-        hf = json.loads((Path(source) / "config.json").read_text())
+        hf = read_json(str(Path(source) / "config.json"), "a model's config object")
         return families.config_from_hf(hf, **fields), f"{source}/config.json"
     preset = families.preset_for(source)
     if preset is None:

@@ -107,6 +107,7 @@ def check_messages(messages, name: str = "the conversation", need_assistant: boo
 
     Besides {role, content}, an agent conversation holds assistant turns with OpenAI `tool_calls`
     (content null or absent) and `tool` turns answering them (`tool_call_id`, string content).
+    A content may be a list of OpenAI text parts (joined); the `developer` role is `system`.
     """
     if not isinstance(messages, list) or not messages:
         raise ChatError(f"{name}: 'messages' must be a non-empty list of {{role, content}} objects")
@@ -114,16 +115,23 @@ def check_messages(messages, name: str = "the conversation", need_assistant: boo
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ChatError(f"{name}: message {i} is not a {{role, content}} object")
-        if m["role"] not in ROLES:
-            raise ChatError(f"{name}: message {i} has role {m['role']!r}; roles are {', '.join(ROLES)}")
+        # OpenAI's newer name for the system role (o1 and later models); templates know only "system"
+        role = "system" if m["role"] == "developer" else m["role"]
+        if role not in ROLES:
+            raise ChatError(
+                f"{name}: message {i} has role {m['role']!r}; roles are {', '.join(ROLES)} (and developer)"
+            )
         # null keys dropped: templates test presence ('tool_calls' in message, content is defined)
         clean = {k: v for k, v in m.items() if v is not None}
+        clean["role"] = role
+        if isinstance(clean.get("content"), list):
+            clean["content"] = _text_parts(clean["content"], f"{name}: message {i}")
         calls = _tool_calls(clean.pop("tool_calls", None), f"{name}: message {i}")
         if calls and m["role"] != "assistant":
             raise ChatError(f"{name}: message {i} ({m['role']}) has 'tool_calls'; only assistants call tools")
         if calls:
             clean["tool_calls"] = calls
-        elif not isinstance(m.get("content"), str):
+        elif not isinstance(clean.get("content"), str):
             raise ChatError(f"{name}: message {i} ({m['role']}) has no string 'content'")
         if not isinstance(clean.get("tool_call_id", ""), str):
             raise ChatError(f"{name}: message {i} has a non-string 'tool_call_id'; send the call's id string")
@@ -133,6 +141,23 @@ def check_messages(messages, name: str = "the conversation", need_assistant: boo
     if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise ChatError(f"{name} has no assistant turn: nothing to train on (add one, or drop the line)")
     return out
+
+
+def _text_parts(parts: list, where: str) -> str:
+    """OpenAI's content parts ([{"type": "text", "text": ...}, ...], what SDKs and agent frameworks
+    send) as the one string a template renders: the text parts joined, as vLLM joins them for a text
+    model. Any other part (an image, audio, a file) is an error: these models read text only."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            what = f"type {kind!r}" if kind is not None else "no 'type'"
+            raise ChatError(
+                f"{where}: content part {j} has {what}; this model reads text only: send "
+                '{"type": "text", "text": "..."} parts or a string'
+            )
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _tool_calls(calls, where: str) -> list[dict]:

@@ -135,6 +135,8 @@ def preset_for(name_or_path) -> str | None:
 def family_for(hf: dict) -> Family:
     """The Family of a config.json (as a dict); an unknown model_type is a one-line error listing the
     supported ones."""
+    if not isinstance(hf, dict):
+        raise ValueError(f"a config.json holds an object of the model's settings, not a {type(hf).__name__}")
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
@@ -156,7 +158,7 @@ def family_of(config: GPTConfig) -> str:
         return "gemma3_text" if config.qk_norm else "gemma2"
     if config.qk_norm:
         return "qwen3"
-    return "qwen2" if config.qkv_bias else "mistral" if config.sliding_window else "llama"
+    return "qwen2" if config.qkv_bias else "mistral" if config.sliding_window or config.hf_window else "llama"
 
 
 def config_from_hf(hf: dict, **fields) -> GPTConfig:

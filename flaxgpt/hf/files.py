@@ -147,6 +147,34 @@ def _hub_weights(download, repo: str, **kw) -> None:
         download(repo, shard, **kw)
 
 
+def read_json(path: str, what: str = "a JSON object") -> dict:
+    """A checkpoint's JSON file (config.json, the index, adapter_config.json) as a dict; a file that
+    is not JSON or not an object is a one-line ValueError naming it (an interrupted copy, a hand edit)."""
+    try:
+        with open(path) as fh:
+            out = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); copy or download it again") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path} holds a JSON {type(out).__name__}, not {what}")
+    return out
+
+
+def require_ints(model_type: str, hf: dict, keys, optional=()) -> None:
+    """config.json's sizes are integers: `keys` must be, `optional` ones when present and not null."""
+    for key in (*keys, *(k for k in optional if hf.get(k) is not None)):
+        value = hf.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(
+                f"{model_type} config.json has {key}={value!r}; it must be an integer (fix the file)"
+            )
+
+
+def safetensors_error(file: str, e: Exception) -> ValueError:
+    """A safetensors file its reader refuses (truncated by an interrupted download or copy) as one line."""
+    return ValueError(f"{file} is not a readable safetensors file ({e}); copy or download it again")
+
+
 def shard_files(directory: str) -> list[str]:
     """The safetensors files of a directory: model.safetensors, or every shard its index names."""
     single, index = os.path.join(directory, WEIGHTS_FILE), os.path.join(directory, INDEX_FILE)
@@ -158,8 +186,10 @@ def shard_files(directory: str) -> list[str]:
             f"no {WEIGHTS_FILE} in {directory} (found: {found}); flaxgpt reads safetensors only "
             f"(one file, or {INDEX_FILE} and its shards): save_pretrained(safe_serialization=True)"
         )
-    with open(index) as fh:
-        names = sorted(set(json.load(fh)["weight_map"].values()))
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no 'weight_map' object (tensor name -> shard file); fix the file")
+    names = sorted(set(weight_map.values()))
     missing = [n for n in names if not os.path.exists(os.path.join(directory, n))]
     if missing:
         raise FileNotFoundError(
@@ -172,12 +202,15 @@ def shard_files(directory: str) -> list[str]:
 @contextlib.contextmanager
 def open_tensors(directory: str):
     """{name without 'transformer.': (open safetensors file, name in the file)} over every shard."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     with contextlib.ExitStack() as stack:
         table = {}
         for file in shard_files(directory):
-            handle = stack.enter_context(safe_open(file, framework="np"))
+            try:
+                handle = stack.enter_context(safe_open(file, framework="np"))
+            except SafetensorError as e:
+                raise safetensors_error(file, e) from None
             if any(handle.get_slice(k).get_dtype() == "BF16" for k in handle.keys()):
                 handle = stack.enter_context(safe_open(file, framework="flax"))  # numpy has no bfloat16
             for key in handle.keys():

@@ -77,7 +77,8 @@ def _rope_fields(hf: dict, model_type: str) -> dict:
         local_theta = float(local.get("rope_theta", out["rope_theta"]))
     else:  # older files: rope_theta + rope_scaling (global), rope_local_base_freq (Gemma 3)
         scaling = hf.get("rope_scaling") or params
-        theta = scaling.get("rope_theta", hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+        own = scaling.get("rope_theta") if isinstance(scaling, dict) else None  # (rope_fields refuses it)
+        theta = own if own is not None else hf.get("rope_theta", params.get("rope_theta", 10000.0))
         out = hf_llama.rope_fields(scaling, theta, hf)
         local_theta = float(hf.get("rope_local_base_freq", out["rope_theta"]))
     if model_type == "gemma3_text":
@@ -95,6 +96,8 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         raise ValueError(
             f"{model_type} config.json has no {', '.join(missing)}; flaxgpt needs them to load it"
         )
+    sizes = [key for key in REQUIRED if key != "query_pre_attn_scalar"]  # (a scalar may be a float)
+    hf_files.require_ints(model_type, hf, sizes, optional=("max_position_embeddings", "num_key_value_heads"))
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     unsupported = {
         "hidden_activation": act if act != "gelu_pytorch_tanh" else None,
@@ -137,6 +140,7 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
         layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         sliding_window=min(window, block_size),  # a window of the whole context is the same model
+        **hf_llama.hidden_context(max_len, window, block_size),
         window_pattern=_window_pattern(hf, model_type),
         query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
         attn_softcap=softcaps["attn_logit_softcapping"],
@@ -167,7 +171,8 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         "query_pre_attn_scalar": int(scalar)
         if scalar == int(scalar)
         else scalar,  # transformers wants an int
-        "sliding_window": min(c.sliding_window or c.block_size, c.block_size),  # a window covers at most T
+        # a window covers at most the context; the checkpoint's own when block_size hid it
+        "sliding_window": c.hf_window or min(c.sliding_window or c.block_size, c.block_size),
         "layer_types": types,
         "attn_logit_softcapping": c.attn_softcap or None,
         "final_logit_softcapping": c.logit_softcap or None,

@@ -65,6 +65,8 @@ def rope_fields(scaling: dict, theta: float, hf: dict) -> dict:
     `hf`: the whole config.json (max_position_embeddings; a top-level original_max_position_embeddings
     overrides the entry's, as transformers' standardize_rope_params does). Shared by every family."""
     model_type = hf.get("model_type")
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{model_type} config.json's rope scaling is {scaling!r}; it must be an object")
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
         why = f" ({NOT_IMPLEMENTED[kind]})" if kind in NOT_IMPLEMENTED else ""
@@ -92,6 +94,11 @@ def rope_fields(scaling: dict, theta: float, hf: dict) -> dict:
         raise ValueError(f"{model_type} {kind} rope scaling has no factor; add it to config.json")
     out.update(rope_scaling=kind, rope_factor=float(factor))
     if kind == "llama3":
+        missing = [k for k in ("low_freq_factor", "high_freq_factor") if scaling.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"{model_type} llama3 rope scaling has no {', '.join(missing)}; add it to config.json"
+            )
         out.update(
             rope_low_freq_factor=float(scaling["low_freq_factor"]),
             rope_high_freq_factor=float(scaling["high_freq_factor"]),
@@ -134,7 +141,8 @@ def _rope_fields(hf: dict) -> dict:
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
     # the entry's own rope_theta first: transformers only fills it in from the top-level one
-    theta = scaling.get("rope_theta", hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    own = scaling.get("rope_theta") if isinstance(scaling, dict) else None  # (rope_fields refuses a non-dict)
+    theta = own if own is not None else hf.get("rope_theta", params.get("rope_theta", 10000.0))
     return rope_fields(scaling, theta, hf)
 
 
@@ -157,16 +165,27 @@ def rope_parameters(c: GPTConfig) -> dict:
 
 
 def max_position_embeddings(c: GPTConfig, model_type: str) -> int:
-    """config.json's max_position_embeddings: the context (block_size), which dynamic NTK also scales
-    from, so a dynamic model is written only when the two agree (a one-line refusal otherwise)."""
-    if c.pos_embedding == "rope" and c.rope_scaling == "dynamic" and c.block_size != c.rope_original_max_len:
+    """config.json's max_position_embeddings: the context (block_size, or the imported checkpoint's
+    longer one, hf_context), which dynamic NTK also scales from, so a dynamic model is written only
+    when the two agree (a one-line refusal otherwise)."""
+    context = max(c.block_size, c.hf_context)
+    if c.pos_embedding == "rope" and c.rope_scaling == "dynamic" and context != c.rope_original_max_len:
         raise ValueError(
-            f"a {model_type} checkpoint cannot hold block_size={c.block_size} with rope_scaling='dynamic': "
+            f"a {model_type} checkpoint cannot hold block_size={context} with rope_scaling='dynamic': "
             f"its max_position_embeddings is both the context and the length dynamic NTK scales from "
             f"(rope_original_max_len={c.rope_original_max_len}); set block_size={c.rope_original_max_len} "
             "to export (the model still runs longer prompts)"
         )
-    return c.block_size
+    return context
+
+
+def hidden_context(max_len: int, window: int, block_size: int) -> dict:
+    """hf_context and hf_window: what of the checkpoint's context and window a shorter block_size hides
+    (a window >= the context is none, in transformers as here)."""
+    return dict(
+        hf_context=max_len if max_len > block_size else 0,
+        hf_window=window if window and block_size <= window < max_len else 0,
+    )
 
 
 def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
@@ -177,6 +196,12 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
     missing = [key for key in required if key not in hf]
     if missing:
         raise ValueError(f"{model_type} config.json has no {', '.join(missing)}")
+    hf_files.require_ints(
+        model_type,
+        hf,
+        required,
+        optional=("max_position_embeddings", "num_key_value_heads", "head_dim", "sliding_window"),
+    )
     D, H = hf["hidden_size"], hf["num_attention_heads"]
     if family.qk_norm and "head_dim" not in hf:
         raise ValueError(
@@ -219,6 +244,7 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         sliding_window=window if window and window < block_size else 0,  # a window >= the context is none
+        **hidden_context(max_len, window or 0, block_size),
         **rope,
         **fields,
     )
@@ -258,7 +284,7 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         **(special_ids or {}),
     }
     if model_type in WINDOWED:
-        hf["sliding_window"] = c.sliding_window or None
+        hf["sliding_window"] = c.sliding_window or c.hf_window or None
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         hf["use_sliding_window"] = False
     return hf

@@ -9,18 +9,19 @@ Merged into its base by flaxgpt.load_pretrained("base_dir", adapter="adapter_dir
 PEFT names one adapter per torch module: lora_A.weight [r, in] and lora_B.weight [out, r] (torch
 layout, also for GPT-2's Conv1D); flaxgpt's are A [in, r] and B [r, out] at the Dense they adapt
 (models/lora.py), a q, k or v adapter writing its column block of the fused c_attn. The key table
-below is the whole mapping; every tensor is shape-checked against the base's config.
+below is the whole mapping; every tensor is shape-checked against the base's config. A module PEFT
+left out of some layers (layers_to_transform, exclude_modules) loads there as zeros: no change.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 
 import jax
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from flaxgpt.hf import files as hf_files
@@ -55,11 +56,14 @@ KEY_RE = re.compile(
 UNSUPPORTED = {  # adapter_config fields whose non-default values flaxgpt does not implement
     "use_dora": False,
     "bias": "none",
+    "lora_bias": False,
     "modules_to_save": None,
+    "trainable_token_indices": None,
     "rank_pattern": {},
     "alpha_pattern": {},
-    "layers_to_transform": None,
 }
+# modules outside the layers PEFT may adapt, which flaxgpt's LoRA does not
+OUTSIDE = ("embed_tokens", "lm_head", "wte", "wpe")
 
 
 def _family(config: GPTConfig) -> str:
@@ -92,8 +96,11 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
         raise FileNotFoundError(
             f"{directory} is not a PEFT adapter: it needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}"
         )
-    with open(cfg_file) as fh:
-        hf = json.load(fh)
+    hf = hf_files.read_json(cfg_file, "an adapter config object")
+    for key in ("r", "lora_alpha"):
+        value = hf.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{cfg_file} has {key}={value!r}; a LoRA adapter's {key} is a positive number")
     if hf.get("peft_type", "LORA") != "LORA":
         raise ValueError(
             f"{directory}: peft_type {hf.get('peft_type')!r} is not supported; only LORA adapters load"
@@ -106,11 +113,20 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
     stacks = _expert_targets(directory, hf.get("target_parameters") or [])
     for depth, t in enumerate(reversed(stacks)):  # the last stack's wrapper is the outermost
         to_target[EXPERTS_MODULE + ".base_layer" * depth] = t
-    tensors = load_file(weights)
+    try:
+        tensors = load_file(weights)
+    except SafetensorError as e:
+        raise hf_files.safetensors_error(weights, e) from None
     found: dict = {}  # (layer, target) -> {"A": array, "B": array}
     for key, x in tensors.items():
         m = KEY_RE.match(key)
         target = m and to_target.get(m.group(2))
+        outside = next((name for name in OUTSIDE if f".{name}." in key), None)
+        if outside:
+            raise ValueError(
+                f"{directory}: tensor {key} adapts {outside}; flaxgpt's LoRA adapts the layers' linear "
+                f"weights only ({', '.join(HF_MODULES[family].values())})"
+            )
         if not m or target is None or not key.startswith(LAYER_PREFIX[family].format(i=m.group(1))):
             raise ValueError(
                 f"{directory}: tensor {key} is not a LoRA weight of a {family}-family model "
@@ -130,12 +146,20 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
         rslora=bool(hf.get("use_rslora")),
     )
     adapters: dict = {}
+    shapes = lora.adapter_shapes(flat, spec)
     for i in range(config.n_layer):
         for t in targets:
             if t in lora.EXPERT_PARAMS and not config.layer_is_sparse(i):
                 continue  # a dense layer of a mixture (mlp_only_layers): no expert stacks
             pair = found.pop((i, t), None)
-            if pair is None or set(pair) != {"A", "B"}:
+            if pair is None:  # a module PEFT left out here (layers_to_transform, exclude_modules): zeros,
+                site = shapes[(f"h_{i}", *lora.SITES[t])]  # which change nothing, as the base's own
+                node = adapters.setdefault(f"h_{i}", {})
+                for name in lora.SITES[t]:
+                    node = node.setdefault(name, {})
+                node.update({k: np.zeros(site[k], np.float32) for k in (f"{t}_a", f"{t}_b")})
+                continue
+            if set(pair) != {"A", "B"}:
                 raise ValueError(
                     f"{directory}: layer {i} has no complete {_hf_name(family, t)} adapter (A and B)"
                 )

@@ -3,7 +3,9 @@
     config, params = load_pretrained("gpt2")            # hub or its cache (needs huggingface_hub)
     config, params = load_pretrained("path/to/dir")     # config.json + safetensors, any family
     config = read_config("path/to/Llama-3.2-1B")        # config.json alone, no weights
-    export_pretrained(config, params, "out/hf")         # then AutoModelForCausalLM.from_pretrained("out/hf")
+    export_pretrained(config, params, "out/hf", tokenizer=tok)  # then AutoModelForCausalLM.from_pretrained
+    # tok: the model's own tokenizer (load_tokenizer): its files and bos / eos ids come along; without
+    # it a rotary model's config.json has no bos / eos ids (generate would not stop at EOS)
 
 config.json's model_type picks the family (its key table, config mapping and weight loop); export
 picks the family that expresses the GPTConfig (`families.family_of`), or `model_type`. Casting and
@@ -17,7 +19,6 @@ each file is written to a temporary name and renamed when complete.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from pathlib import Path
@@ -41,8 +42,7 @@ TOKENIZER_FILES = (
 
 
 def _read_hf_config(directory: str) -> dict:
-    with open(os.path.join(directory, CONFIG_FILE)) as fh:
-        return json.load(fh)
+    return hf_files.read_json(os.path.join(directory, CONFIG_FILE), "a model's config object")
 
 
 def read_config(name_or_path: str, cache_dir: str | None = None) -> GPTConfig:

@@ -72,6 +72,8 @@ def normal_form(c: GPTConfig) -> dict:
         out["rope_attention_factor"] = c.rope.mscale
     out.update(_windows(c))
     out.update(_experts(c))
+    # the context and window written: block_size's when the checkpoint had none longer
+    out.update(hf_context=max(c.block_size, c.hf_context), hf_window=0 if c.sliding_window else c.hf_window)
     return out
 
 
@@ -124,7 +126,7 @@ def read_back(family, config: GPTConfig, model_type: str, special_ids=None) -> t
     except ValueError as e:
         return None, str(e)
     try:
-        back = family.config_from_hf(hf, family)
+        back = family.config_from_hf(hf, family, block_size=config.block_size)  # the context may be longer
     except ValueError as e:  # a file its own reader refuses: no writer makes one today, a new one might
         return hf, f"a {model_type} checkpoint cannot hold this model: its config.json does not read ({e})"
     written = family.written_as(config) if family.written_as else config

@@ -101,6 +101,10 @@ class GPTConfig:
     attn_softcap: float = 0.0  # attention logits = cap * tanh(logits / cap) (Gemma 2); 0 = off
     post_norms: bool = False  # a norm on the attention's and the MLP's outputs before each residual add
     embed_scale: bool = False  # token embeddings times sqrt(n_embd), rounded to the compute dtype (Gemma)
+    # a Hugging Face checkpoint's context and window that a shorter block_size hides (a fine-tune on short
+    # rows): export writes them back; the model runs block_size and sliding_window, never these
+    hf_context: int = 0  # config.json max_position_embeddings, when longer than block_size; 0 = none
+    hf_window: int = 0  # config.json sliding_window, when block_size covers none of it; 0 = none
     # the modded-nanogpt speedrun's architecture (activation="relu2" is its MLP)
     zero_init_proj: bool = False  # attention and MLP output projections (and an untied head) start at 0
     unet_skips: bool = False  # U-net: block L-1-i also gets block i's output, times a learned weight
@@ -157,7 +161,14 @@ class GPTConfig:
             )
         if self.window_pattern and not self.sliding_window:
             raise ValueError(f"window_pattern {self.window_pattern} needs a sliding_window > 0")
-        for field in ("mlp_hidden", "sliding_window", "head_size", "window_pattern"):
+        for field in (
+            "mlp_hidden",
+            "sliding_window",
+            "head_size",
+            "window_pattern",
+            "hf_context",
+            "hf_window",
+        ):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0 (0 = the default), got {getattr(self, field)}")
         for field in ("logit_softcap", "attn_softcap", "query_pre_attn_scalar", "rope_local_theta"):

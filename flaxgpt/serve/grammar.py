@@ -188,6 +188,18 @@ def vocabulary(tokenizer, vocab_size: int) -> Vocabulary:
         return by_size[vocab_size]
 
 
+def token_bytes(tokenizer, token: int) -> bytes:
+    """A tokenizer.json token's own bytes, as llguidance reads them from the vocabulary (logprobs'
+    `bytes`): byte-level BPE's characters as their bytes, SentencePiece's ▁ as a space and <0xNN> as
+    that byte, an added token as its text. Any cached vocabulary of the tokenizer serves (the model's
+    padded size only adds empty ids)."""
+    with _vocabularies_lock:
+        vocab = next(iter(_vocabularies.get(tokenizer, {}).values()), None)
+    if vocab is None:
+        vocab = vocabulary(tokenizer, tokenizer.vocab_size)
+    return vocab.tok.decode_bytes([token]) if 0 <= token < vocab.n else b""
+
+
 def _spaces_readable(tokenizer_json: str) -> str:
     """A tokenizer.json whose Metaspace decoder (recent SentencePiece conversions) is written as the
     Replace("▁", " ") + ByteFallback + Fuse that llguidance recognises: it reads a token's bytes from the

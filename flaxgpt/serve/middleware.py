@@ -83,6 +83,11 @@ class Operations:
                 await send_counted({"type": "http.response.body", "body": body})
             else:
                 await self.app(scope, receive, send_counted)
+        except Exception:
+            # Starlette's error middleware, outside this one, answers 500 after the exception passed
+            # through here: counted as the 500 it becomes, not as a client that went away (499)
+            sent["status"] = sent["status"] or 500
+            raise
         finally:
             status = sent["status"] or 499  # nothing sent: the client went away first
             client = (scope.get("client") or ("-",))[0]

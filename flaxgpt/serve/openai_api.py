@@ -21,6 +21,7 @@ its Spec here) and a tool call's format (serve/tools.py, per model family).
 
 from __future__ import annotations
 
+import codecs
 import secrets
 import time
 import uuid
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from flaxgpt.data import chat
+from flaxgpt.data.hf_tokenizer import HFTokenizer
 from flaxgpt.decode.sampler import MAX_LOGPROBS
 from flaxgpt.decode.sampling import MAX_LOGIT_BIAS, Sampling
 
@@ -218,9 +220,8 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: i
         )
     if name != model:
         raise BadRequest(f"unknown model {name!r}; this server serves {model!r}", "model")
-    for field in ("suffix", "best_of"):
-        if body.get(field) not in (None, 1 if field == "best_of" else None):
-            raise BadRequest(f"'{field}' is not supported", field)
+    if body.get("suffix") is not None:
+        raise BadRequest("'suffix' is not supported", "suffix")
     logprobs = _number(body, "logprobs", None, integer=True)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise BadRequest(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
@@ -246,6 +247,14 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: i
     n = _number(body, "n", 1, integer=True)
     if not 1 <= n <= MAX_N:
         raise BadRequest(f"'n' must be in [1, {MAX_N}], got {n}", "n")
+    best_of = _number(body, "best_of", n, integer=True)  # best_of == n: every sample returned
+    if best_of < n:
+        raise BadRequest(f"'best_of' must be >= n ({n}), got {best_of}", "best_of")
+    if best_of > n:
+        raise BadRequest(
+            f"'best_of' > n is not supported; ask for n={best_of} and rank the choices by their logprobs",
+            "best_of",
+        )
     seed = _number(body, "seed", None, integer=True)
     if seed is None:
         seed = secrets.randbits(32)
@@ -264,7 +273,8 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: i
             f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids in [0, {vocab_size})",
             "stop_token_ids",
         )
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
     constraint, where = _constraint(body)
@@ -286,15 +296,21 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: i
     )
 
 
-def parse_chat(body, *, model: str, tokenizer, vocab_size: int, max_len: int) -> CompletionRequest:
+def parse_chat(
+    body, *, model: str, tokenizer, vocab_size: int, max_len: int, max_tokens_limit: int | None = None
+) -> CompletionRequest:
     """A chat completion: `messages` (and `tools`) through the chat template, the other fields as a
-    completion's; `logprobs` (bool) + `top_logprobs` (0..20) as chat has them."""
+    completion's; `logprobs` (bool) + `top_logprobs` (0..20) as chat has them. Without `max_tokens`
+    a reply may take the rest of the context (OpenAI's chat has no 16-token default), at most
+    max_tokens_limit (the server's --max_tokens)."""
     from flaxgpt.serve import tools as tool_calls
 
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     if "prompt" in body:
         raise BadRequest("'prompt' belongs to /v1/completions; a chat request sends 'messages'", "prompt")
+    if _flag(body, "echo"):
+        raise BadRequest("'echo' belongs to /v1/completions; chat has no echo", "echo")
     want = _flag(body, "logprobs")
     top = _number(body, "top_logprobs", None, integer=True)
     if top is not None and not want:
@@ -320,10 +336,12 @@ def parse_chat(body, *, model: str, tokenizer, vocab_size: int, max_len: int) ->
         raise BadRequest(str(e), e.param) from None
     except chat.ChatError as e:
         raise BadRequest(str(e), "messages") from None
-    skip = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice")
+    skip = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "echo")
     rest = {k: v for k, v in body.items() if k not in skip}
     if body.get("max_completion_tokens") is not None:  # the newer name of max_tokens
         rest["max_tokens"] = body["max_completion_tokens"]
+    elif body.get("max_tokens") is None:  # the rest of the window (a prompt too long is refused below)
+        rest["max_tokens"] = max(1, min(max_len - len(ids), max_tokens_limit or max_len))
     if want:
         rest["logprobs"] = top or 0
     req = parse_completion(
@@ -416,29 +434,42 @@ def _choice(c) -> Choice:
 
 
 def token_text(tokenizer, token: int) -> tuple[str, bytes]:
-    """A token as logprobs report it: its text (U+FFFD where it holds part of a character) and its bytes."""
+    """A token as logprobs report it: its own bytes (a SentencePiece token's leading space kept, a
+    byte-fallback token's one byte), and their text (U+FFFD where it holds part of a character).
+    Decoding the id alone would drop that space and turn a partial character's bytes into U+FFFD's."""
     enc = getattr(tokenizer, "enc", None)
     if enc is not None:  # tiktoken: a token is a byte string
         raw = enc.decode_single_token_bytes(int(token))
-        return raw.decode("utf-8", errors="replace"), raw
-    text = tokenizer.decode([int(token)])
-    return text, text.encode("utf-8")
+    elif isinstance(tokenizer, HFTokenizer):  # tokenizer.json: llguidance reads each token's bytes
+        from flaxgpt.serve import grammar
+
+        raw = grammar.token_bytes(tokenizer, int(token))
+    else:
+        raw = tokenizer.decode([int(token)]).encode("utf-8")
+    return raw.decode("utf-8", errors="replace"), raw
 
 
-def completion_logprobs(tokenizer, entries, offset: int = 0) -> dict:
+def completion_logprobs(tokenizer, entries, offset: int = 0, text: str | None = None) -> dict:
     """The legacy completions `logprobs` object of TokenLogprob entries (serve/scheduler.py): tokens,
     token_logprobs (None for an echoed prompt's first), top_logprobs ({token: logprob}; None there too),
-    text_offset (each token's character offset, from `offset`)."""
+    text_offset (where each token's text starts in the reply, from `offset`: characters of the tokens'
+    bytes before it, a token ending inside a character counted once, with the character's end).
+    text: the entries' own decoded text (an echoed prompt), which may lack what the tokens' bytes hold
+    at its start (special tokens, a SentencePiece first space): offsets are aligned to its end."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    chars, starts, pieces = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], []
     for e in entries:
-        text = token_text(tokenizer, e.id)[0]
-        out["tokens"].append(text)
+        token, raw = token_text(tokenizer, e.id)
+        out["tokens"].append(token)
         out["token_logprobs"].append(e.logprob)
         out["top_logprobs"].append(
             None if e.logprob is None else {token_text(tokenizer, i)[0]: lp for i, lp in e.top}
         )
-        out["text_offset"].append(offset)
-        offset += len(text)
+        starts.append(starts[-1] + len(pieces[-1]) if pieces else 0)
+        pieces.append(chars.decode(raw))
+    whole = "".join(pieces) + chars.decode(b"", final=True)
+    shift = len(whole) - len(text) if text is not None and whole.endswith(text) else 0
+    out["text_offset"] = [offset + max(0, start - shift) for start in starts]
     return out
 
 

@@ -20,6 +20,7 @@ its sequences, freeing their slots.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -161,13 +162,21 @@ def create_app(
         if not end_of_turn and getattr(tokenizer, "chat_template", None):
             end_of_turn.append(chat.end_of_turn_id(tokenizer))
         eot = end_of_turn[0] if end_of_turn else eos_id
-        return await _handle(request, api.parse_chat, eot, api.chat_json, api.chat_chunk_json)
+        parse = functools.partial(api.parse_chat, max_tokens_limit=sched.max_tokens)
+        return await _handle(request, parse, eot, api.chat_json, api.chat_chunk_json)
 
     async def _handle(request: Request, parse, eos_id, whole_json, chunk_json):
         if not sched.accepting:
             return _error(503, "the server is shutting down", "service_unavailable")
         try:
             body = json.loads(await request.body())
+            # a lone surrogate ("\ud800": a string cut inside an emoji) is valid JSON but no text: the
+            # tokenizer, the grammar compiler and the JSON reply would each fail on it later
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except RecursionError:
+            return _error(400, "the body is not valid JSON: it is nested too deeply")
+        except UnicodeEncodeError as e:
+            return _error(400, f"the body holds an unpaired UTF-16 surrogate ({e.reason}); send valid text")
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"the body is not valid JSON: {e}")
         name = body.get("model", model) if isinstance(body, dict) else model
@@ -231,7 +240,7 @@ def create_app(
             return _error(429, str(e), "rate_limit_error", headers={"Retry-After": str(e.retry_after)})
         except Draining as e:
             return _error(503, str(e), "service_unavailable")
-        prompt_tokens = sum(len(ids) for ids in req.prompts) * req.n
+        prompt_tokens = sum(len(ids) for ids in req.prompts)  # OpenAI counts a prompt once, whatever n
         cid = api.new_id()
         inflight.add(cid)  # a drain waits until every response is sent, not only generated
         if req.stream:
@@ -289,7 +298,7 @@ class _Reply:
 
     def __init__(self, index: int, req, tokenizer, prompt_ids, family: str | None):
         self.index, self.req, self.tokenizer, self.prompt_ids = index, req, tokenizer, prompt_ids
-        self.family, self.text, self.entries, self.prompt = family, "", [], []
+        self.family, self.text, self.entries, self.prompt, self.prompt_text = family, "", [], [], ""
         self.parser = tools.StreamParser(family, req.tools) if family else None
         self.any_call = False
 
@@ -298,15 +307,19 @@ class _Reply:
             return None
         if self.req.chat:
             return api.chat_logprobs(self.tokenizer, entries)
-        return api.completion_logprobs(self.tokenizer, [*prompt, *entries], offset)
+        out = api.completion_logprobs(self.tokenizer, entries, offset + len(self.prompt_text))
+        if not prompt:
+            return out
+        echoed = api.completion_logprobs(self.tokenizer, prompt, offset, text=self.prompt_text)
+        return {k: echoed[k] + out[k] for k in out}
 
     def add(self, ev: Delta) -> list:
         """A delta -> the stream's choices for it (chunks of one choice)."""
         text = ev.text
         if ev.prompt is not None:  # echo: the prompt first, its tokens' logprobs with it
-            self.prompt = ev.prompt
-            text = self.tokenizer.decode(self.prompt_ids) + text
-        offset = len(self.text)
+            self.prompt, self.prompt_text = ev.prompt, self.tokenizer.decode(self.prompt_ids)
+            text = self.prompt_text + text
+        offset = len(self.text) - len(self.prompt_text) if ev.prompt is None else 0
         self.text += text
         self.entries += ev.logprobs
         lp = self._logprobs(ev.logprobs, self.prompt if ev.prompt is not None else (), offset)
@@ -371,13 +384,20 @@ async def _stream(events, seqs, replies, cid, model, prompt_tokens, include_usag
 async def _collect(request, events, seqs, replies, cid, model, prompt_tokens, whole_json):
     reasons, completion_tokens, failed = [None] * len(seqs), 0, []
     left = len(seqs)
+    checked = time.monotonic()
     try:
         while left:
             try:
-                index, ev = await asyncio.wait_for(events.get(), timeout=1.0)
+                index, ev = await asyncio.wait_for(events.get(), timeout=0.5)
             except TimeoutError:
+                ev = None
+            # every half second, events or not: a decoding request has an event every step, and a
+            # client that hung up (a timeout, then a retry) must not keep its slots decoding
+            if time.monotonic() - checked >= 0.5:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     return _error(499, "client disconnected")
+            if ev is None:
                 continue
             if isinstance(ev, Delta):
                 replies[index].add(ev)

@@ -167,6 +167,32 @@ def test_bad_conversations_and_templates_are_one_line_errors(tmp_path):
     assert tok.chat_template == LLAMA3 and tok.special_tokens["bos_token"] == "<|begin_of_text|>"
 
 
+def test_content_parts_and_the_developer_role_render_as_openai_clients_mean_them(tmp_path):
+    # what SDKs and agent frameworks send: text parts (joined by a newline, as vLLM joins them) and
+    # the developer role (the system turn of newer OpenAI models)
+    tok = HFTokenizer(make_chat_dir(tmp_path, "llama3"))
+    parts = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "2+2?"}, {"type": "text", "text": "Quick."}]},
+    ]
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?\nQuick."}]
+    assert chat.check_messages(parts, need_assistant=False) == plain
+    assert chat.render_ids(tok, chat.check_messages(parts, need_assistant=False), True) == list(
+        reference(tmp_path).apply_chat_template(
+            plain, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    with pytest.raises(
+        chat.ChatError, match="message 0: content part 1 has type 'image_url'; this model reads text"
+    ):
+        chat.check_messages(
+            [{"role": "user", "content": [{"type": "text", "text": "?"}, image]}], need_assistant=False
+        )
+    with pytest.raises(chat.ChatError, match="content part 0 has no 'type'"):
+        chat.check_messages([{"role": "user", "content": ["hi"]}], need_assistant=False)
+
+
 def test_prepare_text_pack_one_segment_per_document(tmp_path):
     from flaxgpt.data import packing, prepare
     from flaxgpt.data.tokenizers import get_tokenizer

@@ -199,7 +199,7 @@ def test_chat_completions_with_the_openai_client(chat_dir):
             assert [c.message.content for c in r.choices] == [want, want]
             assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
             ids = chat.render_ids(tok, messages, add_generation_prompt=True)
-            assert r.usage.prompt_tokens == 2 * len(ids)
+            assert r.usage.prompt_tokens == len(ids)  # once, whatever n (OpenAI)
             hit = chat.end_of_turn_id(tok) in torch_greedy(model, ids, 10)  # stopped at <|eot_id|>?
             assert [c.finish_reason for c in r.choices] == ["stop" if hit else "length"] * 2
             chunks = list(
@@ -232,3 +232,20 @@ def test_chat_request_validation(tmp_path):
         api.parse_chat({**body, "prompt": "x"}, tokenizer=tok, **kw)
     with pytest.raises(api.BadRequest, match="context window"):
         api.parse_chat({**body, "max_completion_tokens": 200}, tokenizer=tok, **kw)
+    # no max_tokens: the rest of the window (OpenAI's chat has no 16-token default), the server's cap
+    bare_body = {k: v for k, v in body.items() if k != "max_completion_tokens"}
+    prompt = len(req.prompts[0])
+    assert api.parse_chat(bare_body, tokenizer=tok, **kw).max_tokens == 128 - prompt
+    assert api.parse_chat(bare_body, tokenizer=tok, max_tokens_limit=10, **kw).max_tokens == 10
+    assert (
+        api.parse_completion({"prompt": "hi"}, tokenizer=tok, **kw).max_tokens == 16
+    )  # completions' default
+    with pytest.raises(api.BadRequest, match="'echo' belongs to /v1/completions"):
+        api.parse_chat({**body, "echo": True}, tokenizer=tok, **kw)
+    assert api.parse_chat({**body, "best_of": 3}, tokenizer=tok, **kw).n == 3  # best_of == n: all returned
+    with pytest.raises(api.BadRequest, match="'best_of' must be >= n"):
+        api.parse_chat({**body, "best_of": 1}, tokenizer=tok, **kw)
+    with pytest.raises(api.BadRequest, match="'best_of' > n is not supported"):
+        api.parse_chat({**body, "best_of": 4}, tokenizer=tok, **kw)
+    with pytest.raises(api.BadRequest, match="'stream_options' must be an object"):
+        api.parse_chat({**body, "stream_options": []}, tokenizer=tok, **kw)

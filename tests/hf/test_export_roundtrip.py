@@ -76,6 +76,8 @@ DOMAIN = {
     "attn_softcap": (0.0, 50.0),
     "post_norms": BOOL,
     "embed_scale": BOOL,
+    "hf_context": lambda d: (0, d["block_size"], 2 * d["block_size"]),  # an imported context block_size hid
+    "hf_window": lambda d: (0, d["block_size"] + 3),  # ... and its window
     "zero_init_proj": BOOL,
     "unet_skips": BOOL,
     "value_embeds": (0, 1),
@@ -133,7 +135,7 @@ def read_back_raw(config, model_type):
     family = families.FAMILIES[model_type]
     try:
         written = family.config_to_hf(config, model_type, family, None)
-        return family.config_from_hf(written, family), None
+        return family.config_from_hf(written, family, block_size=config.block_size), None
     except ValueError as e:
         return None, str(e)
 
@@ -163,7 +165,7 @@ def test_export_reads_back_equal_or_refuses_naming_a_field_that_differs():
                 continue
             held[model_type] += 1
             scalings_held[config.rope_scaling] += config.pos_embedding == "rope"
-            back = families.config_from_hf(hf_config)
+            back = families.config_from_hf(hf_config, block_size=config.block_size)  # as a run reads it
             assert roundtrip.normal_form(back) == roundtrip.normal_form(written(config, model_type)), (
                 model_type,
                 config,

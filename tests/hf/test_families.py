@@ -133,15 +133,23 @@ def test_bad_input_is_one_line_errors(family, tmp_path):
         raises_one_line(FileNotFoundError, f"1 are missing: {shard}$", hf.load_pretrained, d)
 
 
-def test_a_context_shorter_than_the_window_keeps_the_local_rotary_base(family):
+def test_a_context_shorter_than_the_window_keeps_the_local_rotary_base(family, tmp_path):
     """block_size below the window: the window layers are then global in effect, but keep their own
-    rotary base (Gemma 3), so logits on a short input are unchanged."""
+    rotary base (Gemma 3), so logits on a short input are unchanged; exported, the model declares the
+    checkpoint's window and context again (not block_size's), and computes the original's logits."""
     model_type, directory, model = family
     config, params = hf.load_pretrained(directory, block_size=4)
     assert config.sliding_window in (0, 4) and config.block_size == 4
     np.testing.assert_allclose(
         flax_logits(config, params, TOKENS[:, :4]), ref_logits(model, TOKENS[:, :4]), atol=1e-4
     )
+    hf.export_pretrained(config, params, str(tmp_path))
+    written = json.loads((tmp_path / "config.json").read_text())
+    source = json.loads(open(os.path.join(directory, "config.json")).read())
+    keys = ["max_position_embeddings"] + ["sliding_window"] * (model_type != "qwen3")  # (Qwen3's: unused)
+    assert [written.get(k) for k in keys] == [source.get(k) for k in keys]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager")
+    np.testing.assert_allclose(ref_logits(exported.eval(), TOKENS), ref_logits(model, TOKENS), atol=1e-5)
 
 
 # the published config.json files (architecture entries) and parameter counts (model cards: Qwen3 0.6B,

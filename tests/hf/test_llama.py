@@ -157,6 +157,24 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(family, tm
     assert torch_greedy(model, prompt, 10) == flax_greedy(config, params, prompt, 10)
 
 
+def test_a_run_on_shorter_rows_exports_the_checkpoints_context_and_window(family, tmp_path):
+    """Fine-tuning at block_size 5 (below Mistral's window of 6, the context of 128) keeps what the
+    checkpoint declares: the export is the same architecture, context and window, so transformers
+    computes the original's logits from it over 24 tokens (past the window) and it loads again at any
+    block_size; before, it was a Llama with full attention and a context of 5."""
+    model_type, directory, model = family
+    config, params = hf.load_pretrained(directory, block_size=5)
+    assert (config.block_size, config.hf_context, config.sliding_window) == (5, 128, 0)
+    hf.write(config, params, str(tmp_path))  # the family export picks, as `flaxgpt hf export`
+    written = json.loads((tmp_path / "config.json").read_text())
+    source = json.loads(open(os.path.join(directory, "config.json")).read())
+    for key in ("architectures", "max_position_embeddings", "sliding_window"):
+        assert written.get(key) == source.get(key), key
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    np.testing.assert_allclose(ref_logits(exported), ref_logits(model), atol=1e-5, rtol=0)
+    assert hf.load_pretrained(str(tmp_path), block_size=64)[0].block_size == 64
+
+
 OPTION_SETS = {  # every option of the modern decoder, in two combinations
     "gqa_qknorm_softcap_untied": dict(n_kv_head=2, qk_norm=True, logit_softcap=30.0, tie_embeddings=False),
     "mqa_scan_remat_window_qwen_bias": dict(
@@ -233,6 +251,82 @@ def test_bad_input_is_one_line_errors(family, tmp_path):
         shard = sorted(n for n in os.listdir(d) if n.startswith("model-0"))[-1]
         os.remove(os.path.join(d, shard))
         raises_one_line(FileNotFoundError, f"1 are missing: {shard}$", hf.load_pretrained, d)
+
+
+def test_damaged_files_and_malformed_configs_are_one_line_errors(family, tmp_path):
+    """What an interrupted copy or a hand edit leaves: each a one-line error naming the file or key,
+    where tracebacks (SafetensorError, KeyError, TypeError, AttributeError) came before."""
+    from flaxgpt.hf import peft as hf_peft
+
+    model_type, directory, _ = family
+    cfg = json.loads(open(os.path.join(directory, "config.json")).read())
+
+    def copy(name, config_text=None, **changes):
+        d = tmp_path / name
+        d.mkdir()
+        for f in os.listdir(directory):
+            if f != "config.json":
+                os.symlink(os.path.join(directory, f), d / f)
+        (d / "config.json").write_text(
+            config_text if config_text is not None else json.dumps({**cfg, **changes})
+        )
+        return str(d)
+
+    bad = {
+        "not JSON": (copy("text", '{"model_type": "llama", '), r"config\.json is not valid JSON \("),
+        "a list": (copy("list", "[1, 2]"), r"config\.json holds a JSON list, not a model's config object"),
+        "null heads": (
+            copy("heads", num_attention_heads=None),
+            r"has num_attention_heads=None; it must be an int",
+        ),
+        "string vocab": (copy("vocab", vocab_size="300"), r"has vocab_size='300'; it must be an integer"),
+        "string rope": (
+            copy("rope", rope_scaling="llama3"),
+            r"rope scaling is 'llama3'; it must be an object",
+        ),
+        "llama3 rope": (
+            copy("llama3", rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}),
+            r"llama3 rope scaling has no low_freq_factor; add it to config\.json",
+        ),
+    }
+    for what, (d, match) in bad.items():
+        with pytest.raises(ValueError, match=match) as e:
+            hf.load_pretrained(d)
+        assert "\n" not in str(e.value), what
+    if model_type == "llama":  # sharded: an index without its weight map
+        d = copy("index")
+        os.remove(os.path.join(d, "model.safetensors.index.json"))
+        (tmp_path / "index" / "model.safetensors.index.json").write_text('{"metadata": {}}')
+        raises_one_line(ValueError, r"index\.json has no 'weight_map' object", hf.load_pretrained, d)
+    else:  # one file, cut short by an interrupted copy
+        d = copy("truncated")
+        weights = os.path.join(d, "model.safetensors")
+        data = open(weights, "rb").read()
+        os.remove(weights)
+        open(weights, "wb").write(data[: len(data) // 2])
+        raises_one_line(
+            ValueError, r"model\.safetensors is not a readable safetensors file \(", hf.load_pretrained, d
+        )
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "lora_alpha": 16}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    config = hf.read_config(directory)
+    raises_one_line(
+        ValueError,
+        r"has r=None; a LoRA adapter's r is a positive number",
+        hf_peft.load_adapter,
+        str(adapter),
+        config,
+    )
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 16}))
+    raises_one_line(
+        ValueError,
+        r"adapter_model\.safetensors is not a readable safetensors file",
+        hf_peft.load_adapter,
+        str(adapter),
+        config,
+    )
 
 
 def test_export_refuses_what_the_family_cannot_express():

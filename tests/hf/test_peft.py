@@ -2,6 +2,7 @@
 Llama / Qwen2 / GPT-2 models made with transformers (random non-zero B: init_lora_weights=False)."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -44,6 +45,12 @@ CASES = {  # name -> (base maker, peft target_modules, extra LoraConfig fields)
         {"use_rslora": True},
     ),
     "gpt2_all": (make_gpt2, ["c_attn", "c_proj", "c_fc"], {"fan_in_fan_out": True}),
+    # modules PEFT leaves out of some layers: zeros there (exported as such: peft's logits again)
+    "llama_some_layers": (
+        lambda d: make_hf_model("llama", d),
+        ["q_proj", "down_proj"],
+        {"layers_to_transform": [1], "exclude_modules": ["model.layers.1.mlp.down_proj"]},
+    ),
 }
 
 
@@ -140,6 +147,23 @@ def test_unsupported_adapter_fields_are_refused(llama_and_gpt2, tmp_path):
     )
     config, _ = hf.load_pretrained(str(llama_and_gpt2 / "llama"))
     with pytest.raises(ValueError, match="use_dora"):
+        hf_peft.load_adapter(str(tmp_path / "a"), config)
+    for field, value in {"lora_bias": True, "trainable_token_indices": [3, 4]}.items():
+        (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, field: value}))
+        with pytest.raises(ValueError, match=re.escape(f"{field}={value!r} is not supported")):
+            hf_peft.load_adapter(str(tmp_path / "a"), config)
+
+
+def test_an_adapter_on_the_embeddings_or_the_head_is_named(llama_and_gpt2, tmp_path):
+    """peft adapts embed_tokens / lm_head when asked; flaxgpt's LoRA adapts the layers only: the
+    refusal says so, where it said "an adapter for another architecture?"."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama_and_gpt2 / "llama"))
+    make_adapter(base, tmp_path / "a", ["q_proj", "lm_head"])
+    config, _ = hf.load_pretrained(str(llama_and_gpt2 / "llama"))
+    with pytest.raises(
+        ValueError,
+        match=r"tensor base_model\.model\.lm_head\.\S+ adapts lm_head; flaxgpt's LoRA adapts the layers",
+    ):
         hf_peft.load_adapter(str(tmp_path / "a"), config)
 
 

@@ -86,3 +86,39 @@ def test_a_poisoned_request_fails_alone_with_a_500(params, step):  # noqa: F811
     assert sched.stats["failed"] == 1 and sched.stats["finished"] == 4
     engine.blocks.check()
     assert len(engine.blocks.free_pages) == engine.blocks.pages - 1  # every page back (no prefix cache)
+
+
+def test_a_client_that_hangs_up_on_a_whole_reply_frees_its_slot_mid_decode(params, step):  # noqa: F811
+    """A non-streaming client that times out while its reply decodes (events every step): the server
+    notices within a second and cancels the sequence, not decoding to max_tokens for nobody."""
+    import time
+
+    tok = CharTokenizer(CHARS)
+    sched = scheduler_for(
+        CFG, params, tok, slots=SLOTS, max_len=W, chunk=2, prefill_chunk=16, prefix_cache_tokens=0,
+        prefix_block=PAGE,
+    )  # fmt: skip
+    generate = sched.engine.runner.generate
+
+    def slow(*args):  # 2 tokens every 0.3 s: 24 tokens take ~3.6 s
+        time.sleep(0.3)
+        return generate(*args)
+
+    sched.start()
+    assert sched.ready.wait(timeout=300), "the engine did not compile in 300 s"
+    sched.engine.runner.generate = slow
+    app = create_app(sched, tok, model="tiny", max_len=W, vocab_size=len(CHARS))
+    with serving_in_thread(app) as url:
+        body = {"prompt": "ROMEO:", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        start = time.monotonic()
+        try:
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.6)
+            raise AssertionError("the reply came before the client's timeout")
+        except httpx.TimeoutException:
+            pass
+        while time.monotonic() - start < 10 and not (sched.stats["cancelled"] or sched.stats["finished"]):
+            time.sleep(0.05)
+        gone = time.monotonic() - start
+    sched.close()
+    assert sched.stats["cancelled"] == 1 and sched.stats["finished"] == 0, (dict(sched.stats), gone)
+    assert gone < 3.0, gone  # within about a second of the hang-up (0.6 s), long before 3.6 s

@@ -182,11 +182,19 @@ def ref_logprobs(api, ids) -> np.ndarray:
     return torch.log_softmax(logits, -1).numpy()
 
 
+def token_bytes(api, i) -> bytes:
+    """A token's own bytes, read here from the vocabulary's pieces: "▁" a space, <0xNN> its byte."""
+    piece = api.tok.id_to_token(i)
+    if re.fullmatch(r"<0x[0-9A-F]{2}>", piece):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("▁", " ").encode()
+
+
 def texts(api) -> dict:
-    """A token's text as logprobs report it (the server's decode of the one id) -> the ids with it."""
+    """A token's text as logprobs report it (its bytes as text, U+FFFD for a partial character) -> its ids."""
     out = {}
     for i in range(api.V):
-        out.setdefault(api.tok.decode([i], skip_special_tokens=True), []).append(i)
+        out.setdefault(token_bytes(api, i).decode("utf-8", errors="replace"), []).append(i)
     return out
 
 
@@ -196,8 +204,8 @@ def follow(api, prompt_ids, content) -> list[int]:
     by_text, ids = texts(api), list(prompt_ids)
     for k, e in enumerate(content):
         lp_V = ref_logprobs(api, ids)[-1]
-        assert e.bytes == list(e.token.encode()), e
         chosen = min(by_text[e.token], key=lambda i: abs(lp_V[i] - e.logprob))
+        assert e.bytes == list(token_bytes(api, chosen)), e  # the token's own bytes, its space kept
         assert abs(lp_V[chosen] - e.logprob) < TOL, (k, e.token, lp_V[chosen], e.logprob)
         assert abs(e.logprob - lp_V.max()) < TOL  # greedy: the most likely token
         top = [t.logprob for t in e.top_logprobs]
@@ -257,6 +265,38 @@ def test_completion_echo_prompt_logprobs_equal_transformers(api):
             np.testing.assert_allclose(sorted(lp.top_logprobs[t].values(), reverse=True), best, atol=TOL)
     assert r.choices[0].text.startswith(api.tok.decode(prompt))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_logprob_tokens_are_the_tokens_bytes_and_offsets_point_into_the_text(api):
+    # "▁ؿ" is "▁" then two byte-fallback tokens; alone, "▁quick" decodes as "quick" and <0xD8> as U+FFFD
+    prompt = api.tok.encode("the ؿ quick brown", add_special_tokens=False).ids
+    pieces = ["▁the", "▁", "<0xD8>", "<0xBF>", "▁quick", "▁brown"]
+    assert [api.tok.id_to_token(i) for i in prompt] == pieces
+    fox = {str(api.tok.token_to_id("▁fox")): 100}
+    r = api.client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0, logit_bias=fox
+    )
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text == "the ؿ quick brown fox fox fox"  # the echo: the decoder drops the first space
+    assert lp.tokens == [" the", " ", "\ufffd", "\ufffd", " quick", " brown"] + [" fox"] * 3
+    assert lp.text_offset == [0, 3, 4, 4, 5, 11, 17, 21, 25]  # the two bytes: where their character is
+    for token, offset in zip(lp.tokens[1:], lp.text_offset[1:]):
+        assert "\ufffd" in token or text[offset:].startswith(token), (token, offset, text)
+
+    # chat: each entry's bytes are the token's own; together they are the reply's bytes
+    # no end of turn (12 entries: it would have none) and no byte of a character cut in two
+    bias = {str(api.tok.token_to_id(t)): -100 for t in ["<|im_end|>", *BYTES[128:]]}
+    r = chat(api, "the quick brown ؿ", max_tokens=12, temperature=0, logprobs=True, logit_bias=bias)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 12 and r.choices[0].finish_reason == "length"
+    assert bytes(b for e in content for b in e.bytes).decode() == r.choices[0].message.content
+
+
+def test_usage_counts_a_prompt_once_whatever_n(api):
+    kw = dict(max_tokens=2, temperature=1.0, seed=1, extra_body={"ignore_eos": True})
+    one, three = complete(api, "the quick brown", **kw), complete(api, "the quick brown", n=3, **kw)
+    assert one.usage.prompt_tokens == three.usage.prompt_tokens == 3  # as OpenAI counts: once
+    assert (one.usage.completion_tokens, three.usage.completion_tokens) == (2, 6)
 
 
 # ---- 2. structured outputs
@@ -457,7 +497,8 @@ def test_stop_token_ids_and_logit_bias(api):
 
     fox = api.tok.token_to_id("▁fox")
     b = complete(api, "the quick brown", max_tokens=8, temperature=0, logprobs=0, logit_bias={str(fox): 100})
-    assert b.choices[0].logprobs.tokens == ["fox"] * 8 and b.choices[0].finish_reason == "length"
+    assert b.choices[0].logprobs.tokens == [" fox"] * 8 and b.choices[0].finish_reason == "length"
+    assert b.choices[0].logprobs.text_offset == list(range(0, 32, 4))  # where each " fox" starts
     assert b.choices[0].text == " fox" * 8  # the text that follows the prompt: its first space kept
     assert max(b.choices[0].logprobs.token_logprobs) < -0.1  # logprobs of the raw logits, before the bias
 

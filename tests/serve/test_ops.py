@@ -117,6 +117,48 @@ def test_metrics_access_log_and_prefix_hits(served, caplog):
     assert m[("flaxgpt_slots", ())] == 3 and m[("flaxgpt_prefix_cache_blocks", ())] > 0
 
 
+def test_text_that_is_no_text_and_deep_nesting_are_400s(served):
+    # valid JSON all: a lone surrogate (a string cut inside an emoji by a client) and a body nested past
+    # Python's recursion limit (well under the body limit) were 500s with a traceback
+    _, url = served
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    bodies = {
+        '{"prompt": "ab\\ud800", "max_tokens": 2}': "unpaired UTF-16 surrogate",
+        '{"prompt": "ab", "stop": ["\\udc00"], "max_tokens": 2}': "unpaired UTF-16 surrogate",
+        '{"prompt": ' + "[" * 1500 + "]" * 1500 + "}": "nested too deeply",
+    }
+    for body, needle in bodies.items():
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            r = httpx.post(f"{url}{route}", content=body.encode(), headers=headers, timeout=60)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], (route, r.text)
+    assert post(url, {"prompt": "ab", "max_tokens": 2}).status_code == 200
+
+
+def test_a_handler_that_raises_is_logged_and_counted_as_500(caplog):
+    """Starlette's error middleware answers the 500 outside Operations, after the exception passed
+    through it: counted as a 500, not as a client gone (499)."""
+    from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.routing import Route
+
+    from flaxgpt.serve.metrics import ServeMetrics
+    from flaxgpt.serve.middleware import Operations
+
+    async def boom(request):
+        raise RuntimeError("a bug in a handler (test)")
+
+    metrics = ServeMetrics()
+    ops = Middleware(Operations, metrics=metrics, routes=["/v1/completions"])
+    app = Starlette(routes=[Route("/v1/completions", boom, methods=["POST"])], middleware=[ops])
+    with caplog.at_level(logging.INFO, logger="flaxgpt.serve.access"), serving_in_thread(app) as url:
+        assert httpx.post(f"{url}/v1/completions", json={}, timeout=60).status_code == 500
+    [line] = [r.getMessage() for r in caplog.records if r.name == "flaxgpt.serve.access"]
+    assert line.split()[3] == "500", line
+    counted = {s.labels["status"]: s.value for f in metrics.registry.collect() for s in f.samples
+               if s.name == "flaxgpt_requests_total"}  # fmt: skip
+    assert counted == {"500": 1.0}, counted
+
+
 def test_soak_small(served):
     """60 requests from 8 clients, some hanging up mid-stream, malformed or over the limits: no 5xx,
     every slot free afterwards, and the server still answers."""
