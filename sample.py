@@ -132,7 +132,10 @@ def read_texts(a, kind: str) -> list[str]:
         raise ValueError(f"{a.out_dir} is a seq2seq run: give the sources with --start or --prompts_file")
     text = "\n" if a.start is None else a.start
     if text.startswith("FILE:"):
-        text = Path(text[5:]).read_text(encoding="utf-8")
+        try:
+            text = Path(text[5:]).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--start {a.start}: not UTF-8 text ({e}); save it as UTF-8") from None
     if kind == "gpt":
         return [text]
     lines = [line for line in text.splitlines() if line.strip()]

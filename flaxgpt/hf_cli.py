@@ -58,14 +58,15 @@ def export_int4(source, to: str, mode: str, step=None, overwrite: bool = False) 
     return compressed.export(run.config, run.params, to, tokenizer=tok)
 
 
-def export_run_adapter(out_dir, to: str, step=None) -> str:
+def export_run_adapter(out_dir, to: str, step=None, overwrite: bool = False) -> str:
     """A LoRA run's adapters (checkpoint `step`, default the latest) as a PEFT adapter directory."""
     from flaxgpt.hf import peft, pretrained
     from flaxgpt.runs import lora_run
 
     if lora_run.lora_section(out_dir) is None:
         raise ValueError(f"{out_dir} is not a LoRA run (its config.json has no lora.rank > 0)")
-    pretrained.check_export_target(to, run=out_dir)
+    files = f"{peft.ADAPTER_CONFIG} and {peft.ADAPTER_WEIGHTS}"
+    pretrained.check_export_target(to, overwrite, run=out_dir, files=files)
     lr = lora_run.read_lora_run(out_dir, step)
     return peft.export_adapter(lr.config, lr.spec, lr.adapters, to, base=lr.base)
 
@@ -138,7 +139,7 @@ def _peft(args) -> None:
     if args.cmd == "merge":
         print(f"wrote {merge_to(args.base, args.adapter, args.to, args.overwrite)}")
     else:
-        print(f"wrote {export_run_adapter(args.out_dir, args.to)}")
+        print(f"wrote {export_run_adapter(args.out_dir, args.to, args.step, args.overwrite)}")
 
 
 def peft_main(argv=None) -> int:
@@ -153,6 +154,8 @@ def peft_main(argv=None) -> int:
     e = sub.add_parser("export", help="a LoRA run's adapter -> a PEFT adapter directory")
     e.add_argument("--out_dir", required=True, help="the LoRA training run")
     e.add_argument("--to", required=True, help="the adapter directory to write")
+    e.add_argument("--step", type=int, default=None, help="the checkpoint to export (default: the latest)")
+    e.add_argument("--overwrite", action="store_true", help="replace the adapter files in an existing --to")
     args = p.parse_args(argv)
     return errors.run_cli(lambda _: _peft(args), errors=(ValueError, OSError))
 

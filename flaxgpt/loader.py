@@ -166,10 +166,16 @@ def resolve_init(
         else:
             config, params, tok = _load_run(source, step, place)[1:]
         try:
-            config = dataclasses.replace(config, **{**runtime, **overrides})
+            changed = dataclasses.replace(config, **{**runtime, **overrides})
         except TypeError:
             fields, what = sorted({**runtime, **overrides}), models.kind_of(config)
             raise ValueError(f"{fields} are not fields of {source}'s {what} model") from None
+        if overrides and _layout(_shapes(changed)) != _layout(_shapes(config)):
+            raise ValueError(
+                f"{sorted(overrides)} would change the weights of {source}'s model (their shapes or "
+                "layout); a run's overrides change only how it runs (attention_impl, remat, dropout, ...)"
+            )
+        config = changed
         return Init(kind, config, _shapes(config) if abstract else params, tok, f"{source}/config.json")
     if step is not None:
         raise ValueError(f"step={step} applies to a training run; {source} is pretrained weights")
@@ -230,6 +236,13 @@ def _shapes(config):
     from flaxgpt.models import registry as models
 
     return nn.unbox(models.abstract_params(config))
+
+
+def _layout(shapes) -> tuple:
+    """The tree of parameter shapes, dtypes aside: what a run's saved weights must fit."""
+    import jax
+
+    return jax.tree_util.tree_structure(shapes), tuple(x.shape for x in jax.tree_util.tree_leaves(shapes))
 
 
 def _check(dtype, quantize) -> None:

@@ -44,6 +44,8 @@ def test_a_run_directory(run_dir):
     assert_same(run.params, params[2])  # the latest step
     assert_same(flaxgpt.load(str(out), step=1).params, params[1])
     assert run.tokenizer.decode(run.tokenizer.encode("jihg")) == "jihg"
+    # overrides that change how it runs, not its weights, are taken
+    assert flaxgpt.load(out, overrides={"attention_impl": "xla", "dropout": 0.1}).config.dropout == 0.1
 
 
 def test_a_hugging_face_gpt2_directory(hf_dir):
@@ -79,6 +81,12 @@ def test_bad_sources_are_one_line(tmp_path, run_dir, hf_dir):
         (ValueError, "unknown quantization mode 'fp8'", dict(source=run_dir[0], quantize="fp8")),
         (ValueError, "step=3 applies to a training run", dict(source=hf_dir[0], step=3)),
         (FileNotFoundError, "is not a directory", dict(source=str(tmp_path / "missing"))),
+        # a run's weights are what they are: an override that would reshape them (a Flax traceback once)
+        (
+            ValueError,
+            "['n_layer'] would change the weights of",
+            dict(source=run_dir[0], overrides={"n_layer": 5}),
+        ),
     ]
     for error, message, kw in cases:
         with pytest.raises(error) as e:

@@ -76,6 +76,8 @@ def writing(out_dir: Path):
     """A temporary folder beside out_dir for the files (renamed into place by the caller, meta.json
     last); removed whatever happens. A write that fails (a full disk) is a one-line PrepareError and
     leaves any existing dataset in out_dir as it was."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise PrepareError(f"--out_dir {out_dir} is a file; choose a directory (a new one, or a dataset's)")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

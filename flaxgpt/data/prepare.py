@@ -86,7 +86,13 @@ def download_shakespeare(timeout: float = 20.0) -> str:
 
 def encode_split(text: str, tokenizer, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []  # a Llama-family model's BOS
-    ids = np.asarray(bos + tokenizer.encode(text), dtype=np.int64)
+    try:
+        ids = np.asarray(bos + tokenizer.encode(text), dtype=np.int64)
+    except ValueError as e:  # a character vocabulary (a run's, --tokenizer RUN) without some of the text's
+        raise PrepareError(
+            f"the text does not encode with this tokenizer: {e}; remove those characters, or prepare with "
+            "--tokenizer char to build a vocabulary from this text"
+        ) from None
     n_train = int(len(ids) * (1.0 - val_fraction))  # nanoGPT's split point
     n_val = len(ids) - n_train
     if n_train < 2 or (val_fraction > 0 and n_val < 2):

@@ -43,6 +43,8 @@ def generate(
     """Target tokens [B, max_len] (EOS kept, pad after) for each source: the best beam, or greedy
     when beam_size == 1. The source is encoded and projected for cross-attention once."""
     B, W = src_BS.shape[0], beam_size
+    if W < 1:  # before the cache: beams=W sizes its buffers (a negative size was a JAX TypeError)
+        raise ValueError(f"beam_size {W} must be >= 1 (1: greedy decoding)")
     cache, src_lengths_R = seq2seq.start_decoding(
         config, params, src_BS, src_lengths_B, beams=W, max_len=max_len
     )
@@ -87,7 +89,7 @@ def translate(
             if not truncate:
                 raise ValueError(
                     f"line {i + 1} has {len(toks)} tokens, more than block_size - 1 = "
-                    f"{config.block_size - 1}; shorten it or pass truncate=True"
+                    f"{config.block_size - 1}; shorten it or pass --truncate (truncate=True)"
                 )
             warnings.warn(f"line {i + 1} cut to {config.block_size - 1} tokens", stacklevel=2)
             toks = toks[: config.block_size - 1]

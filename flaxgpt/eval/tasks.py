@@ -36,8 +36,9 @@ class EvalDataError(ValueError):
     """Bad evaluation input; the message is one line naming the file and, where known, the line."""
 
 
-def read_jsonl(path, keys: tuple[str, ...] = ()) -> list[dict]:
-    """The objects of a jsonl file (blank lines skipped), each checked for `keys`."""
+def read_jsonl(path, keys: tuple[str, ...] = (), check=None) -> list[dict]:
+    """The objects of a jsonl file (blank lines skipped), each checked for `keys` and by `check`
+    (a doc -> what is wrong with it, or None)."""
     path = Path(path)
     if not path.is_file():
         raise EvalDataError(f"{path} does not exist or is not a file")
@@ -55,6 +56,9 @@ def read_jsonl(path, keys: tuple[str, ...] = ()) -> list[dict]:
             missing = [k for k in keys if k not in doc]
             if missing:
                 raise EvalDataError(f"{path}:{lineno} lacks {missing}; each line needs {list(keys)}")
+            wrong = check(doc) if check is not None else None
+            if wrong:
+                raise EvalDataError(f"{path}:{lineno} {wrong}")
             docs.append(doc)
     if not docs:
         raise EvalDataError(f"{path} is empty; expected one JSON object per line")
@@ -196,11 +200,46 @@ def perplexity(scorer, tokenizer, texts, window: int, stride: int | None = None)
     }
 
 
+def _hellaswag_doc(doc) -> str | None:
+    """What would break scoring: endings that are not at least two texts (or that preprocessing
+    empties: acc_norm divides by their length), a label that is not one of their indices."""
+    endings = doc["endings"]
+    if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
+        return f"has endings {str(endings)[:80]}; expected a list of at least 2 strings"
+    empty = [i for i, e in enumerate(endings) if not preprocess(e).strip()]
+    if empty:
+        return f"has ending {empty[0]} empty once preprocessed ({endings[empty[0]]!r}); drop the line"
+    if not all(isinstance(doc[k], str) for k in ("activity_label", "ctx_a", "ctx_b", "ctx")):
+        return "has a context field (activity_label, ctx_a, ctx_b, ctx) that is not a string"
+    try:
+        label = int(doc["label"])
+    except (TypeError, ValueError):
+        return f"has label {doc['label']!r}; expected the index of the right ending"
+    if not 0 <= label < len(endings):
+        return f"has label {label} for {len(endings)} endings; expected 0..{len(endings) - 1}"
+    return None
+
+
+def _lambada_doc(doc) -> str | None:
+    text = doc["text"]
+    if not isinstance(text, str) or len(text.strip().split(" ")) < 2:
+        return (
+            f"has text {str(text)[:60]!r}; expected a passage of at least two words (its last is the target)"
+        )
+    return None
+
+
+DOC_CHECKS = {"hellaswag": _hellaswag_doc, "lambada": _lambada_doc}
+
+
 def load_data(task: str, path, limit: int = 0):
     """A scored task's examples: the jsonl's objects, or perplexity's (name, text) documents."""
     if task not in SCORED_TASKS:
         raise EvalDataError(f"unknown task {task!r}; GPT tasks: {', '.join(SCORED_TASKS)}")
-    data = read_texts(path) if task == "perplexity" else read_jsonl(path, JSONL_KEYS[task])
+    if task == "perplexity":
+        data = read_texts(path)
+    else:
+        data = read_jsonl(path, JSONL_KEYS[task], DOC_CHECKS[task])
     return data[: limit or None]
 
 

@@ -100,9 +100,10 @@ def as_config(config) -> GPTConfig:
     return config if isinstance(config, GPTConfig) else models.config_from(config, saved=True)
 
 
-def check_export_target(to, overwrite: bool = False, run=None) -> None:
+def check_export_target(to, overwrite: bool = False, run=None, files: str = "") -> None:
     """Refuses, in one line, to export into the training run `run`, into any training run's directory
-    (or below it), into a file, or into an existing non-empty directory unless `overwrite`."""
+    (or below it), into a file, or into an existing non-empty directory unless `overwrite` (which
+    replaces `files`: by default a model's config.json and weights)."""
     target = Path(to).resolve()
     if run is not None and Path(run).resolve() in (target, *target.parents):
         where = "is" if Path(run).resolve() == target else "is inside"
@@ -115,8 +116,8 @@ def check_export_target(to, overwrite: bool = False, run=None) -> None:
         raise FileExistsError(f"{to} is a file, not a directory; choose another --to")
     if not overwrite and target.is_dir() and any(target.iterdir()):
         raise FileExistsError(
-            f"{to} exists and is not empty; pass --overwrite to replace its {CONFIG_FILE} and "
-            f"{WEIGHTS_FILE}, or choose another --to"
+            f"{to} exists and is not empty; pass --overwrite to replace its "
+            f"{files or f'{CONFIG_FILE} and {WEIGHTS_FILE}'}, or choose another --to"
         )
 
 

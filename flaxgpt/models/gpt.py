@@ -483,11 +483,11 @@ def quantize_params(config: GPTConfig, params, mode: str):
     quantize.check_mode(mode)
     if config.scan_layers:
         params = unstack_layers(params, config.n_layer)
-    params = dict(params)
-    table = quantize.quantize_rows(params.pop("wte")["embedding"], mode, name="wte")
+    params, wte = {k: v for k, v in params.items() if k != "wte"}, params["wte"]["embedding"]
     # a mixture of experts' stacked experts are quantized per expert; its routers stay float32: the
     # top-k is discrete (rounding the [D, E] router would change which experts run), and they are small
     qparams = quantize.quantize_tree(params, mode, stacked=("experts_fc", "experts_proj"), keep=("router",))
+    table = quantize.quantize_rows(wte, mode, name="wte")  # after the tree: its check sees every weight
     qparams["wte"] = {"embedding": table}
     if config.tie_embeddings:
         qparams["lm_head"] = {"kernel": table}  # the same arrays: one copy in memory

@@ -202,6 +202,7 @@ def quantize_tree(params, mode: str, stacked: tuple = (), keep: tuple = ()):
     """Every 2-D Dense `kernel` [K, N] -> QuantizedWeight of its transpose, every 3-D leaf named in
     `stacked` -> quantize_stacked's; subtrees named in `keep` and the rest unchanged."""
     check_mode(mode)
+    _check_groups(params, int4_group(mode), keep)
 
     def visit(tree, path=()):
         out = {}
@@ -220,6 +221,30 @@ def quantize_tree(params, mode: str, stacked: tuple = (), keep: tuple = ()):
         return out
 
     return visit(dict(params))
+
+
+def _check_groups(params, group: int, keep: tuple) -> None:
+    """int4's group must divide every kernel's K: one line naming the first that it does not, and the
+    group that fits them all (one weight's own check would suggest a group the next weight refuses)."""
+    if not group:
+        return
+    Ks = {}
+
+    def visit(tree, path=()):
+        for name, value in tree.items():
+            if isinstance(value, dict) and name not in keep:
+                visit(value, (*path, name))
+            elif name == "kernel" and np.ndim(value) == 2:
+                Ks.setdefault(int(np.shape(value)[0]), ".".join(path))
+
+    visit(dict(params))
+    bad = [K for K in sorted(Ks) if K % group]
+    if bad:
+        fits = [g for g in int4.GROUPS if all(K % g == 0 for K in Ks)]
+        fix = f"--quantize int4_g{fits[-1]}" if fits else "--quantize int8 (per-row scales)"
+        raise ValueError(
+            f"int4 group size {group} does not divide K={bad[0]} ({Ks[bad[0]]}'s inputs): use {fix}"
+        )
 
 
 def weight_bytes(params) -> int:

@@ -34,6 +34,10 @@ RUNTIME_FIELDS = (
     "fp8",
     "fp8_experts",
 )
+# fields the model never reads: what a Hugging Face checkpoint declared beyond block_size, which export
+# writes back (GPTConfig.hf_context / hf_window). A resume does not compare them: runs saved before they
+# existed hold none, and continue with the values their init_from gives now
+EXPORT_ONLY_FIELDS = ("hf_context", "hf_window")
 
 # fields added after runs were saved -> the behaviour those runs had: a saved section (config.json,
 # a checkpoint's config) without the field is read with this value (kind -> {field: value})

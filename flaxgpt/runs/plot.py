@@ -189,8 +189,10 @@ def main(argv: list[str] | None = None) -> str:
         p.error("give the run: flaxgpt plot --out_dir out/RUN (or flaxgpt plot out/RUN)")
     extras.require("plot", "flaxgpt plot")
     try:
+        if not any(values for _, values in read_metrics(args.run).values()):  # an empty or foreign file
+            raise FileNotFoundError(f"{args.run} holds no metrics to plot (no line of a run's metrics.jsonl)")
         path = plot_metrics(args.run, args.out)
-    except (FileNotFoundError, ImportError) as e:
+    except (OSError, ImportError) as e:  # (a read-only run directory: write elsewhere with --out)
         p.exit(2, f"{p.prog}: error: {e}\n")
     print(f"wrote {path}")
     return path

@@ -135,7 +135,7 @@ def check_resume(
         before = models.section_of(models.config_from(saved["model"], saved=True))
         now = models.section_of(model_config)
         for k in sorted(set(before) | set(now)):
-            if k not in models.RUNTIME_FIELDS and before.get(k) != now.get(k):
+            if k not in models.RUNTIME_FIELDS + models.EXPORT_ONLY_FIELDS and before.get(k) != now.get(k):
                 diffs.append(f"model.{k} ({before.get(k)!r} in the checkpoint, {now.get(k)!r} now)")
     saved_tok = (extra.get("meta") or {}).get("tokenizer")
     if saved_tok is not None and saved_tok != meta.get("tokenizer"):
@@ -160,6 +160,7 @@ def check_resume(
         return []
     now = {**config_dict, "model": models.section_of(model_config)}
     fixed = {f"model.{k}" for k in now["model"] if k not in models.RUNTIME_FIELDS}  # equal, checked above
+    fixed |= {f"model.{k}" for k in models.EXPORT_ONLY_FIELDS}  # not a training setting either
     before, now = _flat(saved), _flat(now)
     return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in _differing(before, now) if k not in fixed]
 

@@ -98,6 +98,10 @@ def acquire(out_dir) -> Lock:
     """Takes out_dir's lock, creating out_dir if needed; RunLocked (one line) when a live run holds it."""
     out_dir = Path(out_dir)
     created = None if out_dir.exists() else out_dir
+    if out_dir.exists() and not out_dir.is_dir():  # (mkdir's own error said only "File exists")
+        raise ValueError(
+            f"out_dir {out_dir} is a file; point out_dir at a directory (a new one for a new run)"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / LOCK_FILE
     host, pid = socket.gethostname(), os.getpid()

@@ -86,6 +86,8 @@ def parse_indices(spec, n: int, what: str = "index") -> list[int]:
             raise ValueError(
                 f"bad {what} {part!r} in {spec!r}: the model has {n} (use 'all', '0,5', '-1' or '2:6')"
             ) from None
+    if not out:  # an empty slice ('1:0'): nothing to draw
+        raise ValueError(f"{what}s {spec!r} select none of the model's {n} (use 'all', '0,5', '-1' or '2:6')")
     return out
 
 
@@ -138,6 +140,8 @@ def save_attention_png(weights_LHTT, labels, layers, heads, path, title: str | N
     fig.colorbar(im, ax=axes, shrink=0.6, label="attention weight")
     if title:
         fig.suptitle(title)
+    if not Path(path).suffix:  # matplotlib adds its format's extension: say where the file really is
+        path = f"{path}.png"
     fig.savefig(path, dpi=100)
     return str(path)
 

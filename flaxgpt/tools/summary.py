@@ -197,7 +197,10 @@ def parse_overrides(args: list[str], config_cls) -> dict:
         key = key.removeprefix("config.").removeprefix("model.")
         if key not in defaults:
             raise ValueError(f"unknown model field {key!r}; fields: {', '.join(defaults)}")
-        out[key] = _parse_value(value, defaults[key])
+        try:
+            out[key] = _parse_value(value, defaults[key])
+        except ValueError as e:
+            raise ValueError(f"--{key}={value}: {e}") from None
         i += 1
     return out
 

@@ -354,7 +354,9 @@ class Trainer:
         step N is dispatched and the next batch is built while a step runs."""
         c = self.config
         previous, clock = None, (time.perf_counter(), start)
-        for step in range(start, c.max_iters + 1):  # here `step` updates are done (maybe in flight)
+        # eval_only evaluates the checkpoint's own step, also one past max_iters (then the loop ends)
+        last = max(c.max_iters, start) if c.eval_only else c.max_iters
+        for step in range(start, last + 1):  # here `step` updates are done (maybe in flight)
             evals = {}
             resumed_here = step == start > 0 and not c.eval_only  # the run that saved it evaluated
             if (step % c.eval_interval == 0 or step == c.max_iters or c.eval_only) and not resumed_here:

@@ -33,6 +33,27 @@ def test_char_dataset_roundtrip(tmp_path):
     assert saved["train_tokens"] == len(train) and saved["val_tokens"] == len(val)
 
 
+def test_text_outside_a_prepared_vocabulary_is_one_line(tmp_path):
+    """--tokenizer DIR (a run's or a dataset's character vocabulary, as docs/checkpoints.md prepares
+    new text for a run) on text with characters it lacks: a PrepareError naming them, not a traceback."""
+    src = _write(tmp_path)
+    prepare.main(
+        ["--dataset", "text", "--input", str(src), "--tokenizer", "char", "--out_dir", str(tmp_path / "d")]
+    )
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT + " £ ~\n")
+    with pytest.raises(
+        prepare.PrepareError, match="does not encode with this tokenizer: characters not in the"
+    ):
+        prepare.main(["--dataset", "text", "--input", str(other), "--tokenizer", str(tmp_path / "d"),
+                      "--out_dir", str(tmp_path / "e")])  # fmt: skip
+    assert not (tmp_path / "e").exists()
+    (tmp_path / "f").write_text("notes")
+    with pytest.raises(prepare.PrepareError, match="--out_dir .*f is a file; choose a directory"):
+        prepare.main(["--dataset", "text", "--input", str(src), "--out_dir", str(tmp_path / "f")])
+    assert (tmp_path / "f").read_text() == "notes"
+
+
 def test_gpt2_tokens_from_a_folder(tmp_path):
     folder = tmp_path / "docs"
     folder.mkdir()
@@ -151,7 +172,18 @@ def test_non_utf8_input_names_the_file_and_byte(tmp_path):
     src = tmp_path / "latin1.txt"
     src.write_bytes("first line\ncaf\u00e9 au lait\n".encode("latin-1"))
     with pytest.raises(prepare.PrepareError) as e:
-        prepare.main(["--dataset", "text", "--input", str(src), "--out_dir", str(tmp_path / "d")])
+        prepare.main(
+            [
+                "--dataset",
+                "text",
+                "--input",
+                str(src),
+                "--tokenizer",
+                "char",
+                "--out_dir",
+                str(tmp_path / "d"),
+            ]
+        )
     assert f"{src} is not UTF-8 text: byte 14 (line 2) is 0xe9" in str(e.value)
     assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
 

@@ -117,6 +117,7 @@ def test_seq2seq_long_source_errors_or_truncates(seq2seq_run, capsys):
         (["--start", "  \n"], "has no non-blank line to translate"),
         (["--start", "abc", "--attention_png", "a.png"], "--attention_png draws GPT self-attention"),
         (["--start", "abc", "--beam_size", "0"], "beam_size 0"),  # flaxgpt.decode.beam_search's own words
+        (["--start", "abc", "--beam_size", "-2"], "beam_size -2 must be >= 1"),  # (a JAX TypeError once)
         (["--start", "abc", "--alpha", "-1"], "alpha -1.0 must be >= 0"),
     ],
 )
@@ -144,3 +145,6 @@ def test_attention_png_alone(gpt_run, tmp_path, capsys):
     assert code == 1 and err.startswith("error: bad layer '5'") and len(err.strip().splitlines()) == 1, err
     code, _, err = run(capsys, "--out_dir", gpt_run, "--max_new_tokens", 0)
     assert code == 1 and "0 with --attention_png" in err
+    (tmp_path / "latin.txt").write_bytes(b"\xe9t\xe9\n")  # a prompt file that is not UTF-8: named
+    code, _, err = run(capsys, "--out_dir", gpt_run, "--start", f"FILE:{tmp_path / 'latin.txt'}")
+    assert code == 1 and "latin.txt: not UTF-8 text (" in err and len(err.strip().splitlines()) == 1, err

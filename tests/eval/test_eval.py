@@ -178,6 +178,26 @@ def test_bad_input_is_one_line(files, tmp_path, capsys):
     )
     err = one_line_error(capsys, *model, "--task", "perplexity", "--data", str(root / "text.txt"))
     assert "more than the window of 64; pass --stride" in err
+    # docs that scored as a traceback (IndexError, ZeroDivisionError) or silently as a miss
+    doc = {
+        "activity_label": "A",
+        "ctx_a": "a b",
+        "ctx_b": "c",
+        "ctx": "a b c",
+        "endings": ["x", "y"],
+        "label": 0,
+    }
+    for change, needle in [
+        ({"endings": []}, "expected a list of at least 2 strings"),
+        ({"endings": ["x", "[title]"]}, "ending 1 empty once preprocessed"),
+        ({"label": 7}, "label 7 for 2 endings"),
+        ({"label": ""}, "label ''; expected the index of the right ending"),
+    ]:
+        bad.write_text(json.dumps(doc) + "\n" + json.dumps({**doc, **change}) + "\n")
+        err = one_line_error(capsys, *model, "--task", "hellaswag", "--data", str(bad))
+        assert f"{bad}:2 has " in err and needle in err, err
+    bad.write_text('{"text": "alone"}\n')
+    assert "at least two words" in one_line_error(capsys, *model, "--task", "lambada", "--data", str(bad))
 
 
 def test_tokenizer_mismatch_is_one_line(files, tmp_path, capsys):

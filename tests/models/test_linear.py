@@ -206,6 +206,10 @@ def test_int4_linear_trains_its_adapters_and_refuses_groups_that_do_not_divide_k
     with pytest.raises(ValueError, match=r"group size 32 does not divide K=48 \(h_0.mlp.c_proj's inputs\): "
                        r"use --quantize int8"):  # fmt: skip
         gpt.quantize_params(DENSE, params, "int4_g32")
+    # the hint fits every weight: 128 divides neither 64 nor 96, and 64 (which fits c_attn) not 96
+    wide = dataclasses.replace(DENSE, n_embd=64, mlp_hidden=96)
+    with pytest.raises(ValueError, match=r"group size 128 does not divide K=64 .*: use --quantize int4_g32$"):
+        gpt.quantize_params(wide, gpt.init_params(wide, jax.random.key(0)), "int4")
     with pytest.raises(ValueError, match="int4 quantizes 2-D weights"):
         quantize_stacked(np.zeros((2, 64, 8), np.float32), "int4")
 

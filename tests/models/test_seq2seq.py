@@ -223,6 +223,9 @@ def test_generate_greedy_equals_uncached_greedy_and_beam_one():
         )
     )(start_decoding(c, p, src, src_len, N))
     np.testing.assert_array_equal(np.asarray(seqs[:, 0]), greedy)
+    for bad in (0, -2):  # (-2 sized the cache's buffers first: a JAX TypeError)
+        with pytest.raises(ValueError, match=f"beam_size {bad} must be >= 1 \\(1: greedy decoding\\)"):
+            generate(p, src, src_len, config=c, beam_size=bad, max_len=N, eos_id=2)
 
 
 def test_beam_scores_are_the_model_log_probs():

@@ -96,7 +96,15 @@ def test_clear_errors(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         plot.main([str(tmp_path)])
     assert "no metrics file at" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text("")  # a run stopped before its first log: no blank PNG, exit 2
+    with pytest.raises(SystemExit) as e:
+        plot.main([str(tmp_path)])
+    assert e.value.code == 2 and "holds no metrics to plot" in capsys.readouterr().err
+    assert not (tmp_path / "metrics.png").exists()
     write_run(tmp_path, steps=2)
+    with pytest.raises(SystemExit) as e:  # a PNG it cannot write (a read-only run): one line, not a traceback
+        plot.main([str(tmp_path), "--out", str(tmp_path / "no_such_dir" / "m.png")])
+    assert e.value.code == 2 and "No such file or directory" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as if matplotlib were not installed
     with pytest.raises(ImportError, match=r"pip install -e '\.\[plot\]'"):
         plot.plot_metrics(tmp_path)

@@ -1,5 +1,6 @@
 """flaxgpt.runs.run_dir: write a run's files, load a GPT and a seq2seq run back, one-line errors."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -169,6 +170,23 @@ def test_resuming_a_recipe_unchanged_reports_no_changed_settings(path):
     now = config_check.load_recipe(str(path)).to_dict()
     saved = json.loads(json.dumps({**now, "model": models.section_of(tiny)}))
     assert check_resume({"config": saved}, 5, tiny, {}, now) == []
+
+
+def test_a_run_saved_before_the_export_only_fields_resumes():
+    """A LoRA fine-tune saved before GPTConfig.hf_context / hf_window existed: its record holds neither,
+    the init_from now gives 128, and the model computes the same: it resumes, no change reported; a
+    field the model reads (block_size) is still refused."""
+    from flaxgpt.runs.run_dir import RunError, check_resume
+
+    now_config = gpt.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8, hf_context=128)
+    saved_model = json.loads(json.dumps(models.section_of(now_config)))
+    for field in models.EXPORT_ONLY_FIELDS:
+        del saved_model[field]
+    config = {"optim": {"learning_rate": 1e-4}}
+    assert check_resume({"config": {**config, "model": saved_model}}, 5, now_config, {}, config) == []
+    longer = dataclasses.replace(now_config, block_size=16)
+    with pytest.raises(RunError, match=r"model\.block_size \(8 in the checkpoint, 16 now\)"):
+        check_resume({"config": {**config, "model": saved_model}}, 5, longer, {}, config)
 
 
 def test_resuming_with_a_real_change_reports_it():

@@ -95,6 +95,10 @@ def test_lock_files_of_dead_processes_and_other_hosts(tmp_path):
     fresh = tmp_path / "new" / "run"
     run_lock.acquire(fresh).release()  # a run refused before writing anything leaves no empty out_dir
     assert not fresh.exists()
+    (tmp_path / "afile").write_text("notes")  # out_dir a file: the fix named, the file untouched
+    with pytest.raises(ValueError, match="afile is a file; point out_dir at a directory"):
+        run_lock.acquire(tmp_path / "afile")
+    assert (tmp_path / "afile").read_text() == "notes"
 
 
 def test_released_when_training_fails_or_finishes(data_dir, tmp_path):  # noqa: F811

@@ -77,7 +77,7 @@ def test_scanned_layout_gives_the_same_maps(params):
     np.testing.assert_allclose(w_scan, attention_map.attention_weights(CFG, params, ids), atol=1e-6)
 
 
-def test_parse_indices():
+def test_parse_indices(tmp_path):
     assert attention_map.parse_indices("all", 4) == [0, 1, 2, 3]
     assert attention_map.parse_indices("0,3", 4) == [0, 3]
     assert attention_map.parse_indices("-1", 4) == [3]
@@ -85,6 +85,13 @@ def test_parse_indices():
     assert attention_map.parse_indices([2, 0], 4) == [2, 0]
     with pytest.raises(ValueError, match="bad layer '5'.*has 4"):
         attention_map.parse_indices("0,5", 4, "layer")
+    with pytest.raises(
+        ValueError, match="layers '1:0' select none of the model's 4"
+    ):  # matplotlib's error once
+        attention_map.parse_indices("1:0", 4, "layer")
+    w = np.full((1, 1, 2, 2), 0.5, np.float32)  # a path without an extension: the file matplotlib writes
+    written = attention_map.save_attention_png(w, ["a", "b"], "all", "all", tmp_path / "map")
+    assert written == str(tmp_path / "map.png") and (tmp_path / "map.png").is_file()
     tok = CharTokenizer(list("ab \n"))
     assert attention_map.token_labels(tok, tok.encode("a b\n")) == ["a", "·", "b", "⏎"]
 

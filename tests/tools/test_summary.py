@@ -150,3 +150,6 @@ def test_cli_errors_are_one_line(capsys):
     with pytest.raises(SystemExit):
         summary.main(["--preset", "gpt2", "--tie_embeddings=maybe"])
     assert "expected true or false" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        summary.main(["--preset", "gpt2", "--n_embd=abc"])
+    assert "--n_embd=abc: invalid literal for int()" in capsys.readouterr().err

@@ -158,7 +158,7 @@ def test_expert_adapters_train_on_an_expert_mesh_as_on_one_device(dirs, tmp_path
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-def test_train_py_end_to_end_then_peft_loads_the_adapter(dirs, tmp_path):
+def test_train_py_end_to_end_then_peft_loads_the_adapter(dirs, tmp_path, capsys):
     out, adapter = tmp_path / "run", tmp_path / "adapter"
     flags = [
         f"--config.init_from={dirs / 'llama'}",
@@ -181,6 +181,11 @@ def test_train_py_end_to_end_then_peft_loads_the_adapter(dirs, tmp_path):
     r = run([str(ROOT / "train.py"), f"--config={ROOT}/configs/lora_llama.py", *flags], tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert hf_cli.peft_main(["export", "--out_dir", str(out), "--to", str(adapter)]) == 0
+    # again into it: refused in one line naming the adapter's files and the flag that exists, then taken
+    assert hf_cli.peft_main(["export", "--out_dir", str(out), "--to", str(adapter)]) == 1
+    assert "pass --overwrite to replace its adapter_config.json and adapter_model" in capsys.readouterr().err
+    again = ["export", "--out_dir", str(out), "--to", str(adapter), "--overwrite", "--step", "4"]
+    assert hf_cli.peft_main(again) == 0
     lora_run = loader.load(str(out))  # what sample.py --out_dir loads: base + adapters merged
     base = transformers.AutoModelForCausalLM.from_pretrained(dirs / "llama")
     tokens = TOKENS[:, :16]  # the run's block_size

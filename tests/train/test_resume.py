@@ -111,6 +111,17 @@ def test_divergence_stops_at_the_last_good_checkpoint_and_init_from_errors(data_
     t.close()
 
 
+def test_eval_only_evaluates_the_checkpoint_even_past_max_iters(data_dir, three_steps, tmp_path):  # noqa: F811
+    """eval_only on a run whose step (3) is past max_iters (2) evaluated nothing and exited 0."""
+    out = copy_of(three_steps, tmp_path)
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    cfg = tiny_config(data_dir, out_dir=out, max_iters=2, eval_only=True)
+    trainer.train(cfg, devices=jax.devices()[:1], **QUIET)
+    new = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()[len(lines) :]]
+    assert [r["step"] for r in new if "val_loss" in r] == [3], new
+    assert Checkpointer(out, read_only=True).all_steps() == [3]  # nothing trained or saved
+
+
 @pytest.mark.devices(8)
 def test_restore_onto_other_device_counts(data_dir, tmp_path):  # noqa: F811
     kw = dict(max_iters=6, eval_interval=100, eval_iters=1, ckpt_interval=4, keep_checkpoints=5)
