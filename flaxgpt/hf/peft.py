@@ -70,6 +70,27 @@ def _family(config: GPTConfig) -> str:
     return "llama" if config.glu else "gpt2"
 
 
+def _targeted(hf: dict, family: str, i: int, target: str) -> bool:
+    """Whether PEFT, given adapter_config.json `hf`, adapts layer i's module for `target` (its
+    check_target_module_exists, for the fields flaxgpt reads): target_modules as a regex (full match)
+    or names (equal, or a suffix after a dot), layers_to_transform, exclude_modules alike."""
+    key = LAYER_PREFIX[family].format(i=i).removeprefix("base_model.model.") + HF_MODULES[family][target]
+
+    def matches(spec) -> bool:
+        if isinstance(spec, str):
+            return re.fullmatch(spec, key) is not None
+        return any(key == name or key.endswith(f".{name}") for name in spec or ())
+
+    layers = hf.get("layers_to_transform")
+    layers = [layers] if isinstance(layers, int) else layers
+    targets = hf.get("target_modules")
+    return (
+        (targets is None or targets == "all-linear" or matches(targets))
+        and (layers is None or i in layers)
+        and not (hf.get("exclude_modules") and matches(hf["exclude_modules"]))
+    )
+
+
 def _hf_name(family: str, target: str) -> str:
     if target in HF_PARAMETERS:
         return f"{EXPERTS_MODULE}.{HF_PARAMETERS[target]}"
@@ -152,14 +173,16 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
             if t in lora.EXPERT_PARAMS and not config.layer_is_sparse(i):
                 continue  # a dense layer of a mixture (mlp_only_layers): no expert stacks
             pair = found.pop((i, t), None)
-            if pair is None:  # a module PEFT left out here (layers_to_transform, exclude_modules): zeros,
-                site = shapes[(f"h_{i}", *lora.SITES[t])]  # which change nothing, as the base's own
+            if pair is None and t not in lora.EXPERT_PARAMS and not _targeted(hf, family, i, t):
+                # a module the adapter's config leaves out here (layers_to_transform, exclude_modules, a
+                # target list naming some layers): zeros, which change nothing, as PEFT's base there
+                site = shapes[(f"h_{i}", *lora.SITES[t])]
                 node = adapters.setdefault(f"h_{i}", {})
                 for name in lora.SITES[t]:
                     node = node.setdefault(name, {})
                 node.update({k: np.zeros(site[k], np.float32) for k in (f"{t}_a", f"{t}_b")})
                 continue
-            if set(pair) != {"A", "B"}:
+            if pair is None or set(pair) != {"A", "B"}:
                 raise ValueError(
                     f"{directory}: layer {i} has no complete {_hf_name(family, t)} adapter (A and B)"
                 )

@@ -25,6 +25,8 @@ import json
 import logging
 import time
 
+from starlette.requests import ClientDisconnect
+
 from flaxgpt.serve import openai_api as api
 
 access_log = logging.getLogger("flaxgpt.serve.access")
@@ -83,6 +85,8 @@ class Operations:
                 await send_counted({"type": "http.response.body", "body": body})
             else:
                 await self.app(scope, receive, send_counted)
+        except ClientDisconnect:  # the client left while sending its body: a 499, as below
+            raise
         except Exception:
             # Starlette's error middleware, outside this one, answers 500 after the exception passed
             # through here: counted as the 500 it becomes, not as a client that went away (499)

@@ -449,6 +449,12 @@ def token_text(tokenizer, token: int) -> tuple[str, bytes]:
     return raw.decode("utf-8", errors="replace"), raw
 
 
+def _skipped(tokenizer, token: int) -> bool:
+    """A special token the reply's text leaves out (decode skips it: BOS, <|im_start|>): it is reported
+    by name but takes no characters of the text."""
+    return token in getattr(tokenizer, "added_ids", ()) and tokenizer.decode([token]) == ""
+
+
 def completion_logprobs(tokenizer, entries, offset: int = 0, text: str | None = None) -> dict:
     """The legacy completions `logprobs` object of TokenLogprob entries (serve/scheduler.py): tokens,
     token_logprobs (None for an echoed prompt's first), top_logprobs ({token: logprob}; None there too),
@@ -466,7 +472,7 @@ def completion_logprobs(tokenizer, entries, offset: int = 0, text: str | None = 
             None if e.logprob is None else {token_text(tokenizer, i)[0]: lp for i, lp in e.top}
         )
         starts.append(starts[-1] + len(pieces[-1]) if pieces else 0)
-        pieces.append(chars.decode(raw))
+        pieces.append("" if _skipped(tokenizer, e.id) else chars.decode(raw))
     whole = "".join(pieces) + chars.decode(b"", final=True)
     shift = len(whole) - len(text) if text is not None and whole.endswith(text) else 0
     out["text_offset"] = [offset + max(0, start - shift) for start in starts]

@@ -196,8 +196,10 @@ def test_bad_input_is_one_line(files, tmp_path, capsys):
         bad.write_text(json.dumps(doc) + "\n" + json.dumps({**doc, **change}) + "\n")
         err = one_line_error(capsys, *model, "--task", "hellaswag", "--data", str(bad))
         assert f"{bad}:2 has " in err and needle in err, err
-    bad.write_text('{"text": "alone"}\n')
-    assert "at least two words" in one_line_error(capsys, *model, "--task", "lambada", "--data", str(bad))
+    bad.write_text('{"text": ["a", "list"]}\n')
+    assert "has text ['a', 'list']; expected a string" in one_line_error(
+        capsys, *model, "--task", "lambada", "--data", str(bad)
+    )
 
 
 def test_tokenizer_mismatch_is_one_line(files, tmp_path, capsys):

@@ -1,6 +1,7 @@
 """PEFT LoRA adapters against peft itself: loaded, merged, exported and bad adapters, on tiny random
 Llama / Qwen2 / GPT-2 models made with transformers (random non-zero B: init_lora_weights=False)."""
 
+import dataclasses
 import json
 import re
 
@@ -152,6 +153,14 @@ def test_unsupported_adapter_fields_are_refused(llama_and_gpt2, tmp_path):
         (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, field: value}))
         with pytest.raises(ValueError, match=re.escape(f"{field}={value!r} is not supported")):
             hf_peft.load_adapter(str(tmp_path / "a"), config)
+
+
+def test_layers_missing_without_a_config_that_leaves_them_out_are_refused(llama_and_gpt2):
+    """An adapter of a 2-layer model on a 4-layer base of the same width (or tensors lost): nothing in its
+    config leaves layers 2 and 3 out, so it is refused, not loaded as zeros there."""
+    config = dataclasses.replace(hf.read_config(str(llama_and_gpt2 / "llama")), n_layer=4)
+    with pytest.raises(ValueError, match=r"layer 2 has no complete self_attn\.q_proj adapter"):
+        hf_peft.load_adapter(str(llama_and_gpt2 / "llama_adapter"), config)
 
 
 def test_an_adapter_on_the_embeddings_or_the_head_is_named(llama_and_gpt2, tmp_path):

@@ -282,10 +282,21 @@ def test_logprob_tokens_are_the_tokens_bytes_and_offsets_point_into_the_text(api
     assert lp.text_offset == [0, 3, 4, 4, 5, 11, 17, 21, 25]  # the two bytes: where their character is
     for token, offset in zip(lp.tokens[1:], lp.text_offset[1:]):
         assert "\ufffd" in token or text[offset:].startswith(token), (token, offset, text)
+    # a special token inside the prompt: named in tokens, no characters of the text (decode skips it)
+    start = api.tok.token_to_id("<|im_start|>")
+    prompt = api.tok.encode("the quick", add_special_tokens=False).ids + [start]
+    prompt += api.tok.encode("brown fox", add_special_tokens=False).ids
+    r = api.client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=0, logit_bias=fox
+    )
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text == "the quick brown fox fox" and lp.tokens[2] == "<|im_start|>"
+    assert lp.text_offset == [0, 3, 9, 9, 15, 19]
 
     # chat: each entry's bytes are the token's own; together they are the reply's bytes
     # no end of turn (12 entries: it would have none) and no byte of a character cut in two
-    bias = {str(api.tok.token_to_id(t)): -100 for t in ["<|im_end|>", *BYTES[128:]]}
+    specials = ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]  # (their bytes are their names)
+    bias = {str(api.tok.token_to_id(t)): -100 for t in [*specials, *BYTES[128:]]}
     r = chat(api, "the quick brown ؿ", max_tokens=12, temperature=0, logprobs=True, logit_bias=bias)
     content = r.choices[0].logprobs.content
     assert len(content) == 12 and r.choices[0].finish_reason == "length"

@@ -139,6 +139,7 @@ def test_a_handler_that_raises_is_logged_and_counted_as_500(caplog):
     through it: counted as a 500, not as a client gone (499)."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
+    from starlette.requests import ClientDisconnect
     from starlette.routing import Route
 
     from flaxgpt.serve.metrics import ServeMetrics
@@ -147,16 +148,24 @@ def test_a_handler_that_raises_is_logged_and_counted_as_500(caplog):
     async def boom(request):
         raise RuntimeError("a bug in a handler (test)")
 
+    async def gone(request):  # what request.body() raises when the client left mid-upload
+        raise ClientDisconnect()
+
     metrics = ServeMetrics()
-    ops = Middleware(Operations, metrics=metrics, routes=["/v1/completions"])
-    app = Starlette(routes=[Route("/v1/completions", boom, methods=["POST"])], middleware=[ops])
+    ops = Middleware(Operations, metrics=metrics, routes=["/v1/completions", "/v1/chat/completions"])
+    routes = [
+        Route("/v1/completions", boom, methods=["POST"]),
+        Route("/v1/chat/completions", gone, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, middleware=[ops])
     with caplog.at_level(logging.INFO, logger="flaxgpt.serve.access"), serving_in_thread(app) as url:
         assert httpx.post(f"{url}/v1/completions", json={}, timeout=60).status_code == 500
-    [line] = [r.getMessage() for r in caplog.records if r.name == "flaxgpt.serve.access"]
-    assert line.split()[3] == "500", line
-    counted = {s.labels["status"]: s.value for f in metrics.registry.collect() for s in f.samples
-               if s.name == "flaxgpt_requests_total"}  # fmt: skip
-    assert counted == {"500": 1.0}, counted
+        httpx.post(f"{url}/v1/chat/completions", json={}, timeout=60)
+    lines = [r.getMessage() for r in caplog.records if r.name == "flaxgpt.serve.access"]
+    assert [x.split()[3] for x in lines] == ["500", "499"], lines
+    counted = {s.labels["route"] + " " + s.labels["status"]: s.value for f in metrics.registry.collect()
+               for s in f.samples if s.name == "flaxgpt_requests_total"}  # fmt: skip
+    assert counted == {"/v1/completions 500": 1.0, "/v1/chat/completions 499": 1.0}, counted
 
 
 def test_soak_small(served):

@@ -115,7 +115,7 @@ def test_eval_only_evaluates_the_checkpoint_even_past_max_iters(data_dir, three_
     """eval_only on a run whose step (3) is past max_iters (2) evaluated nothing and exited 0."""
     out = copy_of(three_steps, tmp_path)
     lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
-    cfg = tiny_config(data_dir, out_dir=out, max_iters=2, eval_only=True)
+    cfg = tiny_config(data_dir, out_dir=out, max_iters=2, eval_only=True, optim__warmup_steps=1)
     trainer.train(cfg, devices=jax.devices()[:1], **QUIET)
     new = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()[len(lines) :]]
     assert [r["step"] for r in new if "val_loss" in r] == [3], new
