@@ -113,6 +113,8 @@ def detect(distributed, env: Mapping[str, str]) -> Join | None:
     n = distributed.num_processes or None
     pid = None if distributed.process_id < 0 else distributed.process_id
     if address is None and n is None and pid is None:
+        if found is not None and found.coordinator is not None:
+            check_address(found.coordinator, "the coordinator")
         return found
     # explicit settings win field by field; the engine (if any) fills the rest
     base = found or Join("settings")
@@ -130,7 +132,19 @@ def detect(distributed, env: Mapping[str, str]) -> Join | None:
         )
     if how.num_processes == 1 and how.coordinator is None:
         return None
+    if how.coordinator is not None:
+        check_address(how.coordinator, "coordinator_address" if address else "the coordinator")
     return how
+
+
+def check_address(address: str, what: str) -> None:
+    """HOST:PORT with a port number: jax's own check is an IndexError deep in distributed.initialize."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{what} {address!r} is not HOST:PORT with a port number (e.g. 10.0.0.1:{PORT}); "
+            "set --config.distributed.coordinator_address, JAX_COORDINATOR_ADDRESS or JAX_COORDINATOR_PORT so"
+        )
 
 
 def _engine(env: Mapping[str, str]) -> Join | None:

@@ -128,6 +128,16 @@ def test_explicit_settings_win_field_by_field():
         cluster.detect(settings("10.9.9.9:1234"), {})
     with pytest.raises(ValueError, match="SLURM_PROCID='x' in the environment is not an integer"):
         cluster.detect(settings(), {**SLURM, "SLURM_PROCID": "x"})
+    # an address without a port (jax's own check: an IndexError deep in initialize), or a port not a number
+    with pytest.raises(
+        ValueError, match=r"coordinator_address 'localhost' is not HOST:PORT with a port number"
+    ):
+        cluster.detect(settings("localhost", 2, 0), {})
+    with pytest.raises(ValueError, match=r"the coordinator '10\.0\.0\.7:abc' is not HOST:PORT"):
+        cluster.detect(settings(), {**SKYPILOT, "JAX_COORDINATOR_PORT": "abc"})
+    with pytest.raises(ValueError, match=r"the coordinator 'head' is not HOST:PORT"):
+        cluster.detect(settings(), {**SKYPILOT, "JAX_COORDINATOR_ADDRESS": "head"})
+    assert cluster.detect(settings("[::1]:8476", 2, 0), {}).coordinator == "[::1]:8476"
 
 
 def test_tpu_pods_gke_variable_or_the_metadata_server(monkeypatch):

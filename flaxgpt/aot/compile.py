@@ -189,6 +189,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --programs {args.programs!r}: choose from {', '.join(GROUPS)}")
     if not 0 <= args.headroom < 1:
         raise SystemExit(f"error: --headroom {args.headroom} must be in [0, 1)")
+    for flag, value, low in (("slots", args.slots, 1), ("max_len", args.max_len, 0)):
+        if value < low:  # (a negative size was a reshape traceback, or accepted)
+            raise SystemExit(
+                f"error: --{flag} {value} must be >= {low}" + (" (0: block_size)" if low == 0 else "")
+            )
+    if args.speculative_tokens < 0:
+        raise SystemExit(f"error: --speculative_tokens {args.speculative_tokens} must be >= 0 (0: off)")
     config, path = load_config(rest)
     t0 = time.perf_counter()
     rows, mc = run(config, target, groups, slots=args.slots, max_len=args.max_len, vocab_size=args.vocab_size,

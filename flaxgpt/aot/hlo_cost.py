@@ -8,7 +8,8 @@ XLA's own cost analysis counts a while loop's body once, so a step built of loop
 micro-batches, a chunked loss) looks many times cheaper than it is; and a roofline over the whole step
 (all FLOPs at peak, all bytes at full bandwidth) hides that memory-bound kernels and matmuls take turns.
 Here every kernel the program launches is costed on its own, max(FLOPs / peak, bytes / bandwidth),
-and multiplied by the trip counts of the loops around it (XLA's `known_trip_count`). Bytes are each
+and multiplied by the trip counts of the loops around it (XLA's `known_trip_count`, or on TPUs, whose
+programs lack it, the loop's own `counter < N` condition and start). Bytes are each
 kernel's operands read once and its results written once, with two corrections that matter in loops:
 a buffer updated in place (dynamic-update-slice) counts only the slice written, and an operand that a
 kernel only slices counts only the slice read. A loop whose trip count XLA cannot know (decoding until
@@ -115,9 +116,41 @@ def _called(attrs: str, key: str) -> list[str]:
     return re.findall(r"%?([\w.\-]+)", m.group(1)) if m else []
 
 
-def _trip_count(attrs: str) -> int:
-    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', attrs)
-    return int(m.group(1)) if m else 1
+def _trip_count(loop: Instr, comps: dict, caller: str) -> int:
+    """A while loop's iterations: XLA's known_trip_count (GPU programs carry it), else read from the
+    loop itself (TPU programs do not): a condition whose root is `counter < N` (N a constant) over a
+    counter that starts at a constant, as JAX's scan and fori_loop build it (step 1, from 0 unless the
+    start says otherwise). Anything else (decoding until every row stops) counts once."""
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', loop.attrs)
+    if m:
+        return int(m.group(1))
+    cond = comps.get((_called(loop.attrs, "condition") or [""])[0], [])
+    if not cond or cond[-1].op != "compare" or len(cond[-1].operands) != 2:
+        return 1
+    named = {i.name: i for i in cond}
+    a, b = (named.get(name) for name in cond[-1].operands)
+    direction = (re.search(r"direction=(\w+)", cond[-1].attrs) or [None, ""])[1]
+    counter, limit = (a, b) if direction == "LT" else (b, a) if direction == "GT" else (None, None)
+    if counter is None or counter.op != "get-tuple-element" or limit is None or limit.op != "constant":
+        return 1
+    index = int((re.search(r"index=(\d+)", counter.attrs) or [0, 0])[1])
+    start = 0
+    calling = {i.name: i for i in comps.get(caller, [])}
+    init = calling.get(loop.operands[0]) if loop.operands else None
+    if init is not None and init.op == "tuple" and index < len(init.operands):
+        value = calling.get(init.operands[index])
+        while value is not None and value.op in ("copy", "bitcast") and value.operands:
+            value = calling.get(value.operands[0])
+        start = _constant(value) if value is not None and value.op == "constant" else 0
+    n = _constant(limit) - (start or 0)
+    return n if n > 0 else 1
+
+
+def _constant(instr: Instr) -> int:
+    try:
+        return int(instr.args.strip())
+    except ValueError:
+        return 0
 
 
 def _dot_flops(instr: Instr, types: dict) -> float:
@@ -248,7 +281,7 @@ def estimate(
             if instr.op in _FREE or instr.op.endswith(_ASYNC_DONE):
                 continue
             if instr.op == "while":
-                n = _trip_count(instr.attrs)
+                n = _trip_count(instr, comps, comp)
                 for body in _called(instr.attrs, "body"):
                     walk(body, times * n, depth + 1)
                 continue

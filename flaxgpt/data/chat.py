@@ -4,7 +4,7 @@
     ids = render_ids(tok, messages, add_generation_prompt=True)     # a prompt for generation
     ids = render_ids(tok, messages, True, tools=tools)   # with OpenAI tools (flaxgpt.serve.tools)
     ids, mask = assistant_mask(tok, messages)        # training: mask[i] = 1 on assistant tokens
-    examples = read_conversations("convs.jsonl")     # {"messages": [{"role", "content"}, ...]} a line
+    examples = read_conversations("convs.jsonl")     # {"messages": [...], "tools": [...]} a line
 
 Rendering is transformers' apply_chat_template: the same Jinja environment (a sandbox with
 trim_blocks and lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that
@@ -273,13 +273,20 @@ def end_of_turn_id(tokenizer) -> int | None:
     return next((t for t in tokenizer.encode(after) if t in added), tokenizer.eos_id)
 
 
-def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
-    """[(name, messages)] of an OpenAI-style jsonl file; name = "PATH line N" for the errors."""
+def read_conversations(path: str | Path) -> list[tuple[str, list[dict], list | None]]:
+    """[(name, messages, tools)] of an OpenAI-style jsonl file (its fine-tuning format: a line's `tools`,
+    the functions its assistant may call, rendered by the template as serving renders a request's);
+    name = "PATH line N" for the errors."""
     out = []
     for name, record in jsonl_records(path, ChatError, 'a .jsonl file of {"messages": [...]} lines'):
         if not isinstance(record, dict) or "messages" not in record:
             raise ChatError(f'{name} has no "messages" list')
-        out.append((name, check_messages(record["messages"], name)))
+        tools = record.get("tools") or None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ChatError(
+                f'{name}: "tools" must be a list of {{"type": "function", "function": ...}} objects'
+            )
+        out.append((name, check_messages(record["messages"], name), tools))
     if not out:
         raise ChatError(f"{path} holds no conversation")
     return out

@@ -62,8 +62,10 @@ def check_pair(record: dict, name: str) -> dict:
         elif not isinstance(record[k], str):
             raise PrepareError(f"{name}: {k} must be text like the prompt (or all three lists of messages)")
     for k in ("chosen", "rejected"):
-        text = "".join(m["content"] for m in record[k]) if conversational else record[k]
-        if not text.strip():
+        # a turn calling a tool has no content (check_messages drops a null one) and is not empty
+        calls = conversational and any(m.get("tool_calls") for m in record[k])
+        text = "".join(m.get("content", "") for m in record[k]) if conversational else record[k]
+        if not text.strip() and not calls:
             raise PrepareError(f"{name}: {k} is empty: nothing to prefer (fill it in or drop the line)")
     if record["chosen"] == record["rejected"]:
         raise PrepareError(f"{name}: chosen and rejected are identical: nothing to prefer (drop the line)")

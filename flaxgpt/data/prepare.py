@@ -248,8 +248,8 @@ def _sequences(args, T: int):
         tokenizer = make_tokenizer(args.hf_dir)
         try:
             chat.template_of(tokenizer)
-            for name, messages in chat.read_conversations(args.input):
-                sequences.append((name, *chat.assistant_mask(tokenizer, messages, name)))
+            for name, messages, tools in chat.read_conversations(args.input):
+                sequences.append((name, *chat.assistant_mask(tokenizer, messages, name, tools)))
         except chat.ChatError as e:
             raise PrepareError(str(e)) from None
     else:

@@ -26,6 +26,9 @@ import dataclasses
 import importlib
 import json
 import math
+import numbers
+import os
+import sys
 
 from flaxgpt.serve import tools as tool_calls
 
@@ -92,7 +95,7 @@ class ToolEnvironment(Environment):
                 answers.append(str(self.call(f["name"], json.loads(f["arguments"]))))
             except Exception as e:  # a bad argument is the model's mistake: it reads why and tries again
                 answers.append(f"error: {type(e).__name__}: {e}")
-        return Step("\n".join(answers))
+        return Step(fit("\n".join(answers), MAX_OBSERVATION_CHARS))
 
 
 @dataclasses.dataclass
@@ -103,6 +106,21 @@ class Episode:
     truncated: bool  # max_turns reached before the environment said done
 
 
+def import_object(module: str, name: str):
+    """module.name of a user's file (an environment, a reward function), with the working directory
+    importable as `python -m` has it: train.py's own directory is sys.path[0], not where the command
+    runs, where such a file sits. The one importer of user code for GRPO's plugins."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        return getattr(importlib.import_module(module), name)
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
 def load(spec: str, **kwargs) -> Environment:
     """`module:Class` (importable: a shipped one, or a file in the working directory) -> an instance."""
     module, _, name = spec.partition(":")
@@ -110,10 +128,13 @@ def load(spec: str, **kwargs) -> Environment:
         example = "flaxgpt.envs.calculator:Calculator"
         raise EnvError(f"environment {spec!r}: write it as module:Class (e.g. {example})")
     try:
-        cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+        cls = import_object(module, name)
+    except Exception as e:  # not found, or its own code failing at import (a SyntaxError, a NameError)
         raise EnvError(f"environment {spec!r} cannot be loaded ({type(e).__name__}: {e})") from None
-    env = cls(**kwargs)
+    try:
+        env = cls(**kwargs)
+    except Exception as e:
+        raise EnvError(f"environment {spec!r} could not be made ({type(e).__name__}: {e})") from None
     for attr in ("reset", "step"):
         if not callable(getattr(env, attr, None)):
             raise EnvError(f"environment {spec!r} has no {attr}() method (see flaxgpt.envs.base.Environment)")
@@ -150,7 +171,7 @@ def checked_step(
         except TypeError:
             raise EnvError(f"{at} returned {step!r}, not (observation, reward, done)") from None
     reward = step.reward
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
         raise EnvError(f"{at} returned the reward {reward!r}, not a finite number")
     text = None if step.observation is None else _checked_text(step.observation, at, max_observation_chars)
     return Step(text, float(reward), bool(step.done))
@@ -186,6 +207,20 @@ def run_episode(
         if step.done:
             return Episode(messages, total, turns, truncated=False)
     return Episode(messages, total, turns, truncated=True)
+
+
+def fit(text: str, limit: int) -> str:
+    """Text cut to `limit` characters, its head and tail kept (a traceback's last line says what went
+    wrong): tools' answers joined (a sandbox caps stdout and stderr apiece) may pass the limit."""
+    if len(text) <= limit:
+        return text
+    mark = f"\n[... {len(text) - limit} characters cut ...]\n"
+    keep = max(0, limit - len(mark) - 8)  # (the mark's own count may be a digit longer)
+    return (
+        text[: keep // 2]
+        + f"\n[... {len(text) - keep} characters cut ...]\n"
+        + text[len(text) - (keep - keep // 2) :]
+    )
 
 
 def _checked_text(observation, where: str, limit: int) -> str:

@@ -11,7 +11,8 @@ Layers, each stopping what the one before may miss:
   child's whole process group (a program that sleeps or blocks uses no CPU time);
 - an audit hook (sys.addaudithook: it cannot be removed) refusing new processes (fork, exec, spawn,
   subprocess, os.system), signals to other processes, sockets, ctypes, the garbage collector's object
-  walks, and any write, rename, link or removal outside the temporary directory;
+  walks, any write, rename, link or removal outside the temporary directory, and any handle on a directory
+  outside it (the audit events of a `dir_fd=` call name a relative path, which would be placed inside);
 - where the parent runs as root, the child drops to user `nobody` (the directory is made its own) and,
   where the kernel allows, enters a new network namespace: the file system's permissions and an empty
   network stand behind the hook.
@@ -104,7 +105,8 @@ MODULES = frozenset(("ctypes", "_ctypes", "_posixsubprocess", "subprocess", "mul
                      "_socket", "pty"))
 
 def hook(event, args, _root=root + "/", _cwd=os.getcwd, _deny=DENY, _paths=PATHS, _modules=MODULES,
-         _write=WRITE, _pid=os.getpid(), _str=str, _bytes=bytes, _int=int, _err=PermissionError):
+         _write=WRITE, _pid=os.getpid(), _str=str, _bytes=bytes, _int=int, _err=PermissionError,
+         _isdir=os.path.isdir):
     def inside(path):
         if type(path) is _bytes:
             path = path.decode("utf-8", "replace")
@@ -134,6 +136,10 @@ def hook(event, args, _root=root + "/", _cwd=os.getcwd, _deny=DENY, _paths=PATHS
             mode is None and flags is not None and flags & _write)
         if writes and not inside(path):
             raise _err(f"the sandbox writes only inside its directory, not to {path}")
+        # no handle on a directory outside: the events of os.open(name, dir_fd=) and os.remove(name,
+        # dir_fd=) carry a relative name the checks would place inside, written through that handle
+        if type(path) is not _int and not inside(path) and _isdir(path):
+            raise _err(f"the sandbox opens no directory outside its own, not {path}")
     elif event in _paths:
         for path in args[:2]:
             if isinstance(path, (str, bytes)) and not inside(path):

@@ -379,7 +379,10 @@ class Scheduler:
         drafts_BK, n_B = np.zeros((self.engine.slots, K), np.int32), np.zeros(self.engine.slots, np.int32)
         for slot, seq in active.items():
             r = seq.rows
-            plain = seq.logprobs is None and seq.grammar is None and not r.penalized
+            # drafts are checked against the raw logits' top token: a row whose draws move it (penalties,
+            # logit_bias, a grammar) or that reports logprobs takes plain steps
+            biased = bool(np.any(np.asarray(r.bias_ids_BL) >= 0))
+            plain = seq.logprobs is None and seq.grammar is None and not r.penalized and not biased
             if seq.finished or seq.cancelled or float(r.temperature_B[0]) != 0 or not plain:
                 continue
             room = int(r.max_new_B[0]) - len(seq.ids) - 1  # the step's own token comes on top of the drafts
@@ -421,9 +424,17 @@ class Scheduler:
             if ended or device_done:
                 seq.detok.flush()
             text = seq.detok.text
-            hits = [i for i in (text.find(s, max(0, seq.sent - len(s))) for s in seq.stop) if i >= 0]
-            if hits:
-                text, reason = text[: min(hits)], "stop"
+            found = [(i, i + len(s)) for s in seq.stop for i in [text.find(s, max(0, seq.sent - len(s)))]]
+            found = [f for f in found if f[0] >= 0]
+            if found:
+                start, end = min(found)
+                text, reason = text[:start], "stop"
+                # the reply ends at the token that completes the stop string; a step may have made more
+                # (a chunk of tokens, accepted drafts): not counted, not reported, whatever the load
+                k = self._tokens_reaching(seq, new_ids, end)
+                if k < len(new_ids):
+                    del seq.ids[len(seq.ids) - len(new_ids) + k :]
+                    new_ids, hidden = new_ids[:k], False
             elif ended:
                 reason = "stop"
             elif device_done:
@@ -443,6 +454,17 @@ class Scheduler:
                 seq.emit(Finish(reason, len(seq.ids)))
         except Exception as e:
             self._fail(slot, seq, e)
+
+    def _tokens_reaching(self, seq: Sequence, new_ids: list[int], end: int) -> int:
+        """How many of this step's new ids (the last of seq.ids) the reply's text needs to reach `end`
+        characters: decoded again from the prompt, once a sequence, when a stop string ends it."""
+        detok = Detokenizer(seq.detok.tokenizer, seq.prompt_ids)
+        detok.add(seq.ids[: len(seq.ids) - len(new_ids)])
+        for k, t in enumerate(new_ids, 1):
+            detok.add([t])
+            if len(detok.text) >= end:
+                return k
+        return len(new_ids)
 
     def _fail(self, slot: int | None, seq: Sequence, e: BaseException):
         log.error("sequence failed: %s", "".join(traceback.format_exception_only(e)).strip())

@@ -123,9 +123,10 @@ def check_group_size(G: int) -> None:
 
 def group_advantages(rewards_N, group_size: int, scale: str = "group"):
     """(advantages [N], zero_std [N]) of rewards [N] laid out as N // G groups of G completions of one
-    prompt: the reward less its group's mean, over the group's (scale group) or the step's (batch)
-    standard deviation + 1e-4, or not scaled (none). A NaN reward (unscorable) is left out of the
-    statistics and gets advantage 0. zero_std: the group's rewards are all equal (logged: no signal)."""
+        prompt: the reward less its group's mean, over the group's (scale group) or the step's (batch)
+        standard deviation + 1e-4, or not scaled (none). A NaN reward (unscorable) is left out of the
+        statistics and gets advantage 0. zero_std: the group's rewards are all equal, or fewer than two of
+    them are numbers (logged: no signal; dynamic sampling refills such groups)."""
     if scale not in SCALES:
         raise ValueError(f"grpo.scale_rewards={scale!r}; choose one of {', '.join(SCALES)}")
     G = int(group_size)
@@ -143,7 +144,7 @@ def group_advantages(rewards_N, group_size: int, scale: str = "group"):
     adv_N = r_N - mean_N
     if scale != "none":
         adv_N = adv_N / (std_N + STD_EPS)
-    zero_std_N = np.isclose(std_N, 0.0)
+    zero_std_N = np.isclose(std_N, 0.0) | np.isnan(std_N)  # (all NaN, or one reward: no signal either)
     return np.nan_to_num(adv_N, nan=0.0).astype(np.float32), zero_std_N
 
 

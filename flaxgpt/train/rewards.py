@@ -24,11 +24,12 @@ reads a field a row lacks (the shipped ones check first; a user's raises and is 
 
 from __future__ import annotations
 
-import importlib
 import math
 import re
 
 import numpy as np
+
+from flaxgpt.envs.base import import_object
 
 _GSM8K = re.compile(r"####\s*([^\n]+)")
 _NUMBER = re.compile(r"^[-+]?\$?\s*[\d,]*\.?\d+(?:[eE][-+]?\d+)?$")
@@ -85,7 +86,10 @@ def answer_match(prompts, completions, answer, **_):
 
 
 def format_regex(pattern: str):
-    rx = re.compile(pattern, re.DOTALL)
+    try:
+        rx = re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ValueError(f"reward format={pattern}: not a regular expression ({e})") from None
 
     def format_match(prompts, completions, **_):
         return [float(rx.fullmatch(_text(c).strip()) is not None) for c in completions]
@@ -110,8 +114,8 @@ def load_function(spec: str):
     """module:function -> the callable, or a one-line error."""
     module, _, name = spec.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+        fn = import_object(module, name)
+    except Exception as e:  # not found, or its own code failing at import (a SyntaxError, a NameError)
         raise ValueError(f"reward {spec}: cannot load it ({type(e).__name__}: {e})") from None
     if not callable(fn):
         raise ValueError(f"reward {spec}: {module}.{name} is not callable")
@@ -204,7 +208,7 @@ class Rewards:
                 continue
             try:
                 v = float(v)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):
                 raise ValueError(f"reward {name} returned {v!r} for {names[i]}, not a number") from None
             if not math.isfinite(v):
                 raise ValueError(f"reward {name} returned {v} for {names[i]}")

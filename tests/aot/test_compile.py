@@ -126,6 +126,14 @@ def test_bad_input_is_one_line(capsys, tmp_path):
     assert "mesh.data x mesh.fsdp must equal the 8 devices" in msg and "\n" not in msg
     msg = run_main(capsys, "--config", str(recipe), "--config.lerning_rate=1", "--target", "v5e-8")
     assert msg.startswith("error: unknown config key") and "\n" not in msg
+    for flags, want in [  # (a reshape traceback, a false "does not fit", or silently accepted)
+        (["--slots", "-3"], "error: --slots -3 must be >= 1"),
+        (["--slots", "0"], "error: --slots 0 must be >= 1"),
+        (["--max_len", "-5"], "error: --max_len -5 must be >= 0 (0: block_size)"),
+        (["--speculative_tokens", "-1"], "error: --speculative_tokens -1 must be >= 0 (0: off)"),
+    ]:
+        msg = run_main(capsys, "--config", str(recipe), "--target", "cpu", "--programs", "serve", *flags)
+        assert msg == want, msg
 
 
 def test_a_missing_plugin_names_the_install_command(monkeypatch):

@@ -117,6 +117,13 @@ def test_the_loop_body_is_a_token_and_costs_one_trip():
         hlo_cost.loop_body(HLO.replace("while(%init)", "tuple(%init)"))
 
 
-def test_a_loop_of_unknown_length_counts_once():
-    hlo = HLO.replace(', backend_config={"known_trip_count":{"n":"12"}}', "")
-    assert hlo_cost.estimate(hlo, 1e12, 1e9).kernels == 4 + 2
+def test_a_loop_without_known_trip_count_reads_its_condition_or_counts_once():
+    """TPU programs carry no known_trip_count: `counter < 12` from a start of 0 is 12 trips (a start of
+    2: 10); a condition that is not a counter against a constant (decoding until every row stops)
+    counts once: the figures are per iteration."""
+    tpu = HLO.replace(', backend_config={"known_trip_count":{"n":"12"}}', "")
+    assert hlo_cost.estimate(tpu, 1e12, 1e9).kernels == 4 * 12 + 2
+    later = tpu.replace("%zero = s32[] constant(0)", "%zero = s32[] constant(2)")
+    assert hlo_cost.estimate(later, 1e12, 1e9).kernels == 4 * 10 + 2
+    unknown = tpu.replace("%k = s32[] constant(12)", "%k = s32[] get-tuple-element(%c), index=0")
+    assert hlo_cost.estimate(unknown, 1e12, 1e9).kernels == 4 + 2

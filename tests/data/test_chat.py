@@ -193,6 +193,31 @@ def test_content_parts_and_the_developer_role_render_as_openai_clients_mean_them
         chat.check_messages([{"role": "user", "content": ["hi"]}], need_assistant=False)
 
 
+def test_a_lines_tools_are_rendered_as_transformers_renders_them(tmp_path):
+    """OpenAI's fine-tuning format puts the functions on each line ("tools"): the rendered ids are
+    apply_chat_template(messages, tools=...)'s, as serving renders a request with tools (they were
+    dropped once, so training and serving prompts differed)."""
+    from tests.serve import tool_templates
+
+    directory = make_chat_dir(tmp_path / "m", tool_templates.QWEN25, eos="<|im_end|>")
+    tools = [{"type": "function", "function": {"name": "add", "description": "x + y", "parameters": {}}}]
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    path = tmp_path / "convs.jsonl"
+    path.write_text(
+        json.dumps({"messages": messages, "tools": tools}) + "\n" + json.dumps({"messages": messages})
+    )
+    (name, got, got_tools), (_, _, none) = chat.read_conversations(path)
+    assert got_tools == tools and none is None
+    ids, _ = chat.assistant_mask(HFTokenizer(directory), got, name, got_tools)
+    want = reference(directory).apply_chat_template(messages, tools=tools, tokenize=True, return_dict=False)
+    assert list(ids) == list(want) and len(ids) > len(
+        chat.render_ids(HFTokenizer(directory), messages, False)
+    )
+    path.write_text(json.dumps({"messages": messages, "tools": "add"}) + "\n")
+    with pytest.raises(chat.ChatError, match='line 1: "tools" must be a list of'):
+        chat.read_conversations(path)
+
+
 def test_prepare_text_pack_one_segment_per_document(tmp_path):
     from flaxgpt.data import packing, prepare
     from flaxgpt.data.tokenizers import get_tokenizer

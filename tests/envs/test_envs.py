@@ -5,6 +5,7 @@ environment that misbehaves is a one-line EnvError naming it and the prompt."""
 import json
 import math
 
+import numpy as np
 import pytest
 
 from flaxgpt.envs import base
@@ -101,6 +102,11 @@ class BadReward(base.Environment):
         return "obs", float("nan"), True
 
 
+class CannotStart(base.Environment):
+    def __init__(self):
+        raise RuntimeError("no tool server")
+
+
 class Chatty(base.Environment):
     def step(self, action):
         return base.Step("x" * 100, 0.0, False)
@@ -128,3 +134,17 @@ def test_misbehaving_environments_are_one_line_errors_naming_them_and_the_prompt
         base.load("flaxgpt.envs.calculator:Nope")
     with pytest.raises(base.EnvError, match="has no step"):
         base.load(f"{__name__}:NoStep")
+    with pytest.raises(base.EnvError, match=r"could not be made \(RuntimeError: no tool server\)"):
+        base.load(f"{__name__}:CannotStart")  # (a traceback once)
+
+
+def test_a_numpy_reward_is_a_number_and_long_tool_answers_are_cut_to_the_limit():
+    class NumpyReward(base.Environment):
+        def step(self, action):
+            return base.Step(None, np.float32(0.5), True)
+
+    step = base.checked_step(NumpyReward(), "p", "a", 1)
+    assert step.reward == 0.5 and type(step.reward) is float
+    cut = base.fit("h" * 9000 + "the last line", base.MAX_OBSERVATION_CHARS)
+    assert len(cut) <= base.MAX_OBSERVATION_CHARS and cut.startswith("hhh") and cut.endswith("the last line")
+    assert "characters cut" in cut and base.fit("short", 10) == "short"

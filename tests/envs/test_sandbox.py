@@ -2,6 +2,8 @@
 limits, and leaves nothing behind outside its directory; the trainer's process is untouched."""
 
 import os
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -59,6 +61,31 @@ def test_writes_outside_its_directory_are_refused(tmp_path):
         r = run_python(source, FAST)
         assert r.exit_code == 1 and "PermissionError" in r.stderr, (source, r)
     assert not target.exists() and os.path.exists(__file__)
+    assert run_python("import os\nprint(len(os.listdir('/')) > 0)", FAST).stdout == "True\n"  # reads stay
+
+
+def test_no_handle_on_a_directory_outside_writes_through_dir_fd():
+    """os.open(name, dir_fd=) and os.remove(name, dir_fd=) raise audit events with the relative name
+    alone, which the path checks placed inside the sandbox: a handle on a directory outside was a way
+    out. The directory here is one the sandbox's user can reach and write (under root it runs as
+    nobody, so it sits in /tmp, world-writable): only the hook stands in the way."""
+    outside = tempfile.mkdtemp(prefix="flaxgpt-sandbox-outside-")
+    try:
+        os.chmod(outside, 0o777)
+        victim = os.path.join(outside, "victim.txt")
+        for then in (
+            "os.open('escaped.txt', os.O_WRONLY | os.O_CREAT, dir_fd=d)",
+            "os.remove('victim.txt', dir_fd=d)",
+            "open('escaped.txt', 'w', opener=lambda p, f: os.open(p, f, dir_fd=d))",
+        ):
+            with open(victim, "w") as f:
+                f.write("keep")
+            os.chmod(victim, 0o666)
+            r = run_python(f"import os\nd = os.open({outside!r}, os.O_RDONLY)\n{then}", FAST)
+            assert r.exit_code == 1 and "opens no directory outside its own" in r.stderr, (then, r)
+            assert open(victim).read() == "keep" and sorted(os.listdir(outside)) == ["victim.txt"]
+    finally:
+        shutil.rmtree(outside)
 
 
 def test_exit_output_and_errors_come_back_as_observations():

@@ -74,3 +74,50 @@ def test_greedy_replies_equal_the_server_without_drafting(step):  # noqa: F811
     assert [len(t) for t in fast] == [16, 17, 20, 3]
     body = metrics.exposition()[0].decode()
     assert "flaxgpt_spec_acceptance_rate" in body and "flaxgpt_spec_tokens_per_step" in body
+
+
+def test_logit_bias_rows_take_plain_steps(step):  # noqa: F811
+    """Drafts are checked against the raw logits' top token: a row with logit_bias drafted past its
+    bias (a banned token emitted). A model whose raw top token is X, then Y; X banned."""
+    X, Y = 5, 7
+
+    def biased(weights, tokens, positions, cache, **kw):
+        logits, cache = step.func(weights, tokens, positions, cache, **kw)
+        return logits.at[..., X].add(50.0).at[..., Y].add(25.0), cache
+
+    peaked = jax.tree_util.Partial(biased, *step.args)
+    prompts = [[Y, X, X, X, Y, X, X, X]]  # the prompt's n-grams draft X after X
+    rows = [Rows.of(Sampling(temperature=0, logit_bias=((X, -100.0),)), max_new_tokens=8)]
+    plain, _ = serve_all(peaked, prompts, rows, speculate=0)
+    fast, _ = serve_all(peaked, prompts, rows, speculate=4)
+    assert plain == [[Y] * 8] and fast == plain
+
+
+def test_a_stop_string_ends_the_reply_at_its_token_whatever_a_step_made(step):  # noqa: F811
+    """A step makes several tokens (accepted drafts, a chunk): the reply's tokens, count and logprobs end
+    at the token that completes the stop string, as one token a step would end them."""
+    tok = CharTokenizer(CHARS)
+
+    def run(speculate, chunk, stop):
+        engine = Engine(step, CFG, slots=SLOTS, chunk=chunk, prefill_chunk=16, page=PAGE,
+                        prefix_blocks=BLOCKS, speculate=speculate)  # fmt: skip
+        sched = Scheduler(engine, tok)
+        sched.start()
+        assert sched.ready.wait(300)
+        events = []
+        rows = Rows.of(Sampling(temperature=0), max_new_tokens=14)
+        seq = Sequence(tok.encode("abab abab abab ab"), rows, stop=stop, emit=events.append)
+        sched.submit(seq)
+        assert sched.drain(timeout=300)
+        sched.close()
+        text = "".join(e.text for e in events if hasattr(e, "text"))
+        return text, seq.ids, events[-1]
+
+    whole, ids, _ = run(0, 1, [])
+    stop = whole[4:7]
+    first = whole.find(stop)
+    want = len(tok.encode(whole[: first + len(stop)]))  # one character a token
+    for speculate, chunk in ((0, 1), (0, 3), (4, 3)):
+        text, got, finish = run(speculate, chunk, [stop])
+        assert text == whole[:first] and finish.reason == "stop"
+        assert len(got) == finish.completion_tokens == want, (speculate, chunk, len(got), want)

@@ -340,6 +340,22 @@ def test_bad_pairs_are_one_line_naming_the_line_and_write_nothing(model_dir, tmp
         assert "\n" not in str(e.value) and not (tmp_path / "d").exists()
 
 
+def test_a_pair_whose_reply_calls_a_tool_is_a_pair():
+    """An agent's preference pair: the chosen turn is a tool call (no content: check_messages drops a null
+    one), a KeyError once; an empty turn without a call is still refused."""
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"x": 1}'}}
+    record = {
+        "prompt": [{"role": "user", "content": "1 + 1?"}],
+        "chosen": [{"role": "assistant", "content": None, "tool_calls": [call]}],
+        "rejected": [{"role": "assistant", "content": "3"}],
+    }
+    checked = preference.check_pair(dict(record), "pairs.jsonl line 1")
+    assert checked["chosen"][0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    empty = {**record, "chosen": [{"role": "assistant", "content": " "}]}
+    with pytest.raises(prepare.PrepareError, match="line 1: chosen is empty"):
+        preference.check_pair(empty, "pairs.jsonl line 1")
+
+
 def test_bad_dpo_settings_fail_in_one_line_and_write_nothing(model_dir, tmp_path):
     prep(tmp_path, model_dir, text_pairs(6))
     other = tmp_path / "other"

@@ -59,10 +59,14 @@ def user_module(tmp_path, monkeypatch):
             def skip_first(prompts, completions, **kw):
                 return [None, 2.0]
 
+            def huge(prompts, completions, **kw):
+                return [1.0, 10 ** 400]
+
             not_a_function = 3
             """
         )
     )
+    (tmp_path / "broken_rewards.py").write_text("def f(:\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     yield
     sys.modules.pop("my_rewards", None)
@@ -76,6 +80,19 @@ def test_user_function_called_as_trl(user_module):
     np.testing.assert_allclose(total, [2, 5])
     total, _ = R.Rewards.make(["my_rewards:skip_first"])(["p", "p"], ["a", "b"], [{}, {}])
     assert np.isnan(total[0]) and total[1] == 2  # skipped by every function: no reward (advantage 0)
+
+
+def test_a_reward_module_in_the_working_directory_loads(tmp_path, monkeypatch):
+    """train.py's own directory is sys.path[0]: a reward file beside the command imports all the same."""
+    (tmp_path / "here_rewards.py").write_text(
+        "def one(prompts, completions, **kw):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert R.load_function("here_rewards:one")([], ["a"]) == [1.0]
+        assert str(tmp_path) not in sys.path  # added for the import only
+    finally:
+        sys.modules.pop("here_rewards", None)
 
 
 @pytest.mark.parametrize(
@@ -94,6 +111,11 @@ def test_user_function_called_as_trl(user_module):
         ("no_such_module_xyz:f", None, "reward no_such_module_xyz:f: cannot load it (ModuleNotFoundError"),
         ("my_rewards:not_a_function", None, "my_rewards.not_a_function is not callable"),
         ("length=abc", None, "the length limit 'abc' is not an integer"),
+        # tracebacks once: an int too large for a float, a regex that does not compile, a module whose
+        # own code fails at import
+        ("my_rewards:huge", None, "reward my_rewards:huge returned 1000"),
+        ("format=(", None, "reward format=(: not a regular expression (missing ), unterminated subpattern"),
+        ("broken_rewards:f", None, "reward broken_rewards:f: cannot load it (SyntaxError"),
         ("bleu", None, "reward 'bleu': choose answer, format=REGEX, length=N or module:function"),
     ],
 )
