@@ -142,6 +142,11 @@ def main(argv):
     from flaxgpt import errors, extras, runtime
 
     config = flags.FLAGS.config
+    from flaxgpt.train.config_check import ignored_model_override
+
+    message = ignored_model_override(config, sys.argv[1:])
+    if message:  # before anything loads: the weights would replace the override without a word
+        sys.exit(f"error: {message}")
     extras.require_hf(config.init_from, "--config.init_from")  # pretrained weights: before anything loads
     if config.get("dpo") and config.dpo.get("reference"):
         extras.require_hf(config.dpo.reference, "--config.dpo.reference")

@@ -66,7 +66,13 @@ def load_config(rest: list[str]):
     from absl import flags
     from ml_collections import config_flags
 
-    from flaxgpt.train.config_check import ConfigError, check, load_recipe, unknown_override
+    from flaxgpt.train.config_check import (
+        ConfigError,
+        check,
+        ignored_model_override,
+        load_recipe,
+        unknown_override,
+    )
 
     paths = [a.split("=", 1)[1] for a in rest if a.startswith("--config=")]
     paths += [rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--config"]
@@ -88,6 +94,9 @@ def load_config(rest: list[str]):
         fv(argv)
         config = fv.config
         check(config)
+        message = ignored_model_override(config, rest)
+        if message:
+            raise SystemExit(f"error: {message}")
     except (ConfigError, flags.Error, AttributeError, KeyError, ValueError, TypeError) as e:
         msg = " ".join(str(e).replace("\\n", " ").split())
         if len(msg) > 1 and msg[0] == msg[-1] and msg[0] in "'\"":  # repr-quoted by KeyError

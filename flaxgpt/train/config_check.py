@@ -291,6 +291,27 @@ def unknown_override(config, argv) -> str | None:
     return None
 
 
+def ignored_model_override(config, argv) -> str | None:
+    """One line for a `--config.model.X` override that pretrained weights would silently replace: with
+    init_from a Hugging Face model (a directory or a name the family table knows) the architecture is
+    the checkpoint's; only the layout and run-time fields are the recipe's (loader.resolve_init)."""
+    from flaxgpt import loader
+    from flaxgpt.models import registry as models
+
+    source = str(config.get("init_from") or "")
+    if not source or loader.init_kind(source) != "pretrained":
+        return None
+    free = set(loader.LAYOUT_FIELDS) | set(models.RUNTIME_FIELDS)
+    for key in overrides(argv):
+        section, _, field = key.partition(".")
+        if section == "model" and field and field not in free:
+            return (
+                f"--config.model.{field}: init_from={source} fixes the model's architecture ({field} is "
+                f"the checkpoint's); drop the flag (the recipe's model applies with init_from=scratch)"
+            )
+    return None
+
+
 KINDS = {bool: "True or False", int: "an integer", float: "a number"}  # what an override must be
 
 

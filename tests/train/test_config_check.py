@@ -153,6 +153,19 @@ def test_an_unknown_key_suggests_the_closest_across_sections(key, near):
     )
 
 
+def test_architecture_overrides_pretrained_weights_would_replace_are_refused():
+    """init_from a Hugging Face model: its checkpoint fixes the architecture, and --config.model.n_layer
+    was silently dropped (flaxgpt aot then reported the full model); layout and run-time fields stay."""
+    c = recipe("finetune_llama")
+    c.init_from = "mixtral-8x7b"  # a name the family table knows: pretrained, nothing read here
+    msg = config_check.ignored_model_override(c, ["--config.model.n_layer=2", "--config.batch_size=8"])
+    assert msg.startswith("--config.model.n_layer: init_from=mixtral-8x7b fixes the model's architecture")
+    free = ["--config.model.block_size=512", "--config.model.dtype=bfloat16", "--config.model.remat=full"]
+    assert config_check.ignored_model_override(c, free) is None
+    c.init_from = "scratch"  # the recipe's own model: every field is the recipe's
+    assert config_check.ignored_model_override(c, ["--config.model.n_layer=2"]) is None
+
+
 def test_a_max_iters_that_cuts_the_schedule_short_is_noted():
     from flaxgpt.train.optim import make_schedule
 
