@@ -28,7 +28,9 @@ Shape letters: N completions of a step (prompts x G), G group size, T positions.
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -302,9 +304,10 @@ class Rollouts:
             "completions/mean_length": float(np.mean([len(c) for c in completion_ids])),
             "completions/clipped_ratio": float(np.mean(cut_N)),
         }
+        kept_N = ~np.isnan(total_N)  # a dropped group (its environment failed) has no reward: not counted
         for k, name in enumerate(self.names):
-            info[f"rewards/{name}/mean"] = float(np.nanmean(per_NK[:, k]))
-            info[f"rewards/{name}/std"] = float(np.nanstd(per_NK[:, k], ddof=1))
+            info[f"rewards/{name}/mean"] = _nan_stat(np.nanmean, per_NK[kept_N, k])
+            info[f"rewards/{name}/std"] = _nan_stat(np.nanstd, per_NK[kept_N, k], ddof=1)
         info["rollout_time"] = time.perf_counter() - t0
         return batch, {**info, **episodes, **extra}
 
@@ -322,6 +325,16 @@ class Rollouts:
             return {}
         _, completion_ids, texts = self.sample(params, frozen, rows, 1, rollout_seed(self.seed, -1, 0))
         total_N, per_NK = self.score(rows, 1, texts, completion_ids)
-        out = {"val_reward": float(np.nanmean(total_N))}
-        out.update({f"val_rewards/{n}": float(np.nanmean(per_NK[:, k])) for k, n in enumerate(self.names)})
+        out = {"val_reward": _nan_stat(np.nanmean, total_N)}
+        kept_N = ~np.isnan(total_N)
+        out.update(
+            {f"val_rewards/{n}": _nan_stat(np.nanmean, per_NK[kept_N, k]) for k, n in enumerate(self.names)}
+        )
         return out
+
+
+def _nan_stat(stat, x, **kw) -> float:
+    """stat over x's numbers; NaN (logged as null) when there are none, without numpy's warning."""
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return float(stat(x, **kw)) if np.any(~np.isnan(x)) else math.nan

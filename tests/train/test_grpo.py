@@ -20,8 +20,10 @@ def test_advantages_by_hand():
     np.testing.assert_allclose(adv, [-1, 1, 0, 0])
     adv, _ = g.group_advantages(r, 2, "batch")  # the group's mean, the step's std
     np.testing.assert_allclose(adv, np.array([-1, 1, 0, 0]) / (np.std(r, ddof=1) + 1e-4), rtol=1e-6)
-    adv, _ = g.group_advantages([1.0, np.nan, 2.0, 4.0], 2)  # unscorable: left out, advantage 0
-    assert adv[1] == 0 and adv[0] == 0 and adv[2] < 0 < adv[3]
+    adv, zero = g.group_advantages([1.0, np.nan, 2.0, 4.0, np.nan, np.nan], 2)  # unscorable: left out
+    assert adv[1] == 0 and adv[0] == 0 and adv[2] < 0 < adv[3] and not adv[4:].any()
+    # one reward, or none (a dropped group): no signal, as an all-equal group (dynamic sampling refills them)
+    assert zero.tolist() == [True, True, False, False, True, True]
 
 
 @pytest.mark.parametrize(
@@ -157,3 +159,15 @@ def test_micro_batches_sum_to_the_whole_batch(loss_type):
     values, grad_diff = jax.jit(both)(logp)
     np.testing.assert_allclose(values[0], values[1], rtol=1e-6)
     assert float(jnp.abs(grad_diff).max()) < 1e-6
+
+
+def test_reward_statistics_of_no_numbers_are_nan_without_a_warning():
+    import warnings
+
+    from flaxgpt.train.grpo_online import _nan_stat
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "Mean of empty slice" would fail here
+        assert np.isnan(_nan_stat(np.nanmean, np.array([np.nan, np.nan])))
+        assert np.isnan(_nan_stat(np.nanmean, np.zeros(0)))
+        assert _nan_stat(np.nanmean, np.array([1.0, np.nan, 3.0])) == 2.0
