@@ -142,7 +142,7 @@ def _trip_count(loop: Instr, comps: dict, caller: str) -> int:
         while value is not None and value.op in ("copy", "bitcast") and value.operands:
             value = calling.get(value.operands[0])
         start = _constant(value) if value is not None and value.op == "constant" else 0
-    n = _constant(limit) - (start or 0)
+    n = _constant(limit) - start
     return n if n > 0 else 1
 
 

@@ -173,22 +173,19 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
             if t in lora.EXPERT_PARAMS and not config.layer_is_sparse(i):
                 continue  # a dense layer of a mixture (mlp_only_layers): no expert stacks
             pair = found.pop((i, t), None)
+            node = adapters.setdefault(f"h_{i}", {})
+            for name in lora.SITES[t]:
+                node = node.setdefault(name, {})
             if pair is None and t not in lora.EXPERT_PARAMS and not _targeted(hf, family, i, t):
                 # a module the adapter's config leaves out here (layers_to_transform, exclude_modules, a
                 # target list naming some layers): zeros, which change nothing, as PEFT's base there
                 site = shapes[(f"h_{i}", *lora.SITES[t])]
-                node = adapters.setdefault(f"h_{i}", {})
-                for name in lora.SITES[t]:
-                    node = node.setdefault(name, {})
                 node.update({k: np.zeros(site[k], np.float32) for k in (f"{t}_a", f"{t}_b")})
                 continue
             if pair is None or set(pair) != {"A", "B"}:
                 raise ValueError(
                     f"{directory}: layer {i} has no complete {_hf_name(family, t)} adapter (A and B)"
                 )
-            node = adapters.setdefault(f"h_{i}", {})
-            for name in lora.SITES[t]:
-                node = node.setdefault(name, {})
             a, b = pair["A"].astype(np.float32), pair["B"].astype(np.float32)
             if t in lora.EXPERT_PARAMS:  # A [E r, in] expert-major, B [out, r E] rank-major (PEFT's layout)
                 E = config.num_experts
