@@ -50,8 +50,9 @@ def evaluate(expression: str) -> int | float:
 
 
 def _value(node):
+    """Every value, the numbers written included (1e999 reads as inf), within MAX_MAGNITUDE."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
+        return _bounded(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_value(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
@@ -59,13 +60,16 @@ def _value(node):
         if isinstance(node.op, ast.Pow) and abs(b) > MAX_EXPONENT:
             raise ValueError(f"exponents are limited to {MAX_EXPONENT}")
         try:
-            out = _BINARY[type(node.op)](a, b)
+            return _bounded(_BINARY[type(node.op)](a, b))
         except ZeroDivisionError:
             raise ValueError("division by zero") from None
-        if isinstance(out, complex) or not abs(out) <= MAX_MAGNITUDE:  # NaN compares False too
-            raise ValueError("the result is out of range")
-        return out
     raise ValueError(f"only numbers, + - * / // % ** and parentheses are allowed, not {ast.unparse(node)!r}")
+
+
+def _bounded(x):
+    if isinstance(x, complex) or not abs(x) <= MAX_MAGNITUDE:  # NaN compares False too
+        raise ValueError(f"numbers and results are limited to magnitude {MAX_MAGNITUDE:g}")
+    return x
 
 
 def _number(x) -> str:
