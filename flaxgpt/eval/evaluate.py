@@ -65,6 +65,11 @@ def parse_args(argv):
             raise ValueError(f"--{name} must be >= 0, got {getattr(a, name)}")
     if a.batch_tokens < 1 or a.beam_size < 1:
         raise ValueError(f"--batch_tokens and --beam_size must be >= 1, got {a.batch_tokens}, {a.beam_size}")
+    if a.output:  # before the evaluation, not after it
+        folder = os.path.dirname(os.path.abspath(a.output))
+        if os.path.isdir(a.output) or not os.path.isdir(folder):
+            why = "is a directory" if os.path.isdir(a.output) else f"is in {folder}, which does not exist"
+            raise ValueError(f"--output {a.output} {why}; pass a file path in an existing directory")
     return a
 
 
@@ -172,13 +177,22 @@ def main(argv=None) -> dict:
         with open(a.output, "w") as f:
             json.dump(results, f)
     if a.out_dir:
-        from flaxgpt.runs.metrics import MetricsWriter
-
-        writer = MetricsWriter(a.out_dir, tensorboard=False, print_fn=lambda line: None)
-        skip = ("n", "seconds", "tokens_scored", "tokens_per_second", "task", "data", "model", "step")
-        writer.write(step or 0, {f"{a.task}_{k}": v for k, v in summary.items() if k not in skip})
-        writer.close()
+        append_to_run(a.out_dir, a.task, step, summary)
     return results
+
+
+def append_to_run(out_dir: str, task: str, step: int | None, summary: dict) -> None:
+    """The scores as a line of the run's metrics.jsonl; a run the user may only read (a shared
+    checkpoint) keeps its results printed above, with a note, not an error after them."""
+    from flaxgpt.runs.metrics import MetricsWriter
+
+    skip = ("n", "seconds", "tokens_scored", "tokens_per_second", "task", "data", "model", "step")
+    try:
+        writer = MetricsWriter(out_dir, tensorboard=False, print_fn=lambda line: None)
+        writer.write(step or 0, {f"{task}_{k}": v for k, v in summary.items() if k not in skip})
+        writer.close()
+    except OSError as e:
+        print(f"note: the scores were not added to {out_dir}'s metrics.jsonl ({e})", file=sys.stderr)
 
 
 def cli(argv=None) -> int:

@@ -248,6 +248,18 @@ def test_run_directory_perplexity_and_metrics_line(tmp_path, capsys):
     assert r["n"] == 2 and r["tokens"] == 90 - 1 + 24 - 1 and r["step"] == 3
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["step"] == 3 and row["perplexity_ppl"] == pytest.approx(r["ppl"])
+    # a run it may not write to (here metrics.jsonl cannot be opened, even by root): the scores print,
+    # with a note, and the command succeeds; an --output it could not write fails before scoring
+    (run / "metrics.jsonl").rename(run / "kept.jsonl")
+    (run / "metrics.jsonl").mkdir()
+    capsys.readouterr()
+    assert fe.cli([*args, "--no_progress"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["ppl"] == pytest.approx(r["ppl"])
+    assert err.startswith("note: the scores were not added")
+    (run / "metrics.jsonl").rmdir()
+    err = one_line_error(capsys, *args, "--output", str(tmp_path / "nowhere" / "r.json"))
+    assert "which does not exist; pass a file path in an existing directory" in err
     # a run whose tokenizer has more tokens than its model's vocabulary
     (run / "meta.json").write_text(json.dumps({"tokenizer": CharTokenizer([*chars, "z"]).to_meta()}))
     assert "tokenizer mismatch" in one_line_error(capsys, *args)
