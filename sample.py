@@ -181,10 +181,10 @@ def sample(a, run):
     tok = run.tokenizer
     texts = read_texts(a, "gpt")
     rows = [encode_prompt(tok, text, run.config.block_size) for text in texts for _ in range(a.num_samples)]
-    if a.attention_png:  # float32 weights, before any --dtype cast
+    if a.attention_png:  # float32 weights, before any --dtype cast; the ids sampling starts from
         from flaxgpt.tools.attention_map import write_attention_png
 
-        write_attention_png(*run[1:], texts[0], a.layers, a.heads, a.attention_png)
+        write_attention_png(*run[1:], rows[0], a.layers, a.heads, a.attention_png)
         print(
             f"attention map (layers {a.layers}, heads {a.heads}) written to {a.attention_png}",
             file=sys.stderr,

@@ -147,14 +147,19 @@ def save_attention_png(weights_LHTT, labels, layers, heads, path, title: str | N
 
 
 def write_attention_png(
-    config, params, tokenizer, prompt: str, layers_spec="all", heads_spec="all", path="attention.png"
+    config,
+    params,
+    tokenizer,
+    prompt: str | list[int],
+    layers_spec="all",
+    heads_spec="all",
+    path="attention.png",
 ) -> np.ndarray:
-    """Encode `prompt`, run the model, save the chosen layers x heads; returns weights [L, H, T, T].
-
-    The entry point for sample.py's --attention_png. Prompts longer than block_size
-    keep their last block_size tokens, as generation does.
+    """Run the model on `prompt` (text, or the ids sample.py generates from: its BOS, or the token an
+    empty prompt starts from), save the chosen layers x heads; returns weights [L, H, T, T]. Prompts
+    longer than block_size keep their last block_size tokens, as generation does.
     """
-    ids = tokenizer.encode(prompt)[-config.block_size :]
+    ids = (tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))[-config.block_size :]
     if not ids:
         raise ValueError("the prompt is empty; attention maps need at least one token")
     w = attention_weights(config, params, ids)

@@ -141,6 +141,10 @@ def test_attention_png_alone(gpt_run, tmp_path, capsys):
     args = ["--out_dir", gpt_run, "--start", "abc", "--max_new_tokens", 0, "--attention_png", png]
     code, out, err = run(capsys, *args)
     assert code == 0 and out == "" and png.read_bytes()[:8] == PNG_SIGNATURE, err
+    # an empty prompt is drawn from the token sampling starts from (it said "starting from '\\n'",
+    # then refused the map: "the prompt is empty")
+    code, _, err = run(capsys, *args[:3], "", *args[4:-1], tmp_path / "empty.png")
+    assert code == 0 and (tmp_path / "empty.png").read_bytes()[:8] == PNG_SIGNATURE, err
     code, out, err = run(capsys, *args[:-1], tmp_path / "bad.png", "--layers", "5")
     assert code == 1 and err.startswith("error: bad layer '5'") and len(err.strip().splitlines()) == 1, err
     code, _, err = run(capsys, "--out_dir", gpt_run, "--max_new_tokens", 0)
