@@ -292,10 +292,19 @@ def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
         target_tokenizer=run.tokenizer.to_meta(),
         draft_tokenizer=draft.tokenizer.to_meta(),
     )
+    P, need = prompt_BP.shape[1], a.max_new_tokens + a.draft_tokens + 1
+    room = min(config.block_size, draft.config.block_size)  # speculative decoding does not slide the window
+    if P + need > room:
+        most = room - P - a.draft_tokens - 1
+        fix = f"--max_new_tokens {most}" if most >= 1 else "a shorter prompt"
+        raise ValueError(
+            f"--draft: prompt {P} + --max_new_tokens {a.max_new_tokens} + --draft_tokens {a.draft_tokens} "
+            f"+ 1 is past the context of {room} tokens, which speculative decoding does not slide; "
+            f"pass {fix}, or drop --draft"
+        )
     announce(a)
     dconfig, dparams, _ = loader.compact(draft, dtype=a.dtype, quantize=a.quantize)[1:]
-    B, P = prompt_BP.shape
-    need = a.max_new_tokens + a.draft_tokens + 1
+    B = prompt_BP.shape[0]
     k = a.draft_tokens  # window layers' rings keep k extra slots: a rejected draft takes back k
     cache = KVCache.for_config(config, B, sampling.cache_length(config.block_size, P, need), rewind=k)
     dcache = KVCache.for_config(dconfig, B, sampling.cache_length(dconfig.block_size, P, need), rewind=k)

@@ -84,6 +84,11 @@ def test_mixture_of_experts_run(runs, capsys):
         ),
         (["--draft", "other_chars"], "the draft's tokenizer (char) differs from the target's (char)"),
         (["--draft", "big"], "not fewer than the target's"),
+        (  # the window speculative decoding does not slide, with the flags that fit it
+            ["--draft", "draft", "--max_new_tokens", "60"],
+            "is past the context of 64 tokens, which speculative decoding does not slide; "
+            "pass --max_new_tokens 53, or drop --draft",
+        ),
     ],
 )
 def test_bad_input_is_one_line(runs, capsys, args, message):
