@@ -1,12 +1,12 @@
-"""Batches as pure functions of (seed, step, process index), for both model kinds.
+"""Batches as pure functions of (seed, step), for both model kinds; a process takes its slice.
 
 GPT (TokenData, get_batch): a batch is a dict of host-local NumPy arrays: random windows of
 block_size + 1 tokens cut from the memmapped token file (nanoGPT's sampler), inputs = window[:-1],
 targets = window[1:]. Encoder-decoder (ParallelData, Batcher): padded pairs from a folder written by
 flaxgpt.data.prepare_seq2seq; the epoch's order is a seeded shuffle, sorted by length within groups of
 batches so that little of each batch is padding. Nothing is remembered between calls, so resuming at
-step k needs only k, and every process draws only its own rows. `to_global` turns the host-local rows
-into one sharded jax.Array.
+step k needs only k, and every process reads only its own rows of the same global batch, whatever the
+number of processes. `to_global` turns the host-local rows into one sharded jax.Array.
 """
 
 from __future__ import annotations
@@ -132,11 +132,23 @@ class TokenData:
 
 
 def window_starts(
-    n_tokens: int, block_size: int, n_rows: int, seed: int, stream: int, step: int, process_index: int
+    n_tokens: int,
+    block_size: int,
+    n_rows: int,
+    seed: int,
+    stream: int,
+    step: int,
+    process_index: int = 0,
+    process_count: int = 1,
 ) -> np.ndarray:
-    """Start offsets in [0, n_tokens - block_size - 1]: every window of T + 1 tokens fits."""
-    rng = np.random.default_rng([seed, stream, step, process_index])
-    return rng.integers(0, n_tokens - block_size, size=n_rows)  # high is exclusive
+    """Start offsets in [0, n_tokens - block_size - 1] (every window of T + 1 tokens fits) of this
+    process's n_rows: a slice of the whole step's draw, so the batch is the same on any number of
+    processes (a run resumed on another host count sees the same data)."""
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} is not one of {process_count} processes")
+    rng = np.random.default_rng([seed, stream, step, 0])  # the 0 was the process: one process draws as before
+    starts = rng.integers(0, n_tokens - block_size, size=n_rows * process_count)  # high is exclusive
+    return starts[process_index * n_rows : (process_index + 1) * n_rows]
 
 
 def get_batch(
@@ -147,9 +159,12 @@ def get_batch(
     step: int,
     process_index: int = 0,
     stream: int = TRAIN_STREAM,
+    process_count: int = 1,
 ) -> dict[str, np.ndarray]:
     """This process's rows of the batch at `step`: {"inputs", "targets"} int32 [n_rows, T]."""
-    starts_B = window_starts(len(tokens), block_size, n_rows, seed, stream, step, process_index)
+    starts_B = window_starts(
+        len(tokens), block_size, n_rows, seed, stream, step, process_index, process_count
+    )
     idx_BT1 = starts_B[:, None] + np.arange(block_size + 1)  # [B, T + 1]
     windows = np.asarray(tokens[idx_BT1], dtype=np.int32)
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}

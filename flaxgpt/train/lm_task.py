@@ -117,7 +117,9 @@ class TokenBatches:
             "val": data_lib.VAL_STREAM,
             "train_eval": data_lib.TRAIN_EVAL_STREAM,
         }[split]
-        return data_lib.get_batch(tokens, self.block_size, n_rows, self.seed, step, process_index, stream)
+        return data_lib.get_batch(
+            tokens, self.block_size, n_rows, self.seed, step, process_index, stream, jax.process_count()
+        )
 
     def on_mesh(self, mesh, frozen) -> None:
         """Nothing follows the weights' placement."""

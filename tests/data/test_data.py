@@ -26,8 +26,13 @@ def test_batches_are_deterministic_in_seed_step_process():
     tokens = np.arange(1000, dtype=np.uint16)
     b = data.get_batch(tokens, 16, 4, seed=1, step=7, process_index=0)
     np.testing.assert_array_equal(b["inputs"], data.get_batch(tokens, 16, 4, 1, 7, 0)["inputs"])
-    for other in ((2, 7, 0), (1, 8, 0), (1, 7, 1)):
+    for other in ((2, 7), (1, 8)):
         assert not np.array_equal(b["inputs"], data.get_batch(tokens, 16, 4, *other)["inputs"])
+    # two processes' rows are one process's batch cut in two: any host count sees the same data
+    whole = data.get_batch(tokens, 16, 8, 1, 7)["inputs"]
+    halves = [data.get_batch(tokens, 16, 4, 1, 7, i, process_count=2)["inputs"] for i in range(2)]
+    np.testing.assert_array_equal(np.concatenate(halves), whole)
+    np.testing.assert_array_equal(whole[:4], b["inputs"])  # one process draws as it did
     assert b["inputs"].shape == (4, 16) and b["inputs"].dtype == np.int32
     np.testing.assert_array_equal(b["targets"][:, :-1], b["inputs"][:, 1:])  # shifted by one
     np.testing.assert_array_equal(b["targets"], b["inputs"] + 1)  # contiguous windows
