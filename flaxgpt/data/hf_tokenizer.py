@@ -53,6 +53,9 @@ class HFTokenizer:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.bos_id, self.eos_id = special_ids(self.file.parent, self.tok)
         self.eot_id = self.eos_id  # the Tokenizer protocol's end of text
+        # every id generation stops at (Llama 3.1's <|end_of_text|>, <|eom_id|>, <|eot_id|>), as
+        # transformers' generate and vLLM stop: the server's default stop tokens
+        self.eos_ids = eos_ids(self.file.parent) | ({self.eos_id} if self.eos_id is not None else set())
         with_special = self.tok.encode("a").ids
         self.add_bos = self.bos_id is not None and with_special[:1] == [self.bos_id] != self.encode("a")[:1]
         self.chat_template, self.special_tokens = chat_files(self.file.parent)
@@ -97,6 +100,18 @@ def special_ids(directory: Path, tok) -> tuple[int | None, int | None]:
             if f"{key}_id" not in found and token is not None and tok.token_to_id(token) is not None:
                 found[f"{key}_id"] = tok.token_to_id(token)
     return found.get("bos_token_id"), found.get("eos_token_id")
+
+
+def eos_ids(directory: Path) -> frozenset[int]:
+    """The ids of `eos_token_id` (an int or a list) in the first of generation_config.json and
+    config.json that gives one: the file transformers' generate reads."""
+    for name in ID_FILES:
+        file = directory / name
+        value = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+        if value is not None:
+            values = value if isinstance(value, list) else [value]
+            return frozenset(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return frozenset()
 
 
 def chat_files(directory: Path) -> tuple[str | None, dict[str, str]]:

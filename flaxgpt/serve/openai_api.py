@@ -7,7 +7,8 @@ JSON, no HTTP and no model.
 
 A chat request's messages are rendered with the model's own template and generation prompt
 (flaxgpt.data.chat, as transformers' apply_chat_template) into one token-id prompt, then checked
-as a completion of those ids; the server stops each choice at the template's end-of-turn token.
+as a completion of those ids; the server stops each choice at the template's end-of-turn token
+(and, as every reply, at the model's other end tokens: generation_config's eos_token_id list).
 
 Every bad field is a BadRequest naming the field and the limit, which the server answers with
 HTTP 400 and OpenAI's error JSON. Beyond OpenAI's fields, vLLM's: `top_k` (0 = off), `min_p`,
@@ -37,6 +38,8 @@ OPENAI_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16
 MAX_STOP = 4
 MAX_STOP_IDS = 16
+CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "echo",
+             "parallel_tool_calls")  # fmt: skip
 
 
 class BadRequest(ValueError):
@@ -69,6 +72,7 @@ class CompletionRequest:
     constraint_param: str | None = None  # the field it came from (errors name it)
     tools: list | None = None  # chat: checked OpenAI tools
     tool_choice: object = "none"  # "none" | "auto" | "required" | a function name
+    parallel_tool_calls: bool = True  # False: a reply's first call only (OpenAI's, vLLM's)
     chat: bool = False
 
     # the settings as the sampler reads them (the old fields' names)
@@ -329,6 +333,8 @@ def parse_chat(
         choice = tool_calls.check_tool_choice(body.get("tool_choice"), tools)
         messages = chat.check_messages(body.get("messages"), "'messages'", need_assistant=False)
         tool_calls.check_tool_messages(messages)
+        parallel = tool_calls.check_parallel(body.get("parallel_tool_calls"))
+        messages = tool_calls.mistral_ids(messages) if family == "mistral" else messages
         ids = chat.render_ids(
             tokenizer, messages, add_generation_prompt=True, name="'messages'", tools=tools or None
         )
@@ -336,8 +342,7 @@ def parse_chat(
         raise BadRequest(str(e), e.param) from None
     except chat.ChatError as e:
         raise BadRequest(str(e), "messages") from None
-    skip = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "echo")
-    rest = {k: v for k, v in body.items() if k not in skip}
+    rest = {k: v for k, v in body.items() if k not in CHAT_ONLY}
     if body.get("max_completion_tokens") is not None:  # the newer name of max_tokens
         rest["max_tokens"] = body["max_completion_tokens"]
     elif body.get("max_tokens") is None:  # the rest of the window (a prompt too long is refused below)
@@ -347,20 +352,17 @@ def parse_chat(
     req = parse_completion(
         {**rest, "prompt": ids}, model=model, tokenizer=tokenizer, vocab_size=vocab_size, max_len=max_len
     )
-    req.chat, req.tools, req.tool_choice = True, tools or None, choice
-    forced = None
-    if tools:  # markers that are added tokens are forced by id (they never match text)
-        marker, close = tool_calls.marker_token(family, tokenizer), tool_calls.close_token(family, tokenizer)
-        forced = tool_calls.call_grammar(family, tools, choice, marker, close)
+    req.chat, req.tools, req.tool_choice, req.parallel_tool_calls = True, tools or None, choice, parallel
+    forced = tool_calls.forced_call(family, tools, choice, tokenizer)
     if forced is not None:  # `required` or a named function: the mask makes the reply that call
         if req.constraint is not None:
             raise BadRequest(
                 f"'tool_choice' {choice!r} forces a tool call; it cannot be combined with "
                 f"'{req.constraint_param}'", "tool_choice",
             )  # fmt: skip
-        from flaxgpt.serve import grammar
+        from flaxgpt.serve import grammar  # what may fail to compile: a tool's parameters (`tools`)
 
-        req.constraint, req.constraint_param = grammar.Spec("grammar", forced), "tool_choice"
+        req.constraint, req.constraint_param = grammar.Spec("grammar", forced), "tools"
     return req
 
 
@@ -404,8 +406,7 @@ def chat_chunk_json(cid, model, choices, usage=None, created=None) -> dict:
         delta = (
             {"role": "assistant", "content": ""} if c.text is None else {"content": c.text} if c.text else {}
         )
-        if c.tool_calls:
-            delta["tool_calls"] = c.tool_calls
+        delta |= {"tool_calls": c.tool_calls} if c.tool_calls else {}
         out["choices"].append(
             {"index": c.index, "delta": delta, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
         )

@@ -80,6 +80,9 @@ def create_app(
     metrics.watch(sched)
     sched.metrics = metrics
     eos_id = getattr(tokenizer, "eot_id", None)
+    # the model's other end tokens stop a reply too (Llama 3.1: <|eom_id|> ends a tool call), unless
+    # the request says ignore_eos; they are not part of the text
+    eos_ids = frozenset(getattr(tokenizer, "eos_ids", ()))
     created = int(time.time())
     inflight: set[str] = set()  # ids of responses not fully sent
 
@@ -229,7 +232,8 @@ def create_app(
                 seqs.append(Sequence(
                     ids, rows, stop=req.stop, emit=emit, adapter=adapter, logprobs=req.logprobs,
                     echo=req.echo, grammar=None if compiled is None else grammars().matcher(compiled),
-                    stop_ids=frozenset(req.stop_token_ids), special=calls,
+                    stop_ids=frozenset(req.stop_token_ids) | (eos_ids - {eos} if eos is not None else set()),
+                    special=calls,
                 ))  # fmt: skip
                 replies.append(_Reply(index, req, tokenizer, ids, family if calls else None))
         try:
@@ -325,20 +329,26 @@ class _Reply:
         lp = self._logprobs(ev.logprobs, self.prompt if ev.prompt is not None else (), offset)
         if self.parser is None:
             return [api.Choice(self.index, text, None, lp)] if text or lp else []
-        out = [self._delta(d) for d in self.parser.feed(text)]
+        out = [c for c in map(self._delta, self.parser.feed(text)) if c is not None]
         if lp is not None:
             out = out or [api.Choice(self.index, "", None)]
             out[0] = out[0]._replace(logprobs=lp)
         return out
 
-    def _delta(self, d: dict) -> api.Choice:
-        if d.get("tool_calls"):
+    def _delta(self, d: dict) -> api.Choice | None:
+        calls = d.get("tool_calls")
+        if calls and not self.req.parallel_tool_calls:  # the first call's pieces only
+            calls = [c for c in calls if c["index"] == 0]
+            if not calls and not d.get("content"):
+                return None
+        if calls:
             self.any_call = True
-        return api.Choice(self.index, d.get("content", ""), None, tool_calls=d.get("tool_calls"))
+        return api.Choice(self.index, d.get("content", ""), None, tool_calls=calls or None)
 
     def finish(self, reason: str) -> list:
         """The stream's last choices: what the tool parser held back, then the finish reason."""
-        out = [self._delta(d) for d in self.parser.finish()] if self.parser is not None else []
+        held = self.parser.finish() if self.parser is not None else []
+        out = [c for c in map(self._delta, held) if c is not None]
         if self.any_call and reason == "stop":
             reason = "tool_calls"
         return out + [api.Choice(self.index, "", reason)]
@@ -348,6 +358,7 @@ class _Reply:
         if self.family is None:
             return api.Choice(self.index, self.text, reason, lp)
         content, calls = tools.parse(self.family, self.text, self.req.tools)
+        calls = calls if self.req.parallel_tool_calls else calls[:1]
         if calls and reason == "stop":
             reason = "tool_calls"
         return api.Choice(self.index, content if calls else (content or ""), reason, lp, calls or None)

@@ -139,6 +139,13 @@ def check_tool_choice(tool_choice, tools: list[dict]):
     )
 
 
+def check_parallel(value) -> bool:
+    """OpenAI's `parallel_tool_calls`: true (or absent), or false: a reply's first call only."""
+    if value is None or isinstance(value, bool):
+        return value is not False
+    raise ToolError(f"'parallel_tool_calls' must be true or false, got {value!r}", "parallel_tool_calls")
+
+
 def check_tool_messages(messages: list[dict]) -> None:
     """OpenAI's rule for a conversation (after chat.check_messages): each `tool` turn carries the
     `tool_call_id` of a call in the assistant turn just before it (other tool turns between)."""
@@ -160,6 +167,28 @@ def check_tool_messages(messages: list[dict]) -> None:
                 f"the call it answers ({', '.join(ids)})",
                 "messages",
             )
+
+
+def mistral_ids(messages: list[dict]) -> list[dict]:
+    """The conversation with every tool-call id Mistral's template refuses (any but 9 letters and
+    digits: an OpenAI conversation's call_...) replaced by 9 of its own, a hash of the id, so a call
+    and its answer still match (vLLM shortens them likewise); the caller's messages are not changed."""
+    import hashlib
+
+    def short(id_):
+        if not isinstance(id_, str) or re.fullmatch(r"[a-zA-Z0-9]{9}", id_):
+            return id_
+        n = int.from_bytes(hashlib.sha256(id_.encode()).digest()[:8], "big")
+        return "".join(_ALPHANUMERIC[(n // len(_ALPHANUMERIC) ** k) % len(_ALPHANUMERIC)] for k in range(9))
+
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = {**m, "tool_calls": [{**c, "id": short(c.get("id"))} for c in m["tool_calls"]]}
+        if "tool_call_id" in m:
+            m = {**m, "tool_call_id": short(m["tool_call_id"])}
+        out.append(m)
+    return out
 
 
 def request_family(chat_template: str | None, tools: list[dict]) -> str | None:
@@ -403,6 +432,19 @@ def _added_id(marker: str | None, tokenizer) -> int | None:
     return ids[0] if len(ids) == 1 and ids[0] in getattr(tokenizer, "added_ids", ()) else None
 
 
+def forced_call(family: str | None, tools: list[dict], tool_choice, tokenizer) -> str | None:
+    """call_grammar for a request (None without tools), the family's markers forced by id where they
+    are added tokens (they never match text)."""
+    if not tools:
+        return None
+    marker, close = marker_token(family, tokenizer), close_token(family, tokenizer)
+    return call_grammar(family, tools, tool_choice, marker, close)
+
+
+# a function declared without `parameters` takes none (OpenAI's reading): its arguments are {}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def call_grammar(
     family: str, tools: list[dict], tool_choice, marker_id: int | None = None, close_id: int | None = None
 ) -> str | None:
@@ -419,7 +461,7 @@ def call_grammar(
         return None
     assert tools, "call_grammar needs the request's tools (check_tool_choice refuses a call without them)"
     chosen = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
-    params = {t["function"]["name"]: t["function"].get("parameters", {}) for t in tools}
+    params = {t["function"]["name"]: t["function"].get("parameters", NO_PARAMETERS) for t in tools}
     key = "parameters" if family == "llama3_json" else "arguments"
     rules, alternatives = [], []
     for k, (name, schema) in enumerate(params.items()):

@@ -115,7 +115,7 @@ def build_model_dir(directory: Path):
     hf_config = transformers.Qwen2Config(
         vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-        eos_token_id=tok.token_to_id("<|im_end|>"),
+        eos_token_id=[tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")],  # Qwen2.5-Instruct's
     )  # fmt: skip
     model = transformers.Qwen2ForCausalLM(hf_config).eval()
     with torch.no_grad():
@@ -476,6 +476,59 @@ def test_streamed_tool_call_reassembles_to_the_whole_reply(api):
     assert calls[0] == {"name": want.name, "arguments": want.arguments}
 
 
+def test_every_end_token_of_the_model_ends_a_reply_and_a_tool_call(api):
+    """generation_config's eos_token_id list (Qwen2.5's <|im_end|>, <|endoftext|>; Llama 3.1's
+    <|eom_id|>, which ends a tool call) stops a reply as transformers' generate and vLLM stop, out of
+    the text; ignore_eos decodes through them."""
+    end = api.tok.token_to_id("<|endoftext|>")
+    kw = dict(max_tokens=6, temperature=0, logit_bias={str(end): 100})
+    r = complete(api, "the quick brown", **kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("", "stop", 1)
+    r = complete(api, "the quick brown", **kw, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    r = chat(api, "Hi", **kw)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("", "stop")
+    call = json.dumps('\n{"name": "add", "arguments": {"x": 4}}\n')  # between the markers, ids here
+    opening, closing = (api.tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>"))
+    grammar = f"start: <[{opening}]> {call} <[{closing}]> <[{end}]>"
+    so = {"structured_outputs": {"grammar": grammar}}
+    r = chat(api, "Add 4.", tools=[ADD], max_tokens=60, extra_body=so)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    assert check_call(c.message.tool_calls[0], ADD) == {"x": 4}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(api):
+    """Two calls in a reply (forced here by a grammar); parallel_tool_calls false returns the first,
+    whole and streamed, as OpenAI and vLLM do."""
+    opening, closing = (api.tok.token_to_id(t) for t in ("<tool_call>", "</tool_call>"))
+    one, two = (json.dumps(f'\n{{"name": "add", "arguments": {{"x": {x}}}}}\n') for x in (1, 2))
+    grammar = f'start: <[{opening}]> {one} <[{closing}]> "\\n" <[{opening}]> {two} <[{closing}]>'
+    kw = dict(tools=[ADD], max_tokens=80, extra_body={"structured_outputs": {"grammar": grammar}})
+    arguments = lambda c: [json.loads(call.function.arguments) for call in c.message.tool_calls]  # noqa: E731
+    assert arguments(chat(api, "Add.", **kw).choices[0]) == [{"x": 1}, {"x": 2}]
+    first = chat(api, "Add.", parallel_tool_calls=False, **kw).choices[0]
+    assert first.finish_reason == "tool_calls" and arguments(first) == [{"x": 1}]
+    pieces = [
+        piece
+        for chunk in chat(api, "Add.", parallel_tool_calls=False, stream=True, **kw)
+        for choice in chunk.choices
+        for piece in choice.delta.tool_calls or []
+    ]
+    assert {p.index for p in pieces} == {0}
+    assert json.loads("".join(p.function.arguments or "" for p in pieces)) == {"x": 1}
+
+
+def test_a_function_without_parameters_is_called_with_none(api):
+    """OpenAI: a function declared without `parameters` takes an empty parameter list; a forced call's
+    arguments are {} (they were any object: random keys, or no call at all by max_tokens)."""
+    now = {"type": "function", "function": {"name": "now", "description": "the time"}}
+    for seed in range(3):
+        c = chat(api, "Time?", tools=[now], tool_choice="required", max_tokens=40, temperature=1.0, seed=seed)
+        call = c.choices[0].message.tool_calls[0].function
+        assert (call.name, call.arguments) == ("now", "{}")
+
+
 # ---- 4. sampling controls
 
 
@@ -534,6 +587,13 @@ BAD = [  # (the field the error names, a word of its message, the request)
         "tool_choice",
         "'f'",
         {"tools": [MULTIPLY], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+    ),
+    ("parallel_tool_calls", "true or false", {"tools": [MULTIPLY], "parallel_tool_calls": "no"}),
+    # a forced call's schema that cannot be enforced: the tools are at fault, not tool_choice
+    (
+        "tools",
+        "$defs/x",
+        {"tools": tool({"properties": {"a": {"$ref": "#/$defs/x"}}}), "tool_choice": "required"},
     ),
     ("top_logprobs", "'logprobs'", {"top_logprobs": 3}),
     ("top_logprobs", "21", {"logprobs": True, "top_logprobs": 21}),

@@ -152,6 +152,25 @@ def test_render_with_tools_equals_apply_chat_template(tmp_path, family):
     assert '"name": "add"' in text and "celsius" in text  # the tools themselves are in the prompt
 
 
+def test_mistral_takes_an_openai_conversations_call_ids(tmp_path):
+    """Mistral's template refuses any id but 9 letters and digits; a conversation replayed from
+    another server (call_...) renders with ids of its own, a call and its answer still matching."""
+    from flaxgpt.serve import openai_api
+
+    tok = HFTokenizer(make_tool_dir(tmp_path, "mistral"))
+    asked = {"role": "assistant", "content": None, "tool_calls": [call("call_abc123XYZ789", "add", {"a": 1})]}
+    messages = [{"role": "user", "content": "2 + 3?"}, asked]
+    messages.append({"role": "tool", "tool_call_id": "call_abc123XYZ789", "content": "5"})
+    mapped = T.mistral_ids(messages)
+    short = mapped[1]["tool_calls"][0]["id"]
+    assert len(short) == 9 and short.isalnum() and mapped[2]["tool_call_id"] == short
+    assert asked["tool_calls"][0]["id"] == "call_abc123XYZ789"  # the caller's messages as they were
+    assert T.mistral_ids(CONVERSATIONS["mistral"]) == CONVERSATIONS["mistral"]  # 9 alphanumerics: kept
+    body = {"messages": messages, "tools": TOOLS}
+    req = openai_api.parse_chat(body, model="m", tokenizer=tok, vocab_size=tok.vocab_size, max_len=4096)
+    assert short in tok.tok.decode(req.prompts[0], skip_special_tokens=False)
+
+
 def test_family_of_plain_templates_is_none():
     from tests.data.test_chat import TEMPLATES
 
