@@ -338,6 +338,19 @@ class Grammars:
             raise GrammarError(f"the {_name(spec.kind)} allows no text in this model's vocabulary")
         if start.is_error():
             raise GrammarError(_message(spec.kind, start.get_error()))
+        # a first token it forces must go through (tried on a copy): forced text that never ends
+        # ('foo: "a" foo': llguidance's limit) or an added token's text written as text (Qwen's
+        # <tool_call>: offered, then refused) failed the first step, a 500 for the grammar's fault
+        allowed = np.flatnonzero(np.unpackbits(allowed_W.view(np.uint8), bitorder="little"))
+        probe = start.deep_copy()
+        if len(allowed) == 1 and not probe.consume_token(int(allowed[0])):
+            token = int(allowed[0])
+            if token in getattr(self.tokenizer, "added_ids", ()):
+                raise GrammarError(
+                    f"the {_name(spec.kind)} writes the added token {self.vocab.tok.decode_str([token])!r} "
+                    f"as text, which llguidance cannot follow; in a grammar, write it as <[{token}]>"
+                )
+            raise GrammarError(_message(spec.kind, probe.get_error()))
         return Compiled(spec, start)
 
     def matcher(self, compiled: Compiled) -> Matcher:

@@ -314,6 +314,8 @@ def test_bad_specs_are_one_line_errors_naming_the_field(gpt2):
     assert "look-around" in error(lambda: so({"regex": "(?=a)b"}))
     assert 'unknown name: "foo"' in error(lambda: so({"grammar": "start: foo"}))
     assert "the grammar does not compile" in error(lambda: so({"grammar": "start: ("}))
+    # text forced forever: past llguidance's limit at the first token (it was a 500 there)
+    assert "Too many items" in error(lambda: so({"grammar": 'start: foo\nfoo: "a" foo'}))
     assert "allows no text" in grammar_error_chars(Spec("regex", "[QW]+"))
     for bad, words in [
         ({"choice": []}, "choice must be a non-empty list of strings"),

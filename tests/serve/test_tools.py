@@ -450,3 +450,18 @@ def test_grammar_forces_the_marker_token_when_given_its_id(tmp_path):
     m = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_lark(lark), log_level=1)
     assert not m.is_error(), m.get_error()
     assert m.compute_ff_tokens()[:1] == [marker]  # the control token itself, not its spelling
+
+
+def test_an_added_tokens_text_in_a_grammar_is_refused_with_its_id(tmp_path):
+    """Qwen's <tool_call> (an added token, not special) written as text: llguidance offers the token,
+    then refuses it (a 500 at the first step); now a one-line error at compile that names <[id]>."""
+    from flaxgpt.serve.grammar import GrammarError, Grammars, Spec
+
+    ours = HFTokenizer(make_tool_dir(tmp_path, "hermes"))
+    opening = ours.tok.token_to_id("<tool_call>")
+    grammars = Grammars(ours, ours.vocab_size)
+    with pytest.raises(
+        GrammarError, match=f"writes the added token '<tool_call>' as text.*<\\[{opening}\\]>"
+    ):
+        grammars.compile(Spec("grammar", 'start: "<tool_call>" "x"'), "structured_outputs")
+    grammars.compile(Spec("grammar", f'start: <[{opening}]> "x"'), "structured_outputs")  # by id: fine
