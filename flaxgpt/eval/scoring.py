@@ -32,7 +32,7 @@ import numpy as np
 
 from flaxgpt import sharding
 from flaxgpt.models.cache import KVCache
-from flaxgpt.models.gpt import GPT, GPTConfig
+from flaxgpt.models.gpt import GPT, GPTConfig, finish_logits
 
 # row lengths: steps of ~1.5x keep padding under a third with few compiled shapes
 BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -76,6 +76,7 @@ def _token_scores(config: GPTConfig, params, h_BKD, targets_BK):
     logits_BKV = jnp.einsum(
         "bkd,vd->bkv", h_BKD.astype(dtype), w_VD.astype(dtype), preferred_element_type=jnp.float32
     )
+    logits_BKV = finish_logits(config, logits_BKV)  # Gemma 2's soft-cap, as the model's own logits
     logprobs_BKV = jax.nn.log_softmax(logits_BKV, axis=-1)
     logprob_BK = jnp.take_along_axis(logprobs_BKV, targets_BK[..., None], axis=-1)[..., 0]
     return logprob_BK, logits_BKV.argmax(-1) == targets_BK

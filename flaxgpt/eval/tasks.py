@@ -74,7 +74,12 @@ def read_texts(path) -> list[tuple[str, str]]:
         files = [path]
     else:
         raise EvalDataError(f"{path} does not exist")
-    texts = [(str(p), p.read_text(encoding="utf-8")) for p in files]
+    texts = []
+    for p in files:
+        try:
+            texts.append((str(p), p.read_text(encoding="utf-8")))
+        except UnicodeDecodeError as e:
+            raise EvalDataError(f"{p} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     texts = [(name, t) for name, t in texts if t.strip()]
     if not texts:
         raise EvalDataError(f"{path} is empty; expected text")
@@ -82,17 +87,25 @@ def read_texts(path) -> list[tuple[str, str]]:
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """lm-eval's split of a (context, continuation) pair into tokens (its HF backend's _encode_pair)."""
+    """lm-eval's split of a (context, continuation) pair into tokens (its HF backend's _encode_pair and
+    loglikelihood): a tokenizer that starts text with BOS (Llama's, Gemma's: `add_bos`) starts the
+    context with it; an empty context is BOS, or end-of-text without one (GPT-2's are the same)."""
+    bos = getattr(tokenizer, "bos_id", None)
     if not context:
-        if tokenizer.eot_id is None:
-            raise EvalDataError("an empty context needs a tokenizer with an end-of-text token")
-        return [tokenizer.eot_id], tokenizer.encode(continuation)
+        prefix = bos if bos is not None else tokenizer.eot_id
+        if prefix is None:
+            raise EvalDataError("an empty context needs a tokenizer with a BOS or end-of-text token")
+        ids = tokenizer.encode(continuation)
+        return (ids[:1], ids[1:]) if ids[:1] == [prefix] else ([prefix], ids)
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-    whole = tokenizer.encode(context + continuation)
+    if not context:  # only spaces, now the continuation's (lm-eval fails here): an empty context
+        return encode_pair(tokenizer, "", continuation)
     context_ids = tokenizer.encode(context)
-    return context_ids, whole[len(context_ids) :]
+    lead = [bos] if getattr(tokenizer, "add_bos", False) and context_ids[:1] != [bos] else []  # not twice
+    whole = lead + tokenizer.encode(context + continuation)
+    return lead + context_ids, whole[len(lead) + len(context_ids) :]
 
 
 def preprocess(text: str) -> str:

@@ -153,6 +153,57 @@ def test_encode_pair_and_preprocess_are_lm_eval_s():
     assert et.encode_pair(tok, "", "hi") == ([tok.eot_id], tok.encode("hi"))
 
 
+def test_encode_pair_starts_with_bos_where_the_tokenizer_does(tmp_path):
+    """lm-eval's rules for a Llama-style tokenizer (its post-processor adds <s>; lm-eval >= 0.4.13
+    leaves BOS to the tokenizer): the context starts with BOS, once; an empty context is BOS (GPT-2's
+    BOS and end-of-text are one token). The reference: transformers' encode with its defaults."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from flaxgpt.data.hf_tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet
+    )
+    tok.train_from_iterator([" ".join(WORDS * 20)], trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    ours = HFTokenizer(tmp_path)
+    ref = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), bos_token="<s>"
+    )
+    for context, continuation in [("the cat runs ", "over the dog"), ("<s>the cat", " runs"), ("a", " b")]:
+        kw = {"add_special_tokens": not context.startswith("<s>")}  # lm-eval's has_bos_prefix
+        context_ids = ref.encode(context.rstrip(), **kw)
+        whole = ref.encode(context.rstrip() + context[len(context.rstrip()) :] + continuation, **kw)
+        assert et.encode_pair(ours, context, continuation) == (context_ids, whole[len(context_ids) :])
+    assert et.encode_pair(ours, "", " the cat") == ([1], ref.encode(" the cat", add_special_tokens=False))
+    assert et.encode_pair(ours, "", "<s> the") == ([1], ref.encode(" the", add_special_tokens=False))
+    assert et.encode_pair(ours, "  ", "cat") == ([1], ref.encode("  cat", add_special_tokens=False))
+
+
+def test_scores_are_the_models_own_soft_capped_log_probabilities():
+    """Gemma 2's final soft-cap: the scorer's log-probabilities are the model's own logits' (it took the
+    head's raw output: 0.76 nats off on LAMBADA for a cap of 2)."""
+    import jax
+
+    from flaxgpt.eval.scoring import Scorer
+    from flaxgpt.models.gpt import GPT, GPTConfig, init_params
+
+    cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=32, logit_softcap=2.0)
+    params = init_params(cfg, jax.random.key(0))
+    params = jax.tree.map(lambda x: 8 * x, params)  # logits well past the cap
+    ids = [int(t) for t in jax.random.randint(jax.random.key(1), (12,), 0, 64)]
+    logits = GPT(cfg).apply({"params": params}, np.array([ids[:-1]]))[0]
+    want = float(jax.nn.log_softmax(logits.astype(np.float32))[np.arange(7, 11), ids[8:]].sum())
+    scorer = Scorer(cfg, params, progress=False)
+    assert scorer.score([(ids[:8], ids[8:])])[0].logprob == pytest.approx(want, rel=1e-5)
+    assert scorer.score_choices([(ids[:8], [ids[8:]])])[0][0].logprob == pytest.approx(want, rel=1e-5)
+
+
 def one_line_error(capsys, *args):
     assert fe.cli([*args, "--no_progress"]) == 1
     err = capsys.readouterr().err.strip()
