@@ -83,6 +83,11 @@ def check_context_mesh(kind: str, mc, mesh) -> None:
     if kind != "gpt":
         raise ValueError("mesh.context splits a GPT's sequences; a seq2seq run takes mesh.context=1")
     context_attention.check(mc.block_size, mc.n_head, n, mc.context_impl)
+    if getattr(mc, "attn_dropout", 0) > 0:  # the layer's refusal (_over_context), before the run starts
+        raise ValueError(
+            f"attention dropout ({mc.attn_dropout}) needs the whole sequence on one device: "
+            "set model.attn_dropout=0 or mesh.context=1"
+        )
     kernel = resolve_for_mesh(mc.attention_impl, mc.dtype, mesh)
     check_context_kernel(mc.context_impl, mc.attention_impl, kernel)
 

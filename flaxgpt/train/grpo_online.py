@@ -76,12 +76,15 @@ def open_prompts(config):
 
 def objective(config, model_config: gpt.GPTConfig, data=None) -> grpo_task.GRPOObjective:
     """The recipe's GRPO objective. A row is a prompt and its completion (T + 1 tokens): T as long as
-    the longest prompt and a whole completion need (a multiple of 8), not the model's whole window
-    (without prompts to measure, flaxgpt aot's: the window)."""
+    the longest prompt and a whole completion need, not the model's whole window (without prompts to
+    measure, flaxgpt aot's: the window); a multiple of 8, and of what a mesh context axis splits
+    (ring: 2 x mesh.context chunks; Ulysses: mesh.context), as the window already is."""
     g = sections.of(config).grpo  # a grpo_task.GRPOOptions: the objective's options and the run's
     T, max_new = model_config.block_size, int(g.max_completion_length)
     if data is not None:
-        T = min(T, -(-(data.max_prompt_tokens + max_new - 1) // 8) * 8)
+        n = max(1, sections.of(config).mesh.context)
+        step = math.lcm(8, 2 * n if model_config.context_impl == "ring" else n)
+        T = min(T, -(-(data.max_prompt_tokens + max_new - 1) // step) * step)
     o = config.optim
     return grpo_task.GRPOObjective(
         g, T, int(g.num_iterations), o.get("loss_impl", "logits"), o.get("loss_block", 0),

@@ -76,6 +76,26 @@ def tiny_run(config, data, out, devices: int = 1, **over):
     return [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_rows_are_cut_to_lengths_a_context_axis_splits():
+    """A row is as long as the longest prompt and a completion need, rounded up to 8 and to what the
+    mesh's context axis splits: ring 2 x context chunks, Ulysses context (16 of a 64-token window
+    over a ring of 8; it was 8, which the ring refused once the run had started)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from flaxgpt.models.gpt import GPTConfig
+    from flaxgpt.train import grpo_online
+
+    cfg = grpo_toy.get_config()  # completions of 4 tokens
+    model = GPTConfig(vocab_size=8, block_size=64, n_layer=1, n_head=2, n_embd=16)
+    rows = []
+    for context, impl in [(1, "ring"), (4, "ring"), (8, "ring"), (8, "ulysses"), (64, "ring")]:
+        cfg.mesh.context = context
+        mc = dataclasses.replace(model, context_impl=impl)
+        rows.append(grpo_online.objective(cfg, mc, SimpleNamespace(max_prompt_tokens=4)).T)
+    assert rows == [8, 8, 16, 8, 64]  # never past the window (a multiple already)
+
+
 def test_recipe_trains_logs_rewards_then_sample(tmp_path, capsys, caplog):
     """configs/grpo_toy.py through trainer.train (train.py's path), 3 steps of 2 prompts x G 4
     (num_iterations 2: steps 1 and 3 sample, step 2 reuses step 1's completions): every per-step
