@@ -37,6 +37,12 @@ def export_run(out_dir, to: str, step=None, overwrite: bool = False) -> str:
     loader.require_run(out_dir)
     run = loader.load(out_dir, step=step)
     tok = run.tokenizer if getattr(run.tokenizer, "file", None) else None  # a model's tokenizer.json
+    if tok is None and run.tokenizer.to_meta().get("kind") not in ("tiktoken", None):
+        print(
+            f"note: the run's {run.tokenizer.to_meta()['kind']} tokenizer has no tokenizer.json form, so "
+            f"{to} holds none; keep the run to tokenize for it (loading {to} alone is refused)",
+            file=sys.stderr,
+        )
     return pretrained.export_pretrained(run.config, run.params, to, overwrite=overwrite, tokenizer=tok)
 
 

@@ -237,7 +237,9 @@ def _build_vocabulary(tokenizer, vocab_size: int) -> Vocabulary:
         tok = _wrapped(tokens, n, llg_eos, special, enc.encode_ordinary)
     elif isinstance(tokenizer, CharTokenizer):
         tokens, stoi = [c.encode() for c in tokenizer.chars], tokenizer.stoi  # not the tokenizer: a weak key
-        encode = lambda text: [stoi[c] for c in text if c in stoi]
+        # a character outside the vocabulary cannot be written: an error, not a silent drop (dropped,
+        # a forced '{' read as nothing, and the mask offered what the grammar then refused: a 500)
+        encode = lambda text: [stoi[c] for c in text]  # KeyError: llguidance finds no tokens for it
         tok = _wrapped(tokens, n, llg_eos, [] if eos is None else [eos], encode)
     else:
         raise ValueError(

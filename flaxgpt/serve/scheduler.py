@@ -59,6 +59,10 @@ from flaxgpt.serve.sequence import (
 log = logging.getLogger("flaxgpt.serve")
 
 
+class _Closed(Exception):
+    """The scheduler closed while the engine thread was still compiling its programs."""
+
+
 class Scheduler:
     def __init__(
         self,
@@ -139,13 +143,16 @@ class Scheduler:
         with self.lock:
             self._closed = True
             self.lock.notify_all()
-        self.thread.join(timeout=10)
+        # warming up, it stops after the program it compiles: a process leaving XLA mid-compile aborts
+        self.thread.join(timeout=10 if self.ready.is_set() else None)
 
     # ------------------------------------------------------------ the engine thread
 
     def _main(self):
         try:
             self._warm_up()
+        except _Closed:  # closed while compiling (SIGTERM at start-up)
+            return
         except Exception:
             log.error("engine warm-up failed:\n%s", traceback.format_exc())
             raise
@@ -169,11 +176,14 @@ class Scheduler:
             # prompts that differ in their first token: none reuses another's blocks, each runs its bucket
             prefix = self.engine.prefill([i] + [0] * (min(b, self.engine.max_len - 2) - 1), rows)
             self.engine.insert(prefix, 0)  # each in turn: the slot's previous pages go back
+            self._stop_if_closed()
         for w in self.engine.mixed_widths:  # the mixed step's hold and each width
             self.engine.blocks.clear()  # no warm-up prompt reuses another's blocks: each runs its width
             self.engine.hold(self.engine.start_prefill([1] * w, rows), 0)
             self.engine.mixed({0: w})
+            self._stop_if_closed()
         self.engine.generate(steps=1)
+        self._stop_if_closed()
         any_token_BW = np.full((self.engine.slots, self.engine.mask_words), -1, np.int32)
         self.engine.generate(steps=1, mask_BW=any_token_BW)  # the structured-output step
         if self.engine.speculate_k:
@@ -184,6 +194,10 @@ class Scheduler:
         self.engine.release(0)
         self.engine.generate()
         self.engine.blocks.clear()  # the warm-up prompts' blocks: no request has them
+
+    def _stop_if_closed(self):
+        if self._closed:
+            raise _Closed
 
     def _count(self, outcome: str, n: int = 1):
         self.stats[outcome] += n

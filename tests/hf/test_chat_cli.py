@@ -138,12 +138,13 @@ def test_sft_recipe_trains_end_to_end(chat_dir, tmp_path):
     assert saved["data"]["format"] == "packed" and saved["lora"]["rank"] == 16  # the recipe's LoRA
 
 
-def expected_reply(model, tok, messages, n=12):
-    """transformers' greedy continuation of the rendered prompt, cut at the end-of-turn token."""
+def expected_reply(model, tok, messages, n=12, every_end=False):
+    """transformers' greedy continuation of the rendered prompt, cut at the end-of-turn token (and with
+    every_end at any of the model's EOS ids, as generate and the server stop)."""
     ids = chat.render_ids(tok, messages, add_generation_prompt=True)
     new = torch_greedy(model, ids, n)
-    eot = chat.end_of_turn_id(tok)
-    return tok.decode(new[: new.index(eot)] if eot in new else new)
+    ends = {chat.end_of_turn_id(tok)} | (set(tok.eos_ids) if every_end else set())
+    return tok.decode(new[: next((i for i, t in enumerate(new) if t in ends), len(new))])
 
 
 def test_sample_chat_reads_stdin_and_stops_at_end_of_turn(chat_dir, tmp_path):
@@ -188,7 +189,7 @@ def test_chat_completions_with_the_openai_client(chat_dir):
     sched.start()
     app = server.create_app(sched, tok, model=name, max_len=128, vocab_size=run.config.vocab_size)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "what is 7 plus 7?"}]
-    want = expected_reply(model, tok, messages, n=10)
+    want = expected_reply(model, tok, messages, n=10, every_end=True)
     try:
         with serving_in_thread(app) as url:
             assert sched.ready.wait(timeout=300)
@@ -200,7 +201,8 @@ def test_chat_completions_with_the_openai_client(chat_dir):
             assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
             ids = chat.render_ids(tok, messages, add_generation_prompt=True)
             assert r.usage.prompt_tokens == len(ids)  # once, whatever n (OpenAI)
-            hit = chat.end_of_turn_id(tok) in torch_greedy(model, ids, 10)  # stopped at <|eot_id|>?
+            ends = {chat.end_of_turn_id(tok), *tok.eos_ids}  # stopped at <|eot_id|> or an EOS?
+            hit = bool(ends & set(torch_greedy(model, ids, 10)))
             assert [c.finish_reason for c in r.choices] == ["stop" if hit else "length"] * 2
             chunks = list(
                 client.chat.completions.create(

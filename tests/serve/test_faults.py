@@ -122,3 +122,27 @@ def test_a_client_that_hangs_up_on_a_whole_reply_frees_its_slot_mid_decode(param
     sched.close()
     assert sched.stats["cancelled"] == 1 and sched.stats["finished"] == 0, (dict(sched.stats), gone)
     assert gone < 3.0, gone  # within about a second of the hang-up (0.6 s), long before 3.6 s
+
+
+def test_closed_while_compiling_stops_after_that_program(step):  # noqa: F811
+    """SIGTERM while serve.py compiles: close() waits for the program under way, and the warm-up stops
+    there (it waited 10 s, then the process exited with the thread inside XLA: abort, status 134)."""
+    import threading
+    import time
+
+    engine = Engine(step, CFG, slots=SLOTS, chunk=2, prefill_chunk=W, page=PAGE, prefix_blocks=BLOCKS)
+    calls, compiling = [], threading.Event()
+
+    def slow_prefill(*args, **kw):  # a compile that outlasts close()'s call
+        calls.append(args)
+        compiling.set()
+        time.sleep(0.5)
+        return prefill(*args, **kw)
+
+    prefill, engine.prefill = engine.prefill, slow_prefill
+    sched = Scheduler(engine, CharTokenizer(CHARS))
+    sched.start()
+    assert compiling.wait(30)
+    sched.close()
+    assert not sched.thread.is_alive() and not sched.ready.is_set()
+    assert len(engine.buckets) > 1 and len(calls) == 1  # no program after the one under way

@@ -317,6 +317,10 @@ def test_bad_specs_are_one_line_errors_naming_the_field(gpt2):
     # text forced forever: past llguidance's limit at the first token (it was a 500 there)
     assert "Too many items" in error(lambda: so({"grammar": 'start: foo\nfoo: "a" foo'}))
     assert "allows no text" in grammar_error_chars(Spec("regex", "[QW]+"))
+    # text forced from the start that the vocabulary cannot write (Tiny Shakespeare has no '{'): it
+    # compiled, the characters dropped, and the first step refused the token the mask offered (a 500)
+    assert "allows no text" in grammar_error_chars(Spec("json_object", ""))
+    assert "allows no text" in grammar_error_chars(Spec("regex", "\\{[a-c]+"))
     for bad, words in [
         ({"choice": []}, "choice must be a non-empty list of strings"),
         ({"choice": ["a", 1]}, "choice must be a non-empty list of strings"),
