@@ -180,7 +180,8 @@ def sample(a, run):
         raise ValueError(f"--num_samples must be >= 1, got {a.num_samples}")
     tok = run.tokenizer
     texts = read_texts(a, "gpt")
-    rows = [encode_prompt(tok, text, run.config.block_size) for text in texts for _ in range(a.num_samples)]
+    encoded = [encode_prompt(tok, text, run.config.block_size) for text in texts]  # a warning each, once
+    rows = [ids for ids in encoded for _ in range(a.num_samples)]
     if a.attention_png:  # float32 weights, before any --dtype cast; the ids sampling starts from
         from flaxgpt.tools.attention_map import write_attention_png
 
@@ -218,7 +219,7 @@ def sample(a, run):
         print(stream.add(visible(rows[0])), end="")
         for out_BC, n_B in sampling.stream_generate(step, cache, prompt_BP, lengths_B, chunk=16, **kw):
             print(stream.add(visible(out_BC[0, : n_B[0]])), end="", flush=True)
-        print()
+        print(stream.flush())  # a character max_new_tokens cut in half: as decode shows it
         return
     tokens_BN, n_B = sampling.generate(step, cache, prompt_BP, lengths_B, **kw)
     for b in range(B):
@@ -274,6 +275,17 @@ def chat(a, run):
         messages.append({"role": "assistant", "content": reply})
 
 
+def identity(tokenizer) -> dict:
+    """What makes two tokenizers one: their meta, a tokenizer.json by its bytes, not by its path (a
+    target's and its draft's directories each hold a copy)."""
+    meta = tokenizer.to_meta()
+    if meta.get("kind") == "hf":
+        import hashlib
+
+        meta = {**meta, "path": hashlib.sha256(Path(meta["path"]).read_bytes()).hexdigest()}
+    return meta
+
+
 def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
     """Speculative decoding with the --draft model; the acceptance rate goes to stderr."""
     from flaxgpt import count_params, loader
@@ -281,6 +293,8 @@ def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
     from flaxgpt.models import gpt
     from flaxgpt.models.cache import KVCache
 
+    if a.draft_tokens < 1:  # before the caches it sizes (their error named a window's rewind)
+        raise ValueError(f"--draft_tokens must be >= 1, got {a.draft_tokens}")
     draft = load(a, a.draft)
     if draft.kind != "gpt":
         raise ValueError(f"--draft {a.draft} is a {draft.kind} run; a draft must be a GPT")
@@ -289,14 +303,18 @@ def speculate(a, run, config, step, prompt_BP, lengths_B, kw):
         draft_vocab=draft.config.vocab_size,
         target_params=count_params(run.params),
         draft_params=count_params(draft.params),
-        target_tokenizer=run.tokenizer.to_meta(),
-        draft_tokenizer=draft.tokenizer.to_meta(),
+        target_tokenizer=identity(run.tokenizer),
+        draft_tokenizer=identity(draft.tokenizer),
     )
     P, need = prompt_BP.shape[1], a.max_new_tokens + a.draft_tokens + 1
     room = min(config.block_size, draft.config.block_size)  # speculative decoding does not slide the window
     if P + need > room:
-        most = room - P - a.draft_tokens - 1
-        fix = f"--max_new_tokens {most}" if most >= 1 else "a shorter prompt"
+        most_new, most_k = room - P - a.draft_tokens - 1, room - P - a.max_new_tokens - 1
+        fix = (
+            f"--max_new_tokens {most_new}" if most_new >= 1
+            else f"--draft_tokens {most_k}" if most_k >= 1
+            else "a shorter prompt or fewer --draft_tokens"
+        )  # fmt: skip
         raise ValueError(
             f"--draft: prompt {P} + --max_new_tokens {a.max_new_tokens} + --draft_tokens {a.draft_tokens} "
             f"+ 1 is past the context of {room} tokens, which speculative decoding does not slide; "

@@ -185,8 +185,9 @@ def encode_prompt(tokenizer, text: str, max_tokens: int) -> list[int]:
 class TextStream:
     """The new text of a growing list of ids, for printing as they are decoded.
 
-    `add(ids)` returns the text the new ids complete; a half-decoded UTF-8 character (a BPE token
-    can end inside one) is held back until the ids that finish it arrive.
+    `add(ids)` returns the text the new ids complete: all of it but a half-decoded UTF-8 character at
+    its end (a BPE token can end inside one), held back until the ids that finish it arrive;
+    `flush()` returns what is held at the end (as transformers' TextStreamer.end does).
     """
 
     def __init__(self, tokenizer):
@@ -194,10 +195,17 @@ class TextStream:
 
     def add(self, ids) -> str:
         self.ids.extend(int(i) for i in ids)
+        # only the trailing replacement characters wait: a chunk of 16 tokens cut inside a character
+        # once showed nothing of its other 15, and nothing showed them later
+        end = len(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
+        return self._upto(end)
+
+    def flush(self) -> str:
+        return self._upto(len(self.tokenizer.decode(self.ids)))
+
+    def _upto(self, end: int) -> str:
         text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.shown = text[self.shown :], len(text)
+        new, self.shown = text[self.shown : end], max(self.shown, end)
         return new
 
 

@@ -93,3 +93,8 @@ def test_text_stream_holds_back_half_characters():
     pieces = [stream.add([i]) for i in ids]
     assert "".join(pieces) == "héllo 🦜 wörld" and "\ufffd" not in "".join(pieces)
     assert "" in pieces  # the parrot is three tokens: the first two wait for the third
+    # a chunk that ends inside a character shows all but that character; the end shows the rest
+    cut = gpt2.encode("Tokyo is the capital of Japan, written 東京")[:-1]
+    stream = TextStream(gpt2)
+    shown = stream.add(cut)
+    assert shown == "Tokyo is the capital of Japan, written 東" and shown + stream.flush() == gpt2.decode(cut)

@@ -89,6 +89,8 @@ def test_mixture_of_experts_run(runs, capsys):
             "is past the context of 64 tokens, which speculative decoding does not slide; "
             "pass --max_new_tokens 53, or drop --draft",
         ),
+        (["--draft", "draft", "--draft_tokens", "60"], "pass --draft_tokens 27, or drop --draft"),
+        (["--draft", "draft", "--draft_tokens", "-1"], "--draft_tokens must be >= 1, got -1"),
     ],
 )
 def test_bad_input_is_one_line(runs, capsys, args, message):
@@ -107,3 +109,20 @@ def test_load_run_quantized(runs):
     assert run.params["lm_head"]["kernel"] is run.params["wte"]["embedding"]  # one table, shared
     with pytest.raises(ValueError, match="unknown quantization mode 'fp8'"):
         loader.load(runs["target"], quantize="fp8")
+
+
+def test_one_tokenizer_json_in_two_directories_is_one_tokenizer(tmp_path):
+    """--draft with a Llama/Qwen target: its draft's directory holds a copy of the same tokenizer.json
+    (every such pair was refused: 'the draft's tokenizer (hf) differs from the target's (hf)')."""
+    import shutil
+
+    from flaxgpt.data.hf_tokenizer import HFTokenizer
+    from tests.serve.test_tools import make_tool_dir
+
+    target = HFTokenizer(make_tool_dir(tmp_path / "target", "hermes"))
+    (tmp_path / "draft").mkdir()
+    shutil.copy(tmp_path / "target" / "tokenizer.json", tmp_path / "draft" / "tokenizer.json")
+    other = HFTokenizer(make_tool_dir(tmp_path / "other", "mistral"))
+    assert (
+        sample.identity(target) == sample.identity(HFTokenizer(tmp_path / "draft")) != sample.identity(other)
+    )
