@@ -206,10 +206,18 @@ def sample(a, run):
     def visible(ids):  # without the end-of-text an empty prompt starts from, or a row stops at
         return [int(t) for t in ids if t != tok.eot_id]
 
+    # the model's other end tokens (Llama 3.1 Instruct's <|eot_id|>, <|eom_id|>) end a reply too, as in
+    # transformers' generate; decoding stops at eot_id, so a reply is cut at the others on the host
+    ends = set(getattr(tok, "eos_ids", ())) - {tok.eot_id}
+
+    def reply(ids):
+        ids = [int(t) for t in ids]
+        return visible(ids[: next((i for i, t in enumerate(ids) if t in ends), len(ids))])
+
     if a.draft:
         tokens_BN, n_B = speculate(a, run, config, step, prompt_BP, lengths_B, kw)
         for b in range(B):
-            print(tok.decode(visible(rows[b]) + visible(tokens_BN[b, : n_B[b]])))
+            print(tok.decode(visible(rows[b]) + reply(tokens_BN[b, : n_B[b]])))
             if B > 1:
                 print(SEPARATOR)
         return
@@ -218,12 +226,15 @@ def sample(a, run):
         stream = TextStream(tok)
         print(stream.add(visible(rows[0])), end="")
         for out_BC, n_B in sampling.stream_generate(step, cache, prompt_BP, lengths_B, chunk=16, **kw):
-            print(stream.add(visible(out_BC[0, : n_B[0]])), end="", flush=True)
+            new = [int(t) for t in out_BC[0, : n_B[0]]]
+            print(stream.add(reply(new)), end="", flush=True)
+            if ends.intersection(new):
+                break
         print(stream.flush())  # a character max_new_tokens cut in half: as decode shows it
         return
     tokens_BN, n_B = sampling.generate(step, cache, prompt_BP, lengths_B, **kw)
     for b in range(B):
-        print(tok.decode(visible(rows[b]) + visible(tokens_BN[b, : n_B[b]])))
+        print(tok.decode(visible(rows[b]) + reply(tokens_BN[b, : n_B[b]])))
         print(SEPARATOR)
 
 

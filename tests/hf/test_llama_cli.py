@@ -96,6 +96,24 @@ def test_sample_cli_greedy_equals_transformers(llama_dir, capsys):
     assert code == 0 and out == want + "\n"
 
 
+def test_sample_cli_stops_at_any_of_the_models_end_tokens(llama_dir, tmp_path, capsys):
+    """generation_config's eos_token_id list (Llama 3.1 Instruct's three): the reply ends at the first
+    of them to come, as transformers' generate ends it (it ran on past all but the first)."""
+    directory, model = llama_dir
+    tok = HFTokenizer(directory)
+    ids = [tok.bos_id] + tok.encode("the quick")
+    new = torch_greedy(model, ids, 8)
+    k = next(i for i, t in enumerate(new) if i >= 2 and t not in new[:i] and t != tok.eos_id)
+    for name in os.listdir(directory):
+        os.symlink(directory / name, tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_id, new[k]]}))
+    want = tok.decode(ids + new[: next(i for i, t in enumerate(new) if t in (tok.eos_id, new[k]))])
+    for more in ([], ["--num_samples", "2"]):  # streamed, and whole
+        args = ["--init_from", str(tmp_path), "--start", "the quick", "--temperature", "0"]
+        assert sample.main([*args, "--max_new_tokens", "8", *more]) == 0
+        assert capsys.readouterr().out.split("\n")[0] == want
+
+
 def test_sample_cli_needs_the_tokenizer(llama_dir, tmp_path, capsys):
     directory, _ = llama_dir
     for name in os.listdir(directory):
