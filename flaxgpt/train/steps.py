@@ -67,7 +67,9 @@ def make_train_step(task, tx, schedule, grad_accum: int):
                 sums,
             )
             (grads, loss_sum, weight, sums), _ = jax.lax.scan(body, zeros, (jnp.arange(grad_accum), batch))
-        grads = jax.tree_util.tree_map(lambda g: g / weight, grads)
+        # the mean gradient in each parameter's own dtype: a float32 weight made bf16 gradients (param_dtype
+        # bfloat16) float32, then the optimizer moments, and step 2 refused the changed state
+        grads = jax.tree_util.tree_map(lambda g: (g / weight).astype(g.dtype), grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss_sum / weight, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}

@@ -1,5 +1,6 @@
 """The train step: loss goes down, 1 vs 8 devices, micro-batching, overfitting, sharding errors."""
 
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -133,6 +134,16 @@ def test_init_from_a_gpt2_directory(data_dir, tmp_path, one_device):
 
 
 @pytest.mark.devices(8)
+def test_bfloat16_parameters_train_past_the_first_step(data_dir):
+    """model.param_dtype=bfloat16: the mean gradient keeps the parameters' dtype (dividing by the
+    float32 token count made it float32, then the optimizer's moments, and step 2 refused the state)."""
+    cfg = tiny_config(data_dir, model__param_dtype="bfloat16", max_iters=3)
+    trainer.train(cfg, devices=jax.devices()[:1], print_fn=lambda *a: None)
+    rows = [json.loads(x) for x in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert all(np.isfinite(r["loss"]) for r in rows if "loss" in r)
+
+
 def test_sharding_errors(data_dir):
     with pytest.raises(ValueError, match="not divisible by the 8 data-parallel devices"):
         trainer.Trainer(tiny_config(data_dir, batch_size=12))
