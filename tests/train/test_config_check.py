@@ -40,6 +40,17 @@ BAD = {  # override -> what the message says
     "loss_impl": ("optim.loss_impl", "fast", "--config.optim.loss_impl='fast' is not one of logits, fused"),
     "loss_block=-1": ("optim.loss_block", -1, "--config.optim.loss_block=-1 must be >= 0"),
     "z_loss<0": ("optim.z_loss", -0.1, "--config.optim.z_loss=-0.1 must be >= 0 (the z-loss coefficient)"),
+    # Muon's and the per-group rates: they trained (a rising loss, no orthogonalisation, NaN at step 2)
+    "muon lr<0": ("optim.muon_learning_rate", -1.0, "--config.optim.muon_learning_rate=-1.0 must be > 0"),
+    "muon momentum": ("optim.muon_momentum", 1.5, "--config.optim.muon_momentum=1.5 must be in [0, 1)"),
+    "ns_steps=0": ("optim.muon_ns_steps", 0, "--config.optim.muon_ns_steps=0 must be >= 1"),
+    "embed lr<0": ("optim.embed_learning_rate", -1.0, "--config.optim.embed_learning_rate=-1.0 must be >= 0"),
+    "head lr nan": (
+        "optim.head_learning_rate",
+        float("nan"),
+        "--config.optim.head_learning_rate=nan must be",
+    ),
+    "muon wd<0": ("optim.muon_weight_decay", -1.0, "--config.optim.muon_weight_decay=-1.0 must be >= 0"),
 }
 
 
