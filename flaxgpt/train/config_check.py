@@ -312,16 +312,18 @@ def unknown_override(config, argv) -> str | None:
 
 
 def ignored_model_override(config, argv) -> str | None:
-    """One line for a `--config.model.X` override that pretrained weights would silently replace: with
-    init_from a Hugging Face model (a directory or a name the family table knows) the architecture is
-    the checkpoint's; only the layout and run-time fields are the recipe's (loader.resolve_init)."""
+    """One line for a `--config.model.X` override that the source's weights would silently replace: with
+    init_from a Hugging Face model (a directory or a name the family table knows) or a flaxgpt run,
+    the architecture is the checkpoint's; only the run-time fields are the recipe's, and for pretrained
+    weights the layout too (loader.resolve_init)."""
     from flaxgpt import loader
     from flaxgpt.models import registry as models
 
     source = str(config.get("init_from") or "")
-    if not source or loader.init_kind(source) != "pretrained":
+    kind = loader.init_kind(source) if source else "fresh"
+    if kind == "fresh":
         return None
-    free = set(loader.LAYOUT_FIELDS) | set(models.RUNTIME_FIELDS)
+    free = set(models.RUNTIME_FIELDS) | (set(loader.LAYOUT_FIELDS) if kind == "pretrained" else set())
     for key in overrides(argv):
         section, _, field = key.partition(".")
         if section == "model" and field and field not in free:

@@ -164,9 +164,11 @@ def test_an_unknown_key_suggests_the_closest_across_sections(key, near):
     )
 
 
-def test_architecture_overrides_pretrained_weights_would_replace_are_refused():
+def test_architecture_overrides_pretrained_weights_would_replace_are_refused(tmp_path):
     """init_from a Hugging Face model: its checkpoint fixes the architecture, and --config.model.n_layer
-    was silently dropped (flaxgpt aot then reported the full model); layout and run-time fields stay."""
+    was silently dropped (flaxgpt aot then reported the full model); layout and run-time fields stay.
+    A flaxgpt run likewise (its n_layer, n_embd, activation were dropped without a word), its own
+    layout included."""
     c = recipe("finetune_llama")
     c.init_from = "mixtral-8x7b"  # a name the family table knows: pretrained, nothing read here
     msg = config_check.ignored_model_override(c, ["--config.model.n_layer=2", "--config.batch_size=8"])
@@ -175,6 +177,15 @@ def test_architecture_overrides_pretrained_weights_would_replace_are_refused():
     assert config_check.ignored_model_override(c, free) is None
     c.init_from = "scratch"  # the recipe's own model: every field is the recipe's
     assert config_check.ignored_model_override(c, ["--config.model.n_layer=2"]) is None
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "config.json").write_text("{}")
+    c.init_from = str(tmp_path / "run")
+    for flag in ("--config.model.activation=relu", "--config.model.block_size=512"):
+        field = flag.split("=")[0].rpartition(".")[2]
+        assert config_check.ignored_model_override(c, [flag]).startswith(
+            f"--config.model.{field}: init_from="
+        )
+    assert config_check.ignored_model_override(c, ["--config.model.dtype=bfloat16"]) is None
 
 
 def test_a_max_iters_that_cuts_the_schedule_short_is_noted():
