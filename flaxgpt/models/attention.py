@@ -74,9 +74,18 @@ def resolve_for_mesh(impl: str, dtype: Dtype, mesh) -> str:
 
 
 def check_context_mesh(kind: str, mc, mesh) -> None:
-    """Everything a "context" axis of `mesh` cannot split, one line each, before anything is traced: the
-    owner of the rule for the trainer and `flaxgpt aot` (the layer asks check_context_kernel again when
-    traced). kind is the model's ("gpt" or "seq2seq"); mc its config."""
+    """Everything a "context" axis of `mesh` cannot split, and attention_impl=cudnn where cuDNN's kernel
+    cannot run (off NVIDIA GPUs, or in float32: a traceback from inside jax), one line each, before
+    anything is traced: the owner of the rule for the trainer and `flaxgpt aot` (the layer asks
+    check_context_kernel again when traced). kind is the model's ("gpt" or "seq2seq"); mc its config."""
+    if getattr(mc, "attention_impl", "auto") == "cudnn":
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            where = accelerator()
+        if where != "nvidia" or jnp.dtype(mc.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError(
+                f"attention_impl=cudnn runs on NVIDIA GPUs in bfloat16 or float16, not on {where} in "
+                f"{jnp.dtype(mc.dtype).name}: set model.attention_impl=auto (it picks cuDNN where it runs)"
+            )
     n = mesh.shape.get(context_attention.CONTEXT_AXIS, 1)
     if n == 1:
         return

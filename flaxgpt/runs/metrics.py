@@ -60,7 +60,10 @@ class MetricsWriter:
         enabled: bool | None = None,
         print_fn=print,
         total_steps: int | None = None,
+        start_step: int | None = None,
     ):
+        """start_step: a run resumed at this step; rows past it (steps a killed run logged after its
+        last checkpoint, which the run does again) leave metrics.jsonl, so no step is there twice."""
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.print = print_fn
         self.total_steps = total_steps  # the console's `step N/total` and time left
@@ -70,6 +73,8 @@ class MetricsWriter:
             return
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
+        if start_step is not None:
+            _drop_rows_after(out_dir / "metrics.jsonl", start_step)
         self.jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered
         if tensorboard:
             try:
@@ -188,3 +193,23 @@ def closing_lines(steps: int, seconds: float, best_val_loss: float, checkpoint, 
     if checkpoint:
         lines.append(f"sample from it: python sample.py --out_dir {out_dir}")
     return lines
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    """metrics.jsonl without its rows past `step`, nor a last line the kill cut short (the next row
+    would have been written onto it), replaced whole (a crash leaves the old file)."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+
+    def past(line: str) -> bool:
+        try:
+            return json.loads(line).get("step", 0) > step
+        except (ValueError, AttributeError):  # cut by the kill, or not a row: not a step to keep
+            return True
+
+    kept = [line for line in lines if not past(line)]
+    if len(kept) < len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)

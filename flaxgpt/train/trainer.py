@@ -260,8 +260,10 @@ class Trainer:
 
     def run(self, state: TrainState) -> dict:
         c = self.config
-        writer = MetricsWriter(c.out_dir, c.tensorboard, self.is_main, self.print, total_steps=c.max_iters)
         start, t0 = int(jax.device_get(state.step)), time.perf_counter()
+        writer = MetricsWriter(
+            c.out_dir, c.tensorboard, self.is_main, self.print, total_steps=c.max_iters, start_step=start
+        )
         peak = peak_flops_per_device(c.peak_flops)
         flops_per_step = self.flops_per_token * self.tokens_per_step
         self._print(

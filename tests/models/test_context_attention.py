@@ -251,6 +251,11 @@ def test_check_context_mesh_owns_the_run_checks():
         attention.check_context_mesh("seq2seq", tiny_gpt(), mesh)
     with pytest.raises(ValueError, match="sequence length 12 is not divisible by 2 x mesh.context = 8"):
         attention.check_context_mesh("gpt", tiny_gpt(block_size=12), mesh)
+    # cuDNN's kernel off an NVIDIA GPU (here: CPU) or in float32: a traceback from inside jax before
+    with pytest.raises(
+        ValueError, match=r"^attention_impl=cudnn runs on NVIDIA GPUs in bfloat16 or float16, not on cpu"
+    ):
+        attention.check_context_mesh("gpt", tiny_gpt(attention_impl="cudnn", dtype="bfloat16"), mesh)
     # refused by the layer once traced, so once the run had written its directory; now before
     with pytest.raises(ValueError, match=r"^attention dropout \(0.1\) needs the whole sequence"):
         attention.check_context_mesh("gpt", tiny_gpt(attn_dropout=0.1), mesh)

@@ -102,3 +102,21 @@ def test_metrics_jsonl_is_strict_json_with_null_for_values_that_are_not_finite(t
     assert rows[0]["loss"] is None and rows[0]["reward"] == 0.5
     assert rows[1]["best_val_loss"] is None and rows[1]["val_loss"] == 2.0
     assert "loss nan" in lines[0] and "best val inf" in lines[1]
+
+
+def test_a_resumed_run_logs_each_step_once(tmp_path):
+    """Killed after logging steps 4 and 5 past its checkpoint at 3, a run resumes at 3 and logs 4 and 5
+    again: the first ones leave metrics.jsonl (they were there twice, and plots drew back over them)."""
+    w = MetricsWriter(tmp_path, tensorboard=False, print_fn=lambda *a: None)
+    for step in range(1, 6):
+        w.write(step, {"loss": 1.0 / step})
+    w.write(3, {"val_loss": 0.5})
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # the line the kill cut
+    w = MetricsWriter(tmp_path, tensorboard=False, print_fn=lambda *a: None, start_step=3)
+    for step in (4, 5):
+        w.write(step, {"loss": 0.1})
+    w.close()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 3, 4, 5]  # every line a row: the cut one gone too
