@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention_png", help="write the first prompt's attention map here")
     p.add_argument("--layers", default="all", help="layers of the attention map: all | 0,5 | -1 | 2:6")
     p.add_argument("--heads", default="all", help="heads of the attention map: all | 0,5 | -1 | 2:6")
-    p.add_argument("--beam_size", type=int, default=4, help="seq2seq runs: beam width (1 = greedy)")
-    p.add_argument("--alpha", type=float, default=0.6, help="seq2seq runs: length penalty exponent")
+    p.add_argument("--beam_size", type=int, help="seq2seq runs: beam width, 1 = greedy (the run's, else 4)")
+    p.add_argument("--alpha", type=float, help="seq2seq runs: length penalty exponent (the run's, else 0.6)")
     p.add_argument("--truncate", action="store_true", help="seq2seq runs: cut long sources (else error)")
     p.add_argument("--chat", action="store_true", help="a conversation: user turns from stdin, one a line")
     p.add_argument("--system", help="--chat: a system message first")
@@ -156,12 +156,17 @@ def translate(a, parser, run):
     if a.attention_png:
         raise ValueError("--attention_png draws GPT self-attention; drop it for an encoder-decoder run")
     lines = read_texts(a, "seq2seq")
-    for hyp in translate(*run[1:], lines, beam_size=a.beam_size, alpha=a.alpha, truncate=a.truncate):
+    from flaxgpt.runs.run_dir import translation_settings  # the flags, else the run's recipe
+
+    settings = translation_settings(a.out_dir, a.beam_size, a.alpha)
+    for hyp in translate(*run[1:], lines, truncate=a.truncate, **settings):
         print(hyp)
 
 
 def sample(a, run):
     """GPT runs: one sample streams as it is decoded; several are printed between dashes."""
+    if a.beam_size is not None or a.alpha is not None:
+        warnings.warn("--beam_size and --alpha apply to encoder-decoder runs; this one samples", stacklevel=2)
     import jax
     import numpy as np
 

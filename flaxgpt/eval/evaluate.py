@@ -54,8 +54,12 @@ def parse_args(argv):
     p.add_argument(
         "--cpu_devices", type=int, default=0, help="CPU only: devices to split it into (0 = cores)"
     )
-    p.add_argument("--beam_size", type=int, default=4, help="translation: beam width (1 = greedy)")
-    p.add_argument("--alpha", type=float, default=0.6, help="translation: length penalty exponent")
+    p.add_argument(
+        "--beam_size", type=int, default=None, help="translation: beam width (1 = greedy; the run's, else 4)"
+    )
+    p.add_argument(
+        "--alpha", type=float, default=None, help="translation: length penalty (the run's, else 0.6)"
+    )
     p.add_argument("--truncate", action="store_true", help="translation: cut long sources (else an error)")
     p.add_argument("--output", default=None, help="also write the results (with per-example scores) here")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -63,7 +67,7 @@ def parse_args(argv):
     for name in ("limit", "window", "stride", "cpu_devices"):
         if getattr(a, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(a, name)}")
-    if a.batch_tokens < 1 or a.beam_size < 1:
+    if a.batch_tokens < 1 or (a.beam_size is not None and a.beam_size < 1):
         raise ValueError(f"--batch_tokens and --beam_size must be >= 1, got {a.batch_tokens}, {a.beam_size}")
     if a.output:  # before the evaluation, not after it
         folder = os.path.dirname(os.path.abspath(a.output))
@@ -124,9 +128,10 @@ def evaluate(a, kind, config, params, tokenizer) -> dict:
         raise ValueError(f"--task {a.task} does not apply to a {kind!r} model; use {want}")
     if a.task == "translation":
         pairs = et.read_pairs(a.data)[: a.limit or None]
-        return et.translation(
-            config, params, tokenizer, pairs, beam_size=a.beam_size, alpha=a.alpha, truncate=a.truncate
-        )
+        from flaxgpt.runs import run_dir  # the flags, else the run's recipe
+
+        settings = run_dir.translation_settings(a.out_dir, a.beam_size, a.alpha)
+        return et.translation(config, params, tokenizer, pairs, truncate=a.truncate, **settings)
     import jax
 
     from flaxgpt.eval.scoring import Scorer

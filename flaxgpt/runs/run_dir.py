@@ -205,6 +205,18 @@ def model_section(out_dir) -> dict:
     return section
 
 
+def translation_settings(out_dir=None, beam_size=None, alpha=None) -> dict:
+    """{beam_size, alpha} for translating a seq2seq run (sample.py, `flaxgpt eval`): the flags given,
+    else the run's recipe (config.json's seq2seq section: they were never read), else 4 and 0.6."""
+    section = _read(Path(out_dir) / "config.json").get("seq2seq") if out_dir else None
+    recipe = {"beam_size": 4, "alpha": 0.6}
+    for key, value in (section if isinstance(section, dict) else {}).items():
+        if key in recipe and isinstance(value, (int, float)) and not isinstance(value, bool):
+            recipe[key] = value
+    given = {"beam_size": beam_size, "alpha": alpha}
+    return {k: type(recipe[k])(v if (v := given[k]) is not None else recipe[k]) for k in recipe}
+
+
 def checkpoint_step(out_dir, step: int | None = None) -> int | None:
     """The checkpoint step `load_run(out_dir, step)` reads: `step`, or the latest one."""
     if step is not None:

@@ -98,6 +98,17 @@ def test_seq2seq_options_reach_the_translator(seq2seq_run, capsys, monkeypatch):
     assert code == 0 and loads[-1] == (str(seq2seq_run), None)
     assert calls[-1][1] == dict(beam_size=4, alpha=0.6, truncate=False)
     assert "warning: --temperature applies to GPT models" in err
+    # the recipe's seq2seq.beam_size / alpha ("for translating (sample.py)") where no flag says (never read)
+    saved = (seq2seq_run / "config.json").read_text()
+    recipe = {**json.loads(saved), "seq2seq": {"beam_size": 2, "alpha": 1.5}}
+    (seq2seq_run / "config.json").write_text(json.dumps(recipe))
+    try:
+        assert run(capsys, *args[:-6])[0] == 0 and calls[-1][1] == dict(
+            beam_size=2, alpha=1.5, truncate=False
+        )
+        assert run(capsys, *args[:-6], "--beam_size", 5)[0] == 0 and calls[-1][1]["beam_size"] == 5
+    finally:
+        (seq2seq_run / "config.json").write_text(saved)
 
 
 def test_seq2seq_long_source_errors_or_truncates(seq2seq_run, capsys):
