@@ -113,6 +113,14 @@ def check(config) -> None:
             typed(key, value, float, {"why": what, "range": (*bounds,)})
     if config.get("batch_size") and config.get("grad_accum"):
         micro_batch(config)
+    o = config.get("optim") or {}
+    decay, warmup = o.get("decay_steps") or config.get("max_iters") or 0, o.get("warmup_steps", 0)
+    if o.get("schedule") in ("cosine", "wsd") and decay and decay <= warmup:  # optim.make_schedule's rule
+        which = "optim.decay_steps" if o.get("decay_steps") else "max_iters (optim.decay_steps=0)"
+        raise ConfigError(
+            f"the {o['schedule']} decay ends at {which} = {decay}, not after the warmup "
+            f"(--config.optim.warmup_steps={warmup}): lower warmup_steps or raise {which.split(' ')[0]}"
+        )
     impl = _get(config, "optim.loss_impl")
     if impl is not None and impl not in ("logits", "fused"):  # train.losses.LOSS_IMPLS
         raise ConfigError(f"--config.optim.loss_impl={impl!r} is not one of logits, fused")

@@ -50,6 +50,11 @@ BAD = {  # override -> what the message says
         float("nan"),
         "--config.optim.head_learning_rate=nan must be",
     ),
+    "warmup past the decay": (
+        "max_iters",
+        5,
+        "the cosine decay ends at max_iters (optim.decay_steps=0) = 5, not",
+    ),
     "muon wd<0": ("optim.muon_weight_decay", -1.0, "--config.optim.muon_weight_decay=-1.0 must be >= 0"),
 }
 
