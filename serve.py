@@ -264,6 +264,11 @@ def main(argv=None):
             )
         draft = (draft_run.config, draft_run.params)
     drafting = bool(a.draft or a.speculative_ngram)
+    if a.max_len and a.max_len > config.block_size:  # the window the model has positions for: said
+        logging.getLogger("flaxgpt.serve").warning(
+            "--max_len %d is past the model's context of %d positions; serving %d",
+            a.max_len, config.block_size, config.block_size,
+        )  # fmt: skip
     if drafting and a.mixed_step:  # every step then verifies drafts: prompt tails take the two programs
         logging.getLogger("flaxgpt.serve").warning(
             "--mixed_step is unused with drafting (each step verifies drafts); prompts prefill on their own"

@@ -67,6 +67,7 @@ def server(tmp_path_factory):
     cmd = [sys.executable, str(ROOT / "serve.py"), "--out_dir", str(out), "--port", str(port)]
     cmd += ["--slots", "2", "--max_queue", "1", "--model_name", "tiny"]
     cmd += ["--prefill_chunk", "32"]  # prompt buckets 16, 24, 32 (not 9 up to W) to compile at start
+    cmd += ["--max_len", str(2 * W)]  # past the model's context: served at W, with a warning
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url)
@@ -93,6 +94,7 @@ def test_ready_line_names_the_address_model_and_context(server):
     assert lines and lines[-1].strip() == (
         f"ready on {url}: model tiny, context {W} tokens (a prompt plus max_tokens must fit)"
     ), "".join(lines)
+    assert f"--max_len {2 * W} is past the model's context of {W} positions; serving {W}" in "".join(lines)
 
 
 def complete(url, **body):
