@@ -38,8 +38,7 @@ OPENAI_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16
 MAX_STOP = 4
 MAX_STOP_IDS = 16
-CHAT_ONLY = ("messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "echo",
-             "parallel_tool_calls")  # fmt: skip
+CHAT_ONLY = ("messages", "logprobs", "top_logprobs", "tools", "tool_choice", "echo", "parallel_tool_calls")
 
 
 class BadRequest(ValueError):
@@ -231,9 +230,11 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: i
         raise BadRequest(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
     echo = _flag(body, "echo")
     prompts = _prompts(body, tokenizer, vocab_size)
-    max_tokens = _number(body, "max_tokens", OPENAI_DEFAULT_MAX_TOKENS, integer=True)
+    # chat's newer name wins, and errors say the name the request used
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _number(body, key, OPENAI_DEFAULT_MAX_TOKENS, integer=True)
     if max_tokens < 1:
-        raise BadRequest(f"'max_tokens' must be >= 1, got {max_tokens}", "max_tokens")
+        raise BadRequest(f"'{key}' must be >= 1, got {max_tokens}", key)
     longest = max(len(p) for p in prompts)
     if longest >= max_len:
         raise BadRequest(
@@ -243,9 +244,9 @@ def parse_completion(body, *, model: str, tokenizer, vocab_size: int, max_len: i
         )
     if longest + max_tokens > max_len:
         raise BadRequest(
-            f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the context window of "
-            f"{max_len} tokens; max_tokens can be at most {max_len - longest}",
-            "max_tokens",
+            f"prompt ({longest} tokens) + {key} ({max_tokens}) exceeds the context window of "
+            f"{max_len} tokens; {key} can be at most {max_len - longest}",
+            key,
         )
     sampling = _sampling(body, vocab_size)
     n = _number(body, "n", 1, integer=True)
@@ -343,9 +344,9 @@ def parse_chat(
     except chat.ChatError as e:
         raise BadRequest(str(e), "messages") from None
     rest = {k: v for k, v in body.items() if k not in CHAT_ONLY}
-    if body.get("max_completion_tokens") is not None:  # the newer name of max_tokens
-        rest["max_tokens"] = body["max_completion_tokens"]
-    elif body.get("max_tokens") is None:  # the rest of the window (a prompt too long is refused below)
+    if (
+        body.get("max_tokens") is None and body.get("max_completion_tokens") is None
+    ):  # the rest of the window (a prompt too long is refused below)
         rest["max_tokens"] = max(1, min(max_len - len(ids), max_tokens_limit or max_len))
     if want:
         rest["logprobs"] = top or 0

@@ -232,8 +232,11 @@ def test_chat_request_validation(tmp_path):
         api.parse_chat(body, tokenizer=bare, **kw)
     with pytest.raises(api.BadRequest, match="'prompt' belongs to /v1/completions"):
         api.parse_chat({**body, "prompt": "x"}, tokenizer=tok, **kw)
-    with pytest.raises(api.BadRequest, match="context window"):
+    with pytest.raises(api.BadRequest, match="max_completion_tokens .200. exceeds the context window") as e:
         api.parse_chat({**body, "max_completion_tokens": 200}, tokenizer=tok, **kw)
+    assert e.value.param == "max_completion_tokens"  # the field the request used (it named max_tokens)
+    with pytest.raises(api.BadRequest, match="'max_tokens' must be >= 1"):
+        api.parse_chat({**body, "max_completion_tokens": None, "max_tokens": 0}, tokenizer=tok, **kw)
     # no max_tokens: the rest of the window (OpenAI's chat has no 16-token default), the server's cap
     bare_body = {k: v for k, v in body.items() if k != "max_completion_tokens"}
     prompt = len(req.prompts[0])
