@@ -127,7 +127,7 @@ def evaluate(a, kind, config, params, tokenizer) -> dict:
         want = "translation" if kind == "seq2seq" else "perplexity, hellaswag or lambada"
         raise ValueError(f"--task {a.task} does not apply to a {kind!r} model; use {want}")
     if a.task == "translation":
-        pairs = et.read_pairs(a.data)[: a.limit or None]
+        pairs = et.read_pairs(a.data, tokenizer)[: a.limit or None]
         from flaxgpt.runs import run_dir  # the flags, else the run's recipe
 
         settings = run_dir.translation_settings(a.out_dir, a.beam_size, a.alpha)

@@ -321,13 +321,20 @@ class _NoScorer:
         return [self.score([(ctx, c) for c in conts]) for ctx, conts in groups]
 
 
-def read_pairs(path) -> list[tuple[str, str]]:
-    """source<TAB>target lines of a parallel file (the reader `prepare` uses for training data)."""
+def read_pairs(path, tokenizer=None) -> list[tuple[str, str]]:
+    """source<TAB>target lines of a parallel file (the reader `prepare` uses for training data); with
+    `tokenizer`, a source it cannot encode is an error naming its file and line."""
     from flaxgpt.data.prepare_seq2seq import read_tsv
 
     if not Path(path).is_file():
         raise EvalDataError(f"{path} does not exist or is not a file")
-    pairs = [(src, tgt) for src, tgt, _ in read_tsv(path)]
+    rows = read_tsv(path)
+    for src, _, where in rows if tokenizer is not None else ():
+        try:
+            tokenizer.encode(src)
+        except ValueError as e:
+            raise EvalDataError(f"{where}: {e}") from None
+    pairs = [(src, tgt) for src, tgt, _ in rows]
     if not pairs:
         raise EvalDataError(f"{path} is empty; expected source<TAB>target lines")
     return pairs

@@ -348,6 +348,8 @@ def test_translation_bleu_and_exact_match_of_a_seq2seq_run(tmp_path, capsys):
     assert "does not apply to a 'seq2seq' model" in one_line_error(
         capsys, *args[:2], "--task", "lambada", "--data", "x"
     )
+    (tmp_path / "pairs.tsv").write_text("abc\tcba\nabz\tzba\n")  # a character the run never saw: where
+    assert "pairs.tsv:2: characters not in the vocabulary: 'z'" in one_line_error(capsys, *args)
 
 
 def test_training_evaluator_reads_once_and_scores(files):
