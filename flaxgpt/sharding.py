@@ -106,11 +106,22 @@ def configure_cpu_devices(requested: int, batch_rows: int) -> int:
 
     from jax._src import xla_bridge
 
-    if requested == 1 or xla_bridge.backends_are_initialized():
+    if xla_bridge.backends_are_initialized():
         return 0
     if "JAX_NUM_CPU_DEVICES" in os.environ or xla_flags_set_cpu_devices():
-        if os.environ.get("JAX_NUM_CPU_DEVICES") != "1":  # the user's count of several devices
+        given = os.environ.get("JAX_NUM_CPU_DEVICES")
+        if requested and given is not None and given != str(requested):  # it was dropped without a word
+            import warnings
+
+            warnings.warn(
+                f"mesh.cpu_devices={requested} gives way to JAX_NUM_CPU_DEVICES={given} (the environment's "
+                "count); unset the variable to split the CPU as the config says",
+                stacklevel=2,
+            )
+        if given != "1":  # the user's count of several devices
             patient_cpu_collectives()
+        return 0
+    if requested == 1:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     n = requested if requested > 1 else cpu_device_count(cores, batch_rows)

@@ -123,3 +123,16 @@ def test_simulated_devices_wait_for_stragglers(requested, env, devices, flags):
     assert p.returncode == 0, p.stderr[-1500:]
     n, count, got = (p.stdout.strip().split(" ", 2) + [""])[:3]
     assert int(count) == devices and got == flags
+
+
+def test_a_cpu_device_count_the_environment_overrides_is_said():
+    """mesh.cpu_devices=4 under JAX_NUM_CPU_DEVICES=2: the environment's count wins, now with a warning
+    (the config's count was dropped without a word)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env = {**base, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2"}
+    p = subprocess.run(
+        [sys.executable, "-c", PATIENCE, "4"], env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0 and p.stdout.split()[:2] == ["0", "2"], p.stderr[-1500:]
+    assert "mesh.cpu_devices=4 gives way to JAX_NUM_CPU_DEVICES=2" in p.stderr
