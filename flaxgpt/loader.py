@@ -149,6 +149,8 @@ def resolve_init(
     """
     from flaxgpt.models import registry as models
 
+    if not str(source):  # "" reads as the current directory: "error:  is neither a run nor ..."
+        raise ValueError("init_from is empty; give scratch, resume, a run directory or Hugging Face weights")
     kind, source = init_kind(source), str(source)
     if kind == "fresh":
         if recipe is None:

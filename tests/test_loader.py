@@ -77,6 +77,7 @@ def test_bad_sources_are_one_line(tmp_path, run_dir, hf_dir):
     (tmp_path / "empty").mkdir()
     cases = [
         (FileNotFoundError, "is neither a flaxgpt training run", dict(source=tmp_path / "empty")),
+        (ValueError, "init_from is empty; give scratch", dict(source="")),  # was "error:  is neither"
         (ValueError, "dtype 'float8' is not one of", dict(source=run_dir[0], dtype="float8")),
         (ValueError, "unknown quantization mode 'fp8'", dict(source=run_dir[0], quantize="fp8")),
         (ValueError, "step=3 applies to a training run", dict(source=hf_dir[0], step=3)),

@@ -180,7 +180,14 @@ class GPTConfig:
 
     def _check_experts(self):
         # a JSON list (config.json) becomes a tuple: the config stays hashable (jit caches on it)
-        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        layers = self.mlp_only_layers
+        if isinstance(layers, str) or not all(
+            isinstance(i, int) or str(i).lstrip("-").isdigit() for i in layers
+        ):
+            raise ValueError(
+                f"mlp_only_layers must be a list of layer indices such as (0, 3), got {layers!r}"
+            )
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in layers))
         for field in ("num_experts", "expert_hidden", "router_aux_loss_coef", "router_z_loss_coef"):
             if getattr(self, field) < 0:
                 raise ValueError(f"{field} must be >= 0, got {getattr(self, field)}")

@@ -331,6 +331,11 @@ def ignored_model_override(config, argv) -> str | None:
     kind = loader.init_kind(source) if source else "fresh"
     if kind == "fresh":
         return None
+    where = Path(source).expanduser()
+    if not where.exists() and (
+        source.startswith(("/", ".", "~")) or ("/" in source and where.parent.is_dir())
+    ):
+        return f"init_from={source} does not exist; give a run directory, Hugging Face weights, or scratch"
     free = set(models.RUNTIME_FIELDS) | (set(loader.LAYOUT_FIELDS) if kind == "pretrained" else set())
     for key in overrides(argv):
         section, _, field = key.partition(".")

@@ -300,6 +300,9 @@ def test_bad_config_and_input():
         GPTConfig.preset("gpt3")
     with pytest.raises(ValueError, match="activation='swish'"):
         GPTConfig(activation="swish")
+    # --config.model.mlp_only_layers=abc: "invalid literal for int()", naming nothing
+    with pytest.raises(ValueError, match=r"mlp_only_layers must be a list of layer indices such as \(0, 3\)"):
+        GPTConfig(mlp_only_layers=("abc",))
     params = init_params(TINY, jax.random.key(0))
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 61\), got min 0 max 61"):
         apply(TINY, params, jnp.array([[0, 61]]))

@@ -191,6 +191,12 @@ def test_architecture_overrides_pretrained_weights_would_replace_are_refused(tmp
             f"--config.model.{field}: init_from="
         )
     assert config_check.ignored_model_override(c, ["--config.model.dtype=bfloat16"]) is None
+    c.init_from = str(tmp_path / "no_such_run")  # a path that is not there: said so, not the override
+    msg = config_check.ignored_model_override(c, ["--config.model.n_layer=2"])
+    assert (
+        msg
+        == f"init_from={c.init_from} does not exist; give a run directory, Hugging Face weights, or scratch"
+    )
 
 
 def test_a_max_iters_that_cuts_the_schedule_short_is_noted():
