@@ -133,7 +133,12 @@ def beam_search(
         )
 
     s = jax.lax.while_loop(can_improve, body, state)
-    any_fin_B = s.fin_flags.any(axis=1)
-    seqs = jnp.where(any_fin_B[:, None, None], s.fin_seqs, s.live_seqs)
-    scores = jnp.where(any_fin_B[:, None], s.fin_scores, s.live_logp / length_penalty(N, alpha))
+    # the finished sequences (best first), then the best live prefixes in the slots no finished one
+    # fills, as transformers' num_return_sequences fills them (they were PAD rows scored -1e9)
+    n_fin_B1 = s.fin_flags.sum(axis=1, keepdims=True)
+    w_1W = jnp.arange(s.fin_flags.shape[1])[None]
+    pick_BW = jnp.where(w_1W < n_fin_B1, w_1W, w_1W.shape[1] + w_1W - n_fin_B1)
+    seqs = _gather_beams(jnp.concatenate([s.fin_seqs, s.live_seqs], axis=1), pick_BW)
+    live_scores = s.live_logp / length_penalty(N, alpha)
+    scores = jnp.take_along_axis(jnp.concatenate([s.fin_scores, live_scores], axis=1), pick_BW, axis=1)
     return seqs[:, :, 1:], scores

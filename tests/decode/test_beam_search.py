@@ -147,6 +147,18 @@ def test_no_eos_within_max_len_returns_the_best_live_prefix():
     assert np.all(np.isfinite(scores)) and scores[0, 0] >= scores[0, 1]
 
 
+def test_every_returned_beam_is_a_real_sequence():
+    """Some beams finish within max_len, some do not: the slots no finished sequence fills hold the best
+    live prefixes, after the finished ones (they were all-PAD rows scored -1e9)."""
+    table, logp = markov2(3, eos_bias=-2.0)
+    seqs, scores = run_beam(table, [0, 1], 6, 3, 0.6)
+    for b in range(2):
+        finished = [EOS in row for row in seqs[b]]
+        assert any(finished) and not all(finished), finished  # the case at hand
+        assert finished == sorted(finished, reverse=True)  # finished first
+        assert np.all(scores[b] > -1e8) and all(row[0] != PAD for row in seqs[b])
+
+
 def test_greedy_stops_rows_at_eos_and_pads_after():
     table, _ = markov2(2, eos_bias=3.0)
     for row in run_greedy(table, [0, 1, 3, 4], 8):
