@@ -40,7 +40,7 @@ def export_run(out_dir, to: str, step=None, overwrite: bool = False) -> str:
     if tok is None and run.tokenizer.to_meta().get("kind") not in ("tiktoken", None):
         print(
             f"note: the run's {run.tokenizer.to_meta()['kind']} tokenizer has no tokenizer.json form, so "
-            f"{to} holds none; keep the run to tokenize for it (loading {to} alone is refused)",
+            f"{to} holds none; keep the run to tokenize for it ({to} alone reads as GPT-2's ids)",
             file=sys.stderr,
         )
     return pretrained.export_pretrained(run.config, run.params, to, overwrite=overwrite, tokenizer=tok)

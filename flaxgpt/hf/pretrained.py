@@ -84,20 +84,10 @@ def load_tokenizer(name_or_path: str, cache_dir: str | None = None):
     """The tokenizer of a pretrained model: GPT-2's BPE (shipped with flaxgpt, offline) for GPT-2,
     the directory's tokenizer.json for a Llama-family model (an error when it has none)."""
     directory = resolve(name_or_path, cache_dir)
-    hf = _read_hf_config(directory)
-    model_type, has_file = hf.get("model_type"), os.path.exists(os.path.join(directory, TOKENIZER_FILE))
+    model_type = _read_hf_config(directory).get("model_type")
     if model_type == "gpt2":
-        gpt2 = tokenizers.get_tokenizer("gpt2")
-        if has_file and (own := HFTokenizer(directory)).vocab_size != gpt2.vocab_size:
-            return own  # a GPT-2 shape trained on another tokenizer.json (exported with it)
-        vocab = hf.get("vocab_size")
-        if isinstance(vocab, int) and vocab < gpt2.vocab_size:  # its ids would be GPT-2's: garbage
-            raise ValueError(
-                f"{directory} holds no tokenizer.json and its vocabulary of {vocab} tokens is not GPT-2's "
-                f"({gpt2.vocab_size}); put the tokenizer it was trained with there, or load the training run"
-            )
-        return gpt2
-    if not has_file:
+        return tokenizers.get_tokenizer("gpt2")
+    if not os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
         raise FileNotFoundError(f"no {TOKENIZER_FILE} in {directory}; a {model_type} model needs its own")
     return HFTokenizer(directory)
 
