@@ -51,11 +51,10 @@ class HFTokenizer:
         self.file = file.resolve()
         self.tok = tokenizers.Tokenizer.from_file(str(self.file))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id, self.eos_id = special_ids(self.file.parent, self.tok)
-        self.eot_id = self.eos_id  # the Tokenizer protocol's end of text
-        # every id generation stops at (Llama 3.1's <|end_of_text|>, <|eom_id|>, <|eot_id|>), as
+        # eos_ids: every id generation stops at (Llama 3.1's <|end_of_text|>, <|eom_id|>, <|eot_id|>), as
         # transformers' generate and vLLM stop: the server's default stop tokens
-        self.eos_ids = eos_ids(self.file.parent) | ({self.eos_id} if self.eos_id is not None else set())
+        self.bos_id, self.eos_id, self.eos_ids = special_ids(self.file.parent, self.tok)
+        self.eot_id = self.eos_id  # the Tokenizer protocol's end of text
         with_special = self.tok.encode("a").ids
         self.add_bos = self.bos_id is not None and with_special[:1] == [self.bos_id] != self.encode("a")[:1]
         self.chat_template, self.special_tokens = chat_files(self.file.parent)
@@ -78,19 +77,26 @@ class HFTokenizer:
         return {"kind": "hf", "path": str(self.file), "vocab_size": self.vocab_size}
 
 
-def special_ids(directory: Path, tok) -> tuple[int | None, int | None]:
-    """(bos_id, eos_id) from the model's files; a list of EOS ids (Llama 3 chat) gives the first."""
+def special_ids(directory: Path, tok) -> tuple[int | None, int | None, frozenset[int]]:
+    """(bos_id, eos_id, every EOS id) from the model's files, each from the first of generation_config.json
+    and config.json that gives it (the file transformers' generate reads); a list of EOS ids (Llama 3
+    chat) gives the first as eos_id."""
     found: dict = {}
+    every: frozenset[int] = frozenset()
     for name in ID_FILES:
         file = directory / name
         if file.is_file():
             data = json.loads(file.read_text())
             for key in ("bos_token_id", "eos_token_id"):
                 value = data.get(key)
-                if isinstance(value, list):
-                    value = value[0] if value else None
+                values = value if isinstance(value, list) else [value]
+                value = values[0] if values else None
                 if key not in found and value is not None:
                     found[key] = int(value)
+                    if key == "eos_token_id":
+                        every = frozenset(
+                            int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)
+                        )
     config = directory / "tokenizer_config.json"
     if config.is_file():
         data = json.loads(config.read_text())
@@ -99,19 +105,8 @@ def special_ids(directory: Path, tok) -> tuple[int | None, int | None]:
             token = token.get("content") if isinstance(token, dict) else token
             if f"{key}_id" not in found and token is not None and tok.token_to_id(token) is not None:
                 found[f"{key}_id"] = tok.token_to_id(token)
-    return found.get("bos_token_id"), found.get("eos_token_id")
-
-
-def eos_ids(directory: Path) -> frozenset[int]:
-    """The ids of `eos_token_id` (an int or a list) in the first of generation_config.json and
-    config.json that gives one: the file transformers' generate reads."""
-    for name in ID_FILES:
-        file = directory / name
-        value = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
-        if value is not None:
-            values = value if isinstance(value, list) else [value]
-            return frozenset(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool))
-    return frozenset()
+    eos = found.get("eos_token_id")
+    return found.get("bos_token_id"), eos, every | ({eos} if eos is not None else set())
 
 
 def chat_files(directory: Path) -> tuple[str | None, dict[str, str]]:

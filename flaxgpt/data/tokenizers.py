@@ -197,14 +197,14 @@ class TextStream:
         self.ids.extend(int(i) for i in ids)
         # only the trailing replacement characters wait: a chunk of 16 tokens cut inside a character
         # once showed nothing of its other 15, and nothing showed them later
-        end = len(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
-        return self._upto(end)
+        text = self.tokenizer.decode(self.ids)
+        return self._upto(text, len(text.rstrip("\ufffd")))
 
     def flush(self) -> str:
-        return self._upto(len(self.tokenizer.decode(self.ids)))
-
-    def _upto(self, end: int) -> str:
         text = self.tokenizer.decode(self.ids)
+        return self._upto(text, len(text))
+
+    def _upto(self, text: str, end: int) -> str:
         new, self.shown = text[self.shown : end], max(self.shown, end)
         return new
 

@@ -45,12 +45,16 @@ def resolve_attention_impl(impl: str, dtype: Dtype) -> str:
     if impl != "auto":
         return impl
     where = accelerator()
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    if where == "nvidia" and half:
+    if where == "nvidia" and half(dtype):
         return "cudnn"
     if where == "tpu":
         return "pallas"
     return "xla"
+
+
+def half(dtype: Dtype) -> bool:
+    """bfloat16 or float16: what cuDNN's fused attention kernel runs in (it has no float32 path)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def check_context_kernel(context_impl: str, attention_impl: str, kernel: str) -> None:
@@ -81,7 +85,7 @@ def check_context_mesh(kind: str, mc, mesh) -> None:
     if getattr(mc, "attention_impl", "auto") == "cudnn":
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             where = accelerator()
-        if where != "nvidia" or jnp.dtype(mc.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        if where != "nvidia" or not half(mc.dtype):
             raise ValueError(
                 f"attention_impl=cudnn runs on NVIDIA GPUs in bfloat16 or float16, not on {where} in "
                 f"{jnp.dtype(mc.dtype).name}: set model.attention_impl=auto (it picks cuDNN where it runs)"

@@ -344,8 +344,7 @@ class Grammars:
         # ('foo: "a" foo': llguidance's limit) or an added token's text written as text (Qwen's
         # <tool_call>: offered, then refused) failed the first step, a 500 for the grammar's fault
         allowed = np.flatnonzero(np.unpackbits(allowed_W.view(np.uint8), bitorder="little"))
-        probe = start.deep_copy()
-        if len(allowed) == 1 and not probe.consume_token(int(allowed[0])):
+        if len(allowed) == 1 and not (probe := start.deep_copy()).consume_token(int(allowed[0])):
             token = int(allowed[0])
             if token in getattr(self.tokenizer, "added_ids", ()):
                 raise GrammarError(

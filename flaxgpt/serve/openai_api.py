@@ -344,9 +344,8 @@ def parse_chat(
     except chat.ChatError as e:
         raise BadRequest(str(e), "messages") from None
     rest = {k: v for k, v in body.items() if k not in CHAT_ONLY}
-    if (
-        body.get("max_tokens") is None and body.get("max_completion_tokens") is None
-    ):  # the rest of the window (a prompt too long is refused below)
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        # the rest of the window (a prompt too long is refused below)
         rest["max_tokens"] = max(1, min(max_len - len(ids), max_tokens_limit or max_len))
     if want:
         rest["logprobs"] = top or 0

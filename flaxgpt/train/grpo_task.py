@@ -124,8 +124,8 @@ def check_group_size(G: int) -> None:
 def group_advantages(rewards_N, group_size: int, scale: str = "group"):
     """(advantages [N], zero_std [N]) of rewards [N] laid out as N // G groups of G completions of one
         prompt: the reward less its group's mean, over the group's (scale group) or the step's (batch)
-        standard deviation + 1e-4, or not scaled (none). A NaN reward (unscorable) is left out of the
-        statistics and gets advantage 0. zero_std: the group's rewards are all equal, or fewer than two of
+    standard deviation + 1e-4, or not scaled (none). A NaN reward (unscorable) is left out of the
+    statistics and gets advantage 0. zero_std: the group's rewards are all equal, or fewer than two of
     them are numbers (logged: no signal; dynamic sampling refills such groups)."""
     if scale not in SCALES:
         raise ValueError(f"grpo.scale_rewards={scale!r}; choose one of {', '.join(SCALES)}")
