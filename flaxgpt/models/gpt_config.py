@@ -176,6 +176,13 @@ class GPTConfig:
                 raise ValueError(f"{field} must be >= 0 (0 = off), got {getattr(self, field)}")
         if self.pos_embedding == "rope":
             self.rope  # noqa: B018 -- RoPE checks its own arguments
+        elif self.rope_scaling != "none":
+            raise ValueError(
+                f"rope_scaling={self.rope_scaling!r} stretches rotary positions, and pos_embedding="
+                f"{self.pos_embedding!r} has none: set rope_scaling='none' (or pos_embedding='rope')"
+            )
+        if self.fp8_experts and not self.fp8:
+            raise ValueError("fp8_experts adds the routed experts to model.fp8's float8 products: set fp8=True")
         self._check_experts()
 
     def _check_experts(self):

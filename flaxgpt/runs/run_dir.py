@@ -120,6 +120,9 @@ def _differing(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(fa) | set(fb) if fa.get(k, "<missing>") != fb.get(k, "<missing>"))
 
 
+LORA_MODEL_KEYS = ("rank", "alpha", "targets")  # a LoRA run's adapters are these; the rest may change
+
+
 def check_resume(
     extra: dict, step: int, model_config, meta: dict, config_dict: dict | None = None
 ) -> list[str]:
@@ -137,6 +140,13 @@ def check_resume(
         for k in sorted(set(before) | set(now)):
             if k not in models.RUNTIME_FIELDS + models.EXPORT_ONLY_FIELDS and before.get(k) != now.get(k):
                 diffs.append(f"model.{k} ({before.get(k)!r} in the checkpoint, {now.get(k)!r} now)")
+    # what the adapters mean: another rank or targets fail the restore's shapes, another alpha would
+    # rescale what they learned without a word
+    was, now_lora = saved.get("lora") or {}, (config_dict or {}).get("lora") or {}
+    if was.get("rank") and config_dict is not None:
+        for k in LORA_MODEL_KEYS:
+            if _plain(was.get(k)) != _plain(now_lora.get(k)):
+                diffs.append(f"lora.{k} ({was.get(k)!r} in the checkpoint, {now_lora.get(k)!r} now)")
     saved_tok = (extra.get("meta") or {}).get("tokenizer")
     if saved_tok is not None and saved_tok != meta.get("tokenizer"):
         keys = ", ".join(f"tokenizer.{k}" for k in _differing(saved_tok, meta.get("tokenizer") or {}))

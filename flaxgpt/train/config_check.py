@@ -150,6 +150,14 @@ def check(config) -> None:
         value = config.model.get(key)
         if value is not None and value not in DTYPES:
             raise ConfigError(f"--config.model.{key}={value!r} is not one of {DTYPES}")
+        if value == "float64":
+            import jax  # (here: load_recipe stays light)
+
+            if not jax.config.jax_enable_x64:  # jax would make every float64 array float32
+                raise ConfigError(
+                    f"--config.model.{key}=float64 needs 64-bit jax: run with JAX_ENABLE_X64=1 "
+                    "(without it every array is float32)"
+                )
     from flaxgpt.models import (
         registry as models,  # (here: load_recipe stays light for train.py's flag parsing)
     )

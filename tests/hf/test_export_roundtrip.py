@@ -58,7 +58,8 @@ DOMAIN = {
     "n_kv_head": lambda d: (0, 1, max(1, d["n_head"] // 2), d["n_head"]),
     "qk_norm": BOOL,
     "rope_theta": (10000.0, 500000.0),
-    "rope_scaling": ROPE_SCALINGS,
+    # a stretch of rotary positions: a model without them has none (GPTConfig refuses one)
+    "rope_scaling": lambda d: ROPE_SCALINGS if d.get("pos_embedding") == "rope" else ("none",),
     "rope_factor": (1.0, 4.0),
     "rope_low_freq_factor": (1.0, 2.0),
     "rope_high_freq_factor": (4.0, 8.0),
@@ -219,7 +220,7 @@ def test_the_two_export_bugs_are_refused_or_fixed():
 SAME_MODEL = [
     ("gpt2", "gpt2", dict(n_kv_head=12, head_size=64, mlp_hidden=3072, query_pre_attn_scalar=64.0)),
     ("gpt2", "gpt2", dict(bias=False, qkv_bias=False, pos_embedding="sinusoidal", sinusoid_layout="halves")),
-    ("gpt2", "gpt2", dict(rope_theta=5.0, rope_scaling="linear", rope_factor=4.0, rope_local_theta=1.0)),
+    ("gpt2", "gpt2", dict(rope_theta=5.0, rope_factor=4.0, rope_local_theta=1.0)),
     (
         "gpt2",
         "gpt2",

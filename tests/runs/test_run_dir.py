@@ -200,3 +200,18 @@ def test_resuming_with_a_real_change_reports_it():
         "grpo.reward_funcs: ['answer'] -> ['answer', 'format']",
         "optim.learning_rate: 0.0006 -> 0.0001",
     ]
+
+
+def test_resuming_a_lora_run_with_another_alpha_is_refused():
+    """A LoRA run's adapters mean what rank, alpha and targets made them: another alpha would rescale
+    what they learned (a shape check catches only rank and targets); dropout may change."""
+    from flaxgpt.runs.run_dir import RunError, check_resume
+
+    tiny = gpt.GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=8)
+    lora = {"rank": 4, "alpha": 16.0, "dropout": 0.0, "targets": "all-linear", "base_dtype": "float32"}
+    saved = {"lora": lora, "model": json.loads(json.dumps(models.section_of(tiny)))}
+    assert check_resume({"config": saved}, 5, tiny, {}, {"lora": {**lora, "dropout": 0.1}}) == [
+        "lora.dropout: 0.0 -> 0.1"
+    ]
+    with pytest.raises(RunError, match=r"lora\.alpha \(16\.0 in the checkpoint, 32\.0 now\)"):
+        check_resume({"config": saved}, 5, tiny, {}, {"lora": {**lora, "alpha": 32.0}})

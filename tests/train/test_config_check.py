@@ -55,6 +55,11 @@ BAD = {  # override -> what the message says
         5,
         "the cosine decay ends at max_iters (optim.decay_steps=0) = 5, not",
     ),
+    # accepted silently before: a yarn stretch of learned positions, experts in float8 without fp8, and
+    # float64 weights that jax made float32
+    "yarn, learned": ("model.rope_scaling", "yarn", "rope_scaling='yarn' stretches rotary positions, and"),
+    "fp8_experts": ("model.fp8_experts", True, "fp8_experts adds the routed experts to model.fp8's"),
+    "float64, 32-bit jax": ("model.param_dtype", "float64", "needs 64-bit jax: run with JAX_ENABLE_X64=1"),
     "muon wd<0": ("optim.muon_weight_decay", -1.0, "--config.optim.muon_weight_decay=-1.0 must be >= 0"),
 }
 
