@@ -182,7 +182,9 @@ class GPTConfig:
                 f"{self.pos_embedding!r} has none: set rope_scaling='none' (or pos_embedding='rope')"
             )
         if self.fp8_experts and not self.fp8:
-            raise ValueError("fp8_experts adds the routed experts to model.fp8's float8 products: set fp8=True")
+            raise ValueError(
+                "fp8_experts adds the routed experts to model.fp8's float8 products: set fp8=True"
+            )
         self._check_experts()
 
     def _check_experts(self):
