@@ -167,8 +167,10 @@ def _distributed(inner, mesh):
     ([in, out] and [out, in] together, the latter transposed: Newton-Schulz commutes with the
     transpose) becomes one [N, a, b] array, split over every device of the mesh, so each device
     orthogonalises N / devices of them (the speedrun's distributed Muon) in a few large batched
-    matmuls instead of many small ones; the results are gathered back. Its momentum is kept whole
-    on each device (use the per-parameter form under FSDP, where it is sharded like the weights)."""
+    matmuls instead of many small ones; the results are gathered back. The momentum is stored per
+    parameter, like the weights, and stacked inside the update with the gradients: a checkpoint
+    holds no trace of the device count, so a run resumes on any mesh (under FSDP the per-parameter
+    form runs instead, its momentum sharded as the weights)."""
     masked = optax.transforms.MaskedNode
     is_masked = lambda x: isinstance(x, masked)  # noqa: E731
     n = 1 if mesh is None else mesh.devices.size
@@ -211,14 +213,16 @@ def _distributed(inner, mesh):
                 leaves[i] = (jnp.swapaxes(part, 1, 2) if shape[-2] > shape[-1] else part).reshape(shape)
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
-    def init(params):
-        return inner.init(stack(params))
+    def with_mu(state, fn):  # scale_by_muon's state, or inject_hyperparams' around it (momentum warmup)
+        if hasattr(state, "inner_state"):
+            return state._replace(inner_state=with_mu(state.inner_state, fn))
+        return state._replace(mu=fn(state.mu))
 
     def update(updates, state, params=None):
-        out, state = inner.update(stack(updates), state)
-        return unstack(out, updates), state
+        out, state = inner.update(stack(updates), with_mu(state, stack))
+        return unstack(out, updates), with_mu(state, lambda mu: unstack(mu, updates))
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformation(inner.init, update)
 
 
 def _muon(c, schedule, mesh=None):

@@ -182,3 +182,20 @@ def test_muon_resumes_exactly_and_trains_sharded_and_accumulated(data_dir):  # n
     np.testing.assert_allclose(eight, one, atol=1e-5)
     mu = state.opt_state[1].inner_states["muon"].inner_state[1].mu["h_0"]["mlp"]["c_fc"]["kernel"]
     assert mu.sharding.spec[0] == "fsdp" and mu.addressable_shards[0].data.shape == (8, 128)
+
+    # saved on one device, resumed on 8 (2-way data x 4-way FSDP, then 8-way data): the momentum is
+    # stored per parameter, so a checkpoint holds nothing of the mesh it was saved on
+    for mesh in (dict(data=2, fsdp=4), dict(data=8, fsdp=1)):
+        moved = _muon_config(data_dir, max_iters=6, eval_interval=100, eval_iters=1, ckpt_interval=0)
+        t = PreemptedAt(moved, devices=jax.devices()[:1], **QUIET)
+        t.k = 3
+        t.run(t.init_state())
+        t.close()
+        moved.mesh.update(mesh)
+        t = PreemptedAt(moved, **QUIET)
+        t.run(t.init_state())
+        t.close()
+        after = losses(moved.out_dir)
+        np.testing.assert_allclose(
+            [after[k] for k in (4, 5)], [losses(cfg.out_dir)[k] for k in (4, 5)], atol=1e-5
+        )
