@@ -133,6 +133,10 @@ def check_messages(messages, name: str = "the conversation", need_assistant: boo
             clean["tool_calls"] = calls
         elif not isinstance(clean.get("content"), str):
             raise ChatError(f"{name}: message {i} ({m['role']}) has no string 'content'")
+        if "weight" in clean and (role != "assistant" or clean["weight"] not in (0, 1)):
+            raise ChatError(  # OpenAI's fine-tuning format: 0 leaves an assistant turn untrained
+                f"{name}: message {i} has weight {clean['weight']!r}; a weight is 0 or 1, on assistant turns"
+            )
         if not isinstance(clean.get("tool_call_id", ""), str):
             raise ChatError(f"{name}: message {i} has a non-string 'tool_call_id'; send the call's id string")
         if isinstance(clean.get("content"), str):
@@ -194,6 +198,9 @@ def _tool_calls(calls, where: str) -> list[dict]:
     return out
 
 
+PROBE = "\u2063probe\u2063"  # text no template changes: where a message's text lands in a rendering
+
+
 def render(tokenizer, messages, add_generation_prompt: bool, name: str = "the conversation", tools=None):
     """(text, [(start, end) character spans of {% generation %} blocks]).
 
@@ -240,7 +247,15 @@ def assistant_mask(
     encoding = tokenizer.encoding(text)
     ids = np.asarray(encoding.ids, np.int64)
     mask = np.zeros(len(ids), np.uint8)
+    # OpenAI's per-turn weight: 0 keeps an assistant turn as context, untrained
+    trained = [m.get("weight", 1) == 1 for m in messages if m["role"] == "assistant"]
     if GENERATION_TAG.search(template_of(tokenizer)):
+        if not all(trained) and len(spans) != len(trained):
+            raise ChatError(
+                f"{name}: the template marks {len(spans)} {{% generation %}} blocks for {len(trained)} "
+                "assistant turns, so a turn's weight 0 cannot be told apart; drop the weights"
+            )
+        spans = [span for span, keep in zip(spans, trained) if keep] if not all(trained) else spans
         for start, end in spans:  # transformers' rule: first to last token touching the span
             first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
             if first is None:
@@ -248,11 +263,14 @@ def assistant_mask(
             mask[first : len(ids) if last is None else last + 1] = 1
         return ids, mask
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or m.get("weight", 1) == 0:
             continue
-        before = render_ids(tokenizer, messages[:i], True, name, tools) if i else []
+        if i:
+            before = render_ids(tokenizer, messages[:i], True, name, tools)
+        else:  # an opening assistant turn: what the template writes before its text is prompt too
+            before = _before_text(tokenizer, m, name, tools)  # (BOS, a default system block, its header)
         through = render_ids(tokenizer, messages[: i + 1], False, name, tools)
-        if through[: len(before)] != before or list(ids[: len(through)]) != through:
+        if before is None or through[: len(before)] != before or list(ids[: len(through)]) != through:
             raise ChatError(
                 f"{name}: the chat template does not render turn {i} as a prefix of the conversation, "
                 "so its assistant tokens cannot be found; mark them with {% generation %} in the template"
@@ -261,16 +279,31 @@ def assistant_mask(
     return ids, mask
 
 
+def _before_text(tokenizer, message, name, tools) -> list[int] | None:
+    """The ids a template writes before a conversation's first message's text (a template may add
+    BOS or a default system block only before a first message, so rendering none does not show them);
+    None when the text is not written as given."""
+    text, _ = render(tokenizer, [{**message, "content": PROBE}], False, name, tools)
+    return tokenizer.encode(text[: text.index(PROBE)]) if PROBE in text else None
+
+
 def end_of_turn_id(tokenizer) -> int | None:
     """The control token the template writes right after an assistant's text (<|eot_id|>, <|im_end|>):
     where a chat reply stops. The tokenizer's EOS when the template writes none."""
-    probe = "\u2063probe\u2063"
     text, _ = render(
-        tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}], False
+        tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}], False
     )
-    after = text[text.index(probe) + len(probe) :] if probe in text else ""
+    after = text[text.index(PROBE) + len(PROBE) :] if PROBE in text else ""
     added = getattr(tokenizer, "added_ids", frozenset())
     return next((t for t in tokenizer.encode(after) if t in added), tokenizer.eos_id)
+
+
+def check_tools(record: dict, name: str) -> list | None:
+    """A jsonl line's `tools` (OpenAI's fine-tuning format: the functions its assistant may call), or None."""
+    tools = record.get("tools") or None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ChatError(f'{name}: "tools" must be a list of {{"type": "function", "function": ...}} objects')
+    return tools
 
 
 def read_conversations(path: str | Path) -> list[tuple[str, list[dict], list | None]]:
@@ -281,12 +314,7 @@ def read_conversations(path: str | Path) -> list[tuple[str, list[dict], list | N
     for name, record in jsonl_records(path, ChatError, 'a .jsonl file of {"messages": [...]} lines'):
         if not isinstance(record, dict) or "messages" not in record:
             raise ChatError(f'{name} has no "messages" list')
-        tools = record.get("tools") or None
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise ChatError(
-                f'{name}: "tools" must be a list of {{"type": "function", "function": ...}} objects'
-            )
-        out.append((name, check_messages(record["messages"], name), tools))
+        out.append((name, check_messages(record["messages"], name), check_tools(record, name)))
     if not out:
         raise ChatError(f"{path} holds no conversation")
     return out

@@ -27,7 +27,7 @@ def jsonl_records(path: str | Path, error=PrepareError, what: str = "a .jsonl fi
     if not path.is_file():
         raise error(f"--input {path} does not exist ({what})")
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(text_lines(read_utf8(path, error)), start=1):
         if not line.strip():
             continue
         name = f"{path} line {n}"
@@ -38,21 +38,48 @@ def jsonl_records(path: str | Path, error=PrepareError, what: str = "a .jsonl fi
     return out
 
 
+def document_end(tokenizer, name: str) -> int:
+    """The id each document ends with (end-of-text): a one-line PrepareError when there is none,
+    rather than a None that numpy writes as id 0."""
+    if getattr(tokenizer, "eot_id", None) is not None:
+        return int(tokenizer.eot_id)
+    if hasattr(tokenizer, "stoi"):  # a character vocabulary
+        raise PrepareError(
+            "a character vocabulary has no end-of-text token to end each document with; "
+            "use --tokenizer gpt2 or a model directory"
+        )
+    raise PrepareError(
+        f"--tokenizer {name} names no end-of-text token (eos_token in tokenizer_config.json or "
+        "special_tokens_map.json, or eos_token_id in config.json); add one: each document ends with it"
+    )
+
+
 def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
-def read_utf8(path: str | Path) -> str:
-    """A file's text; bytes that are not UTF-8 are an error naming the file, byte offset and line."""
+def text_lines(text: str) -> list[str]:
+    """`text`'s lines, split at "\\n" alone (a "\\r" before it dropped), as `wc -l` counts them:
+    str.splitlines also splits at U+2028, U+2029, U+0085 and form feeds, which a JSON string or a
+    sentence may hold (a line cut there would shift every pair after it, or not parse)."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
+
+
+def read_utf8(path: str | Path, error=PrepareError) -> str:
+    """A file's text, a leading byte-order mark dropped; bytes that are not UTF-8 are an `error`
+    naming the file, byte offset and line."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
-        raise PrepareError(f"cannot read {path}: {e.strerror or e}") from None
+        raise error(f"cannot read {path}: {e.strerror or e}") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        raise PrepareError(
+        raise error(
             f"{path} is not UTF-8 text: byte {e.start} (line {line}) is 0x{data[e.start]:02x} ({e.reason}); "
             "convert it, e.g. iconv -f latin1 -t utf-8"
         ) from None

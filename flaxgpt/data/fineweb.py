@@ -219,11 +219,26 @@ def _documents(path: str, config: str | None, data_files: str | None, skip: int)
     import datasets
 
     local = Path(path)
-    if local.is_dir() and (local / "dataset_info.json").exists():  # datasets.Dataset.save_to_disk
-        ds = datasets.load_from_disk(str(local)).to_iterable_dataset()
-    else:
-        ds = datasets.load_dataset(path, config, data_files=data_files, split="train", streaming=True)
-    for doc in ds.skip(skip) if skip else ds:
+    try:
+        if local.is_dir() and (local / "dataset_info.json").exists():  # datasets.Dataset.save_to_disk
+            ds = datasets.load_from_disk(str(local)).to_iterable_dataset()
+        else:
+            ds = datasets.load_dataset(path, config, data_files=data_files, split="train", streaming=True)
+        docs = iter(ds.skip(skip) if skip else ds)
+        first = next(docs, None)  # a missing file or an offline name fails here, not mid-shard
+    except Exception as e:  # offline, unknown name, missing data files: all mean "cannot get it"
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ShardError(
+            f"could not load Hugging Face dataset {path!r} ({type(e).__name__}: {why}); check the name, "
+            "--hf_data_files and the network"
+        ) from None
+    if first is not None and "text" not in first:
+        raise ShardError(
+            f"dataset {path!r} has no 'text' column (it has {', '.join(first)}); shards tokenize 'text'"
+        )
+    if first is not None:
+        yield first["text"]
+    for doc in docs:
         yield doc["text"]
 
 

@@ -97,20 +97,18 @@ def special_ids(directory: Path, tok) -> tuple[int | None, int | None, frozenset
                         every = frozenset(
                             int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)
                         )
-    config = directory / "tokenizer_config.json"
-    if config.is_file():
-        data = json.loads(config.read_text())
-        for key in ("bos_token", "eos_token"):
-            token = data.get(key)
-            token = token.get("content") if isinstance(token, dict) else token
-            if f"{key}_id" not in found and token is not None and tok.token_to_id(token) is not None:
-                found[f"{key}_id"] = tok.token_to_id(token)
+    strings = token_strings(directory)
+    for key in ("bos_token", "eos_token"):
+        token = strings.get(key)
+        if f"{key}_id" not in found and token is not None and tok.token_to_id(token) is not None:
+            found[f"{key}_id"] = tok.token_to_id(token)
     eos = found.get("eos_token_id")
     return found.get("bos_token_id"), eos, every | ({eos} if eos is not None else set())
 
 
 def chat_files(directory: Path) -> tuple[str | None, dict[str, str]]:
-    """(chat template or None, special token strings) from chat_template.jinja / tokenizer_config.json."""
+    """(chat template or None, special token strings) from chat_template.jinja / tokenizer_config.json
+    (token_strings)."""
     config_file, template = directory / "tokenizer_config.json", None
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     jinja = directory / "chat_template.jinja"
@@ -121,10 +119,19 @@ def chat_files(directory: Path) -> tuple[str | None, dict[str, str]]:
         template = named.get("default")
     elif isinstance(config.get("chat_template"), str):
         template = config["chat_template"]
+    return template, token_strings(directory)
+
+
+def token_strings(directory: Path) -> dict[str, str]:
+    """The special token strings (bos_token, eos_token, ...): tokenizer_config.json's, else
+    special_tokens_map.json's (where older saves keep them; transformers reads both)."""
     special = {}
-    for name in SPECIAL_TOKEN_NAMES:
-        token = config.get(name)
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str):
-            special[name] = token
-    return template, special
+    for file in ("special_tokens_map.json", "tokenizer_config.json"):  # the later one wins
+        path = directory / file
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        for name in SPECIAL_TOKEN_NAMES:
+            token = data.get(name)
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                special[name] = token
+    return special

@@ -53,6 +53,14 @@ def read_pairs(path: str | Path) -> list[tuple[str, dict]]:
 def check_pair(record: dict, name: str) -> dict:
     """The record with its messages checked; an empty or identical chosen / rejected is an error."""
     conversational = isinstance(record["prompt"], list)
+    try:  # the functions the prompt offers, rendered as TRL's DPOTrainer renders them (tools=...)
+        record["tools"] = chat.check_tools(record, name)
+    except chat.ChatError as e:
+        raise PrepareError(str(e)) from None
+    if record["tools"] is not None and not conversational:
+        raise PrepareError(
+            f"{name}: tools are rendered by a chat template: give prompt, chosen and rejected as messages"
+        )
     for k in KEYS:
         if conversational:
             try:
@@ -84,8 +92,11 @@ def tokenize_pair(tokenizer, record: dict, max_len: int, name: str) -> tuple[lis
     a sequence; a prompt that leaves no response token is an error."""
     if isinstance(record["prompt"], list):
         try:
-            prompt = chat.render_ids(tokenizer, record["prompt"], True, name)
-            whole = [chat.render_ids(tokenizer, record["prompt"] + record[k], False, name) for k in KEYS[1:]]
+            tools = record.get("tools")
+            prompt = chat.render_ids(tokenizer, record["prompt"], True, name, tools)
+            whole = [
+                chat.render_ids(tokenizer, record["prompt"] + record[k], False, name, tools) for k in KEYS[1:]
+            ]
         except chat.ChatError as e:
             raise PrepareError(str(e)) from None
     else:
@@ -96,6 +107,10 @@ def tokenize_pair(tokenizer, record: dict, max_len: int, name: str) -> tuple[lis
         ends = [record[k] if record[k].endswith(eos) else record[k] + eos for k in KEYS[1:]]
         prompt = bos + tokenizer.encode(record["prompt"])
         whole = [bos + tokenizer.encode(record["prompt"] + end) for end in ends]
+    if whole[0] == whole[1]:  # e.g. " a" and " a<|eot_id|>": the same once the EOS is written
+        raise PrepareError(
+            f"{name}: chosen and rejected are the same tokens: nothing to prefer (drop the line)"
+        )
     n = min(_common_prefix(prompt, w) for w in whole)
     if n >= max_len:
         raise PrepareError(

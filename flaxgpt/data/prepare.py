@@ -43,6 +43,7 @@ from flaxgpt import errors
 from flaxgpt.data.dataset_files import (
     TEXT_SUFFIXES,
     PrepareError,
+    document_end,
     read_text,
     read_utf8,
     token_dtype,
@@ -138,7 +139,7 @@ def make_tokenizer(name: str, text: str | None = None):
     if meta.is_file():
         try:
             return from_meta(json.loads(meta.read_text())["tokenizer"])
-        except (KeyError, ValueError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise PrepareError(f"--tokenizer {name}: {meta} names no usable tokenizer ({e})") from None
     from flaxgpt.data.hf_tokenizer import HFTokenizer  # a model directory or its tokenizer.json
 
@@ -146,6 +147,11 @@ def make_tokenizer(name: str, text: str | None = None):
         return HFTokenizer(name)
     except (OSError, ImportError) as e:
         raise PrepareError(f"--tokenizer {name}: {e}; use char, gpt2 or a path to a tokenizer.json") from None
+    except Exception as e:  # a file that is not JSON (a git-lfs pointer): tokenizers' or json's error
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PrepareError(
+            f"--tokenizer {name}: its files cannot be read ({why}); a git-lfs pointer? fetch the real files"
+        ) from None
 
 
 def prepare_text(
@@ -183,8 +189,17 @@ def prepare_hf(
             f"{str(e).splitlines()[0] if str(e) else ''}); check the name and the network, "
             "or prepare local files with --dataset text --input PATH"
         ) from None
+    if "text" not in ds.column_names:
+        raise PrepareError(
+            f"Hugging Face dataset {path!r} has no 'text' column (it has {', '.join(ds.column_names)}); "
+            "--dataset hf tokenizes a 'text' column"
+        )
+    if len(ds) < 2:
+        raise PrepareError(
+            f"Hugging Face dataset {path!r} has {len(ds)} document(s); a train and a val split need 2"
+        )
     split = ds.train_test_split(test_size=val_fraction, seed=seed, shuffle=True)
-    eot = tokenizer.eot_id
+    eot = document_end(tokenizer, tokenizer_name)
     bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []  # a Llama-family model's BOS
 
     def tokenize(batch):  # each document ends with <|endoftext|> (EOS), as GPT-2 was trained
@@ -256,11 +271,14 @@ def _sequences(args, T: int):
         if not args.input:
             raise PrepareError("--dataset text --pack needs --input FILE_OR_FOLDER")
         path = Path(args.input)
-        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES) if path.is_dir() else [path]
+        files = [path]
+        if path.is_dir():  # read_text's files
+            files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
         tokenizer = make_tokenizer(args.tokenizer or "gpt2", read_text(path))
         bos = [tokenizer.bos_id] if getattr(tokenizer, "add_bos", False) else []
+        eot = document_end(tokenizer, args.tokenizer or "gpt2")
         for f in files:  # a document longer than a row is cut into rows' worth
-            ids = bos + tokenizer.encode(read_utf8(f)) + [tokenizer.eot_id]
+            ids = bos + tokenizer.encode(read_utf8(f)) + [eot]
             sequences += [(str(f), ids[i : i + T + 1], None) for i in range(0, max(1, len(ids) - 1), T)]
     examples, cut = [], 0
     for name, ids, mask in sequences:
@@ -397,6 +415,14 @@ def main(argv=None) -> dict:
         )
     if args.num_proc < 1:
         raise PrepareError(f"--num_proc must be >= 1, got {args.num_proc}")
+    if args.hf_dir and args.dataset not in ("chat", "pairs", "prompts"):  # it was ignored: GPT-2 ids
+        raise PrepareError(
+            f"--hf_dir is read by --dataset chat, pairs and prompts; --dataset {args.dataset} takes the "
+            f"model's tokenizer as --tokenizer {args.hf_dir}"
+        )
+    if args.pack and args.dataset != "text":
+        what = "packed already" if args.dataset in ("chat", "pairs") else "one token stream"
+        raise PrepareError(f"--pack packs --dataset text's documents; --dataset {args.dataset} is {what}")
     tok = args.tokenizer or ("char" if args.dataset == "shakespeare_char" else "gpt2")
     if args.dataset == "prompts":  # GRPO: prompts to sample from, fields the rewards read
         from flaxgpt.data import prompts
@@ -408,6 +434,11 @@ def main(argv=None) -> dict:
         from flaxgpt.data import fineweb
 
         name, config = (args.hf_name, args.hf_config) if args.hf_name else fineweb.FINEWEB
+        meta, progress = Path(args.out_dir) / "meta.json", Path(args.out_dir) / fineweb.PROGRESS
+        if meta.exists() and not progress.exists():  # another dataset: its meta.json holds its vocabulary
+            raise PrepareError(
+                f"{args.out_dir} already holds a prepared dataset (not these shards); use another --out_dir"
+            )
         try:
             done = fineweb.prepare_fineweb(
                 args.out_dir,

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from flaxgpt import errors
-from flaxgpt.data.dataset_files import PrepareError, read_utf8, token_dtype, writing
+from flaxgpt.data.dataset_files import PrepareError, read_utf8, text_lines, token_dtype, writing
 from flaxgpt.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, CharTokenizer, Seq2SeqTokenizer, get_tokenizer
 
 TASKS = ("reverse", "numbers", "tsv", "files", "hf")
@@ -97,8 +97,7 @@ def read_tsv(path: str | Path) -> list[tuple[str, str, str]]:
     """(source, target, "file:line") of `source<TAB>target` lines (exactly one tab); blank lines are
     skipped."""
     pairs = []
-    for lineno, line in enumerate(read_utf8(path).split("\n"), 1):
-        line = line.rstrip("\r")
+    for lineno, line in enumerate(text_lines(read_utf8(path)), 1):
         if not line.strip():
             continue
         tabs = line.count("\t")
@@ -114,8 +113,8 @@ def read_tsv(path: str | Path) -> list[tuple[str, str, str]]:
 
 def read_aligned(src_path: str | Path, tgt_path: str | Path) -> list[tuple[str, str, str]]:
     """Two files, line i of one translating line i of the other."""
-    src = read_utf8(src_path).splitlines()
-    tgt = read_utf8(tgt_path).splitlines()
+    src = text_lines(read_utf8(src_path))
+    tgt = text_lines(read_utf8(tgt_path))
     if len(src) != len(tgt):
         raise PrepareError(
             f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; the files must be line-aligned"

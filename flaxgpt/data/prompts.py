@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from flaxgpt.data import chat
-from flaxgpt.data.dataset_files import PrepareError, jsonl_records, writing
+from flaxgpt.data.dataset_files import PrepareError, document_end, jsonl_records, text_lines, writing
 from flaxgpt.data.tokenizers import CharTokenizer
 
 HINT = "prepare it with: flaxgpt prepare --dataset prompts --input PROMPTS.jsonl --out_dir DIR"
@@ -70,7 +70,12 @@ def char_vocabulary(records) -> CharTokenizer:
         if not isinstance(r["prompt"], str):
             raise PrepareError("chat prompts need the model's tokenizer: pass --hf_dir MODEL_DIR")
         text.append(r["prompt"])
-        text += [v for v in r["fields"].values() if isinstance(v, str)]
+        # a number too: the answer reward compares str(answer) with what a completion says
+        text += [
+            str(v)
+            for v in r["fields"].values()
+            if isinstance(v, (str, int, float)) and not isinstance(v, bool)
+        ]
     return CharTokenizer.from_text("".join(text))
 
 
@@ -87,11 +92,11 @@ def tokenize_prompt(tokenizer, prompt, name: str) -> list[int]:
         raise PrepareError(f"{name}: {e}") from None
 
 
-def eos_of(tokenizer) -> int:
+def eos_of(tokenizer, name: str) -> int:
     """The id that ends a sampled completion: end-of-text, or a character vocabulary's newline."""
-    if tokenizer.eot_id is not None:
-        return int(tokenizer.eot_id)
-    return tokenizer.stoi[CHAR_EOS]
+    if tokenizer.eot_id is None and isinstance(tokenizer, CharTokenizer):
+        return tokenizer.stoi[CHAR_EOS]
+    return document_end(tokenizer, name)
 
 
 def prepare_prompts(args, make_tokenizer) -> dict:
@@ -123,7 +128,7 @@ def prepare_prompts(args, make_tokenizer) -> dict:
         raise PrepareError(f"{len(rows)} prompts: too few to split with val_fraction={args.val_fraction}")
     splits = {"train": rows[:-n_val], "val": rows[-n_val:]}
     meta = {"kind": "prompts", "tokenizer": tokenizer.to_meta(), "vocab_size": tokenizer.vocab_size}
-    meta.update(eos_id=eos_of(tokenizer), max_prompt_tokens=max(len(r["ids"]) for r in rows))
+    meta.update(eos_id=eos_of(tokenizer, name), max_prompt_tokens=max(len(r["ids"]) for r in rows))
     meta.update(source=str(args.input), fields=sorted({k for r in rows for k in r["fields"]}))
     meta.update({f"{s}_examples": len(v) for s, v in splits.items()})
     with writing(out_dir) as tmp:
@@ -162,7 +167,7 @@ class PromptData:
         for split in ("train", "val"):
             path = self.dir / f"{split}.prompts.jsonl"
             try:
-                self.splits[split] = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+                self.splits[split] = [json.loads(x) for x in text_lines(path.read_text(encoding="utf-8"))]
             except (OSError, ValueError) as e:
                 raise ValueError(f"{path} cannot be read ({type(e).__name__}); {hint} --overwrite") from None
         self.eos_id = int(self.meta["eos_id"])
