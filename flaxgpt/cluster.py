@@ -15,15 +15,17 @@ the environment; `join` calls jax.distributed.initialize with it. In order, the 
              coordinator, the first node of the step, on a port derived from the job id.
   ompi       mpirun's OMPI_COMM_WORLD_SIZE / _RANK: jax's own detection reads the coordinator's IP from
              Open MPI 4's OMPI_MCA_orte_hnp_uri; Open MPI 5 has no such variable, so there
-             JAX_COORDINATOR_ADDRESS (which jax reads) must name it.
+             JAX_COORDINATOR_ADDRESS (which jax reads) must name it, and the rank's GPU is its
+             OMPI_COMM_WORLD_LOCAL_RANK (jax's detection would have given it).
+  tpu        a Cloud TPU VM of a multi-host slice (GKE's TPU_WORKER_HOSTNAMES, or the GCE metadata
+             server): jax's own detection (its GkeTpuCluster and GceTpuCluster); before SkyPilot,
+             which counts a slice's hosts as its nodes.
   skypilot   SKYPILOT_NUM_NODES > 1: the first of SKYPILOT_NODE_IPS (one per line) is the coordinator,
              SKYPILOT_NODE_RANK the process (jax has no SkyPilot detection).
   jobset     a GKE JobSet's GPU pods (launch/gke/jobset-gpu.yaml sets the variables, see JOBSET_ENV):
              the coordinator is pod 0 of job 0 through the JobSet's headless service,
              `<jobset>-<replicatedJob>-0-0.<subdomain>`; jax's k8s detection would need the
              `kubernetes` package and a service account allowed to list pods.
-  tpu        a Cloud TPU VM of a multi-host slice (GKE's TPU_WORKER_HOSTNAMES, or the GCE metadata
-             server): jax's own detection (its GkeTpuCluster and GceTpuCluster).
 
 Nothing found, or a job of one process: None, and no initialize call (a single process runs exactly as
 without this module). JAX_COORDINATOR_PORT (jax's own variable) moves the port for every engine.
@@ -81,6 +83,7 @@ class Join:
     coordinator: str | None = None  # host:port of process 0
     num_processes: int | None = None
     process_id: int | None = None
+    local_device_ids: tuple[int, ...] | None = None  # the GPUs this process drives; None: jax's or all
 
     def initialize_kwargs(self) -> dict:
         kwargs = dict(
@@ -88,6 +91,8 @@ class Join:
             num_processes=self.num_processes,
             process_id=self.process_id,
         )
+        if self.local_device_ids is not None:
+            kwargs["local_device_ids"] = list(self.local_device_ids)
         if self.engine in ("skypilot", "jobset"):  # all known: jax's detection would only misfire
             # (on Kubernetes it warns that the `kubernetes` package is missing, or asks the API server)
             kwargs["cluster_detection_method"] = "deactivate"
@@ -115,6 +120,8 @@ def detect(distributed, env: Mapping[str, str]) -> Join | None:
     if address is None and n is None and pid is None:
         if found is not None and found.coordinator is not None:
             check_address(found.coordinator, "the coordinator")
+        elif found is not None:
+            _check_jax_variables(env)
         return found
     # explicit settings win field by field; the engine (if any) fills the rest
     base = found or Join("settings")
@@ -134,7 +141,20 @@ def detect(distributed, env: Mapping[str, str]) -> Join | None:
         return None
     if how.coordinator is not None:
         check_address(how.coordinator, "coordinator_address" if address else "the coordinator")
+    else:
+        _check_jax_variables(env)
     return how
+
+
+def _check_jax_variables(env) -> None:
+    """Where jax finds the coordinator itself (Slurm, Open MPI, TPU) it reads JAX_COORDINATOR_ADDRESS
+    and JAX_COORDINATOR_PORT unchecked: an address without a port is an IndexError inside
+    jax.distributed.initialize, a port that is not a number a segmentation fault."""
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        check_address(env["JAX_COORDINATOR_ADDRESS"], "JAX_COORDINATOR_ADDRESS")
+    port = env.get("JAX_COORDINATOR_PORT")
+    if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"JAX_COORDINATOR_PORT={port!r} in the environment is not a port number (1-65535)")
 
 
 def check_address(address: str, what: str) -> None:
@@ -149,7 +169,8 @@ def check_address(address: str, what: str) -> None:
 
 def _engine(env: Mapping[str, str]) -> Join | None:
     """The first engine `env` shows, with what it says (None where jax finds it itself)."""
-    for rule in (_slurm, _ompi, _skypilot, _jobset, _tpu):
+    # tpu before skypilot: SkyPilot counts a slice's hosts as nodes, and jax numbers them as the slice does
+    for rule in (_slurm, _ompi, _tpu, _skypilot, _jobset):
         how = rule(env)
         if how is not None:
             return how if how.num_processes is None or how.num_processes > 1 else None
@@ -174,12 +195,17 @@ def _ompi(env) -> Join | None:
             f"Open MPI started {n} processes but does not say where process 0 is (Open MPI 5 sets no "
             "OMPI_MCA_orte_hnp_uri): pass -x JAX_COORDINATOR_ADDRESS=HOST:PORT to mpirun"
         )
-    return Join("ompi", None, n, _int(env, "OMPI_COMM_WORLD_RANK"))
+    local = None
+    if "OMPI_MCA_orte_hnp_uri" not in env and "OMPI_COMM_WORLD_LOCAL_RANK" in env:
+        # jax's OmpiCluster (which gives each rank its GPU) needs Open MPI 4's variable; under Open MPI 5
+        # every rank would open all of its node's GPUs: rank k of a node drives GPU k, as under Slurm
+        local = (_int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),)
+    return Join("ompi", None, n, _int(env, "OMPI_COMM_WORLD_RANK"), local)
 
 
 def _skypilot(env) -> Join | None:
     if "SKYPILOT_NUM_NODES" not in env or _int(env, "SKYPILOT_NUM_NODES") < 2:
-        return None  # a TPU pod is one SkyPilot node of several hosts: the tpu rule's
+        return None
     ips = [ip.strip() for ip in env.get("SKYPILOT_NODE_IPS", "").splitlines() if ip.strip()]
     n = _int(env, "SKYPILOT_NUM_NODES")
     if len(ips) != n:

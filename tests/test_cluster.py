@@ -90,7 +90,29 @@ def test_open_mpi_5_needs_the_coordinator_named():
     with pytest.raises(ValueError, match="JAX_COORDINATOR_ADDRESS"):
         cluster.detect(settings(), env)
     env["JAX_COORDINATOR_ADDRESS"] = "10.1.0.5:1234"  # jax reads it itself
-    assert cluster.detect(settings(), env) == cluster.Join("ompi", None, 4, 3)
+    how = cluster.detect(settings(), env)
+    # the rank's GPU is its local rank, as jax's OmpiCluster gives it under Open MPI 4 (without it
+    # every rank opened all of its node's GPUs); jax.distributed.initialize makes it the visible one
+    assert how == cluster.Join("ompi", None, 4, 3, (1,))
+    assert how.initialize_kwargs()["local_device_ids"] == [1]
+    assert "local_device_ids" not in cluster.detect(settings(), OMPI).initialize_kwargs()  # jax's own
+    # jax reads these two unchecked where it finds the coordinator itself: one line each
+    for var, value in (("JAX_COORDINATOR_ADDRESS", "localhost"), ("JAX_COORDINATOR_PORT", "abc")):
+        for engine in (env, SLURM):
+            with pytest.raises(ValueError, match=f"{var}"):
+                cluster.detect(settings(), {**engine, var: value})
+
+
+def test_a_tpu_slice_under_skypilot_is_joined_by_jax():
+    """SkyPilot runs a slice's hosts as its nodes (SKYPILOT_NUM_NODES=4 on a v5e-16): the tpu rule goes
+    first, so jax numbers the hosts as the slice does."""
+    tpu = {
+        **SKYPILOT,
+        "SKYPILOT_NUM_NODES": "4",
+        "SKYPILOT_NODE_IPS": "a\nb\nc\nd",
+        "TPU_WORKER_HOSTNAMES": "w-0,w-1",
+    }
+    assert cluster.detect(settings(), tpu) == cluster.Join("tpu")
 
 
 def test_skypilot_first_node_is_the_coordinator():

@@ -408,7 +408,8 @@ def build(
     trainer = engine = devices  # grpo.engine_devices: the engine's own, the trainer's mesh the rest
     if grpo and s.grpo.engine_devices:
         trainer, engine = grpo_rollout.split_devices(devices, s.grpo.engine_devices)
-    out = train_programs(config, mc, trainer, groups)
+    # the training batch and mesh are the train / eval programs' alone (--programs serve ignores them)
+    out = train_programs(config, mc, trainer, groups) if {"train", "eval"} & set(groups) else []
     if models.kind_of(mc) == "gpt":
         if "sample" in groups:
             out += sample_programs(mc, devices, quantize=quantize)

@@ -12,6 +12,7 @@ number of processes. `to_global` turns the host-local rows into one sharded jax.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import jax
@@ -99,7 +100,7 @@ class TokenData:
     def __init__(self, data_dir: str | Path, hint: str | None = None):
         """hint: 'prepare it with: COMMAND', the recipe's (flaxgpt.data.hints)."""
         self.dir = Path(data_dir)
-        hint = hint or PREPARE_HINT.format(dir=self.dir)
+        hint = hint or PREPARE_HINT.format(dir=shlex.quote(str(self.dir)))
         self.meta = read_meta(self.dir, hint)
         dtype = np.dtype(self.meta["dtype"])
         again = hint + " --overwrite"  # meta.json is there: prepare refuses to write over it without
@@ -198,7 +199,8 @@ class ParallelData:
         self.dir = Path(data_dir)
         hint = (
             hint
-            or f"prepare it with: flaxgpt prepare-seq2seq --task tsv --input PAIRS.tsv --out_dir {self.dir}"
+            or "prepare it with: flaxgpt prepare-seq2seq --task tsv --input PAIRS.tsv --out_dir "
+            + shlex.quote(str(self.dir))
         )
         self.meta = read_meta(self.dir, hint)
         if self.meta.get("kind") != "seq2seq":

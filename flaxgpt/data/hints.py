@@ -11,6 +11,7 @@ model or a flaxgpt run, None for a fresh model), and the dataset the one the fol
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 DATASETS = (  # a folder name's start -> its dataset: the recipes' own folders (configs/*.py)
@@ -32,8 +33,10 @@ TASKS = (  # encoder-decoder recipes: flaxgpt prepare-seq2seq
 def prepare_command(config, tok: str | None) -> str:
     """The command that prepares config.data.dir for this recipe, whose model reads tokenizer `tok`
     (loader.data_tokenizer's: "gpt2", a directory, or None for a fresh model)."""
-    out, fmt = str(config.data.dir), config.data.get("format", "tokens")
-    name = Path(out).name
+    fmt, name = config.data.get("format", "tokens"), Path(str(config.data.dir)).name
+    out = shlex.quote(str(config.data.dir))  # a command to paste: a path with spaces stays one word
+    hf = tok is not None and is_hf_dir(tok)
+    tok = shlex.quote(str(tok)) if tok is not None else None
     model = tok if tok not in (None, "gpt2") else "MODEL_DIR"
     block = config.get("model", {}).get("block_size", 0)
     if fmt == "packed":
@@ -42,11 +45,7 @@ def prepare_command(config, tok: str | None) -> str:
         args = f"--dataset pairs --input pairs.jsonl --hf_dir {model} --block_size {block}"
     elif fmt == "prompts":  # a fresh model: a character vocabulary of the prompts
         args = "--dataset prompts --input PROMPTS.jsonl " + (
-            "--tokenizer char"
-            if tok is None
-            else f"--hf_dir {tok}"
-            if is_hf_dir(tok)
-            else f"--tokenizer {tok}"
+            "--tokenizer char" if tok is None else f"--hf_dir {tok}" if hf else f"--tokenizer {tok}"
         )
     elif fmt == "shards":
         args = "--dataset fineweb"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import time
 from pathlib import Path
 
@@ -191,7 +192,7 @@ def closing_lines(steps: int, seconds: float, best_val_loss: float, checkpoint, 
     parts.append(f"checkpoint {checkpoint}" if checkpoint else "no checkpoint saved")
     lines = [" | ".join(parts)]
     if checkpoint:
-        lines.append(f"sample from it: python sample.py --out_dir {out_dir}")
+        lines.append(f"sample from it: python sample.py --out_dir {shlex.quote(str(out_dir))}")
     return lines
 
 

@@ -250,3 +250,16 @@ def test_a_kernel_that_does_not_lower_is_a_row_not_a_crash():
     )
     with pytest.raises(TypeError):
         report.analyze(program(TypeError("a bug")), target)
+
+
+def test_serving_programs_alone_do_not_check_the_training_batch():
+    """--programs serve over 8 devices with a recipe whose batch of 12 rows 8 devices cannot split:
+    the training batch is the train / eval programs' (it was refused)."""
+    from flaxgpt.aot import programs
+
+    devices = targets.get("v5e-8").devices()
+    c = tiny(batch_size=12, grad_accum=1)
+    built = programs.build(c, devices, groups=("serve",), serve_devices=8)
+    assert built and all(p.name.startswith("serve.") for p in built)
+    with pytest.raises(ValueError, match="batch_size // grad_accum 12 is not divisible"):
+        programs.build(c, devices, groups=("train",))

@@ -83,3 +83,15 @@ def test_a_missing_split_is_prepared_again_with_overwrite(tmp_path):
     np.arange(100, dtype=np.uint16).__mod__(65).astype(np.uint16).tofile(tmp_path / "train.bin")
     with pytest.raises(FileNotFoundError, match=r"val.bin is missing; prepare it with: .* --overwrite$"):
         batches.TokenData(tmp_path, "prepare it with: flaxgpt prepare --dataset shakespeare_char --out_dir D")
+
+
+def test_suggested_commands_quote_paths_with_spaces(tmp_path):
+    """A data or run directory with a space: the printed command pastes as one word per path (it split)."""
+    from flaxgpt.runs.metrics import closing_lines
+
+    c = config_check.load_recipe(str(ROOT / "configs" / "shakespeare_char_cpu.py"))
+    c.data.dir = str(tmp_path / "my data" / "shakespeare_char")
+    assert options(hints.prepare_command(c, None))["--out_dir"] == c.data.dir
+    run = str(tmp_path / "run one")
+    line = closing_lines(10, 1.0, 2.0, f"{run}/checkpoints/10", run)[-1]
+    assert shlex.split(line.split(": ", 1)[1])[-1] == run

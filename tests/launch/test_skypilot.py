@@ -49,6 +49,14 @@ def test_the_skypilot_tasks_are_valid(name):
     assert config["resources"]["use_spot"] and config["resources"]["job_recovery"]["strategy"] == "FAILOVER"
     assert config["file_mounts"]["/bucket"]["source"].startswith("gs://")
     assert '--config.out_dir="/bucket/runs/$RUN"' in config["run"]
+    # the images' python3 is 3.10, below flaxgpt's requires-python: setup makes a 3.12 environment
+    # (with the uv SkyPilot installs) and run uses it; `pip install -e .` under 3.10 failed the job
+    assert "uv venv --seed --python 3.12 ~/flaxgpt-env" in config["setup"]
+    assert "~/flaxgpt-env/bin/pip install" in config["setup"] and "\npip install" not in config["setup"]
+    run = [line.strip() for line in config["run"].splitlines()]
+    assert "~/flaxgpt-env/bin/python train.py" in config["run"] and not any(
+        x.startswith("python") for x in run
+    )
 
 
 def test_gpu_nodes_and_tpu_slice():
