@@ -52,7 +52,18 @@ import warnings
 from pathlib import Path
 
 SEPARATOR = "-" * 40
-GPT_ONLY = ("temperature", "top_k", "top_p", "num_samples", "seed", "dtype", "quantize", "draft")
+GPT_ONLY = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "num_samples",
+    "seed",
+    "dtype",
+    "quantize",
+    "draft",
+    "draft_tokens",
+)
+GPT_ONLY += ("layers", "heads", "system")  # (warned of, not silently dropped, for an encoder-decoder run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,7 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--start", help='the prompt, or FILE:prompt.txt (default "\\n"; seq2seq: required)')
     p.add_argument("--prompts_file", help="one prompt per line (blank lines are skipped)")
     p.add_argument("--num_samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--max_new_tokens", type=int, default=500, help="0 = no sampling (with --attention_png)")
+    p.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=500,
+        help="0 = no sampling (with --attention_png); seq2seq: the longest translation (default block_size)",
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=200, help="0 = off")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
@@ -138,7 +154,9 @@ def read_texts(a, kind: str) -> list[str]:
             raise ValueError(f"--start {a.start}: not UTF-8 text ({e}); save it as UTF-8") from None
     if kind == "gpt":
         return [text]
-    lines = [line for line in text.splitlines() if line.strip()]
+    from flaxgpt.data.dataset_files import text_lines  # (U+2028 in a sentence is text, not a line end)
+
+    lines = [line for line in text_lines(text) if line.strip()]
     if not lines:
         raise ValueError(f"--start {a.start!r} has no non-blank line to translate")
     return lines
@@ -159,6 +177,10 @@ def translate(a, parser, run):
     from flaxgpt.runs.run_dir import translation_settings  # the flags, else the run's recipe
 
     settings = translation_settings(a.out_dir, a.beam_size, a.alpha)
+    if a.max_new_tokens != parser.get_default("max_new_tokens"):  # else the model's block_size
+        if a.max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens must be >= 1 for a translation, got {a.max_new_tokens}")
+        settings["max_len"] = a.max_new_tokens
     for hyp in translate(*run[1:], lines, truncate=a.truncate, **settings):
         print(hyp)
 

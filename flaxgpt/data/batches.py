@@ -291,6 +291,11 @@ class Batcher:
         self.src_len, self.tgt_len = src_len, tgt_len
         self.lengths = np.maximum(data.src_lengths, data.tgt_lengths)
         self.n_per_epoch = len(data) // batch_size
+        if self.n_per_epoch == 0:  # (rows would divide by it)
+            raise ValueError(
+                f"{data.dir} holds {len(data)} pairs in this split, fewer than one batch of {batch_size}: "
+                "lower --config.batch_size or prepare more pairs"
+            )
         self._epoch, self._order = None, None  # memo of the current epoch's order (pure: recomputable)
 
     def rows(self, step: int) -> np.ndarray:

@@ -59,6 +59,13 @@ def number_to_words(n: int) -> str:
 
 def reverse_pairs(n: int, seed: int, min_len: int = 1, max_len: int = 12, alphabet: str = "abcdefghij"):
     """n distinct random strings and their reversals."""
+    letters = len(set(alphabet))
+    capacity = sum(letters**length for length in range(min_len, max_len + 1))
+    if n > capacity:  # the loop below would never end
+        raise PrepareError(
+            f"asked for {n} distinct strings, but {letters} letters make only {capacity} of up to "
+            f"{max_len} characters; raise --max_chars or lower --n_train / --n_val"
+        )
     rng = random.Random(seed)
     seen, pairs = set(), []
     while len(pairs) < n:
@@ -202,6 +209,8 @@ def check_args(args) -> None:
     for name, low in lowest.items():
         if getattr(args, name) < low:
             raise PrepareError(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if args.max_value >= SCALES[0][0] * 1000:  # number_to_words names billions at most
+        raise PrepareError(f"--max_value must be below 10**12 (words up to billions), got {args.max_value}")
     if not 0.0 < args.val_fraction < 1.0:
         raise PrepareError(f"--val_fraction must be in (0, 1), got {args.val_fraction}")
 

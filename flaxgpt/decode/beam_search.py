@@ -63,7 +63,9 @@ def beam_search(
     pad_id: int = 0,
     alpha: float = 0.6,
 ):
-    """-> (seqs [B, W, max_len], scores [B, W]), best first, BOS dropped, EOS kept, pad after.
+    """-> (seqs [B, W, max_len], scores [B, W]), BOS dropped, EOS kept, pad after: the finished
+    sequences best first (row 0 is the answer), then live prefixes in the slots no finished one
+    fills, each scored as if finished (so not sorted against the finished ones).
 
     `cache` holds R = batch_size * beam_size rows (each source repeated beam_size times,
     row b * W + w), room for max_len positions, and a `take_rows(rows_R)` method. A source with

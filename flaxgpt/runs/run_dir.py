@@ -224,7 +224,8 @@ def translation_settings(out_dir=None, beam_size=None, alpha=None) -> dict:
         if key in recipe and isinstance(value, (int, float)) and not isinstance(value, bool):
             recipe[key] = value
     given = {"beam_size": beam_size, "alpha": alpha}
-    return {k: type(recipe[k])(v if (v := given[k]) is not None else recipe[k]) for k in recipe}
+    kinds = {"beam_size": int, "alpha": float}  # (a recipe's alpha of 1 must not make --alpha 0.5 an int)
+    return {k: kinds[k](v if (v := given[k]) is not None else recipe[k]) for k in recipe}
 
 
 def checkpoint_step(out_dir, step: int | None = None) -> int | None:

@@ -114,4 +114,12 @@ def test_extra_tabs_non_utf8_and_nonsense_counts_are_refused(tmp_path):
     for flag, value in (("--n_train", "-5"), ("--n_val", "0"), ("--max_len", "1"), ("--val_fraction", "0")):
         with pytest.raises(PrepareError, match=f"{flag} must be"):
             ps.main(["--task", "reverse", flag, value, "--out_dir", str(tmp_path / "d")])
+    # more distinct strings than 2 characters over 10 letters make (110): it looped forever; a number
+    # past the billions words cannot say (an OverflowError traceback at 10**20)
+    for args, says in (
+        (["--task", "reverse", "--max_chars", "2", "--n_train", "100", "--n_val", "11"], "make only 110"),
+        (["--task", "numbers", "--max_value", str(10**20)], "--max_value must be below 10\\*\\*12"),
+    ):
+        with pytest.raises(PrepareError, match=says):
+            ps.main([*args, "--out_dir", str(tmp_path / "d")])
     assert not (tmp_path / "d").exists()

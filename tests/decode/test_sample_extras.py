@@ -98,6 +98,13 @@ def test_seq2seq_options_reach_the_translator(seq2seq_run, capsys, monkeypatch):
     assert code == 0 and loads[-1] == (str(seq2seq_run), None)
     assert calls[-1][1] == dict(beam_size=4, alpha=0.6, truncate=False)
     assert "warning: --temperature applies to GPT models" in err
+    # --max_new_tokens bounds a translation (it was dropped: translations ran to block_size); the
+    # sources of a file split at newlines alone (a U+2028 in a sentence made two translations)
+    code, out, err = run(capsys, *args[:-6], "--max_new_tokens", 3, "--heads", "0")
+    assert code == 0 and calls[-1][1] == dict(beam_size=4, alpha=0.6, truncate=False, max_len=3)
+    assert "warning: --heads applies to GPT models" in err
+    code, out, err = run(capsys, "--out_dir", seq2seq_run, "--start", "ab\u2028c\nhij")
+    assert code == 0 and calls[-1][0] == ["ab\u2028c", "hij"]
     # the recipe's seq2seq.beam_size / alpha ("for translating (sample.py)") where no flag says (never read)
     saved = (seq2seq_run / "config.json").read_text()
     recipe = {**json.loads(saved), "seq2seq": {"beam_size": 2, "alpha": 1.5}}
@@ -107,6 +114,9 @@ def test_seq2seq_options_reach_the_translator(seq2seq_run, capsys, monkeypatch):
             beam_size=2, alpha=1.5, truncate=False
         )
         assert run(capsys, *args[:-6], "--beam_size", 5)[0] == 0 and calls[-1][1]["beam_size"] == 5
+        # a recipe's alpha written as an int must not make --alpha 0.5 an int (it became 0)
+        (seq2seq_run / "config.json").write_text(json.dumps({**recipe, "seq2seq": {"alpha": 1}}))
+        assert run(capsys, *args[:-6], "--alpha", 0.5)[0] == 0 and calls[-1][1]["alpha"] == 0.5
     finally:
         (seq2seq_run / "config.json").write_text(saved)
 

@@ -140,6 +140,9 @@ def test_bad_data_and_mismatched_vocabularies_are_one_line_errors(reverse_data, 
     (tmp_path / "meta.json").write_text(json.dumps({"tokenizer": {"kind": "char", "chars": ["x"]}}))
     with pytest.raises(ValueError, match="differs from"):  # before anything is written
         trainer.Trainer(reverse_config(reverse_data, tmp_path, **{"model.block_size": 12}))
+    task = tasks.make_task(reverse_config(reverse_data, tmp_path, **{"model.block_size": 12}))
+    with pytest.raises(ValueError, match="holds 20000 pairs in this split, fewer than one batch of 20001"):
+        task.batch("train", 0, 20001, 0)  # (a ZeroDivisionError traceback once)
     with pytest.raises(FileNotFoundError, match="prepare-seq2seq"):
         tasks.make_task(reverse_config(tmp_path / "nothing", tmp_path / "run"))
 
