@@ -216,6 +216,11 @@ class Trainer:
         batch = self.global_batch("train_eval", 0, self.micro_rows, micro=False)
         loss_sum, weight = jax.device_get(self.eval_step(state.params, batch, state.frozen))
         loss = float(loss_sum / weight)
+        if not self.online and not np.isfinite(loss):  # resuming would take it, and blow up again
+            raise FloatingPointError(
+                f"loss is {loss} at step {step} (not saved); {self.last_good()}; "
+                "lower the learning rate and resume"
+            )
         cfg = self.config.to_dict()
         cfg["model"] = models.section_of(self.task.model_config)
         extra = {
@@ -234,14 +239,23 @@ class Trainer:
         """Names the newest checkpoint whose recorded loss was finite and not exploding (at most
         `EXPLODING` times the best loss seen before it), for the error that stops a diverged run."""
         self.ckpt.wait()
-        for step in reversed(self.ckpt.all_steps()):
+        steps = self.ckpt.all_steps()
+        for step in reversed(steps):
             try:
                 extra = self.ckpt.restore_extra(step)
             except ckpt_lib.CheckpointError:
                 continue
             if _healthy(extra):
-                return f"the last good checkpoint is {self.ckpt.directory / str(step)}"
-        return "no checkpoint was saved before the loss blew up (start again in a new out_dir)"
+                good = f"the last good checkpoint is {self.ckpt.directory / str(step)}"
+                later = [str(self.ckpt.directory / str(s)) for s in steps if s > step]
+                # a resume takes the latest checkpoint: a diverged one after the good one would come back
+                return good + (f" (move {', '.join(later)} away first)" if later else "")
+        if steps:
+            where = self.ckpt.directory
+            return (
+                f"no checkpoint in {where} was saved before the loss blew up (start again in a new out_dir)"
+            )
+        return "no checkpoint was saved before the loss blew up (run again: it starts afresh)"
 
     def after_step(self, step: int, state: TrainState) -> None:
         """Hook after each dispatched step (`step` updates done), for tests and tools."""

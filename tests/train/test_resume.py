@@ -86,8 +86,10 @@ def test_divergence_stops_at_the_last_good_checkpoint_and_init_from_errors(data_
     cfg = tiny_config(data_dir, max_iters=3, eval_interval=100, out_dir=out)
     bad = tiny_config(data_dir, out_dir=out, max_iters=40, ckpt_interval=2, optim__learning_rate=1e6)
     # step 4's weights are finite but diverged (its recorded loss ~1e13): "good" is step 3
-    good = rf"at step \d+.*last good checkpoint is {out}/checkpoints/3;"
-    with pytest.raises(FloatingPointError, match=good):
+    # ... and a resume takes the latest: the error names the diverged ones to move away first
+    good = rf"at step \d+.*last good checkpoint is {out}/checkpoints/3 "
+    good += rf"\(move {out}/checkpoints/4[^)]* away first\);"
+    with pytest.raises(FloatingPointError, match=good) as e:
         trainer.train(bad, devices=one, **QUIET)
     t = trainer.Trainer(cfg, devices=one, **QUIET)
     steps = t.ckpt.all_steps()
@@ -109,6 +111,23 @@ def test_divergence_stops_at_the_last_good_checkpoint_and_init_from_errors(data_
     with pytest.raises(CheckpointError, match="init_from=resume but .* has no checkpoint"):
         trainer.train(tiny_config(data_dir, init_from="resume"), devices=one, **QUIET)
     t.close()
+    # the advice, followed: the diverged checkpoints moved away, a lower rate resumes from step 3
+    moved = re.search(r"\(move (.*) away first\)", str(e.value)).group(1).split(", ")
+    for path in moved:
+        shutil.move(path, tmp_path / Path(path).name)
+    again = tiny_config(data_dir, out_dir=out, max_iters=5, eval_interval=100)
+    assert int(trainer.train(again, devices=one, **QUIET)["state"].step) == 5
+
+
+def test_a_nan_loss_checkpoint_is_not_saved(data_dir, three_steps, tmp_path):  # noqa: F811
+    """Finite weights whose loss is NaN were saved: "lower the learning rate and resume" took them back."""
+    out = copy_of(three_steps, tmp_path)
+    lr = dict(optim__learning_rate=1e30, optim__min_lr=1e29, optim__decay_steps=40)
+    bad = tiny_config(data_dir, out_dir=out, max_iters=10, ckpt_interval=1, eval_interval=100, **lr)
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step \d+ \(not saved\); the last good"):
+        trainer.train(bad, devices=jax.devices()[:1], **QUIET)
+    t = Checkpointer(out, read_only=True)
+    assert all(np.isfinite(t.restore_extra(s)["loss"]) for s in t.all_steps())
 
 
 def test_eval_only_evaluates_the_checkpoint_even_past_max_iters(data_dir, three_steps, tmp_path):  # noqa: F811
