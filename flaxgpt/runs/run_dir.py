@@ -62,6 +62,27 @@ def is_run_dir(source) -> bool:
         return False
 
 
+def check_out_dir(out_dir, init_from: str = "auto") -> None:
+    """Before a run writes into `out_dir`: a RunError when it holds something else's config.json (a
+    Hugging Face model's: the run's would replace it) or is the directory init_from reads weights from."""
+    out = Path(out_dir)
+    if (
+        init_from not in FRESH_STARTS
+        and Path(init_from).is_dir()
+        and out.resolve() == Path(init_from).resolve()
+    ):
+        raise RunError(
+            f"out_dir {out_dir} is init_from's directory: the run would write over the weights it "
+            "reads; use another out_dir"
+        )
+    config = out / "config.json"
+    if config.is_file() and not is_run_dir(out):
+        raise RunError(
+            f"{config} is not a flaxgpt run's (a Hugging Face model's?): the run's config.json would replace "
+            "it; use another out_dir"
+        )
+
+
 def require_run(source) -> None:
     """A one-line RunError unless `source` is a training run's directory: where the user named a run
     (--out_dir), before flaxgpt.load, which would look a missing directory's name up on the hub."""

@@ -25,6 +25,7 @@ metrics and the update's own time are logged with the step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -272,7 +273,9 @@ class Trainer:
         """Waits for the save in flight and releases the checkpointer."""
         self.ckpt.close()
 
-    def run(self, state: TrainState) -> dict:
+    def run(self, state: TrainState, stop: StopSignal | None = None) -> dict:
+        """Trains from `state` to max_iters; `stop`: the SIGTERM handler `train` installed before setup
+        (else one from here on)."""
         c = self.config
         start, t0 = int(jax.device_get(state.step)), time.perf_counter()
         writer = MetricsWriter(
@@ -314,8 +317,12 @@ class Trainer:
             return time.perf_counter(), step  # writing the line is not the next step's time
 
         # SIGTERM from here on: finish the step, save, return (processes agree every log_interval steps)
-        stop = StopSignal(every=c.log_interval)
+        stop = stop or StopSignal(every=c.log_interval)
         try:
+            if stop.requested(0):  # during setup (a restore, a compile): nothing trained to save
+                self._print(f"{stop.received or 'stop'} during setup: nothing trained; run the same command")
+                summary["state"] = state
+                return summary
             batch = self.train_batch(start, state) if start < c.max_iters else None
             if start >= c.max_iters and not c.eval_only:
                 self._print(f"{c.out_dir} is at step {start}: raise --config.max_iters to train further")
@@ -428,12 +435,24 @@ def _healthy(extra: dict) -> bool:
     return loss is not None and np.isfinite(loss) and loss <= EXPLODING * best
 
 
+@contextlib.contextmanager
+def _stop_signal(config):
+    """SIGTERM / SIGINT remembered from the lock on: a preemption notice during setup (minutes of
+    restore and compile) stops the run cleanly, lock released, exit 0 (it killed it, lock left)."""
+    stop = StopSignal(every=config.get("log_interval", 1))
+    try:
+        yield stop
+    finally:
+        stop.close()
+
+
 def train(config, devices=None, print_fn=print) -> dict:
     """Set up (all input checked), write the run files, train; returns the last metrics and state.
     Holds out_dir's lock throughout: a second run on it stops before deleting or writing anything."""
     check_config(config)  # every value, once, before anything is written or compiled
+    run_dir.check_out_dir(config.out_dir, config.get("init_from", "auto"))
     start_process(config)
-    with run_lock.hold(config.out_dir):
+    with run_lock.hold(config.out_dir), _stop_signal(config) as stop:
         trainer = Trainer(config, devices, print_fn)
         note = schedule_note(config, trainer.schedule)  # max_iters cuts the warmup or the decay short
         if note:
@@ -447,6 +466,6 @@ def train(config, devices=None, print_fn=print) -> dict:
             state = trainer.init_state()
             trainer.write_run_files()
             with jax.set_mesh(trainer.mesh):  # lets Pallas attention (TPU) split its kernel per device
-                return trainer.run(state)
+                return trainer.run(state, stop)
         finally:
             trainer.close()

@@ -130,6 +130,47 @@ def test_a_nan_loss_checkpoint_is_not_saved(data_dir, three_steps, tmp_path):  #
     assert all(np.isfinite(t.restore_extra(s)["loss"]) for s in t.all_steps())
 
 
+def test_sigterm_during_setup_stops_cleanly_and_releases_the_lock(
+    data_dir,  # noqa: F811
+    three_steps,
+    tmp_path,
+    monkeypatch,
+):
+    """A preemption notice while the state is restored (setup can take minutes): it killed the run
+    (exit 143) and left train.lock, which another host never takes over."""
+    out = copy_of(three_steps, tmp_path)
+    init_state = trainer.Trainer.init_state
+
+    def noticed(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return init_state(self)
+
+    monkeypatch.setattr(trainer.Trainer, "init_state", noticed)
+    lines = []
+    summary = trainer.train(
+        tiny_config(data_dir, out_dir=out, max_iters=6), devices=jax.devices()[:1], print_fn=lines.append
+    )
+    assert int(summary["state"].step) == 3 and "SIGTERM during setup: nothing trained" in lines[-1]
+    assert not (Path(out) / "train.lock").exists() and Checkpointer(out, read_only=True).all_steps() == [3]
+
+
+def test_an_out_dir_holding_a_models_files_is_refused(data_dir, tmp_path):  # noqa: F811
+    """out_dir = a Hugging Face model's directory (or init_from's): its config.json was replaced by
+    the run's, and transformers could no longer read the model."""
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt2"}')
+    for init_from, says in (("auto", "is not a flaxgpt run's"), (str(model), "is init_from's directory")):
+        with pytest.raises(RunError, match=says):
+            trainer.train(
+                tiny_config(data_dir, out_dir=str(model), init_from=init_from),
+                devices=jax.devices()[:1],
+                **QUIET,
+            )
+    assert sorted(p.name for p in model.iterdir()) == ["config.json"]
+    assert json.loads((model / "config.json").read_text()) == {"model_type": "gpt2"}
+
+
 def test_eval_only_evaluates_the_checkpoint_even_past_max_iters(data_dir, three_steps, tmp_path):  # noqa: F811
     """eval_only on a run whose step (3) is past max_iters (2) evaluated nothing and exited 0."""
     out = copy_of(three_steps, tmp_path)
