@@ -208,7 +208,7 @@ def parse_args(argv):
         p.error("--draft and --speculative_ngram are two ways to draft tokens: give one")
     if a.draft and a.speculative_tokens < 1:
         p.error(f"--speculative_tokens must be >= 1 with --draft, got {a.speculative_tokens}")
-    for name in ("prefill_chunk", "prefix_cache_tokens", "speculative_ngram", "mixed_step"):
+    for name in ("prefill_chunk", "prefix_cache_tokens", "speculative_ngram", "mixed_step", "max_queue"):
         if getattr(a, name) < 0:
             p.error(f"--{name} must be >= 0, got {getattr(a, name)}")
     for name in ("prefix_block", "max_body_bytes", "max_tokens", "max_num_batched_tokens"):

@@ -257,7 +257,8 @@ class Engine:
             job.echoed.append(Logprobs(*(np.asarray(x)[:size] for x in prefix.echo)))
         if job.left:
             return None
-        self.blocks.cache(job.owner, job.prompt_ids)
+        if not job.echo:  # an echo's blocks are under its own salt: cached, no request could hit them
+            self.blocks.cache(job.owner, job.prompt_ids)
         if not job.hold and bool(prefix.done):
             self.blocks.free(job.owner)
             return prefix

@@ -89,7 +89,7 @@ class ServeMetrics:
 
     def watch(self, sched):
         """Gauges that read the scheduler (and its engine's block manager) when scraped."""
-        self.queue_depth.set_function(lambda: len(sched.pending))
+        self.queue_depth.set_function(lambda: sum(not seq.cancelled for seq in list(sched.pending)))
         self.busy_slots.set_function(lambda: len(sched.active))
         self.slots.set(sched.engine.slots)
         self.prefix_blocks.set_function(lambda: len(sched.engine.blocks.blocks))

@@ -20,14 +20,13 @@ its Matcher writes its row of the bitmask before each step and takes the token a
 sequence. Logprobs travel with the deltas. A sequence that ends offers its slot's KV (prompt and reply)
 to the prefix cache (`engine.keep`) before the slot is reused.
 
-`emit(event)` is called on this thread with `Delta(text)` and then one `Finish(reason,
-completion_tokens)` or `Failed(message)`; callers in an event loop hand it over with
-loop.call_soon_threadsafe. Nothing a sequence does can stop the thread: errors fail the
-sequences involved and the loop goes on.
+`emit(event)` is called on this thread with `Delta(text)` and then one `Finish(reason, completion_tokens)`
+or `Failed(message)` (an event loop hands it over with loop.call_soon_threadsafe). Nothing a sequence does
+can stop the thread: errors fail the sequences involved and the loop goes on.
 
-With LoRA adapters (serve/adapters.py) a waiting sequence starts only when its adapter is resident
-or can be swapped into a slot no running sequence holds; until then later sequences of other
-adapters (or the base) go first. A sequence holds its adapter's slot until it ends.
+With LoRA adapters (serve/adapters.py) a waiting sequence starts only when its adapter is resident or can be
+swapped into a slot no running sequence holds; until then later sequences of other adapters (or the base)
+go first. A sequence holds its adapter's slot until it ends. A client gone while queued leaves the queue.
 """
 
 from __future__ import annotations
@@ -90,9 +89,7 @@ class Scheduler:
         self.prefilling: dict[int, object] = {}  # slot -> its PrefillJob (None: not started), oldest first
         self.plan: dict[int, int] = {}  # this turn's mixed step: held slot -> its prompt's last tokens
         self.metrics = None  # a ServeMetrics (flaxgpt/serve/metrics.py) once an app serves us
-        self.lock = threading.Condition()
-        self.ready = threading.Event()
-        self.accepting = True
+        self.lock, self.ready, self.accepting = threading.Condition(), threading.Event(), True
         self.stats = collections.Counter()  # finished, cancelled, failed, rejected sequences
         self._closed = False
         self.thread = threading.Thread(target=self._main, name="flaxgpt-engine", daemon=True)
@@ -119,6 +116,7 @@ class Scheduler:
                     f"{self.engine.slots + self.max_queue} at once (its slots + max_queue): send fewer"
                 )
             free = self.engine.slots - len(self.active)
+            self._drop_cancelled()  # clients gone while queued hold no place (they made new ones 429)
             if len(self.pending) + len(seqs) > self.max_queue + free:
                 self._count("rejected", len(seqs))
                 raise QueueFull(retry_after=1 + len(self.pending) // self.engine.slots)
@@ -228,14 +226,18 @@ class Scheduler:
             while self.prefilling:
                 self._prefill_once(next(iter(self.prefilling)))
 
+    def _drop_cancelled(self) -> None:
+        """Sequences whose clients went away while queued leave the queue. (Under self.lock.)"""
+        live = [seq for seq in self.pending if not seq.cancelled]
+        if len(live) < len(self.pending):
+            self._count("cancelled", len(self.pending) - len(live))
+            self.pending = collections.deque(live)
+
     def _take_pending(self) -> Sequence | None:
         """The oldest waiting sequence whose adapter is resident or can be swapped in now (its adapter
-        slot then held), else None; cancelled sequences on the way are dropped. (Under self.lock.)"""
+        slot then held), else None; cancelled sequences are dropped first. (Under self.lock.)"""
+        self._drop_cancelled()
         for seq in list(self.pending):
-            if seq.cancelled:
-                self.pending.remove(seq)
-                self._count("cancelled")
-                continue
             try:
                 slot = 0 if seq.adapter is None else self.adapters.acquire(seq.adapter)
             except Exception as e:  # a failed device write: this sequence fails, the others go on
@@ -292,7 +294,7 @@ class Scheduler:
                 self.engine.insert(prefix, slot)
             lps = None
             if seq.logprobs is not None:
-                lps = [self._entry(seq, first, *(np.asarray(x) for x in prefix.logprobs))]
+                lps = [TokenLogprob.of(seq.logprobs, first, *(np.asarray(x) for x in prefix.logprobs))]
             if seq.echo:
                 self._echo(seq, job)
         except Exception as e:  # a poisoned request: it fails (a 500), its pages go back, the rest go on
@@ -313,18 +315,12 @@ class Scheduler:
             return False
         return job.left <= (tokens or job.left) and all(s.grammar is None for s in self.active.values())
 
-    @staticmethod
-    def _entry(seq: Sequence, token: int, chosen, top_ids_K, top_K) -> TokenLogprob:
-        k = seq.logprobs or 0
-        top = [(int(i), float(v)) for i, v in zip(top_ids_K[:k], top_K[:k])]
-        return TokenLogprob(token, float(chosen), top)
-
     def _echo(self, seq: Sequence, job):
         """The prompt's tokens with their logprobs (the first has none), emitted before any text."""
         parts = [np.concatenate(x) for x in zip(*job.echoed)]  # each position's next token's, [n] ...
         prompt = [TokenLogprob(seq.prompt_ids[0], None, [])]
         for i, tok in enumerate(seq.prompt_ids[1:]):
-            prompt.append(self._entry(seq, tok, parts[0][i], parts[1][i], parts[2][i]))
+            prompt.append(TokenLogprob.of(seq.logprobs, tok, parts[0][i], parts[1][i], parts[2][i]))
         seq.emit(Delta("", [], prompt))
 
     def _step(self):
@@ -379,8 +375,8 @@ class Scheduler:
                 ids = tokens_BC[slot, : new_B[slot]].tolist()
                 lps = None
                 if seq.logprobs is not None:
-                    lps = [self._entry(seq, t, lp.chosen[slot, i], lp.top_ids[slot, i], lp.top[slot, i])
-                           for i, t in enumerate(ids)]  # fmt: skip
+                    mine = (lp.chosen[slot], lp.top_ids[slot], lp.top[slot])
+                    lps = [TokenLogprob.of(seq.logprobs, t, *(x[i] for x in mine)) for i, t in enumerate(ids)]
                 self._advance(slot, seq, ids, bool(done_B[slot]), lps)
 
     def _drafts(self, active: dict):
@@ -464,7 +460,8 @@ class Scheduler:
                 self._count("finished")
                 if len(seq.ids) > 1 and not seq.echo:  # it decoded in its slot: keep its prompt + reply
                     self.engine.keep(slot, seq.prompt_ids + seq.ids[:-1])  # for the next turn
-                self._free(slot, release=not device_done or ended)
+                # an echo is not kept: its pages go back now, not when a later request needs them
+                self._free(slot, release=not device_done or ended or seq.echo)
                 seq.emit(Finish(reason, len(seq.ids)))
         except Exception as e:
             self._fail(slot, seq, e)

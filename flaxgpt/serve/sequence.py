@@ -17,6 +17,13 @@ class TokenLogprob(NamedTuple):
     logprob: float | None
     top: list
 
+    @classmethod
+    def of(cls, k: int | None, token: int, chosen, top_ids_K, top_K) -> TokenLogprob:
+        """From the device's logprob arrays: the token's, and the first `k` alternatives."""
+        return cls(
+            token, float(chosen), [(int(i), float(v)) for i, v in zip(top_ids_K[: k or 0], top_K[: k or 0])]
+        )
+
 
 class Delta(NamedTuple):
     text: str

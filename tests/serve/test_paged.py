@@ -208,6 +208,7 @@ def test_serve_py_page_flags(capsys):
     for extra, needle in [
         (["--max_len", "100"], "--max_len 100 is not a multiple of the page size --prefix_block 16"),
         (["--max_num_batched_tokens", "0"], "--max_num_batched_tokens must be >= 1"),
+        (["--max_queue", "-2"], "--max_queue must be >= 0, got -2"),  # (it served, refusing every request)
         (["--kv_cache", "paged"], "unrecognized arguments: --kv_cache"),
     ]:
         with pytest.raises(SystemExit):

@@ -176,3 +176,28 @@ def test_echo_prompt_logprobs(step, engine):
     for i in range(1, len(prompt)):
         x = logits_after(step, prompt[:i])
         assert abs(chosen[i - 1] - (x[prompt[i]] - np.logaddexp.reduce(x))) < 1e-5
+
+
+def test_an_echo_request_caches_nothing_and_gives_its_pages_back(step):
+    """An echo prefill is salted apart (its positions report logprobs a cached one has not): its blocks
+    were still cached, under a salt no request can match, evicting real prefixes; and a reply that
+    ended by length kept its pages until a later request needed them."""
+    from flaxgpt.data.tokenizers import CharTokenizer
+    from flaxgpt.serve.scheduler import Scheduler
+    from flaxgpt.serve.sequence import Sequence
+
+    engine = Engine(step, CFG, slots=2, chunk=3, max_k=8)
+    free, cached = engine.blocks.memory()["free_blocks"], len(engine.blocks.blocks)
+    sched = Scheduler(engine, CharTokenizer([chr(65 + i) for i in range(CFG.vocab_size)]))
+    sched.start()
+    assert sched.ready.wait(300)
+    events = []
+    seq = Sequence(
+        list(range(1, 36)), Rows.of(Sampling(temperature=0), max_new_tokens=4), echo=True, logprobs=1
+    )
+    seq.emit = events.append
+    sched.submit(seq)
+    assert sched.drain(timeout=300)
+    sched.close()
+    assert type(events[-1]).__name__ == "Finish" and events[-1].reason == "length"
+    assert len(engine.blocks.blocks) == cached and engine.blocks.memory()["free_blocks"] == free
