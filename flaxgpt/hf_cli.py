@@ -36,22 +36,37 @@ def export_run(out_dir, to: str, step=None, overwrite: bool = False) -> str:
     pretrained.check_export_target(to, overwrite, run=out_dir)  # before loading anything
     loader.require_run(out_dir)
     run = loader.load(out_dir, step=step)
+    return pretrained.export_pretrained(
+        run.config, run.params, to, overwrite=overwrite, tokenizer=_tokenizer(run, to)
+    )
+
+
+def _tokenizer(run, to: str):
+    """The run's tokenizer.json tokenizer to write beside the weights, or None, said on stderr when the
+    run's tokenizer (a character vocabulary) has no tokenizer.json form."""
+    from flaxgpt.hf import families
+
     tok = run.tokenizer if getattr(run.tokenizer, "file", None) else None  # a model's tokenizer.json
-    if tok is None and run.tokenizer.to_meta().get("kind") not in ("tiktoken", None):
+    kind = run.tokenizer.to_meta().get("kind")
+    if tok is None and kind not in ("tiktoken", None):
+        gpt2 = families.family_of(run.config) == "gpt2"  # the others' loaders ask for a tokenizer.json
+        alone = "reads as GPT-2's ids" if gpt2 else "has no tokenizer to sample with"
         print(
-            f"note: the run's {run.tokenizer.to_meta()['kind']} tokenizer has no tokenizer.json form, so "
-            f"{to} holds none; keep the run to tokenize for it ({to} alone reads as GPT-2's ids)",
+            f"note: the run's {kind} tokenizer has no tokenizer.json form, so {to} holds none; keep the "
+            f"run to tokenize for it ({to} alone {alone})",
             file=sys.stderr,
         )
-    return pretrained.export_pretrained(run.config, run.params, to, overwrite=overwrite, tokenizer=tok)
+    return tok
 
 
 def export_int4(source, to: str, mode: str, step=None, overwrite: bool = False) -> str:
-    """A training run's checkpoint `step` or a Hugging Face directory, quantized to int4 (`mode`:
-    "int4" groups of 128, "int4_g64", "int4_g32"; a compressed-tensors int4 source kept as it is),
-    written as a compressed-tensors pack-quantized directory (hf.compressed)."""
+    """A training run's checkpoint `step` or a Hugging Face directory, its decoder's linear layers
+    quantized to int4 (`mode`: "int4" groups of 128, "int4_g64", "int4_g32"; the embeddings and the
+    head float, as llm-compressor's W4A16 recipes leave them; an int4 source kept as it is, whatever
+    its group), written as a compressed-tensors pack-quantized directory (hf.compressed)."""
     from flaxgpt import loader
     from flaxgpt.hf import compressed, pretrained
+    from flaxgpt.models import quantize
 
     if not mode.startswith("int4"):
         raise ValueError(
@@ -59,9 +74,12 @@ def export_int4(source, to: str, mode: str, step=None, overwrite: bool = False) 
         )
     run_dir = source if loader.init_kind(source) == "run" else None
     pretrained.check_export_target(to, overwrite, run=run_dir)  # before loading anything
-    run = loader.load(source, step=step, quantize=mode)
-    tok = run.tokenizer if getattr(run.tokenizer, "file", None) else None  # a model's tokenizer.json
-    return compressed.export(run.config, run.params, to, tokenizer=tok)
+    run = loader.load(source, step=step)  # float, or an int4 source's weights as they are
+    compressed.family_of(run.config)  # GPT-2 and MoE refused before anything is quantized
+    config, params = run.config, run.params
+    if not quantize.modes(params):  # the blocks' linear layers; the table and the head stay float
+        config, params = compressed.quantize_blocks(config, params, mode)
+    return compressed.export(config, params, to, tokenizer=_tokenizer(run, to))
 
 
 def export_run_adapter(out_dir, to: str, step=None, overwrite: bool = False) -> str:
@@ -108,10 +126,13 @@ def _hf(args) -> None:
     else:
         export_run(args.out_dir, args.to, args.step, args.overwrite)
     with open(os.path.join(args.to, files.CONFIG_FILE)) as fh:
-        arch = json.load(fh)["architectures"][0]
-    what = f"{arch}, {args.quantize} compressed-tensors pack-quantized" if args.quantize else arch
+        written = json.load(fh)
+    arch = written["architectures"][0]
+    if args.quantize:  # the group written: an int4 source keeps its own
+        group = written["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
+        arch += f", int4 groups of {group} compressed-tensors pack-quantized"
     print(
-        f"wrote {args.to} ({what}); load it with flaxgpt.load({args.to!r}) or "
+        f"wrote {args.to} ({arch}); load it with flaxgpt.load({args.to!r}) or "
         f"transformers.AutoModelForCausalLM.from_pretrained({args.to!r})"
     )
 

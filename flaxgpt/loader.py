@@ -381,9 +381,10 @@ def compact(run: Run, *, dtype: str | None = None, quantize: str | None = None) 
         if held == {quantize}:
             return run
         if held:
+            named = [m for m in sorted(held) if m in quantized.MODES]  # (a group of 16 has no flag)
             raise ValueError(
                 f"the weights are already {', '.join(sorted(held))} (a quantized checkpoint); "
-                f"drop --quantize {quantize} or pass --quantize {min(held)}"
+                f"drop --quantize {quantize}" + (f" or pass --quantize {named[0]}" if named else "")
             )
         config, params = quantize_params(run.config, run.params, quantize)
         run = run._replace(config=config, params=params)

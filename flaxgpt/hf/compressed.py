@@ -88,28 +88,47 @@ def _linear_parts(family, config, i):
     return out
 
 
-def _family(config):
+INT4_TENSORS = ("weight_packed", "weight_scale", "weight_shape")  # a pack-quantized layer's three
+
+
+def family_of(config):
+    """(model_type, family) of an int4 export: a one-line refusal for GPT-2 and mixtures of experts."""
     model_type = families.family_of(config)
     family = families.FAMILIES[model_type]
     if model_type == "gpt2" or family.sparse_keys is not None:
         raise ValueError(
             f"int4 {FORMAT} checkpoints are written for dense rotary families (llama, mistral, qwen2, "
-            f"qwen3, gemma); this model exports as {model_type}: use --quantize int8 and a float export"
+            f"qwen3, gemma); this model exports as {model_type}: drop --quantize for a float export"
         )
     return model_type, family
+
+
+def quantize_blocks(config, params, mode: str):
+    """(config, params) with the decoder blocks' linear layers int4 (`mode`) and the token table and
+    head float: what an llm-compressor W4A16 recipe writes (gpt.quantize_params also rounds the table,
+    which decoding reads as a quantized matmul). The config as gpt.quantized_config's, tie kept."""
+    if config.scan_layers:
+        params = gpt.unstack_layers(params, config.n_layer)
+    top = {k: v for k, v in params.items() if k in ("wte", "lm_head")}
+    blocks = quantize.quantize_tree({k: v for k, v in params.items() if k not in top}, mode, keep=("router",))
+    return dataclasses.replace(gpt.quantized_config(config), tie_embeddings=config.tie_embeddings), {
+        **blocks,
+        **top,
+    }
 
 
 def export(config, qparams, out_dir: str, tokenizer=None) -> str:
     """Write out_dir/config.json + model.safetensors of gpt.quantize_params' int4 weights (one group
     size), with the tokenizer's files when `tokenizer` is the model's own tokenizer.json (as
     pretrained.write). No target check: pretrained.check_export_target is the caller's."""
-    model_type, family = _family(config)
+    model_type, family = family_of(config)
     modes = quantize.modes(qparams)
     if len(modes) != 1 or not next(iter(modes)).startswith("int4"):
         raise ValueError(
             f"export takes int4 weights of one group size (gpt.quantize_params 'int4'), found {sorted(modes)}"
         )
-    group = quantize.int4_group(modes.pop())
+    mode = modes.pop()  # any group a file held (16 too), not only the groups --quantize names
+    group = 128 if mode == "int4" else int(mode.split("_g")[1])
     special = pretrained.special_ids(tokenizer, model_type)
     floats = _dequantized(qparams)  # the float view: names, shapes and the float tensors of the family
     hf, tensors = family.export_state(config, floats, model_type, family, special)
@@ -146,17 +165,23 @@ def load(directory: str, **fields):
     group = group_of(hf)
     family = families.family_for(hf)
     config = family.config_from_hf(hf, family, **fields)
-    _family(config)
+    family_of(config)
     shapes = nn.unbox(gpt.abstract_params(dataclasses.replace(config, pad_vocab_multiple=1)))
     V, D = config.vocab_size, config.n_embd
     f32 = np.float32
     with hf_files.open_tensors(directory) as table:
         params: dict = {}
+        expected = set(rotary.TOP_KEYS)  # every tensor read: any other is an error, not dropped
         for name, path in rotary.TOP_KEYS.items():
             set_path(params, path, hf_files.read(table, name, get_path(shapes, path).shape, f32))
-        if rotary.HEAD_KEY in table:
+        if rotary.HEAD_KEY in table:  # a float head (llm-compressor's recipes ignore it)
+            expected.add(rotary.HEAD_KEY)
             params["lm_head"] = {
                 "kernel": np.ascontiguousarray(hf_files.read(table, rotary.HEAD_KEY, (V, D), f32).T)
+            }
+        elif not config.tie_embeddings:  # an int4 head (ignore: []): a quantized matmul like the rest
+            params["lm_head"] = {
+                "kernel": _read_int4(table, "lm_head.", [("", None)], (D, V), group, expected)
             }
         else:  # tied: the head reads the table's rows (quantized_config unties them)
             params["lm_head"] = {"kernel": np.ascontiguousarray(params["wte"]["embedding"].T)}
@@ -166,24 +191,32 @@ def load(directory: str, **fields):
             for path, entries in rotary._by_path(rotary.layer_keys(family, config, i)).items():
                 shape = get_path(layer, path).shape
                 if path in kernels:
-                    leaf = _read_int4(table, f"model.layers.{i}.", kernels[path], shape, group)
+                    leaf = _read_int4(table, f"model.layers.{i}.", kernels[path], shape, group, expected)
                 else:
                     leaf = np.empty(shape, f32)
                     for name, part in entries:
                         cols = rotary._part(leaf, config, part)
+                        expected.add(f"model.layers.{i}.{name}")
                         cols[...] = hf_files.read(table, f"model.layers.{i}.{name}", cols.shape[::-1], f32).T
                 set_path(params, (f"h_{i}",) + path, leaf)
+        what = f"{directory} is not a {hf['model_type']} {FORMAT} checkpoint for its config"
+        hf_files.check_names(table, expected, what)
     return gpt.quantized_config(config), params
 
 
-def _read_int4(table, prefix: str, parts, shape_KN, group: int) -> QuantizedWeight:
-    """The parts' packed rows stacked in column order -> one int4 QuantizedWeight of a [K, N] kernel."""
+def _read_int4(table, prefix: str, parts, shape_KN, group: int, seen: set) -> QuantizedWeight:
+    """The parts' packed rows stacked in column order -> one int4 QuantizedWeight of a [K, N] kernel
+    (the names read added to `seen`)."""
     K = shape_KN[0]
     ws, scales = [], []
     for name, _ in parts:
         key = prefix + name
-        if key + "weight_packed" not in table:
-            raise ValueError(f"{key}weight_packed is missing: every linear layer must be int4 ({FORMAT})")
+        missing = [key + t for t in INT4_TENSORS if key + t not in table]
+        if missing:
+            raise ValueError(
+                f"{missing[0]} is missing: every int4 layer has {', '.join(INT4_TENSORS)} ({FORMAT})"
+            )
+        seen.update(key + t for t in INT4_TENSORS)
         n = int(table[key + "weight_packed"][0].get_slice(table[key + "weight_packed"][1]).get_shape()[0])
         ws.append(hf_files.read(table, key + "weight_packed", (n, K // 8), np.int32).view(np.uint8))
         scales.append(hf_files.read(table, key + "weight_scale", (n, K // group), np.float32))

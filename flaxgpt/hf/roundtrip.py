@@ -32,7 +32,7 @@ from flaxgpt.models.gpt_config import GPTConfig
 NOT_EXPORTED = frozenset(
     "dropout embd_dropout attn_dropout resid_dropout zero_init_proj router_aux_loss_coef "
     "router_z_loss_coef dtype param_dtype pad_vocab_multiple scan_layers remat attention_impl "
-    "context_impl fp8".split()
+    "context_impl fp8 fp8_experts".split()
 )
 # the rotary fields each scaling reads (models/rope.py); the others change nothing given it
 _BASE = ("rope_theta", "rope_scaling")

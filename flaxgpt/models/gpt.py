@@ -1,8 +1,7 @@
 """The decoder-only GPT (GPT-2 family), read bottom-up like nanoGPT's model.py.
 
     logits_BTV = GPT(config).apply({"params": params}, tokens_BT)
-    logits_BTV, cache = GPT(config).apply({"params": params}, tokens_BT,
-                                          positions=pos_BT, cache=cache)
+    logits_BTV, cache = GPT(config).apply({"params": params}, tokens_BT, positions=pos_BT, cache=cache)
     step = step_fn(config, params)    # the same, as flaxgpt.decode.sampling's step_fn
 
 Parameter names are GPT-2's (wte, wpe, h_0 ... h_{L-1}, ln_1, attn/c_attn, attn/c_proj,
@@ -497,4 +496,5 @@ def quantize_params(config: GPTConfig, params, mode: str):
 def quantized_config(config: GPTConfig) -> GPTConfig:
     """The config quantize_params' weights decode with: an untied head (the table shared), unrolled,
     no float8 (a training product; the weights are int8 or bf16 now)."""
-    return dataclasses.replace(config, tie_embeddings=False, scan_layers=False, remat="none", fp8=False)
+    off = dict(tie_embeddings=False, scan_layers=False, remat="none", fp8=False, fp8_experts=False)
+    return dataclasses.replace(config, **off)

@@ -19,8 +19,9 @@ import transformers
 
 from flaxgpt import hf_cli, loader
 from flaxgpt.data.hf_tokenizer import HFTokenizer
+from flaxgpt.hf.files import open_tensors
 from flaxgpt.models import gpt
-from flaxgpt.models.quantize import QuantizedWeight, modes
+from flaxgpt.models.quantize import QuantizedWeight, dequantize_rows, modes
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -80,6 +81,51 @@ def test_load_keeps_the_words_and_decodes_their_dequantized_model(ct, tmp_path):
         ValueError, match="already int4_g32 .*drop --quantize int8 or pass --quantize int4_g32"
     ):
         loader.load(str(directory), quantize="int8")
+
+
+def test_an_untied_int4_head_and_a_layer_missing_a_tensor(ct, tmp_path):
+    """An untied model whose head is int4 too (ignore: []) loaded the token table as its head, the
+    head's three tensors dropped silently; a layer without its weight_shape was a KeyError traceback."""
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from safetensors.torch import load_file, save_file
+
+    directory, out, sch = ct
+    rng = np.random.RandomState(3)
+    head = torch.tensor(rng.normal(0, 0.05, (CONFIG.vocab_size, CONFIG.n_embd)), dtype=torch.float32)
+    g = head.reshape(head.shape[0], -1, 32)
+    scale = (g.abs().amax(-1) / 7).clamp(min=1e-8)
+    parts = PackedQuantizationCompressor.compress({"weight": head, "weight_scale": scale}, sch)
+    untied = tmp_path / "untied"
+    os.makedirs(untied)
+    save_file(
+        {**out, **{f"lm_head.{k}": v.contiguous() for k, v in parts.items()}},
+        str(untied / "model.safetensors"),
+    )
+    hf = json.load(open(directory / "config.json"))
+    hf["tie_word_embeddings"], hf["quantization_config"]["ignore"] = False, []
+    json.dump(hf, open(untied / "config.json", "w"))
+    make_tokenizer(str(untied))
+    run = loader.load(str(untied))
+    q = run.params["lm_head"]["kernel"]
+    want = PackedQuantizationCompressor.decompress({k: parts[k] for k in parts}, sch)["weight"].numpy()
+    np.testing.assert_allclose(np.asarray(dequantize_rows(q)), want, atol=1e-6)
+    # the logits: the same model with the head as compressed-tensors decompresses it, float
+    floats = {k: v for k, v in run.params.items() if k != "lm_head"}
+    floats["lm_head"] = {"kernel": want.T.copy()}
+    ref = flax_logits(run.config, floats, TOKENS)
+    assert np.abs(flax_logits(run.config, run.params, TOKENS) - ref).max() <= 1e-5 * np.abs(ref).max()
+    # a layer without its weight_shape: one line naming the tensor
+    partial = tmp_path / "partial"
+    os.makedirs(partial)
+    kept = {
+        k: v
+        for k, v in load_file(str(directory / "model.safetensors")).items()
+        if not k.endswith("q_proj.weight_shape")
+    }
+    save_file(kept, str(partial / "model.safetensors"))
+    (partial / "config.json").write_text((directory / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"q_proj.weight_shape is missing: every int4 layer has"):
+        loader.load(str(partial))
 
 
 def _with_scheme(directory, tmp_path, name, change):
@@ -151,6 +197,13 @@ def test_export_command_is_read_back_by_flaxgpt_and_transformers(exported, tmp_p
     tokens = np.random.RandomState(1).randint(0, 300, (2, 12))
     theirs, ours = ref_logits(model, tokens), flax_logits(got.config, got.params, tokens)
     assert np.abs(theirs - ours).max() <= 1e-5 * np.abs(theirs).max()
+
+    # the embeddings and the head are written as the source holds them (llm-compressor's W4A16 leaves
+    # them float): they were int4-rounded floats
+    with open_tensors(str(source)) as a, open_tensors(str(to)) as b:
+        for name in ("model.embed_tokens.weight",) + (("lm_head.weight",) if "lm_head.weight" in a else ()):
+            x, y = (np.asarray(t[name][0].get_tensor(t[name][1])) for t in (a, b))
+            np.testing.assert_array_equal(y, x)
 
     # bad input: one line each
     args = ["export", "--init_from", str(source), "--to", str(to), "--quantize", "int4"]

@@ -141,6 +141,20 @@ def test_tiny_mixtral_trains_with_fp8():
     np.testing.assert_allclose(f8, bf16, rtol=0.02)  # as bf16 does (0.55% apart at most seen)
 
 
+def test_a_run_trained_with_fp8_experts_decodes_quantized_and_exports():
+    """fp8 and fp8_experts are how a run trained: int8 / bf16 decoding and a Hugging Face export drop
+    both (quantizing kept fp8_experts without fp8, which the config refuses; the export refused it)."""
+    from flaxgpt.hf import families
+
+    config = GPTConfig(**{**MIXTRAL, "fp8": True, "fp8_experts": True})
+    params = gpt.init_params(config, jax.random.key(0))
+    for mode in ("int8", "bf16"):
+        qconfig, _ = gpt.quantize_params(config, params, mode)
+        assert not qconfig.fp8 and not qconfig.fp8_experts
+    written = families.config_to_hf(config, "mixtral")
+    assert families.config_from_hf(written, block_size=config.block_size).num_experts == 4
+
+
 def test_fp8_with_adapted_experts_is_one_line():
     config = GPTConfig(**{**MIXTRAL, "fp8": True, "fp8_experts": True})
     spec = lora.LoraSpec.make(config, 2, 8.0, targets="q,experts_gate_up")
