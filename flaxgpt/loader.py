@@ -268,7 +268,12 @@ def _load_run(source, step, place=None) -> Run:
     lr = lora_run.read_lora_run(source, step)
     # the base as the LoRA run's trainer resolved it: a run's weights as saved, pretrained weights in
     # the layout the adapters were trained on
-    base = resolve_init(lr.base, lr.config, tokenizer=False, place=place).params
+    try:
+        base = resolve_init(lr.base, lr.config, tokenizer=False, step=lr.base_step, place=place).params
+    except run_dir.checkpoint.CheckpointError as e:  # the base run's retention removed that step
+        raise run_dir.RunError(
+            f"{source}'s adapters were trained on {lr.base} step {lr.base_step}: {e}"
+        ) from None
     return Run("gpt", lr.config, lora.merge(lr.config, lr.spec, base, lr.adapters), lr.tokenizer)
 
 

@@ -25,6 +25,7 @@ class LoraRun(NamedTuple):
     adapters: Any  # the checkpoint's params: the adapters alone
     base: str  # init_from: the pretrained directory the adapters were trained on
     tokenizer: Any
+    base_step: int | None = None  # a run as the base: the checkpoint step they were trained on
 
 
 def lora_section(out_dir) -> dict | None:
@@ -45,4 +46,5 @@ def read_lora_run(out_dir, step: int | None = None) -> LoraRun:
     spec = lora.LoraSpec.make(config, c["rank"], c["alpha"], c["dropout"], c["targets"])
     with open(os.path.join(out_dir, "meta.json")) as fh:
         tok_meta = (extra.get("meta") or {}).get("tokenizer") or json.load(fh)["tokenizer"]
-    return LoraRun(config, spec, adapters, cfg["init_from"], tokenizers.from_meta(tok_meta))
+    tok = tokenizers.from_meta(tok_meta)
+    return LoraRun(config, spec, adapters, cfg["init_from"], tok, extra.get("init_step"))

@@ -301,9 +301,10 @@ def resume_step(ckpt: checkpoint.Checkpointer, init_from: str = "auto") -> int |
     latest = ckpt.latest_step()
     if init_from == "auto":
         return latest
+    saved = None
     if init_from != "scratch" and latest is not None:
-        saved = ckpt.restore_extra(latest).get("config") or {}
-        if saved.get("init_from") == init_from:
+        saved = (ckpt.restore_extra(latest).get("config") or {}).get("init_from")
+        if same_source(saved, init_from):
             return latest
     if init_from == "resume":
         if latest is None:
@@ -313,8 +314,28 @@ def resume_step(ckpt: checkpoint.Checkpointer, init_from: str = "auto") -> int |
             )
         return latest
     if latest is not None:
+        was = f" (trained from init_from={saved})" if saved else ""
         raise checkpoint.CheckpointError(
             f"init_from={init_from} but {ckpt.out_dir} already has checkpoints up to step "
-            f"{latest}; use init_from=resume or a new out_dir"
+            f"{latest}{was}; use init_from=resume or a new out_dir"
         )
     return None
+
+
+def recorded_init_from(out_dir) -> str | None:
+    """The init_from a run in `out_dir` recorded in its config.json (None: no readable run there)."""
+    try:
+        value = json.loads((Path(out_dir) / "config.json").read_text()).get("init_from")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def same_source(a, b) -> bool:
+    """Two init_from values naming the same weights: equal, or paths to one directory (out/base,
+    ./out/base/, its absolute path, a link to it)."""
+    if a is None or b is None:
+        return False
+    return str(a) == str(b) or (
+        Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
+    )

@@ -63,6 +63,11 @@ class Trainer:
         self.config, self.print = config, print_fn
         self.micro_rows = micro_batch(config)
         self.task = make_task(config)
+        # a run it starts from (LoRA's frozen base, DPO / GRPO references): the step read, recorded
+        # with each checkpoint, so the run's weights always mean that base (its latest may move on)
+        self.init_step = (
+            run_dir.checkpoint_step(config.init_from) if run_dir.is_run_dir(config.init_from) else None
+        )
         m = sections.of(config).mesh
         devices = self.task.devices(devices)  # GRPO's engine may keep devices of its own
         self.mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert, context=m.context)
@@ -120,6 +125,22 @@ class Trainer:
             c.eval_tasks, self.task.model_config, tokenizer, limit=c.eval_tasks_limit, devices=devices
         )
 
+    def _check_init_step(self, extra: dict, step: int) -> None:
+        """A resume whose frozen weights (LoRA's base, a reference) come from init_from's run must read
+        the step the checkpoint was trained on: refused, naming it, when that run has moved on."""
+        was = extra.get("init_step")
+        if (
+            was is None
+            or self.init_step == was
+            or (self.frozen is None and not sections.of(self.config).lora.rank)
+        ):
+            return
+        later = f"{self.config.init_from}/checkpoints past step {was}"
+        raise run_dir.RunError(
+            f"checkpoint step {step} was trained on init_from's step {was}, and {self.config.init_from} is "
+            f"at step {self.init_step} now: move {later} away to resume, or use a new out_dir"
+        )
+
     def init_state(self) -> TrainState:
         """The latest checkpoint (init_from auto | resume, or a fine-tune's own checkpoints), else a
         fresh state built directly in its shardings (never whole on one device), or the task's
@@ -128,6 +149,7 @@ class Trainer:
         self.best_loss = float("inf")
         if step is not None:
             extra = self.ckpt.restore_extra(step)
+            self._check_init_step(extra, step)
             cfg = self.config.to_dict()
             changed = run_dir.check_resume(extra, step, self.task.model_config, self.data_meta, cfg)
             if changed:
@@ -228,6 +250,7 @@ class Trainer:
             "data_step": step,
             "config": cfg,
             "meta": self.data_meta,
+            "init_step": self.init_step,
             "loss": loss if np.isfinite(loss) else None,
             "best_loss": self.best_loss if np.isfinite(self.best_loss) else None,
         }
@@ -449,7 +472,13 @@ def _stop_signal(config):
 def train(config, devices=None, print_fn=print) -> dict:
     """Set up (all input checked), write the run files, train; returns the last metrics and state.
     Holds out_dir's lock throughout: a second run on it stops before deleting or writing anything."""
+    recorded = run_dir.recorded_init_from(config.out_dir) if config.get("init_from") == "resume" else None
+    if recorded not in (None, *run_dir.FRESH_STARTS):  # a fine-tune (LoRA, DPO, GRPO) continues from the
+        config.init_from = recorded  # weights it recorded: LoRA's base, a reference ("resume" names none)
     check_config(config)  # every value, once, before anything is written or compiled
+    init_from = config.get("init_from", "auto")
+    if init_from not in run_dir.FRESH_STARTS and Path(init_from).exists():  # a path: recorded absolute,
+        config.init_from = str(Path(init_from).resolve())  # so the run loads from any directory
     run_dir.check_out_dir(config.out_dir, config.get("init_from", "auto"))
     start_process(config)
     with run_lock.hold(config.out_dir), _stop_signal(config) as stop:

@@ -299,3 +299,38 @@ def test_a_fine_tunes_resume_names_its_init_from():
         run_dir.check_resume(
             {"config": saved}, 60, GPTConfig(n_layer=2, n_head=4, n_embd=128), {}, {"init_from": "resume"}
         )
+
+
+def test_a_lora_run_on_a_run_keeps_the_base_step_it_trained_on(data_dir, three_steps, tmp_path, monkeypatch):  # noqa: F811
+    """Adapters over a flaxgpt run's weights: loading merged them into the base run's *latest*
+    checkpoint, whatever it had become; a relative init_from failed from another directory; the same
+    base spelt otherwise (a trailing slash), or init_from=resume, was refused."""
+    import flaxgpt
+
+    base = copy_of(three_steps, tmp_path)
+    monkeypatch.chdir(tmp_path)  # init_from as typed: relative to here
+    lora = dict(out_dir=str(tmp_path / "lora"), init_from="run", lora__rank=4, max_iters=2, eval_interval=100)
+    lora.update(optim__decay_steps=20)  # (max_iters changes below; the schedule stays)
+    trainer.train(tiny_config(data_dir, **lora), devices=jax.devices()[:1], **QUIET)
+    assert json.loads((tmp_path / "lora" / "config.json").read_text())["init_from"] == base  # absolute
+    monkeypatch.chdir(ROOT)
+    before = flaxgpt.load(str(tmp_path / "lora")).params
+    # the base trains on: the LoRA run still means step 3's weights ...
+    trainer.train(
+        tiny_config(data_dir, out_dir=base, max_iters=5, keep_checkpoints=5, eval_interval=100),
+        devices=jax.devices()[:1],
+        **QUIET,
+    )
+    after = flaxgpt.load(str(tmp_path / "lora")).params
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # ... and resuming it names the base's step to go back to
+    more = {**lora, "init_from": base + "/", "max_iters": 4}
+    with pytest.raises(RunError, match=r"trained on init_from's step 3, and .* is at step 5 now: move"):
+        trainer.train(tiny_config(data_dir, **more), devices=jax.devices()[:1], **QUIET)
+    for step in Checkpointer(base, read_only=True).all_steps()[1:]:  # as the message says
+        shutil.rmtree(Path(base) / "checkpoints" / str(step))
+    for init_from in (base + "/", "resume"):  # the same base spelt otherwise, or the run's own record
+        more.update(init_from=init_from, max_iters=more["max_iters"] + 1)
+        summary = trainer.train(tiny_config(data_dir, **more), devices=jax.devices()[:1], **QUIET)
+        assert int(summary["state"].step) == more["max_iters"]
