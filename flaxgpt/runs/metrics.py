@@ -62,9 +62,11 @@ class MetricsWriter:
         print_fn=print,
         total_steps: int | None = None,
         start_step: int | None = None,
+        reevaluate: bool = False,
     ):
         """start_step: a run resumed at this step; rows past it (steps a killed run logged after its
-        last checkpoint, which the run does again) leave metrics.jsonl, so no step is there twice."""
+        last checkpoint, which the run does again) leave metrics.jsonl, so no step is there twice;
+        `reevaluate` (eval_only): its evaluation rows at start_step too (the new one replaces them)."""
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.print = print_fn
         self.total_steps = total_steps  # the console's `step N/total` and time left
@@ -75,7 +77,7 @@ class MetricsWriter:
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         if start_step is not None:
-            _drop_rows_after(out_dir / "metrics.jsonl", start_step)
+            _drop_rows_after(out_dir / "metrics.jsonl", start_step, reevaluate)
         self.jsonl = open(out_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered
         if tensorboard:
             try:
@@ -196,16 +198,19 @@ def closing_lines(steps: int, seconds: float, best_val_loss: float, checkpoint, 
     return lines
 
 
-def _drop_rows_after(path: Path, step: int) -> None:
-    """metrics.jsonl without its rows past `step`, nor a last line the kill cut short (the next row
-    would have been written onto it), replaced whole (a crash leaves the old file)."""
+def _drop_rows_after(path: Path, step: int, evals_at_step: bool = False) -> None:
+    """metrics.jsonl without its rows past `step` (and its evaluation rows at `step` when
+    `evals_at_step`), nor a last line the kill cut short (the next row would have been written onto
+    it), replaced whole (a crash leaves the old file)."""
     if not path.is_file():
         return
     lines = path.read_text().splitlines(keepends=True)
 
     def past(line: str) -> bool:
         try:
-            return json.loads(line).get("step", 0) > step
+            row = json.loads(line)
+            at = row.get("step", 0)
+            return at > step or (evals_at_step and at == step and "val_loss" in row and "loss" not in row)
         except (ValueError, AttributeError):  # cut by the kill, or not a row: not a step to keep
             return True
 

@@ -51,3 +51,9 @@ class StopSignal:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+    def __enter__(self):  # `with StopSignal() as stop:` handles the signals for the block
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -25,7 +25,6 @@ metrics and the update's own time are logged with the step.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
@@ -128,18 +127,13 @@ class Trainer:
     def _check_init_step(self, extra: dict, step: int) -> None:
         """A resume whose frozen weights (LoRA's base, a reference) come from init_from's run must read
         the step the checkpoint was trained on: refused, naming it, when that run has moved on."""
-        was = extra.get("init_step")
-        if (
-            was is None
-            or self.init_step == was
-            or (self.frozen is None and not sections.of(self.config).lora.rank)
-        ):
-            return
-        later = f"{self.config.init_from}/checkpoints past step {was}"
-        raise run_dir.RunError(
-            f"checkpoint step {step} was trained on init_from's step {was}, and {self.config.init_from} is "
-            f"at step {self.init_step} now: move {later} away to resume, or use a new out_dir"
-        )
+        was, frozen = extra.get("init_step"), self.frozen is not None or sections.of(self.config).lora.rank
+        if frozen and was is not None and self.init_step != was:
+            raise run_dir.RunError(
+                f"checkpoint step {step} was trained on init_from's step {was}, and {self.config.init_from} "
+                f"is at step {self.init_step} now: move its checkpoints past step {was} away to resume, "
+                "or use a new out_dir"
+            )
 
     def init_state(self) -> TrainState:
         """The latest checkpoint (init_from auto | resume, or a fine-tune's own checkpoints), else a
@@ -152,6 +146,9 @@ class Trainer:
             self._check_init_step(extra, step)
             cfg = self.config.to_dict()
             changed = run_dir.check_resume(extra, step, self.task.model_config, self.data_meta, cfg)
+            mesh, was = dict(self.mesh.shape), extra.get("mesh")
+            if was is not None and was != mesh:  # other reductions: the same run, not the same bits
+                changed.append(f"mesh: {was} -> {mesh} (not bit-identical to going on where it was saved)")
             if changed:
                 self._print(
                     f"resuming step {step} with changed settings (recorded with each new checkpoint): "
@@ -251,6 +248,7 @@ class Trainer:
             "config": cfg,
             "meta": self.data_meta,
             "init_step": self.init_step,
+            "mesh": dict(self.mesh.shape),
             "loss": loss if np.isfinite(loss) else None,
             "best_loss": self.best_loss if np.isfinite(self.best_loss) else None,
         }
@@ -302,7 +300,13 @@ class Trainer:
         c = self.config
         start, t0 = int(jax.device_get(state.step)), time.perf_counter()
         writer = MetricsWriter(
-            c.out_dir, c.tensorboard, self.is_main, self.print, total_steps=c.max_iters, start_step=start
+            c.out_dir,
+            c.tensorboard,
+            self.is_main,
+            self.print,
+            total_steps=c.max_iters,
+            start_step=start,
+            reevaluate=bool(c.get("eval_only")),
         )
         peak = peak_flops_per_device(c.peak_flops)
         flops_per_step = self.flops_per_token * self.tokens_per_step
@@ -458,17 +462,6 @@ def _healthy(extra: dict) -> bool:
     return loss is not None and np.isfinite(loss) and loss <= EXPLODING * best
 
 
-@contextlib.contextmanager
-def _stop_signal(config):
-    """SIGTERM / SIGINT remembered from the lock on: a preemption notice during setup (minutes of
-    restore and compile) stops the run cleanly, lock released, exit 0 (it killed it, lock left)."""
-    stop = StopSignal(every=config.get("log_interval", 1))
-    try:
-        yield stop
-    finally:
-        stop.close()
-
-
 def train(config, devices=None, print_fn=print) -> dict:
     """Set up (all input checked), write the run files, train; returns the last metrics and state.
     Holds out_dir's lock throughout: a second run on it stops before deleting or writing anything."""
@@ -481,7 +474,9 @@ def train(config, devices=None, print_fn=print) -> dict:
         config.init_from = str(Path(init_from).resolve())  # so the run loads from any directory
     run_dir.check_out_dir(config.out_dir, config.get("init_from", "auto"))
     start_process(config)
-    with run_lock.hold(config.out_dir), _stop_signal(config) as stop:
+    # SIGTERM / SIGINT remembered from the lock on: a preemption notice during setup (minutes of restore
+    # and compile) stops the run cleanly, lock released, exit 0 (it killed it and left the lock)
+    with run_lock.hold(config.out_dir), StopSignal(every=config.get("log_interval", 1)) as stop:
         trainer = Trainer(config, devices, print_fn)
         note = schedule_note(config, trainer.schedule)  # max_iters cuts the warmup or the decay short
         if note:
@@ -493,7 +488,8 @@ def train(config, devices=None, print_fn=print) -> dict:
                 trainer._print(note)
         try:
             state = trainer.init_state()
-            trainer.write_run_files()
+            if not config.get("eval_only"):  # an evaluation changes no training setting of the run
+                trainer.write_run_files()
             with jax.set_mesh(trainer.mesh):  # lets Pallas attention (TPU) split its kernel per device
                 return trainer.run(state, stop)
         finally:
