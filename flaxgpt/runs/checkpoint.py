@@ -271,6 +271,11 @@ class Checkpointer:
     def _corrupt(self, step: int, e: BaseException) -> CheckpointError:
         """Damaged files (or another reason orbax cannot read a step): name it and the step before it."""
         where = self.directory / str(step)
+        if not where.exists():  # removed while read: a training run's retention (keep_checkpoints)
+            return CheckpointError(
+                f"checkpoint {where} was removed while it was read (a training run on it keeps only its "
+                "latest keep_checkpoints); run the command again to read the newest one"
+            )
         older = [s for s in self.all_steps() if s < step]
         fix = (
             f"if its files are damaged, move {where} away to resume from step {older[-1]}"

@@ -2,6 +2,7 @@
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -268,6 +269,10 @@ def test_corrupt_checkpoint_is_a_one_line_error(tmp_path):
     assert "checkpoints/2 cannot be read" in msg and "resume from step 1" in msg and "\n" not in msg
     state, _ = ckpt.restore(1, abstract_state=abstract(small_state(0), one_device))  # older step still fine
     assert_identical(state, small_state(1))
+    # a step that vanished while read (a training run's retention, exporting mid-run): not "damaged"
+    shutil.rmtree(tmp_path / "checkpoints" / "2")
+    msg = str(ckpt._corrupt(2, FileNotFoundError("ocdbt manifest")))
+    assert "checkpoints/2 was removed while it was read" in msg and "damaged" not in msg
     ckpt.close()
 
 
