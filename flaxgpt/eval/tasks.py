@@ -36,6 +36,23 @@ class EvalDataError(ValueError):
     """Bad evaluation input; the message is one line naming the file and, where known, the line."""
 
 
+WHERE = "__where__"  # a read doc's file:line, for the errors its scoring may raise
+
+
+def fits(scorer, docs, groups) -> None:
+    """Each doc's (context, [continuations]) fits the scorer's window, else an EvalDataError naming
+    the doc's file and line (the scorer's own error names no example)."""
+    from flaxgpt.eval.scoring import check_request
+
+    L = getattr(scorer, "block_size", None) or scorer.config.block_size
+    for doc, (context, conts) in zip(docs, groups, strict=True):
+        for cont in conts:
+            try:
+                check_request(context, cont, L)
+            except ValueError as e:
+                raise EvalDataError(f"{doc.get(WHERE, 'an example')}: {e}") from None
+
+
 def read_jsonl(path, keys: tuple[str, ...] = (), check=None) -> list[dict]:
     """The objects of a jsonl file (blank lines skipped), each checked for `keys` and by `check`
     (a doc -> what is wrong with it, or None)."""
@@ -59,7 +76,7 @@ def read_jsonl(path, keys: tuple[str, ...] = (), check=None) -> list[dict]:
             wrong = check(doc) if check is not None else None
             if wrong:
                 raise EvalDataError(f"{path}:{lineno} {wrong}")
-            docs.append(doc)
+            docs.append({**doc, WHERE: f"{path}:{lineno}"})
     if not docs:
         raise EvalDataError(f"{path} is empty; expected one JSON object per line")
     return docs
@@ -133,6 +150,7 @@ def hellaswag(scorer, tokenizer, docs, conventions=("lm_eval", "nanogpt")) -> di
             pairs = [encode_pair(tokenizer, ctx, " " + e) for e in endings]
             groups.append((pairs[0][0], [p[1] for p in pairs]))
             choices.append(endings)
+        fits(scorer, docs, groups)
         scores = scorer.score_choices(groups)
         metrics["acc"] = _mean(_argmax([s.logprob for s in ss]) == y for ss, y in zip(scores, labels))
         metrics["acc_norm"] = _mean(
@@ -144,6 +162,7 @@ def hellaswag(scorer, tokenizer, docs, conventions=("lm_eval", "nanogpt")) -> di
         groups = [
             (tokenizer.encode(d["ctx"]), [tokenizer.encode(" " + e) for e in d["endings"]]) for d in docs
         ]
+        fits(scorer, docs, groups)
         scores = scorer.score_choices(groups)
         metrics["acc_nanogpt"] = _mean(_argmax([s.logprob for s in ss]) == y for ss, y in zip(scores, labels))
         metrics["acc_norm_nanogpt"] = _mean(
@@ -158,6 +177,7 @@ def lambada(scorer, tokenizer, docs) -> dict:
     for d in docs:
         words = d["text"].split(" ")
         pairs.append(encode_pair(tokenizer, " ".join(words[:-1]), " " + words[-1]))
+    fits(scorer, docs, [(ctx, [cont]) for ctx, cont in pairs])
     scores = scorer.score(pairs)
     mean_ll = sum(s.logprob for s in scores) / len(scores)
     return {

@@ -247,6 +247,10 @@ def test_bad_input_is_one_line(files, tmp_path, capsys):
         bad.write_text(json.dumps(doc) + "\n" + json.dumps({**doc, **change}) + "\n")
         err = one_line_error(capsys, *model, "--task", "hellaswag", "--data", str(bad))
         assert f"{bad}:2 has " in err and needle in err, err
+    # an ending longer than the model's window: the scorer's error named no example
+    bad.write_text(json.dumps(doc) + "\n\n" + json.dumps({**doc, "endings": ["x", "y " * 100]}) + "\n")
+    err = one_line_error(capsys, *model, "--task", "hellaswag", "--data", str(bad))
+    assert f"{bad}:3: a continuation of " in err, err
     bad.write_text('{"text": ["a", "list"]}\n')
     assert "has text ['a', 'list']; expected a string" in one_line_error(
         capsys, *model, "--task", "lambada", "--data", str(bad)
