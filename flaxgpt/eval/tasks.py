@@ -374,6 +374,7 @@ def translation(config, params, tokenizer, pairs, *, beam_size=4, alpha=0.6, tru
         "n": len(pairs),
         "bleu": sacrebleu.corpus_bleu(hyps, [refs]).score,
         "exact_match": _mean(h == r for h, r in zip(hyps, refs)),
+        "translations": hyps,  # per example: --output's file, not the printed summary
     }
 
 

@@ -345,10 +345,13 @@ def test_translation_bleu_and_exact_match_of_a_seq2seq_run(tmp_path, capsys):
     pairs = [("abc", "cba"), ("dd", "dd"), ("abcd", "dcba")]
     (tmp_path / "pairs.tsv").write_text("".join(f"{s}\t{t}\n" for s, t in pairs))
     args = ["--out_dir", str(run), "--task", "translation", "--data", str(tmp_path / "pairs.tsv")]
-    r = fe.main([*args, "--beam_size", "1"])
+    r = fe.main([*args, "--beam_size", "1", "--output", str(tmp_path / "out.json")])
     hyps = translate(cfg, params, tok, [s for s, _ in pairs], beam_size=1)
     assert r["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [[t for _, t in pairs]]).score)
     assert r["exact_match"] == sum(h == t for h, (_, t) in zip(hyps, pairs)) / 3
+    # --output holds each translation (it held the summary alone); the printed summary does not
+    assert json.loads((tmp_path / "out.json").read_text())["translations"] == hyps
+    assert '"translations"' not in capsys.readouterr().out
     assert "does not apply to a 'seq2seq' model" in one_line_error(
         capsys, *args[:2], "--task", "lambada", "--data", "x"
     )
