@@ -66,7 +66,6 @@ def export_int4(source, to: str, mode: str, step=None, overwrite: bool = False) 
     its group), written as a compressed-tensors pack-quantized directory (hf.compressed)."""
     from flaxgpt import loader
     from flaxgpt.hf import compressed, pretrained
-    from flaxgpt.models import quantize
 
     if not mode.startswith("int4"):
         raise ValueError(
@@ -76,9 +75,7 @@ def export_int4(source, to: str, mode: str, step=None, overwrite: bool = False) 
     pretrained.check_export_target(to, overwrite, run=run_dir)  # before loading anything
     run = loader.load(source, step=step)  # float, or an int4 source's weights as they are
     compressed.family_of(run.config)  # GPT-2 and MoE refused before anything is quantized
-    config, params = run.config, run.params
-    if not quantize.modes(params):  # the blocks' linear layers; the table and the head stay float
-        config, params = compressed.quantize_blocks(config, params, mode)
+    config, params = compressed.quantize_blocks(run.config, run.params, mode)
     return compressed.export(config, params, to, tokenizer=_tokenizer(run, to))
 
 

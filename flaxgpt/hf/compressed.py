@@ -106,7 +106,10 @@ def family_of(config):
 def quantize_blocks(config, params, mode: str):
     """(config, params) with the decoder blocks' linear layers int4 (`mode`) and the token table and
     head float: what an llm-compressor W4A16 recipe writes (gpt.quantize_params also rounds the table,
-    which decoding reads as a quantized matmul). The config as gpt.quantized_config's, tie kept."""
+    which decoding reads as a quantized matmul). The config as gpt.quantized_config's, tie kept.
+    Quantized weights (an int4 source) come back as they are."""
+    if quantize.modes(params):
+        return config, params
     if config.scan_layers:
         params = gpt.unstack_layers(params, config.n_layer)
     top = {k: v for k, v in params.items() if k in ("wte", "lm_head")}

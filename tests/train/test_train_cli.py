@@ -164,10 +164,11 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, data_dir, case):
     args, message = BAD[case]
     out = tmp_path / "out"
     out.mkdir()
-    (out / "config.json").write_text("precious")
+    precious = '{"model": "a run\'s, to keep"}'  # (a run's: another directory's is refused for itself)
+    (out / "config.json").write_text(precious)
     r = train(tmp_path, data_dir, *args)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
-    assert (out / "config.json").read_text() == "precious"
+    assert (out / "config.json").read_text() == precious
