@@ -153,6 +153,10 @@ class Scorer:
 
         return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, disable=not self.progress)
 
+    @property
+    def block_size(self) -> int:  # the window a request must fit (tasks name the example that does not)
+        return self.config.block_size
+
     def _check(self, context, continuation):
         check_request(context, continuation, self.config.block_size)
 

@@ -42,6 +42,10 @@ class ProcessShards:
         self.count = jax.process_count() if count is None else count
         self.tokens_seen = 0  # every process's, as one Scorer over all the requests counts them
 
+    @property
+    def block_size(self) -> int:
+        return self.scorer.block_size
+
     def score(self, requests) -> list[Score]:
         requests = list(requests)
         n, before = len(requests), self.scorer.tokens_seen

@@ -44,7 +44,7 @@ def fits(scorer, docs, groups) -> None:
     the doc's file and line (the scorer's own error names no example)."""
     from flaxgpt.eval.scoring import check_request
 
-    L = getattr(scorer, "block_size", None) or scorer.config.block_size
+    L = scorer.block_size  # Scorer's, ProcessShards' or _NoScorer's
     for doc, (context, conts) in zip(docs, groups, strict=True):
         for cont in conts:
             try:
