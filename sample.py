@@ -52,18 +52,9 @@ import warnings
 from pathlib import Path
 
 SEPARATOR = "-" * 40
-GPT_ONLY = (
-    "temperature",
-    "top_k",
-    "top_p",
-    "num_samples",
-    "seed",
-    "dtype",
-    "quantize",
-    "draft",
-    "draft_tokens",
-)
-GPT_ONLY += ("layers", "heads", "system")  # (warned of, not silently dropped, for an encoder-decoder run)
+# flags an encoder-decoder run does not read: warned of, not dropped silently
+GPT_ONLY = "temperature top_k top_p num_samples seed dtype quantize draft draft_tokens layers heads system"
+GPT_ONLY = tuple(GPT_ONLY.split())
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -73,8 +73,8 @@ def export_int4(source, to: str, mode: str, step=None, overwrite: bool = False) 
         )
     run_dir = source if loader.init_kind(source) == "run" else None
     pretrained.check_export_target(to, overwrite, run=run_dir)  # before loading anything
+    compressed.family_of(loader.resolve_init(source, abstract=True).config)  # GPT-2, MoE: before any read
     run = loader.load(source, step=step)  # float, or an int4 source's weights as they are
-    compressed.family_of(run.config)  # GPT-2 and MoE refused before anything is quantized
     config, params = compressed.quantize_blocks(run.config, run.params, mode)
     return compressed.export(config, params, to, tokenizer=_tokenizer(run, to))
 

@@ -295,6 +295,8 @@ def prepare_fineweb(
         print_fn(f"resuming {out} at shard {done['shards']} (document {done['docs']:,})")
     elif any(out.glob(f"{prefix}_*.bin")):
         raise ShardError(f"{out} has shards but no {PROGRESS}; use another --out_dir or empty it")
+    elif (out / "meta.json").exists():  # another dataset: its meta.json holds its vocabulary
+        raise ShardError(f"{out} already holds a prepared dataset (not these shards); use another --out_dir")
 
     buffer, n_buffer, docs = [], 0, done["docs"]
 

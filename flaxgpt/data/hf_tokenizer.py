@@ -53,11 +53,12 @@ class HFTokenizer:
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         # eos_ids: every id generation stops at (Llama 3.1's <|end_of_text|>, <|eom_id|>, <|eot_id|>), as
         # transformers' generate and vLLM stop: the server's default stop tokens
-        self.bos_id, self.eos_id, self.eos_ids = special_ids(self.file.parent, self.tok)
+        strings = token_strings(self.file.parent)  # read once: the ids' fallback and the templates' variables
+        self.bos_id, self.eos_id, self.eos_ids = special_ids(self.file.parent, self.tok, strings)
         self.eot_id = self.eos_id  # the Tokenizer protocol's end of text
         with_special = self.tok.encode("a").ids
         self.add_bos = self.bos_id is not None and with_special[:1] == [self.bos_id] != self.encode("a")[:1]
-        self.chat_template, self.special_tokens = chat_files(self.file.parent)
+        self.chat_template, self.special_tokens = chat_template(self.file.parent), strings
         self.added_ids = frozenset(self.tok.get_added_tokens_decoder())  # control tokens (<|eot_id|>, ...)
 
     def encode(self, text: str) -> list[int]:
@@ -77,10 +78,12 @@ class HFTokenizer:
         return {"kind": "hf", "path": str(self.file), "vocab_size": self.vocab_size}
 
 
-def special_ids(directory: Path, tok) -> tuple[int | None, int | None, frozenset[int]]:
+def special_ids(
+    directory: Path, tok, strings: dict[str, str]
+) -> tuple[int | None, int | None, frozenset[int]]:
     """(bos_id, eos_id, every EOS id) from the model's files, each from the first of generation_config.json
-    and config.json that gives it (the file transformers' generate reads); a list of EOS ids (Llama 3
-    chat) gives the first as eos_id."""
+    and config.json that gives it (the file transformers' generate reads), else from the token
+    `strings` (token_strings'); a list of EOS ids (Llama 3 chat) gives the first as eos_id."""
     found: dict = {}
     every: frozenset[int] = frozenset()
     for name in ID_FILES:
@@ -97,7 +100,6 @@ def special_ids(directory: Path, tok) -> tuple[int | None, int | None, frozenset
                         every = frozenset(
                             int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)
                         )
-    strings = token_strings(directory)
     for key in ("bos_token", "eos_token"):
         token = strings.get(key)
         if f"{key}_id" not in found and token is not None and tok.token_to_id(token) is not None:
@@ -106,9 +108,8 @@ def special_ids(directory: Path, tok) -> tuple[int | None, int | None, frozenset
     return found.get("bos_token_id"), eos, every | ({eos} if eos is not None else set())
 
 
-def chat_files(directory: Path) -> tuple[str | None, dict[str, str]]:
-    """(chat template or None, special token strings) from chat_template.jinja / tokenizer_config.json
-    (token_strings)."""
+def chat_template(directory: Path) -> str | None:
+    """The chat template from chat_template.jinja / tokenizer_config.json, or None."""
     config_file, template = directory / "tokenizer_config.json", None
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
     jinja = directory / "chat_template.jinja"
@@ -119,7 +120,7 @@ def chat_files(directory: Path) -> tuple[str | None, dict[str, str]]:
         template = named.get("default")
     elif isinstance(config.get("chat_template"), str):
         template = config["chat_template"]
-    return template, token_strings(directory)
+    return template
 
 
 def token_strings(directory: Path) -> dict[str, str]:

@@ -434,11 +434,6 @@ def main(argv=None) -> dict:
         from flaxgpt.data import fineweb
 
         name, config = (args.hf_name, args.hf_config) if args.hf_name else fineweb.FINEWEB
-        meta, progress = Path(args.out_dir) / "meta.json", Path(args.out_dir) / fineweb.PROGRESS
-        if meta.exists() and not progress.exists():  # another dataset: its meta.json holds its vocabulary
-            raise PrepareError(
-                f"{args.out_dir} already holds a prepared dataset (not these shards); use another --out_dir"
-            )
         try:
             done = fineweb.prepare_fineweb(
                 args.out_dir,
