@@ -26,6 +26,9 @@ import sys
 import time
 
 TASKS = ("perplexity", "hellaswag", "lambada", "translation")
+# the flags one kind of task reads, with their defaults (--dtype, --limit, --step, --output: every task)
+GPT_FLAGS = {"window": 0, "stride": 0, "convention": "both", "batch_tokens": 8192, "cpu_devices": 0}
+TRANSLATION_FLAGS = {"beam_size": None, "alpha": None, "truncate": False}
 
 
 def parse_args(argv):
@@ -49,7 +52,9 @@ def parse_args(argv):
         choices=["both", "lm_eval", "nanogpt"],
         help="hellaswag: lm-evaluation-harness's, build-nanogpt's, or both",
     )
-    p.add_argument("--batch_tokens", type=int, default=8192, help="padded tokens per batch (memory)")
+    p.add_argument(
+        "--batch_tokens", type=int, default=GPT_FLAGS["batch_tokens"], help="padded tokens per batch (memory)"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--cpu_devices", type=int, default=0, help="CPU only: devices to split it into (0 = cores)"
@@ -69,6 +74,14 @@ def parse_args(argv):
             raise ValueError(f"--{name} must be >= 0, got {getattr(a, name)}")
     if a.batch_tokens < 1 or (a.beam_size is not None and a.beam_size < 1):
         raise ValueError(f"--batch_tokens and --beam_size must be >= 1, got {a.batch_tokens}, {a.beam_size}")
+    # a flag another task reads is an error here, not a setting silently left unused
+    theirs = GPT_FLAGS if a.task == "translation" else TRANSLATION_FLAGS
+    given = [name for name, default in theirs.items() if getattr(a, name) != default]
+    if given:
+        which = "perplexity, hellaswag and lambada" if a.task == "translation" else "translation"
+        flags = ", ".join(f"--{name}" for name in given)
+        verb, them = ("applies", "it") if len(given) == 1 else ("apply", "them")
+        raise ValueError(f"{flags} {verb} to {which} only, not --task {a.task}; leave {them} out")
     if a.output:  # before the evaluation, not after it
         folder = os.path.dirname(os.path.abspath(a.output))
         if os.path.isdir(a.output) or not os.path.isdir(folder):
@@ -106,8 +119,8 @@ def load(a):
     if a.out_dir:
         loader.require_run(a.out_dir)
     kind, config, params, tokenizer = loader.load(a.init_from or a.out_dir, step=a.step)
-    if kind == "gpt":  # the compute dtype; weights stay as loaded (scores in float32 either way)
-        config = dataclasses.replace(config, dtype=a.dtype)
+    # the compute dtype of either kind; weights stay as loaded (scores in float32 either way)
+    config = dataclasses.replace(config, dtype=a.dtype)
     if a.init_from:
         from flaxgpt.hf.files import resolve
 

@@ -320,7 +320,7 @@ def test_run_directory_perplexity_and_metrics_line(tmp_path, capsys):
     assert "tokenizer mismatch" in one_line_error(capsys, *args)
 
 
-def test_translation_bleu_and_exact_match_of_a_seq2seq_run(tmp_path, capsys):
+def test_translation_bleu_and_exact_match_of_a_seq2seq_run(tmp_path, capsys, monkeypatch):
     import jax
     import sacrebleu
 
@@ -355,6 +355,18 @@ def test_translation_bleu_and_exact_match_of_a_seq2seq_run(tmp_path, capsys):
     assert "does not apply to a 'seq2seq' model" in one_line_error(
         capsys, *args[:2], "--task", "lambada", "--data", "x"
     )
+    # --dtype is the encoder-decoder's compute dtype too (it was left float32); another task's flags are
+    # refused, not left unused
+    seen, real = [], et.translation
+    monkeypatch.setattr(
+        et, "translation", lambda config, *a, **k: seen.append(config.dtype) or real(config, *a, **k)
+    )
+    fe.main([*args, "--beam_size", "1", "--dtype", "bfloat16"])
+    assert seen == ["bfloat16"]
+    err = one_line_error(capsys, *args, "--batch_tokens", "64", "--window", "4")
+    assert "--window, --batch_tokens apply to perplexity, hellaswag and lambada only" in err
+    err = one_line_error(capsys, *args[:3], "perplexity", "--data", "x", "--beam_size", "2")
+    assert "--beam_size applies to translation only, not --task perplexity" in err
     (tmp_path / "pairs.tsv").write_text("abc\tcba\nabz\tzba\n")  # a character the run never saw: where
     assert "pairs.tsv:2: characters not in the vocabulary: 'z'" in one_line_error(capsys, *args)
 
