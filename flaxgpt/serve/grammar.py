@@ -193,6 +193,8 @@ def token_bytes(tokenizer, token: int) -> bytes:
     `bytes`): byte-level BPE's characters as their bytes, SentencePiece's ▁ as a space and <0xNN> as
     that byte, an added token as its text. Any cached vocabulary of the tokenizer serves (the model's
     padded size only adds empty ids)."""
+    if token in getattr(tokenizer, "added_ids", ()):  # its text (llguidance may hold no bytes for it)
+        return tokenizer.tok.id_to_token(token).encode("utf-8")
     with _vocabularies_lock:
         vocab = next(iter(_vocabularies.get(tokenizer, {}).values()), None)
     if vocab is None:
@@ -200,25 +202,43 @@ def token_bytes(tokenizer, token: int) -> bytes:
     return vocab.tok.decode_bytes([token]) if 0 <= token < vocab.n else b""
 
 
-def _spaces_readable(tokenizer_json: str) -> str:
-    """A tokenizer.json whose Metaspace decoder (recent SentencePiece conversions) is written as the
-    Replace("▁", " ") + ByteFallback + Fuse that llguidance recognises: it reads a token's bytes from the
-    decoder, and under Metaspace it took "▁" for text (a mask offering '▁"' where ' "' is forced, then
-    refusing it). The same bytes for every token; only the first token's leading-space rule differs,
-    which a mask over a reply's tokens never meets."""
-    spec = json.loads(tokenizer_json)
+def _llguidance_json(tokenizer: HFTokenizer, eos: int | None) -> str:
+    """The tokenizer.json llguidance reads, with two rewrites; every token keeps its bytes.
+
+    A Metaspace decoder (recent SentencePiece conversions) is written as the Replace("▁", " ") +
+    ByteFallback + Fuse that llguidance recognises: it reads a token's bytes from the decoder, and under
+    Metaspace it took "▁" for text (a mask offering '▁"' where ' "' is forced, then refusing it). Only the
+    first token's leading-space rule differs, which a mask over a reply's tokens never meets.
+
+    Added tokens that are not special (Qwen's <tool_call>, Gemma's <table>) leave the added list:
+    llguidance treats every added token as a control token, never text, yet its own tokenizer spelled
+    forced text with them, so a grammar forcing "<tool_call>" offered that id alone and refused it (a
+    500 at that step). Out of the list, forced text is spelled in ordinary pieces, an added token the
+    vocabulary also holds is text like its neighbours, and one it does not is an id the mask never
+    offers; a grammar still forces the id itself as <[id]> (the tool-call grammars). Kept: EOS, and an
+    in-vocabulary token the decoder would read as other bytes."""
+    spec = json.loads(tokenizer.tok.to_str())
+    pieces = {i: piece for piece, i in tokenizer.tok.get_vocab(with_added_tokens=False).items()}
+    decoder = tokenizer.tok.decoder
+
+    def text_alike(added: dict) -> bool:
+        if added["special"] or added["id"] == eos:
+            return False
+        piece = pieces.get(added["id"])
+        return piece is None or (decoder is not None and decoder.decode([piece]) == added["content"])
+
+    spec["added_tokens"] = [a for a in spec.get("added_tokens", []) if not text_alike(a)]
     decoder = spec.get("decoder") or {}
     parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
-    if not any(d.get("type") == "Metaspace" for d in parts):
-        return tokenizer_json
-    spec["decoder"] = {
-        "type": "Sequence",
-        "decoders": [
-            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-            {"type": "ByteFallback"},
-            {"type": "Fuse"},
-        ],
-    }
+    if any(d.get("type") == "Metaspace" for d in parts):
+        spec["decoder"] = {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+            ],
+        }
     return json.dumps(spec)
 
 
@@ -229,7 +249,7 @@ def _build_vocabulary(tokenizer, vocab_size: int) -> Vocabulary:
     n = max(vocab_size, tokenizer.vocab_size) + (eos is None)  # room for a virtual EOS past both
     llg_eos = n - 1 if eos is None else eos
     if isinstance(tokenizer, HFTokenizer):  # llguidance reads byte-level and SentencePiece (▁, <0xNN>) alike
-        tok = llguidance.LLTokenizer(_spaces_readable(tokenizer.tok.to_str()), n_vocab=n, eos_token=llg_eos)
+        tok = llguidance.LLTokenizer(_llguidance_json(tokenizer, eos), n_vocab=n, eos_token=llg_eos)
     elif isinstance(tokenizer, TiktokenTokenizer):
         enc = tokenizer.enc
         tokens = [enc.decode_single_token_bytes(i) for i in range(enc.n_vocab)]
@@ -341,16 +361,9 @@ class Grammars:
         if start.is_error():
             raise GrammarError(_message(spec.kind, start.get_error()))
         # a first token it forces must go through (tried on a copy): forced text that never ends
-        # ('foo: "a" foo': llguidance's limit) or an added token's text written as text (Qwen's
-        # <tool_call>: offered, then refused) failed the first step, a 500 for the grammar's fault
+        # ('foo: "a" foo': llguidance's limit) failed the first step, a 500 for the grammar's fault
         allowed = np.flatnonzero(np.unpackbits(allowed_W.view(np.uint8), bitorder="little"))
         if len(allowed) == 1 and not (probe := start.deep_copy()).consume_token(int(allowed[0])):
-            token = int(allowed[0])
-            if token in getattr(self.tokenizer, "added_ids", ()):
-                raise GrammarError(
-                    f"the {_name(spec.kind)} writes the added token {self.vocab.tok.decode_str([token])!r} "
-                    f"as text, which llguidance cannot follow; in a grammar, write it as <[{token}]>"
-                )
             raise GrammarError(_message(spec.kind, probe.get_error()))
         return Compiled(spec, start)
 
