@@ -190,6 +190,8 @@ def _tool_calls(calls, where: str) -> list[dict]:
                 raise ChatError(
                     f"{where}: tool call {j} 'arguments' is not JSON ({e}); send an object"
                 ) from None
+            except RecursionError:
+                raise ChatError(f"{where}: tool call {j} 'arguments' is nested too deeply") from None
         if not isinstance(arguments, dict):
             raise ChatError(
                 f'{where}: tool call {j} \'arguments\' is not a JSON object, e.g. {{"city": "Paris"}}'

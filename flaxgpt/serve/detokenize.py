@@ -30,6 +30,9 @@ characters returned before it in that run included, and a U+FFFD returned after 
 may be repeated when later bytes regroup. Valid text is never lost; for valid UTF-8 the result is
 exactly decode(prompt + reply)[len(decode(prompt)):] (tests/serve/test_detokenize.py).
 
+`TextOffsets`: where each token's text starts (completions' logprobs `text_offset`), token after token,
+one per reply across a stream's chunks.
+
 Also the scheduler's other text rules: `WithSpecial` (a tokenizer whose decode keeps special tokens, for
 requests that ask for them) and `held_back` (the end of a reply not to emit yet: a partial character
 or the start of a stop string).
@@ -37,6 +40,7 @@ or the start of a stop string).
 
 from __future__ import annotations
 
+import codecs
 import os
 
 CONTEXT = 5  # prompt tokens decoded before the reply (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
@@ -131,3 +135,33 @@ def held_back(text: str, stop: list[str]) -> int:
                 n = max(n, k)
                 break
     return n
+
+
+class TextOffsets:
+    """Where each token's text starts, from `start`, in the text its bytes decode to (U+FFFD for invalid
+    bytes). A token ending inside a valid character gets no characters, so the token that completes it
+    starts where the character does; bytes that prove invalid (a lead byte the next token does not
+    continue) are that earlier token's U+FFFD, and the next token starts after it. One object a reply,
+    across its stream's chunks: a fresh decoder a chunk lost the bytes held between them."""
+
+    def __init__(self, start: int = 0):
+        self.chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.count, self.text = start, ""
+
+    def next(self, raw: bytes) -> int:
+        """The next token's start, given its bytes (b"" for a token the text skips)."""
+        held = self.chars.getstate()[0]
+        piece = self.chars.decode(raw)
+        lead = 0  # the held bytes' own U+FFFDs when this token did not complete them: the earlier token's
+        if held:
+            alone = held.decode("utf-8", errors="replace")
+            fresh = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            lead = len(alone) if piece == alone + fresh.decode(raw) else 0
+        start = self.count + lead
+        self.count, self.text = self.count + len(piece), self.text + piece
+        return start
+
+    def finish(self) -> str:
+        """All the text (what was held back decoded as U+FFFD)."""
+        self.text += self.chars.decode(b"", final=True)
+        return self.text

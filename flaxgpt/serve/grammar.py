@@ -79,6 +79,8 @@ def json_schema_spec(schema, param: str, field: str | None = None) -> Spec:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise GrammarError(f"{field} is not valid JSON: {e}", param) from None
+        except RecursionError:
+            raise GrammarError(f"{field} is nested too deeply", param) from None
     if not isinstance(schema, dict):
         raise GrammarError(f"{field} must be a JSON schema object, got {type(schema).__name__}", param)
     return Spec("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
@@ -199,7 +201,10 @@ def token_bytes(tokenizer, token: int) -> bytes:
         vocab = next(iter(_vocabularies.get(tokenizer, {}).values()), None)
     if vocab is None:
         vocab = vocabulary(tokenizer, tokenizer.vocab_size)
-    return vocab.tok.decode_bytes([token]) if 0 <= token < vocab.n else b""
+    raw = vocab.tok.decode_bytes([token]) if 0 <= token < vocab.n else b""
+    if not raw and (byte := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", tokenizer.tok.id_to_token(token) or "")):
+        return bytes([int(byte[1], 16)])  # <0xFF>: llguidance reads a leading 0xFF as its own marker
+    return raw
 
 
 def _llguidance_json(tokenizer: HFTokenizer, eos: int | None) -> str:
@@ -470,6 +475,8 @@ def _check_schema(schema: dict) -> None:
     except jsonschema.SchemaError as e:
         where = "/".join(map(str, e.absolute_path)) or "the top level"
         raise GrammarError(f"invalid JSON schema at {where}: {_one_line(e.message)}") from None
+    except RecursionError:  # jsonschema walks it recursively
+        raise GrammarError("the JSON schema is nested too deeply to check; flatten it") from None
 
 
 def _message(kind: str, error: str) -> str:

@@ -30,6 +30,7 @@ from starlette.requests import ClientDisconnect
 from flaxgpt.serve import openai_api as api
 
 access_log = logging.getLogger("flaxgpt.serve.access")
+error_log = logging.getLogger("flaxgpt.serve")
 
 
 def _error_response(status: int, message: str, kind: str, code: str | None = None):
@@ -88,10 +89,16 @@ class Operations:
         except ClientDisconnect:  # the client left while sending its body: a 499, as below
             raise
         except Exception:
-            # Starlette's error middleware, outside this one, answers 500 after the exception passed
-            # through here: counted as the 500 it becomes, not as a client that went away (499)
-            sent["status"] = sent["status"] or 500
-            raise
+            if sent["status"]:  # a response under way: Starlette's error middleware ends it
+                raise
+            # a bug: a 500 in OpenAI's error JSON (Starlette's is plain text, which clients cannot
+            # read), the traceback in the server's log
+            error_log.exception("%s %s failed", scope["method"], path)
+            status, body, headers = _error_response(
+                500, "the server failed on this request (a bug: see its log)", "server_error"
+            )
+            await send_counted({"type": "http.response.start", "status": status, "headers": headers})
+            await send_counted({"type": "http.response.body", "body": body})
         finally:
             status = sent["status"] or 499  # nothing sent: the client went away first
             client = (scope.get("client") or ("-",))[0]

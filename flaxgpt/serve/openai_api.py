@@ -22,7 +22,6 @@ its Spec here) and a tool call's format (serve/tools.py, per model family).
 
 from __future__ import annotations
 
-import codecs
 import secrets
 import time
 import uuid
@@ -33,6 +32,7 @@ from flaxgpt.data import chat
 from flaxgpt.data.hf_tokenizer import HFTokenizer
 from flaxgpt.decode.sampler import MAX_LOGPROBS
 from flaxgpt.decode.sampling import MAX_LOGIT_BIAS, Sampling
+from flaxgpt.serve.detokenize import TextOffsets
 
 OPENAI_DEFAULT_MAX_TOKENS = 16
 MAX_N = 16
@@ -149,6 +149,7 @@ def _sampling(body, vocab_size: int) -> Sampling:
     top_k = _number(body, "top_k", 0, integer=True)
     if top_k < 0 and top_k != -1:  # vLLM's -1 is off too
         raise BadRequest(f"'top_k' must be >= 0 (0 or -1 = off), got {top_k}", "top_k")
+    top_k = 0 if top_k >= vocab_size else top_k  # the whole vocabulary: off (and int32 on the device)
     min_p = _number(body, "min_p", 0.0)
     if not 0 <= min_p <= 1:
         raise BadRequest(f"'min_p' must be in [0, 1] (0 = off), got {min_p}", "min_p")
@@ -459,12 +460,12 @@ def _skipped(tokenizer, token: int) -> bool:
 def completion_logprobs(tokenizer, entries, offset: int = 0, text: str | None = None) -> dict:
     """The legacy completions `logprobs` object of TokenLogprob entries (serve/scheduler.py): tokens,
     token_logprobs (None for an echoed prompt's first), top_logprobs ({token: logprob}; None there too),
-    text_offset (where each token's text starts in the reply, from `offset`: characters of the tokens'
-    bytes before it, a token ending inside a character counted once, with the character's end).
+    text_offset (where each token's text starts in the reply, from `offset`, an int or a reply's
+    detokenize.TextOffsets that a stream's chunks share: characters of the tokens' bytes before it).
     text: the entries' own decoded text (an echoed prompt), which may lack what the tokens' bytes hold
     at its start (special tokens, a SentencePiece first space): offsets are aligned to its end."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    chars, starts, pieces = codecs.getincrementaldecoder("utf-8")(errors="replace"), [], []
+    offsets = TextOffsets(offset) if isinstance(offset, int) else offset  # a stream's: its chunks go on
     for e in entries:
         token, raw = token_text(tokenizer, e.id)
         out["tokens"].append(token)
@@ -472,11 +473,11 @@ def completion_logprobs(tokenizer, entries, offset: int = 0, text: str | None = 
         out["top_logprobs"].append(
             None if e.logprob is None else {token_text(tokenizer, i)[0]: lp for i, lp in e.top}
         )
-        starts.append(starts[-1] + len(pieces[-1]) if pieces else 0)
-        pieces.append("" if _skipped(tokenizer, e.id) else chars.decode(raw))
-    whole = "".join(pieces) + chars.decode(b"", final=True)
-    shift = len(whole) - len(text) if text is not None and whole.endswith(text) else 0
-    out["text_offset"] = [offset + max(0, start - shift) for start in starts]
+        out["text_offset"].append(offsets.next(b"" if _skipped(tokenizer, e.id) else raw))
+    if text is not None:  # an echoed prompt (offset an int): aligned to its text's end
+        whole = offsets.finish()
+        shift = len(whole) - len(text) if whole.endswith(text) else 0
+        out["text_offset"] = [offset + max(0, s - offset - shift) for s in out["text_offset"]]
     return out
 
 

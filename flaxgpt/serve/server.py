@@ -37,6 +37,7 @@ from flaxgpt.data import chat
 from flaxgpt.decode.sampling import Rows
 from flaxgpt.serve import openai_api as api
 from flaxgpt.serve import tools
+from flaxgpt.serve.detokenize import TextOffsets
 from flaxgpt.serve.grammar import GrammarError
 from flaxgpt.serve.metrics import ServeMetrics
 from flaxgpt.serve.middleware import Operations
@@ -213,6 +214,10 @@ def create_app(
                 compiled = await asyncio.wrap_future(future)
         except api.BadRequest as e:
             return _error(400, str(e), param=e.param)
+        except RecursionError:  # a schema, a tool's parameters, JSON in a string: past Python's stack
+            return _error(
+                400, "a JSON value of the request (a schema, a tool, arguments) is nested too deeply"
+            )
         except GrammarError as e:
             return _error(400, str(e), param=e.param or req.constraint_param)
         loop = asyncio.get_running_loop()
@@ -304,17 +309,18 @@ class _Reply:
         self.index, self.req, self.tokenizer, self.prompt_ids = index, req, tokenizer, prompt_ids
         self.family, self.text, self.entries, self.prompt, self.prompt_text = family, "", [], [], ""
         self.parser = tools.StreamParser(family, req.tools) if family else None
-        self.any_call = False
+        self.any_call, self.offsets = False, None
 
-    def _logprobs(self, entries, prompt=(), offset=0):
+    def _logprobs(self, entries, prompt=(), offsets=None):
+        """offsets: the stream's TextOffsets (its chunks continue one another), else from the start."""
         if self.req.logprobs is None:
             return None
         if self.req.chat:
             return api.chat_logprobs(self.tokenizer, entries)
-        out = api.completion_logprobs(self.tokenizer, entries, offset + len(self.prompt_text))
+        out = api.completion_logprobs(self.tokenizer, entries, offsets or len(self.prompt_text))
         if not prompt:
             return out
-        echoed = api.completion_logprobs(self.tokenizer, prompt, offset, text=self.prompt_text)
+        echoed = api.completion_logprobs(self.tokenizer, prompt, 0, text=self.prompt_text)
         return {k: echoed[k] + out[k] for k in out}
 
     def add(self, ev: Delta) -> list:
@@ -323,10 +329,11 @@ class _Reply:
         if ev.prompt is not None:  # echo: the prompt first, its tokens' logprobs with it
             self.prompt, self.prompt_text = ev.prompt, self.tokenizer.decode(self.prompt_ids)
             text = self.prompt_text + text
-        offset = len(self.text) - len(self.prompt_text) if ev.prompt is None else 0
+        if self.offsets is None:  # the first delta, after the echoed prompt's text is known
+            self.offsets = TextOffsets(len(self.prompt_text))
         self.text += text
         self.entries += ev.logprobs
-        lp = self._logprobs(ev.logprobs, self.prompt if ev.prompt is not None else (), offset)
+        lp = self._logprobs(ev.logprobs, self.prompt if ev.prompt is not None else (), self.offsets)
         if self.parser is None:
             return [api.Choice(self.index, text, None, lp)] if text or lp else []
         out = [c for c in map(self._delta, self.parser.feed(text)) if c is not None]

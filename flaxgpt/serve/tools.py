@@ -49,6 +49,7 @@ CLOSERS = {"hermes": HERMES_CLOSE}  # ... and, in these families, ends here
 # lenient: a schema keyword llguidance lacks is left unenforced rather than failing the request
 JSON_STYLE = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "lenient": True}
 _DECODER = json.JSONDecoder()
+_NOT_JSON = (json.JSONDecodeError, RecursionError)  # text nested past Python's stack is no call either
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -105,6 +106,8 @@ def check_tools(tools) -> list[dict]:
             raise ToolError(
                 f"tool {name!r}: 'parameters' is not a valid JSON schema at {where}: {e.message}", "tools"
             ) from None
+        except RecursionError:  # jsonschema walks it recursively
+            raise ToolError(f"tool {name!r}: 'parameters' is nested too deeply to check", "tools") from None
     return list(tools)
 
 
@@ -229,7 +232,7 @@ def _call(obj, names: frozenset, keys=("arguments",)) -> dict | None:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except _NOT_JSON:
             return None
     return {"name": obj["name"], "arguments": arguments} if isinstance(arguments, dict) else None
 
@@ -237,7 +240,7 @@ def _call(obj, names: frozenset, keys=("arguments",)) -> dict | None:
 def _json(text: str):
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except _NOT_JSON:
         return None
 
 
@@ -293,7 +296,7 @@ def _scan_mistral(text, i, names, final):
             continue
         try:  # a list ends at its own ']', so a prefix that decodes decodes the same in the whole text
             value, end = _DECODER.raw_decode(text, k)
-        except json.JSONDecodeError:
+        except _NOT_JSON:
             if not final:
                 return pieces, j  # unfinished (or malformed: known at the end)
             return pieces + [text[j:]], len(text)
@@ -316,7 +319,7 @@ def _scan_llama3(text, i, names, final):
         k = len(body) - len(body[k:].lstrip())
         try:
             obj, k = _DECODER.raw_decode(body, k)
-        except json.JSONDecodeError:
+        except _NOT_JSON:
             return [text], len(text)
         calls.append(_call(obj, names, ("parameters", "arguments")))
         rest = body[k:].lstrip()

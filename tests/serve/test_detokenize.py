@@ -172,3 +172,17 @@ def test_each_token_decodes_a_bounded_window(toks, name):
         counting.longest,
     )
     assert det.text == tok.decode(prompt + reply)[len(tok.decode(prompt)) :]
+
+
+def test_text_offsets_of_valid_and_invalid_bytes():
+    from flaxgpt.serve.detokenize import TextOffsets
+
+    # "a", a lead byte "b" does not continue (its U+FFFD: that token's), é and € split across tokens
+    # (the completing token starts where the character does), a lone 0xFF, "c"
+    raws = [b"a", b"\xc3", b"b", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"\xff", b"c"]
+    offsets = TextOffsets(10)
+    assert [offsets.next(raw) for raw in raws] == [10, 11, 12, 13, 13, 14, 14, 15, 16]
+    assert offsets.finish() == "a\ufffdbé€\ufffdc"
+    offsets = TextOffsets()
+    assert [offsets.next(raw) for raw in [b"\xe2", b"\x82", b"x"]] == [0, 0, 1]  # € cut short: one U+FFFD
+    assert offsets.finish() == "\ufffdx"

@@ -303,6 +303,33 @@ def test_logprob_tokens_are_the_tokens_bytes_and_offsets_point_into_the_text(api
     assert bytes(b for e in content for b in e.bytes).decode() == r.choices[0].message.content
 
 
+def test_byte_tokens_bytes_and_offsets_streamed_or_whole(api):
+    # <0xFF>: its byte (llguidance, which reads tokens' bytes, keeps a leading 0xFF as its own marker:
+    # it was reported with no bytes and an empty text)
+    ff = str(api.tok.token_to_id("<0xFF>"))
+    r = chat(api, "x", max_tokens=2, temperature=0, logprobs=True, logit_bias={ff: 100})
+    assert [(e.token, e.bytes) for e in r.choices[0].logprobs.content] == [("\ufffd", [255])] * 2
+    lp = complete(api, "x", max_tokens=2, temperature=0, logprobs=0, logit_bias={ff: 100}).choices[0].logprobs
+    assert (lp.tokens, lp.text_offset) == (["\ufffd"] * 2, [0, 1])
+    # a reply of byte tokens, valid and not: its stream's offsets are the whole reply's (each chunk
+    # started a new decoder, and bytes held between chunks shifted every later offset)
+    bias = {str(api.tok.token_to_id(f"<0x{b:02X}>")): 4 for b in range(0x80, 0x100)}
+    for seed in range(3):
+        kw = dict(max_tokens=24, temperature=1.0, seed=seed, logprobs=0, logit_bias=bias)
+        whole = complete(api, "the quick brown", **kw).choices[0]
+        chunks = [c.choices[0] for c in complete(api, "the quick brown", stream=True, **kw) if c.choices]
+        streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+        assert "".join(c.text for c in chunks) == whole.text and streamed == whole.logprobs.text_offset
+
+
+def test_top_k_past_the_vocabulary_is_off(api):
+    # top_k >= the vocabulary keeps every token: off (2**31 was a 500: the device's int32)
+    kw = dict(max_tokens=6, temperature=1.0, seed=3)
+    want = complete(api, "the quick brown", **kw).choices[0].text
+    for k in (api.V, 2**31, 2**63):
+        assert complete(api, "the quick brown", extra_body={"top_k": k}, **kw).choices[0].text == want
+
+
 def test_usage_counts_a_prompt_once_whatever_n(api):
     kw = dict(max_tokens=2, temperature=1.0, seed=1, extra_body={"ignore_eos": True})
     one, three = complete(api, "the quick brown", **kw), complete(api, "the quick brown", n=3, **kw)
@@ -578,6 +605,19 @@ def tool(parameters) -> list:
     return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
 
 
+DEEP = {"type": "object", "properties": {}}
+for _ in range(400):  # a valid schema, 400 objects deep (a 100 kB body: under the server's limit)
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+
+DEEP_CALL = [  # a tool call whose arguments string nests 5000 lists
+    {"role": "user", "content": "x"},
+    {
+        "role": "assistant",
+        "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}],
+    },
+    {"role": "tool", "tool_call_id": "c", "content": "1"},
+]
+
 BAD = [  # (the field the error names, a word of its message, the request)
     ("response_format", "strng", schema_format({"type": "object", "properties": {"a": {"type": "strng"}}})),
     ("structured_outputs", "look-around", {"extra_body": {"structured_outputs": {"regex": "(?<=a)b"}}}),
@@ -598,6 +638,11 @@ BAD = [  # (the field the error names, a word of its message, the request)
     ("top_logprobs", "'logprobs'", {"top_logprobs": 3}),
     ("top_logprobs", "21", {"logprobs": True, "top_logprobs": 21}),
     ("logit_bias", "100000", {"logit_bias": {"100000": 5}}),
+    # JSON nested past Python's stack (jsonschema's check, json.loads of a string): 400s, not 500s
+    ("response_format", "nested too deeply", schema_format(DEEP)),
+    ("tools", "nested too deeply", {"tools": tool(DEEP)}),
+    ("response_format", "nested too deeply", schema_format(json.dumps(DEEP))),  # the schema as a string
+    ("messages", "nested too deeply", {"extra_body": {"messages": DEEP_CALL}}),
 ]
 
 
