@@ -6,13 +6,15 @@ hostile program cannot lift and a result that is always an observation, never an
 
 Layers, each stopping what the one before may miss:
 - resource limits set in the child before the code runs (RLIMIT_CPU: an infinite loop; RLIMIT_AS: a
-  10 GB allocation is a MemoryError; RLIMIT_FSIZE: output and files capped; RLIMIT_NPROC: no fork bomb
-  once the child is not root; no core files), and a wall-clock limit after which the parent kills the
-  child's whole process group (a program that sleeps or blocks uses no CPU time);
+  10 GB allocation is a MemoryError; RLIMIT_FSIZE: output and each file capped; RLIMIT_NPROC 1: no
+  process of its own, by whatever call; no core files), and a wall-clock limit after which the parent
+  kills the child's whole process group (a program that sleeps or blocks uses no CPU time);
 - an audit hook (sys.addaudithook: it cannot be removed) refusing new processes (fork, exec, spawn,
   subprocess, os.system), signals to other processes, sockets, ctypes, the garbage collector's object
-  walks, any write, rename, link or removal outside the temporary directory, and any handle on a directory
-  outside it (the audit events of a `dir_fd=` call name a relative path, which would be placed inside);
+  walks, any write, rename, link or removal outside the temporary directory, any handle on a directory
+  outside it and any change of directory (the audit events of a `dir_fd=` call name a relative path,
+  which the checks place from the working directory: a handle elsewhere, or another working directory,
+  wrote outside); os.mkfifo and os.mknod, which raise no event, are removed;
 - where the parent runs as root, the child drops to user `nobody` (the directory is made its own) and,
   where the kernel allows, enters a new network namespace: the file system's permissions and an empty
   network stand behind the hook.
@@ -89,15 +91,21 @@ if os.geteuid() == 0:
     os.setgroups([])
     os.setgid(65534)
     os.setuid(65534)
-    resource.setrlimit(resource.RLIMIT_NPROC, (16, 16))
+# no new process at all, whoever runs it (root alone is exempt, and it is nobody by now): fork_exec of
+# _posixsubprocess, reached past the import check through importlib's internals, raises no audit event
+resource.setrlimit(resource.RLIMIT_NPROC, (1, 1))
 os.chdir(root)
+for name in ("mkfifo", "mknod"):  # files made without an audit event, anywhere the user may write
+    for module in (os, sys.modules["posix"]):
+        if hasattr(module, name):
+            delattr(module, name)
 
 WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 DENY = frozenset(("os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
                   "subprocess.Popen", "os.killpg", "signal.pthread_kill", "socket.__new__",
                   "socket.connect", "socket.bind", "socket.getaddrinfo", "ctypes.dlopen", "ctypes.dlsym",
                   "ctypes.cdata", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "os.symlink",
-                  "os.link", "os.chown", "os.setxattr", "os.removexattr"))
+                  "os.link", "os.chown", "os.setxattr", "os.removexattr", "os.chdir"))
 PATHS = frozenset(("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.truncate",
                    "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.copymode", "shutil.copystat",
                    "shutil.copytree", "shutil.move", "shutil.make_archive"))

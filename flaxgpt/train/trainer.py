@@ -440,7 +440,9 @@ class Trainer:
                 # steps that all-reduce across CPU devices can starve the host's thread pool)
                 jax.block_until_ready(previous)
                 previous = metrics["loss"]
-            if self.online and step + 1 < c.max_iters:  # sampled from the weights this step made
+            # sampled from the weights this step made; not when stopping: the save comes next (a whole
+            # rollout, waited for, once delayed it past a preemption's notice)
+            if self.online and step + 1 < c.max_iters and not stop.requested(step + 1):
                 batch = self.train_batch(step + 1, state)
             self.after_step(step + 1, state)
         return state

@@ -88,6 +88,26 @@ def test_no_handle_on_a_directory_outside_writes_through_dir_fd():
         shutil.rmtree(outside)
 
 
+def test_no_change_of_directory_no_process_no_fifo(tmp_path):
+    """A handle on the sandbox's own directory, then a working directory below it: '../x' was checked
+    as inside (from the working directory) and written outside (from the handle). Processes made past
+    the audit hook (importlib's _gcd_import of _posixsubprocess, whose fork_exec raises no event) meet
+    RLIMIT_NPROC 1; a FIFO (no audit event) could be made anywhere the user may write."""
+    r = run_python(
+        "import os\nd = os.open('.', os.O_RDONLY)\nos.mkdir('a')\nos.chdir('a')\n"
+        "os.open('../escaped', os.O_WRONLY | os.O_CREAT, dir_fd=d)",
+        FAST,
+    )
+    assert r.exit_code == 1 and "does not allow os.chdir" in r.stderr, r
+    r = run_python("import resource\nprint(resource.getrlimit(resource.RLIMIT_NPROC))", FAST)
+    assert r.stdout == "(1, 1)\n", r
+    fifo = tmp_path / "fifo"
+    os.chmod(tmp_path, 0o777)
+    for call in ("os.mkfifo", "os.mknod", "__import__('posix').mkfifo"):
+        r = run_python(f"import os\n{call}({str(fifo)!r})", FAST)
+        assert r.exit_code == 1 and "AttributeError" in r.stderr and not fifo.exists(), (call, r)
+
+
 def test_exit_output_and_errors_come_back_as_observations():
     assert run_python("import sys\nprint('bye')\nsys.exit(3)", FAST).observation() == "bye\n[exit code 3]"
     r = run_python("print('a' * 5000 + 'z')", Limits(output_chars=200))

@@ -5,6 +5,8 @@ refills, and the trainer with off_policy_steps 0 and 1 against a hand-written lo
 step from the weights the docs name (losses and parameters identical over 3 steps)."""
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -174,6 +176,27 @@ def test_trainer_equals_the_loop_by_hand(tmp_path, k, temperature):
     if k:
         assert steps[0]["tis_weight"] == pytest.approx(1.0, abs=1e-5)  # sampled by the same weights
         assert steps[2]["tis_weight"] != pytest.approx(1.0, abs=1e-5)  # by state 1's, trained by 2's
+
+
+def test_sigterm_during_an_update_saves_without_sampling_the_next_batch(tmp_path, monkeypatch):
+    """SIGTERM while update 1 runs: step 2 is saved at once, its batch never sampled (it was sampled,
+    a whole rollout waited for, and then saved)."""
+    sampled, real_sampled, real_update = [], grpo_online.Rollouts.sampled, grpo_online.Rollouts.before_update
+
+    def spy(self, params, frozen, step, *rest):
+        sampled.append(step)
+        return real_sampled(self, params, frozen, step, *rest)
+
+    def before_update(self, params, step):
+        real_update(self, params, step)
+        if step == 1:  # the update of step 1 is dispatched next
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(grpo_online.Rollouts, "sampled", spy)
+    monkeypatch.setattr(grpo_online.Rollouts, "before_update", before_update)
+    config = recipe(toy_data(tmp_path), tmp_path / "run", max_iters=4)
+    trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"] and sampled == [0, 1]
 
 
 def test_bad_async_settings(tmp_path):
