@@ -18,8 +18,9 @@ Layout: a completion is one sequence after the prompt, reply 1, observation 1, r
 grpo_task.Completion, its model flags 1 on the replies' tokens and 0 on the observations', so only the
 model's own tokens train. Limits: grpo.max_completion_length bounds the whole sequence (replies and
 observations: the row fits the window and train row a one-shot completion has), grpo.max_turns (0:
-the environment's own max_turns) the replies. An episode that reaches either ends truncated (no EOS at
-its end: mask_truncated_completions applies) and is scored as it stands. A first observation from
+the environment's own max_turns) the replies. An episode that reaches either ends truncated
+(mask_truncated_completions applies, whether or not its last reply ended with EOS) and is scored as
+it stands. A first observation from
 `reset` (the same for the G episodes of a prompt) follows the prompt as prompt tokens, out of the
 budget. Rewards: the environment's, summed over the episode (Completion.reward); the recipe's
 reward_funcs, if any, score the final reply (its text before EOS) on top.
@@ -265,7 +266,8 @@ class Episodes:
                 completions.append(Completion(play.tokens, [0] * len(play.tokens)))
                 replies.append("")
             else:
-                completions.append(Completion(play.tokens, play.model, play.reward))
+                # cut short unless the environment ended it: a last reply's EOS does not say
+                completions.append(Completion(play.tokens, play.model, play.reward, truncated=not play.done))
                 replies.append(self._text(play.tokens[play.start :]))
         return completions, replies
 

@@ -20,7 +20,7 @@ taken at the rollout too, as TRL takes both at generation time.
 
 The trainer (flaxgpt.train.trainer) asks `online` tasks for their batch after each update (it cannot
 be built while the step runs: it needs its weights) and logs `info` with the step: reward (mean),
-reward_std (the mean of the groups' std, TRL's), rewards/<name>/mean and /std per function,
+reward_std (over the step's completions, TRL's), rewards/<name>/mean and /std per function,
 frac_reward_zero_std, completions/mean_length, completions/clipped_ratio (hit the length limit),
 rollout_time; the loss adds clip_*, kl, entropy, completion_length (grpo_task).
 Shape letters: N completions of a step (prompts x G), G group size, T positions.
@@ -239,9 +239,17 @@ class Rollouts:
         rows_N = [r for r in rows for _ in range(group_size)]
         names = [f"prompt {r['prompt']!r}" for r in rows_N]
         total_N, per_NK = np.zeros(len(texts)), np.zeros((len(texts), 0))
-        if self.rewards is not None:
+        if self.rewards is not None:  # as TRL passes them: a chat prompt's completion is a message too
+            completions = [
+                [{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t
+                for r, t in zip(rows_N, texts)
+            ]
             total_N, per_NK = self.rewards(
-                [r["prompt"] for r in rows_N], texts, [r["fields"] for r in rows_N], completion_ids, names
+                [r["prompt"] for r in rows_N],
+                completions,
+                [r["fields"] for r in rows_N],
+                completion_ids,
+                names,
             )
         if self.episodes is None:
             return total_N, per_NK
@@ -301,8 +309,8 @@ class Rollouts:
         if self.objective.opts.beta:  # LoRA: the base, adapters off; else Frozen.reference
             batch["ref_logp"] = np.asarray(self._logps(self.policy.reference_params(frozen), batch, frozen))
         info = {
-            "reward": float(np.nanmean(total_N)),
-            "reward_std": float(np.nanmean(np.nanstd(total_N.reshape(-1, G), axis=1, ddof=1))),
+            "reward": _nan_stat(np.nanmean, total_N),
+            "reward_std": _nan_stat(np.nanstd, total_N, ddof=1),  # over the step's completions, as TRL
             "frac_reward_zero_std": float(np.mean(zero_std_N)),
             "completions/mean_length": float(np.mean([len(c) for c in completion_ids])),
             "completions/clipped_ratio": float(np.mean(cut_N)),

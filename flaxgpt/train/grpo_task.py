@@ -46,6 +46,7 @@ Shape letters: B rows (completions), T positions, N completions of a step (promp
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import ClassVar, Literal
 
 import jax
@@ -108,7 +109,8 @@ class GRPOOptions(Section):
 def _nanstd(x, axis=None):
     """Bessel-corrected standard deviation ignoring NaN (TRL's nanstd): NaN for fewer than 2 values."""
     n = np.sum(~np.isnan(x), axis=axis)
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a group of NaNs (dropped): NaN, said nowhere
         var = np.nanmean((x - np.nanmean(x, axis=axis, keepdims=True)) ** 2, axis=axis) * n / (n - 1)
     return np.where(n > 1, np.sqrt(var), np.nan)
 
@@ -135,7 +137,8 @@ def group_advantages(rewards_N, group_size: int, scale: str = "group"):
     if r_N.ndim != 1 or r_N.size % G:
         raise ValueError(f"{r_N.size} rewards are not groups of num_generations={G}")
     r_PG = r_N.reshape(-1, G)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
         mean_N = np.repeat(np.nanmean(r_PG, axis=1), G)
     if scale == "batch":
         std_N = np.full_like(r_N, _nanstd(r_N) if r_N.size > 1 else 0.0)
@@ -149,10 +152,16 @@ def group_advantages(rewards_N, group_size: int, scale: str = "group"):
 
 
 def truncated(completion_ids, eos_ids) -> np.ndarray:
-    """[N] bool: the completion did not end with an end-of-sequence token (it hit the length limit).
+    """[N] bool: the completion did not end with an end-of-sequence token (it hit the length limit), or
+    a Completion that says so (an episode the environment did not end: max_turns, the token budget).
     mask_truncated_completions zeroes these rows' loss_mask, as TRL does (EOS ids include its pad)."""
     eos = set(int(e) for e in np.atleast_1d(eos_ids))
-    return np.array([len(ids) == 0 or int(ids[-1]) not in eos for ids in completion_ids], bool)
+
+    def cut(ids) -> bool:
+        said = getattr(ids, "truncated", None)
+        return said if said is not None else len(ids) == 0 or int(ids[-1]) not in eos
+
+    return np.array([cut(ids) for ids in completion_ids], bool)
 
 
 class Completion(list):
@@ -161,10 +170,11 @@ class Completion(list):
     is the model's (trained), 0 where the environment wrote it (masked out of the loss; None: all the
     model's); reward the environment's (NaN: its group was dropped); logp each token's log-probability
     under the weights that sampled it (the engine's, grpo_rollout: an off-policy batch's behaviour_logp
-    without a forward pass), or None."""
+    without a forward pass), or None; truncated whether it was cut short (None: no EOS at its end)."""
 
-    def __init__(self, tokens, model=None, reward: float = float("nan"), logp=None):
+    def __init__(self, tokens, model=None, reward: float = float("nan"), logp=None, truncated=None):
         super().__init__(tokens)
+        self.truncated = truncated
         self.model, self.reward = [1] * len(self) if model is None else list(model), reward
         self.logp = None if logp is None else [float(x) for x in logp]
         for name, xs in (("model flags", self.model), ("log-probs", self.logp or self)):

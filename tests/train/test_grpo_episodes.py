@@ -266,6 +266,19 @@ def test_an_environment_that_never_finishes_stops_at_max_turns(params):
         replies = sum(1 for s in segments(c) if s[2])
         assert replies <= 2 and len(c) <= MAX_NEW and c.reward in (0.0, 0.25, 0.5)
     assert any(sum(1 for s in segments(c) if s[2]) == 2 for c in completions)
+    assert g.truncated(completions, [EOS]).all()  # mask_truncated_completions masks them all
+
+
+def test_an_episode_the_environment_did_not_end_is_truncated_even_after_eos():
+    """The last reply ended with EOS but the environment did not end the episode (max_turns, the
+    budget): truncated (it was judged by its last token alone: trained under mask_truncated_completions)."""
+    from flaxgpt.train.grpo_episodes import _Play
+
+    episodes = Episodes(f"{HERE}:Forever", Letters(), EOS, MAX_NEW, max_turns=1)
+    plays = [_Play(None, "p", MAX_NEW, [5, EOS], [1, 1], done=done) for done in (False, True)]
+    plays += [_Play(None, "p", MAX_NEW, [5, 6], [1, 1], done=False)]
+    completions, _ = episodes._results(plays, set(), 1)
+    assert list(g.truncated(completions, [EOS])) == [True, False, True]
 
 
 def test_episode_metrics_count_turns_endings_and_tool_errors():

@@ -123,6 +123,8 @@ def test_recipe_trains_logs_rewards_then_sample(tmp_path, capsys, caplog):
     for x in steps:
         assert all(k in x for k in fields), sorted(x)
         assert 0 <= x["reward"] <= 1 and x["update_time"] > 0
+        # over the step's completions, as TRL logs it (it was the mean of the groups' stds)
+        assert x["reward_std"] == pytest.approx(x["rewards/copy_reward/std"], abs=2e-6)
     assert steps[0]["rollout_time"] > 0 and steps[1]["rollout_time"] == 0.0 and steps[2]["rollout_time"] > 0
     assert steps[1]["reward"] == steps[0]["reward"]  # the same rollout, trained on twice
     evals = [x for x in lines if "val_reward" in x]
@@ -214,7 +216,9 @@ def test_qlora_with_beta_on_chat_prompts(tmp_path, llama_prompts):
         "grpo.rollout": "generate",
         "lora.rank": 4, "lora.alpha": 8.0, "lora.base_dtype": "int8", "grpo.num_generations": 2,
         "batch_size": 4, "max_iters": 2, "eval_interval": 2, "grpo.beta": 0.04,
-        "grpo.reward_funcs": ("answer", "length=3"), "grpo.reward_weights": (1.0, 0.5),
+        # TRL's own reward reads a chat completion as TRL passes it: [{"role": "assistant", ...}]
+        "grpo.reward_funcs": ("answer", "length=3", "trl.rewards:think_format_reward"),
+        "grpo.reward_weights": (1.0, 0.5, 1.0),
         "grpo.eval_prompts": 4,  # a rollout's 4 rows: one compiled sampler
     }  # fmt: skip
     lines = tiny_run(llama_recipe(model), data, tmp_path / "run", **over)
