@@ -61,7 +61,12 @@ UNSUPPORTED = {  # adapter_config fields whose non-default values flaxgpt does n
     "trainable_token_indices": None,
     "rank_pattern": {},
     "alpha_pattern": {},
+    "alora_invocation_tokens": None,  # activated LoRA: applied from those tokens on only
+    "use_bdlora": False,
 }
+# initialisations that rewrite the base weights when PEFT loads the adapter (W - scale A0 B0, LoftQ's
+# quantized base): the saved A and B fit that rewritten base, not the model flaxgpt loads
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # modules outside the layers PEFT may adapt, which flaxgpt's LoRA does not
 OUTSIDE = ("embed_tokens", "lm_head", "wte", "wpe")
 
@@ -127,8 +132,17 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
             f"{directory}: peft_type {hf.get('peft_type')!r} is not supported; only LORA adapters load"
         )
     for name, default in UNSUPPORTED.items():
-        if hf.get(name) not in (default, None, {}, False, "none"):
+        value = hf.get(name)
+        empty = value in (None, False, "none") or (isinstance(value, (list, dict)) and not value)
+        if value != default and not empty:
             raise ValueError(f"{directory}: {name}={hf[name]!r} is not supported (flaxgpt loads plain LoRA)")
+    init = hf.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        raise ValueError(
+            f"{directory}: init_lora_weights={init!r} rewrites the base weights when PEFT loads it, which "
+            "flaxgpt does not; save it as plain LoRA with PEFT's save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=...)"
+        )
     family = _family(config)
     to_target = {module: t for t, module in HF_MODULES[family].items()}
     stacks = _expert_targets(directory, hf.get("target_parameters") or [])
@@ -154,7 +168,14 @@ def load_adapter(directory: str, config: GPTConfig) -> tuple[lora.LoraSpec, dict
                 f"(an adapter for another architecture?)"
             )
         found.setdefault((int(m.group(1)), target), {})[m.group(3)] = x
-    targets = sorted({t for _, t in found}, key=lora.model_targets(config).index)
+    known = lora.model_targets(config)
+    for (i, t), _ in found.items():
+        if t not in known:  # a dense model's MLP on a mixture of experts, or expert stacks on a dense one
+            raise ValueError(
+                f"{directory}: layer {i}'s {t} adapter has no such weight in this base (it has "
+                f"{', '.join(known)}): an adapter for another architecture?"
+            )
+    targets = sorted({t for _, t in found}, key=known.index)
     if not targets:
         raise ValueError(f"{directory}: {ADAPTER_WEIGHTS} holds no LoRA weights")
     flat = dataclasses.replace(config, scan_layers=False)

@@ -21,7 +21,8 @@ own column block of the fused output; GPT-2 itself fuses c_attn, so its adapter 
   a mixture of experts:     the attention's, and experts_gate_up (mlp/experts_fc), experts_down
                             (mlp/experts_proj): PEFT's target_parameters on the stacked expert
                             tensors, an A [E, K, r] / B [E, r, N] pair per stack (moe.LoraExperts)
-"all-linear" is every Linear of them (never the LM head or the expert stacks, as PEFT's "all-linear").
+"all-linear" is every Linear of them, never the LM head or the expert stacks (PEFT 0.21's "all-linear"
+on a mixture of experts also takes the stacks and the router, which flaxgpt does not adapt).
 
 An int8 or bf16 base (`quantize_base`: QLoRA-style, adapters stay float32) is applied as the
 quantized model alone applies it (linear.qdot: kernels.qmatmul, with a gradient for the activations),
@@ -81,7 +82,7 @@ def model_targets(config: GPTConfig) -> tuple[str, ...]:
 
 def linear_targets(config: GPTConfig) -> tuple[str, ...]:
     """ "all-linear": the model's targets that are Linear modules in PEFT (never the expert stacks,
-    which PEFT adapts as target_parameters)."""
+    named on their own)."""
     return tuple(t for t in model_targets(config) if t not in EXPERT_PARAMS)
 
 

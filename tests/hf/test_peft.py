@@ -149,10 +149,24 @@ def test_unsupported_adapter_fields_are_refused(llama_and_gpt2, tmp_path):
     config, _ = hf.load_pretrained(str(llama_and_gpt2 / "llama"))
     with pytest.raises(ValueError, match="use_dora"):
         hf_peft.load_adapter(str(tmp_path / "a"), config)
-    for field, value in {"lora_bias": True, "trainable_token_indices": [3, 4]}.items():
+    # activated LoRA (applied from its invocation tokens on) was applied everywhere; BD-LoRA too
+    fields = {"lora_bias": True, "trainable_token_indices": [3, 4], "alora_invocation_tokens": [5, 6]}
+    for field, value in {**fields, "use_bdlora": True}.items():
         (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, field: value}))
         with pytest.raises(ValueError, match=re.escape(f"{field}={value!r} is not supported")):
             hf_peft.load_adapter(str(tmp_path / "a"), config)
+    # PiSSA, OLoRA, ...: A and B fit the base PEFT rewrites on load (logits 5 off, silently)
+    for init in ("pissa", "pissa_niter_2", "olora", "loftq", "corda"):
+        (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, "init_lora_weights": init}))
+        with pytest.raises(ValueError, match=f"init_lora_weights='{init}' rewrites the base weights"):
+            hf_peft.load_adapter(str(tmp_path / "a"), config)
+    # empty lists are the defaults as peft writes them (modules_to_save=[] was refused)
+    for field in ("modules_to_save", "trainable_token_indices", "alora_invocation_tokens"):
+        (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, field: []}))
+        hf_peft.load_adapter(str(tmp_path / "a"), config)
+    for init in (True, False, "gaussian", "eva"):  # initialisations of A and B alone load
+        (tmp_path / "a" / "adapter_config.json").write_text(json.dumps({**cfg, "init_lora_weights": init}))
+        hf_peft.load_adapter(str(tmp_path / "a"), config)
 
 
 def test_layers_missing_without_a_config_that_leaves_them_out_are_refused(llama_and_gpt2):
@@ -161,6 +175,16 @@ def test_layers_missing_without_a_config_that_leaves_them_out_are_refused(llama_
     config = dataclasses.replace(hf.read_config(str(llama_and_gpt2 / "llama")), n_layer=4)
     with pytest.raises(ValueError, match=r"layer 2 has no complete self_attn\.q_proj adapter"):
         hf_peft.load_adapter(str(llama_and_gpt2 / "llama_adapter"), config)
+
+
+def test_a_dense_mlp_adapter_on_a_mixture_of_experts_is_named(llama_and_gpt2, tmp_path):
+    """A gate_proj adapter on a base whose layers are experts (the reverse alike) said only
+    "tuple.index(x): x not in tuple"."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(llama_and_gpt2 / "llama"))
+    make_adapter(base, tmp_path / "a", ["q_proj", "gate_proj"])
+    config = dataclasses.replace(hf.read_config(str(llama_and_gpt2 / "llama")), num_experts=4)
+    with pytest.raises(ValueError, match=r"layer 0's gate adapter has no such weight in this base \(it has "):
+        hf_peft.load_adapter(str(tmp_path / "a"), config)
 
 
 def test_an_adapter_on_the_embeddings_or_the_head_is_named(llama_and_gpt2, tmp_path):
