@@ -5,6 +5,8 @@ with cuDNN's flash kernel), adapters on every linear layer of a frozen bfloat16 
 Targets: h100-8 (check: flaxgpt aot --config configs/llama3_8b_long.py --target h100-8
 --config.init_from=llama-3-8b --vocab_size 128256); on TPUs (v5p-64) take --config.model.context_impl=ring:
 Ulysses cannot run the splash kernel (a one-line error), and the v5p-64 compile is not in docs/fit.md yet.
+A context group must be one process's devices (each process loads whole rows): on a v5p pod (one process
+a host of 4 chips) --config.mesh.context=4 at most, and not under a launcher of one process a GPU.
 
     flaxgpt prepare --dataset hf --hf_name openwebtext --tokenizer path/to/Meta-Llama-3.1-8B \
         --out_dir data/openwebtext_llama3

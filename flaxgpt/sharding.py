@@ -194,6 +194,23 @@ def make_mesh(data: int = -1, fsdp: int = 1, devices=None, expert: int = 1, cont
     return Mesh(np.asarray(devices).reshape(data, fsdp), MESH_AXES)
 
 
+def check_context_in_processes(mesh) -> None:
+    """Each process loads whole rows (data.batches.to_global), so the devices that split one row's
+    sequence (a context group) must all be one process's; a group across processes fails on the first
+    batch with jax's "Invalid host data". One line naming the fix instead."""
+    if CONTEXT_AXIS not in mesh.axis_names:
+        return
+    groups = np.moveaxis(mesh.devices, mesh.axis_names.index(CONTEXT_AXIS), -1)
+    spread = max(len({d.process_index for d in group}) for group in groups.reshape(-1, groups.shape[-1]))
+    if spread > 1:
+        local = sum(d.process_index == 0 for d in mesh.devices.flat)  # a process's devices
+        raise ValueError(
+            f"mesh.context {groups.shape[-1]} splits a row's sequence over devices of {spread} processes; "
+            f"keep each context group inside one process: mesh.context <= its {local} devices (1 where "
+            "a process drives one GPU), or one process a host with all of its devices"
+        )
+
+
 def batch_axes(mesh) -> tuple:
     """The mesh axes a batch's rows are split over: all but a context axis (which splits sequences)."""
     return tuple(a for a in mesh.axis_names if a != CONTEXT_AXIS)

@@ -72,6 +72,7 @@ class Trainer:
         self.mesh = sharding.make_mesh(m.data, m.fsdp, devices, expert=m.expert, context=m.context)
         attention.check_context_mesh(self.task.kind, self.task.model_config, self.mesh)
         sharding.check_batch(self.micro_rows, self.mesh, "batch_size // grad_accum")
+        sharding.check_context_in_processes(self.mesh)
         if self.micro_rows % jax.process_count():
             raise ValueError(
                 f"batch_size // grad_accum = {self.micro_rows} is not divisible by the "

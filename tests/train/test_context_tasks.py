@@ -93,3 +93,24 @@ def test_update_over_context_equals_one_device(name):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want_params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_a_context_group_across_processes_is_one_line():
+    """Two processes of one device each with mesh.context 2: each loads whole rows, and jax refused the
+    batch with "Invalid host data" on the first step; now refused before anything runs, naming the fix.
+    (Processes stood in for by device stand-ins: the check reads their process_index alone.)"""
+    from types import SimpleNamespace
+
+    def mesh(process_of_device, context):
+        devices = np.array([SimpleNamespace(process_index=p) for p in process_of_device])
+        return SimpleNamespace(
+            devices=devices.reshape(-1, 1, context), axis_names=("data", "fsdp", sharding.CONTEXT_AXIS)
+        )
+
+    with pytest.raises(
+        ValueError, match=r"mesh.context 2 splits a row's sequence over devices of 2 processes"
+    ):
+        sharding.check_context_in_processes(mesh([0, 1], 2))
+    with pytest.raises(ValueError, match=r"mesh.context <= its 2 devices"):
+        sharding.check_context_in_processes(mesh([0, 0, 1, 1], 4))
+    sharding.check_context_in_processes(mesh([0, 0, 1, 1], 2))  # each group inside a process: fine
