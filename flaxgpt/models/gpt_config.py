@@ -126,6 +126,10 @@ class GPTConfig:
         for name in ("embd_dropout", "attn_dropout", "resid_dropout"):
             if getattr(self, name) < 0:
                 object.__setattr__(self, name, self.dropout)
+        # sizes first: the divisibility below divides by them (n_head 0 was a ZeroDivisionError traceback)
+        for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         if not self.head_size and self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
         if (self.unet_skips or self.value_embeds) and self.scan_layers:
@@ -151,10 +155,6 @@ class GPTConfig:
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field}={getattr(self, field)!r} is not one of {allowed}")
-        for field in ("vocab_size", "block_size", "n_layer", "n_head", "pad_vocab_multiple"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
-
         if (self.window_pattern or self.rope_local_theta) and self.scan_layers:
             raise ValueError(
                 "window_pattern / rope_local_theta make layers differ; they need scan_layers=False"

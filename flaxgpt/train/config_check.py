@@ -121,6 +121,12 @@ def check(config) -> None:
             f"the {o['schedule']} decay ends at {which} = {decay}, not after the warmup "
             f"(--config.optim.warmup_steps={warmup}): lower warmup_steps or raise {which.split(' ')[0]}"
         )
+    lr, floor = o.get("learning_rate"), o.get("min_lr")
+    if o.get("schedule") in ("cosine", "wsd") and lr is not None and floor is not None and floor > lr:
+        raise ConfigError(  # the decay would climb from learning_rate up to min_lr
+            f"optim.min_lr {floor:g} is above optim.learning_rate {lr:g}: the {o['schedule']} decay would "
+            f"raise the learning rate; lower it, e.g. --config.optim.min_lr={lr / 10:g}"
+        )
     impl = _get(config, "optim.loss_impl")
     if impl is not None and impl not in ("logits", "fused"):  # train.losses.LOSS_IMPLS
         raise ConfigError(f"--config.optim.loss_impl={impl!r} is not one of logits, fused")

@@ -26,6 +26,8 @@ BAD = {  # override -> what the message says
     "max_iters=0": ("max_iters", 0, "--config.max_iters=0 must be >= 1 (optimizer steps to train"),
     "negative lr": ("optim.learning_rate", -1e-3, "--config.optim.learning_rate=-0.001 must be > 0"),
     "nan lr": ("optim.learning_rate", float("nan"), "--config.optim.learning_rate=nan must be > 0"),
+    # the cosine "decay" climbed from 1e-5 to the default min_lr 6e-5, silently
+    "min_lr above lr": ("optim.learning_rate", 1e-5, "optim.min_lr 6e-05 is above optim.learning_rate 1e-05"),
     "beta2=1": ("optim.beta2", 1.0, "--config.optim.beta2=1.0 must be in [0, 1)"),
     "dropout 2.0": ("model.dropout", 2.0, "--config.model.dropout=2.0 must be in [0, 1)"),
     "attn_dropout 1.5": ("model.attn_dropout", 1.5, "--config.model.attn_dropout=1.5 must be in [0, 1)"),
@@ -33,6 +35,10 @@ BAD = {  # override -> what the message says
     "param_dtype int8": ("model.param_dtype", "int8", "--config.model.param_dtype='int8' is not one of"),
     "activation": ("model.activation", "swish", "activation='swish' is not one of"),
     "heads": ("model.n_head", 5, "n_embd 768 is not divisible by n_head 5"),
+    # sizes before the divisibility that divides by them (tracebacks: ZeroDivisionError, jax's TypeError)
+    "no heads": ("model.n_head", 0, "n_head must be >= 1, got 0"),
+    "no width": ("model.n_embd", 0, "n_embd must be >= 1, got 0"),
+    "negative width": ("model.n_embd", -32, "n_embd must be >= 1, got -32"),
     "batch vs accum": ("grad_accum", 3, "batch_size 512 is not divisible by grad_accum 3"),
     "layout": ("model.sinusoid_layout", "cosines", "sinusoid_layout='cosines' is not one of"),
     "fsdp=0": ("mesh.fsdp", 0, "--config.mesh.fsdp=0 must be >= 1, or -1 for all devices left"),
