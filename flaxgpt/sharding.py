@@ -94,13 +94,14 @@ class Placement:
         return lambda path, x: put(x, functools.reduce(lambda t, k: t[k], path, shardings))
 
 
-def configure_cpu_devices(requested: int, batch_rows: int) -> int:
+def configure_cpu_devices(requested: int, batch_rows: int, context: int = 1) -> int:
     """Split the CPU into several JAX devices, so data parallelism uses every core.
 
     Small models run faster as one single-threaded program per core than as one program whose
     every small op is split across cores. Must run before JAX starts its backends; leaves an
     explicit JAX_NUM_CPU_DEVICES / --xla_force_host_platform_device_count alone. Returns the count
-    set, or 0 when nothing was changed. `requested` 0 = one device per core when the batch divides.
+    set, or 0 when nothing was changed. `requested` 0 = one device per core when the batch divides
+    (context: the mesh's context axis, whose devices split rows' sequences, not rows).
     """
     import os
 
@@ -124,7 +125,7 @@ def configure_cpu_devices(requested: int, batch_rows: int) -> int:
     if requested == 1:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    n = requested if requested > 1 else cpu_device_count(cores, batch_rows)
+    n = requested if requested > 1 else cpu_device_count(cores, batch_rows, context)
     if n > 1:
         jax.config.update("jax_num_cpu_devices", n)
         patient_cpu_collectives()
@@ -156,9 +157,11 @@ def xla_flags_set_cpu_devices() -> bool:
     return "device_count" in os.environ.get("XLA_FLAGS", "")
 
 
-def cpu_device_count(cores: int, batch_rows: int) -> int:
-    """The most devices, at most one per core, that split the batch evenly."""
-    return max(d for d in range(1, cores + 1) if batch_rows % d == 0)
+def cpu_device_count(cores: int, batch_rows: int, context: int = 1) -> int:
+    """The most devices, at most one per core, that split the batch evenly: groups of `context`
+    devices, each group some rows (a context axis needs its devices, whatever the cores)."""
+    groups = max(d for d in range(1, max(cores // context, 1) + 1) if batch_rows % d == 0)
+    return groups * context
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, devices=None, expert: int = 1, context: int = 1) -> Mesh:

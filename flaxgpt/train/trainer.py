@@ -51,7 +51,8 @@ def start_process(config) -> None:
     """What the process settles before JAX starts its backends: the multi-host handshake, the CPU's
     split into devices, and (on one CPU device) steps that reuse their memory."""
     cluster.join(config.distributed)  # Slurm, Open MPI, SkyPilot, a GKE JobSet, a TPU pod, or the settings
-    sharding.configure_cpu_devices(sections.of(config).mesh.cpu_devices, micro_batch(config))
+    mesh = sections.of(config).mesh
+    sharding.configure_cpu_devices(mesh.cpu_devices, micro_batch(config), mesh.context)
     runtime.keep_cpu_step_memory()
 
 

@@ -159,6 +159,11 @@ def test_cpu_device_count_divides_the_batch():
     assert sharding.cpu_device_count(cores=2, batch_rows=12) == 2
     assert sharding.cpu_device_count(cores=4, batch_rows=6) == 3
     assert sharding.cpu_device_count(cores=2, batch_rows=7) == 1
+    # a context axis: groups of its devices, each some rows (2 cores, 3 rows, context 2: 1 device was
+    # chosen and mesh.context 2 refused it)
+    assert sharding.cpu_device_count(cores=2, batch_rows=3, context=2) == 2
+    assert sharding.cpu_device_count(cores=8, batch_rows=6, context=2) == 6
+    assert sharding.cpu_device_count(cores=2, batch_rows=4, context=4) == 4
 
 
 def _abstract(**kw):
