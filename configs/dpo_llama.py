@@ -11,8 +11,8 @@ pairs.jsonl holds {"prompt", "chosen", "rejected"} a line, as text or as chat me
 the model's chat template); a row of block_size holds whole pairs, each sequence at most
 block_size // 2 tokens (TRL's max_length). The loss counts the response tokens only. batch_size counts
 rows (several short pairs to a row). `--config.lora.rank=0` tunes every weight against a frozen copy
-(with `--config.optim.learning_rate=5e-7 --config.optim.min_lr=5e-8`); `--config.dpo.loss=ipo` and `--config.dpo.label_smoothing`
-are the variants. See docs/dpo.md.
+(with `--config.optim.learning_rate=5e-7 --config.optim.min_lr=5e-8`); `--config.dpo.loss=ipo` and
+`--config.dpo.label_smoothing` are the variants. See docs/dpo.md.
 
 Targets: h100-1, v5e-8 (check: flaxgpt aot --config configs/dpo_llama.py --target NAME)
 """
