@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from flaxgpt import errors, extras
@@ -84,6 +85,8 @@ def export_run_adapter(out_dir, to: str, step=None, overwrite: bool = False) -> 
     from flaxgpt.hf import peft, pretrained
     from flaxgpt.runs import lora_run
 
+    if not os.path.isdir(out_dir):
+        raise ValueError(f"--out_dir {out_dir} does not exist; give the LoRA training run's directory")
     if lora_run.lora_section(out_dir) is None:
         raise ValueError(f"{out_dir} is not a LoRA run (its config.json has no lora.rank > 0)")
     files = f"{peft.ADAPTER_CONFIG} and {peft.ADAPTER_WEIGHTS}"
@@ -97,6 +100,11 @@ def merge_to(base_dir: str, adapter_dir: str, to: str, overwrite: bool = False) 
     from flaxgpt import loader
     from flaxgpt.hf import pretrained
 
+    if loader.is_run_dir(base_dir):  # a run's config.json has no model_type: say what --base takes
+        raise ValueError(
+            f"--base {base_dir} is a flaxgpt training run; give a Hugging Face model directory (export a "
+            f"run with: flaxgpt hf export --out_dir {shlex.quote(base_dir)} --to HF_DIR)"
+        )
     pretrained.check_export_target(to, overwrite)
     config, params = loader.load_pretrained(base_dir, adapter=adapter_dir)
     has_tokenizer = os.path.isfile(os.path.join(base_dir, "tokenizer.json"))

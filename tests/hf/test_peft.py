@@ -138,6 +138,19 @@ def test_bad_adapters_fail_in_one_line_and_write_nothing(
     assert not (tmp_path / "m").exists()
 
 
+def test_merge_onto_a_run_and_export_of_no_run_say_what_to_give(llama_and_gpt2, tmp_path, capsys):
+    """--base a training run said "model_type None is not supported"; --out_dir that does not exist
+    spoke of its config.json."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "meta.json").write_text("{}")
+    args = ["merge", "--base", str(tmp_path / "run"), "--adapter", str(llama_and_gpt2 / "llama_adapter")]
+    assert hf_cli.peft_main([*args, "--to", str(tmp_path / "m")]) == 1
+    assert "is a flaxgpt training run; give a Hugging Face model directory" in capsys.readouterr().err
+    assert hf_cli.peft_main(["export", "--out_dir", str(tmp_path / "none"), "--to", str(tmp_path / "a")]) == 1
+    assert "none does not exist; give the LoRA training run's directory" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "a").exists()
+
+
 def test_unsupported_adapter_fields_are_refused(llama_and_gpt2, tmp_path):
     src = llama_and_gpt2 / "llama_adapter"
     (tmp_path / "a").mkdir()
