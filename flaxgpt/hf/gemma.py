@@ -119,6 +119,8 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
     softcaps = {
         key: float(hf.get(key) or 0.0) for key in ("attn_logit_softcapping", "final_logit_softcapping")
     }
+    if model_type == "gemma3_text":  # transformers' Gemma 3 keeps the field but never caps attention
+        softcaps["attn_logit_softcapping"] = 0.0  # (its published configs: null); Gemma 2 does
     return GPTConfig(
         vocab_size=hf["vocab_size"],
         block_size=block_size,
@@ -174,7 +176,8 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
         # a window covers at most the context; the checkpoint's own when block_size hid it
         "sliding_window": c.hf_window or min(c.sliding_window or c.block_size, c.block_size),
         "layer_types": types,
-        "attn_logit_softcapping": c.attn_softcap or None,
+        # Gemma 3 written with it would load uncapped: left out, the round trip refuses such a model
+        "attn_logit_softcapping": (c.attn_softcap or None) if model_type != "gemma3_text" else None,
         "final_logit_softcapping": c.logit_softcap or None,
         "attention_bias": False,
         "attention_dropout": c.attn_dropout,

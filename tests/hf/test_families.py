@@ -7,6 +7,7 @@ embeddings) is exercised; nothing is downloaded. The speculative decoder and the
 these windows are tests/hf/test_window_decoding.py's (against transformers' greedy tokens too).
 """
 
+import dataclasses
 import json
 import os
 
@@ -45,6 +46,9 @@ FAMILIES = {  # model_type -> (config class, model class, what this family's tin
         transformers.Gemma3ForCausalLM,
         dict(
             GEMMA,
+            # kept in the config, never applied by transformers' Gemma 3: flaxgpt capped attention with it
+            attn_logit_softcapping=5.0,
+            attn_implementation="eager",
             rope_parameters={
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
@@ -98,6 +102,9 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(family, tm
     )
     prompt = [int(t) for t in TOKENS[1, :8]]
     assert torch_greedy(model, prompt, 10) == flax_greedy(config, params, prompt, 10)
+    if model_type == "gemma3_text":  # a capped attention Gemma 3 cannot express: refused, not dropped
+        with pytest.raises(ValueError, match="attn_softcap"):
+            hf.export_pretrained(dataclasses.replace(config, attn_softcap=5.0), params, str(tmp_path / "c"))
 
 
 def test_bad_input_is_one_line_errors(family, tmp_path):
