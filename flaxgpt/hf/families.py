@@ -22,7 +22,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from flaxgpt.hf import gemma, gpt2, llama, moe, rotary, roundtrip
+from flaxgpt.hf import files, gemma, gpt2, llama, moe, rotary, roundtrip
 from flaxgpt.models.gpt_config import GPTConfig
 
 
@@ -140,6 +140,7 @@ def family_for(hf: dict) -> Family:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+    files.require_numbers(model_type, hf)  # every family's reads after this
     return FAMILIES[model_type]
 
 

@@ -170,6 +170,41 @@ def require_ints(model_type: str, hf: dict, keys, optional=()) -> None:
             )
 
 
+# config.json values of any family that must be numbers when present (not null): read unchecked, a
+# string here failed deep inside (a comparison in GPTConfig, RMSNorm's jitted epsilon) as a traceback
+INT_FIELDS = (
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+    "intermediate_size",
+    "n_inner",
+)
+FLOAT_FIELDS = (
+    "rms_norm_eps",
+    "layer_norm_epsilon",
+    "rope_theta",
+    "rope_local_base_freq",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "query_pre_attn_scalar",
+    "router_aux_loss_coef",
+)
+
+
+def require_numbers(model_type: str, hf: dict) -> None:
+    """INT_FIELDS integers and FLOAT_FIELDS numbers wherever config.json sets them (a one-line error)."""
+    require_ints(model_type, hf, (), optional=INT_FIELDS)
+    for key in FLOAT_FIELDS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(
+                f"{model_type} config.json has {key}={value!r}; it must be a number (fix the file)"
+            )
+
+
 def safetensors_error(file: str, e: Exception) -> ValueError:
     """A safetensors file its reader refuses (truncated by an interrupted download or copy) as one line."""
     return ValueError(f"{file} is not a readable safetensors file ({e}); copy or download it again")

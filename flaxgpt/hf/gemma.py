@@ -104,7 +104,7 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         "attention_bias": True if hf.get("attention_bias") else None,
         "use_bidirectional_attention": True if hf.get("use_bidirectional_attention") else None,
     }
-    max_len = hf.get("max_position_embeddings", 8192)
+    max_len = hf.get("max_position_embeddings") or 8192  # null: the default
     rope = _rope_fields(hf, model_type)
     window = hf["sliding_window"]
     if window > max_len:

@@ -81,7 +81,7 @@ def rope_fields(scaling: dict, theta: float, hf: dict) -> dict:
     out = {"rope_theta": float(theta)}
     if kind == "default":
         return out
-    max_len = hf.get("max_position_embeddings", 2048)
+    max_len = hf.get("max_position_embeddings") or 2048  # null: the default
     original = (
         hf.get("original_max_position_embeddings")
         or scaling.get("original_max_position_embeddings")
@@ -203,22 +203,22 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         optional=("max_position_embeddings", "num_key_value_heads", "head_dim", "sliding_window"),
     )
     D, H = hf["hidden_size"], hf["num_attention_heads"]
-    if family.qk_norm and "head_dim" not in hf:
+    if model_type == "qwen3" and hf.get("head_dim") is None:  # transformers' Qwen3 default is 128
         raise ValueError(
             f"{model_type} config.json has no head_dim (Qwen3 heads are not hidden_size / heads)"
         )
+    # heads of another width than hidden_size / heads (Mistral-NeMo's 128 of 5120 / 32): the others'
+    # default, as transformers reads it (Qwen3-MoE's config class has no head_dim of its own)
+    head_dim = hf.get("head_dim") or D // H
     unsupported = {
         "hidden_act": hf.get("hidden_act", "silu") if hf.get("hidden_act", "silu") != "silu" else None,
-        "head_dim": hf.get("head_dim")
-        if hf.get("head_dim") not in (None, D // H) and not family.qk_norm
-        else None,
         "attention_bias": True if hf.get("attention_bias") else None,
         "mlp_bias": True if hf.get("mlp_bias") else None,
         "use_sliding_window": True
         if model_type.startswith("qwen") and hf.get("use_sliding_window")
         else None,
     }
-    max_len = hf.get("max_position_embeddings", 2048)
+    max_len = hf.get("max_position_embeddings") or 2048  # null: the default
     rope = _rope_fields(hf)
     fields["block_size"] = fields.get("block_size") or max_len  # yarn, dynamic may run longer if asked
     block_size = hf_files.checked_block_size(
@@ -240,7 +240,7 @@ def config_from_hf(hf: dict, family, **fields) -> GPTConfig:
         bias=False,
         qkv_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
-        head_size=hf["head_dim"] if family.qk_norm else 0,
+        head_size=head_dim if family.qk_norm or head_dim != D // H else 0,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6),
         sliding_window=window if window and window < block_size else 0,  # a window >= the context is none
@@ -274,7 +274,7 @@ def config_to_hf(config: GPTConfig, model_type: str, family, special_ids: dict |
     c = config
     hf = {
         **shape_fields(c, model_type, family),
-        "head_dim": c.head_dim if family.qk_norm else c.n_embd // c.n_head,  # others read D / H only
+        "head_dim": c.head_dim,
         "hidden_act": "silu",
         "rope_theta": c.rope_theta,  # both config.json formats: rope_theta + rope_scaling read everywhere
         "rope_scaling": None if c.rope_scaling == "none" else rope_parameters(c),

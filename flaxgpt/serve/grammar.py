@@ -216,12 +216,10 @@ def _llguidance_json(tokenizer: HFTokenizer, eos: int | None) -> str:
     first token's leading-space rule differs, which a mask over a reply's tokens never meets.
 
     Added tokens that are not special (Qwen's <tool_call>, Gemma's <table>) leave the added list:
-    llguidance treats every added token as a control token, never text, yet its own tokenizer spelled
-    forced text with them, so a grammar forcing "<tool_call>" offered that id alone and refused it (a
-    500 at that step). Out of the list, forced text is spelled in ordinary pieces, an added token the
-    vocabulary also holds is text like its neighbours, and one it does not is an id the mask never
-    offers; a grammar still forces the id itself as <[id]> (the tool-call grammars). Kept: EOS, and an
-    in-vocabulary token the decoder would read as other bytes."""
+    llguidance takes every added token for a control token, yet spelled forced text with them, so a
+    grammar forcing "<tool_call>" offered that id alone, then refused it (a 500). Out of the list,
+    forced text is spelled in ordinary pieces, an in-vocabulary one is text, one outside an id never
+    offered but as <[id]> (the tool-call grammars). Kept: EOS, and one the decoder reads otherwise."""
     spec = json.loads(tokenizer.tok.to_str())
     pieces = {i: piece for piece, i in tokenizer.tok.get_vocab(with_added_tokens=False).items()}
     decoder = tokenizer.tok.decoder

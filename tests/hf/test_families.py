@@ -232,6 +232,19 @@ def test_config_errors_name_the_values():
         families.config_to_hf(GPTConfig.preset("qwen3-0.6b"), "gemma2")
 
 
+def test_config_values_of_the_wrong_type_are_one_line():
+    """A string where a number belongs failed deep inside (GPTConfig's expert check, the jitted RMSNorm)
+    as a traceback; a null max_position_embeddings is the default (it was a TypeError)."""
+    llama = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4}  # fmt: skip
+    assert families.config_from_hf({**llama, "max_position_embeddings": None}).block_size == 2048
+    with pytest.raises(ValueError, match=r"llama config.json has rms_norm_eps='1e-6'; it must be a number"):
+        families.config_from_hf({**llama, "rms_norm_eps": "1e-6"})
+    mixtral = {**llama, "model_type": "mixtral", "num_local_experts": "4", "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match=r"num_local_experts='4'; it must be an integer"):
+        families.config_from_hf(mixtral)
+
+
 def test_flops_count_a_window_layer_over_its_window():
     from flaxgpt.tools import summary
 

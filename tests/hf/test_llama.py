@@ -53,7 +53,12 @@ FAMILIES = {  # model_type -> (config class, model class, what this family's tin
             ),
         ),
     ),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=6)),
+    # heads wider than hidden_size / heads (Mistral-NeMo's shape: refused until 2026-12-01)
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(sliding_window=6, head_dim=24),
+    ),
     "qwen2": (  # linear rope scaling: positions / factor, both ways
         transformers.Qwen2Config,
         transformers.Qwen2ForCausalLM,
