@@ -40,11 +40,14 @@ from flaxgpt.data import prompts as prompts_lib
 from flaxgpt.data import tokenizers
 from flaxgpt.decode import sampling
 from flaxgpt.decode.sampling import Sampling
+from flaxgpt.envs import base as envs
 from flaxgpt.models import gpt, lora
 from flaxgpt.models import registry as models
 from flaxgpt.train import grpo_async, grpo_dynamic, grpo_episodes, grpo_rollout, grpo_task, rewards, sections
 from flaxgpt.train import policy as policy_lib
 from flaxgpt.train.lm_task import data_hint, start_from
+
+ALL_DROPPED_STEPS = 3  # steps in a row whose every group an environment's error dropped: then an error
 
 
 def rollout_seed(seed: int, step: int, process_index: int) -> int:
@@ -141,6 +144,7 @@ class Rollouts:
                 logprobs=bool(g.off_policy_steps) and g.temperature == 1.0 and not g.env,
             )
         self.episodes = self._episodes(g, data)
+        self.all_dropped = 0  # steps in a row whose every group the environment's errors dropped
 
     def _episodes(self, g, data) -> grpo_episodes.Episodes | None:
         """grpo.env: each completion an episode against it (grpo_episodes), on the engine."""
@@ -288,6 +292,13 @@ class Rollouts:
         prompt_ids, completion_ids, total_N, per_NK = drawn
         # the step's own episodes' metrics, as its rewards (not dynamic sampling's refills')
         episodes = dict(self.episodes.stats) if self.episodes is not None else {}
+        if self.episodes is not None and self.episodes.errors:  # a broken environment: not a run of zeros
+            self.all_dropped = self.all_dropped + 1 if np.isnan(total_N).all() else 0
+            if self.all_dropped >= ALL_DROPPED_STEPS:
+                raise envs.EnvError(
+                    f"the environment's errors dropped every group of {ALL_DROPPED_STEPS} steps in a row: "
+                    f"the run trains nothing; fix it ({self.episodes.errors[-1]})"
+                )
         _, zero_std_N = grpo_task.group_advantages(total_N, G, self.scale)
         if self.dynamic_rounds is not None:  # DAPO: groups of equal rewards dropped and refilled
             more = lambda r: self.draw(params, frozen, step, n_rows // G, process_index, r)  # noqa: E731

@@ -321,3 +321,26 @@ def test_engine_replicas_train_as_one_engine(tmp_path, monkeypatch, devices, k, 
     tolerance = {"atol": 5e-5, "rtol": 0} if k else {"atol": 0, "rtol": 0}
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(r_params), strict=True):
         np.testing.assert_allclose(a, b, **tolerance)
+
+
+class Broken(Retry):
+    def step(self, action):
+        raise RuntimeError("the tool is down")
+
+
+def test_an_environment_failing_on_every_prompt_stops_the_run(tmp_path, capsys):
+    """Every group dropped, step after step: the run trained nothing for all of max_iters (loss 0,
+    a warning a group); after 3 such steps in a row it stops with one line naming the last error."""
+    from flaxgpt.envs.base import EnvError
+
+    over = {
+        "grpo.env": "tests.train.test_grpo_async:Broken",
+        "grpo.max_completion_length": 10,
+        "max_iters": 6,
+    }
+    config = recipe(toy_data(tmp_path), tmp_path / "run", **over)
+    with pytest.raises(
+        EnvError, match=r"dropped every group of 3 steps in a row: .* fix it \(environment Broken"
+    ):
+        trainer_lib.train(config, devices=jax.devices()[:1], print_fn=lambda *a: None)
+    assert "the tool is down" in capsys.readouterr().err
