@@ -44,30 +44,24 @@ def parse_args(argv):
         "--step", type=int, default=None, help="checkpoint step of --out_dir (default: the latest)"
     )
     p.add_argument("--limit", type=int, default=0, help="only the first N examples (0 = all)")
-    p.add_argument("--window", type=int, default=0, help="perplexity: tokens a window sees (0 = block_size)")
-    p.add_argument("--stride", type=int, default=0, help="perplexity: window step (0 = no sliding)")
+    p.add_argument("--window", type=int, help="perplexity: tokens a window sees (0 = block_size)")
+    p.add_argument("--stride", type=int, help="perplexity: window step (0 = no sliding)")
     p.add_argument(
         "--convention",
-        default="both",
         choices=["both", "lm_eval", "nanogpt"],
         help="hellaswag: lm-evaluation-harness's, build-nanogpt's, or both",
     )
-    p.add_argument(
-        "--batch_tokens", type=int, default=GPT_FLAGS["batch_tokens"], help="padded tokens per batch (memory)"
-    )
+    p.add_argument("--batch_tokens", type=int, help="padded tokens per batch (memory)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--cpu_devices", type=int, default=0, help="CPU only: devices to split it into (0 = cores)"
-    )
-    p.add_argument(
-        "--beam_size", type=int, default=None, help="translation: beam width (1 = greedy; the run's, else 4)"
-    )
-    p.add_argument(
-        "--alpha", type=float, default=None, help="translation: length penalty (the run's, else 0.6)"
-    )
+    p.add_argument("--cpu_devices", type=int, help="CPU only: devices to split it into (0 = cores)")
+    p.add_argument("--beam_size", type=int, help="translation: beam width (1 = greedy; the run's, else 4)")
+    p.add_argument("--alpha", type=float, help="translation: length penalty (the run's, else 0.6)")
     p.add_argument("--truncate", action="store_true", help="translation: cut long sources (else an error)")
     p.add_argument("--output", default=None, help="also write the results (with per-example scores) here")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.set_defaults(
+        **GPT_FLAGS, **TRANSLATION_FLAGS
+    )  # one owner of those defaults: the check below reads them
     a = p.parse_args(argv)
     for name in ("limit", "window", "stride", "cpu_devices"):
         if getattr(a, name) < 0:

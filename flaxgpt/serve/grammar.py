@@ -222,13 +222,13 @@ def _llguidance_json(tokenizer: HFTokenizer, eos: int | None) -> str:
     offered but as <[id]> (the tool-call grammars). Kept: EOS, and one the decoder reads otherwise."""
     spec = json.loads(tokenizer.tok.to_str())
     pieces = {i: piece for piece, i in tokenizer.tok.get_vocab(with_added_tokens=False).items()}
-    decoder = tokenizer.tok.decoder
+    hf_decoder = tokenizer.tok.decoder
 
     def text_alike(added: dict) -> bool:
         if added["special"] or added["id"] == eos:
             return False
         piece = pieces.get(added["id"])
-        return piece is None or (decoder is not None and decoder.decode([piece]) == added["content"])
+        return piece is None or (hf_decoder is not None and hf_decoder.decode([piece]) == added["content"])
 
     spec["added_tokens"] = [a for a in spec.get("added_tokens", []) if not text_alike(a)]
     decoder = spec.get("decoder") or {}
